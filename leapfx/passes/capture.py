@@ -1,0 +1,207 @@
+"""Capture: a HuggingFace decoder-only causal LM as a layer-level ``torch.fx.GraphModule``.
+
+The graph is built by hand rather than traced: one ``call_module`` node per decoder-level part
+(token embedding, rotary embedding, each decoder layer, final norm, LM head), each annotated in
+``node.meta`` with ``leapfx.role`` and, for layers, ``leapfx.layer``. The nodes call the HF
+model's own submodules, so the graph computes exactly what the HF model computes and shares its
+weights by reference (``GraphModule`` copies module references, not tensors).
+
+Graph inputs (placeholders)::
+
+    input_ids     [B, S]    token ids
+    position_ids  [B, S]    absolute positions (rotary)
+    masks         dict      attention-mask kind -> mask or None (see runtime.masks)
+    cache         KVCache   the shared static KV cache (or None: no cache)
+
+and the output is ``{"logits": [B, S, V]}``. Passes add outputs (an exit head adds
+``exit_logits`` and ``exit_hidden``).
+
+Example::
+
+    >>> gm = capture(hf_model)
+    >>> [n.meta.get("leapfx.role") for n in gm.graph.nodes][:4]
+    ['input', 'input', 'input', 'input']
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+from torch import fx, nn
+
+ROLE = "leapfx.role"
+LAYER = "leapfx.layer"
+ATTN_KIND = "leapfx.attn_kind"
+
+# model_type -> notes on what differs. The decoder layers of all of these take the same call
+# (hidden, attention_mask=, position_embeddings=, position_ids=, past_key_values=) and return a
+# tensor, the embedding module applies any embedding scale itself (Gemma), and none of them
+# soft-caps logits.
+SUPPORTED_ARCHITECTURES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM (sliding window honoured)",
+    "qwen2": "Qwen2ForCausalLM (per-layer sliding window honoured)",
+    "qwen3": "Qwen3ForCausalLM (q/k norms inside the layer)",
+    "phi3": "Phi3ForCausalLM (fused qkv / gate_up projections)",
+    "gemma": "GemmaForCausalLM (scaled embedding, 1+w norms)",
+}
+
+
+@dataclass(frozen=True)
+class DecoderParts:
+    """The decoder-level submodules of a HF causal LM, by reference, with their paths."""
+
+    embed: nn.Module
+    rotary: nn.Module
+    layers: list[nn.Module]
+    norm: nn.Module
+    head: nn.Module
+    prefix: str  # path of the inner decoder model, e.g. "model"
+    attn_kinds: list[str]  # per layer: "full_attention" or "sliding_attention"
+    sliding_window: int | None
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+
+def check_supported(model: nn.Module) -> str:
+    """Return the model's ``model_type`` or raise ValueError listing the supported ones."""
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        supported = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
+        name = type(model).__name__
+        raise ValueError(
+            f"model: architecture {model_type!r} ({name}) is not supported; "
+            f"supported model_type values are: {supported}"
+        )
+    if not hasattr(model, "lm_head") or not hasattr(model, "model"):
+        raise ValueError(
+            f"model: expected a *ForCausalLM with .model and .lm_head, got {type(model).__name__}"
+        )
+    return model_type
+
+
+def decoder_parts(model: nn.Module) -> DecoderParts:
+    """Find the embedding, rotary embedding, layers, final norm and LM head of ``model``.
+
+    >>> parts = decoder_parts(hf_model)
+    >>> parts.num_layers == hf_model.config.num_hidden_layers
+    True
+    """
+    check_supported(model)
+    inner = model.model
+    config = model.config
+    n = config.num_hidden_layers
+    layer_types = getattr(config, "layer_types", None) or ["full_attention"] * n
+    window = getattr(config, "sliding_window", None)
+    if model.config.model_type in ("mistral", "phi3") and window is not None:
+        # These models apply the window to every layer (create_sliding_window_causal_mask).
+        layer_types = ["sliding_attention"] * n
+    if window is None:
+        layer_types = ["full_attention"] * n
+    return DecoderParts(
+        embed=inner.embed_tokens,
+        rotary=inner.rotary_emb,
+        layers=list(inner.layers[:n]),
+        norm=inner.norm,
+        head=model.lm_head,
+        prefix="model",
+        attn_kinds=list(layer_types[:n]),
+        sliding_window=window,
+    )
+
+
+def _annotate(node: fx.Node, role: str, layer: int | None = None, **extra) -> fx.Node:
+    node.meta[ROLE] = role
+    if layer is not None:
+        node.meta[LAYER] = layer
+    for key, value in extra.items():
+        node.meta[f"leapfx.{key}"] = value
+    return node
+
+
+def capture(model: nn.Module) -> fx.GraphModule:
+    """Capture ``model`` (a supported HF ``*ForCausalLM``) as a layer-level GraphModule.
+
+    The model is not modified; the returned GraphModule references its submodules.
+
+    >>> gm = capture(hf_model)
+    >>> out = gm(input_ids, position_ids, masks, None)["logits"]   # == hf_model(input_ids).logits
+    """
+    parts = decoder_parts(model)
+    graph = fx.Graph()
+    input_ids = _annotate(graph.placeholder("input_ids"), "input")
+    position_ids = _annotate(graph.placeholder("position_ids"), "input")
+    masks = _annotate(graph.placeholder("masks"), "input")
+    cache = _annotate(graph.placeholder("cache"), "input")
+
+    hidden = _annotate(graph.call_module("model.embed_tokens", (input_ids,)), "embed")
+    hidden.name = "embed"
+    rope = _annotate(graph.call_module("model.rotary_emb", (hidden, position_ids)), "rotary")
+    rope.name = "rope"
+    mask_nodes: dict[str, fx.Node] = {}
+    for kind in dict.fromkeys(parts.attn_kinds):
+        mask_nodes[kind] = _annotate(
+            graph.call_function(operator.getitem, (masks, kind)), "mask", attn_kind=kind
+        )
+        mask_nodes[kind].name = f"mask_{kind}"
+    for i, kind in enumerate(parts.attn_kinds):
+        hidden = graph.call_module(
+            f"model.layers.{i}",
+            (hidden,),
+            {
+                "attention_mask": mask_nodes[kind],
+                "position_embeddings": rope,
+                "position_ids": position_ids,
+                "past_key_values": cache,
+            },
+        )
+        hidden.name = f"layer_{i}"
+        _annotate(hidden, "layer", i, attn_kind=kind)
+    normed = _annotate(graph.call_module("model.norm", (hidden,)), "norm")
+    normed.name = "norm"
+    logits = _annotate(graph.call_module("lm_head", (normed,)), "head")
+    logits.name = "logits"
+    graph.output({"logits": logits})
+    graph.lint()
+    gm = fx.GraphModule(model, graph, class_name="DecoderGraph")
+    gm.meta["leapfx.model_type"] = model.config.model_type
+    gm.meta["leapfx.num_layers"] = parts.num_layers
+    gm.meta["leapfx.stages"] = ["full"]
+    return gm
+
+
+def nodes_by_role(gm: fx.GraphModule, role: str) -> list[fx.Node]:
+    """All nodes of ``gm`` whose ``leapfx.role`` is ``role``, in graph order."""
+    return [n for n in gm.graph.nodes if n.meta.get(ROLE) == role]
+
+
+def layer_node(gm: fx.GraphModule, index: int) -> fx.Node | None:
+    """The node of decoder layer ``index``, or None when the graph has none."""
+    for node in nodes_by_role(gm, "layer"):
+        if node.meta.get(LAYER) == index:
+            return node
+    return None
+
+
+def output_dict(gm: fx.GraphModule) -> dict[str, fx.Node]:
+    """The graph's output dict (name -> node)."""
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    result = out.args[0]
+    assert isinstance(result, dict), "leapfx graphs return a dict of named outputs"
+    return result
+
+
+def set_output_dict(gm: fx.GraphModule, outputs: dict[str, fx.Node]) -> None:
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    out.args = (dict(outputs),)
+
+
+@torch.no_grad()
+def reference_logits(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    """Logits of the HF model itself, for tests and tie checks."""
+    return model(input_ids=input_ids, use_cache=False).logits

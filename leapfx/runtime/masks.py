@@ -1,0 +1,60 @@
+"""Attention masks for a chunk of queries against the cache, matching HF's own choices.
+
+For ``sdpa`` HF passes no mask (and lets SDPA's ``is_causal`` act) when the chunk is a single
+query or fills an empty cache and no sliding window bites; we do the same so that the same kernel
+runs and the autoregressive schedule stays bit-identical to HF. Otherwise the mask is explicit:
+boolean (True = attend) for ``sdpa``, additive (0 / dtype min) for ``eager``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+SUPPORTED_ATTENTION = ("sdpa", "eager")
+
+
+def chunk_mask(
+    impl: str,
+    q_start: int,
+    q_len: int,
+    *,
+    window: int | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor | None:
+    """Mask for queries at positions ``q_start .. q_start+q_len-1`` over keys ``0 .. q_end-1``.
+
+    ``window`` is a sliding window (keys with ``q - k < window`` are visible), or None.
+    """
+    kv_len = q_start + q_len
+    window_bites = window is not None and kv_len >= window
+    if impl == "sdpa" and not window_bites and (q_len == 1 or q_start == 0):
+        return None
+    q_pos = torch.arange(q_start, kv_len, device=device)[:, None]
+    k_pos = torch.arange(kv_len, device=device)[None, :]
+    visible = k_pos <= q_pos
+    if window is not None:
+        visible &= k_pos > q_pos - window
+    visible = visible[None, None]  # [1, 1, q, kv]
+    if impl == "sdpa":
+        return visible
+    zero = torch.zeros((), dtype=dtype, device=device)
+    return torch.where(visible, zero, torch.finfo(dtype).min)
+
+
+def masks_for(
+    impl: str,
+    kinds: list[str],
+    q_start: int,
+    q_len: int,
+    *,
+    window: int | None,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> dict[str, torch.Tensor | None]:
+    """One mask per attention kind used by the model (``full_attention``/``sliding_attention``)."""
+    out: dict[str, torch.Tensor | None] = {}
+    for kind in dict.fromkeys(kinds):
+        w = window if kind == "sliding_attention" else None
+        out[kind] = chunk_mask(impl, q_start, q_len, window=w, dtype=dtype, device=device)
+    return out
