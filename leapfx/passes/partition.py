@@ -1,0 +1,146 @@
+"""partition(): cut a rewritten decoder graph into the stages a schedule runs.
+
+Stages are GraphModules with named inputs that share the model's modules by reference:
+
+``full``   (input_ids, position_ids, masks, cache) -> {logits}
+    every layer; used for prefill and for the autoregressive schedule.
+``draft``  (input_ids, position_ids, masks, cache) -> {logits, hidden}
+    layers < E and the exit head; ``hidden`` is the exit hidden state (the exit-query cache).
+``verify`` (input_ids, position_ids, masks, exit_hidden, remainder_position_ids,
+            remainder_masks, cache) -> {logits}
+    the verify remainder. ``exit_hidden`` [B, c, H] holds exit hidden states the draft already
+    computed (LayerSkip's exit-query cache); ``input_ids`` [B, m] are tokens the draft has not
+    run (the last draft token), which go through layers < E here. Their exit hidden states are
+    appended to ``exit_hidden`` and layers >= E, the norm and the head run on all c + m
+    positions (``remainder_position_ids``). So verification never recomputes a lower layer.
+
+Example::
+
+    >>> stages = partition(InsertExitHead(layer=2).run(capture(hf_model)).graph_module)
+    >>> sorted(stages.modules)
+    ['draft', 'full', 'verify']
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from .capture import LAYER, ROLE, output_dict
+from .exit_head import exit_layer_of
+
+_LOWER_ROLES = {"embed", "rotary", "mask", "layer"}
+
+
+@dataclass
+class Stages:
+    """Named stage GraphModules cut from one rewritten graph."""
+
+    modules: dict[str, fx.GraphModule]
+    exit_layer: int | None = None
+
+    def __getitem__(self, name: str) -> fx.GraphModule:
+        return self.modules[name]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.modules
+
+    def code(self) -> str:
+        """The generated Python of every stage, for golden tests and debugging."""
+        parts = []
+        for name, gm in self.modules.items():
+            parts.append(f"# stage: {name}\n{gm.code.strip()}\n")
+        return "\n".join(parts)
+
+
+def _placeholders(graph: fx.Graph, names: list[str]) -> dict[str, fx.Node]:
+    out = {}
+    for name in names:
+        node = graph.placeholder(name)
+        node.meta[ROLE] = "input"
+        out[name] = node
+    return out
+
+
+def _copy(graph: fx.Graph, nodes: list[fx.Node], env: dict[fx.Node, fx.Node]) -> None:
+    for node in nodes:
+        env[node] = graph.node_copy(node, lambda n: env[n])
+
+
+def _finish(root: fx.GraphModule, graph: fx.Graph, name: str) -> fx.GraphModule:
+    gm = fx.GraphModule(root, graph, class_name=f"{name.capitalize()}Stage")
+    gm.graph.eliminate_dead_code()
+    gm.graph.lint()
+    gm.recompile()
+    gm.meta["leapfx.stage"] = name
+    return gm
+
+
+def full_stage(gm: fx.GraphModule) -> fx.GraphModule:
+    """The whole model with only the final logits as output."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    body = [n for n in gm.graph.nodes if n.op != "output"]
+    _copy(graph, body, env)
+    graph.output({"logits": env[output_dict(gm)["logits"]]})
+    return _finish(gm, graph, "full")
+
+
+def partition(gm: fx.GraphModule) -> Stages:
+    """Cut ``gm`` (which must have an exit head) into full, draft and verify stages."""
+    e = exit_layer_of(gm)
+    outputs = output_dict(gm)
+    nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+    inputs = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
+
+    def is_lower(n: fx.Node) -> bool:
+        role = n.meta.get(ROLE)
+        return role in _LOWER_ROLES and (role != "layer" or n.meta[LAYER] < e)
+
+    lower = [n for n in nodes if is_lower(n)]
+    exit_nodes = [n for n in nodes if n.meta.get(ROLE) in ("exit_norm", "exit_head")]
+    upper_layers = [n for n in nodes if n.meta.get(ROLE) == "layer" and n.meta[LAYER] >= e]
+    tail = [n for n in nodes if n.meta.get(ROLE) in ("norm", "head")]
+    rope = next(n for n in nodes if n.meta.get(ROLE) == "rotary")
+    masks = [n for n in nodes if n.meta.get(ROLE) == "mask"]
+
+    # draft: layers < E and the exit head.
+    draft = fx.Graph()
+    env = {inputs[k]: v for k, v in _placeholders(draft, list(inputs)).items()}
+    _copy(draft, lower + exit_nodes, env)
+    draft.output({"logits": env[outputs["exit_logits"]], "hidden": env[outputs["exit_hidden"]]})
+
+    # verify: lower layers for the tokens the draft has not run, then the remainder.
+    verify = fx.Graph()
+    names = ["input_ids", "position_ids", "masks", "exit_hidden", "remainder_position_ids"]
+    ph = _placeholders(verify, [*names, "remainder_masks", "cache"])
+    env = {inputs[k]: ph[k] for k in ("input_ids", "position_ids", "masks", "cache")}
+    _copy(verify, lower, env)
+    joined = verify.call_function(torch.cat, ([ph["exit_hidden"], env[outputs["exit_hidden"]]], 1))
+    joined.name = "exit_query_cache"
+    joined.meta[ROLE] = "exit_query_cache"
+    # The remainder sees the joined positions: its own rotary embedding and masks.
+    upper_env = {inputs["position_ids"]: ph["remainder_position_ids"], inputs["cache"]: ph["cache"]}
+    upper_env[inputs["masks"]] = ph["remainder_masks"]
+    upper_env[outputs["exit_hidden"]] = joined
+    upper_env[rope.args[0]] = joined  # rotary reads only dtype/device from its first argument
+    _copy(verify, [rope, *masks], upper_env)
+    _copy(verify, upper_layers + tail, upper_env)
+    verify.output({"logits": upper_env[outputs["logits"]]})
+
+    return Stages(
+        modules={
+            "full": full_stage(gm),
+            "draft": _finish(gm, draft, "draft"),
+            "verify": _finish(gm, verify, "verify"),
+        },
+        exit_layer=e,
+    )
+
+
+def early_exit_stages(gm: fx.GraphModule) -> Stages:
+    """Stages for lossy early-exit inference: only the draft stage is needed."""
+    stages = partition(gm)
+    return Stages(modules={"draft": stages["draft"]}, exit_layer=stages.exit_layer)

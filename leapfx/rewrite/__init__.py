@@ -1,0 +1,66 @@
+"""The front door: ``apply(model, recipe, **options) -> SpeculativeModel``.
+
+    >>> from leapfx import rewrite
+    >>> sm = rewrite.apply(hf_model, "layerskip", exit_layer=4, num_speculations=6)
+    >>> out = sm.generate(input_ids, max_new_tokens=128)
+
+``rewrite.recipes()`` lists the registered recipes. An unknown recipe or option, or an option
+value out of range, raises ValueError naming it and what is allowed, before anything runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from torch import nn
+
+from ..passes.base import PassPipeline
+from ..passes.capture import capture, check_supported
+from ..runtime.model import RecipeInfo, SpeculativeModel
+from .recipes import RECIPES, Recipe
+
+__all__ = ["apply", "recipes", "get_recipe", "Recipe"]
+
+log = logging.getLogger(__name__)
+
+
+def recipes() -> dict[str, str]:
+    """Registered recipe names and one-line descriptions."""
+    return {name: r.description for name, r in RECIPES.items()}
+
+
+def get_recipe(name: str) -> Recipe:
+    if name not in RECIPES:
+        raise ValueError(f"recipe: unknown recipe {name!r}; available: {', '.join(RECIPES)}")
+    return RECIPES[name]
+
+
+def make_options(recipe: Recipe, num_layers: int, options: dict):
+    """Build and validate the recipe's options dataclass from keyword options."""
+    fields = [f.name for f in dataclasses.fields(recipe.options_type)]
+    unknown = sorted(set(options) - set(fields))
+    if unknown:
+        raise ValueError(
+            f"option {unknown[0]!r} is not an option of recipe {recipe.name!r}; "
+            f"its options are: {', '.join(fields)}"
+        )
+    return recipe.options_type(**options).validate(num_layers)
+
+
+def apply(model: nn.Module, recipe: str, **options) -> SpeculativeModel:
+    """Rewrite ``model`` with ``recipe``; the model itself is never modified.
+
+    The returned SpeculativeModel shares the model's weights by reference.
+    """
+    r = get_recipe(recipe)
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model: expected a HuggingFace causal LM, got {type(model).__name__}")
+    check_supported(model)
+    opts = make_options(r, model.config.num_hidden_layers, options)
+    pipeline = PassPipeline(r.passes(opts))
+    gm = pipeline(capture(model))
+    stages = r.cut(gm)
+    log.info("applied recipe %s with %s; passes: %s", r.name, opts, pipeline.counters)
+    info = RecipeInfo(name=r.name, options=opts, schedule=r.schedule(opts), lookahead=r.lookahead(opts))
+    return SpeculativeModel(model, gm, stages, info)

@@ -1,0 +1,75 @@
+"""Decode metrics, recorded by the schedules and read through ``SpeculativeModel.last_metrics``.
+
+Definitions (Kangaroo eq. 1-2): a verify step k accepts ``s_k`` tokens, counting the bonus or
+correction token the verifier emits, so ``s_k >= 1``.
+
+- ``mean_accepted_tokens`` = mean of s_k (Kangaroo's compression rate, CR);
+- ``acceptance_rate``      = accepted draft tokens / drafted tokens;
+- ``ctar(w)``              = share of verify steps with s_k > w (all of the first w drafts
+  accepted); ``ctar_curve`` holds w = 1..num_speculations.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class DecodeMetrics:
+    """What one ``generate`` call did. Counts are exact; ``seconds`` is wall time."""
+
+    schedule: str
+    new_tokens: int = 0
+    prompt_tokens: int = 0
+    seconds: float = 0.0
+    draft_calls: int = 0  # draft-stage forward calls (one token each)
+    verify_calls: int = 0  # verify-remainder calls
+    full_calls: int = 0  # full-model calls (prefill, autoregressive steps)
+    drafted_tokens: int = 0
+    accepted_drafts: int = 0
+    accepted_per_verify: list[int] = field(default_factory=list)  # s_k, bonus included
+    num_speculations: int = 0
+
+    def record_verify(self, drafted: int, accepted: int) -> None:
+        self.verify_calls += 1
+        self.drafted_tokens += drafted
+        self.accepted_drafts += accepted
+        self.accepted_per_verify.append(accepted + 1)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_drafts / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def mean_accepted_tokens(self) -> float:
+        s = self.accepted_per_verify
+        return sum(s) / len(s) if s else 0.0
+
+    def ctar(self, w: int) -> float:
+        s = self.accepted_per_verify
+        return sum(1 for x in s if x > w) / len(s) if s else 0.0
+
+    @property
+    def ctar_curve(self) -> list[float]:
+        return [self.ctar(w) for w in range(1, self.num_speculations + 1)]
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "schedule": self.schedule,
+            "new_tokens": self.new_tokens,
+            "prompt_tokens": self.prompt_tokens,
+            "seconds": self.seconds,
+            "tokens_per_second": self.tokens_per_second,
+            "draft_calls": self.draft_calls,
+            "verify_calls": self.verify_calls,
+            "full_calls": self.full_calls,
+            "drafted_tokens": self.drafted_tokens,
+            "accepted_drafts": self.accepted_drafts,
+            "acceptance_rate": self.acceptance_rate,
+            "mean_accepted_tokens": self.mean_accepted_tokens,
+            "ctar": self.ctar_curve,
+        }

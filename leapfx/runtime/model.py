@@ -1,0 +1,226 @@
+"""SpeculativeModel: what ``rewrite.apply`` returns; generates with a recipe's schedule.
+
+It holds the rewritten graph, its stages and the recipe's options, shares every weight with the
+original HF model by reference and never modifies it. ``generate`` follows HuggingFace's
+conventions (``input_ids``/``attention_mask`` in, prompt + new tokens out; defaults for
+``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k``, ``top_p`` and ``eos_token_id``
+from the model's ``generation_config``) and leaves the metrics of the call in ``last_metrics``.
+
+Example::
+
+    >>> sm = rewrite.apply(hf_model, "layerskip", exit_layer=2, num_speculations=4)
+    >>> out = sm.generate(input_ids, max_new_tokens=32)     # == hf_model.generate(..., greedy)
+    >>> sm.last_metrics.acceptance_rate, sm.last_metrics.ctar_curve
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from ..passes.capture import decoder_parts
+from ..passes.partition import Stages
+from .cache import StaticKVCache, cache_for
+from .masks import SUPPORTED_ATTENTION
+from .metrics import DecodeMetrics
+from .runner import AttentionLayout, StageRunner
+from .sampling import SamplingParams
+from .schedules import DecodeRequest
+
+# A schedule: (runner, prompt [1, n], request, metrics) -> new token ids.
+Schedule = Callable[[StageRunner, torch.Tensor, DecodeRequest, DecodeMetrics], list[int]]
+
+_CACHE_ROUNDING = 256  # auto-sized caches grow in steps of this many positions
+
+
+@dataclass(frozen=True)
+class RecipeInfo:
+    """What a SpeculativeModel needs to know about the recipe that built it."""
+
+    name: str
+    options: Any  # the recipe's frozen options dataclass
+    schedule: Schedule
+    lookahead: int  # positions a schedule may write past the last emitted token
+
+
+class SpeculativeModel:
+    """A rewritten model: stages + schedule. Create it with ``leapfx.rewrite.apply``.
+
+    Attributes:
+        graph_module: the rewritten layer-level graph.
+        stages: the partitioned stages (``full``, ``draft``, ``verify`` ...).
+        last_metrics: ``DecodeMetrics`` of the latest ``generate`` call (None before one).
+    """
+
+    def __init__(
+        self, model: nn.Module, graph_module: fx.GraphModule, stages: Stages, recipe: RecipeInfo
+    ) -> None:
+        impl = model.config._attn_implementation
+        if impl not in SUPPORTED_ATTENTION:
+            raise ValueError(
+                f"model.config._attn_implementation: {impl!r} is not supported; "
+                f"allowed: {', '.join(SUPPORTED_ATTENTION)} (load the model with "
+                "attn_implementation='sdpa')"
+            )
+        # Not an nn.Module on purpose: .to()/.train()/.half() on it must never reach the
+        # user's model, whose modules the stages share.
+        self._hf_model = model
+        self.graph_module = graph_module
+        self.stages = stages
+        self.recipe = recipe
+        self.last_metrics: DecodeMetrics | None = None
+        parts = decoder_parts(model)
+        param = next(model.parameters())
+        self._layout = AttentionLayout(
+            impl=impl,
+            kinds=tuple(parts.attn_kinds),
+            window=parts.sliding_window,
+            dtype=param.dtype,
+            device=param.device,
+        )
+        self._cache: StaticKVCache | None = None
+
+    @property
+    def hf_model(self) -> nn.Module:
+        """The original HF model (shared, never modified)."""
+        return self._hf_model
+
+    @property
+    def options(self) -> Any:
+        return self.recipe.options
+
+    @property
+    def config(self):
+        return self._hf_model.config
+
+    def _cache_for(self, needed: int) -> StaticKVCache:
+        fixed = getattr(self.options, "max_cache_len", None)
+        if fixed is not None:
+            if needed > fixed:
+                raise ValueError(
+                    f"max_cache_len: the prompt plus max_new_tokens (and {self.recipe.lookahead} "
+                    f"lookahead positions) need {needed} cache positions but max_cache_len is "
+                    f"{fixed}; shorten the prompt or max_new_tokens, or raise max_cache_len"
+                )
+            size = fixed
+        else:
+            size = -(-needed // _CACHE_ROUNDING) * _CACHE_ROUNDING
+        if self._cache is None or self._cache.max_len < size:
+            self._cache = cache_for(self._hf_model, size)
+        self._cache.reset()
+        return self._cache
+
+    def _request(
+        self,
+        prompt_len: int,
+        max_new_tokens: int | None,
+        eos_token_id: int | list[int] | None,
+        sampling: dict[str, Any],
+        generator: torch.Generator | None,
+    ) -> DecodeRequest:
+        gen_cfg = self._hf_model.generation_config
+        if max_new_tokens is None:
+            max_new_tokens = gen_cfg.max_new_tokens
+        if max_new_tokens is None:
+            max_new_tokens = (gen_cfg.max_length or 20) - prompt_len
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens: {max_new_tokens!r} is invalid; allowed: int >= 1")
+        if eos_token_id is None:
+            eos_token_id = gen_cfg.eos_token_id
+        if eos_token_id is None:
+            eos = frozenset()
+        elif isinstance(eos_token_id, int):
+            eos = frozenset({eos_token_id})
+        else:
+            eos = frozenset(int(t) for t in eos_token_id)
+        params = SamplingParams.from_generation_config(gen_cfg, **sampling)
+        return DecodeRequest(max_new_tokens, eos, params, generator)
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        *,
+        max_new_tokens: int | None = None,
+        do_sample: bool | None = None,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        eos_token_id: int | list[int] | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Generate like HF ``generate``: returns [1, prompt + new] token ids.
+
+        Greedy output is token-identical to ``hf_model.generate(input_ids, do_sample=False)``
+        for lossless recipes; with ``do_sample=True`` it has the same distribution as HF
+        sampling with the same temperature/top_k/top_p. Pass a ``torch.Generator`` for
+        reproducible sampling. Metrics land in ``self.last_metrics``.
+        """
+        prompt = self._check_prompt(input_ids, attention_mask)
+        request = self._request(
+            prompt.shape[1],
+            max_new_tokens,
+            eos_token_id,
+            {"do_sample": do_sample, "temperature": temperature, "top_k": top_k, "top_p": top_p},
+            generator,
+        )
+        if self._hf_model.training:
+            warnings.warn(
+                "the model is in training mode (dropout active); call model.eval() first",
+                stacklevel=2,
+            )
+        needed = prompt.shape[1] + request.max_new_tokens + self.recipe.lookahead
+        runner = StageRunner(self.stages.modules, self._cache_for(needed), self._layout)
+        metrics = DecodeMetrics(
+            schedule=self.recipe.name,
+            prompt_tokens=prompt.shape[1],
+            num_speculations=getattr(self.options, "num_speculations", 0),
+        )
+        start = time.perf_counter()
+        tokens = self.recipe.schedule(runner, prompt, request, metrics)
+        metrics.seconds = time.perf_counter() - start
+        metrics.new_tokens = len(tokens)
+        self.last_metrics = metrics
+        new = torch.tensor([tokens], dtype=input_ids.dtype, device=input_ids.device)
+        return torch.cat([input_ids, new], dim=1)
+
+    def _check_prompt(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+            shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else None
+            raise ValueError(
+                f"input_ids: expected a LongTensor of shape [batch, seq], got {shape or input_ids!r}"
+            )
+        if input_ids.shape[0] != 1:
+            raise ValueError(
+                f"input_ids: batch size {input_ids.shape[0]} is not supported; allowed: 1 "
+                "(batched speculative decoding is not implemented yet)"
+            )
+        if input_ids.shape[1] < 1:
+            raise ValueError("input_ids: the prompt is empty; allowed: at least 1 token")
+        vocab = self._hf_model.config.vocab_size
+        if int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab:
+            raise ValueError(f"input_ids: token ids must lie in 0..{vocab - 1}")
+        if attention_mask is not None:
+            if attention_mask.shape != input_ids.shape:
+                raise ValueError(
+                    f"attention_mask: shape {tuple(attention_mask.shape)} does not match "
+                    f"input_ids {tuple(input_ids.shape)}"
+                )
+            if not bool(attention_mask.bool().all()):
+                raise ValueError(
+                    "attention_mask: padding is not supported at batch size 1; pass the prompt "
+                    "without pad tokens (all-ones mask)"
+                )
+        return input_ids.to(self._layout.device)
+
+    def __repr__(self) -> str:
+        return f"SpeculativeModel(recipe={self.recipe.name!r}, options={self.options})"

@@ -1,0 +1,95 @@
+"""StageRunner: calls stage executors with positions and masks over the shared KV cache.
+
+A stage executor is any callable taking the stage's named inputs and returning a dict of
+tensors: an eager GraphModule today, a compiled graph or an ONNX session behind the same
+interface later. Schedules talk to a StageRunner and never know which backend runs a stage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from .cache import StaticKVCache
+from .masks import masks_for
+
+StageExecutor = Callable[..., dict[str, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class AttentionLayout:
+    """What masks a model needs: HF attention implementation, per-layer kinds, sliding window."""
+
+    impl: str
+    kinds: tuple[str, ...]
+    window: int | None
+    dtype: torch.dtype
+    device: torch.device
+
+
+class StageRunner:
+    """Runs named stages; ``start`` arguments are absolute positions of the first token."""
+
+    def __init__(
+        self, stages: Mapping[str, StageExecutor], cache: StaticKVCache, layout: AttentionLayout
+    ) -> None:
+        self.stages = stages
+        self.cache = cache
+        self.layout = layout
+
+    def _positions(self, start: int, length: int) -> torch.Tensor:
+        # position_ids: [1, S]
+        return torch.arange(start, start + length, device=self.layout.device)[None]
+
+    def _masks(self, start: int, length: int) -> dict[str, torch.Tensor | None]:
+        lay = self.layout
+        return masks_for(
+            lay.impl, list(lay.kinds), start, length,
+            window=lay.window, dtype=lay.dtype, device=lay.device,
+        )  # fmt: skip
+
+    def full(self, input_ids: torch.Tensor, start: int) -> torch.Tensor:
+        """All layers on ``input_ids`` [1, S] at positions start..; returns logits [1, S, V]."""
+        n = input_ids.shape[1]
+        out = self.stages["full"](
+            input_ids=input_ids,
+            position_ids=self._positions(start, n),
+            masks=self._masks(start, n),
+            cache=self.cache,
+        )
+        return out["logits"]
+
+    def draft(self, input_ids: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layers < E and the exit head; returns (exit logits [1, S, V], exit hidden [1, S, H])."""
+        n = input_ids.shape[1]
+        out = self.stages["draft"](
+            input_ids=input_ids,
+            position_ids=self._positions(start, n),
+            masks=self._masks(start, n),
+            cache=self.cache,
+        )
+        return out["logits"], out["hidden"]
+
+    def verify(
+        self, input_ids: torch.Tensor, exit_hidden: torch.Tensor, hidden_start: int
+    ) -> torch.Tensor:
+        """Verify remainder.
+
+        ``exit_hidden`` [1, c, H] are cached exit hidden states of positions hidden_start..;
+        ``input_ids`` [1, m] are the next m tokens, not yet through the lower layers. Returns
+        the full model's logits for all c + m positions: [1, c + m, V].
+        """
+        c, m = exit_hidden.shape[1], input_ids.shape[1]
+        new_start = hidden_start + c
+        out = self.stages["verify"](
+            input_ids=input_ids,
+            position_ids=self._positions(new_start, m),
+            masks=self._masks(new_start, m),
+            exit_hidden=exit_hidden,
+            remainder_position_ids=self._positions(hidden_start, c + m),
+            remainder_masks=self._masks(hidden_start, c + m),
+            cache=self.cache,
+        )
+        return out["logits"]

@@ -1,0 +1,178 @@
+"""Decode schedules: autoregressive, early exit, and self-speculative (LayerSkip sec. 4.3).
+
+Each schedule is a short loop over the stage calls of a StageRunner (``full``, ``draft``,
+``verify``), in the spirit of gpt-fast's ``generate.py``; token choice and acceptance are the
+pure functions of ``sampling`` and ``verify``, and counts go to a DecodeMetrics recorder.
+
+Positions: after prefill of an n-token prompt the cache holds positions 0..n-1 and the first
+new token x sits at position n, not yet in the cache. A self-speculative round drafts d tokens
+from x (the draft stage writes lower-layer KV for positions n..n+d-1 and returns their exit
+hidden states), then one verify call runs the lower layers on the last draft (position n+d) and
+the upper layers on positions n..n+d, giving d + 1 target distributions. With k drafts accepted
+the cache is cropped to n + k + 1 (O(1)) and the emitted correction/bonus token becomes the next x.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .metrics import DecodeMetrics
+from .runner import StageRunner
+from .sampling import SamplingParams, probs
+from .verify import greedy_accept, speculative_accept_random
+
+
+@dataclass(frozen=True)
+class DecodeRequest:
+    """What to generate: stop conditions and how tokens are chosen."""
+
+    max_new_tokens: int
+    eos_token_ids: frozenset[int]
+    sampling: SamplingParams
+    generator: torch.Generator | None = None
+
+
+class Output:
+    """Collects new tokens; stops at the first EOS or at max_new_tokens."""
+
+    def __init__(self, request: DecodeRequest) -> None:
+        self.request = request
+        self.tokens: list[int] = []
+        self.done = False
+
+    @property
+    def remaining(self) -> int:
+        return self.request.max_new_tokens - len(self.tokens)
+
+    def extend(self, tokens: list[int]) -> None:
+        for t in tokens:
+            if self.done:
+                return
+            self.tokens.append(t)
+            if t in self.request.eos_token_ids or self.remaining <= 0:
+                self.done = True
+
+
+def choose(logits: torch.Tensor, request: DecodeRequest) -> torch.Tensor:
+    """Next token from logits [1, V]: argmax, or a draw from HF's warped distribution."""
+    if not request.sampling.do_sample:
+        return logits.argmax(dim=-1, keepdim=True)  # [1, 1]
+    p = probs(logits.float(), request.sampling)
+    return torch.multinomial(p, 1, generator=request.generator)  # [1, 1]
+
+
+def _token(t: torch.Tensor) -> int:
+    return int(t.reshape(-1)[0])
+
+
+def autoregressive(
+    runner: StageRunner, prompt: torch.Tensor, request: DecodeRequest, metrics: DecodeMetrics
+) -> list[int]:
+    """One full-model call per token: the reference schedule (token-identical to HF greedy)."""
+    return _one_stage_loop(runner.full, runner, prompt, request, metrics, "full_calls")
+
+
+def early_exit(
+    runner: StageRunner, prompt: torch.Tensor, request: DecodeRequest, metrics: DecodeMetrics
+) -> list[int]:
+    """LayerSkip sec. 4.2: every token from the exit head after layer E (lossy)."""
+
+    def stage(ids: torch.Tensor, start: int) -> torch.Tensor:
+        return runner.draft(ids, start)[0]
+
+    return _one_stage_loop(stage, runner, prompt, request, metrics, "draft_calls")
+
+
+def _one_stage_loop(stage, runner, prompt, request, metrics, counter) -> list[int]:
+    out = Output(request)
+    logits = stage(prompt, 0)  # prefill: [1, n, V]
+    pos = prompt.shape[1]
+    token = choose(logits[:, -1], request)
+    setattr(metrics, counter, getattr(metrics, counter) + 1)
+    out.extend([_token(token)])
+    while not out.done:
+        logits = stage(token, pos)
+        pos += 1
+        token = choose(logits[:, -1], request)
+        setattr(metrics, counter, getattr(metrics, counter) + 1)
+        out.extend([_token(token)])
+    return out.tokens
+
+
+def draft(
+    runner: StageRunner, x: torch.Tensor, start: int, d: int, request: DecodeRequest
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Draft d tokens autoregressively from token x [1, 1] at position ``start``.
+
+    Returns draft tokens [1, d], their exit hidden states [1, d, H] (the exit-query cache for
+    positions start..start+d-1) and, when sampling, the draft distributions q [1, d, V].
+    Tokens stay on the device: no host sync inside the loop.
+    """
+    tokens, hidden, qs = [], [], []
+    token = x
+    for i in range(d):
+        logits, h = runner.draft(token, start + i)  # logits: [1, 1, V], h: [1, 1, H]
+        if request.sampling.do_sample:
+            q = probs(logits[:, -1].float(), request.sampling)  # [1, V]
+            token = torch.multinomial(q, 1, generator=request.generator)
+            qs.append(q)
+        else:
+            token = logits[:, -1].argmax(dim=-1, keepdim=True)
+        tokens.append(token)
+        hidden.append(h)
+    q_all = torch.stack(qs, dim=1) if qs else None
+    return torch.cat(tokens, dim=1), torch.cat(hidden, dim=1), q_all
+
+
+def accept(
+    drafts: torch.Tensor,
+    q: torch.Tensor | None,
+    target_logits: torch.Tensor,
+    request: DecodeRequest,
+) -> tuple[int, int]:
+    """Accepted draft count and the next token (correction or bonus), synced to the host once."""
+    if request.sampling.do_sample:
+        p = probs(target_logits.float(), request.sampling)  # [1, d+1, V]
+        n, nxt = speculative_accept_random(drafts, q, p, generator=request.generator)
+    else:
+        n, nxt = greedy_accept(drafts, target_logits)
+    n_accepted, next_token = torch.stack([n[0], nxt[0]]).tolist()
+    return n_accepted, next_token
+
+
+def self_speculative(
+    runner: StageRunner,
+    prompt: torch.Tensor,
+    request: DecodeRequest,
+    metrics: DecodeMetrics,
+    num_speculations: int,
+) -> list[int]:
+    """LayerSkip self-speculative decoding: draft with layers < E, verify with the remainder."""
+    out = Output(request)
+    logits = runner.full(prompt, 0)  # prefill: [1, n, V]
+    metrics.full_calls += 1
+    pos = prompt.shape[1]  # position of x, the newest token (not yet in the cache)
+    x = choose(logits[:, -1], request)
+    out.extend([_token(x)])
+    while not out.done:
+        d = min(num_speculations, out.remaining - 1)  # drafts past max_new_tokens are waste
+        if d == 0:
+            logits = runner.full(x, pos)
+            metrics.full_calls += 1
+            x = choose(logits[:, -1], request)
+            out.extend([_token(x)])
+            pos += 1
+            continue
+        drafts, exit_hidden, q = draft(runner, x, pos, d, request)
+        metrics.draft_calls += d
+        # Lower layers for the last draft, upper layers for x and every draft: [1, d+1, V].
+        target_logits = runner.verify(drafts[:, -1:], exit_hidden, pos)
+        k, next_token = accept(drafts, q, target_logits, request)
+        runner.cache.crop(pos + k + 1)  # keep x and the k accepted drafts
+        metrics.record_verify(d, k)
+        out.extend([*drafts[0, :k].tolist(), next_token])
+        pos += k + 1
+        x = torch.tensor([[next_token]], device=drafts.device)
+    return out.tokens
