@@ -1,0 +1,101 @@
+"""Shared fixtures: tiny random HF models of every supported architecture (no downloads)."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+import transformers
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "default",
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile(
+    "thorough",
+    max_examples=300,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+transformers.logging.set_verbosity_error()
+warnings.filterwarnings("ignore", message=".*generation flags are not valid.*")
+
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma")
+
+_CONFIGS = {
+    "llama": transformers.LlamaConfig,
+    "mistral": transformers.MistralConfig,
+    "qwen2": transformers.Qwen2Config,
+    "qwen3": transformers.Qwen3Config,
+    "phi3": transformers.Phi3Config,
+    "gemma": transformers.GemmaConfig,
+}
+
+
+def tiny_model(
+    arch: str = "llama",
+    *,
+    layers: int = 4,
+    heads: int = 4,
+    kv_heads: int = 2,
+    head_dim: int = 8,
+    vocab: int = 128,
+    tie: bool = False,
+    eos: int | None = None,
+    sliding_window: int | None = None,
+    seed: int = 0,
+    attn: str = "sdpa",
+    dtype: torch.dtype = torch.float32,
+):
+    """A randomly initialised tiny causal LM of ``arch`` (eval mode)."""
+    hidden = heads * head_dim
+    kwargs = dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=512,
+        tie_word_embeddings=tie,
+        bos_token_id=None,
+        eos_token_id=eos,
+        pad_token_id=0,
+    )
+    if arch == "phi3":
+        kwargs.pop("head_dim")
+    if arch in ("mistral", "phi3"):
+        kwargs["sliding_window"] = sliding_window
+    if arch == "qwen2" and sliding_window is not None:
+        kwargs.update(use_sliding_window=True, sliding_window=sliding_window,
+                      max_window_layers=layers // 2)  # fmt: skip
+    config = _CONFIGS[arch](**kwargs)
+    config._attn_implementation = attn
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn)
+    # Random init gives near-uniform logits; a sharper head makes float-noise ties rarer
+    # (they are still detected and reported by the tests, never assumed away).
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4.0)
+    return model.to(dtype).eval()
+
+
+@pytest.fixture
+def llama():
+    return tiny_model("llama", layers=4)
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
