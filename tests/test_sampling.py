@@ -38,7 +38,8 @@ def logits_and_params(draw):
         logits = logits.masked_fill(mask, -math.inf)
     temperature = draw(st.sampled_from([1.0, 0.3, 0.7, 1.5, 4.0]) | st.floats(0.05, 5.0))
     top_k = draw(st.none() | st.just(0) | st.integers(1, V + 3))
-    top_p = draw(st.none() | st.just(1.0) | st.sampled_from([0.5, 0.9]) | st.floats(0.01, 1.0))
+    # 1e-9 rounds 1 - top_p to 1.0 in float32, where only min_tokens_to_keep saves the argmax
+    top_p = draw(st.none() | st.sampled_from([1.0, 0.5, 0.9, 1e-9]) | st.floats(0.01, 1.0))
     params = SamplingParams(do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p)
     return logits, params
 
@@ -93,6 +94,13 @@ def test_top_p_one_is_skipped_like_hf():
     assert torch.isinf(warp_logits(logits, p)[0, 1])
 
 
+def test_tiny_top_p_keeps_the_argmax():
+    logits = torch.tensor([[0.5, 2.0, 1.0], [3.0, 3.0, -1.0]])
+    out = warp_logits(logits, SamplingParams(do_sample=True, top_p=1e-9))
+    assert torch.isfinite(out).sum(-1).tolist() == [1, 1]
+    assert torch.isfinite(out[0, 1])
+
+
 def test_top_k_keeps_ties():
     logits = torch.tensor([[3.0, 1.0, 1.0, 0.0]])
     out = warp_logits(logits, SamplingParams(do_sample=True, top_k=2))
@@ -100,7 +108,7 @@ def test_top_k_keeps_ties():
 
 
 def test_greedy_params_do_not_warp():
-    logits = torch.randn(2, 3, 7, dtype=torch.float64)
+    logits = torch.randn(2, 3, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     params = SamplingParams(do_sample=False, temperature=0.5, top_k=1, top_p=0.1)
     out = warp_logits(logits, params)
     assert out.dtype == torch.float32
@@ -108,7 +116,7 @@ def test_greedy_params_do_not_warp():
 
 
 def test_probs_is_float32_softmax_of_warped():
-    logits = torch.randn(3, 11, dtype=torch.bfloat16)
+    logits = torch.randn(3, 11, generator=torch.Generator().manual_seed(0)).bfloat16()
     params = SamplingParams(do_sample=True, temperature=0.6, top_k=5, top_p=0.8)
     out = probs(logits, params)
     assert out.dtype == torch.float32
@@ -235,6 +243,10 @@ def test_sample_hand_made():
         assert sample(p, torch.tensor(u)).item() == token, u
     below_one = torch.nextafter(torch.tensor(1.0), torch.tensor(0.0))
     assert sample(p, below_one).item() == 3  # never the zero-mass tail token 4
+    # out-of-contract u is clamped, still never a zero-mass token (nor an index past V)
+    assert sample(p, torch.tensor(1.0)).item() == 3
+    assert sample(p, torch.tensor(1.5)).item() == 3
+    assert sample(torch.tensor([0.0, 1.0]), torch.tensor(-0.1)).item() == 1
     # u near 1 against a CDF that rounds to below 1: still the last token with mass
     p = torch.tensor([0.1] * 7 + [0.0, 0.0], dtype=torch.float32)
     assert sample(p, below_one).item() == 6

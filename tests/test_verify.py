@@ -159,7 +159,7 @@ def assert_same_distribution(got: dict, want: dict) -> None:
     np.testing.assert_allclose(got_v, want_v, rtol=0, atol=1e-6)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(
     V=st.integers(2, 6),
     d=st.integers(1, 3),
