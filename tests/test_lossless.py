@@ -46,7 +46,7 @@ def _prompt(data, vocab: int) -> torch.Tensor:
     return torch.tensor([ids])
 
 
-@settings(max_examples=60)
+@settings(max_examples=200)
 @given(spec=model_specs(), data=st.data())
 def test_layerskip_greedy_identical_to_hf(spec, data):
     model = tiny_model(**spec)
@@ -66,7 +66,7 @@ def test_layerskip_greedy_identical_to_hf(spec, data):
     assert m.full_calls + sum(m.accepted_per_verify) >= m.new_tokens
 
 
-@settings(max_examples=30)
+@settings(max_examples=80)
 @given(spec=model_specs(), data=st.data())
 def test_autoregressive_schedule_identical_to_hf(spec, data):
     model = tiny_model(**spec)
@@ -78,7 +78,7 @@ def test_autoregressive_schedule_identical_to_hf(spec, data):
     assert torch.equal(ours, ref), f"ours {ours.tolist()}\nHF   {ref.tolist()}"
 
 
-@settings(max_examples=20)
+@settings(max_examples=40)
 @given(spec=model_specs(), data=st.data())
 def test_early_exit_is_greedy_over_the_exit_head(spec, data):
     """The lossy early-exit schedule decodes greedily with norm + head after layer E."""

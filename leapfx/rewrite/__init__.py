@@ -62,5 +62,7 @@ def apply(model: nn.Module, recipe: str, **options) -> SpeculativeModel:
     gm = pipeline(capture(model))
     stages = r.cut(gm)
     log.info("applied recipe %s with %s; passes: %s", r.name, opts, pipeline.counters)
-    info = RecipeInfo(name=r.name, options=opts, schedule=r.schedule(opts), lookahead=r.lookahead(opts))
+    info = RecipeInfo(
+        name=r.name, options=opts, schedule=r.schedule(opts), lookahead=r.lookahead(opts)
+    )
     return SpeculativeModel(model, gm, stages, info)

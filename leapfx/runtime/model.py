@@ -197,7 +197,8 @@ class SpeculativeModel:
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
             shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else None
             raise ValueError(
-                f"input_ids: expected a LongTensor of shape [batch, seq], got {shape or input_ids!r}"
+                "input_ids: expected a LongTensor of shape [batch, seq], "
+                f"got {shape or type(input_ids).__name__}"
             )
         if input_ids.shape[0] != 1:
             raise ValueError(

@@ -1,0 +1,58 @@
+"""Train the project's reference model (a 16-layer LayerSkip Llama on the Python stdlib).
+
+    python examples/train_reference.py runs/reference --minutes 60 --threads 2
+
+Runs again on the same directory resume from the last checkpoint. The model lands in
+``runs/reference/model`` (``AutoModelForCausalLM.from_pretrained`` loads it, tokenizer included)
+with ``reference_report.json`` beside it. See ``leapfx/train/reference.py`` for the choices.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+
+from leapfx.train.reference import ReferenceModelSpec, train_reference
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir", help="run directory (created; resumed when it has checkpoints)")
+    parser.add_argument("--minutes", type=float, default=60.0, help="wall-clock budget")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+    parser.add_argument("--steps", type=int, default=None, help="fix T instead of probing")
+    parser.add_argument("--layers", type=int, default=ReferenceModelSpec.num_layers)
+    parser.add_argument("--hidden", type=int, default=ReferenceModelSpec.hidden_size)
+    parser.add_argument("--intermediate", type=int, default=ReferenceModelSpec.intermediate_size)
+    parser.add_argument("--tokenizer", choices=("bpe", "byte"), default="bpe")
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    spec = ReferenceModelSpec(
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        tokenizer=args.tokenizer,
+    )
+    report = train_reference(
+        args.out_dir,
+        minutes=args.minutes,
+        seed=args.seed,
+        spec=spec,
+        steps=args.steps,
+        threads=args.threads,
+        progress=not args.no_progress,
+    )
+    summary = {
+        "held_out": report["held_out"],
+        "agreement_top1": {e: round(v["agreement_top1"], 4) for e, v in report["exits"].items()},
+        "tokens_per_s": report["training"]["tokens_per_s"],
+        "steps": report["training"]["steps"],
+    }
+    print(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""partition(): golden graph text per recipe, and stage numerics against the full graph."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from leapfx import rewrite
+from leapfx.passes.capture import decoder_parts
+from leapfx.runtime.cache import cache_for
+from leapfx.runtime.masks import masks_for
+from tests.conftest import tiny_model
+
+GOLDEN = Path(__file__).parent / "golden"
+
+
+def _check_golden(name: str, text: str) -> None:
+    path = GOLDEN / f"{name}.txt"
+    if os.environ.get("LEAPFX_UPDATE_GOLDEN"):
+        path.write_text(text)
+    assert path.exists(), f"missing golden file {path}; run with LEAPFX_UPDATE_GOLDEN=1"
+    assert text == path.read_text(), f"graph text of {name} changed; see {path}"
+
+
+@pytest.mark.parametrize(
+    ("recipe", "options"),
+    [
+        ("layerskip", {"exit_layer": 2}),
+        ("early_exit", {"exit_layer": 1}),
+        ("autoregressive", {}),
+    ],
+)
+def test_golden_stage_text(recipe, options):
+    sm = rewrite.apply(tiny_model("llama", layers=4), recipe, **options)
+    _check_golden(f"{recipe}_llama4", sm.stages.code())
+
+
+def test_golden_sliding_window_masks():
+    sm = rewrite.apply(tiny_model("qwen2", layers=4, sliding_window=8), "layerskip", exit_layer=1)
+    _check_golden("layerskip_qwen2_sliding", sm.stages.code())
+
+
+def _masks(model, start, n):
+    parts = decoder_parts(model)
+    return masks_for("sdpa", parts.attn_kinds, start, n, window=parts.sliding_window,
+                     dtype=torch.float32, device="cpu")  # fmt: skip
+
+
+def test_draft_and_verify_stages_reproduce_the_full_model():
+    model = tiny_model("llama", layers=5, seed=4)
+    stages = rewrite.apply(model, "layerskip", exit_layer=2).stages
+    ids = torch.randint(0, 128, (1, 10), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        hf = model(ids, output_hidden_states=True)
+        cache = cache_for(model, 16)
+        # draft runs the prefix 0..6 through the lower layers (the exit-query cache) ...
+        d = stages["draft"](
+            input_ids=ids[:, :7], position_ids=torch.arange(7)[None],
+            masks=_masks(model, 0, 7), cache=cache,
+        )  # fmt: skip
+        torch.testing.assert_close(d["hidden"], hf.hidden_states[2][:, :7])
+        assert cache.lengths == [7, 7, 0, 0, 0]
+        # ... and verify runs lower layers for 7..9 and the remainder on all of 0..9.
+        logits = stages["verify"](
+            input_ids=ids[:, 7:], position_ids=torch.arange(7, 10)[None],
+            masks=_masks(model, 7, 3), exit_hidden=d["hidden"],
+            remainder_position_ids=torch.arange(10)[None],
+            remainder_masks=_masks(model, 0, 10), cache=cache,
+        )["logits"]  # fmt: skip
+    torch.testing.assert_close(logits, hf.logits, rtol=1e-5, atol=1e-5)
+    assert cache.lengths == [10] * 5
+
+
+def test_stages_share_weights_with_the_model():
+    model = tiny_model("llama", layers=4)
+    stages = rewrite.apply(model, "layerskip", exit_layer=2).stages
+    for gm in stages.modules.values():
+        assert gm.get_submodule("model.layers.0") is model.model.layers[0]

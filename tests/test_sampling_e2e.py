@@ -1,0 +1,99 @@
+"""End to end: layerskip sampling has the target model's distribution (chi-square, fixed seed).
+
+The exact distribution of the first three new tokens is computed from the HF model's own logits
+with HF's own logits warpers (temperature, top-k, top-p), and compared with 6000 draws of
+``generate(do_sample=True)``. With max_new_tokens=3 the second and third tokens come from a
+draft/verify round (one draft token, rejection sampling, then the correction or bonus token).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import torch
+from scipy.stats import chisquare
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from leapfx import rewrite
+from tests.conftest import tiny_model
+
+VOCAB = 6
+TEMPERATURE, TOP_K, TOP_P = 0.9, 5, 0.95
+
+
+def _exact_distribution(model, prompt: torch.Tensor) -> dict[tuple[int, ...], float]:
+    warp = LogitsProcessorList(
+        [TemperatureLogitsWarper(TEMPERATURE), TopKLogitsWarper(TOP_K), TopPLogitsWarper(TOP_P)]
+    )
+
+    def next_probs(prefix):
+        ids = torch.tensor([prefix])
+        with torch.no_grad():
+            logits = model(ids).logits[:, -1].double()
+        return torch.softmax(warp(ids, logits), dim=-1)[0]
+
+    dist = {}
+    base = prompt[0].tolist()
+    for seq in itertools.product(range(VOCAB), repeat=3):
+        p = 1.0
+        for i in range(3):
+            p *= float(next_probs(base + list(seq[:i]))[seq[i]])
+            if p == 0.0:
+                break
+        dist[seq] = p
+    return dist
+
+
+def test_layerskip_sampling_matches_target_distribution():
+    model = tiny_model("llama", layers=3, vocab=VOCAB, heads=2, kv_heads=1, seed=11)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(0.25)  # undo the tests' sharpening: a flatter target is harder
+    prompt = torch.tensor([[1, 4, 2]])
+    exact = _exact_distribution(model, prompt)
+    sm = rewrite.apply(model, "layerskip", exit_layer=1, num_speculations=4)
+    g = torch.Generator().manual_seed(1234)
+    n = 6000
+    counts: dict[tuple[int, ...], int] = dict.fromkeys(exact, 0)
+    rejections = 0
+    for _ in range(n):
+        out = sm.generate(
+            prompt, do_sample=True, temperature=TEMPERATURE, top_k=TOP_K, top_p=TOP_P,
+            max_new_tokens=3, generator=g,
+        )  # fmt: skip
+        counts[tuple(out[0, 3:].tolist())] += 1
+        m = sm.last_metrics
+        rejections += m.drafted_tokens - m.accepted_drafts
+    assert 0 < rejections < n  # both branches of the accept rule ran
+    keys = sorted(exact, key=lambda k: -exact[k])
+    expected = np.array([exact[k] * n for k in keys])
+    observed = np.array([counts[k] for k in keys])
+    assert observed[expected == 0].sum() == 0, "sampled a token the target gives zero mass"
+    # merge the sparse tail (support only) into one bin so expected counts are not tiny
+    support = expected > 0
+    big = expected >= 5
+    tail = support & ~big
+    exp_b, obs_b = expected[big], observed[big]
+    if tail.any():
+        exp_b = np.append(exp_b, expected[tail].sum())
+        obs_b = np.append(obs_b, observed[tail].sum())
+    stat, pvalue = chisquare(obs_b, exp_b * obs_b.sum() / exp_b.sum())
+    assert pvalue > 1e-3, f"chi-square {stat:.1f} over {len(exp_b)} bins, p={pvalue:.2e}"
+
+
+def test_sampling_is_reproducible_with_a_generator():
+    model = tiny_model("llama", layers=3, seed=2)
+    sm = rewrite.apply(model, "layerskip", exit_layer=1, num_speculations=3)
+    prompt = torch.tensor([[3, 1, 4]])
+    a = sm.generate(
+        prompt, do_sample=True, max_new_tokens=12, generator=torch.Generator().manual_seed(5)
+    )
+    b = sm.generate(
+        prompt, do_sample=True, max_new_tokens=12, generator=torch.Generator().manual_seed(5)
+    )
+    assert torch.equal(a, b)
