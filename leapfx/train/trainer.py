@@ -1,0 +1,451 @@
+"""A small, resumable trainer for the LayerSkip recipe on a HF causal LM.
+
+AdamW (weight decay on matrices only), linear warmup then cosine decay, gradient clipping, a
+tqdm bar, a JSON-lines metrics log, checkpoints every K steps and a wall-clock budget.
+
+Determinism without saved RNG state: the batch and the layer-dropout draws of step ``t`` come
+from generators seeded by ``(seed, t)``, so a run resumed from a checkpoint at step ``t`` takes
+exactly the steps an uninterrupted run would have taken.
+
+On disk (``out_dir``)::
+
+    checkpoints/step-0000200/  model.safetensors, optimizer.safetensors, trainer_state.json
+    metrics.jsonl              one JSON object per logged step
+    model/                     the final save_pretrained() directory (+ tokenizer)
+
+Every directory is written under a temporary name and renamed into place, so a directory with
+its final name is always complete. Nothing is pickled: tensors go to safetensors, the rest to
+JSON.
+
+Example::
+
+    >>> trainer = LayerSkipTrainer(model, train_ids, out_dir="run/",
+    ...                            config=TrainerConfig(steps=2000), recipe=LayerSkipTrainConfig())
+    >>> result = trainer.train()          # resumes from run/checkpoints/ when present
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, load_model, save_file, save_model
+from torch import nn
+from tqdm.auto import tqdm
+
+from leapfx.train.layerskip import LayerSkipTrainConfig, layerskip_loss
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_FORMAT = 1
+SAVE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# Options that only change how a run is watched or stopped, not the steps it takes: a resumed
+# run may change them.
+_RUNTIME_FIELDS = frozenset(
+    {"checkpoint_every", "keep_checkpoints", "max_minutes", "log_every", "progress", "save_dtype"}
+)
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """Optimisation options. ``steps`` is T of the LayerSkip curricula and of the LR schedule."""
+
+    steps: int = 1000  # T: optimiser steps of the whole run
+    batch_size: int = 16
+    seq_len: int = 256  # tokens per sample (the batch holds seq_len + 1 for the shifted targets)
+    lr: float = 1e-3  # peak learning rate
+    min_lr_ratio: float = 0.1  # the cosine ends at lr * min_lr_ratio
+    warmup_steps: int = 100  # linear warmup from lr / warmup_steps
+    weight_decay: float = 0.1  # on weights with >= 2 dims only (not norms)
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
+    seed: int = 0
+    checkpoint_every: int = 200  # steps between checkpoints; 0 = only when the run stops
+    keep_checkpoints: int = 2  # older checkpoints are deleted
+    max_minutes: float | None = None  # wall-clock budget of one train() call; None = no limit
+    log_every: int = 10
+    progress: bool = True  # tqdm bar
+    save_dtype: str = "float32"  # dtype of the final save_pretrained(): float32/float16/bfloat16
+
+    def __post_init__(self) -> None:
+        positive = ("steps", "batch_size", "seq_len", "log_every", "keep_checkpoints")
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}: got {value!r}; allowed range is an int >= 1")
+        for name in ("warmup_steps", "checkpoint_every", "seed"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name}: got {value!r}; allowed range is an int >= 0")
+        if not self.lr > 0:
+            raise ValueError(f"lr: got {self.lr!r}; allowed range is lr > 0")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"min_lr_ratio: got {self.min_lr_ratio!r}; allowed range is 0..1")
+        if self.weight_decay < 0:
+            raise ValueError(f"weight_decay: got {self.weight_decay!r}; allowed range is >= 0")
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{name}: got {getattr(self, name)!r}; allowed range is [0, 1)")
+        if self.grad_clip < 0:
+            raise ValueError(f"grad_clip: got {self.grad_clip!r}; allowed range is >= 0")
+        if self.max_minutes is not None and not self.max_minutes > 0:
+            raise ValueError(f"max_minutes: got {self.max_minutes!r}; allowed: > 0 or None")
+        if self.save_dtype not in SAVE_DTYPES:
+            raise ValueError(
+                f"save_dtype: got {self.save_dtype!r}; allowed values are {', '.join(SAVE_DTYPES)}"
+            )
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """What ``train()`` did."""
+
+    step: int  # steps completed in total (== config.steps when finished)
+    finished: bool  # False when the wall-clock budget stopped it first
+    elapsed_s: float  # wall-clock seconds of this call
+    tokens_per_s: float  # training throughput of this call
+    last_loss: float | None
+    final_dir: Path | None  # the save_pretrained() directory when finished
+
+
+def lr_at(step: int, config: TrainerConfig) -> float:
+    """Linear warmup over ``warmup_steps``, then cosine from ``lr`` to ``lr * min_lr_ratio``."""
+    if step < config.warmup_steps:
+        return config.lr * (step + 1) / config.warmup_steps
+    span = max(1, config.steps - config.warmup_steps)
+    progress = min(1.0, (step - config.warmup_steps) / span)
+    cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return config.lr * (config.min_lr_ratio + (1.0 - config.min_lr_ratio) * cosine)
+
+
+def step_generator(seed: int, step: int, stream: str) -> torch.Generator:
+    """A CPU generator seeded from ``(seed, step, stream)`` only."""
+    digest = hashlib.sha256(f"{seed}:{step}:{stream}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "big") >> 1)
+
+
+def sample_batch(
+    tokens: torch.Tensor, batch_size: int, seq_len: int, generator: torch.Generator
+) -> torch.Tensor:
+    """``batch_size`` random windows of ``seq_len + 1`` tokens: ``[B, S+1]`` int64."""
+    n = tokens.numel() - seq_len - 1
+    if n < 1:
+        raise ValueError(
+            f"seq_len: got {seq_len}; the token stream has only {tokens.numel()} tokens"
+        )
+    starts = torch.randint(0, n + 1, (batch_size,), generator=generator)
+    offsets = torch.arange(seq_len + 1)
+    return tokens[starts[:, None] + offsets].long()
+
+
+def make_optimizer(model: nn.Module, config: TrainerConfig) -> torch.optim.AdamW:
+    """AdamW with weight decay on parameters of >= 2 dims (matrices, embeddings) only."""
+    decay, no_decay = [], []
+    for p in model.parameters():  # deduplicates tied weights
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    groups = [
+        {"params": decay, "weight_decay": config.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2))
+
+
+def temp_dir_beside(final: Path) -> Path:
+    """A new empty directory next to ``final`` (same filesystem, so a rename can move it)."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+
+
+def move_into_place(tmp: Path, final: Path) -> None:
+    """Move the complete directory ``tmp`` to ``final`` (replacing an older one)."""
+    old = None
+    if final.exists():
+        old = final.with_name(f".{final.name}.old-{os.getpid()}")
+        final.rename(old)
+    tmp.rename(final)
+    if old is not None:
+        shutil.rmtree(old)
+
+
+def save_pretrained_atomic(
+    model: nn.Module,
+    final_dir: str | Path,
+    *,
+    tokenizer=None,
+    dtype: torch.dtype | None = None,
+    extra_json: dict[str, dict] | None = None,
+) -> Path:
+    """``model.save_pretrained`` (+ tokenizer, + extra JSON files) into ``final_dir``, atomically.
+
+    ``dtype`` casts a copy of the model first; the caller's model is not changed.
+
+    >>> save_pretrained_atomic(model, "out/model", tokenizer=tok, dtype=torch.bfloat16)
+    """
+    final_dir = Path(final_dir)
+    tmp = temp_dir_beside(final_dir)
+    try:
+        to_save = model if dtype is None else copy.deepcopy(model).to(dtype)
+        to_save.save_pretrained(tmp, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        for name, obj in (extra_json or {}).items():
+            (tmp / name).write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+        move_into_place(tmp, final_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final_dir
+
+
+def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict, list[dict]]:
+    sd = optimizer.state_dict()
+    tensors = {}
+    for idx, state in sd["state"].items():
+        for key, value in state.items():
+            tensors[f"state.{idx}.{key}"] = torch.as_tensor(value).contiguous()
+    groups = [
+        {k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()}
+        for g in sd["param_groups"]
+    ]
+    return tensors, groups
+
+
+def _load_optimizer(optimizer: torch.optim.Optimizer, tensors: dict, groups: list[dict]) -> None:
+    state: dict[int, dict] = {}
+    for name, value in tensors.items():
+        _, idx, key = name.split(".", 2)
+        state.setdefault(int(idx), {})[key] = value
+    for g in groups:
+        if isinstance(g.get("betas"), list):
+            g["betas"] = tuple(g["betas"])
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+class LayerSkipTrainer:
+    """Trains ``model`` (a supported HF causal LM, in place) on a 1-D token stream.
+
+    ``out_dir`` holds checkpoints, metrics and the final model; ``tokenizer`` (optional) is saved
+    beside the final model.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        train_tokens: torch.Tensor,
+        *,
+        out_dir: str | Path,
+        config: TrainerConfig,
+        recipe: LayerSkipTrainConfig,
+        tokenizer=None,
+    ) -> None:
+        if train_tokens.dim() != 1:
+            raise ValueError(f"train_tokens: expected a 1-D tensor, got {train_tokens.dim()}-D")
+        self.model = model
+        self.tokens = train_tokens
+        self.out_dir = Path(out_dir)
+        self.config = config
+        self.recipe = recipe
+        self.tokenizer = tokenizer
+        self.optimizer = make_optimizer(model, config)
+        self.step = 0  # the next step to run
+
+    # -- checkpoints -------------------------------------------------------------------------
+
+    @property
+    def checkpoint_root(self) -> Path:
+        return self.out_dir / "checkpoints"
+
+    def checkpoints(self) -> list[Path]:
+        """Complete checkpoints, oldest first."""
+        if not self.checkpoint_root.is_dir():
+            return []
+        return sorted(p for p in self.checkpoint_root.glob("step-*") if p.is_dir())
+
+    def _identity(self) -> dict:
+        trainer = {
+            k: v for k, v in dataclasses.asdict(self.config).items() if k not in _RUNTIME_FIELDS
+        }
+        return {"trainer": trainer, "recipe": dataclasses.asdict(self.recipe)}
+
+    def save_checkpoint(self, elapsed_s: float = 0.0) -> Path:
+        """Write the model, the optimizer and the step to ``checkpoints/step-NNNNNNN``."""
+        final = self.checkpoint_root / f"step-{self.step:07d}"
+        tmp = temp_dir_beside(final)
+        try:
+            save_model(self.model, str(tmp / "model.safetensors"))
+            tensors, groups = _optimizer_tensors(self.optimizer)
+            save_file(tensors, str(tmp / "optimizer.safetensors"))
+            state = {
+                "format": CHECKPOINT_FORMAT,
+                "step": self.step,
+                "elapsed_s": elapsed_s,
+                "param_groups": groups,
+                "config": dataclasses.asdict(self.config),
+                **self._identity(),
+            }
+            (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2) + "\n")
+            move_into_place(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        for old in self.checkpoints()[: -self.config.keep_checkpoints]:
+            shutil.rmtree(old, ignore_errors=True)
+        return final
+
+    def load_checkpoint(self, path: str | Path | None = None) -> bool:
+        """Restore the latest (or the given) checkpoint; False when there is none.
+
+        Raises ValueError when the checkpoint was made with options that change the run.
+        """
+        if path is None:
+            found = self.checkpoints()
+            if not found:
+                return False
+            path = found[-1]
+        path = Path(path)
+        state = json.loads((path / "trainer_state.json").read_text())
+        if state.get("format") != CHECKPOINT_FORMAT:
+            raise ValueError(f"checkpoint {path}: format {state.get('format')!r} is not supported")
+        mine = self._identity()
+        diffs = [
+            f"{section}.{key}: checkpoint {state[section].get(key)!r} vs now {value!r}"
+            for section in ("trainer", "recipe")
+            for key, value in mine[section].items()
+            if state[section].get(key) != (list(value) if isinstance(value, tuple) else value)
+        ]
+        if diffs:
+            raise ValueError(
+                f"checkpoint {path} was made with other options ({'; '.join(diffs)}); "
+                "resume with the same options or use a fresh out_dir"
+            )
+        missing, unexpected = load_model(self.model, str(path / "model.safetensors"))
+        assert not missing and not unexpected, (missing, unexpected)
+        _load_optimizer(
+            self.optimizer, load_file(str(path / "optimizer.safetensors")), state["param_groups"]
+        )
+        self.step = int(state["step"])
+        log.info("resumed from %s at step %d", path, self.step)
+        return True
+
+    # -- training ----------------------------------------------------------------------------
+
+    def train_step(self) -> dict:
+        """One optimiser step at ``self.step``; returns its metrics."""
+        cfg = self.config
+        t = self.step
+        batch = sample_batch(
+            self.tokens, cfg.batch_size, cfg.seq_len, step_generator(cfg.seed, t, "batch")
+        )
+        lr = lr_at(t, cfg)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.model.train()
+        out = layerskip_loss(
+            self.model,
+            batch,
+            step=t,
+            total_steps=cfg.steps,
+            config=self.recipe,
+            generator=step_generator(cfg.seed, t, "dropout"),
+        )
+        self.optimizer.zero_grad(set_to_none=True)
+        out.loss.backward()
+        grad_norm = None
+        if cfg.grad_clip > 0:
+            grad_norm = float(
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+            )
+        self.optimizer.step()
+        self.step += 1
+        last = len(out.scales) - 1
+        return {
+            "step": t,
+            "loss": float(out.loss.detach()),
+            "last_layer_loss": out.layer_losses.get(last),
+            # keyed by the exit E = l + 1 (layers run), as in evaluate.py's reports
+            "exit_losses": {str(k + 1): v for k, v in out.layer_losses.items()},
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "dropped": int((~out.keep).sum()),
+            "tokens": out.tokens,
+        }
+
+    def train(self, *, resume: bool = True, final_dir: str | Path | None = None) -> TrainResult:
+        """Run (or resume) the training; save the final model when all steps are done.
+
+        With ``max_minutes`` the call stops before a step that would overrun the budget, saves a
+        checkpoint, and returns ``finished=False``; calling ``train()`` again continues.
+        """
+        cfg = self.config
+        torch.manual_seed(cfg.seed)
+        if resume:
+            self.load_checkpoint()
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        budget_s = cfg.max_minutes * 60.0 if cfg.max_minutes is not None else math.inf
+        start = time.perf_counter()
+        tokens = 0
+        last_loss = None
+        step_s = 0.0  # slowest recent step, to stop before overrunning the budget
+        saved_at = self.step
+        bar = tqdm(total=cfg.steps, initial=self.step, disable=not cfg.progress, desc="layerskip")
+        with open(self.out_dir / "metrics.jsonl", "a") as metrics:
+            while self.step < cfg.steps:
+                if time.perf_counter() - start + step_s > budget_s:
+                    log.info(
+                        "wall-clock budget of %.1f min reached at step %d",
+                        cfg.max_minutes,
+                        self.step,
+                    )
+                    break
+                t0 = time.perf_counter()
+                record = self.train_step()
+                dt = time.perf_counter() - t0
+                step_s = max(dt, 0.9 * step_s)
+                tokens += record["tokens"]
+                last_loss = record["loss"]
+                elapsed = time.perf_counter() - start
+                bar.update(1)
+                bar.set_postfix(loss=f"{last_loss:.3f}", tok_s=f"{tokens / elapsed:.0f}")
+                if record["step"] % cfg.log_every == 0 or self.step == cfg.steps:
+                    record["elapsed_s"] = elapsed
+                    record["tokens_per_s"] = tokens / elapsed
+                    metrics.write(json.dumps(record) + "\n")
+                    metrics.flush()
+                if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
+                    self.save_checkpoint(elapsed)
+                    saved_at = self.step
+        bar.close()
+        elapsed = time.perf_counter() - start
+        if self.step != saved_at:
+            self.save_checkpoint(elapsed)
+        finished = self.step >= cfg.steps
+        final = None
+        if finished:
+            final = save_pretrained_atomic(
+                self.model,
+                final_dir if final_dir is not None else self.out_dir / "model",
+                tokenizer=self.tokenizer,
+                dtype=SAVE_DTYPES[cfg.save_dtype] if cfg.save_dtype != "float32" else None,
+                extra_json={"leapfx_training.json": {"step": self.step, **self._identity()}},
+            )
+        return TrainResult(
+            step=self.step,
+            finished=finished,
+            elapsed_s=elapsed,
+            tokens_per_s=tokens / elapsed if elapsed > 0 else 0.0,
+            last_loss=last_loss,
+            final_dir=final,
+        )
