@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 
@@ -30,6 +31,105 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if result["identical_to_hf_greedy"] else 1
 
 
+def _bench(args: argparse.Namespace) -> int:
+    import torch
+
+    from .bench import bench_prompts, load_model
+    from .bench.harness import BenchConfig, run_bench
+    from .bench.report import table, write_json, write_plot
+    from .bench.sweep import calibrate, choose, sweep_table
+
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads: {args.threads} is invalid; allowed: an integer >= 1")
+        torch.set_num_threads(args.threads)
+    import transformers
+
+    # The CLI owns this process: HF's own progress bars and warnings would bury the report.
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+    for flag in ("json", "plot"):
+        out = getattr(args, flag)
+        if out is not None and not os.path.isdir(os.path.dirname(os.path.abspath(out))):
+            raise ValueError(f"--{flag}: the directory of {out!r} does not exist")
+    model, tokenizer = load_model(args.model, device=args.device)
+    num_layers = model.config.num_hidden_layers
+    if args.exit_layer is not None and not 1 <= args.exit_layer <= num_layers - 1:
+        raise ValueError(
+            f"--exit-layer: {args.exit_layer} is out of range for this {num_layers}-layer "
+            f"model; allowed: 1..{num_layers - 1}"
+        )
+    prompts = bench_prompts(
+        tokenizer, count=args.prompts, num_tokens=args.prompt_tokens, device=args.device
+    )
+    quiet = args.quiet
+    exit_layer, d = args.exit_layer, args.num_speculations
+    calibration = []
+    if args.sweep or args.auto or args.plot:
+        exits = _grid(args.sweep_exit_layers, num_layers)
+        specs = [int(x) for x in args.sweep_speculations.split(",")] if args.sweep else [d]
+        cal_prompts = prompts if args.sweep else prompts[:2]
+        calibration = calibrate(
+            model, cal_prompts, exits, specs, max_new_tokens=args.max_new_tokens,
+            repeats=args.repeats if args.sweep else 1, progress=not quiet,
+        )  # fmt: skip
+        if args.sweep:
+            print(sweep_table(calibration))
+        if args.auto:
+            best = choose(calibration)
+            exit_layer, d = best.exit_layer, best.num_speculations
+            print(
+                f"--auto: exit_layer={exit_layer} num_speculations={d} (alpha "
+                f"{best.alpha:.3f}, c {best.c:.3f}, predicted {best.predicted:.2f}x)"
+            )
+    config = BenchConfig(
+        recipe=args.recipe, exit_layer=exit_layer, num_speculations=d,
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+        repeats=args.repeats, warmup=args.warmup,
+    )  # fmt: skip
+    rows = run_bench(model, prompts, config, progress=not quiet)
+    print(table(rows))
+    hf = next(r for r in rows if r.system.startswith("hf_"))
+    share = hf.extra.get("repeated_4gram_share")
+    if share is not None:
+        print(f"{hf.system}: {share:.1%} of generated 4-grams repeat an earlier one")
+    meta = {
+        "model": str(args.model or "reference"), "recipe": args.recipe,
+        "exit_layer": exit_layer, "num_speculations": d,
+        "prompts": len(prompts), "prompt_tokens": args.prompt_tokens,
+        "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+        "repeats": args.repeats, "threads": torch.get_num_threads(), "device": args.device,
+    }  # fmt: skip
+    if args.json:
+        write_json(args.json, rows, meta)
+    if args.plot:
+        by_exit: dict[int, float] = {}
+        for c in calibration:
+            by_exit[c.exit_layer] = max(by_exit.get(c.exit_layer, 0.0), c.acceptance_rate)
+        write_plot(args.plot, rows, by_exit)
+    return 0
+
+
+def _grid(spec: str | None, num_layers: int) -> list[int]:
+    if spec:
+        exits = [int(x) for x in spec.split(",")]
+        bad = [e for e in exits if not 1 <= e <= num_layers - 1]
+        if bad:
+            raise ValueError(
+                f"--sweep-exit-layers: {bad[0]} is out of range; allowed: 1..{num_layers - 1}"
+            )
+        return exits
+    return list(range(1, min(num_layers, 9)))
+
+
+def _train_reference(args: argparse.Namespace) -> int:
+    from .train.reference import train_reference
+
+    report = train_reference(args.out, minutes=args.minutes, seed=args.seed, threads=args.threads)
+    print(json.dumps(report, indent=2))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="leapfx", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -40,6 +140,35 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-new-tokens", type=int, default=64)
     demo.add_argument("--json", action="store_true", help="print the result as JSON")
     demo.set_defaults(func=_demo)
+
+    bench = sub.add_parser("bench", help="HF and leapfx systems side by side (the main job)")
+    bench.add_argument("--model", default=None, help="local HF checkpoint dir (default: reference)")
+    bench.add_argument("--recipe", default="layerskip")
+    bench.add_argument("--exit-layer", type=int, default=None)
+    bench.add_argument("--num-speculations", type=int, default=6)
+    bench.add_argument("--prompts", type=int, default=8, help="number of held-out prompts")
+    bench.add_argument("--prompt-tokens", type=int, default=64, help="tokens per prompt")
+    bench.add_argument("--max-new-tokens", type=int, default=128)
+    bench.add_argument("--temperature", type=float, default=0.0, help="> 0: sampling rows")
+    bench.add_argument("--repeats", type=int, default=3, help="timed passes (median)")
+    bench.add_argument("--warmup", type=int, default=1, help="untimed passes first")
+    bench.add_argument("--device", default="cpu")
+    bench.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    bench.add_argument("--json", default=None, help="write the rows as JSON to this path")
+    bench.add_argument("--plot", default=None, help="write a PNG to this path")
+    bench.add_argument("--sweep", action="store_true", help="grid of exit layer x speculations")
+    bench.add_argument("--sweep-exit-layers", default=None, help="e.g. 2,3,4,6")
+    bench.add_argument("--sweep-speculations", default="2,4,6,8")
+    bench.add_argument("--auto", action="store_true", help="pick E and d by calibration")
+    bench.add_argument("--quiet", action="store_true", help="no progress bars")
+    bench.set_defaults(func=_bench)
+
+    train = sub.add_parser("train-reference", help="train the project's reference model")
+    train.add_argument("out", help="output directory (resumes if it holds a checkpoint)")
+    train.add_argument("--minutes", type=float, default=60.0)
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--threads", type=int, default=None)
+    train.set_defaults(func=_train_reference)
     return parser
 
 

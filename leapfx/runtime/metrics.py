@@ -29,6 +29,7 @@ class DecodeMetrics:
     accepted_drafts: int = 0
     accepted_per_verify: list[int] = field(default_factory=list)  # s_k, bonus included
     num_speculations: int = 0
+    stage_seconds: dict[str, float] = field(default_factory=dict)  # host time per stage
 
     def record_verify(self, drafted: int, accepted: int) -> None:
         self.verify_calls += 1
@@ -72,4 +73,5 @@ class DecodeMetrics:
             "acceptance_rate": self.acceptance_rate,
             "mean_accepted_tokens": self.mean_accepted_tokens,
             "ctar": self.ctar_curve,
+            "stage_seconds": dict(self.stage_seconds),
         }

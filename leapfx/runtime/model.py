@@ -186,6 +186,7 @@ class SpeculativeModel:
         start = time.perf_counter()
         tokens = self.recipe.schedule(runner, prompt, request, metrics)
         metrics.seconds = time.perf_counter() - start
+        metrics.stage_seconds = dict(runner.seconds)
         metrics.new_tokens = len(tokens)
         self.last_metrics = metrics
         new = torch.tensor([tokens], dtype=input_ids.dtype, device=input_ids.device)

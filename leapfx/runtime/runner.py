@@ -10,6 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+import time
+from collections import defaultdict
+
 import torch
 
 from .cache import StaticKVCache
@@ -38,6 +41,15 @@ class StageRunner:
         self.stages = stages
         self.cache = cache
         self.layout = layout
+        # Host wall time per stage name, for cost ratios (bench --sweep). On a GPU these are
+        # launch times unless the caller synchronises; the bench does.
+        self.seconds: defaultdict[str, float] = defaultdict(float)
+
+    def _call(self, name: str, **inputs) -> dict[str, torch.Tensor]:
+        start = time.perf_counter()
+        out = self.stages[name](**inputs)
+        self.seconds[name] += time.perf_counter() - start
+        return out
 
     def _positions(self, start: int, length: int) -> torch.Tensor:
         # position_ids: [1, S]
@@ -53,7 +65,8 @@ class StageRunner:
     def full(self, input_ids: torch.Tensor, start: int) -> torch.Tensor:
         """All layers on ``input_ids`` [1, S] at positions start..; returns logits [1, S, V]."""
         n = input_ids.shape[1]
-        out = self.stages["full"](
+        out = self._call(
+            "full",
             input_ids=input_ids,
             position_ids=self._positions(start, n),
             masks=self._masks(start, n),
@@ -64,7 +77,8 @@ class StageRunner:
     def draft(self, input_ids: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layers < E and the exit head; returns (exit logits [1, S, V], exit hidden [1, S, H])."""
         n = input_ids.shape[1]
-        out = self.stages["draft"](
+        out = self._call(
+            "draft",
             input_ids=input_ids,
             position_ids=self._positions(start, n),
             masks=self._masks(start, n),
@@ -83,7 +97,8 @@ class StageRunner:
         """
         c, m = exit_hidden.shape[1], input_ids.shape[1]
         new_start = hidden_start + c
-        out = self.stages["verify"](
+        out = self._call(
+            "verify",
             input_ids=input_ids,
             position_ids=self._positions(new_start, m),
             masks=self._masks(new_start, m),

@@ -1,0 +1,317 @@
+"""The benchmark harness behind ``leapfx bench``: systems side by side, one process, one run.
+
+Every system decodes the same prompts with the same ``max_new_tokens`` and the same stop rule:
+
+- ``hf_greedy``                HF ``generate`` (the baseline, speedup 1.00x)
+- ``hf_assistant_early_exit``  HF's own LayerSkip: ``generate(assistant_early_exit=E,
+                               num_assistant_tokens=d)``, constant schedule
+- ``leapfx_autoregressive``    the leapfx runtime without speculation
+- ``leapfx_early_exit``        exit after E layers for every token (lossy: agreement reported)
+- ``leapfx_<recipe>``          the recipe under test (``layerskip`` by default)
+
+Timing: one warm-up pass per system, then ``repeats`` timed passes; within a pass the systems
+run in a rotated order so drift on a shared machine spreads over all of them. A system's time is
+the median over passes of its total time for all prompts, and tokens/s = new tokens / that time.
+Speedups are ratios of tokens/s measured in the same run.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from .. import rewrite
+from ..runtime.metrics import DecodeMetrics
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """Options of one benchmark run (the CLI's flags)."""
+
+    recipe: str = "layerskip"
+    exit_layer: int | None = None  # None: the recipe's default
+    num_speculations: int = 6
+    max_new_tokens: int = 128
+    temperature: float = 0.0  # 0: greedy; > 0: sampling rows with a distribution check
+    repeats: int = 3
+    warmup: int = 1
+    hf_baselines: bool = True
+
+    def validate(self) -> BenchConfig:
+        checks = [
+            ("--num-speculations", self.num_speculations, 1),
+            ("--max-new-tokens", self.max_new_tokens, 1),
+            ("--repeats", self.repeats, 1),
+            ("--warmup", self.warmup, 0),
+        ]
+        for name, value, low in checks:
+            if not isinstance(value, int) or value < low:
+                raise ValueError(f"{name}: {value!r} is invalid; allowed: an integer >= {low}")
+        if not self.temperature >= 0:
+            raise ValueError(f"--temperature: {self.temperature!r} is invalid; allowed: >= 0")
+        return self
+
+
+@dataclass
+class Row:
+    """One system's line of the report (and of ``--json``)."""
+
+    system: str
+    tokens_per_second: float
+    speedup: float = 1.0
+    mean_accepted_tokens: float | None = None
+    acceptance_rate: float | None = None
+    ctar: list[float] | None = None
+    identical_to_greedy: bool | None = None  # lossless systems, greedy runs
+    agreement_with_greedy: float | None = None  # lossy systems: share of equal tokens
+    distribution_check: str | None = None  # sampling runs
+    new_tokens: int = 0
+    seconds: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if v is not None}
+
+
+@dataclass
+class SystemRun:
+    """What one system produced over all prompts in one pass."""
+
+    outputs: list[torch.Tensor]
+    seconds: float
+    metrics: list[DecodeMetrics]
+
+
+class System:
+    """A named way to decode: ``generate(prompt) -> (ids [1, n + new], metrics or None)``."""
+
+    def __init__(
+        self,
+        name: str,
+        generate: Callable[[torch.Tensor], torch.Tensor],
+        metrics: Callable[[], DecodeMetrics | None] = lambda: None,
+        lossless: bool = True,
+    ) -> None:
+        self.name = name
+        self.generate = generate
+        self.metrics = metrics
+        self.lossless = lossless
+
+    def run(self, prompts: list[torch.Tensor]) -> SystemRun:
+        outputs, metrics = [], []
+        start = time.perf_counter()
+        for prompt in prompts:
+            outputs.append(self.generate(prompt))
+            m = self.metrics()
+            if m is not None:
+                metrics.append(m)
+        return SystemRun(outputs, time.perf_counter() - start, metrics)
+
+
+def _sampling_kwargs(config: BenchConfig) -> dict:
+    if config.temperature > 0:
+        return {"do_sample": True, "temperature": config.temperature}
+    return {"do_sample": False}
+
+
+def build_systems(model: nn.Module, config: BenchConfig, generator_seed: int = 0) -> list[System]:
+    """The systems of a run, HF baseline first."""
+    target = rewrite.apply(model, config.recipe, **_recipe_options(config))
+    exit_layer = target.options.exit_layer
+    d = getattr(target.options, "num_speculations", config.num_speculations)
+    sampling = _sampling_kwargs(config)
+    n = config.max_new_tokens
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(generator_seed)
+
+    def hf(**extra):
+        def run(prompt):
+            with torch.inference_mode():
+                return model.generate(
+                    prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n,
+                    **sampling, **extra,
+                )  # fmt: skip
+
+        return run
+
+    def ours(sm):
+        extra = {"generator": gen} if sampling["do_sample"] else {}
+        return lambda prompt: sm.generate(prompt, max_new_tokens=n, **sampling, **extra)
+
+    systems = []
+    if config.hf_baselines:
+        systems.append(System(baseline_name(config), hf()))
+        assistant = hf(
+            assistant_early_exit=exit_layer,
+            num_assistant_tokens=d,
+            num_assistant_tokens_schedule="constant",
+        )
+        systems.append(System("hf_assistant_early_exit", assistant))
+    ar = rewrite.apply(model, "autoregressive")
+    ee = rewrite.apply(model, "early_exit", exit_layer=exit_layer)
+    systems.append(System("leapfx_autoregressive", ours(ar), lambda: ar.last_metrics))
+    systems.append(System("leapfx_early_exit", ours(ee), lambda: ee.last_metrics, lossless=False))
+    if config.recipe not in ("autoregressive", "early_exit"):
+        systems.append(System(f"leapfx_{config.recipe}", ours(target), lambda: target.last_metrics))
+    return systems
+
+
+def _recipe_options(config: BenchConfig) -> dict:
+    options = {}
+    if config.exit_layer is not None:
+        options["exit_layer"] = config.exit_layer
+    if config.recipe == "layerskip":
+        options["num_speculations"] = config.num_speculations
+    return options
+
+
+def repeated_4gram_share(new_tokens: list[int]) -> float:
+    """Share of the output's 4-grams that already occurred earlier in the same output."""
+    grams = [tuple(new_tokens[i : i + 4]) for i in range(len(new_tokens) - 3)]
+    seen, repeats = set(), 0
+    for g in grams:
+        repeats += g in seen
+        seen.add(g)
+    return repeats / len(grams) if grams else 0.0
+
+
+def _agreement(ours: torch.Tensor, ref: torch.Tensor, prompt_len: int) -> tuple[int, int]:
+    a, b = ours[0, prompt_len:], ref[0, prompt_len:]
+    n = min(len(a), len(b))
+    return int((a[:n] == b[:n]).sum()), max(len(a), len(b))
+
+
+def run_bench(
+    model: nn.Module,
+    prompts: list[torch.Tensor],
+    config: BenchConfig,
+    *,
+    progress: bool = True,
+) -> list[Row]:
+    """Run every system on ``prompts`` and return one Row per system (baseline first)."""
+    config.validate()
+    if not prompts:
+        raise ValueError("--prompts: no prompts to run; allowed: at least 1")
+    systems = build_systems(model, config)
+    passes = config.warmup + config.repeats
+    times: dict[str, list[float]] = {s.name: [] for s in systems}
+    first: dict[str, SystemRun] = {}
+    bar = tqdm(total=passes * len(systems), desc="bench", unit="run", disable=not progress)
+    for p in range(passes):
+        k = p % len(systems)
+        for system in systems[k:] + systems[:k]:  # rotate the order every pass
+            bar.set_postfix_str(system.name)
+            result = system.run(prompts)
+            if p >= config.warmup:
+                times[system.name].append(result.seconds)
+                first.setdefault(system.name, result)
+            bar.update()
+    bar.close()
+    rows = _rows(systems, prompts, config, times, first)
+    if config.temperature > 0:
+        _distribution_checks(model, rows, systems, first, prompts)
+    return rows
+
+
+def baseline_name(config: BenchConfig) -> str:
+    """HF ``generate`` is the baseline; the leapfx runtime when HF rows are switched off."""
+    if not config.hf_baselines:
+        return "leapfx_autoregressive"
+    return "hf_greedy" if config.temperature == 0 else "hf_sample"
+
+
+def _rows(systems, prompts, config, times, first) -> list[Row]:
+    greedy = config.temperature == 0
+    base = baseline_name(config)
+    baseline = first[base]
+    rows = []
+    for system in systems:
+        run = first[system.name]
+        new = sum(o.shape[1] - p.shape[1] for o, p in zip(run.outputs, prompts, strict=True))
+        seconds = statistics.median(times[system.name])
+        row = Row(system.name, new / seconds, new_tokens=new, seconds=seconds)
+        if run.metrics and any(m.verify_calls for m in run.metrics):
+            _speculation_stats(row, run.metrics)
+        if greedy and system.name != base:
+            pairs = zip(run.outputs, baseline.outputs, prompts, strict=True)
+            if system.lossless:
+                row.identical_to_greedy = all(torch.equal(o, r) for o, r, _ in pairs)
+            else:
+                agree = [_agreement(o, r, p.shape[1]) for o, r, p in pairs]
+                row.agreement_with_greedy = sum(a for a, _ in agree) / max(
+                    1, sum(n for _, n in agree)
+                )
+        if system.name == base:
+            shares = [
+                repeated_4gram_share(o[0, p.shape[1] :].tolist())
+                for o, p in zip(run.outputs, prompts, strict=True)
+            ]
+            row.extra["repeated_4gram_share"] = sum(shares) / len(shares)
+        if run.metrics:
+            row.extra["stage_seconds"] = _sum_stage_seconds(run.metrics)
+        rows.append(row)
+    base_tps = rows[0].tokens_per_second
+    for row in rows:
+        row.speedup = row.tokens_per_second / base_tps if base_tps else math.nan
+    return rows
+
+
+def _speculation_stats(row: Row, metrics: list[DecodeMetrics]) -> None:
+    steps = [s for m in metrics for s in m.accepted_per_verify]
+    drafted = sum(m.drafted_tokens for m in metrics)
+    accepted = sum(m.accepted_drafts for m in metrics)
+    d = max(m.num_speculations for m in metrics)
+    row.mean_accepted_tokens = sum(steps) / len(steps)
+    row.acceptance_rate = accepted / drafted if drafted else 0.0
+    row.ctar = [sum(1 for s in steps if s > w) / len(steps) for w in range(1, d + 1)]
+    rejected = sum(1 for m in metrics for s in m.accepted_per_verify if s <= m.num_speculations)
+    # Per-token acceptance probability (geometric MLE), what the speedup formula's alpha means.
+    row.extra["alpha"] = accepted / (accepted + rejected) if accepted + rejected else 0.0
+    row.extra["draft_calls"] = sum(m.draft_calls for m in metrics)
+    row.extra["verify_calls"] = sum(m.verify_calls for m in metrics)
+
+
+def _sum_stage_seconds(metrics: list[DecodeMetrics]) -> dict[str, float]:
+    total: dict[str, float] = {}
+    for m in metrics:
+        for k, v in m.stage_seconds.items():
+            total[k] = total.get(k, 0.0) + v
+    return total
+
+
+def _distribution_checks(model, rows, systems, first, prompts) -> None:
+    """Sampling runs: a lossless system must sample what HF samples. Compared by the full
+    model's per-token negative log-likelihood of what each produced (two-sample Mann-Whitney
+    test; a small p-value flags a distribution shift). The exact proof is in the unit tests."""
+    from scipy.stats import mannwhitneyu
+
+    base = rows[0].system
+    ref = _nlls(model, first[base].outputs, prompts)
+    for row, system in zip(rows, systems, strict=True):
+        if not system.lossless or system.name == base:
+            continue
+        nll = _nlls(model, first[system.name].outputs, prompts)
+        p = mannwhitneyu(nll, ref).pvalue
+        row.distribution_check = (
+            f"per-token NLL {statistics.fmean(nll):.3f} vs HF {statistics.fmean(ref):.3f}, "
+            f"Mann-Whitney p={p:.2f}"
+        )
+
+
+def _nlls(model, outputs, prompts) -> list[float]:
+    out = []
+    with torch.inference_mode():
+        for o, p in zip(outputs, prompts, strict=True):
+            logits = model(o).logits[0, p.shape[1] - 1 : -1].float()
+            nll = torch.nn.functional.cross_entropy(logits, o[0, p.shape[1] :], reduction="none")
+            out.extend(nll.tolist())
+    return out

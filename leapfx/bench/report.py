@@ -1,0 +1,89 @@
+"""Report of a bench run: the table, ``--json`` rows and the ``--plot`` PNG."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from .harness import Row
+
+
+def _fmt(value, spec: str = ".2f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def table(rows: list[Row]) -> str:
+    """A plain-text table of the rows (what ``leapfx bench`` prints)."""
+    d = max((len(r.ctar) for r in rows if r.ctar), default=0)
+    head = ["system", "tok/s", "speedup", "mean acc", "accept", f"CTAR(1..{d})", "identical"]
+    lines = []
+    for r in rows:
+        if r.identical_to_greedy is not None:
+            same = "yes" if r.identical_to_greedy else "NO"
+        elif r.agreement_with_greedy is not None:
+            same = f"agree {r.agreement_with_greedy:.1%}"
+        elif r.distribution_check is not None:
+            same = r.distribution_check
+        else:
+            same = "(baseline)" if r is rows[0] else "-"
+        ctar = " ".join(f"{c:.2f}" for c in r.ctar) if r.ctar else "-"
+        lines.append([
+            r.system, f"{r.tokens_per_second:.1f}", f"{r.speedup:.2f}x",
+            _fmt(r.mean_accepted_tokens), _fmt(r.acceptance_rate), ctar, same,
+        ])  # fmt: skip
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *lines, strict=True)]
+    out = ["  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True))]
+    out.append("  ".join("-" * w for w in widths))
+    out += ["  ".join(str(x).ljust(w) for x, w in zip(line, widths, strict=True)) for line in lines]
+    return "\n".join(out)
+
+
+def write_atomic(path: str | Path, data: bytes) -> None:
+    """Write to a temp file beside ``path`` and rename it into place."""
+    path = Path(path)
+    if not path.parent.is_dir():
+        raise ValueError(f"output path {str(path)!r}: its directory does not exist")
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_json(path: str | Path, rows: list[Row], meta: dict) -> None:
+    """``--json``: a list of row dicts; run settings are repeated in each row's ``run`` field."""
+    payload = [{**r.as_dict(), "run": meta} for r in rows]
+    write_atomic(path, json.dumps(payload, indent=2).encode())
+
+
+def write_plot(path: str | Path, rows: list[Row], acceptance_by_exit: dict[int, float]) -> None:
+    """``--plot``: speedup per system, and acceptance rate against the exit layer."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    names = [r.system for r in rows]
+    a.barh(names, [r.speedup for r in rows], color="tab:blue")
+    a.axvline(1.0, color="gray", lw=1)
+    a.set_xlabel("speedup vs HF greedy (tokens/s ratio)")
+    a.invert_yaxis()
+    if acceptance_by_exit:
+        xs = sorted(acceptance_by_exit)
+        b.plot(xs, [acceptance_by_exit[x] for x in xs], marker="o")
+    b.set_xlabel("exit layer E")
+    b.set_ylabel("acceptance rate")
+    b.set_ylim(0, 1)
+    b.grid(alpha=0.3)
+    fig.tight_layout()
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)

@@ -1,0 +1,117 @@
+"""Choosing E and d: the speedup formula, ``--sweep`` over a grid, and ``--auto`` calibration.
+
+The standard speculative-decoding estimate (Leviathan et al. 2023, eq. for walltime): with a
+per-token acceptance probability alpha, d draft tokens per round and a draft step costing c times
+a target step, the expected speedup over autoregressive decoding is
+
+    (1 - alpha^(d+1)) / ((1 - alpha) (d c + 1)).
+
+alpha is measured as accepted / (accepted + rejected drafts) (the geometric MLE; drafts after a
+rejection are never tested), and c as the measured time of one draft-stage call over the time
+per token of the leapfx autoregressive schedule in the same run. The prediction is therefore
+relative to ``leapfx_autoregressive``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from .. import rewrite
+
+
+def predicted_speedup(alpha: float, d: int, c: float) -> float:
+    """(1 - alpha^(d+1)) / ((1 - alpha)(d c + 1)); alpha = 1 gives (d + 1) / (d c + 1)."""
+    tokens = d + 1 if alpha >= 1.0 else (1 - alpha ** (d + 1)) / (1 - alpha)
+    return tokens / (d * c + 1)
+
+
+@dataclass
+class Calibration:
+    exit_layer: int
+    num_speculations: int
+    alpha: float
+    acceptance_rate: float
+    c: float
+    tokens_per_second: float
+    predicted: float  # vs leapfx_autoregressive
+    measured: float | None = None  # vs leapfx_autoregressive, when measured
+
+
+def _run(sm, prompts, max_new_tokens) -> tuple[float, list]:
+    metrics, seconds, new = [], 0.0, 0
+    for p in prompts:
+        out = sm.generate(p, max_new_tokens=max_new_tokens)
+        metrics.append(sm.last_metrics)
+        seconds += sm.last_metrics.seconds
+        new += out.shape[1] - p.shape[1]
+    return new / seconds, metrics
+
+
+def autoregressive_seconds_per_token(model, prompts, max_new_tokens, repeats=1) -> float:
+    ar = rewrite.apply(model, "autoregressive")
+    best = min(_run(ar, prompts, max_new_tokens)[0] for _ in range(repeats))
+    return 1.0 / best
+
+
+def calibrate(
+    model: nn.Module,
+    prompts: list[torch.Tensor],
+    exit_layers: list[int],
+    speculations: list[int],
+    *,
+    max_new_tokens: int,
+    repeats: int = 1,
+    progress: bool = True,
+) -> list[Calibration]:
+    """Measure alpha, c and tokens/s of layerskip for each (E, d) of the grid."""
+    ar_tok = autoregressive_seconds_per_token(model, prompts, max_new_tokens, repeats)
+    grid = [(e, d) for e in exit_layers for d in speculations]
+    out = []
+    for e, d in tqdm(grid, desc="sweep", unit="cfg", disable=not progress):
+        sm = rewrite.apply(model, "layerskip", exit_layer=e, num_speculations=d)
+        runs = [_run(sm, prompts, max_new_tokens) for _ in range(repeats)]
+        tps, metrics = max(runs, key=lambda r: r[0])
+        accepted = sum(m.accepted_drafts for m in metrics)
+        drafted = sum(m.drafted_tokens for m in metrics)
+        rejected = sum(1 for m in metrics for s in m.accepted_per_verify if s <= d)
+        alpha = accepted / (accepted + rejected) if accepted + rejected else 0.0
+        draft_s = sum(m.stage_seconds.get("draft", 0.0) for m in metrics)
+        calls = sum(m.draft_calls for m in metrics)
+        c = (draft_s / calls) / ar_tok if calls else 1.0
+        out.append(
+            Calibration(
+                exit_layer=e, num_speculations=d, alpha=alpha,
+                acceptance_rate=accepted / drafted if drafted else 0.0, c=c,
+                tokens_per_second=tps, predicted=predicted_speedup(alpha, d, c),
+                measured=tps * ar_tok,
+            )
+        )  # fmt: skip
+    return out
+
+
+def choose(calibrations: list[Calibration]) -> Calibration:
+    """The (E, d) with the best predicted speedup (``--auto``)."""
+    return max(calibrations, key=lambda c: c.predicted)
+
+
+def sweep_table(rows: list[Calibration]) -> str:
+    head = f"{'E':>3} {'d':>3} {'alpha':>6} {'accept':>6} {'c':>6} {'tok/s':>8} "
+    head += f"{'measured':>9} {'predicted':>9} {'ratio':>6}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        m = r.measured if r.measured is not None else float("nan")
+        lines.append(
+            f"{r.exit_layer:>3} {r.num_speculations:>3} {r.alpha:>6.3f} {r.acceptance_rate:>6.3f}"
+            f" {r.c:>6.3f} {r.tokens_per_second:>8.1f} {m:>8.2f}x {r.predicted:>8.2f}x"
+            f" {m / r.predicted:>6.2f}"
+        )
+    return "\n".join(lines)
+
+
+def as_dicts(rows: list[Calibration]) -> list[dict]:
+    return [dataclasses.asdict(r) for r in rows]

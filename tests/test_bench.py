@@ -1,0 +1,107 @@
+"""leapfx bench: rows side by side, JSON fields, the speedup formula, one-line errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+
+from leapfx.bench import load_model
+from leapfx.bench.harness import BenchConfig, repeated_4gram_share, run_bench
+from leapfx.bench.sweep import calibrate, choose, predicted_speedup
+from leapfx.cli import main
+from leapfx.train.data import byte_tokenizer
+from tests.conftest import tiny_model
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ckpt")
+    tok = byte_tokenizer()
+    model = tiny_model("llama", layers=4, vocab=len(tok), eos=tok.eos_token_id)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def test_run_bench_rows(checkpoint):
+    model, tok = load_model(checkpoint)
+    prompts = [torch.tensor([tok("def f(x):\n    return")["input_ids"]])] * 2
+    config = BenchConfig(exit_layer=2, num_speculations=3, max_new_tokens=12, repeats=1)
+    rows = run_bench(model, prompts, config, progress=False)
+    names = [r.system for r in rows]
+    assert names == [
+        "hf_greedy", "hf_assistant_early_exit", "leapfx_autoregressive",
+        "leapfx_early_exit", "leapfx_layerskip",
+    ]  # fmt: skip
+    by = {r.system: r for r in rows}
+    assert by["hf_greedy"].speedup == 1.0
+    for name in ("hf_assistant_early_exit", "leapfx_autoregressive", "leapfx_layerskip"):
+        assert by[name].identical_to_greedy is True
+    assert 0.0 <= by["leapfx_early_exit"].agreement_with_greedy <= 1.0
+    ls = by["leapfx_layerskip"]
+    assert len(ls.ctar) == 3 and ls.mean_accepted_tokens >= 1.0
+    assert all(r.tokens_per_second > 0 for r in rows)
+    assert 0.0 <= by["hf_greedy"].extra["repeated_4gram_share"] <= 1.0
+
+
+def test_cli_json_fields(checkpoint, tmp_path, capsys):
+    out = tmp_path / "rows.json"
+    code = main([
+        "bench", "--model", str(checkpoint), "--prompts", "2", "--prompt-tokens", "8",
+        "--max-new-tokens", "8", "--repeats", "1", "--exit-layer", "2", "--quiet",
+        "--json", str(out),
+    ])  # fmt: skip
+    assert code == 0
+    rows = json.loads(out.read_text())
+    assert {"system", "tokens_per_second", "speedup", "identical_to_greedy"} <= rows[-1].keys()
+    assert {"mean_accepted_tokens", "acceptance_rate"} <= rows[-1].keys()
+    assert rows[-1]["system"] == "leapfx_layerskip"
+    assert "leapfx_layerskip" in capsys.readouterr().out
+
+
+def _one_line_error(argv, capsys, pattern):
+    capsys.readouterr()  # drop what the test's own setup printed
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err
+    assert pattern in err, err
+
+
+def test_bad_model_path(capsys, tmp_path):
+    _one_line_error(["bench", "--model", str(tmp_path / "nope")], capsys, "is not a directory")
+
+
+def test_unsupported_checkpoint(capsys, tmp_path):
+    config = transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=50)
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path)
+    _one_line_error(["bench", "--model", str(tmp_path)], capsys, "'gpt2'")
+
+
+def test_exit_layer_beyond_depth(checkpoint, capsys):
+    argv = ["bench", "--model", str(checkpoint), "--exit-layer", "9"]
+    _one_line_error(argv, capsys, "--exit-layer: 9 is out of range")
+
+
+def test_predicted_speedup_formula():
+    assert predicted_speedup(0.0, 4, 0.1) == pytest.approx(1 / 1.4)
+    assert predicted_speedup(1.0, 4, 0.0) == pytest.approx(5.0)
+    alpha, d, c = 0.8, 5, 0.25
+    assert predicted_speedup(alpha, d, c) == pytest.approx((1 - 0.8**6) / (0.2 * 2.25))
+
+
+def test_calibrate_and_choose(checkpoint):
+    model, tok = load_model(checkpoint)
+    prompts = [torch.tensor([tok("import os\n")["input_ids"]])]
+    cal = calibrate(model, prompts, [1, 2], [2, 3], max_new_tokens=8, progress=False)
+    assert [(c.exit_layer, c.num_speculations) for c in cal] == [(1, 2), (1, 3), (2, 2), (2, 3)]
+    assert all(0.0 <= c.alpha <= 1.0 and c.c > 0 for c in cal)
+    assert choose(cal).predicted == max(c.predicted for c in cal)
+
+
+def test_repeated_4gram_share():
+    assert repeated_4gram_share([1, 2, 3, 4, 5, 6]) == 0.0
+    assert repeated_4gram_share([1, 2, 3, 4, 1, 2, 3, 4]) == pytest.approx(1 / 5)
+    assert repeated_4gram_share([7] * 10) == pytest.approx(6 / 7)
