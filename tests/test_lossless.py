@@ -7,6 +7,7 @@ num_speculations. Float ties are detected and reported (see greedy_check), never
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -118,7 +119,8 @@ def test_verify_reuses_draft_layers():
         layer.register_forward_hook(lambda mod, a, o, i=i: calls.__setitem__(i, calls[i] + 1))
         for i, layer in enumerate(model.model.layers)
     ]
-    sm = rewrite.apply(model, "layerskip", exit_layer=2, num_speculations=4)
+    # fuse_layers=False: the HF layer modules run, so their forward hooks count the calls.
+    sm = rewrite.apply(model, "layerskip", exit_layer=2, num_speculations=4, fuse_layers=False)
     sm.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=20)
     for h in hooks:
         h.remove()
@@ -126,6 +128,17 @@ def test_verify_reuses_draft_layers():
     # lower layers: prefill + every draft + one token per verify; upper: prefill + every verify.
     assert calls[0] == calls[1] == m.full_calls + m.draft_calls + m.verify_calls
     assert calls[2] == calls[3] == m.full_calls + m.verify_calls
+
+
+@pytest.mark.parametrize("recipe", ["autoregressive", "layerskip", "early_exit"])
+def test_fused_and_module_layers_decode_identically(recipe):
+    model = tiny_model("qwen3", layers=5, seed=7)
+    prompt = torch.tensor([[4, 8, 15, 16, 23, 42]])
+    outs = [
+        rewrite.apply(model, recipe, fuse_layers=fuse).generate(prompt, max_new_tokens=40)
+        for fuse in (True, False)
+    ]
+    assert torch.equal(outs[0], outs[1])
 
 
 def test_sampling_params_follow_generation_config():

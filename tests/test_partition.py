@@ -77,5 +77,7 @@ def test_draft_and_verify_stages_reproduce_the_full_model():
 def test_stages_share_weights_with_the_model():
     model = tiny_model("llama", layers=4)
     stages = rewrite.apply(model, "layerskip", exit_layer=2).stages
+    owned = {p.data_ptr() for p in model.parameters()}
     for gm in stages.modules.values():
-        assert gm.get_submodule("model.layers.0") is model.model.layers[0]
+        assert all(p.data_ptr() in owned for p in gm.parameters())
+        assert gm.get_submodule("leapfx_fused.layer_0").layer is model.model.layers[0]

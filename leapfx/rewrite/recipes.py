@@ -7,17 +7,22 @@ Every recipe has one frozen options dataclass. Options are validated against the
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
 from torch import fx
 
+from ..passes.adapter import InsertKangarooAdapter
+from ..passes.adapter_checkpoint import LoadKangarooAdapter, read_adapter_config
 from ..passes.base import GraphPass
 from ..passes.exit_head import InsertExitHead
+from ..passes.fuse_layers import FuseDecoderLayers
 from ..passes.partition import Stages, early_exit_stages, full_stage, partition
-from ..runtime import schedules
-from ..runtime.model import Schedule
+from ..runtime import kangaroo, schedules
+from ..runtime.model import RecipeTraining, Schedule
 
 
 def default_exit_layer(num_layers: int) -> int:
@@ -39,14 +44,30 @@ def _check_cache(value) -> None:
         _check_int("max_cache_len", value, 2)
 
 
+def _check_bool(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}: {value!r} is invalid; allowed: True or False")
+
+
+# Every recipe's options carry fuse_layers: run decoder layers through FuseDecoderLayers
+# (bitwise-identical math without nn.Module dispatch, ~25% faster per layer in eager mode).
+# False calls the HF layer modules themselves (their forward hooks then fire).
+
+
+def _fuse(options) -> list[GraphPass]:
+    return [FuseDecoderLayers()] if options.fuse_layers else []
+
+
 @dataclass(frozen=True)
 class AutoregressiveOptions:
     """The runtime's own autoregressive schedule (no rewrite): the baseline."""
 
     max_cache_len: int | None = None  # None: sized per generate call
+    fuse_layers: bool = True
 
     def validate(self, num_layers: int) -> AutoregressiveOptions:
         _check_cache(self.max_cache_len)
+        _check_bool("fuse_layers", self.fuse_layers)
         return self
 
 
@@ -56,11 +77,13 @@ class EarlyExitOptions:
 
     exit_layer: int | None = None  # None: default_exit_layer(L)
     max_cache_len: int | None = None
+    fuse_layers: bool = True
 
     def validate(self, num_layers: int) -> EarlyExitOptions:
         e = default_exit_layer(num_layers) if self.exit_layer is None else self.exit_layer
         _check_int("exit_layer", e, 1, num_layers - 1)
         _check_cache(self.max_cache_len)
+        _check_bool("fuse_layers", self.fuse_layers)
         return dataclasses.replace(self, exit_layer=e)
 
 
@@ -73,18 +96,114 @@ class LayerSkipOptions:
     # layer around L/4 with acceptance rates near 0.7-0.8.
     num_speculations: int = 6
     max_cache_len: int | None = None
+    fuse_layers: bool = True
 
     def validate(self, num_layers: int) -> LayerSkipOptions:
         e = default_exit_layer(num_layers) if self.exit_layer is None else self.exit_layer
         _check_int("exit_layer", e, 1, num_layers - 1)
         _check_int("num_speculations", self.num_speculations, 1)
         _check_cache(self.max_cache_len)
+        _check_bool("fuse_layers", self.fuse_layers)
         return dataclasses.replace(self, exit_layer=e)
+
+
+def default_kangaroo_exit_layer(num_layers: int) -> int:
+    """ceil(L / 16), at least 1 and at most L - 1.
+
+    Kangaroo (Fig. 3a) exits after l=2 of Vicuna-7B's 32 layers and l=3 of Vicuna-13B's 40:
+    ceil(L/16) gives exactly those, and l=1 for models of up to 16 layers, where one layer is
+    already at least 1/16 of the depth (the draft must stay cheap: the paper finds that deeper
+    exits raise acceptance but lose end-to-end speed).
+    """
+    return max(1, min(num_layers - 1, -(-num_layers // 16)))
+
+
+def _check_threshold(name: str, value) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not (ok and math.isfinite(value) and 0 <= value < 1):
+        raise ValueError(
+            f"{name}: {value!r} is invalid; allowed: a number in [0, 1) "
+            "(0 drafts max_draft_tokens tokens every round)"
+        )
+
+
+# Kangaroo's paper settings (sec. 4.2): at most gamma = 6 drafts a round, threshold eta = 0.6.
+KANGAROO_MAX_DRAFT_TOKENS = 6
+KANGAROO_CONFIDENCE_THRESHOLD = 0.6
+
+
+@dataclass(frozen=True)
+class KangarooOptions:
+    """Kangaroo: draft with layers < exit_layer + an adapter, stop drafting when unsure (lossless).
+
+    With ``adapter`` (a directory written by ``SpeculativeModel.save_adapter``) every option
+    left as None comes from the checkpoint, and ``exit_layer`` must match it.
+    """
+
+    exit_layer: int | None = None  # l; None: the adapter's, else default_kangaroo_exit_layer(L)
+    max_draft_tokens: int | None = None  # gamma; None: the adapter's, else 6
+    # eta (eq. 4): a round stops drafting once the draft's top-1 probability is <= eta; 0 drafts
+    # gamma tokens every round. None: the adapter's, else 0.6.
+    confidence_threshold: float | None = None
+    adapter: str | os.PathLike | None = None  # trained adapter dir; None: initialised from layer l
+    max_cache_len: int | None = None
+
+    def validate(self, num_layers: int) -> KangarooOptions:
+        saved: dict = {}
+        path = None
+        if self.adapter is not None:
+            if not isinstance(self.adapter, (str, os.PathLike)):
+                raise ValueError(
+                    f"adapter: {self.adapter!r} is invalid; allowed: a checkpoint directory "
+                    "(str or os.PathLike) or None"
+                )
+            path = os.fspath(self.adapter)
+            saved = read_adapter_config(path, recipe="kangaroo").get("options", {})
+
+        def pick(name: str, default):
+            value = getattr(self, name)
+            return saved.get(name, default) if value is None else value
+
+        e = pick("exit_layer", default_kangaroo_exit_layer(num_layers))
+        _check_int("exit_layer", e, 1, num_layers - 1)
+        if saved.get("exit_layer") not in (None, e):
+            raise ValueError(
+                f"exit_layer: {e!r} does not match the adapter at {path!r}, which was trained "
+                f"after layer {saved['exit_layer']}; allowed: {saved['exit_layer']} or None"
+            )
+        gamma = pick("max_draft_tokens", KANGAROO_MAX_DRAFT_TOKENS)
+        _check_int("max_draft_tokens", gamma, 1)
+        eta = pick("confidence_threshold", KANGAROO_CONFIDENCE_THRESHOLD)
+        _check_threshold("confidence_threshold", eta)
+        cache_len = pick("max_cache_len", None)
+        _check_cache(cache_len)
+        return dataclasses.replace(
+            self,
+            exit_layer=e,
+            max_draft_tokens=gamma,
+            confidence_threshold=float(eta),
+            adapter=path,
+            max_cache_len=cache_len,
+        )
+
+
+def _kangaroo_passes(o: KangarooOptions) -> list[GraphPass]:
+    passes: list[GraphPass] = [InsertKangarooAdapter(exit_layer=o.exit_layer)]
+    if o.adapter is not None:
+        passes.append(LoadKangarooAdapter(path=o.adapter))
+    return passes
+
+
+def _kangaroo_training() -> RecipeTraining:
+    # Imported when used: decoding never needs the training code.
+    from ..train.kangaroo import KangarooTraining
+
+    return KangarooTraining()
 
 
 @dataclass(frozen=True)
 class Recipe:
-    """A named recipe: options type, passes, partition, schedule."""
+    """A named recipe: options type, passes, partition, schedule (and what trains, if any)."""
 
     name: str
     description: str
@@ -94,6 +213,7 @@ class Recipe:
     schedule: Callable[[object], Schedule]
     lookahead: Callable[[object], int]
     lossless: bool
+    training: Callable[[], RecipeTraining] | None = None  # fits/saves the inserted parts
 
 
 def _full_only(gm: fx.GraphModule) -> Stages:
@@ -107,7 +227,7 @@ RECIPES: dict[str, Recipe] = {
             name="autoregressive",
             description="the leapfx runtime without speculation (baseline)",
             options_type=AutoregressiveOptions,
-            passes=lambda o: [],
+            passes=_fuse,
             cut=_full_only,
             schedule=lambda o: schedules.autoregressive,
             lookahead=lambda o: 1,
@@ -117,7 +237,7 @@ RECIPES: dict[str, Recipe] = {
             name="early_exit",
             description="LayerSkip early-exit inference (lossy)",
             options_type=EarlyExitOptions,
-            passes=lambda o: [InsertExitHead(layer=o.exit_layer)],
+            passes=lambda o: [InsertExitHead(layer=o.exit_layer), *_fuse(o)],
             cut=early_exit_stages,
             schedule=lambda o: schedules.early_exit,
             lookahead=lambda o: 1,
@@ -127,13 +247,28 @@ RECIPES: dict[str, Recipe] = {
             name="layerskip",
             description="LayerSkip self-speculative decoding (lossless)",
             options_type=LayerSkipOptions,
-            passes=lambda o: [InsertExitHead(layer=o.exit_layer)],
+            passes=lambda o: [InsertExitHead(layer=o.exit_layer), *_fuse(o)],
             cut=partition,
             schedule=lambda o: partial(
                 schedules.self_speculative, num_speculations=o.num_speculations
             ),
             lookahead=lambda o: o.num_speculations + 1,
             lossless=True,
+        ),
+        Recipe(
+            name="kangaroo",
+            description="Kangaroo: shallow layers + adapter draft, dynamic length (lossless)",
+            options_type=KangarooOptions,
+            passes=_kangaroo_passes,
+            cut=partition,
+            schedule=lambda o: partial(
+                kangaroo.kangaroo,
+                max_draft_tokens=o.max_draft_tokens,
+                confidence_threshold=o.confidence_threshold,
+            ),
+            lookahead=lambda o: o.max_draft_tokens + 1,
+            lossless=True,
+            training=_kangaroo_training,
         ),
     )
 }

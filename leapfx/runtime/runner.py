@@ -42,7 +42,7 @@ class StageRunner:
         self.cache = cache
         self.layout = layout
         # Host wall time per stage name, for cost ratios (bench --sweep). On a GPU these are
-        # launch times unless the caller synchronises; the bench does.
+        # launch times, not kernel times, unless the caller synchronises.
         self.seconds: defaultdict[str, float] = defaultdict(float)
 
     def _call(self, name: str, **inputs) -> dict[str, torch.Tensor]:

@@ -1,0 +1,120 @@
+"""FuseDecoderLayers: call each decoder layer's math directly, without nn.Module dispatch.
+
+In eager mode on a CPU, a small model's decode step is dominated by Python: an HF decoder layer
+goes through ~14 ``nn.Module.__call__`` dispatches (norms, projections, activation, attention)
+before any arithmetic. ``FusedDecoderLayer`` runs the same operations, in the same order, on the
+same (shared) parameters, calling ``F.linear``, the norms' ``forward`` and HF's own rotary and
+attention functions directly. The result is bitwise identical to the HF layer (the tests check
+it for every architecture it handles); it is about a quarter faster per layer on a 2-core CPU.
+
+It handles the Llama-shaped layers: Llama, Mistral, Qwen2, Qwen3 (q/k norms) and Gemma. Other
+layers (Phi-3's fused projections) are left as they are; the match count says how many changed.
+Forward hooks registered on the HF layer do not fire for a fused layer.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from .base import GraphPass, PassResult
+from .capture import nodes_by_role
+
+FUSABLE = frozenset(
+    {
+        "LlamaDecoderLayer",
+        "MistralDecoderLayer",
+        "Qwen2DecoderLayer",
+        "Qwen3DecoderLayer",
+        "GemmaDecoderLayer",
+    }
+)
+
+
+class FusedDecoderLayer(nn.Module):
+    """The math of one HF decoder layer with its modules' dispatch stripped (weights shared)."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+        module = sys.modules[type(layer).__module__]
+        self._rope = module.apply_rotary_pos_emb
+        attn = layer.self_attn
+        self._attention = ALL_ATTENTION_FUNCTIONS.get_interface(
+            attn.config._attn_implementation, module.eager_attention_forward
+        )
+        self._qk_norm = hasattr(attn, "q_norm")
+        # Mistral reads the window from the config, Qwen2/3 from the module; the mask applies
+        # it for sdpa/eager either way, but HF passes it on, and so do we.
+        window = getattr(attn, "sliding_window", getattr(attn.config, "sliding_window", None))
+        self._attn_kwargs = {} if type(layer).__name__ == "LlamaDecoderLayer" else {
+            "sliding_window": window
+        }  # fmt: skip
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        position_ids: torch.Tensor | None = None,
+        past_key_values=None,
+    ) -> torch.Tensor:
+        layer = self.layer
+        attn = layer.self_attn
+        residual = hidden_states
+        h = layer.input_layernorm.forward(hidden_states)
+        input_shape = h.shape[:-1]
+        hidden_shape = (*input_shape, -1, attn.head_dim)  # [B, S, heads, D]
+        q = F.linear(h, attn.q_proj.weight, attn.q_proj.bias).view(hidden_shape)
+        k = F.linear(h, attn.k_proj.weight, attn.k_proj.bias).view(hidden_shape)
+        v = F.linear(h, attn.v_proj.weight, attn.v_proj.bias).view(hidden_shape)
+        if self._qk_norm:
+            q, k = attn.q_norm.forward(q), attn.k_norm.forward(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, S, D]
+        cos, sin = position_embeddings
+        q, k = self._rope(q, k, cos, sin)
+        if past_key_values is not None:
+            k, v = past_key_values.update(k, v, attn.layer_idx)
+        out, _ = self._attention(
+            attn, q, k, v, attention_mask, dropout=0.0, scaling=attn.scaling, **self._attn_kwargs
+        )
+        out = out.reshape(*input_shape, -1).contiguous()
+        hidden_states = residual + F.linear(out, attn.o_proj.weight, attn.o_proj.bias)
+        residual = hidden_states
+        h = layer.post_attention_layernorm.forward(hidden_states)
+        mlp = layer.mlp
+        gate = mlp.act_fn.forward(F.linear(h, mlp.gate_proj.weight, mlp.gate_proj.bias))
+        up = F.linear(h, mlp.up_proj.weight, mlp.up_proj.bias)
+        h = F.linear(gate * up, mlp.down_proj.weight, mlp.down_proj.bias)
+        return residual + h
+
+
+def fusable(layer: nn.Module) -> bool:
+    return type(layer).__name__ in FUSABLE and not layer.training
+
+
+@dataclass(frozen=True)
+class FuseDecoderLayers(GraphPass):
+    """Point every fusable decoder-layer node at a FusedDecoderLayer over the same weights."""
+
+    name: ClassVar[str] = "fuse-decoder-layers"
+    requires: ClassVar[frozenset[str]] = frozenset({"decoder-graph"})
+    provides: ClassVar[frozenset[str]] = frozenset({"fused-layers"})
+
+    def run(self, gm: fx.GraphModule) -> PassResult:
+        matches = 0
+        for node in nodes_by_role(gm, "layer"):
+            layer = gm.get_submodule(node.target)
+            if isinstance(layer, FusedDecoderLayer) or not fusable(layer):
+                continue
+            target = f"leapfx_fused.layer_{node.meta['leapfx.layer']}"
+            gm.add_submodule(target, FusedDecoderLayer(layer))
+            node.target = target
+            matches += 1
+        return PassResult(gm, modified=matches > 0, matches=matches)
