@@ -62,28 +62,24 @@ class StageRunner:
             window=lay.window, dtype=lay.dtype, device=lay.device,
         )  # fmt: skip
 
-    def full(self, input_ids: torch.Tensor, start: int) -> torch.Tensor:
-        """All layers on ``input_ids`` [1, S] at positions start..; returns logits [1, S, V]."""
+    def chunk(self, name: str, input_ids: torch.Tensor, start: int) -> dict[str, torch.Tensor]:
+        """Run stage ``name`` on ``input_ids`` [1, S] at positions start..start+S-1."""
         n = input_ids.shape[1]
-        out = self._call(
-            "full",
+        return self._call(
+            name,
             input_ids=input_ids,
             position_ids=self._positions(start, n),
             masks=self._masks(start, n),
             cache=self.cache,
         )
-        return out["logits"]
+
+    def full(self, input_ids: torch.Tensor, start: int) -> torch.Tensor:
+        """All layers on ``input_ids`` [1, S] at positions start..; returns logits [1, S, V]."""
+        return self.chunk("full", input_ids, start)["logits"]
 
     def draft(self, input_ids: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layers < E and the exit head; returns (exit logits [1, S, V], exit hidden [1, S, H])."""
-        n = input_ids.shape[1]
-        out = self._call(
-            "draft",
-            input_ids=input_ids,
-            position_ids=self._positions(start, n),
-            masks=self._masks(start, n),
-            cache=self.cache,
-        )
+        out = self.chunk("draft", input_ids, start)
         return out["logits"], out["hidden"]
 
     def verify(
