@@ -34,6 +34,10 @@ from torch import fx, nn
 ROLE = "leapfx.role"
 LAYER = "leapfx.layer"
 ATTN_KIND = "leapfx.attn_kind"
+# A node that writes the KV cache as a side effect: stages keep it even when its output is unused.
+WRITES_CACHE = "leapfx.writes_cache"
+# GraphModule meta: KV-cache slots the rewrite adds past the host's layers (an adapter attention).
+EXTRA_CACHE_LAYERS = "leapfx.extra_cache_layers"
 
 # model_type -> notes on what differs. The decoder layers of all of these take the same call
 # (hidden, attention_mask=, position_embeddings=, position_ids=, past_key_values=) and return a

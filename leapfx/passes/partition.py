@@ -14,6 +14,12 @@ Stages are GraphModules with named inputs that share the model's modules by refe
     appended to ``exit_hidden`` and layers >= E, the norm and the head run on all c + m
     positions (``remainder_position_ids``). So verification never recomputes a lower layer.
 
+The draft head is whatever computes the graph's ``exit_logits`` from the lower layers: an exit
+head (norm + LM head) or the Kangaroo adapter (norms + attention + LM head). Nodes marked
+``leapfx.writes_cache`` (the adapter's attention) fill a KV-cache slot as a side effect, so every
+stage that runs the lower layers keeps them even where their output is unused: ``full`` and the
+lower part of ``verify`` write the adapter's KV for the positions they run.
+
 Example::
 
     >>> stages = partition(InsertExitHead(layer=2).run(capture(hf_model)).graph_module)
@@ -28,7 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from .capture import LAYER, ROLE, output_dict
+from .capture import LAYER, ROLE, WRITES_CACHE, output_dict
 from .exit_head import exit_layer_of
 
 _LOWER_ROLES = {"embed", "rotary", "mask", "layer"}
@@ -69,9 +75,24 @@ def _copy(graph: fx.Graph, nodes: list[fx.Node], env: dict[fx.Node, fx.Node]) ->
         env[node] = graph.node_copy(node, lambda n: env[n])
 
 
+def _has_side_effect(node: fx.Node) -> bool:
+    return node.meta.get(WRITES_CACHE, False) or node.is_impure()
+
+
+def _ancestors(node: fx.Node) -> set[fx.Node]:
+    seen: set[fx.Node] = set()
+    stack = [node]
+    while stack:
+        for parent in stack.pop().all_input_nodes:
+            if parent not in seen:
+                seen.add(parent)
+                stack.append(parent)
+    return seen
+
+
 def _finish(root: fx.GraphModule, graph: fx.Graph, name: str) -> fx.GraphModule:
     gm = fx.GraphModule(root, graph, class_name=f"{name.capitalize()}Stage")
-    gm.graph.eliminate_dead_code()
+    gm.graph.eliminate_dead_code(is_impure_node=_has_side_effect)
     gm.graph.lint()
     gm.recompile()
     gm.meta["leapfx.stage"] = name
@@ -100,7 +121,13 @@ def partition(gm: fx.GraphModule) -> Stages:
         return role in _LOWER_ROLES and (role != "layer" or n.meta[LAYER] < e)
 
     lower = [n for n in nodes if is_lower(n)]
-    exit_nodes = [n for n in nodes if n.meta.get(ROLE) in ("exit_norm", "exit_head")]
+    # The draft head: what computes exit_logits beyond the lower layers, in graph order.
+    head_part = {outputs["exit_logits"]} | _ancestors(outputs["exit_logits"])
+    exit_nodes = [n for n in nodes if n in head_part and not is_lower(n)]
+    # Cache writers of the draft head and what they read: they run wherever the lower layers run.
+    writers = [n for n in exit_nodes if n.meta.get(WRITES_CACHE)]
+    writer_part = set(writers).union(*(_ancestors(n) for n in writers))
+    lower_writers = [n for n in exit_nodes if n in writer_part]
     upper_layers = [n for n in nodes if n.meta.get(ROLE) == "layer" and n.meta[LAYER] >= e]
     tail = [n for n in nodes if n.meta.get(ROLE) in ("norm", "head")]
     rope = next(n for n in nodes if n.meta.get(ROLE) == "rotary")
@@ -117,7 +144,7 @@ def partition(gm: fx.GraphModule) -> Stages:
     names = ["input_ids", "position_ids", "masks", "exit_hidden", "remainder_position_ids"]
     ph = _placeholders(verify, [*names, "remainder_masks", "cache"])
     env = {inputs[k]: ph[k] for k in ("input_ids", "position_ids", "masks", "cache")}
-    _copy(verify, lower, env)
+    _copy(verify, lower + lower_writers, env)
     joined = verify.call_function(torch.cat, ([ph["exit_hidden"], env[outputs["exit_hidden"]]], 1))
     joined.name = "exit_query_cache"
     joined.meta[ROLE] = "exit_query_cache"

@@ -3,6 +3,8 @@
     >>> from leapfx import rewrite
     >>> sm = rewrite.apply(hf_model, "layerskip", exit_layer=4, num_speculations=6)
     >>> out = sm.generate(input_ids, max_new_tokens=128)
+    >>> kg = rewrite.apply(hf_model, "kangaroo", exit_layer=2)  # adapter=<dir>: a trained one
+    >>> kg.fit(token_ids); kg.save_adapter("kangaroo-adapter/")
 
 ``rewrite.recipes()`` lists the registered recipes. An unknown recipe or option, or an option
 value out of range, raises ValueError naming it and what is allowed, before anything runs.
@@ -16,7 +18,7 @@ import logging
 from torch import nn
 
 from ..passes.base import PassPipeline
-from ..passes.capture import capture, check_supported
+from ..passes.capture import EXTRA_CACHE_LAYERS, capture, check_supported
 from ..runtime.model import RecipeInfo, SpeculativeModel
 from .recipes import RECIPES, Recipe
 
@@ -63,6 +65,11 @@ def apply(model: nn.Module, recipe: str, **options) -> SpeculativeModel:
     stages = r.cut(gm)
     log.info("applied recipe %s with %s; passes: %s", r.name, opts, pipeline.counters)
     info = RecipeInfo(
-        name=r.name, options=opts, schedule=r.schedule(opts), lookahead=r.lookahead(opts)
+        name=r.name,
+        options=opts,
+        schedule=r.schedule(opts),
+        lookahead=r.lookahead(opts),
+        extra_cache_layers=gm.meta.get(EXTRA_CACHE_LAYERS, 0),
+        training=r.training,
     )
     return SpeculativeModel(model, gm, stages, info)

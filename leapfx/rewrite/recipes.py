@@ -147,6 +147,7 @@ class KangarooOptions:
     confidence_threshold: float | None = None
     adapter: str | os.PathLike | None = None  # trained adapter dir; None: initialised from layer l
     max_cache_len: int | None = None
+    fuse_layers: bool = True
 
     def validate(self, num_layers: int) -> KangarooOptions:
         saved: dict = {}
@@ -177,6 +178,7 @@ class KangarooOptions:
         _check_threshold("confidence_threshold", eta)
         cache_len = pick("max_cache_len", None)
         _check_cache(cache_len)
+        _check_bool("fuse_layers", self.fuse_layers)
         return dataclasses.replace(
             self,
             exit_layer=e,
@@ -188,7 +190,8 @@ class KangarooOptions:
 
 
 def _kangaroo_passes(o: KangarooOptions) -> list[GraphPass]:
-    passes: list[GraphPass] = [InsertKangarooAdapter(exit_layer=o.exit_layer)]
+    # The adapter copies layer l's attention, so it goes before passes that replace layers.
+    passes: list[GraphPass] = [InsertKangarooAdapter(exit_layer=o.exit_layer), *_fuse(o)]
     if o.adapter is not None:
         passes.append(LoadKangarooAdapter(path=o.adapter))
     return passes

@@ -91,14 +91,21 @@ class StaticKVCache:
         return self.lengths[layer_idx]
 
 
-def cache_for(model, max_len: int, *, dtype=None, device=None) -> StaticKVCache:
-    """A cache shaped for ``model`` (a supported HF causal LM)."""
+def cache_for(
+    model, max_len: int, *, extra_layers: int = 0, dtype=None, device=None
+) -> StaticKVCache:
+    """A cache shaped for ``model`` (a supported HF causal LM).
+
+    ``extra_layers`` slots past the model's own layers serve attention blocks a rewrite added
+    (the Kangaroo adapter writes slot ``num_hidden_layers``); they have the model's KV shape and
+    roll back with the rest.
+    """
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     param = next(model.parameters())
     return StaticKVCache(
-        config.num_hidden_layers,
+        config.num_hidden_layers + extra_layers,
         kv_heads,
         head_dim,
         max_len,

@@ -19,7 +19,7 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import fx, nn
@@ -39,6 +39,14 @@ Schedule = Callable[[StageRunner, torch.Tensor, DecodeRequest, DecodeMetrics], l
 _CACHE_ROUNDING = 256  # auto-sized caches grow in steps of this many positions
 
 
+class RecipeTraining(Protocol):
+    """How a recipe trains and saves the parts its passes inserted (e.g. Kangaroo's adapter)."""
+
+    def fit(self, model: SpeculativeModel, data: Any, **options: Any) -> Any: ...
+
+    def save(self, model: SpeculativeModel, path: Any) -> Any: ...
+
+
 @dataclass(frozen=True)
 class RecipeInfo:
     """What a SpeculativeModel needs to know about the recipe that built it."""
@@ -47,6 +55,9 @@ class RecipeInfo:
     options: Any  # the recipe's frozen options dataclass
     schedule: Schedule
     lookahead: int  # positions a schedule may write past the last emitted token
+    extra_cache_layers: int = 0  # KV-cache slots for attention blocks the rewrite added
+    # Trains/saves what the recipe inserted; a factory so that decoding never imports training.
+    training: Callable[[], RecipeTraining] | None = None
 
 
 class SpeculativeModel:
@@ -99,6 +110,32 @@ class SpeculativeModel:
     def config(self):
         return self._hf_model.config
 
+    def fit(self, data: Any, **options: Any) -> Any:
+        """Train the parts the recipe inserted (Kangaroo: the adapter); the host stays frozen.
+
+        ``data`` and ``options`` are the recipe's (see ``leapfx.train.kangaroo.fit``). The stages
+        share the trained modules, so ``generate`` uses them at once.
+
+        >>> sm = rewrite.apply(hf_model, "kangaroo", exit_layer=2)
+        >>> sm.fit(token_ids, steps=200)
+        """
+        return self._training("fit").fit(self, data, **options)
+
+    def save_adapter(self, path: Any) -> Any:
+        """Save what ``fit`` trained with the recipe's options (safetensors + JSON).
+
+        Load it back with ``rewrite.apply(hf_model, recipe, adapter=path)``.
+        """
+        return self._training("save_adapter").save(self, path)
+
+    def _training(self, what: str) -> RecipeTraining:
+        if self.recipe.training is None:
+            raise ValueError(
+                f"{what}: recipe {self.recipe.name!r} inserts nothing that trains; use a recipe "
+                "with trained parts (e.g. 'kangaroo')"
+            )
+        return self.recipe.training()
+
     def _cache_for(self, needed: int) -> StaticKVCache:
         fixed = getattr(self.options, "max_cache_len", None)
         if fixed is not None:
@@ -112,7 +149,9 @@ class SpeculativeModel:
         else:
             size = -(-needed // _CACHE_ROUNDING) * _CACHE_ROUNDING
         if self._cache is None or self._cache.max_len < size:
-            self._cache = cache_for(self._hf_model, size)
+            self._cache = cache_for(
+                self._hf_model, size, extra_layers=self.recipe.extra_cache_layers
+            )
         self._cache.reset()
         return self._cache
 

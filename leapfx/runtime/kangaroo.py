@@ -1,0 +1,117 @@
+"""Kangaroo's decode schedule: dynamic drafting with the adapter (sec. 3.2), one verify a round.
+
+Stages (``leapfx.passes.partition`` on a graph with a Kangaroo adapter):
+
+- ``full``: every layer, plus the adapter's attention for its KV (prefill);
+- ``draft``: layers < l, the adapter, the shared LM head -> the adapter's logits and the early
+  feature (layer l-1's output) of each token;
+- ``verify``: layers < l and the adapter's attention on the last draft token, then layers >= l,
+  norm and head on the early features of the round (the "double early exit": the shallow
+  sub-network's states are reused, never recomputed).
+
+A round, with the newest token x at position p (not yet in the cache) and every slot -- the host
+layers' and the adapter's -- holding positions 0..p-1::
+
+    draft:  y_1..y_d from x, y_1, ..; stops after the first y_i whose draft confidence
+            max_n M^s_n <= eta (eq. 4) or at d = gamma. Writes lower + adapter KV for p..p+d-1.
+    verify: y_d through layers < l and the adapter's attention (KV for p+d), then the upper
+            layers on p..p+d -> d+1 target distributions.
+    accept: k drafts and a correction/bonus token; crop every slot to p+k+1 (O(1)).
+
+So the adapter has KV for every committed position before it drafts again. This is the case of
+the paper's Figure 2: when all d drafts are accepted, the adapter has not yet seen y_d (it only
+proposed it), and the paper feeds [f_d, f_{d+1}] through the adapter at the start of the next
+round. Here verify already computes y_d's early feature f_d (it runs layers < l on y_d), so it
+also runs the adapter's attention on f_d, and the next round drafts from the bonus token with a
+one-token adapter call: no separate adapter pass, no two-token catch-up. When a draft is
+rejected, the crop drops that KV with the rest.
+
+Confidence: greedy decoding reads the adapter's softmax; sampling reads the warped distribution q
+it samples from (the one rejection sampling compares with the target). eta = 0 never stops
+early: fixed-length drafting, with no host sync inside the draft loop.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .metrics import DecodeMetrics
+from .runner import StageRunner
+from .sampling import probs
+from .schedules import DecodeRequest, Output, _token, accept, choose
+
+
+def draft_until_unsure(
+    runner: StageRunner,
+    x: torch.Tensor,
+    start: int,
+    max_tokens: int,
+    threshold: float,
+    request: DecodeRequest,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Draft from token x [1, 1] at position ``start`` until eq. 4 stops it or ``max_tokens``.
+
+    Returns draft tokens [1, d], their early features [1, d, H] (positions start..start+d-1)
+    and, when sampling, the draft distributions q [1, d, V]; 1 <= d <= max_tokens. The token
+    whose confidence falls to ``threshold`` or below is kept as the round's last draft.
+    """
+    tokens, hidden, qs = [], [], []
+    token = x
+    for i in range(max_tokens):
+        logits, h = runner.draft(token, start + i)  # logits: [1, 1, V], h: [1, 1, H]
+        if request.sampling.do_sample:
+            q = probs(logits[:, -1].float(), request.sampling)  # [1, V]
+            token = torch.multinomial(q, 1, generator=request.generator)
+            qs.append(q)
+        else:
+            q = None
+            token = logits[:, -1].argmax(dim=-1, keepdim=True)  # [1, 1]
+        tokens.append(token)
+        hidden.append(h)
+        if threshold > 0 and i + 1 < max_tokens:
+            dist = q if q is not None else torch.softmax(logits[:, -1].float(), dim=-1)
+            if float(dist.max()) <= threshold:  # eq. 4: the one host sync per draft step
+                break
+    q_all = torch.stack(qs, dim=1) if qs else None
+    return torch.cat(tokens, dim=1), torch.cat(hidden, dim=1), q_all
+
+
+def kangaroo(
+    runner: StageRunner,
+    prompt: torch.Tensor,
+    request: DecodeRequest,
+    metrics: DecodeMetrics,
+    max_draft_tokens: int,
+    confidence_threshold: float,
+) -> list[int]:
+    """Kangaroo decoding: adapter drafts with dynamic length, the upper layers verify."""
+    metrics.num_speculations = max_draft_tokens  # CTAR(w) for w = 1..gamma
+    out = Output(request)
+    logits = runner.full(prompt, 0)  # prefill (adapter KV included): [1, n, V]
+    metrics.full_calls += 1
+    pos = prompt.shape[1]  # position of x, the newest token (not yet in the cache)
+    x = choose(logits[:, -1], request)
+    out.extend([_token(x)])
+    while not out.done:
+        gamma = min(max_draft_tokens, out.remaining - 1)  # drafts past max_new_tokens are waste
+        if gamma == 0:
+            logits = runner.full(x, pos)
+            metrics.full_calls += 1
+            x = choose(logits[:, -1], request)
+            out.extend([_token(x)])
+            pos += 1
+            continue
+        drafts, features, q = draft_until_unsure(
+            runner, x, pos, gamma, confidence_threshold, request
+        )
+        d = drafts.shape[1]
+        metrics.draft_calls += d
+        # Layers < l + adapter KV for the last draft, upper layers for x and every draft.
+        target_logits = runner.verify(drafts[:, -1:], features, pos)  # [1, d+1, V]
+        k, next_token = accept(drafts, q, target_logits, request)
+        runner.cache.crop(pos + k + 1)  # keep x and the k accepted drafts, in every slot
+        metrics.record_verify(d, k)
+        out.extend([*drafts[0, :k].tolist(), next_token])
+        pos += k + 1
+        x = torch.tensor([[next_token]], device=drafts.device)
+    return out.tokens

@@ -1,0 +1,256 @@
+"""Kangaroo adapter distillation (sec. 3.1, eq. 3): only the adapter trains.
+
+The adapter A learns to map the residual stream after layer l-1 to what the full model predicts,
+through the model's own (frozen) LM head. The loss is eq. 3, the cross-entropy of the self-draft
+distribution M^s = softmax(head(A(h_l))) against the full model's distribution M^b at the same
+positions, averaged over positions::
+
+    loss = mean_t  sum_n  -M^b_n(x_t) * log M^s_n(x_t)
+
+The targets and the early features come from one no-grad forward pass of the HF model itself
+(so they are exactly the model the adapter drafts for); only the adapter's forward runs with
+autograd, and the LM head is called with detached weights, so no gradient ever reaches the
+user's model. AdamW at a constant learning rate, gradient clipping, a tqdm bar.
+
+Data is token ids (a 1-D tensor, a list of 1-D tensors or of int lists, or a [N, S] tensor whose
+rows are documents), or texts with ``tokenizer=`` (anything with ``encode(text) -> ids`` or a
+callable). Documents are concatenated into one stream, and each step trains on ``batch_size``
+windows of ``seq_len`` tokens drawn at random offsets from a seeded generator.
+
+Example::
+
+    >>> sm = rewrite.apply(hf_model, "kangaroo", exit_layer=2)
+    >>> result = sm.fit(token_ids, steps=300, batch_size=8, seq_len=128)
+    >>> sm.save_adapter("kangaroo-adapter/")     # rewrite.apply(..., adapter=...) loads it
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.func import functional_call
+from tqdm.auto import tqdm
+
+from leapfx.passes.adapter import adapter_of
+from leapfx.passes.adapter_checkpoint import host_signature, write_adapter
+from leapfx.passes.capture import decoder_parts
+from leapfx.runtime.masks import masks_for
+
+
+@dataclass(frozen=True)
+class KangarooFitConfig:
+    """Options of ``fit``. The paper trains 10 epochs with AdamW; here steps are explicit."""
+
+    steps: int = 200
+    batch_size: int = 8
+    seq_len: int = 128  # window length; shorter data trains on whole documents
+    lr: float = 1e-3  # one attention block from a sensible init: a high rate converges fast
+    weight_decay: float = 0.0  # norms and a single attention: nothing to regularise
+    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
+    seed: int = 0  # window sampling
+    progress: bool = True  # tqdm bar
+
+    def __post_init__(self) -> None:
+        for name, low in (("steps", 1), ("batch_size", 1), ("seq_len", 2), ("seed", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name}: {value!r} is invalid; allowed: an integer >= {low}")
+        for name, positive in (("lr", True), ("weight_decay", False), ("grad_clip", False)):
+            value = getattr(self, name)
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+            ok = ok and math.isfinite(value) and (value > 0 if positive else value >= 0)
+            if not ok:
+                allowed = "a finite number > 0" if positive else "a finite number >= 0"
+                raise ValueError(f"{name}: {value!r} is invalid; allowed: {allowed}")
+        if not isinstance(self.progress, bool):
+            raise ValueError(f"progress: {self.progress!r} is invalid; allowed: True or False")
+
+
+@dataclass
+class FitResult:
+    """What ``fit`` did: the eq.-3 loss of every step (on that step's batch)."""
+
+    steps: int
+    losses: list[float] = field(default_factory=list)
+    tokens: int = 0  # training tokens seen (batch_size * seq_len * steps)
+    seconds: float = 0.0
+
+    @property
+    def final_loss(self) -> float:
+        return self.losses[-1] if self.losses else float("nan")
+
+
+def kangaroo_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
+    """Eq. 3, averaged over positions: cross-entropy of the draft against the target.
+
+    ``draft_logits``, ``target_logits``: [..., V] -> a scalar. Computed in float32.
+
+    >>> logits = torch.randn(2, 5, 11)
+    >>> bool(kangaroo_loss(logits, logits) <= kangaroo_loss(torch.zeros_like(logits), logits))
+    True
+    """
+    target = torch.softmax(target_logits.float(), dim=-1)
+    log_draft = F.log_softmax(draft_logits.float(), dim=-1)
+    return -(target * log_draft).sum(dim=-1).mean()
+
+
+def token_stream(data: Any, *, vocab_size: int, tokenizer=None) -> torch.Tensor:
+    """All of ``data`` as one 1-D LongTensor of token ids (documents concatenated)."""
+    if isinstance(data, torch.Tensor):
+        docs = [data.reshape(-1)] if data.dim() <= 2 else None
+        if docs is None:
+            raise ValueError(f"data: a token tensor must be 1-D or 2-D, got {tuple(data.shape)}")
+    elif isinstance(data, str) or not isinstance(data, Sequence):
+        raise ValueError(
+            "data: expected token ids (a tensor, or a list of tensors / int lists) or a list of "
+            f"texts with tokenizer=; got {type(data).__name__}"
+        )
+    else:
+        docs = [_document(item, tokenizer) for item in data]
+    stream = torch.cat([d.long().reshape(-1) for d in docs]) if docs else torch.zeros(0)
+    if stream.numel() < 2:
+        raise ValueError("data: at least 2 tokens are needed to train on")
+    if int(stream.min()) < 0 or int(stream.max()) >= vocab_size:
+        raise ValueError(f"data: token ids must lie in 0..{vocab_size - 1}")
+    return stream.long()
+
+
+def _document(item: Any, tokenizer) -> torch.Tensor:
+    if isinstance(item, str):
+        if tokenizer is None:
+            raise ValueError("tokenizer: texts need a tokenizer (encode(text) -> ids); got None")
+        ids = tokenizer.encode(item) if hasattr(tokenizer, "encode") else tokenizer(item)
+        return torch.as_tensor(ids, dtype=torch.long)
+    if isinstance(item, torch.Tensor):
+        return item.reshape(-1)
+    if isinstance(item, Sequence) and all(isinstance(t, int) for t in item):
+        return torch.as_tensor(list(item), dtype=torch.long)
+    raise ValueError(
+        f"data: each item must be a text, a token tensor or a list of ints; got "
+        f"{type(item).__name__}"
+    )
+
+
+def sample_windows(
+    stream: torch.Tensor, batch_size: int, seq_len: int, generator: torch.Generator
+) -> torch.Tensor:
+    """``batch_size`` windows of ``min(seq_len, len(stream))`` tokens at random offsets: [B, S]."""
+    s = min(seq_len, stream.numel())
+    starts = torch.randint(0, stream.numel() - s + 1, (batch_size,), generator=generator)
+    return torch.stack([stream[i : i + s] for i in starts.tolist()])
+
+
+def adapter_and_target_logits(sm, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The adapter's logits (with autograd) and the full model's (without): both [B, S, V]."""
+    model = sm.hf_model
+    adapter = adapter_of(sm.graph_module)
+    parts = decoder_parts(model)
+    weight = next(model.parameters())
+    ids = input_ids.to(weight.device)
+    n = ids.shape[1]
+    with torch.no_grad():
+        out = model(input_ids=ids, output_hidden_states=True, use_cache=False)
+        target = out.logits  # [B, S, V]
+        features = out.hidden_states[adapter.exit_layer]  # [B, S, H]: after layer l-1
+        position_ids = torch.arange(n, device=ids.device)[None]  # [1, S]
+        rope = parts.rotary(features, position_ids)
+        masks = masks_for(
+            model.config._attn_implementation, [adapter.attn_kind], 0, n,
+            window=parts.sliding_window, dtype=weight.dtype, device=weight.device,
+        )  # fmt: skip
+    hidden = adapter(features, rope, masks[adapter.attn_kind])  # [B, S, H]
+    frozen = {k: v.detach() for k, v in parts.head.named_parameters()}
+    return functional_call(parts.head, frozen, (hidden,)), target
+
+
+@torch.no_grad()
+def evaluate_loss(sm, data: Any, *, tokenizer=None, seq_len: int = 128) -> float:
+    """Eq. 3 over all of ``data``, in consecutive windows of ``seq_len`` tokens."""
+    stream = token_stream(data, vocab_size=sm.config.vocab_size, tokenizer=tokenizer)
+    total, count = 0.0, 0
+    for start in range(0, stream.numel() - 1, seq_len):
+        window = stream[start : start + seq_len][None]
+        draft, target = adapter_and_target_logits(sm, window)
+        total += float(kangaroo_loss(draft, target)) * window.shape[1]
+        count += window.shape[1]
+    return total / count
+
+
+def fit(sm, data: Any, *, tokenizer=None, **options: Any) -> FitResult:
+    """Distil the Kangaroo adapter of ``sm`` on ``data`` (eq. 3); returns a FitResult.
+
+    ``options`` are the fields of :class:`KangarooFitConfig`. Only the adapter's parameters
+    change; the stages share them, so ``sm.generate`` drafts with the trained adapter at once.
+    """
+    fields = {f.name for f in dataclasses.fields(KangarooFitConfig)}
+    unknown = sorted(set(options) - fields)
+    if unknown:
+        raise ValueError(
+            f"option {unknown[0]!r} is not an option of fit; its options are: "
+            f"tokenizer, {', '.join(sorted(fields))}"
+        )
+    config = KangarooFitConfig(**options)
+    if sm.hf_model.training:
+        warnings.warn(
+            "the model is in training mode (dropout active): the targets are noisy; call "
+            "model.eval() first",
+            stacklevel=2,
+        )
+    stream = token_stream(data, vocab_size=sm.config.vocab_size, tokenizer=tokenizer)
+    adapter = adapter_of(sm.graph_module)
+    params = list(adapter.parameters())
+    optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
+    generator = torch.Generator().manual_seed(config.seed)
+    result = FitResult(steps=config.steps)
+    start = time.perf_counter()
+    adapter.train()
+    try:
+        bar = tqdm(range(config.steps), desc="kangaroo adapter", disable=not config.progress)
+        for _ in bar:
+            batch = sample_windows(stream, config.batch_size, config.seq_len, generator)
+            draft, target = adapter_and_target_logits(sm, batch)
+            loss = kangaroo_loss(draft, target)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            if config.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
+            optimizer.step()
+            result.losses.append(float(loss.detach()))
+            result.tokens += batch.numel()
+            bar.set_postfix(loss=f"{result.losses[-1]:.4f}")
+    finally:
+        adapter.eval()
+        optimizer.zero_grad(set_to_none=True)
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def save_adapter(sm, path: str | Path) -> Path:
+    """Write the adapter of ``sm`` and its recipe options (see passes.adapter_checkpoint)."""
+    options = {k: v for k, v in dataclasses.asdict(sm.options).items() if k != "adapter"}
+    return write_adapter(
+        adapter_of(sm.graph_module),
+        path,
+        recipe=sm.recipe.name,
+        options=options,
+        host=host_signature(sm.config),
+    )
+
+
+class KangarooTraining:
+    """The kangaroo recipe's training hook (``SpeculativeModel.fit`` / ``save_adapter``)."""
+
+    def fit(self, model, data: Any, **options: Any) -> FitResult:
+        return fit(model, data, **options)
+
+    def save(self, model, path: str | Path) -> Path:
+        return save_adapter(model, path)
