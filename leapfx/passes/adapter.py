@@ -122,13 +122,14 @@ class KangarooAdapter(nn.Module):
             )
         attention.load_state_dict(src.state_dict())
         attention.layer_idx = cache_slot
-        return cls(
+        adapter = cls(
             copy.deepcopy(layer.input_layernorm),
             attention,
             copy.deepcopy(final_norm),
             exit_layer=exit_layer,
             attn_kind=attn_kind,
         )
+        return adapter.train(layer.training)  # a new module starts in training mode
 
     def forward(
         self,

@@ -41,6 +41,11 @@ class PassError(RuntimeError):
     """A pass failed; the message names the pass and the passes that ran before it."""
 
 
+class PassInputError(PassError, ValueError):
+    """A pass refused its input (a ValueError inside it, e.g. a checkpoint that does not fit):
+    still a ValueError for callers, with the pass context of a PassError."""
+
+
 @dataclass(frozen=True)
 class GraphPass:
     """Base of every leapfx pass. Subclasses are frozen dataclasses; fields are options."""
@@ -114,7 +119,8 @@ class PassPipeline:
                 gm.recompile()
             except Exception as exc:
                 before = ", ".join(ran) or "none"
-                raise PassError(f"pass {p} failed (passes run before it: {before}): {exc}") from exc
+                error = PassInputError if isinstance(exc, ValueError) else PassError
+                raise error(f"pass {p} failed (passes run before it: {before}): {exc}") from exc
             ran.append(p.name)
             self.counters[p.name] = self.counters.get(p.name, 0) + result.matches
             facts = set(gm.meta.get("leapfx.facts", self.initial_facts))
