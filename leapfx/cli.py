@@ -85,7 +85,9 @@ def _bench(args: argparse.Namespace) -> int:
     config = BenchConfig(
         recipe=args.recipe, exit_layer=exit_layer, num_speculations=d,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-        repeats=args.repeats, warmup=args.warmup,
+        repeats=args.repeats, warmup=args.warmup, adapter=_adapter(args),
+        kangaroo_exit_layer=args.kangaroo_exit_layer,
+        confidence_threshold=args.confidence_threshold,
     )  # fmt: skip
     rows = run_bench(model, prompts, config, progress=not quiet)
     print(table(rows))
@@ -96,6 +98,7 @@ def _bench(args: argparse.Namespace) -> int:
     meta = {
         "model": str(args.model or "reference"), "recipe": args.recipe,
         "exit_layer": exit_layer, "num_speculations": d,
+        "adapter": config.adapter, "confidence_threshold": args.confidence_threshold,
         "prompts": len(prompts), "prompt_tokens": args.prompt_tokens,
         "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
         "repeats": args.repeats, "threads": torch.get_num_threads(), "device": args.device,
@@ -108,6 +111,19 @@ def _bench(args: argparse.Namespace) -> int:
             by_exit[c.exit_layer] = max(by_exit.get(c.exit_layer, 0.0), c.acceptance_rate)
         write_plot(args.plot, rows, by_exit)
     return 0
+
+
+def _adapter(args: argparse.Namespace) -> str | None:
+    """--adapter, else the reference model's shipped adapter when benchmarking the reference."""
+    from .bench import REFERENCE_ADAPTER
+
+    if args.recipe != "kangaroo":
+        return None
+    if args.adapter is not None:
+        return args.adapter
+    if args.model is None and REFERENCE_ADAPTER.is_dir():
+        return str(REFERENCE_ADAPTER)
+    return None
 
 
 def _grid(spec: str | None, num_layers: int) -> list[int]:
@@ -152,6 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--temperature", type=float, default=0.0, help="> 0: sampling rows")
     bench.add_argument("--repeats", type=int, default=3, help="timed passes (median)")
     bench.add_argument("--warmup", type=int, default=1, help="untimed passes first")
+    bench.add_argument("--adapter", default=None, help="kangaroo adapter dir")
+    bench.add_argument("--kangaroo-exit-layer", type=int, default=None)
+    bench.add_argument("--confidence-threshold", type=float, default=None, help="kangaroo eta")
     bench.add_argument("--device", default="cpu")
     bench.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     bench.add_argument("--json", default=None, help="write the rows as JSON to this path")

@@ -105,3 +105,15 @@ def test_repeated_4gram_share():
     assert repeated_4gram_share([1, 2, 3, 4, 5, 6]) == 0.0
     assert repeated_4gram_share([1, 2, 3, 4, 1, 2, 3, 4]) == pytest.approx(1 / 5)
     assert repeated_4gram_share([7] * 10) == pytest.approx(6 / 7)
+
+
+def test_kangaroo_rows(checkpoint):
+    model, tok = load_model(checkpoint)
+    prompts = [torch.tensor([tok("class A:\n    def")["input_ids"]])]
+    config = BenchConfig(recipe="kangaroo", exit_layer=2, num_speculations=3, max_new_tokens=10,
+                         repeats=1, kangaroo_exit_layer=1)  # fmt: skip
+    rows = run_bench(model, prompts, config, progress=False)
+    by = {r.system: r for r in rows}
+    assert list(by)[-3:] == ["leapfx_layerskip", "leapfx_kangaroo_fixed", "leapfx_kangaroo"]
+    assert all(by[n].identical_to_greedy for n in list(by)[-3:])
+    assert len(by["leapfx_kangaroo"].ctar) == 3

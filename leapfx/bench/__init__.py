@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 REFERENCE_MODEL = Path(__file__).resolve().parent.parent / "assets" / "reference"
+REFERENCE_ADAPTER = REFERENCE_MODEL / "kangaroo_adapter"  # trained with sm.fit, see README
 
 
 def load_model(path: str | Path | None = None, *, device: str = "cpu"):

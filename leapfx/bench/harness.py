@@ -43,6 +43,11 @@ class BenchConfig:
     num_speculations: int = 6
     max_new_tokens: int = 128
     temperature: float = 0.0  # 0: greedy; > 0: sampling rows with a distribution check
+    # kangaroo runs: the adapter (None: untrained, initialised from layer l), its exit layer
+    # (None: the adapter's or the recipe default) and eta (None: the adapter's or 0.6).
+    adapter: str | None = None
+    kangaroo_exit_layer: int | None = None
+    confidence_threshold: float | None = None
     repeats: int = 3
     warmup: int = 1
     hf_baselines: bool = True
@@ -125,10 +130,17 @@ def _sampling_kwargs(config: BenchConfig) -> dict:
 
 
 def build_systems(model: nn.Module, config: BenchConfig, generator_seed: int = 0) -> list[System]:
-    """The systems of a run, HF baseline first."""
-    target = rewrite.apply(model, config.recipe, **_recipe_options(config))
-    exit_layer = target.options.exit_layer
-    d = getattr(target.options, "num_speculations", config.num_speculations)
+    """The systems of a run, HF baseline first.
+
+    ``layerskip`` (and ``kangaroo``, whose runs also carry a ``layerskip`` row at the same d and
+    a fixed-length ``leapfx_kangaroo_fixed`` row, eta = 0) share E and d with HF's assistant.
+    """
+    d = config.num_speculations
+    layerskip_opts = {"num_speculations": d}
+    if config.exit_layer is not None:
+        layerskip_opts["exit_layer"] = config.exit_layer
+    layerskip = rewrite.apply(model, "layerskip", **layerskip_opts)
+    exit_layer = layerskip.options.exit_layer
     sampling = _sampling_kwargs(config)
     n = config.max_new_tokens
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(generator_seed)
@@ -143,9 +155,13 @@ def build_systems(model: nn.Module, config: BenchConfig, generator_seed: int = 0
 
         return run
 
-    def ours(sm):
+    def ours(name: str, sm, lossless: bool = True) -> System:
         extra = {"generator": gen} if sampling["do_sample"] else {}
-        return lambda prompt: sm.generate(prompt, max_new_tokens=n, **sampling, **extra)
+
+        def run(prompt):
+            return sm.generate(prompt, max_new_tokens=n, **sampling, **extra)
+
+        return System(name, run, lambda: sm.last_metrics, lossless=lossless)
 
     systems = []
     if config.hf_baselines:
@@ -156,22 +172,27 @@ def build_systems(model: nn.Module, config: BenchConfig, generator_seed: int = 0
             num_assistant_tokens_schedule="constant",
         )
         systems.append(System("hf_assistant_early_exit", assistant))
-    ar = rewrite.apply(model, "autoregressive")
-    ee = rewrite.apply(model, "early_exit", exit_layer=exit_layer)
-    systems.append(System("leapfx_autoregressive", ours(ar), lambda: ar.last_metrics))
-    systems.append(System("leapfx_early_exit", ours(ee), lambda: ee.last_metrics, lossless=False))
-    if config.recipe not in ("autoregressive", "early_exit"):
-        systems.append(System(f"leapfx_{config.recipe}", ours(target), lambda: target.last_metrics))
+    systems.append(ours("leapfx_autoregressive", rewrite.apply(model, "autoregressive")))
+    early = rewrite.apply(model, "early_exit", exit_layer=exit_layer)
+    systems.append(ours("leapfx_early_exit", early, lossless=False))
+    if config.recipe in ("layerskip", "kangaroo"):
+        systems.append(ours("leapfx_layerskip", layerskip))
+    if config.recipe == "kangaroo":
+        kw = {"max_draft_tokens": d, "adapter": config.adapter}
+        if config.kangaroo_exit_layer is not None:
+            kw["exit_layer"] = config.kangaroo_exit_layer
+        fixed = rewrite.apply(model, "kangaroo", confidence_threshold=0.0, **kw)
+        dynamic = rewrite.apply(
+            model, "kangaroo", confidence_threshold=config.confidence_threshold, **kw
+        )
+        systems.append(ours("leapfx_kangaroo_fixed", fixed))
+        systems.append(ours("leapfx_kangaroo", dynamic))
+    elif config.recipe not in ("autoregressive", "early_exit", "layerskip"):
+        raise ValueError(
+            f"--recipe: {config.recipe!r} is not benchmarked; allowed: autoregressive, "
+            "early_exit, layerskip, kangaroo"
+        )
     return systems
-
-
-def _recipe_options(config: BenchConfig) -> dict:
-    options = {}
-    if config.exit_layer is not None:
-        options["exit_layer"] = config.exit_layer
-    if config.recipe == "layerskip":
-        options["num_speculations"] = config.num_speculations
-    return options
 
 
 def repeated_4gram_share(new_tokens: list[int]) -> float:
