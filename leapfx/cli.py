@@ -67,7 +67,7 @@ def _bench(args: argparse.Namespace) -> int:
     calibration = []
     if args.sweep or args.auto or args.plot:
         exits = _grid(args.sweep_exit_layers, num_layers)
-        specs = [int(x) for x in args.sweep_speculations.split(",")] if args.sweep else [d]
+        specs = _speculations(args.sweep_speculations) if args.sweep or args.auto else [d]
         cal_prompts = prompts if args.sweep else prompts[:2]
         calibration = calibrate(
             model, cal_prompts, exits, specs, max_new_tokens=args.max_new_tokens,
@@ -126,6 +126,16 @@ def _adapter(args: argparse.Namespace) -> str | None:
     return None
 
 
+def _speculations(spec: str) -> list[int]:
+    try:
+        values = [int(x) for x in spec.split(",")]
+    except ValueError:
+        values = [0]
+    if not values or min(values) < 1:
+        raise ValueError(f"--sweep-speculations: {spec!r} is invalid; allowed: e.g. 1,2,4,6")
+    return values
+
+
 def _grid(spec: str | None, num_layers: int) -> list[int]:
     if spec:
         exits = [int(x) for x in spec.split(",")]
@@ -136,6 +146,35 @@ def _grid(spec: str | None, num_layers: int) -> list[int]:
             )
         return exits
     return list(range(1, min(num_layers, 9)))
+
+
+def _export(args: argparse.Namespace) -> int:
+    import logging
+
+    import transformers
+
+    from . import rewrite
+    from .bench import load_model
+
+    # The CLI owns this process: HF's and the ONNX exporter's chatter would bury the result.
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+    options = {
+        name: value
+        for name, value in (
+            ("exit_layer", args.exit_layer),
+            ("num_speculations", args.num_speculations),
+            ("adapter", args.adapter),
+        )
+        if value is not None
+    }
+    model, _ = load_model(args.model)
+    sm = rewrite.apply(model, args.recipe, **options)
+    path = sm.export_onnx(args.out, opset=args.opset, overwrite=args.overwrite)
+    stages = ", ".join(f"{name}.onnx" for name in sm.stages.modules)
+    print(f"leapfx export: {args.recipe} {sm.options} -> {path} ({stages}, manifest.json)")
+    return 0
 
 
 def _train_reference(args: argparse.Namespace) -> int:
@@ -177,10 +216,21 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--plot", default=None, help="write a PNG to this path")
     bench.add_argument("--sweep", action="store_true", help="grid of exit layer x speculations")
     bench.add_argument("--sweep-exit-layers", default=None, help="e.g. 2,3,4,6")
-    bench.add_argument("--sweep-speculations", default="2,4,6,8")
+    bench.add_argument("--sweep-speculations", default="1,2,3,4,6,8")
     bench.add_argument("--auto", action="store_true", help="pick E and d by calibration")
     bench.add_argument("--quiet", action="store_true", help="no progress bars")
     bench.set_defaults(func=_bench)
+
+    export = sub.add_parser("export", help="export a recipe's stages to ONNX (+ manifest)")
+    export.add_argument("--model", default=None, help="local HF checkpoint (default: reference)")
+    export.add_argument("--recipe", default="layerskip")
+    export.add_argument("--exit-layer", type=int, default=None)
+    export.add_argument("--num-speculations", type=int, default=None)
+    export.add_argument("--adapter", default=None, help="kangaroo adapter dir")
+    export.add_argument("--out", required=True, help="output directory (must not exist)")
+    export.add_argument("--overwrite", action="store_true", help="replace an existing export")
+    export.add_argument("--opset", type=int, default=18)
+    export.set_defaults(func=_export)
 
     train = sub.add_parser("train-reference", help="train the project's reference model")
     train.add_argument("out", help="output directory (resumes if it holds a checkpoint)")
