@@ -231,6 +231,18 @@ class SpeculativeModel:
         new = torch.tensor([tokens], dtype=input_ids.dtype, device=input_ids.device)
         return torch.cat([input_ids, new], dim=1)
 
+    def export_onnx(self, path: Any, *, opset: int = 18, overwrite: bool = False) -> Any:
+        """Export every stage as an ONNX model with an explicit KV cache, plus ``manifest.json``.
+
+        Run the export with ``leapfx.export.OnnxModel(path).generate(...)``; see
+        ``leapfx.export`` for the format. Needs the ``onnx`` extra. Returns the export's path.
+
+        >>> sm.export_onnx("layerskip-onnx/", overwrite=True)
+        """
+        from ..export import export_onnx  # optional dependencies: imported when used
+
+        return export_onnx(self, path, opset=opset, overwrite=overwrite)
+
     def _check_prompt(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     ) -> torch.Tensor:

@@ -1,0 +1,507 @@
+"""``export_onnx``: every stage of a SpeculativeModel as an ONNX model, plus a manifest.
+
+Steps, per stage (``full``, ``draft``, ``verify``, whichever the recipe cut):
+
+1. *discover* which KV-cache layers the stage touches and which position input feeds each: one
+   eager call on a few tokens over empty pasts, with a different token count per position input
+   (a cache layer's present length then says which input fed it);
+2. wrap the stage as an :class:`~leapfx.export.stage_module.ExportableStage` (tensors in,
+   tensors out, masks built in the graph) and export it with ``torch.onnx.export(dynamo=True)``
+   with named dynamic axes: ``batch``, ``sequence`` (``input_ids``), ``past_sequence`` (the
+   pasts fed by ``position_ids``) and, for verify, ``hidden_sequence`` (``exit_hidden``),
+   ``remainder_sequence`` and ``remainder_past_sequence`` (the upper layers' pasts);
+3. ``onnx.checker.check_model`` on the written file.
+
+Everything is written into a temporary directory beside the target and renamed into place at
+the end, ``manifest.json`` last, so a failed or interrupted export never looks complete. An
+exporter failure (an op ONNX cannot express) becomes one ValueError naming the stage.
+
+Example::
+
+    >>> sm = rewrite.apply(hf_model, "layerskip", exit_layer=2)
+    >>> export_onnx(sm, "layerskip-onnx/")
+    PosixPath('/.../layerskip-onnx')
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import fx
+
+from .. import __version__
+from ..passes.capture import LAYER, ROLE
+from ..runtime.cache import cache_for
+from .manifest import FORMAT, FORMAT_VERSION, MANIFEST, is_export_dir, layer_ranges
+from .stage_module import ExportableStage, FunctionalKVCache, causal_mask, past_names, present_names
+
+if TYPE_CHECKING:
+    from ..runtime.model import SpeculativeModel
+
+log = logging.getLogger(__name__)
+
+MIN_OPSET = 18
+# The newest opset checked end to end here (torch 2.13's exporter, onnxruntime 1.31). An older
+# onnxruntime may need a lower one: 1.18, the oldest the onnx extra allows, runs up to 21.
+MAX_OPSET = 23
+SUPPORTED_DTYPES = (torch.float32, torch.float16)
+
+# Each position input of a stage, the mask input it feeds, and the names of its dynamic axes:
+# (sequence axis of the positions, past axis of the cache layers it feeds).
+POSITION_INPUTS = {
+    "position_ids": ("masks", "sequence", "past_sequence"),
+    "remainder_position_ids": ("remainder_masks", "remainder_sequence", "remainder_past_sequence"),
+}
+MASK_INPUTS = frozenset(m for m, _, _ in POSITION_INPUTS.values())
+# Token counts of the discovery call (distinct, so that a present's length names its input).
+_DISCOVERY_TOKENS = {"input_ids": 1, "exit_hidden": 2}
+# Example sizes for tracing: >= 2 (torch.export specialises 0/1) and pairwise distinct.
+_EXAMPLE = {"batch": 2, "sequence": 3, "hidden_sequence": 4, "past": 5, "remainder_past": 6}
+
+
+@dataclasses.dataclass(frozen=True)
+class StageSignature:
+    """The tensor interface of one stage, as discovered and exported."""
+
+    tensor_inputs: list[str]  # input_ids, position_ids, [exit_hidden, remainder_position_ids]
+    outputs: list[str]  # the stage's own outputs: logits, [hidden]
+    cache_layers: list[int]  # cache layers read and written, in input order
+    groups: dict[str, list[int]]  # position input -> cache layers whose queries it positions
+
+    @property
+    def input_names(self) -> list[str]:
+        return self.tensor_inputs + [n for i in self.cache_layers for n in past_names(i)]
+
+    @property
+    def output_names(self) -> list[str]:
+        return self.outputs + [n for i in self.cache_layers for n in present_names(i)]
+
+
+def _placeholders(stage: fx.GraphModule) -> list[str]:
+    return [n.name for n in stage.graph.nodes if n.op == "placeholder"]
+
+
+def _stage_outputs(stage: fx.GraphModule) -> list[str]:
+    out = next(n for n in stage.graph.nodes if n.op == "output")
+    return list(out.args[0])
+
+
+def _decoder_layers(stage: fx.GraphModule) -> list[int]:
+    return sorted(n.meta[LAYER] for n in stage.graph.nodes if n.meta.get(ROLE) == "layer")
+
+
+def _kv_shapes(sm: SpeculativeModel) -> list[tuple[int, int]]:
+    """(kv heads, head dim) of every cache slot (the model's layers, then extra slots)."""
+    cache = cache_for(sm.hf_model, 1, extra_layers=sm.recipe.extra_cache_layers)
+    return [(k.shape[1], k.shape[3]) for k in cache.keys]
+
+
+def _example_inputs(
+    sm: SpeculativeModel,
+    names: list[str],
+    batch: int,
+    tokens: dict[str, int],
+    pasts: dict[str, int],
+) -> dict[str, torch.Tensor]:
+    """Consistent example tensors: positions continue each group's past."""
+    param = next(sm.hf_model.parameters())
+    config = sm.config
+    n_ids = tokens["input_ids"]
+    n_hidden = tokens.get("exit_hidden", 0)
+    out: dict[str, torch.Tensor] = {}
+    for name in names:
+        if name == "input_ids":
+            out[name] = torch.randint(0, config.vocab_size, (batch, n_ids), device=param.device)
+        elif name == "exit_hidden":
+            shape = (batch, n_hidden, config.hidden_size)
+            out[name] = torch.randn(shape, dtype=param.dtype, device=param.device)
+        elif name == "position_ids":
+            start = pasts["position_ids"]
+            out[name] = torch.arange(start, start + n_ids, device=param.device).expand(batch, -1)
+        elif name == "remainder_position_ids":
+            start = pasts["remainder_position_ids"]
+            length = n_hidden + n_ids
+            out[name] = torch.arange(start, start + length, device=param.device).expand(batch, -1)
+        else:
+            raise ValueError(f"stage input {name!r} is not one leapfx knows how to export")
+    return out
+
+
+def _masks(sm: SpeculativeModel, positions: torch.Tensor, past: int) -> dict[str, torch.Tensor]:
+    lay = sm._layout
+    return {
+        kind: causal_mask(
+            positions,
+            past,
+            impl=lay.impl,
+            window=lay.window if kind == "sliding_attention" else None,
+            dtype=lay.dtype,
+        )
+        for kind in dict.fromkeys(lay.kinds)
+    }
+
+
+@torch.no_grad()
+def discover(sm: SpeculativeModel, name: str, stage: fx.GraphModule) -> StageSignature:
+    """Run ``stage`` once over empty pasts and record the cache layers it touches."""
+    placeholders = _placeholders(stage)
+    tensor_inputs = [p for p in placeholders if p not in MASK_INPUTS and p != "cache"]
+    param = next(sm.hf_model.parameters())
+    empty = {
+        i: (
+            torch.zeros(1, h, 0, d, dtype=param.dtype, device=param.device),
+            torch.zeros(1, h, 0, d, dtype=param.dtype, device=param.device),
+        )
+        for i, (h, d) in enumerate(_kv_shapes(sm))
+    }
+    cache = FunctionalKVCache(empty)
+    pasts = dict.fromkeys(POSITION_INPUTS, 0)
+    inputs: dict[str, Any] = _example_inputs(sm, tensor_inputs, 1, _DISCOVERY_TOKENS, pasts)
+    queries: dict[str, int] = {}  # position input -> query count it positions
+    for positions, (mask, _, _) in POSITION_INPUTS.items():
+        if positions in inputs:
+            inputs[mask] = _masks(sm, inputs[positions], 0)
+            queries[positions] = inputs[positions].shape[1]
+    out = stage(**inputs, cache=cache)
+    groups: dict[str, list[int]] = {p: [] for p in queries}
+    for layer, (keys, _) in sorted(cache.present.items()):
+        fed = [p for p, n in queries.items() if n == keys.shape[2]]
+        assert len(fed) == 1, f"stage {name}: cache layer {layer} matches no position input"
+        groups[fed[0]].append(layer)
+    return StageSignature(
+        tensor_inputs=tensor_inputs,
+        outputs=list(out),
+        cache_layers=sorted(cache.present),
+        groups={p: layers for p, layers in groups.items() if layers},
+    )
+
+
+def _dynamic_shapes(sig: StageSignature) -> tuple[dict[int, Any], ...]:
+    dims = {
+        "batch": torch.export.Dim("batch"),
+        "sequence": torch.export.Dim("sequence"),
+        "hidden_sequence": torch.export.Dim("hidden_sequence"),
+        "past_sequence": torch.export.Dim("past_sequence", min=0),
+        "remainder_past_sequence": torch.export.Dim("remainder_past_sequence", min=0),
+    }
+    shapes: list[dict[int, Any]] = []
+    for name in sig.tensor_inputs:
+        if name in ("input_ids", "position_ids"):
+            shapes.append({0: dims["batch"], 1: dims["sequence"]})
+        elif name == "exit_hidden":
+            shapes.append({0: dims["batch"], 1: dims["hidden_sequence"]})
+        else:  # remainder_position_ids: hidden_sequence + sequence, which a Dim cannot say;
+            # a named axis string becomes Dim.DYNAMIC and keeps its name in the ONNX model.
+            shapes.append({0: dims["batch"], 1: "remainder_sequence"})
+    for layer in sig.cache_layers:
+        positions = next(p for p, layers in sig.groups.items() if layer in layers)
+        past = dims[POSITION_INPUTS[positions][2]]
+        shapes += [{0: dims["batch"], 2: past}] * 2
+    return tuple(shapes)
+
+
+def _export_stage(
+    sm: SpeculativeModel, name: str, stage: fx.GraphModule, path: Path, opset: int
+) -> StageSignature:
+    sig = discover(sm, name, stage)
+    lay = sm._layout
+    module = ExportableStage(
+        stage,
+        tensor_inputs=sig.tensor_inputs,
+        groups={
+            p: (POSITION_INPUTS[p][0], min(sig.groups[p]) if p in sig.groups else None)
+            for p in POSITION_INPUTS
+            if p in sig.tensor_inputs
+        },
+        cache_layers=sig.cache_layers,
+        output_names=sig.outputs,
+        kinds=lay.kinds,
+        impl=lay.impl,
+        window=lay.window,
+        dtype=lay.dtype,
+    )
+    # Only the wrapper's own flag: .eval() would recurse into the user's model.
+    module.training = False
+    batch = _EXAMPLE["batch"]
+    tokens = {"input_ids": _EXAMPLE["sequence"], "exit_hidden": _EXAMPLE["hidden_sequence"]}
+    pasts = {"position_ids": _EXAMPLE["past"], "remainder_position_ids": _EXAMPLE["remainder_past"]}
+    inputs = _example_inputs(sm, sig.tensor_inputs, batch, tokens, pasts)
+    args = [inputs[n] for n in sig.tensor_inputs]
+    param = next(sm.hf_model.parameters())
+    kv = _kv_shapes(sm)
+    for layer in sig.cache_layers:
+        positions = next(p for p, layers in sig.groups.items() if layer in layers)
+        h, d = kv[layer]
+        shape = (batch, h, pasts[positions], d)
+        args += [torch.randn(shape, dtype=param.dtype, device=param.device) for _ in range(2)]
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(_LogWriter()):
+            warnings.simplefilter("ignore")  # the exporter's own chatter, not the user's concern
+            program = torch.onnx.export(
+                module,
+                (*args,),
+                dynamic_shapes=(_dynamic_shapes(sig),),
+                input_names=sig.input_names,
+                output_names=sig.output_names,
+                opset_version=opset,
+                dynamo=True,
+                verbose=False,
+            )
+    except torch.onnx.OnnxExporterError as exc:
+        raise ValueError(
+            f"export: stage {name!r} cannot be exported to ONNX: {_summary(exc)}"
+        ) from exc
+    _save(program, path)
+    _check(path, name)
+    return sig
+
+
+class _LogWriter:
+    """Stdout of the exporter (its progress lines) goes to the debug log, not the terminal."""
+
+    def write(self, text: str) -> int:
+        if text.strip():
+            log.debug("torch.onnx: %s", text.strip())
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+def _summary(exc: BaseException) -> str:
+    """The exporter's one-line reason: the line after '## Exception summary', else the first."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    line = lines[0] if lines else type(exc).__name__
+    for i, text in enumerate(lines[:-1]):
+        if text.startswith("## Exception summary"):
+            line = lines[i + 1]
+    # "<class 'torch.onnx._internal...DispatchError'>: ..." -> "DispatchError: ..."
+    return re.sub(r"<class '(?:[\w]+\.)*(\w+)'>", r"\1", line)
+
+
+def _save(program, path: Path) -> None:
+    # Weights over protobuf's 2 GiB limit go to an external data file beside the model
+    # (``ONNXProgram.save`` decides); onnxruntime and the checker find it from the path.
+    program.save(path)
+
+
+def _check(path: Path, name: str) -> None:
+    import onnx
+
+    try:
+        onnx.checker.check_model(str(path), full_check=False)
+    except onnx.checker.ValidationError as exc:
+        raise ValueError(f"export: stage {name!r} failed onnx.checker: {_summary(exc)}") from exc
+
+
+def _manifest(sm: SpeculativeModel, opset: int, signatures: dict[str, StageSignature]) -> dict:
+    config = sm.config
+    gen = sm.hf_model.generation_config
+    eos = gen.eos_token_id if gen.eos_token_id is not None else config.eos_token_id
+    eos_ids = [] if eos is None else [int(eos)] if isinstance(eos, int) else [int(t) for t in eos]
+    lay = sm._layout
+    kv = _kv_shapes(sm)
+    stages = {}
+    for name, sig in signatures.items():
+        stage = sm.stages[name]
+        layers = _decoder_layers(stage)
+        stages[name] = {
+            "file": f"{name}.onnx",
+            "layers": layers,
+            "layer_ranges": layer_ranges(layers),
+            "cache_reads": sig.cache_layers,  # every attention reads its past ...
+            "cache_writes": sig.cache_layers,  # ... and returns past + new as its present
+            "position_groups": sig.groups,
+            "inputs": sig.input_names,
+            "outputs": sig.output_names,
+        }
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "leapfx_version": __version__,
+        "recipe": sm.recipe.name,
+        "options": _jsonable(dataclasses.asdict(sm.options)),
+        "lookahead": sm.recipe.lookahead,
+        "model_type": config.model_type,
+        "num_layers": config.num_hidden_layers,
+        "exit_layer": sm.stages.exit_layer,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "eos_token_ids": eos_ids,
+        "generation_config": json.loads(gen.to_json_string(use_diff=True)),
+        "dtype": str(lay.dtype).removeprefix("torch."),
+        "opset": opset,
+        "attention": {
+            "implementation": lay.impl,
+            "layer_kinds": list(lay.kinds),
+            "sliding_window": lay.window,
+            "masks": "computed in the graph from position ids and past length",
+        },
+        "cache": {
+            "slots": len(kv),
+            "extra_slots": sm.recipe.extra_cache_layers,
+            "num_kv_heads": [h for h, _ in kv],
+            "head_dim": [d for _, d in kv],
+            "layout": "[batch, kv_heads, sequence, head_dim]",
+        },
+        "stages": stages,
+    }
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    return value
+
+
+def _require_onnx() -> None:
+    try:
+        import onnx  # noqa: F401
+        import onnxscript  # noqa: F401  (torch's exporter translates through it)
+    except ImportError:
+        raise ImportError(
+            "export_onnx needs onnx and onnxscript: pip install 'leapfx[onnx]'"
+        ) from None
+
+
+def _check_options(sm: SpeculativeModel, path: Any, opset: Any, overwrite: Any) -> Path:
+    if not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"path: {path!r} is invalid; allowed: a directory path (str or PathLike)")
+    ok = isinstance(opset, int) and not isinstance(opset, bool)
+    if not (ok and MIN_OPSET <= opset <= MAX_OPSET):
+        raise ValueError(
+            f"opset: {opset!r} is invalid; allowed: an integer {MIN_OPSET}..{MAX_OPSET}"
+        )
+    if not isinstance(overwrite, bool):
+        raise ValueError(f"overwrite: {overwrite!r} is invalid; allowed: True or False")
+    if sm.hf_model.training:
+        raise ValueError(
+            "model: it is in training mode (dropout would be exported); call model.eval() first"
+        )
+    dtype = sm._layout.dtype
+    if dtype not in SUPPORTED_DTYPES:
+        allowed = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)
+        raise ValueError(
+            f"model: dtype {str(dtype).removeprefix('torch.')} cannot be exported (numpy and "
+            f"onnxruntime's CPU provider have no kernels for it); allowed: {allowed}"
+        )
+    return Path(os.path.abspath(os.fspath(path)))
+
+
+def _check_target(target: Path, overwrite: bool) -> None:
+    if target.exists() or target.is_symlink():
+        if not overwrite:
+            raise ValueError(
+                f"path: {str(target)!r} already exists; pass overwrite=True (--overwrite) to "
+                "replace it, or choose another directory"
+            )
+        # Replacing means deleting: only a previous export or an empty directory qualifies.
+        if not target.is_dir() or target.is_symlink():
+            raise ValueError(f"path: {str(target)!r} exists and is not a directory")
+        if any(target.iterdir()) and not is_export_dir(target):
+            raise ValueError(
+                f"path: {str(target)!r} is a non-empty directory that holds no leapfx export; "
+                "refusing to overwrite it (remove it yourself or choose another directory)"
+            )
+
+
+def _make_parent(parent: Path) -> list[Path]:
+    """Create ``parent`` and missing ancestors; returns those created (deepest last)."""
+    missing = []
+    p = parent
+    while not p.exists():
+        missing.append(p)
+        p = p.parent
+    if not p.is_dir():
+        raise ValueError(f"path: {str(p)!r} is not a directory; cannot create an export under it")
+    created = []
+    try:
+        for d in reversed(missing):
+            d.mkdir()
+            created.append(d)
+    except OSError as exc:
+        _remove_dirs(created)
+        raise ValueError(
+            f"path: cannot create directory {str(exc.filename)!r}: {exc.strerror}"
+        ) from None
+    return created
+
+
+def _remove_dirs(created: list[Path]) -> None:
+    for d in reversed(created):
+        with contextlib.suppress(OSError):
+            d.rmdir()
+
+
+def export_onnx(
+    sm: SpeculativeModel, path: str | os.PathLike, *, opset: int = 18, overwrite: bool = False
+) -> Path:
+    """Export every stage of ``sm`` to ``path`` (a new directory) and write its manifest.
+
+    Returns the absolute path of the export. Raises ValueError for an existing target without
+    ``overwrite``, an unwritable location or a stage the exporter cannot convert; in every case
+    nothing is left behind.
+
+    >>> export_onnx(sm, "out/layerskip-onnx", overwrite=True)
+    """
+    _require_onnx()
+    target = _check_options(sm, path, opset, overwrite)
+    _check_target(target, overwrite)
+    created = _make_parent(target.parent)
+    try:
+        tmp = Path(
+            tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent)
+        )
+    except OSError as exc:
+        _remove_dirs(created)
+        raise ValueError(f"path: cannot write in {str(target.parent)!r}: {exc.strerror}") from None
+    try:
+        signatures = {}
+        for name, stage in sm.stages.modules.items():
+            log.info("exporting stage %s", name)
+            signatures[name] = _export_stage(sm, name, stage, tmp / f"{name}.onnx", opset)
+        manifest = _manifest(sm, opset, signatures)
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        _replace(tmp, target, overwrite)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        _remove_dirs(created)
+        raise ValueError(f"path: cannot write the export to {str(target)!r}: {exc}") from exc
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        _remove_dirs(created)
+        raise
+    return target
+
+
+def _replace(tmp: Path, target: Path, overwrite: bool) -> None:
+    """Move the finished export into place; an old export is swapped out, then deleted."""
+    _check_target(target, overwrite)  # again: something may have appeared meanwhile
+    os.chmod(tmp, 0o755)  # mkdtemp makes it private; an export is an ordinary directory
+    if not target.exists():
+        os.rename(tmp, target)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".old", dir=target.parent))
+    os.rename(target, old / "export")
+    try:
+        os.rename(tmp, target)
+    except OSError:
+        os.rename(old / "export", target)  # put the previous export back
+        raise
+    finally:
+        shutil.rmtree(old, ignore_errors=True)

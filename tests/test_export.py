@@ -1,0 +1,406 @@
+"""ONNX export and the onnxruntime executor.
+
+End to end: every recipe's stages exported, run by ``OnnxModel`` under the recipe's own
+schedule, and compared token for token with the PyTorch eager ``SpeculativeModel`` on random
+tiny configs of every supported architecture. ONNX kernels sum in another order than PyTorch's,
+so where outputs differ the test asks ``assert_greedy_equal`` whether the divergence is a float
+tie in the HF model's own logits (reported), never anything looser. Exports are slow (seconds per
+stage), so each model is exported once and hypothesis draws only prompts and lengths.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+onnx = pytest.importorskip("onnx")
+pytest.importorskip("onnxruntime")
+pytest.importorskip("onnxscript")
+
+from leapfx import __version__, rewrite  # noqa: E402
+from leapfx.bench import load_model  # noqa: E402
+from leapfx.cli import main  # noqa: E402
+from leapfx.export import MANIFEST, OnnxModel, OrtKVCache, export_onnx, read_manifest  # noqa: E402
+from tests.conftest import ARCHS, tiny_model  # noqa: E402
+from tests.greedy_check import assert_greedy_equal, hf_greedy  # noqa: E402
+
+
+def random_config(arch: str, layers: int = 2) -> dict:
+    """A random tiny config of ``arch``, drawn once per architecture (reproducible)."""
+    rng = random.Random(f"leapfx-export-{arch}")
+    heads = rng.choice([2, 4])
+    spec = dict(
+        arch=arch,
+        layers=layers,
+        heads=heads,
+        kv_heads=rng.choice([h for h in (1, 2, 4) if heads % h == 0]),
+        head_dim=rng.choice([4, 8, 16]),
+        vocab=rng.randint(32, 300),
+        tie=rng.random() < 0.5,
+        seed=rng.randint(0, 2**16),
+    )
+    if arch in ("mistral", "qwen2", "phi3"):
+        spec["sliding_window"] = rng.randint(3, 8)  # small enough to bite within a test
+    return spec
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """``get(arch, recipe)``: (model, SpeculativeModel, export path), exported once each."""
+    root = tmp_path_factory.mktemp("onnx")
+    cache: dict[tuple[str, str], tuple] = {}
+
+    def get(arch: str, recipe: str):
+        if (arch, recipe) not in cache:
+            model = tiny_model(**random_config(arch))
+            options = {"exit_layer": 1}
+            options.update(num_speculations=3) if recipe == "layerskip" else None
+            options.update(max_draft_tokens=4) if recipe == "kangaroo" else None
+            sm = rewrite.apply(model, recipe, **options)
+            cache[arch, recipe] = (model, sm, export_onnx(sm, root / f"{recipe}-{arch}"))
+        return cache[arch, recipe]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def onnx_model(exported):
+    """``get(arch, recipe, schedule)``: an OnnxModel running ``schedule`` on that export."""
+    cache: dict[tuple[str, str, str], OnnxModel] = {}
+
+    def get(arch: str, recipe: str, schedule: str | None = None) -> OnnxModel:
+        key = (arch, recipe, schedule or recipe)
+        if key not in cache:
+            path = exported(arch, recipe)[2]
+            cache[key] = OnnxModel(path, threads=1, recipe=schedule)
+        return cache[key]
+
+    return get
+
+
+def truncated(model, layers: int):
+    """The HF model cut after ``layers`` layers: the early-exit reference (as test_lossless)."""
+    short = copy.deepcopy(model)
+    short.model.layers = short.model.layers[:layers]
+    short.config.num_hidden_layers = layers
+    if getattr(short.config, "layer_types", None):
+        short.config.layer_types = short.config.layer_types[:layers]
+    return short
+
+
+def assert_same_tokens(ours, eager, reference_model, prompt) -> None:
+    """ONNX output == eager output, or a divergence at a float tie of ``reference_model``."""
+    if torch.equal(ours, eager):
+        return
+    new = eager.shape[1] - prompt.shape[1]
+    ref = hf_greedy(reference_model, prompt, new)
+    assert_greedy_equal(reference_model, ours, ref, prompt.shape[1])
+
+
+def prompts(data, vocab: int) -> torch.Tensor:
+    ids = data.draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=12), label="prompt")
+    return torch.tensor([ids])
+
+
+# One export per architecture (exports take ~20 s each here): layerskip on five, kangaroo on the
+# sixth, and every export also runs the autoregressive and early-exit schedules over its full and
+# draft stages. So every architecture runs all four stage kinds (full, draft, verify, adapter
+# attention on qwen3) and every schedule runs on ONNX. HYPOTHESIS_PROFILE=thorough runs both
+# speculative recipes on every architecture.
+MATRIX = [(arch, "kangaroo" if arch == "qwen3" else "layerskip") for arch in ARCHS]
+if os.environ.get("HYPOTHESIS_PROFILE") == "thorough":
+    MATRIX += [(arch, "layerskip" if arch == "qwen3" else "kangaroo") for arch in ARCHS]
+
+
+@pytest.mark.parametrize(("arch", "recipe"), MATRIX)
+@settings(max_examples=3)
+@given(data=st.data())
+def test_onnx_identical_to_eager(exported, onnx_model, arch, recipe, data):
+    model, sm, _ = exported(arch, recipe)
+    prompt = prompts(data, model.config.vocab_size)
+    max_new = data.draw(st.integers(1, 24), label="max_new_tokens")
+    om = onnx_model(arch, recipe)
+    eager = sm.generate(prompt, max_new_tokens=max_new)
+    ours = om.generate(prompt, max_new_tokens=max_new)
+    assert_same_tokens(ours, eager, model, prompt)
+    m, e = om.last_metrics, sm.last_metrics
+    assert m.new_tokens == ours.shape[1] - prompt.shape[1]
+    if torch.equal(ours, eager):  # same decisions: the same calls and acceptances
+        assert m.accepted_per_verify == e.accepted_per_verify
+        assert (m.draft_calls, m.full_calls) == (e.draft_calls, e.full_calls)
+    # The baselines, on the same export.
+    baselines = {"autoregressive": ({}, model)}
+    if recipe == "layerskip":
+        baselines["early_exit"] = ({"exit_layer": 1}, truncated(model, 1))
+    for schedule, (options, reference) in baselines.items():
+        eager = rewrite.apply(model, schedule, **options).generate(prompt, max_new_tokens=max_new)
+        ours = onnx_model(arch, recipe, schedule).generate(prompt, max_new_tokens=max_new)
+        assert_same_tokens(ours, eager, reference, prompt)
+
+
+def test_manifest_files_and_checker(exported):
+    model, sm, path = exported("llama", "layerskip")
+    manifest = json.loads((path / MANIFEST).read_text())
+    assert manifest == read_manifest(path)
+    assert manifest["format"] == "leapfx-onnx" and manifest["leapfx_version"] == __version__
+    assert manifest["recipe"] == "layerskip"
+    assert manifest["options"]["exit_layer"] == 1 and manifest["options"]["num_speculations"] == 3
+    assert manifest["vocab_size"] == model.config.vocab_size
+    assert manifest["eos_token_ids"] == []
+    assert manifest["opset"] == 18
+    assert manifest["attention"]["masks"].startswith("computed in the graph")
+    stages = manifest["stages"]
+    assert sorted(stages) == ["draft", "full", "verify"]
+    assert stages["full"]["layer_ranges"] == [[0, 2]]
+    assert stages["draft"]["layer_ranges"] == [[0, 1]]
+    assert stages["verify"]["layer_ranges"] == [[0, 2]]
+    assert stages["draft"]["cache_reads"] == stages["draft"]["cache_writes"] == [0]
+    assert stages["verify"]["position_groups"] == {
+        "position_ids": [0],
+        "remainder_position_ids": [1],
+    }
+    assert sorted(os.listdir(path)) == sorted([MANIFEST, *(s["file"] for s in stages.values())])
+    for name, spec in stages.items():
+        onnx.checker.check_model(str(path / spec["file"]))
+        graph = onnx.load(str(path / spec["file"])).graph
+        assert [i.name for i in graph.input] == spec["inputs"], name
+        assert [o.name for o in graph.output] == spec["outputs"], name
+
+
+def test_kangaroo_manifest_has_the_adapter_slot(exported):
+    model, sm, path = exported("qwen3", "kangaroo")
+    manifest = read_manifest(path)
+    slot = model.config.num_hidden_layers  # the adapter's own KV slot
+    assert manifest["cache"]["slots"] == slot + 1 and manifest["cache"]["extra_slots"] == 1
+    assert manifest["stages"]["full"]["cache_writes"] == [0, 1, slot]
+    assert manifest["stages"]["draft"]["cache_reads"] == [0, slot]
+    assert manifest["stages"]["verify"]["position_groups"] == {
+        "position_ids": [0, slot],
+        "remainder_position_ids": [1],
+    }
+
+
+def _dims(value) -> list:
+    return [d.dim_param or d.dim_value for d in value.type.tensor_type.shape.dim]
+
+
+def test_stage_signatures_follow_the_optimum_convention(exported):
+    model, sm, path = exported("llama", "layerskip")
+    c = model.config
+    h_kv, d = c.num_key_value_heads, c.head_dim
+    verify = onnx.load(str(path / "verify.onnx")).graph
+    inputs = {i.name: _dims(i) for i in verify.input}
+    assert inputs["input_ids"] == ["batch", "sequence"]
+    assert inputs["position_ids"] == ["batch", "sequence"]
+    assert inputs["exit_hidden"] == ["batch", "hidden_sequence", c.hidden_size]
+    assert inputs["remainder_position_ids"] == ["batch", "remainder_sequence"]
+    assert inputs["past_key_values.0.key"] == ["batch", h_kv, "past_sequence", d]
+    assert inputs["past_key_values.1.value"] == ["batch", h_kv, "remainder_past_sequence", d]
+    outputs = {o.name: _dims(o) for o in verify.output}
+    assert list(outputs) == [
+        "logits", "present.0.key", "present.0.value", "present.1.key", "present.1.value",
+    ]  # fmt: skip
+    assert outputs["present.0.key"][2] in ("past_sequence + sequence", "sequence + past_sequence")
+    draft = onnx.load(str(path / "draft.onnx")).graph
+    names = [o.name for o in draft.output]
+    assert names == ["logits", "hidden", "present.0.key", "present.0.value"]
+    # No mask inputs: masks are computed in the graph.
+    assert not any("mask" in i.name for i in verify.input)
+
+
+def test_sampling_runs_the_same_schedule(exported, onnx_model):
+    model, _, _ = exported("llama", "layerskip")
+    om = onnx_model("llama", "layerskip")
+    prompt = torch.tensor([[3, 1, 4, 1, 5]])
+    g = torch.Generator().manual_seed(0)
+    out = om.generate(prompt, max_new_tokens=16, do_sample=True, top_k=0, generator=g)
+    assert out.shape == (1, 21) and int(out.max()) < model.config.vocab_size
+    assert om.last_metrics.verify_calls > 0
+
+
+def test_baseline_schedule_needs_its_stage(exported, onnx_model):
+    path = exported("llama", "layerskip")[2]
+    with pytest.raises(ValueError, match="'kangaroo' cannot run on this layerskip export"):
+        OnnxModel(path, recipe="kangaroo")
+    om = onnx_model("llama", "layerskip", "autoregressive")
+    assert om.recipe == "autoregressive" and sorted(om.stages) == ["draft", "full", "verify"]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from leapfx.train.data import byte_tokenizer
+
+    path = tmp_path_factory.mktemp("ckpt")
+    tok = byte_tokenizer()
+    model = tiny_model("gemma", layers=2, vocab=len(tok), eos=tok.eos_token_id, seed=5)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def test_cli_export_early_exit(checkpoint, tmp_path, capsys):
+    out = tmp_path / "ee"
+    args = ["export", "--recipe", "early_exit", "--exit-layer", "1", "--model", str(checkpoint)]
+    args += ["--out", str(out)]
+    assert main(args) == 0
+    assert "draft.onnx" in capsys.readouterr().out
+    first = (out / "draft.onnx").stat().st_mtime_ns
+    # Again without --overwrite: one line, nothing touched.
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "already exists" in err and "--overwrite" in err
+    assert (out / "draft.onnx").stat().st_mtime_ns == first
+    om = OnnxModel(out, threads=1)
+    assert om.manifest["recipe"] == "early_exit" and list(om.manifest["stages"]) == ["draft"]
+    assert om.manifest["eos_token_ids"] == [257]
+    model, _ = load_model(checkpoint)
+    sm = rewrite.apply(model, "early_exit", exit_layer=1)
+    # Reference for tie checks: the HF model cut after the exit layer (as in test_lossless).
+    short = copy.deepcopy(model)
+    short.model.layers = short.model.layers[:1]
+    short.config.num_hidden_layers = 1
+    for ids in ([[256, 100, 101, 102, 32]], [[256, 7]]):
+        prompt = torch.tensor(ids)
+        eager = sm.generate(prompt, max_new_tokens=24)
+        assert_same_tokens(om.generate(prompt, max_new_tokens=24), eager, short, prompt)
+
+
+def test_cli_errors_are_one_line(checkpoint, tmp_path, capsys):
+    code = main([
+        "export", "--model", str(checkpoint), "--exit-layer", "7", "--out", str(tmp_path / "x"),
+    ])  # fmt: skip
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.count("\n") == 0 and "exit_layer: 7" in err
+    assert not (tmp_path / "x").exists()
+
+
+# ---- errors: a clear message and nothing left behind ------------------------------------------
+
+
+class _HeadOnly(torch.nn.Module):
+    """A stand-in stage without decoder layers (embedding -> LM head): exports in seconds."""
+
+    def __init__(self, model, opaque: bool = False) -> None:
+        super().__init__()
+        self.embed, self.head, self.opaque = model.model.embed_tokens, model.lm_head, opaque
+
+    def forward(self, input_ids, position_ids, masks, cache):
+        logits = self.head(self.embed(input_ids))
+        if self.opaque:
+            logits = torch.ops.leapfx_test.opaque(logits)
+        return {"logits": logits}
+
+
+@torch.library.custom_op("leapfx_test::opaque", mutates_args=())
+def _opaque(x: torch.Tensor) -> torch.Tensor:
+    return x.clone()
+
+
+@_opaque.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+@pytest.fixture
+def small_sm():
+    """An autoregressive SpeculativeModel whose stages are cheap to export."""
+    model = tiny_model("llama", layers=2)
+    sm = rewrite.apply(model, "autoregressive")
+    sm.stages.modules = {"full": torch.fx.symbolic_trace(_HeadOnly(model))}
+    return sm
+
+
+def test_overwrite_replaces_a_previous_export(small_sm, tmp_path):
+    target = tmp_path / "out"
+    target.mkdir()  # a previous export, as far as the manifest says
+    (target / MANIFEST).write_text(json.dumps({"format": "leapfx-onnx", "format_version": 1}))
+    (target / "stale.onnx").write_text("from the previous export")
+    assert small_sm.export_onnx(target, overwrite=True) == target
+    assert sorted(os.listdir(target)) == ["full.onnx", MANIFEST]
+    assert read_manifest(target)["recipe"] == "autoregressive"
+    assert os.listdir(tmp_path) == ["out"]  # no temporary or backup directory left
+
+
+def test_existing_target_needs_overwrite(small_sm, tmp_path):
+    target = tmp_path / "out"
+    target.mkdir()
+    (target / "keep.txt").write_text("mine")
+    with pytest.raises(ValueError, match="already exists; pass overwrite=True"):
+        small_sm.export_onnx(target)
+    with pytest.raises(ValueError, match="holds no leapfx export; refusing to overwrite"):
+        small_sm.export_onnx(target, overwrite=True)
+    assert sorted(os.listdir(tmp_path)) == ["out"]
+    assert os.listdir(target) == ["keep.txt"]
+
+
+def test_unwritable_path(small_sm, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(ValueError, match="is not a directory"):
+        small_sm.export_onnx(blocker / "deeper" / "out")
+    assert sorted(os.listdir(tmp_path)) == ["a-file"]
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o555)
+    if os.access(locked, os.W_OK):
+        pytest.skip("this user writes into read-only directories (root)")
+    with pytest.raises(ValueError, match="cannot write in"):
+        small_sm.export_onnx(locked / "out")
+    assert os.listdir(locked) == []
+
+
+def test_unsupported_op_names_the_stage_and_leaves_nothing(small_sm, tmp_path):
+    # The second stage calls an op ONNX has no translation for; the first is written before.
+    model = small_sm.hf_model
+    small_sm.stages.modules["broken"] = torch.fx.symbolic_trace(_HeadOnly(model, opaque=True))
+    target = tmp_path / "nested" / "out"
+    with pytest.raises(ValueError, match="stage 'broken' cannot be exported to ONNX") as info:
+        small_sm.export_onnx(target)
+    assert "opaque" in str(info.value) and "\n" not in str(info.value)
+    assert os.listdir(tmp_path) == []  # not even the parent directory it created
+
+
+def test_bad_options_fail_before_exporting(small_sm, tmp_path):
+    with pytest.raises(ValueError, match="opset: 17 is invalid; allowed: an integer 18..23"):
+        small_sm.export_onnx(tmp_path / "o", opset=17)
+    with pytest.raises(ValueError, match="overwrite: 'yes' is invalid"):
+        small_sm.export_onnx(tmp_path / "o", overwrite="yes")
+    small_sm.hf_model.train()
+    with pytest.raises(ValueError, match="training mode"):
+        small_sm.export_onnx(tmp_path / "o")
+    assert os.listdir(tmp_path) == []
+
+
+def test_onnx_model_errors(tmp_path, onnx_model):
+    with pytest.raises(ValueError, match="has no manifest.json"):
+        OnnxModel(tmp_path)
+    (tmp_path / MANIFEST).write_text(json.dumps({"format": "leapfx-onnx", "format_version": 99}))
+    with pytest.raises(ValueError, match="format_version 99"):
+        OnnxModel(tmp_path)
+    om = onnx_model("llama", "layerskip")
+    with pytest.raises(ValueError, match="token ids must lie in"):
+        om.generate(torch.tensor([[10_000]]))
+    with pytest.raises(ValueError, match="max_new_tokens: 0 is invalid"):
+        om.generate(torch.tensor([[1]]), max_new_tokens=0)
+
+
+def test_ort_cache_rolls_back_in_place():
+    cache = OrtKVCache([(2, 4), (1, 8)], max_len=8)
+    buffers = [id(k) for k in cache.keys]
+    present = torch.arange(2 * 5 * 4, dtype=torch.float32).reshape(1, 2, 5, 4).numpy()
+    cache.write(0, present, present)
+    assert cache.lengths == [5, 0]
+    cache.crop(3)
+    assert cache.lengths == [3, 0] and [id(k) for k in cache.keys] == buffers
+    keys, _ = cache.past(0)
+    assert keys.shape == (1, 2, 3, 4) and keys.flags.c_contiguous
+    assert (keys == present[:, :, :3]).all()
+    with pytest.raises(ValueError, match="max_cache_len"):
+        big = torch.zeros(1, 1, 9, 8).numpy()
+        cache.write(1, big, big)
