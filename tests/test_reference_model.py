@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from leapfx import rewrite
 from leapfx.bench import REFERENCE_ADAPTER, REFERENCE_MODEL, bench_prompts, load_model
