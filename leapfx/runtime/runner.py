@@ -7,11 +7,10 @@ interface later. Schedules talk to a StageRunner and never know which backend ru
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-
 import time
 from collections import defaultdict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import torch
 
