@@ -92,11 +92,6 @@ def _placeholders(stage: fx.GraphModule) -> list[str]:
     return [n.name for n in stage.graph.nodes if n.op == "placeholder"]
 
 
-def _stage_outputs(stage: fx.GraphModule) -> list[str]:
-    out = next(n for n in stage.graph.nodes if n.op == "output")
-    return list(out.args[0])
-
-
 def _decoder_layers(stage: fx.GraphModule) -> list[int]:
     return sorted(n.meta[LAYER] for n in stage.graph.nodes if n.meta.get(ROLE) == "layer")
 
@@ -107,6 +102,10 @@ def _kv_shapes(sm: SpeculativeModel) -> list[tuple[int, int]]:
     return [(k.shape[1], k.shape[3]) for k in cache.keys]
 
 
+def _generator() -> torch.Generator:
+    return torch.Generator().manual_seed(0)
+
+
 def _example_inputs(
     sm: SpeculativeModel,
     names: list[str],
@@ -114,18 +113,23 @@ def _example_inputs(
     tokens: dict[str, int],
     pasts: dict[str, int],
 ) -> dict[str, torch.Tensor]:
-    """Consistent example tensors: positions continue each group's past."""
+    """Consistent example tensors: positions continue each group's past.
+
+    Random values come from a private generator: exporting never moves the caller's RNG.
+    """
     param = next(sm.hf_model.parameters())
+    gen = _generator()
     config = sm.config
     n_ids = tokens["input_ids"]
     n_hidden = tokens.get("exit_hidden", 0)
     out: dict[str, torch.Tensor] = {}
     for name in names:
         if name == "input_ids":
-            out[name] = torch.randint(0, config.vocab_size, (batch, n_ids), device=param.device)
+            ids = torch.randint(0, config.vocab_size, (batch, n_ids), generator=gen)
+            out[name] = ids.to(param.device)
         elif name == "exit_hidden":
             shape = (batch, n_hidden, config.hidden_size)
-            out[name] = torch.randn(shape, dtype=param.dtype, device=param.device)
+            out[name] = torch.randn(shape, generator=gen).to(param.device, param.dtype)
         elif name == "position_ids":
             start = pasts["position_ids"]
             out[name] = torch.arange(start, start + n_ids, device=param.device).expand(batch, -1)
@@ -244,10 +248,13 @@ def _export_stage(
         positions = next(p for p, layers in sig.groups.items() if layer in layers)
         h, d = kv[layer]
         shape = (batch, h, pasts[positions], d)
-        args += [torch.randn(shape, dtype=param.dtype, device=param.device) for _ in range(2)]
+        gen = _generator()
+        args += [torch.randn(shape, generator=gen).to(param.device, param.dtype) for _ in range(2)]
     try:
-        with warnings.catch_warnings(), contextlib.redirect_stdout(_LogWriter()):
-            warnings.simplefilter("ignore")  # the exporter's own chatter, not the user's concern
+        with warnings.catch_warnings():
+            # The exporter warns about its own internals (axis renames, deprecated pytree
+            # calls), nothing a user can act on; real failures arrive as exceptions.
+            warnings.simplefilter("ignore")
             program = torch.onnx.export(
                 module,
                 (*args,),
@@ -265,18 +272,6 @@ def _export_stage(
     _save(program, path)
     _check(path, name)
     return sig
-
-
-class _LogWriter:
-    """Stdout of the exporter (its progress lines) goes to the debug log, not the terminal."""
-
-    def write(self, text: str) -> int:
-        if text.strip():
-            log.debug("torch.onnx: %s", text.strip())
-        return len(text)
-
-    def flush(self) -> None:
-        pass
 
 
 def _summary(exc: BaseException) -> str:
