@@ -87,7 +87,7 @@ def _bench(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens, temperature=args.temperature,
         repeats=args.repeats, warmup=args.warmup, adapter=_adapter(args),
         kangaroo_exit_layer=args.kangaroo_exit_layer,
-        confidence_threshold=args.confidence_threshold,
+        confidence_threshold=args.confidence_threshold, backend=args.backend,
     )  # fmt: skip
     rows = run_bench(model, prompts, config, progress=not quiet)
     print(table(rows))
@@ -102,6 +102,7 @@ def _bench(args: argparse.Namespace) -> int:
         "prompts": len(prompts), "prompt_tokens": args.prompt_tokens,
         "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
         "repeats": args.repeats, "threads": torch.get_num_threads(), "device": args.device,
+        "backend": args.backend,
     }  # fmt: skip
     if args.json:
         write_json(args.json, rows, meta)
@@ -210,6 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--adapter", default=None, help="kangaroo adapter dir")
     bench.add_argument("--kangaroo-exit-layer", type=int, default=None)
     bench.add_argument("--confidence-threshold", type=float, default=None, help="kangaroo eta")
+    bench.add_argument("--backend", default="eager", help="eager | onnxruntime (leapfx rows)")
     bench.add_argument("--device", default="cpu")
     bench.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     bench.add_argument("--json", default=None, help="write the rows as JSON to this path")

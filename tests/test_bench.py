@@ -117,3 +117,19 @@ def test_kangaroo_rows(checkpoint):
     assert list(by)[-3:] == ["leapfx_layerskip", "leapfx_kangaroo_fixed", "leapfx_kangaroo"]
     assert all(by[n].identical_to_greedy for n in list(by)[-3:])
     assert len(by["leapfx_kangaroo"].ctar) == 3
+
+
+def test_onnxruntime_backend_rows(checkpoint, tmp_path):
+    model, tok = load_model(checkpoint)
+    prompts = [torch.tensor([tok("for i in range(")["input_ids"]])]
+    config = BenchConfig(recipe="autoregressive", exit_layer=2, max_new_tokens=8, repeats=1,
+                         warmup=0, backend="onnxruntime", export_dir=str(tmp_path))  # fmt: skip
+    rows = run_bench(model, prompts, config, progress=False)
+    by = {r.system: r for r in rows}
+    assert by["leapfx_autoregressive"].identical_to_greedy is True
+    assert (tmp_path / "leapfx_autoregressive" / "manifest.json").is_file()
+
+
+def test_unknown_backend():
+    with pytest.raises(ValueError, match="--backend: 'tvm' is invalid"):
+        BenchConfig(backend="tvm").validate()

@@ -34,6 +34,9 @@ from ..runtime.metrics import DecodeMetrics
 log = logging.getLogger(__name__)
 
 
+BACKENDS = ("eager", "onnxruntime")
+
+
 @dataclass(frozen=True)
 class BenchConfig:
     """Options of one benchmark run (the CLI's flags)."""
@@ -48,6 +51,10 @@ class BenchConfig:
     adapter: str | None = None
     kangaroo_exit_layer: int | None = None
     confidence_threshold: float | None = None
+    # Which backend runs the leapfx stages: "eager" (PyTorch) or "onnxruntime" (every leapfx
+    # system is exported to ONNX first and runs in onnxruntime sessions; HF rows stay PyTorch).
+    backend: str = "eager"
+    export_dir: str | None = None  # onnxruntime: where exports go (None: a temp dir)
     repeats: int = 3
     warmup: int = 1
     hf_baselines: bool = True
@@ -64,6 +71,10 @@ class BenchConfig:
                 raise ValueError(f"{name}: {value!r} is invalid; allowed: an integer >= {low}")
         if not self.temperature >= 0:
             raise ValueError(f"--temperature: {self.temperature!r} is invalid; allowed: >= 0")
+        if self.backend not in BACKENDS:
+            raise ValueError(
+                f"--backend: {self.backend!r} is invalid; allowed: {', '.join(BACKENDS)}"
+            )
         return self
 
 
@@ -155,8 +166,11 @@ def build_systems(model: nn.Module, config: BenchConfig, generator_seed: int = 0
 
         return run
 
+    to_backend = _backend(config)
+
     def ours(name: str, sm, lossless: bool = True) -> System:
         extra = {"generator": gen} if sampling["do_sample"] else {}
+        sm = to_backend(name, sm)
 
         def run(prompt):
             return sm.generate(prompt, max_new_tokens=n, **sampling, **extra)
@@ -193,6 +207,26 @@ def build_systems(model: nn.Module, config: BenchConfig, generator_seed: int = 0
             "early_exit, layerskip, kangaroo"
         )
     return systems
+
+
+def _backend(config: BenchConfig):
+    """name, SpeculativeModel -> what runs it: itself (eager) or an onnxruntime OnnxModel."""
+    if config.backend == "eager":
+        return lambda name, sm: sm
+    import tempfile
+
+    from ..export import OnnxModel
+
+    root = config.export_dir or tempfile.mkdtemp(prefix="leapfx-bench-onnx-")
+    threads = torch.get_num_threads()
+
+    def export(name: str, sm):
+        path = f"{root}/{name}"
+        log.info("exporting %s to %s", name, path)
+        sm.export_onnx(path, overwrite=True)
+        return OnnxModel(path, threads=threads)
+
+    return export
 
 
 def repeated_4gram_share(new_tokens: list[int]) -> float:
