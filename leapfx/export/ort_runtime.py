@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -35,16 +34,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..runtime.decode import cache_length, check_prompt, decode, decode_request
 from ..runtime.metrics import DecodeMetrics
 from ..runtime.runner import AttentionLayout, StageRunner
-from ..runtime.sampling import SamplingParams
-from ..runtime.schedules import DecodeRequest
 from .manifest import read_manifest
 from .stage_module import past_names, present_names
 
 log = logging.getLogger(__name__)
 
-_CACHE_ROUNDING = 256  # auto-sized caches grow in steps of this many positions (as the runtime)
 _NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16}
 # Baseline schedules any export can run, and the stage each needs.
 _BASELINE_STAGES = {"autoregressive": "full", "early_exit": "draft"}
@@ -273,17 +270,7 @@ class OnnxModel:
         self.last_metrics: DecodeMetrics | None = None
 
     def _cache_for(self, needed: int) -> OrtKVCache:
-        fixed = getattr(self.options, "max_cache_len", None)
-        if fixed is not None:
-            if needed > fixed:
-                raise ValueError(
-                    f"max_cache_len: the prompt plus max_new_tokens (and {self._lookahead} "
-                    f"lookahead positions) need {needed} cache positions but max_cache_len is "
-                    f"{fixed}; shorten the prompt or max_new_tokens"
-                )
-            size = fixed
-        else:
-            size = -(-needed // _CACHE_ROUNDING) * _CACHE_ROUNDING
+        size = cache_length(needed, getattr(self.options, "max_cache_len", None), self._lookahead)
         if self._cache is None or self._cache.max_len < size:
             self._cache = OrtKVCache(self._kv_shapes, size, dtype=self._dtype)
         self._cache.reset()
@@ -307,81 +294,25 @@ class OnnxModel:
         Defaults (``max_new_tokens``, sampling, EOS) come from the exported model's generation
         config. Metrics land in ``self.last_metrics``.
         """
-        prompt = self._check_prompt(input_ids, attention_mask)
-        request = self._request(
-            prompt.shape[1],
-            max_new_tokens,
-            eos_token_id,
-            {"do_sample": do_sample, "temperature": temperature, "top_k": top_k, "top_p": top_p},
-            generator,
-        )
+        check_prompt(input_ids, attention_mask, self.manifest["vocab_size"])
+        prompt = input_ids.to(torch.long).cpu()
+        sampling = {"do_sample": do_sample, "temperature": temperature, "top_k": top_k,
+                    "top_p": top_p}  # fmt: skip
+        if eos_token_id is None:
+            eos_token_id = list(self.manifest["eos_token_ids"])
+        request = decode_request(
+            self._generation_config, prompt.shape[1], max_new_tokens=max_new_tokens,
+            eos_token_id=eos_token_id, sampling=sampling, generator=generator,
+        )  # fmt: skip
         needed = prompt.shape[1] + request.max_new_tokens + self._lookahead
         runner = StageRunner(self.stages, self._cache_for(needed), self._layout)
-        metrics = DecodeMetrics(
-            schedule=self.recipe,
-            prompt_tokens=prompt.shape[1],
-            num_speculations=getattr(self.options, "num_speculations", 0),
-        )
-        start = time.perf_counter()
         with torch.inference_mode():
-            tokens = self._schedule(runner, prompt, request, metrics)
-        metrics.seconds = time.perf_counter() - start
-        metrics.stage_seconds = dict(runner.seconds)
-        metrics.new_tokens = len(tokens)
-        self.last_metrics = metrics
+            tokens, self.last_metrics = decode(
+                self._schedule, runner, prompt, request, name=self.recipe,
+                num_speculations=getattr(self.options, "num_speculations", 0),
+            )  # fmt: skip
         new = torch.tensor([tokens], dtype=input_ids.dtype, device=input_ids.device)
         return torch.cat([input_ids, new], dim=1)
-
-    def _request(
-        self,
-        prompt_len: int,
-        max_new_tokens: int | None,
-        eos_token_id: int | list[int] | None,
-        sampling: dict[str, Any],
-        generator: torch.Generator | None,
-    ) -> DecodeRequest:
-        gen_cfg = self._generation_config
-        if max_new_tokens is None:
-            max_new_tokens = gen_cfg.max_new_tokens
-        if max_new_tokens is None:
-            max_new_tokens = (gen_cfg.max_length or 20) - prompt_len
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens: {max_new_tokens!r} is invalid; allowed: int >= 1")
-        if eos_token_id is None:
-            eos = frozenset(self.manifest["eos_token_ids"])
-        elif isinstance(eos_token_id, int):
-            eos = frozenset({eos_token_id})
-        else:
-            eos = frozenset(int(t) for t in eos_token_id)
-        params = SamplingParams.from_generation_config(gen_cfg, **sampling)
-        return DecodeRequest(max_new_tokens, eos, params, generator)
-
-    def _check_prompt(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
-    ) -> torch.Tensor:
-        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
-            shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else None
-            raise ValueError(
-                "input_ids: expected a LongTensor of shape [batch, seq], "
-                f"got {shape or type(input_ids).__name__}"
-            )
-        if input_ids.shape[0] != 1:
-            raise ValueError(
-                f"input_ids: batch size {input_ids.shape[0]} is not supported; allowed: 1"
-            )
-        if input_ids.shape[1] < 1:
-            raise ValueError("input_ids: the prompt is empty; allowed: at least 1 token")
-        vocab = self.manifest["vocab_size"]
-        if int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab:
-            raise ValueError(f"input_ids: token ids must lie in 0..{vocab - 1}")
-        if attention_mask is not None and (
-            attention_mask.shape != input_ids.shape or not bool(attention_mask.bool().all())
-        ):
-            raise ValueError(
-                "attention_mask: padding is not supported at batch size 1; pass the prompt "
-                "without pad tokens (an all-ones mask of the prompt's shape)"
-            )
-        return input_ids.to(torch.long).cpu()
 
     def __repr__(self) -> str:
         return f"OnnxModel({str(self.path)!r}, recipe={self.recipe!r}, providers={self.providers})"

@@ -15,7 +15,6 @@ Example::
 
 from __future__ import annotations
 
-import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,16 +26,14 @@ from torch import fx, nn
 from ..passes.capture import decoder_parts
 from ..passes.partition import Stages
 from .cache import StaticKVCache, cache_for
+from .decode import cache_length, check_prompt, decode, decode_request
 from .masks import SUPPORTED_ATTENTION
 from .metrics import DecodeMetrics
 from .runner import AttentionLayout, StageRunner
-from .sampling import SamplingParams
 from .schedules import DecodeRequest
 
 # A schedule: (runner, prompt [1, n], request, metrics) -> new token ids.
 Schedule = Callable[[StageRunner, torch.Tensor, DecodeRequest, DecodeMetrics], list[int]]
-
-_CACHE_ROUNDING = 256  # auto-sized caches grow in steps of this many positions
 
 
 class RecipeTraining(Protocol):
@@ -138,48 +135,13 @@ class SpeculativeModel:
 
     def _cache_for(self, needed: int) -> StaticKVCache:
         fixed = getattr(self.options, "max_cache_len", None)
-        if fixed is not None:
-            if needed > fixed:
-                raise ValueError(
-                    f"max_cache_len: the prompt plus max_new_tokens (and {self.recipe.lookahead} "
-                    f"lookahead positions) need {needed} cache positions but max_cache_len is "
-                    f"{fixed}; shorten the prompt or max_new_tokens, or raise max_cache_len"
-                )
-            size = fixed
-        else:
-            size = -(-needed // _CACHE_ROUNDING) * _CACHE_ROUNDING
+        size = cache_length(needed, fixed, self.recipe.lookahead)
         if self._cache is None or self._cache.max_len < size:
             self._cache = cache_for(
                 self._hf_model, size, extra_layers=self.recipe.extra_cache_layers
             )
         self._cache.reset()
         return self._cache
-
-    def _request(
-        self,
-        prompt_len: int,
-        max_new_tokens: int | None,
-        eos_token_id: int | list[int] | None,
-        sampling: dict[str, Any],
-        generator: torch.Generator | None,
-    ) -> DecodeRequest:
-        gen_cfg = self._hf_model.generation_config
-        if max_new_tokens is None:
-            max_new_tokens = gen_cfg.max_new_tokens
-        if max_new_tokens is None:
-            max_new_tokens = (gen_cfg.max_length or 20) - prompt_len
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens: {max_new_tokens!r} is invalid; allowed: int >= 1")
-        if eos_token_id is None:
-            eos_token_id = gen_cfg.eos_token_id
-        if eos_token_id is None:
-            eos = frozenset()
-        elif isinstance(eos_token_id, int):
-            eos = frozenset({eos_token_id})
-        else:
-            eos = frozenset(int(t) for t in eos_token_id)
-        params = SamplingParams.from_generation_config(gen_cfg, **sampling)
-        return DecodeRequest(max_new_tokens, eos, params, generator)
 
     @torch.inference_mode()
     def generate(
@@ -202,14 +164,14 @@ class SpeculativeModel:
         sampling with the same temperature/top_k/top_p. Pass a ``torch.Generator`` for
         reproducible sampling. Metrics land in ``self.last_metrics``.
         """
-        prompt = self._check_prompt(input_ids, attention_mask)
-        request = self._request(
-            prompt.shape[1],
-            max_new_tokens,
-            eos_token_id,
-            {"do_sample": do_sample, "temperature": temperature, "top_k": top_k, "top_p": top_p},
-            generator,
-        )
+        check_prompt(input_ids, attention_mask, self._hf_model.config.vocab_size)
+        prompt = input_ids.to(self._layout.device)
+        sampling = {"do_sample": do_sample, "temperature": temperature, "top_k": top_k,
+                    "top_p": top_p}  # fmt: skip
+        request = decode_request(
+            self._hf_model.generation_config, prompt.shape[1], max_new_tokens=max_new_tokens,
+            eos_token_id=eos_token_id, sampling=sampling, generator=generator,
+        )  # fmt: skip
         if self._hf_model.training:
             warnings.warn(
                 "the model is in training mode (dropout active); call model.eval() first",
@@ -217,17 +179,10 @@ class SpeculativeModel:
             )
         needed = prompt.shape[1] + request.max_new_tokens + self.recipe.lookahead
         runner = StageRunner(self.stages.modules, self._cache_for(needed), self._layout)
-        metrics = DecodeMetrics(
-            schedule=self.recipe.name,
-            prompt_tokens=prompt.shape[1],
+        tokens, self.last_metrics = decode(
+            self.recipe.schedule, runner, prompt, request, name=self.recipe.name,
             num_speculations=getattr(self.options, "num_speculations", 0),
-        )
-        start = time.perf_counter()
-        tokens = self.recipe.schedule(runner, prompt, request, metrics)
-        metrics.seconds = time.perf_counter() - start
-        metrics.stage_seconds = dict(runner.seconds)
-        metrics.new_tokens = len(tokens)
-        self.last_metrics = metrics
+        )  # fmt: skip
         new = torch.tensor([tokens], dtype=input_ids.dtype, device=input_ids.device)
         return torch.cat([input_ids, new], dim=1)
 
@@ -242,38 +197,6 @@ class SpeculativeModel:
         from ..export import export_onnx  # optional dependencies: imported when used
 
         return export_onnx(self, path, opset=opset, overwrite=overwrite)
-
-    def _check_prompt(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
-    ) -> torch.Tensor:
-        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
-            shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else None
-            raise ValueError(
-                "input_ids: expected a LongTensor of shape [batch, seq], "
-                f"got {shape or type(input_ids).__name__}"
-            )
-        if input_ids.shape[0] != 1:
-            raise ValueError(
-                f"input_ids: batch size {input_ids.shape[0]} is not supported; allowed: 1 "
-                "(batched speculative decoding is not implemented yet)"
-            )
-        if input_ids.shape[1] < 1:
-            raise ValueError("input_ids: the prompt is empty; allowed: at least 1 token")
-        vocab = self._hf_model.config.vocab_size
-        if int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab:
-            raise ValueError(f"input_ids: token ids must lie in 0..{vocab - 1}")
-        if attention_mask is not None:
-            if attention_mask.shape != input_ids.shape:
-                raise ValueError(
-                    f"attention_mask: shape {tuple(attention_mask.shape)} does not match "
-                    f"input_ids {tuple(input_ids.shape)}"
-                )
-            if not bool(attention_mask.bool().all()):
-                raise ValueError(
-                    "attention_mask: padding is not supported at batch size 1; pass the prompt "
-                    "without pad tokens (all-ones mask)"
-                )
-        return input_ids.to(self._layout.device)
 
     def __repr__(self) -> str:
         return f"SpeculativeModel(recipe={self.recipe.name!r}, options={self.options})"

@@ -1,0 +1,115 @@
+"""The generate() front end shared by every backend (SpeculativeModel, OnnxModel).
+
+Checking the prompt, filling defaults from a HF ``GenerationConfig`` the way HF does, sizing the
+KV cache and running a schedule with a metrics recorder are the same whichever backend executes
+the stages; each backend only supplies its stages, its cache and its generation config.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .metrics import DecodeMetrics
+from .runner import StageRunner
+from .sampling import SamplingParams
+from .schedules import DecodeRequest
+
+CACHE_ROUNDING = 256  # auto-sized caches grow in steps of this many positions
+
+
+def check_prompt(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor | None, vocab_size: int
+) -> None:
+    """Refuse what the runtime cannot decode, naming the argument and what is allowed."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else None
+        raise ValueError(
+            "input_ids: expected a LongTensor of shape [batch, seq], "
+            f"got {shape or type(input_ids).__name__}"
+        )
+    if input_ids.shape[0] != 1:
+        raise ValueError(
+            f"input_ids: batch size {input_ids.shape[0]} is not supported; allowed: 1 "
+            "(batched speculative decoding is not implemented yet)"
+        )
+    if input_ids.shape[1] < 1:
+        raise ValueError("input_ids: the prompt is empty; allowed: at least 1 token")
+    if int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab_size:
+        raise ValueError(f"input_ids: token ids must lie in 0..{vocab_size - 1}")
+    if attention_mask is not None:
+        if attention_mask.shape != input_ids.shape:
+            raise ValueError(
+                f"attention_mask: shape {tuple(attention_mask.shape)} does not match "
+                f"input_ids {tuple(input_ids.shape)}"
+            )
+        if not bool(attention_mask.bool().all()):
+            raise ValueError(
+                "attention_mask: padding is not supported at batch size 1; pass the prompt "
+                "without pad tokens (all-ones mask)"
+            )
+
+
+def decode_request(
+    generation_config,
+    prompt_len: int,
+    *,
+    max_new_tokens: int | None,
+    eos_token_id: int | list[int] | None,
+    sampling: dict[str, Any],
+    generator: torch.Generator | None,
+) -> DecodeRequest:
+    """Stop rule and sampling of a call; None arguments default to ``generation_config``."""
+    if max_new_tokens is None:
+        max_new_tokens = generation_config.max_new_tokens
+    if max_new_tokens is None:
+        max_new_tokens = (generation_config.max_length or 20) - prompt_len
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens: {max_new_tokens!r} is invalid; allowed: int >= 1")
+    if eos_token_id is None:
+        eos_token_id = generation_config.eos_token_id
+    if eos_token_id is None:
+        eos = frozenset()
+    elif isinstance(eos_token_id, int):
+        eos = frozenset({eos_token_id})
+    else:
+        eos = frozenset(int(t) for t in eos_token_id)
+    params = SamplingParams.from_generation_config(generation_config, **sampling)
+    return DecodeRequest(max_new_tokens, eos, params, generator)
+
+
+def cache_length(needed: int, fixed: int | None, lookahead: int) -> int:
+    """Positions to allocate: ``fixed`` (max_cache_len) if set and large enough, else rounded."""
+    if fixed is None:
+        return -(-needed // CACHE_ROUNDING) * CACHE_ROUNDING
+    if needed > fixed:
+        raise ValueError(
+            f"max_cache_len: the prompt plus max_new_tokens (and {lookahead} lookahead "
+            f"positions) need {needed} cache positions but max_cache_len is {fixed}; shorten "
+            "the prompt or max_new_tokens, or raise max_cache_len"
+        )
+    return fixed
+
+
+def decode(
+    schedule: Callable[..., list[int]],
+    runner: StageRunner,
+    prompt: torch.Tensor,
+    request: DecodeRequest,
+    *,
+    name: str,
+    num_speculations: int,
+) -> tuple[list[int], DecodeMetrics]:
+    """Run ``schedule`` and return the new tokens and the call's metrics."""
+    metrics = DecodeMetrics(
+        schedule=name, prompt_tokens=prompt.shape[1], num_speculations=num_speculations
+    )
+    start = time.perf_counter()
+    tokens = schedule(runner, prompt, request, metrics)
+    metrics.seconds = time.perf_counter() - start
+    metrics.stage_seconds = dict(runner.seconds)
+    metrics.new_tokens = len(tokens)
+    return tokens, metrics
