@@ -91,6 +91,14 @@ def _bench(args: argparse.Namespace) -> int:
     )  # fmt: skip
     rows = run_bench(model, prompts, config, progress=not quiet)
     print(table(rows))
+    for r in rows:
+        if "predicted_vs_autoregressive" in r.extra:
+            x = r.extra
+            print(
+                f"{r.system}: alpha {x['alpha']:.3f}, c {x['c']:.3f} -> formula predicts "
+                f"{x['predicted_vs_autoregressive']:.2f}x over leapfx_autoregressive, measured "
+                f"{x['measured_vs_autoregressive']:.2f}x ({x['measured_over_predicted']:.0%})"
+            )
     hf = next(r for r in rows if r.system.startswith("hf_"))
     share = hf.extra.get("repeated_4gram_share")
     if share is not None:

@@ -45,6 +45,10 @@ def test_run_bench_rows(checkpoint):
     assert len(ls.ctar) == 3 and ls.mean_accepted_tokens >= 1.0
     assert all(r.tokens_per_second > 0 for r in rows)
     assert 0.0 <= by["hf_greedy"].extra["repeated_4gram_share"] <= 1.0
+    x = ls.extra
+    assert x["c"] > 0 and x["predicted_vs_autoregressive"] > 0
+    ar = by["leapfx_autoregressive"].tokens_per_second
+    assert x["measured_vs_autoregressive"] == pytest.approx(ls.tokens_per_second / ar)
 
 
 def test_cli_json_fields(checkpoint, tmp_path, capsys):

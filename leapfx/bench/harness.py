@@ -317,7 +317,31 @@ def _rows(systems, prompts, config, times, first) -> list[Row]:
     base_tps = rows[0].tokens_per_second
     for row in rows:
         row.speedup = row.tokens_per_second / base_tps if base_tps else math.nan
+    _formula_check(rows)
     return rows
+
+
+def _formula_check(rows: list[Row]) -> None:
+    """For each speculative row: the speedup over ``leapfx_autoregressive`` that the standard
+    formula predicts from this run's own alpha and cost ratio c, beside the measured one."""
+    from .sweep import predicted_speedup
+
+    ar = next((r for r in rows if r.system == "leapfx_autoregressive"), None)
+    if ar is None or not ar.new_tokens:
+        return
+    ar_token_s = ar.seconds / ar.new_tokens
+    for row in rows:
+        calls = row.extra.get("draft_calls", 0)
+        draft_s = row.extra.get("stage_seconds", {}).get("draft", 0.0)
+        if not calls or row.ctar is None:
+            continue
+        c = (draft_s / calls) / ar_token_s
+        d = len(row.ctar)
+        predicted = predicted_speedup(row.extra["alpha"], d, c)
+        measured = row.tokens_per_second / ar.tokens_per_second
+        row.extra.update(c=c, predicted_vs_autoregressive=predicted,
+                         measured_vs_autoregressive=measured,
+                         measured_over_predicted=measured / predicted)  # fmt: skip
 
 
 def _speculation_stats(row: Row, metrics: list[DecodeMetrics]) -> None:
