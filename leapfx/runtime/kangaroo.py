@@ -38,7 +38,7 @@ import torch
 from .metrics import DecodeMetrics
 from .runner import StageRunner
 from .sampling import probs
-from .schedules import DecodeRequest, Output, _token, accept, choose
+from .schedules import DecodeRequest, self_speculative
 
 
 def draft_until_unsure(
@@ -86,32 +86,8 @@ def kangaroo(
 ) -> list[int]:
     """Kangaroo decoding: adapter drafts with dynamic length, the upper layers verify."""
     metrics.num_speculations = max_draft_tokens  # CTAR(w) for w = 1..gamma
-    out = Output(request)
-    logits = runner.full(prompt, 0)  # prefill (adapter KV included): [1, n, V]
-    metrics.full_calls += 1
-    pos = prompt.shape[1]  # position of x, the newest token (not yet in the cache)
-    x = choose(logits[:, -1], request)
-    out.extend([_token(x)])
-    while not out.done:
-        gamma = min(max_draft_tokens, out.remaining - 1)  # drafts past max_new_tokens are waste
-        if gamma == 0:
-            logits = runner.full(x, pos)
-            metrics.full_calls += 1
-            x = choose(logits[:, -1], request)
-            out.extend([_token(x)])
-            pos += 1
-            continue
-        drafts, features, q = draft_until_unsure(
-            runner, x, pos, gamma, confidence_threshold, request
-        )
-        d = drafts.shape[1]
-        metrics.draft_calls += d
-        # Layers < l + adapter KV for the last draft, upper layers for x and every draft.
-        target_logits = runner.verify(drafts[:, -1:], features, pos)  # [1, d+1, V]
-        k, next_token = accept(drafts, q, target_logits, request)
-        runner.cache.crop(pos + k + 1)  # keep x and the k accepted drafts, in every slot
-        metrics.record_verify(d, k)
-        out.extend([*drafts[0, :k].tolist(), next_token])
-        pos += k + 1
-        x = torch.tensor([[next_token]], device=drafts.device)
-    return out.tokens
+
+    def drafter(runner, x, start, gamma, request):
+        return draft_until_unsure(runner, x, start, gamma, confidence_threshold, request)
+
+    return self_speculative(runner, prompt, request, metrics, max_draft_tokens, drafter)

@@ -14,6 +14,7 @@ the cache is cropped to n + k + 1 (O(1)) and the emitted correction/bonus token 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -142,14 +143,26 @@ def accept(
     return n_accepted, next_token
 
 
+# A drafter: (runner, x [1, 1], start, max drafts, request) -> (drafts [1, d], exit hidden
+# [1, d, H], q [1, d, V] or None); d may stop short of the maximum (Kangaroo's eta rule).
+Drafter = Callable[
+    [StageRunner, torch.Tensor, int, int, DecodeRequest],
+    tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
+]
+
+
 def self_speculative(
     runner: StageRunner,
     prompt: torch.Tensor,
     request: DecodeRequest,
     metrics: DecodeMetrics,
     num_speculations: int,
+    drafter: Drafter = draft,
 ) -> list[int]:
-    """LayerSkip self-speculative decoding: draft with layers < E, verify with the remainder."""
+    """LayerSkip self-speculative decoding: draft with layers < E, verify with the rest.
+
+    ``drafter`` makes the drafts (layers < E and the exit head by default; Kangaroo passes its
+    adapter's dynamic-length drafter)."""
     out = Output(request)
     logits = runner.full(prompt, 0)  # prefill: [1, n, V]
     metrics.full_calls += 1
@@ -165,7 +178,8 @@ def self_speculative(
             out.extend([_token(x)])
             pos += 1
             continue
-        drafts, exit_hidden, q = draft(runner, x, pos, d, request)
+        drafts, exit_hidden, q = drafter(runner, x, pos, d, request)
+        d = drafts.shape[1]
         metrics.draft_calls += d
         # Lower layers for the last draft, upper layers for x and every draft: [1, d+1, V].
         target_logits = runner.verify(drafts[:, -1:], exit_hidden, pos)
