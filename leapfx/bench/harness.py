@@ -335,8 +335,10 @@ def _formula_check(rows: list[Row]) -> None:
         draft_s = row.extra.get("stage_seconds", {}).get("draft", 0.0)
         if not calls or row.ctar is None:
             continue
-        c = (draft_s / calls) / ar_token_s
         d = len(row.ctar)
+        if calls < 0.9 * d * row.extra.get("verify_calls", 0):
+            continue  # dynamic draft length (Kangaroo's eta): the formula assumes a fixed d
+        c = (draft_s / calls) / ar_token_s
         predicted = predicted_speedup(row.extra["alpha"], d, c)
         measured = row.tokens_per_second / ar.tokens_per_second
         row.extra.update(c=c, predicted_vs_autoregressive=predicted,
