@@ -37,8 +37,7 @@ import torch
 
 from .metrics import DecodeMetrics
 from .runner import StageRunner
-from .sampling import probs
-from .schedules import DecodeRequest, self_speculative
+from .schedules import DecodeRequest, draft, self_speculative
 
 
 def draft_until_unsure(
@@ -55,25 +54,7 @@ def draft_until_unsure(
     and, when sampling, the draft distributions q [1, d, V]; 1 <= d <= max_tokens. The token
     whose confidence falls to ``threshold`` or below is kept as the round's last draft.
     """
-    tokens, hidden, qs = [], [], []
-    token = x
-    for i in range(max_tokens):
-        logits, h = runner.draft(token, start + i)  # logits: [1, 1, V], h: [1, 1, H]
-        if request.sampling.do_sample:
-            q = probs(logits[:, -1].float(), request.sampling)  # [1, V]
-            token = torch.multinomial(q, 1, generator=request.generator)
-            qs.append(q)
-        else:
-            q = None
-            token = logits[:, -1].argmax(dim=-1, keepdim=True)  # [1, 1]
-        tokens.append(token)
-        hidden.append(h)
-        if threshold > 0 and i + 1 < max_tokens:
-            dist = q if q is not None else torch.softmax(logits[:, -1].float(), dim=-1)
-            if float(dist.max()) <= threshold:  # eq. 4: the one host sync per draft step
-                break
-    q_all = torch.stack(qs, dim=1) if qs else None
-    return torch.cat(tokens, dim=1), torch.cat(hidden, dim=1), q_all
+    return draft(runner, x, start, max_tokens, request, threshold=threshold)
 
 
 def kangaroo(

@@ -103,26 +103,39 @@ def _one_stage_loop(stage, runner, prompt, request, metrics, counter) -> list[in
 
 
 def draft(
-    runner: StageRunner, x: torch.Tensor, start: int, d: int, request: DecodeRequest
+    runner: StageRunner,
+    x: torch.Tensor,
+    start: int,
+    d: int,
+    request: DecodeRequest,
+    *,
+    threshold: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Draft d tokens autoregressively from token x [1, 1] at position ``start``.
+    """Draft up to d tokens autoregressively from token x [1, 1] at position ``start``.
 
-    Returns draft tokens [1, d], their exit hidden states [1, d, H] (the exit-query cache for
-    positions start..start+d-1) and, when sampling, the draft distributions q [1, d, V].
-    Tokens stay on the device: no host sync inside the loop.
+    Returns draft tokens [1, d'], their exit hidden states [1, d', H] (the exit-query cache for
+    positions start..start+d'-1) and, when sampling, the draft distributions q [1, d', V].
+    With ``threshold`` 0 (LayerSkip) d' = d and tokens stay on the device: no host sync inside
+    the loop. With ``threshold`` > 0 (Kangaroo eq. 4) drafting stops after the first token whose
+    top-1 probability is <= threshold (that token is kept), one host sync per draft step.
     """
     tokens, hidden, qs = [], [], []
     token = x
     for i in range(d):
         logits, h = runner.draft(token, start + i)  # logits: [1, 1, V], h: [1, 1, H]
+        q = None
         if request.sampling.do_sample:
             q = probs(logits[:, -1].float(), request.sampling)  # [1, V]
             token = torch.multinomial(q, 1, generator=request.generator)
             qs.append(q)
         else:
-            token = logits[:, -1].argmax(dim=-1, keepdim=True)
+            token = logits[:, -1].argmax(dim=-1, keepdim=True)  # [1, 1]
         tokens.append(token)
         hidden.append(h)
+        if threshold > 0 and i + 1 < d:
+            dist = q if q is not None else torch.softmax(logits[:, -1].float(), dim=-1)
+            if float(dist.max()) <= threshold:
+                break
     q_all = torch.stack(qs, dim=1) if qs else None
     return torch.cat(tokens, dim=1), torch.cat(hidden, dim=1), q_all
 
