@@ -10,10 +10,12 @@ with ``reference_report.json`` beside it. See ``leapfx/train/reference.py`` for 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 
-from leapfx.train.reference import ReferenceModelSpec, train_reference
+from leapfx.train.layerskip import EXIT_CURRICULA
+from leapfx.train.reference import REFERENCE_RECIPE, ReferenceModelSpec, train_reference
 
 
 def main() -> None:
@@ -27,6 +29,15 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=ReferenceModelSpec.hidden_size)
     parser.add_argument("--intermediate", type=int, default=ReferenceModelSpec.intermediate_size)
     parser.add_argument("--tokenizer", choices=("bpe", "byte"), default="bpe")
+    parser.add_argument("--batch-size", type=int, default=8, help="sequences per step")
+    parser.add_argument("--seq-len", type=int, default=512, help="tokens per sequence")
+    parser.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
+    parser.add_argument(
+        "--exit-curriculum",
+        choices=EXIT_CURRICULA,
+        default=REFERENCE_RECIPE.exit_curriculum,
+        help="C(t, l) of the early-exit loss (LayerSkip eq. 5-6)",
+    )
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -41,7 +52,11 @@ def main() -> None:
         minutes=args.minutes,
         seed=args.seed,
         spec=spec,
+        recipe=dataclasses.replace(REFERENCE_RECIPE, exit_curriculum=args.exit_curriculum),
         steps=args.steps,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        lr=args.lr,
         threads=args.threads,
         progress=not args.no_progress,
     )

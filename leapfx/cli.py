@@ -219,7 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--adapter", default=None, help="kangaroo adapter dir")
     bench.add_argument("--kangaroo-exit-layer", type=int, default=None)
     bench.add_argument("--confidence-threshold", type=float, default=None, help="kangaroo eta")
-    bench.add_argument("--backend", default="eager", help="eager | onnxruntime (leapfx rows)")
+    bench.add_argument(
+        "--backend", default="eager", help="eager | inductor | onnxruntime (leapfx rows)"
+    )
     bench.add_argument("--device", default="cpu")
     bench.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     bench.add_argument("--json", default=None, help="write the rows as JSON to this path")

@@ -34,7 +34,7 @@ from ..runtime.metrics import DecodeMetrics
 log = logging.getLogger(__name__)
 
 
-BACKENDS = ("eager", "onnxruntime")
+BACKENDS = ("eager", "inductor", "onnxruntime")
 
 
 @dataclass(frozen=True)
@@ -51,8 +51,9 @@ class BenchConfig:
     adapter: str | None = None
     kangaroo_exit_layer: int | None = None
     confidence_threshold: float | None = None
-    # Which backend runs the leapfx stages: "eager" (PyTorch) or "onnxruntime" (every leapfx
-    # system is exported to ONNX first and runs in onnxruntime sessions; HF rows stay PyTorch).
+    # Which backend runs the leapfx stages: "eager" (PyTorch), "inductor" (every leapfx system's
+    # stages compiled with torch.compile and warmed up before timing) or "onnxruntime" (every
+    # leapfx system is exported to ONNX and runs in onnxruntime sessions). HF rows stay eager.
     backend: str = "eager"
     export_dir: str | None = None  # onnxruntime: where exports go (None: a temp dir)
     repeats: int = 3
@@ -71,11 +72,21 @@ class BenchConfig:
                 raise ValueError(f"{name}: {value!r} is invalid; allowed: an integer >= {low}")
         if not self.temperature >= 0:
             raise ValueError(f"--temperature: {self.temperature!r} is invalid; allowed: >= 0")
-        if self.backend not in BACKENDS:
+        names = self.backends
+        bad = next((b for b in names if b not in BACKENDS), None)
+        if bad is None and (not names or len(set(names)) < len(names)):
+            bad = self.backend
+        if bad is not None:
             raise ValueError(
-                f"--backend: {self.backend!r} is invalid; allowed: {', '.join(BACKENDS)}"
+                f"--backend: {bad!r} is invalid; allowed: one or more of "
+                f"{', '.join(BACKENDS)}, comma-separated without repeats"
             )
         return self
+
+    @property
+    def backends(self) -> tuple[str, ...]:
+        """The backends of ``backend`` (a name, or several separated by commas)."""
+        return tuple(b.strip() for b in self.backend.split(",") if b.strip())
 
 
 @dataclass
@@ -145,13 +156,14 @@ def build_systems(model: nn.Module, config: BenchConfig, generator_seed: int = 0
 
     ``layerskip`` (and ``kangaroo``, whose runs also carry a ``layerskip`` row at the same d and
     a fixed-length ``leapfx_kangaroo_fixed`` row, eta = 0) share E and d with HF's assistant.
+    With several backends (``--backend eager,inductor``) every leapfx system runs once per
+    backend, named ``<system>@<backend>``, so backends compare side by side in one run.
     """
     d = config.num_speculations
     layerskip_opts = {"num_speculations": d}
     if config.exit_layer is not None:
         layerskip_opts["exit_layer"] = config.exit_layer
-    layerskip = rewrite.apply(model, "layerskip", **layerskip_opts)
-    exit_layer = layerskip.options.exit_layer
+    exit_layer = rewrite.apply(model, "layerskip", **layerskip_opts).options.exit_layer
     sampling = _sampling_kwargs(config)
     n = config.max_new_tokens
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(generator_seed)
@@ -166,17 +178,6 @@ def build_systems(model: nn.Module, config: BenchConfig, generator_seed: int = 0
 
         return run
 
-    to_backend = _backend(config)
-
-    def ours(name: str, sm, lossless: bool = True) -> System:
-        extra = {"generator": gen} if sampling["do_sample"] else {}
-        sm = to_backend(name, sm)
-
-        def run(prompt):
-            return sm.generate(prompt, max_new_tokens=n, **sampling, **extra)
-
-        return System(name, run, lambda: sm.last_metrics, lossless=lossless)
-
     systems = []
     if config.hf_baselines:
         systems.append(System(baseline_name(config), hf()))
@@ -186,33 +187,56 @@ def build_systems(model: nn.Module, config: BenchConfig, generator_seed: int = 0
             num_assistant_tokens_schedule="constant",
         )
         systems.append(System("hf_assistant_early_exit", assistant))
-    systems.append(ours("leapfx_autoregressive", rewrite.apply(model, "autoregressive")))
-    early = rewrite.apply(model, "early_exit", exit_layer=exit_layer)
-    systems.append(ours("leapfx_early_exit", early, lossless=False))
-    if config.recipe in ("layerskip", "kangaroo"):
-        systems.append(ours("leapfx_layerskip", layerskip))
-    if config.recipe == "kangaroo":
-        kw = {"max_draft_tokens": d, "adapter": config.adapter}
-        if config.kangaroo_exit_layer is not None:
-            kw["exit_layer"] = config.kangaroo_exit_layer
-        fixed = rewrite.apply(model, "kangaroo", confidence_threshold=0.0, **kw)
-        dynamic = rewrite.apply(
-            model, "kangaroo", confidence_threshold=config.confidence_threshold, **kw
-        )
-        systems.append(ours("leapfx_kangaroo_fixed", fixed))
-        systems.append(ours("leapfx_kangaroo", dynamic))
-    elif config.recipe not in ("autoregressive", "early_exit", "layerskip"):
+    if config.recipe not in ("autoregressive", "early_exit", "layerskip", "kangaroo"):
         raise ValueError(
             f"--recipe: {config.recipe!r} is not benchmarked; allowed: autoregressive, "
             "early_exit, layerskip, kangaroo"
         )
+    backends = config.backends
+    for backend in backends:
+        to_backend = _backend(config, backend)
+        suffix = f"@{backend}" if len(backends) > 1 else ""
+
+        def ours(name: str, sm, lossless: bool = True, to_backend=to_backend, suffix=suffix):
+            extra = {"generator": gen} if sampling["do_sample"] else {}
+            sm = to_backend(name + suffix, sm)
+
+            def run(prompt):
+                return sm.generate(prompt, max_new_tokens=n, **sampling, **extra)
+
+            return System(name + suffix, run, lambda: sm.last_metrics, lossless=lossless)
+
+        systems.append(ours("leapfx_autoregressive", rewrite.apply(model, "autoregressive")))
+        early = rewrite.apply(model, "early_exit", exit_layer=exit_layer)
+        systems.append(ours("leapfx_early_exit", early, lossless=False))
+        if config.recipe in ("layerskip", "kangaroo"):
+            layerskip = rewrite.apply(model, "layerskip", **layerskip_opts)
+            systems.append(ours("leapfx_layerskip", layerskip))
+        if config.recipe == "kangaroo":
+            kw = {"max_draft_tokens": d, "adapter": config.adapter}
+            if config.kangaroo_exit_layer is not None:
+                kw["exit_layer"] = config.kangaroo_exit_layer
+            fixed = rewrite.apply(model, "kangaroo", confidence_threshold=0.0, **kw)
+            dynamic = rewrite.apply(
+                model, "kangaroo", confidence_threshold=config.confidence_threshold, **kw
+            )
+            systems.append(ours("leapfx_kangaroo_fixed", fixed))
+            systems.append(ours("leapfx_kangaroo", dynamic))
     return systems
 
 
-def _backend(config: BenchConfig):
-    """name, SpeculativeModel -> what runs it: itself (eager) or an onnxruntime OnnxModel."""
-    if config.backend == "eager":
+def _backend(config: BenchConfig, backend: str):
+    """name, SpeculativeModel -> what runs it: itself (eager), itself compiled (inductor) or an
+    onnxruntime OnnxModel of its export."""
+    if backend == "eager":
         return lambda name, sm: sm
+    if backend == "inductor":
+
+        def compile_(name: str, sm):
+            log.info("compiling %s with torch.compile (inductor)", name)
+            return sm.compile()
+
+        return compile_
     import tempfile
 
     from ..export import OnnxModel
@@ -221,7 +245,7 @@ def _backend(config: BenchConfig):
     threads = torch.get_num_threads()
 
     def export(name: str, sm):
-        path = f"{root}/{name}"
+        path = f"{root}/{name.replace('@', '-')}"
         log.info("exporting %s to %s", name, path)
         sm.export_onnx(path, overwrite=True)
         return OnnxModel(path, threads=threads)
@@ -326,11 +350,13 @@ def _formula_check(rows: list[Row]) -> None:
     formula predicts from this run's own alpha and cost ratio c, beside the measured one."""
     from .sweep import predicted_speedup
 
-    ar = next((r for r in rows if r.system == "leapfx_autoregressive"), None)
-    if ar is None or not ar.new_tokens:
-        return
-    ar_token_s = ar.seconds / ar.new_tokens
+    by_name = {r.system: r for r in rows}
     for row in rows:
+        suffix = row.system[row.system.index("@") :] if "@" in row.system else ""
+        ar = by_name.get("leapfx_autoregressive" + suffix)  # same backend's own baseline
+        if ar is None or not ar.new_tokens:
+            continue
+        ar_token_s = ar.seconds / ar.new_tokens
         calls = row.extra.get("draft_calls", 0)
         draft_s = row.extra.get("stage_seconds", {}).get("draft", 0.0)
         if not calls or row.ctar is None:

@@ -19,6 +19,7 @@ from torch import nn
 
 from ..passes.base import PassPipeline
 from ..passes.capture import EXTRA_CACHE_LAYERS, capture, check_supported
+from ..runtime.compiled import BACKENDS
 from ..runtime.model import RecipeInfo, SpeculativeModel
 from .recipes import RECIPES, Recipe
 
@@ -50,11 +51,18 @@ def make_options(recipe: Recipe, num_layers: int, options: dict):
     return recipe.options_type(**options).validate(num_layers)
 
 
-def apply(model: nn.Module, recipe: str, **options) -> SpeculativeModel:
+def apply(model: nn.Module, recipe: str, *, backend: str = "eager", **options) -> SpeculativeModel:
     """Rewrite ``model`` with ``recipe``; the model itself is never modified.
 
-    The returned SpeculativeModel shares the model's weights by reference.
+    The returned SpeculativeModel shares the model's weights by reference. ``backend``:
+    ``"eager"`` runs the stages as PyTorch modules; ``"inductor"`` compiles them with
+    ``torch.compile`` and warms them up (``SpeculativeModel.compile``) before returning.
     """
+    if backend not in BACKENDS:
+        raise ValueError(
+            f"backend: {backend!r} is invalid; allowed: {', '.join(map(repr, BACKENDS))} "
+            "(ONNX: sm.export_onnx(dir), then leapfx.export.OnnxModel(dir))"
+        )
     r = get_recipe(recipe)
     if not isinstance(model, nn.Module):
         raise ValueError(f"model: expected a HuggingFace causal LM, got {type(model).__name__}")
@@ -72,4 +80,5 @@ def apply(model: nn.Module, recipe: str, **options) -> SpeculativeModel:
         extra_cache_layers=gm.meta.get(EXTRA_CACHE_LAYERS, 0),
         training=r.training,
     )
-    return SpeculativeModel(model, gm, stages, info)
+    sm = SpeculativeModel(model, gm, stages, info)
+    return sm.compile() if backend == "inductor" else sm

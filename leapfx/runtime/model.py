@@ -26,7 +26,7 @@ from torch import fx, nn
 from ..passes.capture import decoder_parts
 from ..passes.partition import Stages
 from .cache import StaticKVCache, cache_for
-from .decode import cache_length, check_prompt, decode, decode_request
+from .decode import CACHE_ROUNDING, cache_length, check_prompt, decode, decode_request
 from .masks import SUPPORTED_ATTENTION
 from .metrics import DecodeMetrics
 from .runner import AttentionLayout, StageRunner
@@ -93,6 +93,9 @@ class SpeculativeModel:
             device=param.device,
         )
         self._cache: StaticKVCache | None = None
+        # Stage executors that generate() runs: the eager stages unless compile() replaced them.
+        self._executors: dict[str, Any] | None = None
+        self.backend = "eager"
 
     @property
     def hf_model(self) -> nn.Module:
@@ -132,6 +135,43 @@ class SpeculativeModel:
                 "with trained parts (e.g. 'kangaroo')"
             )
         return self.recipe.training()
+
+    def compile(
+        self,
+        *,
+        mode: str | None = None,
+        verify_shapes: str = "dynamic",
+        warmup: bool = True,
+    ) -> SpeculativeModel:
+        """Lower every stage through ``torch.compile(fullgraph=True)`` (Inductor); returns self.
+
+        Decoding runs the compiled stages over the same static KV cache and schedules;
+        ``warmup`` compiles every shape a decode uses now (minutes on a CPU for a real model),
+        so that ``generate`` never compiles. The cache is sized once (``max_cache_len``, or
+        the first rounding step of 256 positions); a longer generation grows it, which
+        compiles again once. See ``leapfx.runtime.compiled`` for ``mode`` and
+        ``verify_shapes``.
+
+        >>> sm = rewrite.apply(hf_model, "layerskip", exit_layer=4).compile()
+        """
+        from .compiled import CompileOptions, compile_stages
+
+        options = CompileOptions(mode=mode, verify_shapes=verify_shapes, warmup=warmup)
+        self._executors = compile_stages(self, options)
+        self.backend = "inductor"
+        return self
+
+    def _compile_cache_len(self) -> int:
+        fixed = getattr(self.options, "max_cache_len", None)
+        size = fixed or max(CACHE_ROUNDING, self._cache.max_len if self._cache else 0)
+        if self._cache is None or self._cache.max_len != size:
+            # Made under inference mode like the caches generate() makes: compiled graphs
+            # guard on whether their inputs are inference tensors.
+            with torch.inference_mode():
+                self._cache = cache_for(
+                    self._hf_model, size, extra_layers=self.recipe.extra_cache_layers
+                )
+        return size
 
     def _cache_for(self, needed: int) -> StaticKVCache:
         fixed = getattr(self.options, "max_cache_len", None)
@@ -178,7 +218,8 @@ class SpeculativeModel:
                 stacklevel=2,
             )
         needed = prompt.shape[1] + request.max_new_tokens + self.recipe.lookahead
-        runner = StageRunner(self.stages.modules, self._cache_for(needed), self._layout)
+        stages = self._executors or self.stages.modules
+        runner = StageRunner(stages, self._cache_for(needed), self._layout)
         tokens, self.last_metrics = decode(
             self.recipe.schedule, runner, prompt, request, name=self.recipe.name,
             num_speculations=getattr(self.options, "num_speculations", 0),
@@ -199,4 +240,7 @@ class SpeculativeModel:
         return export_onnx(self, path, opset=opset, overwrite=overwrite)
 
     def __repr__(self) -> str:
-        return f"SpeculativeModel(recipe={self.recipe.name!r}, options={self.options})"
+        return (
+            f"SpeculativeModel(recipe={self.recipe.name!r}, options={self.options}, "
+            f"backend={self.backend!r})"
+        )

@@ -1,0 +1,119 @@
+"""The Inductor backend: stages through torch.compile over the static cache.
+
+Compiling costs tens of seconds per tiny model on a CPU, so the end-to-end tests are few and
+each checks several things: token identity with the eager stages (and HF greedy, ties
+detected), and that decoding after warm-up compiles nothing, over prompts of several lengths
+and 64 new tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from greedy_check import assert_greedy_equal, hf_greedy
+from torch._dynamo.utils import counters
+
+from conftest import tiny_model
+from leapfx import rewrite
+from leapfx.bench.harness import BenchConfig
+from leapfx.runtime.compiled import CompileOptions, SlotKVCache, slot_mask
+from leapfx.runtime.masks import chunk_mask
+
+
+def _prompts(vocab: int, lengths=(5, 1, 12, 3)) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, vocab, (1, n), generator=g) for n in lengths]
+
+
+def _graphs() -> int:
+    return counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_slot_mask_is_chunk_mask_over_every_slot(impl, window):
+    max_len = 12
+    for start, length in [(0, 1), (0, 4), (3, 1), (5, 3), (8, 4)]:
+        pos = torch.arange(start, start + length)[None]
+        got = slot_mask(pos, max_len, impl=impl, window=window, dtype=torch.float32)
+        assert got.shape == (1, 1, length, max_len)
+        want = chunk_mask("eager", start, length, window=window)  # always explicit
+        kv = start + length
+        if impl == "sdpa":
+            assert torch.equal(got[..., :kv], want == 0)
+            assert not got[..., kv:].any()  # slots past the newest query: never visible
+        else:
+            assert torch.equal(got[..., :kv], want)
+            assert (got[..., kv:] == torch.finfo(torch.float32).min).all()
+
+
+def test_slot_cache_writes_at_positions_and_returns_whole_buffers():
+    keys = [torch.zeros(1, 2, 8, 4)]
+    values = [torch.zeros(1, 2, 8, 4)]
+    cache = SlotKVCache(keys, values, {0: torch.tensor([3, 4])})
+    k_new = torch.ones(1, 2, 2, 4)
+    k, v = cache.update(k_new, 2 * k_new, 0)
+    assert k is keys[0] and v is values[0]
+    assert k[:, :, 3:5].eq(1).all() and v[:, :, 3:5].eq(2).all()
+    assert k[:, :, :3].eq(0).all() and k[:, :, 5:].eq(0).all()
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("mode", "fast", "mode: 'fast' is invalid"),
+        ("verify_shapes", "ragged", "verify_shapes: 'ragged' is invalid"),
+        ("warmup", "yes", "warmup: 'yes' is invalid"),
+    ],
+)
+def test_compile_options_are_validated(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        CompileOptions(**{field: value}).validate()
+
+
+def test_apply_refuses_an_unknown_backend(llama):
+    with pytest.raises(ValueError, match="backend: 'tvm' is invalid; allowed: 'eager', 'inductor'"):
+        rewrite.apply(llama, "layerskip", backend="tvm")
+
+
+def test_bench_takes_several_backends():
+    assert BenchConfig(backend="eager,inductor").validate().backends == ("eager", "inductor")
+    with pytest.raises(ValueError, match="--backend: 'eager,eager' is invalid"):
+        BenchConfig(backend="eager,eager").validate()
+    with pytest.raises(ValueError, match="--backend: 'tvm' is invalid"):
+        BenchConfig(backend="eager,tvm").validate()
+
+
+def _check_compiled(model, recipe: str, verify_shapes: str, **options) -> None:
+    prompts = _prompts(model.config.vocab_size)
+    eager = rewrite.apply(model, recipe, **options)
+    expected = [eager.generate(p, max_new_tokens=64) for p in prompts]
+    compiled_before = _graphs()
+    sm = rewrite.apply(model, recipe, **options).compile(verify_shapes=verify_shapes)
+    assert sm.backend == "inductor"
+    before = _graphs()
+    assert before > compiled_before, "compile() warmed up no graph"
+    for prompt, want in zip(prompts, expected, strict=True):
+        got = sm.generate(prompt, max_new_tokens=64)
+        # Compiled attention sums over the whole masked buffer: equal tokens up to float ties,
+        # which assert_greedy_equal detects on the HF model itself and reports.
+        assert_greedy_equal(model, got, want, prompt.shape[1])
+        assert_greedy_equal(model, got, hf_greedy(model, prompt, 64), prompt.shape[1])
+    assert _graphs() == before, "decoding after warm-up compiled a new graph"
+    assert sm.last_metrics.verify_calls > 0
+
+
+@pytest.mark.slow
+def test_inductor_layerskip_is_token_identical_and_never_recompiles():
+    model = tiny_model("llama", layers=4)
+    _check_compiled(model, "layerskip", "dynamic", exit_layer=2, num_speculations=3)
+
+
+@pytest.mark.slow
+def test_inductor_kangaroo_padded_verify_with_sliding_window():
+    # Dynamic drafting varies the verify length every round; a sliding window narrower than
+    # the generation exercises the window term of the in-graph mask.
+    model = tiny_model("mistral", layers=4, sliding_window=6)
+    _check_compiled(
+        model, "kangaroo", "padded", exit_layer=2, max_draft_tokens=4, confidence_threshold=0.3
+    )
