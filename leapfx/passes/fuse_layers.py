@@ -57,6 +57,9 @@ class FusedDecoderLayer(nn.Module):
             "sliding_window": window
         }  # fmt: skip
 
+    def _linear(self, x: torch.Tensor, module: nn.Linear, name: str) -> torch.Tensor:
+        return F.linear(x, module.weight, module.bias)
+
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -71,9 +74,9 @@ class FusedDecoderLayer(nn.Module):
         h = layer.input_layernorm.forward(hidden_states)
         input_shape = h.shape[:-1]
         hidden_shape = (*input_shape, -1, attn.head_dim)  # [B, S, heads, D]
-        q = F.linear(h, attn.q_proj.weight, attn.q_proj.bias).view(hidden_shape)
-        k = F.linear(h, attn.k_proj.weight, attn.k_proj.bias).view(hidden_shape)
-        v = F.linear(h, attn.v_proj.weight, attn.v_proj.bias).view(hidden_shape)
+        q = self._linear(h, attn.q_proj, "q").view(hidden_shape)
+        k = self._linear(h, attn.k_proj, "k").view(hidden_shape)
+        v = self._linear(h, attn.v_proj, "v").view(hidden_shape)
         if self._qk_norm:
             q, k = attn.q_norm.forward(q), attn.k_norm.forward(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, S, D]
@@ -85,14 +88,60 @@ class FusedDecoderLayer(nn.Module):
             attn, q, k, v, attention_mask, dropout=0.0, scaling=attn.scaling, **self._attn_kwargs
         )
         out = out.reshape(*input_shape, -1).contiguous()
-        hidden_states = residual + F.linear(out, attn.o_proj.weight, attn.o_proj.bias)
+        hidden_states = residual + self._linear(out, attn.o_proj, "o")
         residual = hidden_states
         h = layer.post_attention_layernorm.forward(hidden_states)
         mlp = layer.mlp
-        gate = mlp.act_fn.forward(F.linear(h, mlp.gate_proj.weight, mlp.gate_proj.bias))
-        up = F.linear(h, mlp.up_proj.weight, mlp.up_proj.bias)
-        h = F.linear(gate * up, mlp.down_proj.weight, mlp.down_proj.bias)
+        gate = mlp.act_fn.forward(self._linear(h, mlp.gate_proj, "gate"))
+        up = self._linear(h, mlp.up_proj, "up")
+        h = self._linear(gate * up, mlp.down_proj, "down")
         return residual + h
+
+
+PROJECTIONS = {
+    "q": ("self_attn", "q_proj"),
+    "k": ("self_attn", "k_proj"),
+    "v": ("self_attn", "v_proj"),
+    "o": ("self_attn", "o_proj"),
+    "gate": ("mlp", "gate_proj"),
+    "up": ("mlp", "up_proj"),
+    "down": ("mlp", "down_proj"),
+}
+
+
+class TransposedDecoderLayer(FusedDecoderLayer):
+    """A fused layer whose projections multiply by a transposed, contiguous weight copy.
+
+    ``x @ W.T`` from a ``[in, out]`` contiguous copy is what the compiled CPU backend runs: on
+    a 2-core x86 CPU, MKL takes ~33 us for a 1 x 192 by 192 x 512 product this way against
+    ~47 us through ``F.linear``'s ``[out, in]`` weight, and 43 against 74 us for two rows (the
+    verify pass). The copies are buffers of this module: the same math up to summation order
+    (not bitwise equal to the HF layer), at the cost of one more copy of the layer's weights,
+    taken when the module is built (later in-place training is not seen; rebuild it).
+    """
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__(layer)
+        for name, (block, proj) in PROJECTIONS.items():
+            linear = getattr(getattr(layer, block), proj)
+            self.register_buffer(f"w_{name}", linear.weight.detach().t().contiguous())
+
+    def _linear(self, x: torch.Tensor, module: nn.Linear, name: str) -> torch.Tensor:
+        out = torch.matmul(x, getattr(self, f"w_{name}"))
+        return out if module.bias is None else out + module.bias
+
+
+class TransposedLinear(nn.Module):
+    """``linear`` (no bias, e.g. the LM head) through a transposed contiguous weight copy."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.register_buffer("weight_t", linear.weight.detach().t().contiguous())
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.matmul(x, self.weight_t)
+        return out if self.bias is None else out + self.bias
 
 
 def fusable(layer: nn.Module) -> bool:

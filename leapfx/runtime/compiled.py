@@ -36,6 +36,7 @@ Example::
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 import types
@@ -45,6 +46,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
+from ..passes.fuse_layers import FusedDecoderLayer, TransposedDecoderLayer, TransposedLinear
 from .cache import StaticKVCache
 
 log = logging.getLogger(__name__)
@@ -126,6 +128,9 @@ class CompileOptions:
     mode: str | None = None
     verify_shapes: str = "dynamic"
     warmup: bool = True
+    # Multiply by transposed contiguous weight copies (see TransposedDecoderLayer): faster on
+    # a CPU, one more copy of the projection weights in memory. None: on CPU only.
+    transpose_weights: bool | None = None
 
     def validate(self) -> CompileOptions:
         if self.mode is not None and self.mode not in MODES:
@@ -139,6 +144,11 @@ class CompileOptions:
             )
         if not isinstance(self.warmup, bool):
             raise ValueError(f"warmup: {self.warmup!r} is invalid; allowed: True or False")
+        if self.transpose_weights is not None and not isinstance(self.transpose_weights, bool):
+            raise ValueError(
+                f"transpose_weights: {self.transpose_weights!r} is invalid; allowed: True, "
+                "False or None (CPU only)"
+            )
         return self
 
 
@@ -357,6 +367,35 @@ class CompiledStage:
         return calls
 
 
+def with_transposed_weights(stage: fx.GraphModule, shared: dict) -> fx.GraphModule:
+    """A copy of ``stage`` whose fused layers and plain linear heads use transposed weights.
+
+    ``shared`` maps original modules to their transposed versions, so that stages cut from
+    one model hold one copy of each weight. Other modules (unfused layers, an adapter) stay.
+    """
+    gm = fx.GraphModule(stage, copy.deepcopy(stage.graph), class_name=type(stage).__name__)
+    for node in gm.graph.nodes:
+        if node.op != "call_module":
+            continue
+        module = gm.get_submodule(node.target)
+        if type(module) is FusedDecoderLayer:
+            make = TransposedDecoderLayer
+            source = module.layer
+        elif type(module) is torch.nn.Linear:
+            make, source = TransposedLinear, module
+        else:
+            continue
+        if source not in shared:
+            shared[source] = make(source)
+        target = f"leapfx_transposed.{node.target.replace('.', '_')}"
+        gm.add_submodule(target, shared[source])
+        node.target = target
+    gm.graph.lint()
+    gm.recompile()
+    gm.meta.update(stage.meta)
+    return gm
+
+
 def compile_stages(sm, options: CompileOptions) -> dict[str, CompiledStage]:
     """A CompiledStage for every stage of SpeculativeModel ``sm`` (warmed up if asked)."""
     from ..export.onnx_export import discover  # which cache layers each position input feeds
@@ -364,12 +403,16 @@ def compile_stages(sm, options: CompileOptions) -> dict[str, CompiledStage]:
     options = options.validate()
     lay = sm._layout
     cache_len = sm._compile_cache_len()
+    transpose = options.transpose_weights
+    if transpose is None:
+        transpose = lay.device.type == "cpu"
+    shared: dict = {}
     out: dict[str, CompiledStage] = {}
     for name, stage in sm.stages.modules.items():
         sig = discover(sm, name, stage)
         out[name] = CompiledStage(
             name,
-            stage,
+            with_transposed_weights(stage, shared) if transpose else stage,
             tensor_inputs=sig.tensor_inputs,
             groups=sig.groups,
             kinds=tuple(dict.fromkeys(lay.kinds)),
