@@ -112,6 +112,8 @@ class OrtKVCache:
 class OrtStage:
     """A stage executor over one onnxruntime session (see the module docstring)."""
 
+    builds_masks = True  # the StageRunner need not compute masks for it
+
     def __init__(self, session, spec: dict[str, Any]) -> None:
         self.session = session
         self.cache_layers: list[int] = list(spec["cache_reads"])

@@ -245,6 +245,8 @@ class CompiledStage:
     maximum draft count, the size ``verify_shapes="padded"`` pads to.
     """
 
+    builds_masks = True  # the StageRunner need not compute masks for it
+
     def __init__(
         self,
         name: str,

@@ -54,7 +54,9 @@ class StageRunner:
         # position_ids: [1, S]
         return torch.arange(start, start + length, device=self.layout.device)[None]
 
-    def _masks(self, start: int, length: int) -> dict[str, torch.Tensor | None]:
+    def _masks(self, name: str, start: int, length: int) -> dict[str, torch.Tensor | None] | None:
+        if getattr(self.stages[name], "builds_masks", False):
+            return None  # a compiled graph or ONNX session computes its masks from positions
         lay = self.layout
         return masks_for(
             lay.impl, list(lay.kinds), start, length,
@@ -68,7 +70,7 @@ class StageRunner:
             name,
             input_ids=input_ids,
             position_ids=self._positions(start, n),
-            masks=self._masks(start, n),
+            masks=self._masks(name, start, n),
             cache=self.cache,
         )
 
@@ -96,10 +98,10 @@ class StageRunner:
             "verify",
             input_ids=input_ids,
             position_ids=self._positions(new_start, m),
-            masks=self._masks(new_start, m),
+            masks=self._masks("verify", new_start, m),
             exit_hidden=exit_hidden,
             remainder_position_ids=self._positions(hidden_start, c + m),
-            remainder_masks=self._masks(hidden_start, c + m),
+            remainder_masks=self._masks("verify", hidden_start, c + m),
             cache=self.cache,
         )
         return out["logits"]
