@@ -142,6 +142,7 @@ class SpeculativeModel:
         mode: str | None = None,
         verify_shapes: str = "dynamic",
         warmup: bool = True,
+        transpose_weights: bool | None = None,
     ) -> SpeculativeModel:
         """Lower every stage through ``torch.compile(fullgraph=True)`` (Inductor); returns self.
 
@@ -149,14 +150,21 @@ class SpeculativeModel:
         ``warmup`` compiles every shape a decode uses now (minutes on a CPU for a real model),
         so that ``generate`` never compiles. The cache is sized once (``max_cache_len``, or
         the first rounding step of 256 positions); a longer generation grows it, which
-        compiles again once. See ``leapfx.runtime.compiled`` for ``mode`` and
-        ``verify_shapes``.
+        compiles again once. See ``leapfx.runtime.compiled.CompileOptions`` for ``mode``,
+        ``verify_shapes`` and ``transpose_weights`` (on a CPU the compiled stages keep a
+        transposed copy of the projection weights, taken here: call ``compile()`` again after
+        training the model in place).
 
         >>> sm = rewrite.apply(hf_model, "layerskip", exit_layer=4).compile()
         """
         from .compiled import CompileOptions, compile_stages
 
-        options = CompileOptions(mode=mode, verify_shapes=verify_shapes, warmup=warmup)
+        options = CompileOptions(
+            mode=mode,
+            verify_shapes=verify_shapes,
+            warmup=warmup,
+            transpose_weights=transpose_weights,
+        )
         self._executors = compile_stages(self, options)
         self.backend = "inductor"
         return self
