@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import tiny_model
 from greedy_check import assert_greedy_equal, hf_greedy
 from torch._dynamo.utils import counters
 
-from conftest import tiny_model
 from leapfx import rewrite
 from leapfx.bench.harness import BenchConfig
-from leapfx.runtime.compiled import CompileOptions, SlotKVCache, slot_mask
-from leapfx.runtime.masks import chunk_mask
+from leapfx.runtime.compiled import CompileOptions, SlotKVCache
+from leapfx.runtime.masks import chunk_mask, position_mask
 
 
 def _prompts(vocab: int, lengths=(5, 1, 12, 3)) -> list[torch.Tensor]:
@@ -31,11 +31,12 @@ def _graphs() -> int:
 
 @pytest.mark.parametrize("window", [None, 3])
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
-def test_slot_mask_is_chunk_mask_over_every_slot(impl, window):
+def test_mask_over_every_slot_is_chunk_mask_then_nothing(impl, window):
+    # What a compiled stage attends with: queries over all max_len cache slots.
     max_len = 12
     for start, length in [(0, 1), (0, 4), (3, 1), (5, 3), (8, 4)]:
         pos = torch.arange(start, start + length)[None]
-        got = slot_mask(pos, max_len, impl=impl, window=window, dtype=torch.float32)
+        got = position_mask(pos, max_len, impl=impl, window=window, dtype=torch.float32)
         assert got.shape == (1, 1, length, max_len)
         want = chunk_mask("eager", start, length, window=window)  # always explicit
         kv = start + length

@@ -43,8 +43,9 @@ from torch import fx
 from .. import __version__
 from ..passes.capture import LAYER, ROLE
 from ..runtime.cache import cache_for
+from ..runtime.masks import position_masks
 from .manifest import FORMAT, FORMAT_VERSION, MANIFEST, is_export_dir, layer_ranges
-from .stage_module import ExportableStage, FunctionalKVCache, causal_mask, past_names, present_names
+from .stage_module import ExportableStage, FunctionalKVCache, past_names, present_names
 
 if TYPE_CHECKING:
     from ..runtime.model import SpeculativeModel
@@ -144,16 +145,10 @@ def _example_inputs(
 
 def _masks(sm: SpeculativeModel, positions: torch.Tensor, past: int) -> dict[str, torch.Tensor]:
     lay = sm._layout
-    return {
-        kind: causal_mask(
-            positions,
-            past,
-            impl=lay.impl,
-            window=lay.window if kind == "sliding_attention" else None,
-            dtype=lay.dtype,
-        )
-        for kind in dict.fromkeys(lay.kinds)
-    }
+    kv_len = past + positions.shape[1]
+    return position_masks(
+        positions, kv_len, kinds=lay.kinds, impl=lay.impl, window=lay.window, dtype=lay.dtype
+    )
 
 
 @torch.no_grad()

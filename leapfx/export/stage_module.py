@@ -9,9 +9,10 @@ and outputs are tensors only, following the optimum convention:
   ([B, H_kv, past + S, D], past and new concatenated). :class:`FunctionalKVCache` provides the
   ``update(k, v, layer_idx)`` call HF attention makes on a cache, so the stage runs unchanged;
 - attention masks are computed in the graph from the position ids and the past length
-  (:func:`causal_mask`), so an ONNX consumer feeds token ids, positions and past keys/values and
-  needs no HF mask logic. Keys of a layer sit at positions ``0 .. past + S - 1`` (the cache is
-  filled from position 0, rollback only shortens it), so query ``q`` sees key ``k`` iff
+  (``runtime.masks.position_masks``), so an ONNX consumer feeds token ids, positions and past
+  keys/values and needs no HF mask logic. Keys of a layer sit at positions
+  ``0 .. past + S - 1`` (the cache is filled from position 0, rollback only shortens it), so
+  query ``q`` sees key ``k`` iff
   ``k <= q`` (and ``k > q - window`` under a sliding window): the same rule as
   ``runtime.masks.chunk_mask``, always explicit. The mask is per batch row, from that row's
   positions.
@@ -26,6 +27,8 @@ from __future__ import annotations
 
 import torch
 from torch import fx, nn
+
+from ..runtime.masks import position_masks
 
 
 class FunctionalKVCache:
@@ -61,31 +64,6 @@ class FunctionalKVCache:
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.past[layer_idx][0].shape[2]
-
-
-def causal_mask(
-    position_ids: torch.Tensor,
-    past_len: int | torch.SymInt,
-    *,
-    impl: str,
-    window: int | None,
-    dtype: torch.dtype,
-) -> torch.Tensor:
-    """Mask [B, 1, S, past + S] for queries at ``position_ids`` [B, S] over keys 0..past+S-1.
-
-    Boolean (True = attend) for ``sdpa``, additive (0 / dtype min) for ``eager``, as HF uses.
-    """
-    kv_len = past_len + position_ids.shape[1]
-    q_pos = position_ids[:, :, None]  # [B, S, 1]
-    k_pos = torch.arange(kv_len, device=position_ids.device)[None, None, :]  # [1, 1, kv]
-    visible = k_pos <= q_pos
-    if window is not None:
-        visible = visible & (k_pos > q_pos - window)
-    visible = visible[:, None]  # [B, 1, S, kv]
-    if impl == "sdpa":
-        return visible
-    zero = torch.zeros((), dtype=dtype, device=position_ids.device)
-    return torch.where(visible, zero, torch.finfo(dtype).min)
 
 
 def past_names(layer: int) -> tuple[str, str]:
@@ -146,16 +124,11 @@ class ExportableStage(nn.Module):
         for positions, (mask_input, layer) in self.groups.items():
             # A group without cache layers has no attention: its (unused) masks see no past.
             past_len = 0 if layer is None else past[layer][0].shape[2]
-            inputs[mask_input] = {
-                kind: causal_mask(
-                    named[positions],
-                    past_len,
-                    impl=self.impl,
-                    window=self.window if kind == "sliding_attention" else None,
-                    dtype=self.dtype,
-                )
-                for kind in self.kinds
-            }
+            kv_len = past_len + named[positions].shape[1]
+            inputs[mask_input] = position_masks(
+                named[positions], kv_len, kinds=self.kinds, impl=self.impl,
+                window=self.window, dtype=self.dtype,
+            )  # fmt: skip
         out = self.stage(**inputs, cache=cache)
         missing = set(self.cache_layers) - set(cache.present)
         assert not missing, f"cache layers {sorted(missing)} were fed but not written"

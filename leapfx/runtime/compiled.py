@@ -48,6 +48,8 @@ from torch import fx
 
 from ..passes.fuse_layers import FusedDecoderLayer, TransposedDecoderLayer, TransposedLinear
 from .cache import StaticKVCache
+from .masks import position_masks
+from .runner import AttentionLayout
 
 log = logging.getLogger(__name__)
 
@@ -84,27 +86,6 @@ class SlotKVCache:
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.keys[layer_idx].shape[2]
-
-
-def slot_mask(
-    position_ids: torch.Tensor,
-    max_len: int,
-    *,
-    impl: str,
-    window: int | None,
-    dtype: torch.dtype,
-) -> torch.Tensor:
-    """Mask [B, 1, S, max_len] of queries at ``position_ids`` [B, S] over every cache slot."""
-    q_pos = position_ids[:, :, None]  # [B, S, 1]
-    k_pos = torch.arange(max_len, device=position_ids.device)[None, None, :]
-    visible = k_pos <= q_pos
-    if window is not None:
-        visible = visible & (k_pos > q_pos - window)
-    visible = visible[:, None]
-    if impl == "sdpa":
-        return visible
-    zero = torch.zeros((), dtype=dtype, device=position_ids.device)
-    return torch.where(visible, zero, torch.finfo(dtype).min)
 
 
 VERIFY_SHAPES = ("dynamic", "padded")
@@ -176,28 +157,27 @@ def inductor_options(options: CompileOptions, device: torch.device) -> dict:
 
 
 class _PureStage(torch.nn.Module):
-    """A stage as a function of tensors: inputs, then the cache's key and value buffers."""
+    """A stage as a function of tensors: the cache's key and value buffers, then the inputs.
+
+    ``groups`` maps each position input to the cache layers whose keys it positions (as
+    ``export.onnx_export.discover`` finds them); ``layout`` says which masks to build.
+    """
 
     def __init__(
         self,
         stage: fx.GraphModule,
         tensor_inputs: list[str],
         groups: dict[str, list[int]],
-        kinds: tuple[str, ...],
-        impl: str,
-        window: int | None,
-        dtype: torch.dtype,
+        layout: AttentionLayout,
     ) -> None:
         super().__init__()
         self.stage = stage
         self.tensor_inputs = tensor_inputs
         self.groups = groups
-        self.kinds = kinds
-        self.impl = impl
-        self.window = window
-        self.dtype = dtype
+        self.layout = layout
 
     def forward(self, keys: list[torch.Tensor], values: list[torch.Tensor], *args: torch.Tensor):
+        lay = self.layout
         named = dict(zip(self.tensor_inputs, args, strict=True))
         max_len = keys[0].shape[2]
         positions: dict[int, torch.Tensor] = {}
@@ -208,16 +188,9 @@ class _PureStage(torch.nn.Module):
             pos = named[pos_name]
             for layer in self.groups.get(pos_name, ()):
                 positions[layer] = pos[0]
-            inputs[mask_name] = {
-                kind: slot_mask(
-                    pos,
-                    max_len,
-                    impl=self.impl,
-                    window=self.window if kind == "sliding_attention" else None,
-                    dtype=self.dtype,
-                )
-                for kind in self.kinds
-            }
+            inputs[mask_name] = position_masks(
+                pos, max_len, kinds=lay.kinds, impl=lay.impl, window=lay.window, dtype=lay.dtype
+            )
         return self.stage(**inputs, cache=SlotKVCache(keys, values, positions))
 
 
@@ -250,24 +223,18 @@ class CompiledStage:
     def __init__(
         self,
         name: str,
-        stage: fx.GraphModule,
+        pure: _PureStage,
         *,
-        tensor_inputs: list[str],
-        groups: dict[str, list[int]],
-        kinds: tuple[str, ...],
-        impl: str,
-        window: int | None,
-        dtype: torch.dtype,
         options: CompileOptions,
         device: torch.device,
         max_hidden: int = 1,
     ) -> None:
         self.name = name
-        self.tensor_inputs = tensor_inputs
-        self.groups = groups
+        self.pure = pure
+        self.tensor_inputs = pure.tensor_inputs
+        self.groups = pure.groups
         self.options = options
         self.max_hidden = max_hidden
-        self.pure = _PureStage(stage, tensor_inputs, groups, kinds, impl, window, dtype)
         self.compile_options = inductor_options(options, device)
         self._padded = name == "verify" and options.verify_shapes == "padded"
         # One compiled callable per role: one-token steps (static) and prefill/verify chunks
@@ -412,15 +379,11 @@ def compile_stages(sm, options: CompileOptions) -> dict[str, CompiledStage]:
     out: dict[str, CompiledStage] = {}
     for name, stage in sm.stages.modules.items():
         sig = discover(sm, name, stage)
+        stage = with_transposed_weights(stage, shared) if transpose else stage
+        pure = _PureStage(stage, sig.tensor_inputs, sig.groups, lay)
         out[name] = CompiledStage(
             name,
-            with_transposed_weights(stage, shared) if transpose else stage,
-            tensor_inputs=sig.tensor_inputs,
-            groups=sig.groups,
-            kinds=tuple(dict.fromkeys(lay.kinds)),
-            impl=lay.impl,
-            window=lay.window,
-            dtype=lay.dtype,
+            pure,
             options=options,
             device=lay.device,
             max_hidden=max(1, sm.recipe.lookahead - 1),

@@ -58,3 +58,53 @@ def masks_for(
         w = window if kind == "sliding_attention" else None
         out[kind] = chunk_mask(impl, q_start, q_len, window=w, dtype=dtype, device=device)
     return out
+
+
+def position_mask(
+    position_ids: torch.Tensor,
+    kv_len,
+    *,
+    impl: str,
+    window: int | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Mask [B, 1, S, kv_len] of queries at ``position_ids`` [B, S] over keys 0..kv_len-1.
+
+    Key slot ``k`` holds position ``k``; query ``q`` sees it iff ``k <= q`` (and
+    ``k > q - window`` under a sliding window). Boolean (True = attend) for ``sdpa``, additive
+    (0 / dtype min) for ``eager``, as HF uses. Built from tensors only, so it traces into
+    exported and compiled graphs (``kv_len`` may be symbolic).
+    """
+    q_pos = position_ids[:, :, None]  # [B, S, 1]
+    k_pos = torch.arange(kv_len, device=position_ids.device)[None, None, :]  # [1, 1, kv]
+    visible = k_pos <= q_pos
+    if window is not None:
+        visible = visible & (k_pos > q_pos - window)
+    visible = visible[:, None]  # [B, 1, S, kv]
+    if impl == "sdpa":
+        return visible
+    zero = torch.zeros((), dtype=dtype, device=position_ids.device)
+    return torch.where(visible, zero, torch.finfo(dtype).min)
+
+
+def position_masks(
+    position_ids: torch.Tensor,
+    kv_len,
+    *,
+    kinds,
+    impl: str,
+    window: int | None,
+    dtype: torch.dtype,
+) -> dict[str, torch.Tensor]:
+    """:func:`position_mask` for each attention kind in ``kinds`` (the window applies to
+    ``sliding_attention`` only): the ``masks`` input of a stage, built from positions."""
+    return {
+        kind: position_mask(
+            position_ids,
+            kv_len,
+            impl=impl,
+            window=window if kind == "sliding_attention" else None,
+            dtype=dtype,
+        )
+        for kind in dict.fromkeys(kinds)
+    }
