@@ -79,7 +79,8 @@ def _bench(args: argparse.Namespace) -> int:
             best = choose(calibration)
             exit_layer, d = best.exit_layer, best.num_speculations
             print(
-                f"--auto: exit_layer={exit_layer} num_speculations={d} (alpha "
+                f"--auto: exit_layer={exit_layer} num_speculations={d} (calibration: "
+                f"measured {best.measured:.2f}x over leapfx_autoregressive; alpha "
                 f"{best.alpha:.3f}, c {best.c:.3f}, predicted {best.predicted:.2f}x)"
             )
     config = BenchConfig(

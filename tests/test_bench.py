@@ -102,7 +102,7 @@ def test_calibrate_and_choose(checkpoint):
     cal = calibrate(model, prompts, [1, 2], [2, 3], max_new_tokens=8, progress=False)
     assert [(c.exit_layer, c.num_speculations) for c in cal] == [(1, 2), (1, 3), (2, 2), (2, 3)]
     assert all(0.0 <= c.alpha <= 1.0 and c.c > 0 for c in cal)
-    assert choose(cal).predicted == max(c.predicted for c in cal)
+    assert choose(cal).measured == max(c.measured for c in cal)
 
 
 def test_repeated_4gram_share():
