@@ -163,7 +163,9 @@ def build_systems(model: nn.Module, config: BenchConfig, generator_seed: int = 0
     layerskip_opts = {"num_speculations": d}
     if config.exit_layer is not None:
         layerskip_opts["exit_layer"] = config.exit_layer
-    exit_layer = rewrite.apply(model, "layerskip", **layerskip_opts).options.exit_layer
+    layerskip_recipe = rewrite.get_recipe("layerskip")  # options only: nothing captured
+    num_layers = model.config.num_hidden_layers
+    exit_layer = rewrite.make_options(layerskip_recipe, num_layers, layerskip_opts).exit_layer
     sampling = _sampling_kwargs(config)
     n = config.max_new_tokens
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(generator_seed)

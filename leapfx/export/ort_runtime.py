@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..runtime.cache import SlotLengths
 from ..runtime.decode import cache_length, check_prompt, decode, decode_request
 from ..runtime.metrics import DecodeMetrics
 from ..runtime.runner import AttentionLayout, StageRunner
@@ -47,7 +48,7 @@ _NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16}
 _BASELINE_STAGES = {"autoregressive": "full", "early_exit": "draft"}
 
 
-class OrtKVCache:
+class OrtKVCache(SlotLengths):
     """Numpy key/value buffers per cache slot with per-slot lengths and O(1) rollback.
 
     >>> cache = OrtKVCache([(2, 4), (2, 4)], max_len=16)
@@ -71,15 +72,6 @@ class OrtKVCache:
         self.values = [np.zeros_like(k) for k in self.keys]
         self.lengths = [0] * len(self.keys)
 
-    @property
-    def num_layers(self) -> int:
-        return len(self.keys)
-
-    @property
-    def length(self) -> int:
-        """Tokens held by every slot (the committed prefix)."""
-        return min(self.lengths)
-
     def past(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """Keys and values of the filled prefix, contiguous: [B, H_kv, length, D] each."""
         n = self.lengths[layer]
@@ -92,21 +84,10 @@ class OrtKVCache:
         """Store a present (past + new, [B, H_kv, length + S, D]): only the new part is copied."""
         start, end = self.lengths[layer], present_keys.shape[2]
         assert end >= start, "a present is never shorter than the past it was fed"
-        if end > self.max_len:
-            raise ValueError(
-                f"max_cache_len: the KV cache holds {self.max_len} positions but decoding needs "
-                f"{end}; pass a larger max_cache_len"
-            )
+        self.check_room(end)
         self.keys[layer][:, :, start:end] = present_keys[:, :, start:]
         self.values[layer][:, :, start:end] = present_values[:, :, start:]
         self.lengths[layer] = end
-
-    def crop(self, length: int) -> None:
-        """Forget every position >= ``length`` in every slot (O(1): moves lengths only)."""
-        self.lengths = [min(n, length) for n in self.lengths]
-
-    def reset(self) -> None:
-        self.lengths = [0] * self.num_layers
 
 
 class OrtStage:

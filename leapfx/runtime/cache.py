@@ -17,7 +17,42 @@ from __future__ import annotations
 import torch
 
 
-class StaticKVCache:
+class SlotLengths:
+    """Per-slot fill lengths with O(1) rollback, shared by every backend's KV cache.
+
+    Subclasses set ``keys`` (one buffer per slot), ``max_len`` and ``lengths``.
+    """
+
+    keys: list
+    max_len: int
+    lengths: list[int]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.keys)
+
+    @property
+    def length(self) -> int:
+        """Tokens held by every slot (the committed prefix)."""
+        return min(self.lengths)
+
+    def check_room(self, end: int) -> None:
+        """Refuse a write that would end past the buffers, before anything is written."""
+        if end > self.max_len:
+            raise ValueError(
+                f"max_cache_len: the KV cache holds {self.max_len} positions but decoding needs "
+                f"{end}; pass a larger max_cache_len"
+            )
+
+    def crop(self, length: int) -> None:
+        """Forget every position >= ``length`` in every slot (O(1): moves lengths only)."""
+        self.lengths = [min(n, length) for n in self.lengths]
+
+    def reset(self) -> None:
+        self.lengths = [0] * self.num_layers
+
+
+class StaticKVCache(SlotLengths):
     """Preallocated per-layer key/value tensors with O(1) rollback.
 
     >>> cache = StaticKVCache(num_layers=2, num_kv_heads=1, head_dim=4, max_len=16)
@@ -51,15 +86,6 @@ class StaticKVCache:
         self.values = [torch.zeros_like(k) for k in self.keys]
         self.lengths = [0] * num_layers
 
-    @property
-    def num_layers(self) -> int:
-        return len(self.keys)
-
-    @property
-    def length(self) -> int:
-        """Tokens held by every layer (the committed prefix)."""
-        return min(self.lengths)
-
     def update(
         self,
         key_states: torch.Tensor,
@@ -70,22 +96,11 @@ class StaticKVCache:
         # key_states, value_states: [B, H_kv, S_new, D]; written at this layer's fill length.
         start = self.lengths[layer_idx]
         end = start + key_states.shape[-2]
-        if end > self.max_len:
-            raise ValueError(
-                f"max_cache_len: the KV cache holds {self.max_len} positions but decoding needs "
-                f"{end}; pass a larger max_cache_len"
-            )
+        self.check_room(end)
         self.keys[layer_idx][:, :, start:end] = key_states
         self.values[layer_idx][:, :, start:end] = value_states
         self.lengths[layer_idx] = end
         return self.keys[layer_idx][:, :, :end], self.values[layer_idx][:, :, :end]
-
-    def crop(self, length: int) -> None:
-        """Forget every position >= ``length`` in every layer (O(1): moves lengths only)."""
-        self.lengths = [min(n, length) for n in self.lengths]
-
-    def reset(self) -> None:
-        self.lengths = [0] * self.num_layers
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.lengths[layer_idx]

@@ -262,12 +262,7 @@ class CompiledStage:
         needed = max(ends.values(), default=0)
         if self._padded:
             needed = max(needed, cache.length + self.max_hidden + 1)
-        if needed > cache.max_len:
-            # Checked before the call: compiled kernels do not bounds-check the cache writes.
-            raise ValueError(
-                f"max_cache_len: the KV cache holds {cache.max_len} positions but decoding "
-                f"needs {needed}; pass a larger max_cache_len"
-            )
+        cache.check_room(needed)  # before the call: compiled kernels do not bounds-check
         out = self._run(cache.keys, cache.values, tensors)
         for layer, end in ends.items():
             cache.lengths[layer] = end

@@ -26,7 +26,7 @@ from torch import fx, nn
 from ..passes.capture import decoder_parts
 from ..passes.partition import Stages
 from .cache import StaticKVCache, cache_for
-from .decode import CACHE_ROUNDING, cache_length, check_prompt, decode, decode_request
+from .decode import cache_length, check_prompt, decode, decode_request
 from .masks import SUPPORTED_ATTENTION
 from .metrics import DecodeMetrics
 from .runner import AttentionLayout, StageRunner
@@ -170,24 +170,20 @@ class SpeculativeModel:
         return self
 
     def _compile_cache_len(self) -> int:
-        fixed = getattr(self.options, "max_cache_len", None)
-        size = fixed or max(CACHE_ROUNDING, self._cache.max_len if self._cache else 0)
-        if self._cache is None or self._cache.max_len != size:
-            # Made under inference mode like the caches generate() makes: compiled graphs
-            # guard on whether their inputs are inference tensors.
-            with torch.inference_mode():
-                self._cache = cache_for(
-                    self._hf_model, size, extra_layers=self.recipe.extra_cache_layers
-                )
-        return size
+        """The cache length compiled graphs are specialised to: the current cache's, or the
+        first one generate() would allocate."""
+        return self._cache_for(self._cache.max_len if self._cache else 1).max_len
 
     def _cache_for(self, needed: int) -> StaticKVCache:
         fixed = getattr(self.options, "max_cache_len", None)
         size = cache_length(needed, fixed, self.recipe.lookahead)
         if self._cache is None or self._cache.max_len < size:
-            self._cache = cache_for(
-                self._hf_model, size, extra_layers=self.recipe.extra_cache_layers
-            )
+            # Inference tensors, made the same way whoever asks (compile() or generate()):
+            # compiled graphs guard on whether their inputs are inference tensors.
+            with torch.inference_mode():
+                self._cache = cache_for(
+                    self._hf_model, size, extra_layers=self.recipe.extra_cache_layers
+                )
         self._cache.reset()
         return self._cache
 
