@@ -306,7 +306,8 @@ def run_decoder(
                 past_key_values=None,
             )
         elif bool(keep[l].any()):
-            idx = keep[l].nonzero().squeeze(1).to(hidden.device)  # kept samples: [B']
+            # kept samples: [B']; drawn on the host, copied without a stream sync
+            idx = keep[l].nonzero().squeeze(1).to(hidden.device, non_blocking=True)
             ran = layer(
                 hidden[idx],
                 attention_mask=mask,
@@ -361,12 +362,15 @@ def layerskip_loss(
     keep = sample_keep_mask(rates, inputs.shape[0], generator)
     hidden = run_decoder(model, inputs, keep, parts=parts)
     loss = hidden[-1].sum() * 0.0  # keeps the graph connected if every scale is 0
-    layer_losses: dict[int, float] = {}
+    ces: dict[int, torch.Tensor] = {}
     for l, scale in enumerate(scales):
         if scale == 0.0:
             continue
         logits = exit_logits(model, hidden[l], parts=parts)  # [B, S, V]
         ce = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-        layer_losses[l] = float(ce.detach())
+        ces[l] = ce.detach()
         loss = loss + scale * ce
+    # One device -> host copy for all layers (a float() per layer would sync a GPU per layer).
+    values = torch.stack(list(ces.values())).tolist() if ces else []
+    layer_losses = dict(zip(ces, values, strict=True))
     return LayerSkipLoss(loss, layer_losses, scales, rates, keep, targets.numel())
