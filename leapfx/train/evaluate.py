@@ -69,18 +69,26 @@ def evaluate_exits(
     batch_size: int = 8,
     byte_lengths: torch.Tensor | None = None,
 ) -> ExitReport:
-    """Loss, accuracy and last-layer agreement of every exit on held-out ``tokens`` (1-D)."""
+    """Loss, accuracy and last-layer agreement of every exit on held-out ``tokens`` (1-D).
+
+    Runs on the model's device; the sums stay there until the end (no host sync per layer).
+    """
     parts = decoder_parts(model)
     n = parts.num_layers
+    device = next(model.parameters()).device
     was_training = model.training
     model.eval()
-    windows = eval_windows(tokens, seq_len, max_tokens)
-    nll = torch.zeros(n, dtype=torch.float64)
-    correct = torch.zeros(n, dtype=torch.int64)
-    agree = torch.zeros(n, dtype=torch.int64)
+    windows = eval_windows(tokens.cpu(), seq_len, max_tokens)
+    nll = torch.zeros(n, dtype=torch.float64, device=device)
+    correct = torch.zeros(n, dtype=torch.int64, device=device)
+    agree = torch.zeros(n, dtype=torch.int64, device=device)
+    lengths = byte_lengths.cpu() if byte_lengths is not None else None
     count = 0
     nbytes = 0
     for chunk in windows.split(batch_size):
+        if lengths is not None:
+            nbytes += int(lengths[chunk[:, 1:]].sum())  # on the host: the windows are there
+        chunk = chunk.to(device)
         inputs, targets = chunk[:, :-1], chunk[:, 1:]  # [b, S] each
         hidden = run_decoder(model, inputs, parts=parts)
         last_top1 = exit_logits(model, hidden[-1], parts=parts).argmax(-1)
@@ -88,18 +96,17 @@ def evaluate_exits(
             logits = exit_logits(model, hidden[l], parts=parts).float()  # [b, S, V]
             nll[l] += F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
             top1 = logits.argmax(-1)
-            correct[l] += int((top1 == targets).sum())
-            agree[l] += int((top1 == last_top1).sum())
+            correct[l] += (top1 == targets).sum()
+            agree[l] += (top1 == last_top1).sum()
         count += targets.numel()
-        if byte_lengths is not None:
-            nbytes += int(byte_lengths[targets].sum())
     model.train(was_training)
+    sums = {"nll": nll.tolist(), "correct": correct.tolist(), "agree": agree.tolist()}
     return ExitReport(
         tokens=count,
         bytes=nbytes,
-        loss={l + 1: float(nll[l]) / count for l in range(n)},
-        accuracy={l + 1: int(correct[l]) / count for l in range(n)},
-        agreement={l + 1: int(agree[l]) / count for l in range(n)},
+        loss={l + 1: sums["nll"][l] / count for l in range(n)},
+        accuracy={l + 1: sums["correct"][l] / count for l in range(n)},
+        agreement={l + 1: sums["agree"][l] / count for l in range(n)},
     )
 
 
@@ -113,15 +120,19 @@ def is_looping(ids: list[int], *, tail: int = 24, max_period: int = 12) -> bool:
 
 @torch.no_grad()
 def greedy_loop_stats(model: nn.Module, prompts: list[list[int]], *, new_tokens: int = 64) -> dict:
-    """Greedy continuations of ``prompts``: how many end in a loop, and their distinct 4-grams."""
+    """Greedy continuations of ``prompts``: how many end in a loop, and their distinct 4-grams.
+
+    Runs on the model's device.
+    """
+    device = next(model.parameters()).device
     was_training = model.training
     model.eval()
     looping = 0
     distinct = []
     for ids in prompts:
         out = model.generate(
-            torch.tensor([ids]),
-            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            torch.tensor([ids], device=device),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=device),
             max_new_tokens=new_tokens,
             min_new_tokens=new_tokens,
             do_sample=False,

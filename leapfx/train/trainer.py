@@ -17,6 +17,14 @@ Every directory is written under a temporary name and renamed into place, so a d
 its final name is always complete. Nothing is pickled: tensors go to safetensors, the rest to
 JSON.
 
+Devices. ``TrainerConfig.device`` ("cpu", "cuda", "cuda:1", ...) is where the model trains: the
+trainer moves the model there and each batch as it is drawn. Batches and dropout draws still
+come from CPU generators, so a step draws the same batch on every device. Files are always
+written from host memory (safetensors copies each tensor to the CPU) and read back onto the
+configured device, so a run checkpointed on a GPU resumes on a CPU and the other way round;
+``device`` is a runtime option like ``max_minutes``. Compute stays float32: no autocast, and the
+float32 matmul precision is left to torch (its default, "highest", uses no TF32 on a GPU).
+
 Example::
 
     >>> trainer = LayerSkipTrainer(model, train_ids, out_dir="run/",
@@ -53,8 +61,62 @@ SAVE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": t
 # Options that only change how a run is watched or stopped, not the steps it takes: a resumed
 # run may change them.
 _RUNTIME_FIELDS = frozenset(
-    {"checkpoint_every", "keep_checkpoints", "max_minutes", "log_every", "progress", "save_dtype"}
+    {
+        "checkpoint_every",
+        "keep_checkpoints",
+        "max_minutes",
+        "log_every",
+        "progress",
+        "save_dtype",
+        "device",
+    }
 )
+DEVICES_ALLOWED = "'cpu' or a CUDA device ('cuda', 'cuda:0', ...) when one is present"
+
+
+def resolve_device(value: str | torch.device, *, option: str = "device") -> torch.device:
+    """``value`` as a ``torch.device`` this machine can train on; ValueError naming ``option``.
+
+    >>> resolve_device("cpu")
+    device(type='cpu')
+    """
+    try:
+        device = torch.device(value)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise ValueError(
+            f"{option}: got {value!r}, which torch does not accept ({exc}); "
+            f"allowed: {DEVICES_ALLOWED}"
+        ) from None
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise ValueError(f"{option}: got {value!r}; allowed: {DEVICES_ALLOWED}")
+    if not torch.cuda.is_available():
+        raise ValueError(
+            f"{option}: got {value!r} but CUDA is not available here; allowed: {DEVICES_ALLOWED}"
+        )
+    count = torch.cuda.device_count()
+    if device.index is not None and device.index >= count:
+        raise ValueError(
+            f"{option}: got {value!r} but this machine has {count} CUDA device(s); "
+            f"allowed: 'cpu', 'cuda' or 'cuda:0' .. 'cuda:{count - 1}'"
+        )
+    return device
+
+
+def describe_device(device: str | torch.device) -> str:
+    """``"cpu"`` or ``"cuda: <GPU name>"``, for reports."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return f"cuda: {torch.cuda.get_device_name(device)}"
+    return device.type
+
+
+def synchronize(device: str | torch.device) -> None:
+    """Wait for the device's queued work (CUDA runs asynchronously), e.g. before reading a clock."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 @dataclass(frozen=True)
@@ -78,8 +140,12 @@ class TrainerConfig:
     log_every: int = 10
     progress: bool = True  # tqdm bar
     save_dtype: str = "float32"  # dtype of the final save_pretrained(): float32/float16/bfloat16
+    device: str = "cpu"  # where the model trains: "cpu" or a CUDA device ("cuda", "cuda:1")
 
     def __post_init__(self) -> None:
+        # Checked here, where the option enters, so a bad device fails before any file is written.
+        # Stored as a string: the config goes to JSON.
+        object.__setattr__(self, "device", str(resolve_device(self.device)))
         positive = ("steps", "batch_size", "seq_len", "log_every", "keep_checkpoints")
         for name in positive:
             value = getattr(self, name)
@@ -190,14 +256,18 @@ def save_pretrained_atomic(
 ) -> Path:
     """``model.save_pretrained`` (+ tokenizer, + extra JSON files) into ``final_dir``, atomically.
 
-    ``dtype`` casts a copy of the model first; the caller's model is not changed.
+    The weights are written from host memory: a model on another device, or a ``dtype`` other
+    than its own, is saved from a CPU copy (cast to ``dtype``); the caller's model is not changed.
 
     >>> save_pretrained_atomic(model, "out/model", tokenizer=tok, dtype=torch.bfloat16)
     """
     final_dir = Path(final_dir)
     tmp = temp_dir_beside(final_dir)
     try:
-        to_save = model if dtype is None else copy.deepcopy(model).to(dtype)
+        on_cpu = all(t.device.type == "cpu" for t in model.state_dict().values())
+        to_save = model
+        if dtype is not None or not on_cpu:
+            to_save = copy.deepcopy(model).to(device="cpu", dtype=dtype)
         to_save.save_pretrained(tmp, safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
@@ -215,7 +285,7 @@ def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict, list[dic
     tensors = {}
     for idx, state in sd["state"].items():
         for key, value in state.items():
-            tensors[f"state.{idx}.{key}"] = torch.as_tensor(value).contiguous()
+            tensors[f"state.{idx}.{key}"] = torch.as_tensor(value).detach().cpu().contiguous()
     groups = [
         {k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()}
         for g in sd["param_groups"]
@@ -237,8 +307,9 @@ def _load_optimizer(optimizer: torch.optim.Optimizer, tensors: dict, groups: lis
 class LayerSkipTrainer:
     """Trains ``model`` (a supported HF causal LM, in place) on a 1-D token stream.
 
-    ``out_dir`` holds checkpoints, metrics and the final model; ``tokenizer`` (optional) is saved
-    beside the final model.
+    The model is moved to ``config.device`` and stays there. ``train_tokens`` stay on the CPU
+    (batches are drawn there and copied to the device). ``out_dir`` holds checkpoints, metrics
+    and the final model; ``tokenizer`` (optional) is saved beside the final model.
     """
 
     def __init__(
@@ -253,13 +324,14 @@ class LayerSkipTrainer:
     ) -> None:
         if train_tokens.dim() != 1:
             raise ValueError(f"train_tokens: expected a 1-D tensor, got {train_tokens.dim()}-D")
-        self.model = model
-        self.tokens = train_tokens
+        self.device = torch.device(config.device)
+        self.model = model.to(self.device)
+        self.tokens = train_tokens.cpu()
         self.out_dir = Path(out_dir)
         self.config = config
         self.recipe = recipe
         self.tokenizer = tokenizer
-        self.optimizer = make_optimizer(model, config)
+        self.optimizer = make_optimizer(self.model, config)
         self.step = 0  # the next step to run
 
     # -- checkpoints -------------------------------------------------------------------------
@@ -285,6 +357,8 @@ class LayerSkipTrainer:
         final = self.checkpoint_root / f"step-{self.step:07d}"
         tmp = temp_dir_beside(final)
         try:
+            # float32, as trained; safetensors copies each tensor to the CPU, and keeps one copy
+            # of tied weights (which a plain CPU state dict would not).
             save_model(self.model, str(tmp / "model.safetensors"))
             tensors, groups = _optimizer_tensors(self.optimizer)
             save_file(tensors, str(tmp / "optimizer.safetensors"))
@@ -331,6 +405,8 @@ class LayerSkipTrainer:
                 f"checkpoint {path} was made with other options ({'; '.join(diffs)}); "
                 "resume with the same options or use a fresh out_dir"
             )
+        # Read to the CPU; load_state_dict copies into the parameters wherever they live, and
+        # the optimizer moves its state to its parameters' device.
         missing, unexpected = load_model(self.model, str(path / "model.safetensors"))
         assert not missing and not unexpected, (missing, unexpected)
         _load_optimizer(
@@ -348,7 +424,7 @@ class LayerSkipTrainer:
         t = self.step
         batch = sample_batch(
             self.tokens, cfg.batch_size, cfg.seq_len, step_generator(cfg.seed, t, "batch")
-        )
+        ).to(self.device, non_blocking=True)  # no stream sync (safe from pageable memory)
         lr = lr_at(t, cfg)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
