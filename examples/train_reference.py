@@ -3,7 +3,11 @@
     python examples/train_reference.py runs/reference --minutes 58 --threads 1
 
 (the shipped model's command; the defaults are its settings: bytes, 8 x 256 tokens a step, the
-early-exit loss at every layer).
+early-exit loss at every layer). On a GPU, with another Python, on this corpus (a copy of the
+stdlib folder the shipped model was trained on)::
+
+    python examples/train_reference.py runs/reference-gpu --device cuda --corpus-root .stdlib311
+
 Runs again on the same directory resume from the last checkpoint. The model lands in
 ``runs/reference/model`` (``AutoModelForCausalLM.from_pretrained`` loads it, tokenizer included)
 with ``reference_report.json`` beside it. See ``leapfx/train/reference.py`` for the choices.
@@ -42,6 +46,15 @@ def main() -> None:
         default=REFERENCE_RECIPE.exit_curriculum,
         help="C(t, l) of the early-exit loss (LayerSkip eq. 5-6)",
     )
+    parser.add_argument(
+        "--device", default="cpu", help="where to train and evaluate: cpu, cuda, cuda:1, ..."
+    )
+    parser.add_argument(
+        "--corpus-root",
+        default=None,
+        help="stdlib folder to train on, e.g. a copy of another interpreter's "
+        "(default: this interpreter's)",
+    )
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -63,12 +76,16 @@ def main() -> None:
         lr=args.lr,
         threads=args.threads,
         progress=not args.no_progress,
+        device=args.device,
+        corpus_root=args.corpus_root,
     )
     summary = {
         "held_out": report["held_out"],
         "agreement_top1": {e: round(v["agreement_top1"], 4) for e, v in report["exits"].items()},
         "tokens_per_s": report["training"]["tokens_per_s"],
         "steps": report["training"]["steps"],
+        "device": report["training"]["device"],
+        "corpus": report["corpus"],
     }
     print(json.dumps(summary, indent=2))
 

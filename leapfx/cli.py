@@ -190,7 +190,14 @@ def _export(args: argparse.Namespace) -> int:
 def _train_reference(args: argparse.Namespace) -> int:
     from .train.reference import train_reference
 
-    report = train_reference(args.out, minutes=args.minutes, seed=args.seed, threads=args.threads)
+    report = train_reference(
+        args.out,
+        minutes=args.minutes,
+        seed=args.seed,
+        threads=args.threads,
+        device=args.device,
+        corpus_root=args.corpus_root,
+    )
     print(json.dumps(report, indent=2))
     return 0
 
@@ -250,6 +257,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--minutes", type=float, default=60.0)
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--threads", type=int, default=None)
+    train.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (float32)")
+    train.add_argument(
+        "--corpus-root", default=None, help="stdlib folder to train on (default: this Python's)"
+    )
     train.set_defaults(func=_train_reference)
     return parser
 

@@ -36,7 +36,7 @@ from leapfx.train import (
     train_bpe_tokenizer,
     train_reference,
 )
-from leapfx.train.data import EXCLUDED_DIRS
+from leapfx.train.data import EXCLUDED_DIRS, stdlib_root
 
 
 def tiny_model(model_type: str = "llama", *, layers: int = 3, vocab: int = 64, seed: int = 0, **kw):
@@ -463,3 +463,124 @@ def test_train_reference_end_to_end_tiny(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(final)
     assert model.dtype == torch.float16
     assert AutoTokenizer.from_pretrained(final)("a")["input_ids"] == [256, 97]
+    # Where it ran and what it read.
+    assert report["training"]["device"] == "cpu"
+    assert report["training"]["torch"] == torch.__version__
+    assert report["training"]["trainer"]["device"] == "cpu"
+    assert report["corpus"]["files"] == len(stdlib_files())
+    assert report["corpus"]["root"] == str(stdlib_root().resolve())
+    assert len(report["corpus"]["sha256"]) == 64
+
+
+# -- devices and corpus roots (CPU only: no CUDA code runs here) -------------------------------
+
+NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
+
+
+@pytest.mark.parametrize(
+    "device,says",
+    [
+        pytest.param("cuda", "but CUDA is not available here", marks=NO_CUDA),
+        pytest.param("cuda:1", "but CUDA is not available here", marks=NO_CUDA),
+        ("gpu", "which torch does not accept"),
+        ("meta", "allowed: 'cpu' or a CUDA device"),
+    ],
+)
+def test_bad_device_is_refused_before_anything_is_written(tmp_path, capsys, device, says):
+    from leapfx.cli import main
+
+    out = tmp_path / "run"
+    with pytest.raises(ValueError, match=f"device: got {device!r}") as info:
+        train_reference(out, minutes=1, steps=2, progress=False, device=device)
+    assert says in str(info.value) and "allowed: 'cpu' or a CUDA device" in str(info.value)
+    assert not out.exists()
+    with pytest.raises(ValueError, match=f"device: got {device!r}"):
+        TrainerConfig(device=device)
+    assert main(["train-reference", str(out), "--device", device]) == 2
+    assert f"device: got {device!r}" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_kangaroo_example_refuses_a_bad_device_before_writing(tmp_path, monkeypatch):
+    import runpy
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parents[1] / "examples" / "train_kangaroo_adapter.py"
+    out = tmp_path / "adapter"
+    monkeypatch.setattr(sys, "argv", [str(script), "--device", "gpu", "--out", str(out)])
+    with pytest.raises(ValueError, match="--device: got 'gpu'"):
+        runpy.run_path(str(script), run_name="__main__")
+    missing = tmp_path / "missing"
+    argv = [str(script), "--corpus-root", str(missing), "--out", str(out)]
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(ValueError, match="--corpus-root: got"):
+        runpy.run_path(str(script), run_name="__main__")
+    assert not out.exists()
+
+
+def test_device_is_a_runtime_option_of_a_checkpoint(tmp_path):
+    stream = _stream()
+    trainer = LayerSkipTrainer(
+        tiny_model(), stream, out_dir=tmp_path, config=_config(), recipe=RECIPE
+    )
+    trainer.train_step()
+    trainer.save_checkpoint()
+    state = json.loads((trainer.checkpoints()[-1] / "trainer_state.json").read_text())
+    assert state["config"]["device"] == "cpu" and "device" not in state["trainer"]
+    # Another device string resumes the same run (the tensors were written from the CPU).
+    other = LayerSkipTrainer(
+        tiny_model(seed=5), stream, out_dir=tmp_path, config=_config(device="cpu:0"), recipe=RECIPE
+    )
+    assert other.load_checkpoint() and other.step == 1
+    for k, v in _weights(trainer.model).items():
+        assert torch.equal(other.model.state_dict()[k], v), k
+
+
+def test_corpus_root_at_the_stdlib_or_a_copy_gives_the_default_split(tmp_path):
+    import shutil
+
+    from leapfx.train.reference import corpus_digest, reference_corpus
+
+    default = reference_corpus()
+    same = reference_corpus(stdlib_root())
+    names = ([d.name for d in default.train], [d.name for d in default.held_out])
+    assert ([d.name for d in same.train], [d.name for d in same.held_out]) == names
+    # A copy of the corpus files elsewhere (what another machine reads) gives the same corpus.
+    copy_root = tmp_path / "stdlib-copy"
+    for rel in stdlib_files():
+        (copy_root / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(stdlib_root() / rel, copy_root / rel)
+    assert stdlib_files(copy_root) == stdlib_files()
+    copied = reference_corpus(copy_root)
+    assert ([d.name for d in copied.train], [d.name for d in copied.held_out]) == names
+    assert corpus_digest(copied) == corpus_digest(default) == corpus_digest(same)
+    (copy_root / "extra.py").write_text("x = 1\n")
+    assert corpus_digest(reference_corpus(copy_root)) != corpus_digest(default)
+
+
+def test_missing_or_empty_corpus_root_is_refused(tmp_path):
+    from leapfx.train.reference import reference_corpus
+
+    missing = tmp_path / "missing"
+    out = tmp_path / "run"
+    with pytest.raises(ValueError, match="corpus_root: got .*missing.*not a folder"):
+        train_reference(out, minutes=1, steps=2, progress=False, corpus_root=missing)
+    assert not out.exists()
+    with pytest.raises(ValueError, match="root: .*missing.*is not a folder"):
+        stdlib_files(missing)
+    with pytest.raises(ValueError, match="root: .*missing"):
+        stdlib_corpus(root=missing)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="corpus_root: .*empty.* gives 0 training"):
+        reference_corpus(tmp_path / "empty")
+
+
+def test_kangaroo_fit_refuses_an_adapter_on_another_device():
+    from leapfx import rewrite
+
+    model = tiny_model(layers=4).eval()
+    sm = rewrite.apply(model, "kangaroo", exit_layer=2)
+    model.to("meta")  # moved after apply: the adapter stayed on the CPU
+    with pytest.raises(ValueError, match="adapter is on cpu but the model on meta"):
+        sm.fit(_stream().long(), steps=1, progress=False)

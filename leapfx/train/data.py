@@ -1,11 +1,11 @@
 """Training data: the Python standard library as a corpus, text folders, and two tokenizers.
 
 Corpus. ``stdlib_corpus()`` reads the ``.py`` files of the running interpreter's standard library
-(``sysconfig.get_paths()["stdlib"]``), leaving out test directories (``test/``, ``tests/``,
-``idlelib/idle_test``, ``lib2to3/tests``, ...), ``site-packages``, caches and generated data
-(``EXCLUDED_FILES``). It is split by
-file, never inside a file, so held-out code is unseen: a file is held out when the first 8 bytes
-of ``sha256(relative posix path)`` read as a fraction fall below ``held_out_fraction``. The split
+(``sysconfig.get_paths()["stdlib"]``, or a copy of one passed as ``root``), leaving out test
+directories (``test/``, ``tests/``, ``idlelib/idle_test``, ``lib2to3/tests``, ...),
+``site-packages``, caches and generated data (``EXCLUDED_FILES``). It is split by file, never
+inside a file, so held-out code is unseen: a file is held out when the first 8 bytes of
+``sha256(relative posix path)`` read as a fraction fall below ``held_out_fraction``. The split
 depends only on the path, not on the machine, the file order or the other files present.
 
 Tokenizers. Both are ``PreTrainedTokenizerFast`` objects over a ``tokenizers`` byte-level
@@ -87,8 +87,17 @@ def stdlib_root() -> Path:
 
 
 def stdlib_files(root: str | Path | None = None) -> list[str]:
-    """Relative posix paths of the corpus' ``.py`` files under ``root``, sorted."""
+    """Relative posix paths of the corpus' ``.py`` files under ``root``, sorted.
+
+    ``root`` may be a copy of a standard library folder (e.g. another machine's, to train on the
+    same corpus under another Python): the paths, and so the split, depend on the files only.
+    """
     root = Path(root) if root is not None else stdlib_root()
+    if not root.is_dir():
+        raise ValueError(
+            f"root: {str(root)!r} is not a folder; pass a (copy of a) Python standard library "
+            "folder, or None for this interpreter's"
+        )
     out = []
     for path in root.rglob("*.py"):
         rel = path.relative_to(root)

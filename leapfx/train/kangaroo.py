@@ -17,6 +17,10 @@ rows are documents), or texts with ``tokenizer=`` (anything with ``encode(text) 
 callable). Documents are concatenated into one stream, and each step trains on ``batch_size``
 windows of ``seq_len`` tokens drawn at random offsets from a seeded generator.
 
+Device: training and evaluation run where the model is. Move the model before
+``rewrite.apply`` (the adapter is built on its device); windows are drawn on the CPU, so a seed
+gives the same batches on every device, and are copied over. ``save_adapter`` writes CPU tensors.
+
 Example::
 
     >>> sm = rewrite.apply(hf_model, "kangaroo", exit_layer=2)
@@ -155,7 +159,7 @@ def adapter_and_target_logits(sm, input_ids: torch.Tensor) -> tuple[torch.Tensor
     adapter = adapter_of(sm.graph_module)
     parts = decoder_parts(model)
     weight = next(model.parameters())
-    ids = input_ids.to(weight.device)
+    ids = input_ids.to(weight.device, non_blocking=True)  # no stream sync for the host copy
     n = ids.shape[1]
     with torch.no_grad():
         out = model(input_ids=ids, output_hidden_states=True, use_cache=False)
@@ -190,6 +194,7 @@ def fit(sm, data: Any, *, tokenizer=None, **options: Any) -> FitResult:
 
     ``options`` are the fields of :class:`KangarooFitConfig`. Only the adapter's parameters
     change; the stages share them, so ``sm.generate`` drafts with the trained adapter at once.
+    Runs on the model's device (see the module docstring).
     """
     fields = {f.name for f in dataclasses.fields(KangarooFitConfig)}
     unknown = sorted(set(options) - fields)
@@ -208,6 +213,13 @@ def fit(sm, data: Any, *, tokenizer=None, **options: Any) -> FitResult:
     stream = token_stream(data, vocab_size=sm.config.vocab_size, tokenizer=tokenizer)
     adapter = adapter_of(sm.graph_module)
     params = list(adapter.parameters())
+    model_device = next(sm.hf_model.parameters()).device
+    adapter_device = params[0].device if params else model_device
+    if adapter_device != model_device:
+        raise ValueError(
+            f"fit: the adapter is on {adapter_device} but the model on {model_device}; move the "
+            "model to the device before rewrite.apply (the adapter is built where the model is)"
+        )
     optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
     generator = torch.Generator().manual_seed(config.seed)
     result = FitResult(steps=config.steps)

@@ -34,6 +34,12 @@ the early-exit loss at every layer on every step (``C(t, l) = 1``), at ``lr = 2e
 dropout tolerates higher rates). 256-byte sequences cover a benchmark prompt plus its
 generation.
 
+Device and corpus. ``device="cuda"`` trains (and evaluates) on a GPU in float32; checkpoints and
+the model are written from CPU tensors as on a CPU run, and a run resumes on either device.
+``corpus_root`` reads the stdlib from a copy of another interpreter's folder, so a machine with
+another Python trains on the same files and the same split (the split depends on relative paths
+only); the report records the root, the file count and a digest of the corpus to compare runs by.
+
 Steps are not fixed: a short throughput probe on a copy of the model sets ``T`` so the run fits
 ``minutes`` (T must be known up front: the LR schedule and both curricula depend on it), and the
 trainer's wall-clock budget stops it if the machine gets slower. A resumed run keeps the ``T``
@@ -43,16 +49,19 @@ Example::
 
     >>> report = train_reference("runs/reference", minutes=60)
     >>> report["exits"]["4"]["agreement_top1"]
+    >>> train_reference("runs/reference-gpu", device="cuda", corpus_root=".stdlib311")
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
 import json
 import logging
 import math
 import os
+import platform
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,10 +69,12 @@ from pathlib import Path
 import torch
 
 from leapfx.train.data import (
+    CorpusSplit,
     byte_tokenizer,
     encode_documents,
     held_out_prompts,
     stdlib_corpus,
+    stdlib_root,
     token_byte_lengths,
     train_bpe_tokenizer,
 )
@@ -72,11 +83,14 @@ from leapfx.train.layerskip import LayerSkipTrainConfig, layerskip_loss
 from leapfx.train.trainer import (
     LayerSkipTrainer,
     TrainerConfig,
+    describe_device,
     make_optimizer,
     move_into_place,
+    resolve_device,
     sample_batch,
     save_pretrained_atomic,
     step_generator,
+    synchronize,
     temp_dir_beside,
 )
 
@@ -145,6 +159,40 @@ def build_model(spec: ReferenceModelSpec, tokenizer, seed: int):
     return LlamaForCausalLM(config)
 
 
+def reference_corpus(
+    corpus_root: str | Path | None = None, *, option: str = "corpus_root"
+) -> CorpusSplit:
+    """The stdlib corpus under ``corpus_root`` (None: this interpreter's), split as the reference.
+
+    Raises ValueError naming ``option`` when ``corpus_root`` is no folder or holds no split.
+
+    >>> corpus = reference_corpus(".stdlib311")      # a copy of another interpreter's stdlib
+    """
+    if corpus_root is not None and not Path(corpus_root).is_dir():
+        raise ValueError(
+            f"{option}: got {str(corpus_root)!r}, which is not a folder; allowed: a (copy of a) "
+            f"Python standard library folder, or None for this interpreter's ({stdlib_root()})"
+        )
+    corpus = stdlib_corpus(HELD_OUT_FRACTION, root=corpus_root)
+    if not corpus.train or not corpus.held_out:
+        raise ValueError(
+            f"{option}: {corpus.root!r} gives {len(corpus.train)} training and "
+            f"{len(corpus.held_out)} held-out .py files; expected a Python standard library folder"
+        )
+    return corpus
+
+
+def corpus_digest(corpus: CorpusSplit) -> str:
+    """sha256 of every document's name and text, in split order: equal digests, equal corpora."""
+    digest = hashlib.sha256()
+    for split, docs in (("train", corpus.train), ("held_out", corpus.held_out)):
+        for doc in docs:
+            digest.update(f"{split}\0{doc.name}\0".encode())
+            digest.update(doc.text.encode())
+            digest.update(b"\0")
+    return digest.hexdigest()
+
+
 def _tokenizer(spec: ReferenceModelSpec, out_dir: Path, corpus):
     from transformers import AutoTokenizer
 
@@ -167,20 +215,25 @@ def probe_seconds_per_step(
     """Mean wall-clock seconds of a training step, measured on a copy of ``model``.
 
     Steps ``0 .. steps-1`` are timed after one untimed warm-up step; at ``t ~ 0`` the dropout
-    curriculum drops nothing, so this slightly overestimates the average step.
+    curriculum drops nothing, so this slightly overestimates the average step. The copy runs on
+    ``trainer.device``, and the clock is read after the device's queued work is done.
     """
-    probe = copy.deepcopy(model)
+    device = torch.device(trainer.device)
+    probe = copy.deepcopy(model).to(device)
     optimizer = make_optimizer(probe, trainer)
     times = []
     for t in range(steps + 1):
         batch = sample_batch(
             tokens, trainer.batch_size, trainer.seq_len, step_generator(1, t, "probe")
         )
+        synchronize(device)
         start = time.perf_counter()
+        batch = batch.to(device)
         out = layerskip_loss(probe, batch, step=t, total_steps=max(2, steps + 1), config=recipe)
         optimizer.zero_grad(set_to_none=True)
         out.loss.backward()
         optimizer.step()
+        synchronize(device)
         times.append(time.perf_counter() - start)
     return sum(times[1:]) / steps
 
@@ -208,11 +261,16 @@ def train_reference(
     save_dtype: str = "float16",
     resume: bool = True,
     progress: bool = True,
+    device: str = "cpu",
+    corpus_root: str | Path | None = None,
 ) -> dict:
     """Train the reference model into ``out_dir`` within about ``minutes``; return the report.
 
     ``steps=None`` sizes the run from a throughput probe; ``threads`` sets torch's intra-op
-    threads (None leaves torch's default). Calling it again on the same ``out_dir`` resumes.
+    threads (None leaves torch's default). Calling it again on the same ``out_dir`` resumes (on
+    any device). ``device`` is where training and the evaluation run ("cpu", "cuda", ...);
+    ``corpus_root`` is the stdlib folder to read (None: this interpreter's). Both are checked
+    before anything is written.
 
     >>> report = train_reference("runs/reference", minutes=60, seed=0)
     """
@@ -221,12 +279,13 @@ def train_reference(
     from transformers import AutoModelForCausalLM
 
     start = time.perf_counter()
+    dev = resolve_device(device)
+    corpus = reference_corpus(corpus_root)
     spec = spec or ReferenceModelSpec()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     if threads is not None:
         torch.set_num_threads(threads)
-    corpus = stdlib_corpus(HELD_OUT_FRACTION)
     tokenizer = _tokenizer(spec, out_dir, corpus)
     train_ids = encode_documents(tokenizer, corpus.train)
     held_ids = encode_documents(tokenizer, corpus.held_out)
@@ -234,7 +293,7 @@ def train_reference(
     params = sum(p.numel() for p in model.parameters())
     log.info("reference model: %.2fM parameters, %d training tokens", params / 1e6, len(train_ids))
 
-    base = TrainerConfig(batch_size=batch_size, seq_len=seq_len, lr=lr, seed=seed)
+    base = TrainerConfig(batch_size=batch_size, seq_len=seq_len, lr=lr, seed=seed, device=str(dev))
     # Evaluation and the final save take ~1 min at the default sizes; keep 5% (>= 1 min) free.
     reserve_s = max(60.0, 0.05 * minutes * 60.0)
     probe_s = None
@@ -270,8 +329,8 @@ def train_reference(
             model, final_dir, tokenizer=tokenizer, dtype=getattr(torch, save_dtype)
         )
 
-    # Measure what was saved (float16 weights), computing in float32.
-    saved_model = AutoModelForCausalLM.from_pretrained(final_dir, dtype=torch.float32)
+    # Measure what was saved (float16 weights), computing in float32 on the training device.
+    saved_model = AutoModelForCausalLM.from_pretrained(final_dir, dtype=torch.float32).to(dev)
     exits = evaluate_exits(
         saved_model,
         held_ids,
@@ -304,9 +363,20 @@ def train_reference(
             "total_minutes": (time.perf_counter() - start) / 60.0,
             "probe_s_per_step": probe_s,
             "threads": torch.get_num_threads(),
+            "device": describe_device(dev),
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "float32_matmul_precision": torch.get_float32_matmul_precision(),
             "seed": seed,
             "trainer": dataclasses.asdict(config),
             "recipe": dataclasses.asdict(recipe),
+        },
+        "corpus": {
+            # reference_corpus(root) gives this corpus again where the digest matches
+            "root": str(Path(corpus.root).resolve()),
+            "files": len(corpus.train) + len(corpus.held_out),
+            "train_files": len(corpus.train),
+            "sha256": corpus_digest(corpus),
         },
         "held_out": {
             # stdlib_corpus() with this fraction gives the same split (held_out_prompts too)
