@@ -64,6 +64,7 @@ def _bench(args: argparse.Namespace) -> int:
     )
     quiet = args.quiet
     exit_layer, d = args.exit_layer, args.num_speculations
+    kernels = CPU_KERNELS[args.cpu_kernels]
     calibration = []
     if args.sweep or args.auto or args.plot:
         exits = _grid(args.sweep_exit_layers, num_layers)
@@ -72,6 +73,7 @@ def _bench(args: argparse.Namespace) -> int:
         calibration = calibrate(
             model, cal_prompts, exits, specs, max_new_tokens=args.max_new_tokens,
             repeats=args.repeats if args.sweep else 1, progress=not quiet,
+            cpu_kernels=_calibration_kernels(model, kernels),
         )  # fmt: skip
         if args.sweep:
             print(sweep_table(calibration))
@@ -89,9 +91,14 @@ def _bench(args: argparse.Namespace) -> int:
         repeats=args.repeats, warmup=args.warmup, adapter=_adapter(args),
         kangaroo_exit_layer=args.kangaroo_exit_layer,
         confidence_threshold=args.confidence_threshold, backend=args.backend,
+        cpu_kernels=kernels,
     )  # fmt: skip
     rows = run_bench(model, prompts, config, progress=not quiet)
     print(table(rows))
+    used = sorted({r.extra["cpu_kernels"] for r in rows if "cpu_kernels" in r.extra})
+    if used:
+        state = "on" if used == [True] else "off" if used == [False] else "mixed"
+        print(f"leapfx CPU kernels (--cpu-kernels {args.cpu_kernels}): {state}")
     for r in rows:
         if "predicted_vs_autoregressive" in r.extra:
             x = r.extra
@@ -111,7 +118,7 @@ def _bench(args: argparse.Namespace) -> int:
         "prompts": len(prompts), "prompt_tokens": args.prompt_tokens,
         "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
         "repeats": args.repeats, "threads": torch.get_num_threads(), "device": args.device,
-        "backend": args.backend,
+        "backend": args.backend, "cpu_kernels": args.cpu_kernels,
     }  # fmt: skip
     if args.json:
         write_json(args.json, rows, meta)
@@ -121,6 +128,21 @@ def _bench(args: argparse.Namespace) -> int:
             by_exit[c.exit_layer] = max(by_exit.get(c.exit_layer, 0.0), c.acceptance_rate)
         write_plot(args.plot, rows, by_exit)
     return 0
+
+
+CPU_KERNELS = {"auto": None, "on": True, "off": False}  # --cpu-kernels -> BenchConfig
+
+
+def _calibration_kernels(model, kernels: bool | None) -> bool:
+    """--sweep/--auto calibrate on eager stages, with the CPU kernels when the run uses them."""
+    if kernels is not None:
+        return kernels
+    import torch
+
+    from .kernels import cpu
+
+    param = next(model.parameters())
+    return param.device.type == "cpu" and param.dtype == torch.float32 and cpu.available()
 
 
 def _adapter(args: argparse.Namespace) -> str | None:
@@ -230,6 +252,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--backend", default="eager", help="eager | inductor | onnxruntime (leapfx rows)"
     )
+    bench.add_argument(
+        "--cpu-kernels", default="auto", choices=sorted(CPU_KERNELS),
+        help="leapfx's small-M CPU kernels for the eager and inductor leapfx rows "
+        "(auto: on for a float32 model on a CPU when they build)",
+    )  # fmt: skip
     bench.add_argument("--device", default="cpu")
     bench.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     bench.add_argument("--json", default=None, help="write the rows as JSON to this path")

@@ -85,13 +85,17 @@ def test_bench_takes_several_backends():
         BenchConfig(backend="eager,tvm").validate()
 
 
-def _check_compiled(model, recipe: str, verify_shapes: str, **options) -> None:
+def _check_compiled(
+    model, recipe: str, verify_shapes: str, cpu_kernels: bool | None = None, **options
+) -> None:
     prompts = _prompts(model.config.vocab_size)
     eager = rewrite.apply(model, recipe, **options)
     expected = [eager.generate(p, max_new_tokens=64) for p in prompts]
     compiled_before = _graphs()
-    sm = rewrite.apply(model, recipe, **options).compile(verify_shapes=verify_shapes)
+    sm = rewrite.apply(model, recipe, **options)
+    sm.compile(verify_shapes=verify_shapes, cpu_kernels=cpu_kernels)
     assert sm.backend == "inductor"
+    assert sm.cpu_kernels == (cpu_kernels is not False), "cpu_kernels did not take effect"
     before = _graphs()
     assert before > compiled_before, "compile() warmed up no graph"
     for prompt, want in zip(prompts, expected, strict=True):
@@ -106,6 +110,7 @@ def _check_compiled(model, recipe: str, verify_shapes: str, **options) -> None:
 
 @pytest.mark.slow
 def test_inductor_layerskip_is_token_identical_and_never_recompiles():
+    # Default options on a float32 CPU model: the leapfx_cpu kernels (auto).
     model = tiny_model("llama", layers=4)
     _check_compiled(model, "layerskip", "dynamic", exit_layer=2, num_speculations=3)
 
@@ -114,7 +119,9 @@ def test_inductor_layerskip_is_token_identical_and_never_recompiles():
 def test_inductor_kangaroo_padded_verify_with_sliding_window():
     # Dynamic drafting varies the verify length every round; a sliding window narrower than
     # the generation exercises the window term of the in-graph mask.
+    # Without the CPU kernels: the transposed-weight torch.matmul path stays covered.
     model = tiny_model("mistral", layers=4, sliding_window=6)
     _check_compiled(
-        model, "kangaroo", "padded", exit_layer=2, max_draft_tokens=4, confidence_threshold=0.3
-    )
+        model, "kangaroo", "padded", cpu_kernels=False, exit_layer=2, max_draft_tokens=4,
+        confidence_threshold=0.3,
+    )  # fmt: skip

@@ -56,6 +56,9 @@ class BenchConfig:
     # leapfx system is exported to ONNX and runs in onnxruntime sessions). HF rows stay eager.
     backend: str = "eager"
     export_dir: str | None = None  # onnxruntime: where exports go (None: a temp dir)
+    # eager and inductor leapfx rows: projections through leapfx's small-M CPU kernels
+    # (leapfx.kernels.cpu). None: where they apply (a float32 model on a CPU) and build.
+    cpu_kernels: bool | None = None
     repeats: int = 3
     warmup: int = 1
     hf_baselines: bool = True
@@ -72,6 +75,10 @@ class BenchConfig:
                 raise ValueError(f"{name}: {value!r} is invalid; allowed: an integer >= {low}")
         if not self.temperature >= 0:
             raise ValueError(f"--temperature: {self.temperature!r} is invalid; allowed: >= 0")
+        if self.cpu_kernels is not None and not isinstance(self.cpu_kernels, bool):
+            raise ValueError(
+                f"--cpu-kernels: {self.cpu_kernels!r} is invalid; allowed: auto, on or off"
+            )
         names = self.backends
         bad = next((b for b in names if b not in BACKENDS), None)
         if bad is None and (not names or len(set(names)) < len(names)):
@@ -128,11 +135,13 @@ class System:
         generate: Callable[[torch.Tensor], torch.Tensor],
         metrics: Callable[[], DecodeMetrics | None] = lambda: None,
         lossless: bool = True,
+        info: dict | None = None,
     ) -> None:
         self.name = name
         self.generate = generate
         self.metrics = metrics
         self.lossless = lossless
+        self.info = info or {}  # copied into the row's extra (e.g. cpu_kernels)
 
     def run(self, prompts: list[torch.Tensor]) -> SystemRun:
         outputs, metrics = [], []
@@ -206,7 +215,8 @@ def build_systems(model: nn.Module, config: BenchConfig, generator_seed: int = 0
             def run(prompt):
                 return sm.generate(prompt, max_new_tokens=n, **sampling, **extra)
 
-            return System(name + suffix, run, lambda: sm.last_metrics, lossless=lossless)
+            info = {"cpu_kernels": sm.cpu_kernels} if hasattr(sm, "cpu_kernels") else {}
+            return System(name + suffix, run, lambda: sm.last_metrics, lossless=lossless, info=info)
 
         systems.append(ours("leapfx_autoregressive", rewrite.apply(model, "autoregressive")))
         early = rewrite.apply(model, "early_exit", exit_layer=exit_layer)
@@ -227,16 +237,37 @@ def build_systems(model: nn.Module, config: BenchConfig, generator_seed: int = 0
     return systems
 
 
+def use_cpu_kernels(config: BenchConfig, sm) -> bool:
+    """Whether ``sm``'s eager or compiled stages run leapfx's CPU kernels in this run."""
+    if config.cpu_kernels is False:
+        return False
+    from ..kernels import cpu
+
+    fits = sm._layout.device.type == "cpu" and sm._layout.dtype == torch.float32
+    if config.cpu_kernels is None:
+        return fits and cpu.available()
+    if not fits:
+        raise ValueError(
+            f"--cpu-kernels: on needs a float32 model on a CPU; this one is {sm._layout.dtype} "
+            f"on {sm._layout.device} (allowed there: auto or off)"
+        )
+    return True
+
+
 def _backend(config: BenchConfig, backend: str):
     """name, SpeculativeModel -> what runs it: itself (eager), itself compiled (inductor) or an
     onnxruntime OnnxModel of its export."""
     if backend == "eager":
-        return lambda name, sm: sm
+
+        def eager(name: str, sm):
+            return sm.use_cpu_kernels() if use_cpu_kernels(config, sm) else sm
+
+        return eager
     if backend == "inductor":
 
         def compile_(name: str, sm):
             log.info("compiling %s with torch.compile (inductor)", name)
-            return sm.compile()
+            return sm.compile(cpu_kernels=use_cpu_kernels(config, sm))
 
         return compile_
     import tempfile
@@ -320,6 +351,7 @@ def _rows(systems, prompts, config, times, first) -> list[Row]:
         new = sum(o.shape[1] - p.shape[1] for o, p in zip(run.outputs, prompts, strict=True))
         seconds = statistics.median(times[system.name])
         row = Row(system.name, new / seconds, new_tokens=new, seconds=seconds)
+        row.extra.update(getattr(system, "info", {}))
         if run.metrics and any(m.verify_calls for m in run.metrics):
             _speculation_stats(row, run.metrics)
         if greedy and system.name != base:

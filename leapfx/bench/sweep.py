@@ -52,8 +52,10 @@ def _run(sm, prompts, max_new_tokens) -> tuple[float, list]:
     return new / seconds, metrics
 
 
-def autoregressive_seconds_per_token(model, prompts, max_new_tokens, repeats=1) -> float:
-    ar = rewrite.apply(model, "autoregressive")
+def autoregressive_seconds_per_token(
+    model, prompts, max_new_tokens, repeats=1, cpu_kernels: bool = False
+) -> float:
+    ar = rewrite.apply(model, "autoregressive", cpu_kernels=cpu_kernels)
     best = min(_run(ar, prompts, max_new_tokens)[0] for _ in range(repeats))
     return 1.0 / best
 
@@ -67,13 +69,19 @@ def calibrate(
     max_new_tokens: int,
     repeats: int = 1,
     progress: bool = True,
+    cpu_kernels: bool = False,
 ) -> list[Calibration]:
-    """Measure alpha, c and tokens/s of layerskip for each (E, d) of the grid."""
-    ar_tok = autoregressive_seconds_per_token(model, prompts, max_new_tokens, repeats)
+    """Measure alpha, c and tokens/s of layerskip for each (E, d) of the grid (eager stages;
+    ``cpu_kernels``: with leapfx's CPU kernels, see ``SpeculativeModel.use_cpu_kernels``)."""
+    ar_tok = autoregressive_seconds_per_token(
+        model, prompts, max_new_tokens, repeats, cpu_kernels=cpu_kernels
+    )
     grid = [(e, d) for e in exit_layers for d in speculations]
     out = []
     for e, d in tqdm(grid, desc="sweep", unit="cfg", disable=not progress):
-        sm = rewrite.apply(model, "layerskip", exit_layer=e, num_speculations=d)
+        sm = rewrite.apply(
+            model, "layerskip", exit_layer=e, num_speculations=d, cpu_kernels=cpu_kernels
+        )
         runs = [_run(sm, prompts, max_new_tokens) for _ in range(repeats)]
         tps, metrics = max(runs, key=lambda r: r[0])
         accepted = sum(m.accepted_drafts for m in metrics)

@@ -74,9 +74,7 @@ class FusedDecoderLayer(nn.Module):
         h = layer.input_layernorm.forward(hidden_states)
         input_shape = h.shape[:-1]
         hidden_shape = (*input_shape, -1, attn.head_dim)  # [B, S, heads, D]
-        q = self._linear(h, attn.q_proj, "q").view(hidden_shape)
-        k = self._linear(h, attn.k_proj, "k").view(hidden_shape)
-        v = self._linear(h, attn.v_proj, "v").view(hidden_shape)
+        q, k, v = (t.view(hidden_shape) for t in self._qkv(h, attn))
         if self._qk_norm:
             q, k = attn.q_norm.forward(q), attn.k_norm.forward(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, S, D]
@@ -91,11 +89,16 @@ class FusedDecoderLayer(nn.Module):
         hidden_states = residual + self._linear(out, attn.o_proj, "o")
         residual = hidden_states
         h = layer.post_attention_layernorm.forward(hidden_states)
-        mlp = layer.mlp
+        return residual + self._mlp(h, layer.mlp)
+
+    def _qkv(self, h: torch.Tensor, attn: nn.Module) -> tuple[torch.Tensor, ...]:
+        q = self._linear(h, attn.q_proj, "q")
+        return q, self._linear(h, attn.k_proj, "k"), self._linear(h, attn.v_proj, "v")
+
+    def _mlp(self, h: torch.Tensor, mlp: nn.Module) -> torch.Tensor:
         gate = mlp.act_fn.forward(self._linear(h, mlp.gate_proj, "gate"))
         up = self._linear(h, mlp.up_proj, "up")
-        h = self._linear(gate * up, mlp.down_proj, "down")
-        return residual + h
+        return self._linear(gate * up, mlp.down_proj, "down")
 
 
 PROJECTIONS = {
@@ -167,3 +170,89 @@ class FuseDecoderLayers(GraphPass):
             node.target = target
             matches += 1
         return PassResult(gm, modified=matches > 0, matches=matches)
+
+
+SILU = frozenset({"SiLU", "SiLUActivation"})  # torch's and transformers' SiLU modules
+
+
+class KernelDecoderLayer(FusedDecoderLayer):
+    """A fused layer whose projections run the ``leapfx_cpu`` small-M kernels (CPU, float32).
+
+    Three kernel calls per layer: q, k and v as one product (their weights packed side by
+    side), the output projection, and the gated MLP as one call (``gated_mlp``) when the
+    activation is SiLU without biases (otherwise gate and up are one product, then the
+    activation, then down). Each weight is read once for all the rows of a verify pass (see
+    ``leapfx.kernels.cpu``). The packed weights are copies made when the module is built, as
+    in ``TransposedDecoderLayer``: the same math up to summation order.
+    """
+
+    def __init__(self, layer: nn.Module) -> None:
+        from ..kernels.cpu import pack_weight
+
+        super().__init__(layer)
+        _require_kernels()
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
+        self._split = [p.out_features for p in qkv]
+        self.register_buffer("w_qkv", pack_weight(torch.cat([p.weight.detach() for p in qkv])))
+        biases = [p.bias for p in qkv]
+        self.register_buffer("b_qkv", None if all(b is None for b in biases) else torch.cat(
+            [b.detach() if b is not None else p.weight.new_zeros(p.out_features)
+             for b, p in zip(biases, qkv, strict=True)]
+        ))  # fmt: skip
+        self._o_out = attn.o_proj.out_features
+        self.register_buffer("w_o", pack_weight(attn.o_proj.weight))
+        self._silu = type(mlp.act_fn).__name__ in SILU and all(
+            getattr(mlp, p).bias is None for p in ("gate_proj", "up_proj", "down_proj")
+        )
+        gate_up = torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()])
+        self._gate_up_out = gate_up.shape[0]
+        self._down_out = mlp.down_proj.out_features
+        self.register_buffer("w_gate_up", pack_weight(gate_up))
+        self.register_buffer("w_down", pack_weight(mlp.down_proj.weight))
+
+    def _linear(self, x: torch.Tensor, module: nn.Linear, name: str) -> torch.Tensor:
+        if name != "o":  # only o_proj goes through _linear here (see _qkv and _mlp)
+            return super()._linear(x, module, name)
+        out = torch.ops.leapfx_cpu.small_mm(x, self.w_o, self._o_out)
+        return out if module.bias is None else out + module.bias
+
+    def _qkv(self, h: torch.Tensor, attn: nn.Module) -> tuple[torch.Tensor, ...]:
+        out = torch.ops.leapfx_cpu.small_mm(h, self.w_qkv, sum(self._split))
+        if self.b_qkv is not None:
+            out = out + self.b_qkv
+        return out.split(self._split, dim=-1)
+
+    def _mlp(self, h: torch.Tensor, mlp: nn.Module) -> torch.Tensor:
+        ops = torch.ops.leapfx_cpu
+        if self._silu:
+            return ops.gated_mlp(h, self.w_gate_up, self._gate_up_out, self.w_down, self._down_out)
+        gate, up = ops.small_mm(h, self.w_gate_up, self._gate_up_out).chunk(2, dim=-1)
+        gate = mlp.act_fn.forward(gate if mlp.gate_proj.bias is None else gate + mlp.gate_proj.bias)
+        up = up if mlp.up_proj.bias is None else up + mlp.up_proj.bias
+        out = ops.small_mm(gate * up, self.w_down, self._down_out)
+        return out if mlp.down_proj.bias is None else out + mlp.down_proj.bias
+
+
+class KernelLinear(nn.Module):
+    """``linear`` through ``leapfx_cpu::small_mm`` on a packed weight copy."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        from ..kernels.cpu import pack_weight
+
+        super().__init__()
+        _require_kernels()
+        self.out_features = linear.out_features
+        self.register_buffer("weight_packed", pack_weight(linear.weight))
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.ops.leapfx_cpu.small_mm(x, self.weight_packed, self.out_features)
+        return out if self.bias is None else out + self.bias
+
+
+def _require_kernels() -> None:
+    from ..kernels import cpu
+
+    if not cpu.available():
+        raise RuntimeError("the leapfx_cpu kernels did not build here (see the warning above)")

@@ -51,13 +51,28 @@ def make_options(recipe: Recipe, num_layers: int, options: dict):
     return recipe.options_type(**options).validate(num_layers)
 
 
-def apply(model: nn.Module, recipe: str, *, backend: str = "eager", **options) -> SpeculativeModel:
+def apply(
+    model: nn.Module,
+    recipe: str,
+    *,
+    backend: str = "eager",
+    cpu_kernels: bool | None = None,
+    **options,
+) -> SpeculativeModel:
     """Rewrite ``model`` with ``recipe``; the model itself is never modified.
 
     The returned SpeculativeModel shares the model's weights by reference. ``backend``:
     ``"eager"`` runs the stages as PyTorch modules; ``"inductor"`` compiles them with
     ``torch.compile`` and warms them up (``SpeculativeModel.compile``) before returning.
+    ``cpu_kernels``: run the projections through leapfx's small-M CPU kernels (float32 CPU
+    models; see ``SpeculativeModel.use_cpu_kernels``). None: off for eager (the stages are
+    HF's math, bit for bit), on for inductor where they build; True: on (ValueError where
+    they cannot be); False: off.
     """
+    if cpu_kernels is not None and not isinstance(cpu_kernels, bool):
+        raise ValueError(
+            f"cpu_kernels: {cpu_kernels!r} is invalid; allowed: True, False or None (auto)"
+        )
     if backend not in BACKENDS:
         raise ValueError(
             f"backend: {backend!r} is invalid; allowed: {', '.join(map(repr, BACKENDS))} "
@@ -81,4 +96,6 @@ def apply(model: nn.Module, recipe: str, *, backend: str = "eager", **options) -
         training=r.training,
     )
     sm = SpeculativeModel(model, gm, stages, info)
-    return sm.compile() if backend == "inductor" else sm
+    if backend == "inductor":
+        return sm.compile(cpu_kernels=cpu_kernels)
+    return sm.use_cpu_kernels() if cpu_kernels else sm

@@ -46,7 +46,13 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from ..passes.fuse_layers import FusedDecoderLayer, TransposedDecoderLayer, TransposedLinear
+from ..passes.fuse_layers import (
+    FusedDecoderLayer,
+    KernelDecoderLayer,
+    KernelLinear,
+    TransposedDecoderLayer,
+    TransposedLinear,
+)
 from .cache import StaticKVCache
 from .masks import position_masks
 from .runner import AttentionLayout
@@ -112,6 +118,10 @@ class CompileOptions:
     # Multiply by transposed contiguous weight copies (see TransposedDecoderLayer): faster on
     # a CPU, one more copy of the projection weights in memory. None: on CPU only.
     transpose_weights: bool | None = None
+    # Projections through the leapfx_cpu small-M kernels (leapfx.kernels.cpu: each weight read
+    # once for all the rows of a verify pass). None: on a CPU with float32 weights when the
+    # kernels build; True: require them; False: never. Implies transposed weight copies.
+    cpu_kernels: bool | None = None
 
     def validate(self) -> CompileOptions:
         if self.mode is not None and self.mode not in MODES:
@@ -129,6 +139,11 @@ class CompileOptions:
             raise ValueError(
                 f"transpose_weights: {self.transpose_weights!r} is invalid; allowed: True, "
                 "False or None (CPU only)"
+            )
+        if self.cpu_kernels is not None and not isinstance(self.cpu_kernels, bool):
+            raise ValueError(
+                f"cpu_kernels: {self.cpu_kernels!r} is invalid; allowed: True, False or None "
+                "(on a CPU with float32 weights when they build)"
             )
         return self
 
@@ -331,22 +346,28 @@ class CompiledStage:
         return calls
 
 
-def with_transposed_weights(stage: fx.GraphModule, shared: dict) -> fx.GraphModule:
+def with_transposed_weights(
+    stage: fx.GraphModule, shared: dict, *, kernels: bool = False
+) -> fx.GraphModule:
     """A copy of ``stage`` whose fused layers and plain linear heads use transposed weights.
 
     ``shared`` maps original modules to their transposed versions, so that stages cut from
     one model hold one copy of each weight. Other modules (unfused layers, an adapter) stay.
+    ``kernels``: multiply through the ``leapfx_cpu`` small-M kernels (KernelDecoderLayer,
+    KernelLinear) instead of ``torch.matmul``.
     """
+    layer_cls = KernelDecoderLayer if kernels else TransposedDecoderLayer
+    linear_cls = KernelLinear if kernels else TransposedLinear
     gm = fx.GraphModule(stage, copy.deepcopy(stage.graph), class_name=type(stage).__name__)
     for node in gm.graph.nodes:
         if node.op != "call_module":
             continue
         module = gm.get_submodule(node.target)
         if type(module) is FusedDecoderLayer:
-            make = TransposedDecoderLayer
+            make = layer_cls
             source = module.layer
         elif type(module) is torch.nn.Linear:
-            make, source = TransposedLinear, module
+            make, source = linear_cls, module
         else:
             continue
         if source not in shared:
@@ -360,6 +381,41 @@ def with_transposed_weights(stage: fx.GraphModule, shared: dict) -> fx.GraphModu
     return gm
 
 
+def _use_cpu_kernels(options: CompileOptions, lay: AttentionLayout) -> bool:
+    """Whether the stages run the ``leapfx_cpu`` kernels (see ``CompileOptions.cpu_kernels``)."""
+    from ..kernels import cpu
+
+    if options.cpu_kernels is False:
+        return False
+    fits = lay.device.type == "cpu" and lay.dtype == torch.float32
+    if options.cpu_kernels is None:
+        return fits and cpu.available()
+    if not fits:
+        raise ValueError(
+            f"cpu_kernels: True needs a CPU model in float32; this one is on {lay.device} in "
+            f"{lay.dtype} (allowed there: False or None)"
+        )
+    if not cpu.available():
+        raise ValueError(
+            "cpu_kernels: True but the leapfx_cpu kernels did not build here (see the warning "
+            "above; allowed: False or None, which fall back to torch.matmul)"
+        )
+    return True
+
+
+def kernel_stages(sm) -> dict[str, fx.GraphModule]:
+    """Eager copies of ``sm``'s stages whose projections run the ``leapfx_cpu`` kernels.
+
+    Raises ValueError when the model is not a float32 CPU model or the kernels did not build.
+    """
+    _use_cpu_kernels(CompileOptions(cpu_kernels=True), sm._layout)
+    shared: dict = {}
+    return {
+        name: with_transposed_weights(stage, shared, kernels=True)
+        for name, stage in sm.stages.modules.items()
+    }
+
+
 def compile_stages(sm, options: CompileOptions) -> dict[str, CompiledStage]:
     """A CompiledStage for every stage of SpeculativeModel ``sm`` (warmed up if asked)."""
     from ..export.onnx_export import discover  # which cache layers each position input feeds
@@ -370,11 +426,14 @@ def compile_stages(sm, options: CompileOptions) -> dict[str, CompiledStage]:
     transpose = options.transpose_weights
     if transpose is None:
         transpose = lay.device.type == "cpu"
+    kernels = _use_cpu_kernels(options, lay)
+    transpose = transpose or kernels
     shared: dict = {}
     out: dict[str, CompiledStage] = {}
     for name, stage in sm.stages.modules.items():
         sig = discover(sm, name, stage)
-        stage = with_transposed_weights(stage, shared) if transpose else stage
+        if transpose:
+            stage = with_transposed_weights(stage, shared, kernels=kernels)
         pure = _PureStage(stage, sig.tensor_inputs, sig.groups, lay)
         out[name] = CompiledStage(
             name,

@@ -1,0 +1,155 @@
+"""The leapfx_cpu small-M kernels (leapfx/kernels/cpu_gemm.cpp) and the layers that use them.
+
+The extension is built on first use with the machine's compiler; CI has one, so a failed build
+fails these tests instead of skipping them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_model
+from greedy_check import assert_greedy_equal, hf_greedy
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from leapfx import rewrite
+from leapfx.bench.harness import BenchConfig, use_cpu_kernels
+from leapfx.kernels import cpu
+from leapfx.passes.fuse_layers import FusedDecoderLayer, KernelDecoderLayer, KernelLinear
+from leapfx.runtime.compiled import CompileOptions
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    assert cpu.available(), "the leapfx_cpu kernels did not build (see the logged warning)"
+
+
+def test_pack_weight_blocks_columns_and_pads_with_zeros():
+    w = torch.arange(20 * 3, dtype=torch.float32).view(20, 3)  # [N=20, K=3]
+    p = cpu.pack_weight(w)
+    assert p.shape == (2, 3, 16) and p.is_contiguous()
+    assert torch.equal(p[0], w[:16].t())
+    assert torch.equal(p[1, :, :4], w[16:].t())
+    assert not p[1, :, 4:].any()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    m=st.integers(1, 20),
+    k=st.integers(1, 70),
+    n=st.integers(1, 70),
+    lead=st.sampled_from([(), (2,), (1, 3)]),
+    seed=st.integers(0, 2**16),
+)
+def test_small_mm_matches_matmul(m, k, n, lead, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*lead, m, k, generator=g)
+    w = torch.randn(n, k, generator=g)
+    got = torch.ops.leapfx_cpu.small_mm(x, cpu.pack_weight(w), n)
+    assert got.shape == (*lead, m, n)
+    torch.testing.assert_close(got, x @ w.t(), rtol=1e-5, atol=1e-5)
+
+
+def test_a_rows_result_does_not_depend_on_the_other_rows():
+    # The property the verify pass relies on: row i of a 7-row product is bitwise the
+    # one-row product of row i (same operations, same order).
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(7, 192, generator=g), torch.randn(259, 192, generator=g)
+    wp = cpu.pack_weight(w)
+    rows = torch.ops.leapfx_cpu.small_mm(x, wp, 259)
+    for i in range(7):
+        assert torch.equal(rows[i : i + 1], torch.ops.leapfx_cpu.small_mm(x[i : i + 1], wp, 259))
+
+
+def test_small_mm_reads_a_non_contiguous_input():
+    x = torch.randn(16, 5).t()  # [5, 16], strides (1, 5)
+    w = torch.randn(24, 16)
+    torch.testing.assert_close(cpu.small_mm(x, w), x @ w.t(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 9])
+def test_gated_mlp_matches_torch(rows):
+    g = torch.Generator().manual_seed(rows)
+    gate, up = torch.randn(40, 24, generator=g), torch.randn(40, 24, generator=g)
+    down = torch.randn(24, 40, generator=g)
+    x = torch.randn(1, rows, 24, generator=g)
+    want = (torch.nn.functional.silu(x @ gate.t()) * (x @ up.t())) @ down.t()
+    torch.testing.assert_close(cpu.gated_mlp(x, gate, up, down), want, rtol=1e-4, atol=1e-4)
+
+
+def test_bad_inputs_are_refused_with_the_reason():
+    wp = cpu.pack_weight(torch.randn(20, 8))
+    with pytest.raises(RuntimeError, match="float32 only"):
+        torch.ops.leapfx_cpu.small_mm(torch.randn(2, 8, dtype=torch.float64), wp, 20)
+    with pytest.raises(RuntimeError, match="does not match the weight's K=8"):
+        torch.ops.leapfx_cpu.small_mm(torch.randn(2, 9), wp, 20)
+    with pytest.raises(RuntimeError, match="n=40 does not match 2 column blocks"):
+        torch.ops.leapfx_cpu.small_mm(torch.randn(2, 8), wp, 40)
+    with pytest.raises(RuntimeError, match="must be packed"):
+        torch.ops.leapfx_cpu.small_mm(torch.randn(2, 8), torch.randn(8, 20), 20)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma", "qwen3"])
+def test_kernel_layer_computes_the_hf_layer(arch):
+    # qwen2: q/k/v biases; gemma: a GELU MLP (the unfused path); qwen3: q/k norms.
+    model = tiny_model(arch, layers=2)
+    layer = model.model.layers[0]
+    fused, kernel = FusedDecoderLayer(layer), KernelDecoderLayer(layer)
+    assert kernel._silu == (arch != "gemma")
+    x = torch.randn(1, 5, model.config.hidden_size)
+    pos = torch.arange(5)[None]
+    rope = model.model.rotary_emb(x, pos)
+    mask = torch.full((5, 5), float("-inf")).triu(1)[None, None]
+    with torch.no_grad():
+        want = fused(x, attention_mask=mask, position_embeddings=rope, position_ids=pos)
+        got = kernel(x, attention_mask=mask, position_embeddings=rope, position_ids=pos)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_linear_keeps_the_bias():
+    linear = torch.nn.Linear(12, 30)
+    x = torch.randn(3, 12)
+    torch.testing.assert_close(KernelLinear(linear)(x), linear(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_eager_layerskip_with_kernels_is_token_identical_to_hf_greedy(arch):
+    model = tiny_model(arch, layers=4)
+    sm = rewrite.apply(model, "layerskip", exit_layer=2, num_speculations=3, cpu_kernels=True)
+    assert sm.cpu_kernels and sm.backend == "eager"
+    g = torch.Generator().manual_seed(1)
+    for length in (1, 6, 13):
+        prompt = torch.randint(1, model.config.vocab_size, (1, length), generator=g)
+        got = sm.generate(prompt, max_new_tokens=48)
+        assert_greedy_equal(model, got, hf_greedy(model, prompt, 48), length)
+    assert sm.last_metrics.verify_calls > 0
+    assert not sm.use_cpu_kernels(False).cpu_kernels  # back to the plain eager stages
+
+
+def test_kernel_options_are_validated():
+    model = tiny_model("llama", layers=2)
+    with pytest.raises(ValueError, match="cpu_kernels: 'yes' is invalid"):
+        rewrite.apply(model, "layerskip", exit_layer=1, cpu_kernels="yes")
+    with pytest.raises(ValueError, match="cpu_kernels: 1 is invalid"):
+        CompileOptions(cpu_kernels=1).validate()
+    with pytest.raises(ValueError, match="--cpu-kernels: 'x' is invalid"):
+        BenchConfig(cpu_kernels="x").validate()
+    double = tiny_model("llama", layers=2, dtype=torch.float64)
+    with pytest.raises(ValueError, match="cpu_kernels: True needs a CPU model in float32"):
+        rewrite.apply(double, "layerskip", exit_layer=1, cpu_kernels=True)
+    sm = rewrite.apply(double, "layerskip", exit_layer=1)
+    assert not use_cpu_kernels(BenchConfig(), sm)  # auto: not for float64
+    with pytest.raises(ValueError, match="--cpu-kernels: on needs a float32 model"):
+        use_cpu_kernels(BenchConfig(cpu_kernels=True), sm)
+    with pytest.raises(ValueError, match="use_cpu_kernels: the stages run on 'inductor'"):
+        sm.backend = "inductor"  # as compile() leaves it (without paying for a compile)
+        sm.use_cpu_kernels()
+
+
+def test_without_kernels_auto_falls_back_and_true_refuses(monkeypatch):
+    model = tiny_model("llama", layers=2)
+    monkeypatch.setattr(cpu, "available", lambda: False)
+    assert not use_cpu_kernels(BenchConfig(), rewrite.apply(model, "autoregressive"))
+    with pytest.raises(ValueError, match="did not build here"):
+        rewrite.apply(model, "layerskip", exit_layer=1, cpu_kernels=True)
