@@ -26,7 +26,10 @@ typedef float v8 __attribute__((vector_size(32)));
 typedef float v8u __attribute__((vector_size(32), aligned(4)));  // unaligned loads and stores
 
 constexpr int64_t kBlock = 16;  // output columns per register block
-constexpr int kMaxRows = 6;     // 2 * kMaxRows accumulators + 2 weight vectors fit 16 ymm
+constexpr int kMaxRows = 6;
+#ifndef LEAPFX_PREFETCH
+#define LEAPFX_PREFETCH 16  // cache lines (16 floats each) ahead
+#endif     // 2 * kMaxRows accumulators + 2 weight vectors fit 16 ymm
 
 // y[r, 16b : 16b + 16] = x[r, :] @ block b, for R rows (x row stride ldx, y row stride ldy);
 // only the first `width` (<= 16) columns are stored.
@@ -39,6 +42,9 @@ inline void block16(const float* x, int64_t ldx, const float* wb, int64_t K, flo
     a1[r] = a0[r];
   }
   for (int64_t k = 0; k < K; ++k) {
+    // The packed weight is one sequential stream (blocks follow each other): fetch ahead of
+    // it so that the loads overlap the arithmetic when the weights come from memory.
+    __builtin_prefetch(wb + (k + LEAPFX_PREFETCH) * kBlock, 0, 0);
     const v8 w0 = *(const v8u*)(wb + k * kBlock);
     const v8 w1 = *(const v8u*)(wb + k * kBlock + 8);
     for (int r = 0; r < R; ++r) {

@@ -205,6 +205,8 @@ class KernelDecoderLayer(FusedDecoderLayer):
         self._silu = type(mlp.act_fn).__name__ in SILU and all(
             getattr(mlp, p).bias is None for p in ("gate_proj", "up_proj", "down_proj")
         )
+        if attn.config._attn_implementation == "sdpa":
+            self._attention = _sdpa_gqa
         gate_up = torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()])
         self._gate_up_out = gate_up.shape[0]
         self._down_out = mlp.down_proj.out_features
@@ -232,6 +234,21 @@ class KernelDecoderLayer(FusedDecoderLayer):
         up = up if mlp.up_proj.bias is None else up + mlp.up_proj.bias
         out = ops.small_mm(gate * up, self.w_down, self._down_out)
         return out if mlp.down_proj.bias is None else out + mlp.down_proj.bias
+
+
+def _sdpa_gqa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """HF's sdpa attention without ``repeat_kv``: grouped heads through ``enable_gqa``.
+
+    HF copies the cache's keys and values once per query group whenever a mask is given (every
+    verify and prefill chunk); ``enable_gqa`` reads them in place (on a CPU: 21 against 48 us
+    for 5 queries over 69 cached positions, equal results). Windows are in the mask, as in HF.
+    """
+    is_causal = attention_mask is None and query.shape[2] > 1 and getattr(module, "is_causal", True)
+    out = F.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling,
+        is_causal=is_causal, enable_gqa=query.shape[1] != key.shape[1],
+    )  # fmt: skip
+    return out.transpose(1, 2).contiguous(), None
 
 
 class KernelLinear(nn.Module):
