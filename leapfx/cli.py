@@ -64,6 +64,13 @@ def _bench(args: argparse.Namespace) -> int:
     )
     quiet = args.quiet
     exit_layer, d = args.exit_layer, args.num_speculations
+    if args.model is None and args.recipe == "layerskip" and not args.auto:
+        # The shipped model's setting (README: the best of `leapfx bench --sweep`).
+        exit_layer = REFERENCE_LAYERSKIP["exit_layer"] if exit_layer is None else exit_layer
+        d = REFERENCE_LAYERSKIP["num_speculations"] if d is None else d
+        if (args.exit_layer, args.num_speculations) != (exit_layer, d):
+            print(f"reference model: exit_layer={exit_layer} num_speculations={d}")
+    d = DEFAULT_SPECULATIONS if d is None else d
     kernels = CPU_KERNELS[args.cpu_kernels]
     calibration = []
     if args.sweep or args.auto or args.plot:
@@ -131,6 +138,10 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 CPU_KERNELS = {"auto": None, "on": True, "off": False}  # --cpu-kernels -> BenchConfig
+DEFAULT_SPECULATIONS = 6  # --num-speculations: the layerskip recipe's default and Kangaroo's gamma
+# `leapfx bench` on the shipped model without --exit-layer / --num-speculations (layerskip):
+# the setting `leapfx bench --sweep` measured best there (README, "Measured").
+REFERENCE_LAYERSKIP = {"exit_layer": 6, "num_speculations": 4}
 
 
 def _calibration_kernels(model, kernels: bool | None) -> bool:
@@ -239,7 +250,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--model", default=None, help="local HF checkpoint dir (default: reference)")
     bench.add_argument("--recipe", default="layerskip")
     bench.add_argument("--exit-layer", type=int, default=None)
-    bench.add_argument("--num-speculations", type=int, default=6)
+    bench.add_argument(
+        "--num-speculations", type=int, default=None,
+        help="d (Kangaroo: gamma); default 6, or 4 for layerskip on the reference model",
+    )  # fmt: skip
     bench.add_argument("--prompts", type=int, default=8, help="number of held-out prompts")
     bench.add_argument("--prompt-tokens", type=int, default=64, help="tokens per prompt")
     bench.add_argument("--max-new-tokens", type=int, default=128)

@@ -137,3 +137,18 @@ def test_onnxruntime_backend_rows(checkpoint, tmp_path):
 def test_unknown_backend():
     with pytest.raises(ValueError, match="--backend: 'tvm' is invalid"):
         BenchConfig(backend="tvm").validate()
+
+
+def test_reference_bench_defaults_to_its_measured_setting(tmp_path, capsys):
+    # Without --exit-layer / --num-speculations, layerskip on the shipped model runs E=6, d=4
+    # (the sweep's best there); an explicit flag wins.
+    out = tmp_path / "rows.json"
+    argv = ["bench", "--prompts", "1", "--prompt-tokens", "8", "--max-new-tokens", "6",
+            "--repeats", "1", "--warmup", "0", "--quiet", "--cpu-kernels", "off",
+            "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    assert "reference model: exit_layer=6 num_speculations=4" in capsys.readouterr().out
+    run = json.loads(out.read_text())[-1]["run"]
+    assert (run["exit_layer"], run["num_speculations"]) == (6, 4)
+    assert main([*argv, "--num-speculations", "2"]) == 0
+    assert json.loads(out.read_text())[-1]["run"]["num_speculations"] == 2
