@@ -33,6 +33,7 @@ import functools
 import hashlib
 import logging
 import platform
+import sys
 from pathlib import Path
 
 import torch
@@ -62,8 +63,11 @@ def available() -> bool:
     try:
         from torch.utils import cpp_extension
 
+        name = f"leapfx_cpu_gemm_{_cpu_tag()}"
+        if not _built(name):  # the one slow step: say so (cached afterwards)
+            print("leapfx: building the CPU kernels (first use only, ~1 min)...", file=sys.stderr)
         cpp_extension.load(
-            name=f"leapfx_cpu_gemm_{_cpu_tag()}",
+            name=name,
             sources=[str(SOURCE)],
             extra_cflags=list(FLAGS),
             is_python_module=False,
@@ -75,6 +79,17 @@ def available() -> bool:
         return False
     _register_fakes()
     return True
+
+
+def _built(name: str) -> bool:
+    """Whether torch's extension cache already holds a build of ``name`` (best effort)."""
+    try:
+        from torch.utils import cpp_extension
+
+        folder = cpp_extension._get_build_directory(name, verbose=False)  # private: may change
+        return Path(folder, f"{name}.so").is_file()
+    except Exception:
+        return False
 
 
 def _register_fakes() -> None:
