@@ -146,14 +146,11 @@ REFERENCE_LAYERSKIP = {"exit_layer": 6, "num_speculations": 4}
 
 def _calibration_kernels(model, kernels: bool | None) -> bool:
     """--sweep/--auto calibrate on eager stages, with the CPU kernels when the run uses them."""
-    if kernels is not None:
-        return kernels
-    import torch
-
+    from .bench.harness import CPU_KERNELS_FLAG
     from .kernels import cpu
 
     param = next(model.parameters())
-    return param.device.type == "cpu" and param.dtype == torch.float32 and cpu.available()
+    return cpu.resolve(kernels, param.device, param.dtype, **CPU_KERNELS_FLAG)
 
 
 def _adapter(args: argparse.Namespace) -> str | None:

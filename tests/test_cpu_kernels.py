@@ -140,7 +140,7 @@ def test_kernel_options_are_validated():
         rewrite.apply(double, "layerskip", exit_layer=1, cpu_kernels=True)
     sm = rewrite.apply(double, "layerskip", exit_layer=1)
     assert not use_cpu_kernels(BenchConfig(), sm)  # auto: not for float64
-    with pytest.raises(ValueError, match="--cpu-kernels: on needs a float32 model"):
+    with pytest.raises(ValueError, match="--cpu-kernels: on needs a CPU model in float32"):
         use_cpu_kernels(BenchConfig(cpu_kernels=True), sm)
     with pytest.raises(ValueError, match="use_cpu_kernels: the stages run on 'inductor'"):
         sm.backend = "inductor"  # as compile() leaves it (without paying for a compile)

@@ -237,21 +237,16 @@ def build_systems(model: nn.Module, config: BenchConfig, generator_seed: int = 0
     return systems
 
 
+# How --cpu-kernels names itself in errors (leapfx.kernels.cpu.resolve).
+CPU_KERNELS_FLAG = {"option": "--cpu-kernels", "on": "on", "allowed": "auto or off"}
+
+
 def use_cpu_kernels(config: BenchConfig, sm) -> bool:
     """Whether ``sm``'s eager or compiled stages run leapfx's CPU kernels in this run."""
-    if config.cpu_kernels is False:
-        return False
     from ..kernels import cpu
 
-    fits = sm._layout.device.type == "cpu" and sm._layout.dtype == torch.float32
-    if config.cpu_kernels is None:
-        return fits and cpu.available()
-    if not fits:
-        raise ValueError(
-            f"--cpu-kernels: on needs a float32 model on a CPU; this one is {sm._layout.dtype} "
-            f"on {sm._layout.device} (allowed there: auto or off)"
-        )
-    return True
+    lay = sm._layout
+    return cpu.resolve(config.cpu_kernels, lay.device, lay.dtype, **CPU_KERNELS_FLAG)
 
 
 def _backend(config: BenchConfig, backend: str):

@@ -81,6 +81,38 @@ def available() -> bool:
     return True
 
 
+def resolve(
+    setting: bool | None,
+    device: torch.device,
+    dtype: torch.dtype,
+    *,
+    option: str = "cpu_kernels",
+    on: str = "True",
+    allowed: str = "False or None",
+) -> bool:
+    """Whether to use the kernels for a model on ``device`` in ``dtype``.
+
+    ``setting`` None: where they apply (float32 on a CPU) and build; True: required
+    (ValueError naming ``option``, spelled ``on``, when they cannot be used); False: never.
+    """
+    if setting is False:
+        return False
+    fits = device.type == "cpu" and dtype == torch.float32
+    if setting is None:
+        return fits and available()
+    if not fits:
+        raise ValueError(
+            f"{option}: {on} needs a CPU model in float32; this one is on {device} in {dtype} "
+            f"(allowed there: {allowed})"
+        )
+    if not available():
+        raise ValueError(
+            f"{option}: {on} but the leapfx_cpu kernels did not build here (see the warning "
+            f"above; allowed: {allowed}, which fall back to torch.matmul)"
+        )
+    return True
+
+
 def _built(name: str) -> bool:
     """Whether torch's extension cache already holds a build of ``name`` (best effort)."""
     try:

@@ -214,8 +214,7 @@ class KernelDecoderLayer(FusedDecoderLayer):
         self.register_buffer("w_down", pack_weight(mlp.down_proj.weight))
 
     def _linear(self, x: torch.Tensor, module: nn.Linear, name: str) -> torch.Tensor:
-        if name != "o":  # only o_proj goes through _linear here (see _qkv and _mlp)
-            return super()._linear(x, module, name)
+        # Only o_proj reaches _linear here: q/k/v go through _qkv, the MLP through _mlp.
         out = torch.ops.leapfx_cpu.small_mm(x, self.w_o, self._o_out)
         return out if module.bias is None else out + module.bias
 

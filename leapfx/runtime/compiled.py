@@ -385,22 +385,7 @@ def _use_cpu_kernels(options: CompileOptions, lay: AttentionLayout) -> bool:
     """Whether the stages run the ``leapfx_cpu`` kernels (see ``CompileOptions.cpu_kernels``)."""
     from ..kernels import cpu
 
-    if options.cpu_kernels is False:
-        return False
-    fits = lay.device.type == "cpu" and lay.dtype == torch.float32
-    if options.cpu_kernels is None:
-        return fits and cpu.available()
-    if not fits:
-        raise ValueError(
-            f"cpu_kernels: True needs a CPU model in float32; this one is on {lay.device} in "
-            f"{lay.dtype} (allowed there: False or None)"
-        )
-    if not cpu.available():
-        raise ValueError(
-            "cpu_kernels: True but the leapfx_cpu kernels did not build here (see the warning "
-            "above; allowed: False or None, which fall back to torch.matmul)"
-        )
-    return True
+    return cpu.resolve(options.cpu_kernels, lay.device, lay.dtype)
 
 
 def kernel_stages(sm) -> dict[str, fx.GraphModule]:
