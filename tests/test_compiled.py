@@ -48,6 +48,27 @@ def test_mask_over_every_slot_is_chunk_mask_then_nothing(impl, window):
             assert (got[..., kv:] == torch.finfo(torch.float32).min).all()
 
 
+@pytest.mark.parametrize("window", [None, 3])
+def test_additive_sdpa_mask_attends_bit_for_bit_like_the_boolean_one(window):
+    # The eager runner hands SDPA a float 0/-inf mask, converted once per stage call.
+    g = torch.Generator().manual_seed(1)
+    for start, length in [(5, 3), (8, 4), (0, 6)]:
+        kv = start + length
+        boolean = chunk_mask("sdpa", start, length, window=window)
+        additive = chunk_mask("sdpa", start, length, window=window, additive=True)
+        if boolean is None:  # SDPA's is_causal path: no mask either way
+            assert additive is None
+            continue
+        assert additive.dtype == torch.float32
+        assert torch.equal(additive == 0, boolean)
+        assert torch.isneginf(additive[~boolean]).all()
+        q = torch.randn(1, 4, length, 8, generator=g)
+        k, v = torch.randn(2, 1, 2, kv, 8, generator=g)
+        attend = torch.nn.functional.scaled_dot_product_attention
+        assert torch.equal(attend(q, k, v, attn_mask=boolean, enable_gqa=True),
+                           attend(q, k, v, attn_mask=additive, enable_gqa=True))  # fmt: skip
+
+
 def test_slot_cache_writes_at_positions_and_returns_whole_buffers():
     keys = [torch.zeros(1, 2, 8, 4)]
     values = [torch.zeros(1, 2, 8, 4)]

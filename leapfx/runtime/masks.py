@@ -3,7 +3,10 @@
 For ``sdpa`` HF passes no mask (and lets SDPA's ``is_causal`` act) when the chunk is a single
 query or fills an empty cache and no sliding window bites; we do the same so that the same kernel
 runs and the autoregressive schedule stays bit-identical to HF. Otherwise the mask is explicit:
-boolean (True = attend) for ``sdpa``, additive (0 / dtype min) for ``eager``.
+boolean (True = attend) for ``sdpa``, additive (0 / dtype min) for ``eager``. ``additive=True``
+gives ``sdpa`` the float form (0 / -inf) instead: exactly what SDPA turns a boolean mask into on
+every call, so the results are the same bit for bit, and a stage that passes one mask to all its
+layers converts it once instead of once per layer (6 us of a 35 us attention call for 5 queries).
 """
 
 from __future__ import annotations
@@ -21,10 +24,12 @@ def chunk_mask(
     window: int | None = None,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
+    additive: bool = False,
 ) -> torch.Tensor | None:
     """Mask for queries at positions ``q_start .. q_start+q_len-1`` over keys ``0 .. q_end-1``.
 
     ``window`` is a sliding window (keys with ``q - k < window`` are visible), or None.
+    ``additive`` returns ``sdpa``'s mask as 0 / -inf in ``dtype`` (see the module docstring).
     """
     kv_len = q_start + q_len
     window_bites = window is not None and kv_len >= window
@@ -36,9 +41,9 @@ def chunk_mask(
     if window is not None:
         visible &= k_pos > q_pos - window
     visible = visible[None, None]  # [1, 1, q, kv]
-    if impl == "sdpa":
-        return visible
     zero = torch.zeros((), dtype=dtype, device=device)
+    if impl == "sdpa":
+        return torch.where(visible, zero, float("-inf")) if additive else visible
     return torch.where(visible, zero, torch.finfo(dtype).min)
 
 
@@ -51,12 +56,15 @@ def masks_for(
     window: int | None,
     dtype: torch.dtype,
     device: torch.device | str,
+    additive: bool = False,
 ) -> dict[str, torch.Tensor | None]:
     """One mask per attention kind used by the model (``full_attention``/``sliding_attention``)."""
     out: dict[str, torch.Tensor | None] = {}
     for kind in dict.fromkeys(kinds):
         w = window if kind == "sliding_attention" else None
-        out[kind] = chunk_mask(impl, q_start, q_len, window=w, dtype=dtype, device=device)
+        out[kind] = chunk_mask(
+            impl, q_start, q_len, window=w, dtype=dtype, device=device, additive=additive
+        )
     return out
 
 

@@ -58,9 +58,11 @@ class StageRunner:
         if getattr(self.stages[name], "builds_masks", False):
             return None  # a compiled graph or ONNX session computes its masks from positions
         lay = self.layout
+        # additive: one mask serves every layer of the stage, so SDPA's per-call conversion of
+        # a boolean mask is done once here (same values, same results).
         return masks_for(
             lay.impl, list(lay.kinds), start, length,
-            window=lay.window, dtype=lay.dtype, device=lay.device,
+            window=lay.window, dtype=lay.dtype, device=lay.device, additive=True,
         )  # fmt: skip
 
     def chunk(self, name: str, input_ids: torch.Tensor, start: int) -> dict[str, torch.Tensor]:
