@@ -109,10 +109,13 @@ def _bench(args: argparse.Namespace) -> int:
     for r in rows:
         if "predicted_vs_autoregressive" in r.extra:
             x = r.extra
+            passes = x.get("measured_vs_autoregressive_per_pass", [])
+            spread = f"; per pass {min(passes):.2f}-{max(passes):.2f}x" if len(passes) > 1 else ""
             print(
                 f"{r.system}: alpha {x['alpha']:.3f}, c {x['c']:.3f} -> formula predicts "
                 f"{x['predicted_vs_autoregressive']:.2f}x over leapfx_autoregressive, measured "
                 f"{x['measured_vs_autoregressive']:.2f}x ({x['measured_over_predicted']:.0%})"
+                f"{spread}"
             )
     hf = next(r for r in rows if r.system.startswith("hf_"))
     share = hf.extra.get("repeated_4gram_share")

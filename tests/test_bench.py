@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -49,6 +50,30 @@ def test_run_bench_rows(checkpoint):
     assert x["c"] > 0 and x["predicted_vs_autoregressive"] > 0
     ar = by["leapfx_autoregressive"].tokens_per_second
     assert x["measured_vs_autoregressive"] == pytest.approx(ls.tokens_per_second / ar)
+
+
+def test_speedup_per_pass_pairs_the_systems_of_each_pass(checkpoint, capsys):
+    model, tok = load_model(checkpoint)
+    prompts = [torch.tensor([tok("def f(x):\n    return")["input_ids"]])]
+    config = BenchConfig(exit_layer=2, num_speculations=3, max_new_tokens=12, repeats=3)
+    by = {r.system: r for r in run_bench(model, prompts, config, progress=False)}
+    ls, ar = by["leapfx_layerskip"], by["leapfx_autoregressive"]
+    passes = ls.extra["seconds_per_pass"]
+    assert len(passes) == 3 and len(ar.extra["seconds_per_pass"]) == 3
+    assert ls.seconds == pytest.approx(sorted(passes)[1])  # the row's time is their median
+    want = [
+        (ls.new_tokens / s) / (ar.new_tokens / a)
+        for s, a in zip(passes, ar.extra["seconds_per_pass"], strict=True)
+    ]
+    assert ls.extra["measured_vs_autoregressive_per_pass"] == pytest.approx(want)
+    code = main([
+        "bench", "--model", str(checkpoint), "--prompts", "1", "--prompt-tokens", "8",
+        "--max-new-tokens", "12", "--repeats", "2", "--warmup", "0", "--exit-layer", "2",
+        "--num-speculations", "3", "--quiet", "--cpu-kernels", "off",
+    ])  # fmt: skip
+    assert code == 0
+    assert re.search(r"leapfx_layerskip: .* measured .*; per pass \d\.\d\d-\d\.\d\dx",
+                     capsys.readouterr().out)  # fmt: skip
 
 
 def test_cli_json_fields(checkpoint, tmp_path, capsys):

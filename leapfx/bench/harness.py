@@ -346,6 +346,7 @@ def _rows(systems, prompts, config, times, first) -> list[Row]:
         new = sum(o.shape[1] - p.shape[1] for o, p in zip(run.outputs, prompts, strict=True))
         seconds = statistics.median(times[system.name])
         row = Row(system.name, new / seconds, new_tokens=new, seconds=seconds)
+        row.extra["seconds_per_pass"] = list(times[system.name])  # timed passes, in order
         row.extra.update(getattr(system, "info", {}))
         if run.metrics and any(m.verify_calls for m in run.metrics):
             _speculation_stats(row, run.metrics)
@@ -396,8 +397,13 @@ def _formula_check(rows: list[Row]) -> None:
         c = (draft_s / calls) / ar_token_s
         predicted = predicted_speedup(row.extra["alpha"], d, c)
         measured = row.tokens_per_second / ar.tokens_per_second
+        # Pass by pass: both systems ran in the same pass, minutes apart at most, so these
+        # ratios show how much of the spread is the machine's drift between passes.
+        pairs = zip(row.extra["seconds_per_pass"], ar.extra["seconds_per_pass"], strict=True)
+        per_pass = [(row.new_tokens / s) / (ar.new_tokens / a) for s, a in pairs]
         row.extra.update(c=c, predicted_vs_autoregressive=predicted,
                          measured_vs_autoregressive=measured,
+                         measured_vs_autoregressive_per_pass=per_pass,
                          measured_over_predicted=measured / predicted)  # fmt: skip
 
 
