@@ -55,6 +55,14 @@ def main() -> None:
         help="stdlib folder to train on, e.g. a copy of another interpreter's "
         "(default: this interpreter's)",
     )
+    parser.add_argument(
+        "--focus-exit",
+        type=int,
+        default=None,
+        help="E: give the exit after E layers --focus-share of the early-exit loss "
+        "(not in the LayerSkip paper; default: eq. 6 as is)",
+    )
+    parser.add_argument("--focus-share", type=float, default=None, help="0 < share < 1")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -69,7 +77,12 @@ def main() -> None:
         minutes=args.minutes,
         seed=args.seed,
         spec=spec,
-        recipe=dataclasses.replace(REFERENCE_RECIPE, exit_curriculum=args.exit_curriculum),
+        recipe=dataclasses.replace(
+            REFERENCE_RECIPE,
+            exit_curriculum=args.exit_curriculum,
+            focus_exit=args.focus_exit,
+            focus_share=args.focus_share,
+        ),
         steps=args.steps,
         batch_size=args.batch_size,
         seq_len=args.seq_len,

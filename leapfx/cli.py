@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -221,12 +222,16 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _train_reference(args: argparse.Namespace) -> int:
-    from .train.reference import train_reference
+    from .train.reference import REFERENCE_RECIPE, train_reference
 
+    recipe = dataclasses.replace(
+        REFERENCE_RECIPE, focus_exit=args.focus_exit, focus_share=args.focus_share
+    )
     report = train_reference(
         args.out,
         minutes=args.minutes,
         seed=args.seed,
+        recipe=recipe,
         threads=args.threads,
         device=args.device,
         corpus_root=args.corpus_root,
@@ -301,6 +306,14 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (float32)")
     train.add_argument(
         "--corpus-root", default=None, help="stdlib folder to train on (default: this Python's)"
+    )
+    train.add_argument(
+        "--focus-exit", type=int, default=None,
+        help="E: give the exit after E layers --focus-share of the early-exit loss (not in the "
+        "LayerSkip paper; default: eq. 6 as is)",
+    )  # fmt: skip
+    train.add_argument(
+        "--focus-share", type=float, default=None, help="0 < share < 1, with --focus-exit"
     )
     train.set_defaults(func=_train_reference)
     return parser

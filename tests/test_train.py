@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -37,6 +38,7 @@ from leapfx.train import (
     train_reference,
 )
 from leapfx.train.data import EXCLUDED_DIRS, stdlib_root
+from leapfx.train.layerskip import scales_for
 
 
 def tiny_model(model_type: str = "llama", *, layers: int = 3, vocab: int = 64, seed: int = 0, **kw):
@@ -98,6 +100,51 @@ def test_exit_loss_scales_are_eq_6():
     # e_scale = 0: only the last layer's loss remains.
     got = exit_loss_scales(3, num_layers=L, total_steps=10, e_scale=0.0, curriculum="all")
     assert got == [0.0, 0.0, 0.0, 0.0, 1.0]
+
+
+def test_focus_exit_takes_its_share_and_the_rest_keeps_eq_6_proportions():
+    L, e_scale = 5, 0.5
+    e = [0.0, 0.5, 1.5, 3.0, 4 + 0.5 * 6]
+    got = exit_loss_scales(0, num_layers=L, total_steps=10, e_scale=e_scale, curriculum="all",
+                           focus_exit=2, focus_share=0.25)  # fmt: skip
+    rest = [x if l != 1 else 0.0 for l, x in enumerate(e)]  # E = 2 is layer index 1
+    want = [x / sum(rest) * 0.75 for x in rest]
+    want[1] = 0.25
+    assert got == pytest.approx(want) and sum(got) == pytest.approx(1.0)
+    # Rotational R=2 at t=0 enables layers 0, 2 and the last: E = 2 is off, eq. 6 as is.
+    kw = dict(num_layers=L, total_steps=10, e_scale=e_scale, curriculum="rotational", rotation=2)
+    assert exit_loss_scales(0, focus_exit=2, focus_share=0.25, **kw) == exit_loss_scales(0, **kw)
+    # Through the recipe config, as the trainer calls it.
+    config = LayerSkipTrainConfig(e_scale=e_scale, exit_curriculum="all", focus_exit=2,
+                                  focus_share=0.25)  # fmt: skip
+    assert scales_for(0, num_layers=L, total_steps=10, config=config) == pytest.approx(want)
+
+
+@pytest.mark.parametrize(
+    ("options", "says"),
+    [
+        ({"focus_exit": 2}, "give both or neither"),
+        ({"focus_share": 0.2}, "give both or neither"),
+        ({"focus_exit": 0, "focus_share": 0.2}, "focus_exit: got 0; expected an int >= 1"),
+        ({"focus_exit": 2, "focus_share": 1.0}, "focus_share: got 1.0; allowed range is 0 <"),
+    ],
+)
+def test_focus_options_are_checked(options, says):
+    with pytest.raises(ValueError, match=re.escape(says)):
+        LayerSkipTrainConfig(**options)
+
+
+def test_focus_exit_past_the_model_is_refused_before_anything_is_written(tmp_path, capsys):
+    from leapfx.cli import main
+
+    out = tmp_path / "run"
+    args = ["train-reference", str(out), "--focus-exit", "16", "--focus-share", "0.2"]
+    assert main(args) == 2
+    assert "focus_exit: got 16; allowed range is 1 <= focus_exit < 16" in capsys.readouterr().err
+    assert not out.exists()
+    with pytest.raises(ValueError, match="allowed range is 1 <= focus_exit < 5"):
+        exit_loss_scales(0, num_layers=5, total_steps=10, e_scale=1.0, focus_exit=5,
+                         focus_share=0.2)  # fmt: skip
 
 
 def test_rotational_curriculum():

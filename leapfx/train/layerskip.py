@@ -83,6 +83,11 @@ class LayerSkipTrainConfig:
     rotation: int | None = None
     # Keep the last layer's loss on at every step, whatever C(t, L-1) says.
     train_last_layer: bool = True
+    # Not in the paper, for a model deployed at one exit: the exit after ``focus_exit`` layers
+    # takes ``focus_share`` of the early-exit loss whenever it is enabled; the other enabled
+    # layers share the rest in eq. 6's proportions. Both None (the default): eq. 6 as is.
+    focus_exit: int | None = None
+    focus_share: float | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.p_max <= 1.0:
@@ -105,6 +110,21 @@ class LayerSkipTrainConfig:
             raise ValueError(f"rotation: got {self.rotation!r}; expected an int >= 1 or None")
         if self.rotation is not None and self.rotation < 1:
             raise ValueError(f"rotation: got {self.rotation!r}; allowed range is rotation >= 1")
+        if (self.focus_exit is None) != (self.focus_share is None):
+            raise ValueError(
+                f"focus_exit/focus_share: got {self.focus_exit!r}/{self.focus_share!r}; "
+                "give both or neither"
+            )
+        if self.focus_exit is not None and (
+            isinstance(self.focus_exit, bool)
+            or not isinstance(self.focus_exit, int)
+            or self.focus_exit < 1
+        ):
+            raise ValueError(f"focus_exit: got {self.focus_exit!r}; expected an int >= 1")
+        if self.focus_share is not None and not 0.0 < self.focus_share < 1.0:
+            raise ValueError(
+                f"focus_share: got {self.focus_share!r}; allowed range is 0 < focus_share < 1"
+            )
 
     def rotation_for(self, num_layers: int) -> int:
         """R for a model of ``num_layers`` layers (``L - 1`` when ``rotation`` is None)."""
@@ -195,9 +215,14 @@ def exit_loss_scales(
     curriculum: str = "rotational",
     rotation: int | None = None,
     train_last_layer: bool = True,
+    focus_exit: int | None = None,
+    focus_share: float | None = None,
 ) -> list[float]:
     """``e~(t, l)`` for ``l = 0 .. L-1`` (eq. 6); they sum to 1 (or are all 0 when no enabled
     layer has a nonzero ``e(l)``, which only happens with ``train_last_layer=False``).
+
+    ``focus_exit`` E and ``focus_share`` s (not in the paper): when layer ``E - 1`` is enabled,
+    its scale is s and the other layers' eq.-6 scales are renormalised to sum to 1 - s.
 
     >>> exit_loss_scales(0, num_layers=3, total_steps=10, e_scale=1.0, curriculum="all")
     [0.0, 0.25, 0.75]
@@ -218,8 +243,27 @@ def exit_loss_scales(
         unnormalized_exit_scale(l, num_layers=num_layers, e_scale=e_scale) if l in on else 0.0
         for l in range(num_layers)
     ]
+    if focus_exit is not None and (focus_share is None or not 0.0 < focus_share < 1.0):
+        raise ValueError(
+            f"focus_share: got {focus_share!r} with focus_exit {focus_exit!r}; "
+            "allowed range is 0 < focus_share < 1"
+        )
+    if focus_exit is not None and not 1 <= focus_exit < num_layers:
+        raise ValueError(
+            f"focus_exit: got {focus_exit!r}; allowed range is 1 <= focus_exit < {num_layers} "
+            "(an early exit of this model)"
+        )
+    focus = focus_exit - 1 if focus_exit is not None and focus_exit - 1 in on else None
+    if focus is not None:
+        e[focus] = 0.0
     total = sum(e)
-    return [x / total for x in e] if total > 0 else [0.0] * num_layers
+    if focus is None:
+        return [x / total for x in e] if total > 0 else [0.0] * num_layers
+    if total == 0:  # the focused exit is the only enabled layer with a scale
+        return [1.0 if l == focus else 0.0 for l in range(num_layers)]
+    scales = [x / total * (1.0 - focus_share) for x in e]
+    scales[focus] = focus_share
+    return scales
 
 
 def dropout_rates(
@@ -251,6 +295,8 @@ def scales_for(
         curriculum=config.exit_curriculum,
         rotation=config.rotation_for(num_layers),
         train_last_layer=config.train_last_layer,
+        focus_exit=config.focus_exit,
+        focus_share=config.focus_share,
     )
 
 

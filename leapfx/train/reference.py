@@ -282,6 +282,11 @@ def train_reference(
     dev = resolve_device(device)
     corpus = reference_corpus(corpus_root)
     spec = spec or ReferenceModelSpec()
+    if recipe.focus_exit is not None and not recipe.focus_exit < spec.num_layers:
+        raise ValueError(
+            f"focus_exit: got {recipe.focus_exit!r}; allowed range is "
+            f"1 <= focus_exit < {spec.num_layers} (an early exit of this model)"
+        )
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     if threads is not None:
