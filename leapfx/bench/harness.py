@@ -347,7 +347,7 @@ def _rows(systems, prompts, config, times, first) -> list[Row]:
         seconds = statistics.median(times[system.name])
         row = Row(system.name, new / seconds, new_tokens=new, seconds=seconds)
         row.extra["seconds_per_pass"] = list(times[system.name])  # timed passes, in order
-        row.extra.update(getattr(system, "info", {}))
+        row.extra.update(system.info)
         if run.metrics and any(m.verify_calls for m in run.metrics):
             _speculation_stats(row, run.metrics)
         if greedy and system.name != base:

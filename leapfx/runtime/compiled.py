@@ -381,19 +381,14 @@ def with_transposed_weights(
     return gm
 
 
-def _use_cpu_kernels(options: CompileOptions, lay: AttentionLayout) -> bool:
-    """Whether the stages run the ``leapfx_cpu`` kernels (see ``CompileOptions.cpu_kernels``)."""
-    from ..kernels import cpu
-
-    return cpu.resolve(options.cpu_kernels, lay.device, lay.dtype)
-
-
 def kernel_stages(sm) -> dict[str, fx.GraphModule]:
     """Eager copies of ``sm``'s stages whose projections run the ``leapfx_cpu`` kernels.
 
     Raises ValueError when the model is not a float32 CPU model or the kernels did not build.
     """
-    _use_cpu_kernels(CompileOptions(cpu_kernels=True), sm._layout)
+    from ..kernels import cpu
+
+    cpu.resolve(True, sm._layout.device, sm._layout.dtype)  # raises where they cannot run
     shared: dict = {}
     return {
         name: with_transposed_weights(stage, shared, kernels=True)
@@ -404,6 +399,7 @@ def kernel_stages(sm) -> dict[str, fx.GraphModule]:
 def compile_stages(sm, options: CompileOptions) -> dict[str, CompiledStage]:
     """A CompiledStage for every stage of SpeculativeModel ``sm`` (warmed up if asked)."""
     from ..export.onnx_export import discover  # which cache layers each position input feeds
+    from ..kernels import cpu
 
     options = options.validate()
     lay = sm._layout
@@ -411,7 +407,7 @@ def compile_stages(sm, options: CompileOptions) -> dict[str, CompiledStage]:
     transpose = options.transpose_weights
     if transpose is None:
         transpose = lay.device.type == "cpu"
-    kernels = _use_cpu_kernels(options, lay)
+    kernels = cpu.resolve(options.cpu_kernels, lay.device, lay.dtype)
     transpose = transpose or kernels
     shared: dict = {}
     out: dict[str, CompiledStage] = {}

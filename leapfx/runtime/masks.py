@@ -41,10 +41,10 @@ def chunk_mask(
     if window is not None:
         visible &= k_pos > q_pos - window
     visible = visible[None, None]  # [1, 1, q, kv]
+    if impl == "sdpa" and not additive:
+        return visible
     zero = torch.zeros((), dtype=dtype, device=device)
-    if impl == "sdpa":
-        return torch.where(visible, zero, float("-inf")) if additive else visible
-    return torch.where(visible, zero, torch.finfo(dtype).min)
+    return torch.where(visible, zero, float("-inf") if impl == "sdpa" else torch.finfo(dtype).min)
 
 
 def masks_for(

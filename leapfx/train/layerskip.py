@@ -243,16 +243,7 @@ def exit_loss_scales(
         unnormalized_exit_scale(l, num_layers=num_layers, e_scale=e_scale) if l in on else 0.0
         for l in range(num_layers)
     ]
-    if focus_exit is not None and (focus_share is None or not 0.0 < focus_share < 1.0):
-        raise ValueError(
-            f"focus_share: got {focus_share!r} with focus_exit {focus_exit!r}; "
-            "allowed range is 0 < focus_share < 1"
-        )
-    if focus_exit is not None and not 1 <= focus_exit < num_layers:
-        raise ValueError(
-            f"focus_exit: got {focus_exit!r}; allowed range is 1 <= focus_exit < {num_layers} "
-            "(an early exit of this model)"
-        )
+    check_focus(focus_exit, focus_share, num_layers)
     focus = focus_exit - 1 if focus_exit is not None and focus_exit - 1 in on else None
     if focus is not None:
         e[focus] = 0.0
@@ -264,6 +255,23 @@ def exit_loss_scales(
     scales = [x / total * (1.0 - focus_share) for x in e]
     scales[focus] = focus_share
     return scales
+
+
+def check_focus(focus_exit: int | None, focus_share: float | None, num_layers: int) -> None:
+    """ValueError unless ``focus_exit`` is None or an early exit of an ``num_layers``-layer model
+    with ``0 < focus_share < 1`` (see ``LayerSkipTrainConfig.focus_exit``)."""
+    if focus_exit is None:
+        return
+    if focus_share is None or not 0.0 < focus_share < 1.0:
+        raise ValueError(
+            f"focus_share: got {focus_share!r} with focus_exit {focus_exit!r}; "
+            "allowed range is 0 < focus_share < 1"
+        )
+    if not 1 <= focus_exit < num_layers:
+        raise ValueError(
+            f"focus_exit: got {focus_exit!r}; allowed range is 1 <= focus_exit < {num_layers} "
+            "(an early exit of this model)"
+        )
 
 
 def dropout_rates(

@@ -79,7 +79,7 @@ from leapfx.train.data import (
     train_bpe_tokenizer,
 )
 from leapfx.train.evaluate import evaluate_exits, greedy_loop_stats
-from leapfx.train.layerskip import LayerSkipTrainConfig, layerskip_loss
+from leapfx.train.layerskip import LayerSkipTrainConfig, check_focus, layerskip_loss
 from leapfx.train.trainer import (
     LayerSkipTrainer,
     TrainerConfig,
@@ -282,11 +282,7 @@ def train_reference(
     dev = resolve_device(device)
     corpus = reference_corpus(corpus_root)
     spec = spec or ReferenceModelSpec()
-    if recipe.focus_exit is not None and not recipe.focus_exit < spec.num_layers:
-        raise ValueError(
-            f"focus_exit: got {recipe.focus_exit!r}; allowed range is "
-            f"1 <= focus_exit < {spec.num_layers} (an early exit of this model)"
-        )
+    check_focus(recipe.focus_exit, recipe.focus_share, spec.num_layers)  # before any write
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     if threads is not None:
