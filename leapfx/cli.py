@@ -65,12 +65,16 @@ def _bench(args: argparse.Namespace) -> int:
     )
     quiet = args.quiet
     exit_layer, d = args.exit_layer, args.num_speculations
+    threshold = args.confidence_threshold
     if args.model is None and args.recipe == "layerskip" and not args.auto:
         # The shipped model's setting (README: the best of `leapfx bench --sweep`).
         exit_layer = REFERENCE_LAYERSKIP["exit_layer"] if exit_layer is None else exit_layer
         d = REFERENCE_LAYERSKIP["num_speculations"] if d is None else d
         if (args.exit_layer, args.num_speculations) != (exit_layer, d):
             print(f"reference model: exit_layer={exit_layer} num_speculations={d}")
+        if threshold is None:
+            threshold = REFERENCE_LAYERSKIP_THRESHOLD
+            print(f"reference model: leapfx_layerskip_dynamic at eta {threshold}")
     d = DEFAULT_SPECULATIONS if d is None else d
     kernels = CPU_KERNELS[args.cpu_kernels]
     calibration = []
@@ -98,7 +102,7 @@ def _bench(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens, temperature=args.temperature,
         repeats=args.repeats, warmup=args.warmup, adapter=_adapter(args),
         kangaroo_exit_layer=args.kangaroo_exit_layer,
-        confidence_threshold=args.confidence_threshold, backend=args.backend,
+        confidence_threshold=threshold, backend=args.backend,
         cpu_kernels=kernels,
     )  # fmt: skip
     rows = run_bench(model, prompts, config, progress=not quiet)
@@ -108,14 +112,22 @@ def _bench(args: argparse.Namespace) -> int:
         state = "on" if used == [True] else "off" if used == [False] else "mixed"
         print(f"leapfx CPU kernels (--cpu-kernels {args.cpu_kernels}): {state}")
     for r in rows:
-        if "predicted_vs_autoregressive" in r.extra:
-            x = r.extra
-            passes = x.get("measured_vs_autoregressive_per_pass", [])
-            spread = f"; per pass {min(passes):.2f}-{max(passes):.2f}x" if len(passes) > 1 else ""
+        x = r.extra
+        if "measured_vs_autoregressive" not in x:
+            continue
+        passes = x.get("measured_vs_autoregressive_per_pass", [])
+        spread = f"; per pass {min(passes):.2f}-{max(passes):.2f}x" if len(passes) > 1 else ""
+        if "predicted_vs_autoregressive" in x:
             print(
                 f"{r.system}: alpha {x['alpha']:.3f}, c {x['c']:.3f} -> formula predicts "
                 f"{x['predicted_vs_autoregressive']:.2f}x over leapfx_autoregressive, measured "
                 f"{x['measured_vs_autoregressive']:.2f}x ({x['measured_over_predicted']:.0%})"
+                f"{spread}"
+            )
+        else:
+            print(
+                f"{r.system}: alpha {x['alpha']:.3f}, dynamic draft length (no formula), "
+                f"measured {x['measured_vs_autoregressive']:.2f}x over leapfx_autoregressive"
                 f"{spread}"
             )
     hf = next(r for r in rows if r.system.startswith("hf_"))
@@ -125,7 +137,7 @@ def _bench(args: argparse.Namespace) -> int:
     meta = {
         "model": str(args.model or "reference"), "recipe": args.recipe,
         "exit_layer": exit_layer, "num_speculations": d,
-        "adapter": config.adapter, "confidence_threshold": args.confidence_threshold,
+        "adapter": config.adapter, "confidence_threshold": threshold,
         "prompts": len(prompts), "prompt_tokens": args.prompt_tokens,
         "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
         "repeats": args.repeats, "threads": torch.get_num_threads(), "device": args.device,
@@ -146,6 +158,8 @@ DEFAULT_SPECULATIONS = 6  # --num-speculations: the layerskip recipe's default a
 # `leapfx bench` on the shipped model without --exit-layer / --num-speculations (layerskip):
 # the setting `leapfx bench --sweep` measured best there (README, "Measured").
 REFERENCE_LAYERSKIP = {"exit_layer": 6, "num_speculations": 4}
+# ... and the threshold of its leapfx_layerskip_dynamic row (README: eta for the layerskip drafts).
+REFERENCE_LAYERSKIP_THRESHOLD = 0.5
 
 
 def _calibration_kernels(model, kernels: bool | None) -> bool:
@@ -267,7 +281,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--warmup", type=int, default=1, help="untimed passes first")
     bench.add_argument("--adapter", default=None, help="kangaroo adapter dir")
     bench.add_argument("--kangaroo-exit-layer", type=int, default=None)
-    bench.add_argument("--confidence-threshold", type=float, default=None, help="kangaroo eta")
+    bench.add_argument(
+        "--confidence-threshold", type=float, default=None,
+        help="eta: kangaroo's (default 0.6); layerskip: > 0 adds a leapfx_layerskip_dynamic row "
+        "(default on the reference model: 0.5)",
+    )  # fmt: skip
     bench.add_argument(
         "--backend", default="eager", help="eager | inductor | onnxruntime (leapfx rows)"
     )

@@ -148,6 +148,33 @@ def test_kangaroo_rows(checkpoint):
     assert len(by["leapfx_kangaroo"].ctar) == 3
 
 
+def test_layerskip_dynamic_row(checkpoint, capsys):
+    # eta > 0 on a layerskip run adds a dynamic-length row: lossless, no formula (the formula
+    # assumes d drafts a round), its measured ratio printed on its own line.
+    model, tok = load_model(checkpoint)
+    prompts = [torch.tensor([tok("def f(x):\n    return")["input_ids"]])]
+    config = BenchConfig(exit_layer=2, num_speculations=4, max_new_tokens=16, repeats=1,
+                         confidence_threshold=0.9)  # fmt: skip
+    by = {r.system: r for r in run_bench(model, prompts, config, progress=False)}
+    assert list(by)[-2:] == ["leapfx_layerskip", "leapfx_layerskip_dynamic"]
+    dyn, fixed = by["leapfx_layerskip_dynamic"], by["leapfx_layerskip"]
+    assert dyn.identical_to_greedy is True
+    assert "predicted_vs_autoregressive" not in dyn.extra
+    assert "predicted_vs_autoregressive" in fixed.extra
+    assert dyn.extra["draft_calls"] < 4 * dyn.extra["verify_calls"]  # rounds stopped early
+    ar = by["leapfx_autoregressive"].tokens_per_second
+    assert dyn.extra["measured_vs_autoregressive"] == pytest.approx(dyn.tokens_per_second / ar)
+    code = main([
+        "bench", "--model", str(checkpoint), "--prompts", "1", "--prompt-tokens", "8",
+        "--max-new-tokens", "12", "--repeats", "1", "--warmup", "0", "--exit-layer", "2",
+        "--num-speculations", "3", "--quiet", "--cpu-kernels", "off",
+        "--confidence-threshold", "0.9",
+    ])  # fmt: skip
+    assert code == 0
+    out = capsys.readouterr().out
+    assert re.search(r"leapfx_layerskip_dynamic: alpha .*dynamic draft length .*measured", out)
+
+
 def test_onnxruntime_backend_rows(checkpoint, tmp_path):
     model, tok = load_model(checkpoint)
     prompts = [torch.tensor([tok("for i in range(")["input_ids"]])]
@@ -172,8 +199,13 @@ def test_reference_bench_defaults_to_its_measured_setting(tmp_path, capsys):
             "--repeats", "1", "--warmup", "0", "--quiet", "--cpu-kernels", "off",
             "--json", str(out)]  # fmt: skip
     assert main(argv) == 0
-    assert "reference model: exit_layer=6 num_speculations=4" in capsys.readouterr().out
-    run = json.loads(out.read_text())[-1]["run"]
+    printed = capsys.readouterr().out
+    assert "reference model: exit_layer=6 num_speculations=4" in printed
+    assert "leapfx_layerskip_dynamic at eta 0.5" in printed
+    rows = json.loads(out.read_text())
+    run = rows[-1]["run"]
     assert (run["exit_layer"], run["num_speculations"]) == (6, 4)
+    assert run["confidence_threshold"] == 0.5
+    assert [r["system"] for r in rows[-2:]] == ["leapfx_layerskip", "leapfx_layerskip_dynamic"]
     assert main([*argv, "--num-speculations", "2"]) == 0
     assert json.loads(out.read_text())[-1]["run"]["num_speculations"] == 2

@@ -37,6 +37,12 @@ def test_num_speculations_below_one(model, bad):
         rewrite.apply(model, "layerskip", num_speculations=bad)
 
 
+@pytest.mark.parametrize("bad", [1.0, -0.1, float("nan"), "0.5", True])
+def test_layerskip_confidence_threshold(model, bad):
+    with pytest.raises(ValueError, match=r"confidence_threshold: .* allowed: a number in \[0, 1\)"):
+        rewrite.apply(model, "layerskip", confidence_threshold=bad)
+
+
 def test_unsupported_architecture():
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2))
     with pytest.raises(ValueError, match=r"model: architecture 'gpt2'.*supported.*llama"):

@@ -55,7 +55,10 @@ def test_layerskip_greedy_identical_to_hf(spec, data):
     exit_layer = data.draw(st.integers(1, spec["layers"] - 1), label="exit_layer")
     d = data.draw(st.integers(1, 8), label="num_speculations")
     max_new = data.draw(st.integers(1, 24), label="max_new_tokens")
-    sm = rewrite.apply(model, "layerskip", exit_layer=exit_layer, num_speculations=d)
+    # 0: d drafts a round (the paper); > 0: rounds stop at the first unconfident draft.
+    eta = data.draw(st.sampled_from([0.0, 0.0, 0.3, 0.6, 0.95]), label="confidence_threshold")
+    sm = rewrite.apply(model, "layerskip", exit_layer=exit_layer, num_speculations=d,
+                       confidence_threshold=eta)  # fmt: skip
     ours = sm.generate(prompt, max_new_tokens=max_new)
     ref = hf_greedy(model, prompt, max_new)
     assert_greedy_equal(model, ours, ref, prompt.shape[1])
@@ -65,6 +68,25 @@ def test_layerskip_greedy_identical_to_hf(spec, data):
     # Every verify step emits 1..d+1 tokens; truncation at EOS/max_new_tokens only drops some.
     assert all(1 <= s <= d + 1 for s in m.accepted_per_verify)
     assert m.full_calls + sum(m.accepted_per_verify) >= m.new_tokens
+
+
+def test_layerskip_confidence_threshold_shortens_rounds():
+    # A flattened head keeps the exit's top-1 probabilities low: with eta 0.9 most rounds stop
+    # after one or two drafts, so there are more, shorter rounds; the output does not change.
+    model = tiny_model("llama", layers=4, vocab=64, seed=5)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(0.25)
+    prompt = torch.tensor([[3, 1, 4, 1, 5]])
+    fixed = rewrite.apply(model, "layerskip", exit_layer=2, num_speculations=6)
+    dynamic = rewrite.apply(model, "layerskip", exit_layer=2, num_speculations=6,
+                            confidence_threshold=0.9)  # fmt: skip
+    a = fixed.generate(prompt, max_new_tokens=40)
+    b = dynamic.generate(prompt, max_new_tokens=40)
+    assert torch.equal(a, b)
+    assert_greedy_equal(model, b, hf_greedy(model, prompt, 40), prompt.shape[1])
+    mf, md = fixed.last_metrics, dynamic.last_metrics
+    assert md.drafted_tokens / md.verify_calls < mf.drafted_tokens / mf.verify_calls
+    assert md.verify_calls > mf.verify_calls
 
 
 @settings(max_examples=80)

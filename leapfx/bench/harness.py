@@ -48,6 +48,7 @@ class BenchConfig:
     temperature: float = 0.0  # 0: greedy; > 0: sampling rows with a distribution check
     # kangaroo runs: the adapter (None: untrained, initialised from layer l), its exit layer
     # (None: the adapter's or the recipe default) and eta (None: the adapter's or 0.6).
+    # layerskip runs: eta > 0 adds a leapfx_layerskip_dynamic row with that threshold.
     adapter: str | None = None
     kangaroo_exit_layer: int | None = None
     confidence_threshold: float | None = None
@@ -165,6 +166,9 @@ def build_systems(model: nn.Module, config: BenchConfig, generator_seed: int = 0
 
     ``layerskip`` (and ``kangaroo``, whose runs also carry a ``layerskip`` row at the same d and
     a fixed-length ``leapfx_kangaroo_fixed`` row, eta = 0) share E and d with HF's assistant.
+    A layerskip run with ``confidence_threshold`` > 0 adds ``leapfx_layerskip_dynamic``: the
+    same E and at most d drafts, a round stopping at the first draft whose exit top-1
+    probability is <= the threshold.
     With several backends (``--backend eager,inductor``) every leapfx system runs once per
     backend, named ``<system>@<backend>``, so backends compare side by side in one run.
     """
@@ -216,6 +220,9 @@ def build_systems(model: nn.Module, config: BenchConfig, generator_seed: int = 0
                 return sm.generate(prompt, max_new_tokens=n, **sampling, **extra)
 
             info = {"cpu_kernels": sm.cpu_kernels} if hasattr(sm, "cpu_kernels") else {}
+            # eta > 0: rounds may stop short of d, which the speedup formula does not model.
+            eta = getattr(getattr(sm, "options", None), "confidence_threshold", 0)
+            info["dynamic_draft_length"] = bool(eta)
             return System(name + suffix, run, lambda: sm.last_metrics, lossless=lossless, info=info)
 
         systems.append(ours("leapfx_autoregressive", rewrite.apply(model, "autoregressive")))
@@ -224,6 +231,12 @@ def build_systems(model: nn.Module, config: BenchConfig, generator_seed: int = 0
         if config.recipe in ("layerskip", "kangaroo"):
             layerskip = rewrite.apply(model, "layerskip", **layerskip_opts)
             systems.append(ours("leapfx_layerskip", layerskip))
+        if config.recipe == "layerskip" and config.confidence_threshold:
+            dynamic = rewrite.apply(
+                model, "layerskip", confidence_threshold=config.confidence_threshold,
+                **layerskip_opts,
+            )  # fmt: skip
+            systems.append(ours("leapfx_layerskip_dynamic", dynamic))
         if config.recipe == "kangaroo":
             kw = {"max_draft_tokens": d, "adapter": config.adapter}
             if config.kangaroo_exit_layer is not None:
@@ -392,18 +405,18 @@ def _formula_check(rows: list[Row]) -> None:
         if not calls or row.ctar is None:
             continue
         d = len(row.ctar)
-        if calls < 0.9 * d * row.extra.get("verify_calls", 0):
-            continue  # dynamic draft length (Kangaroo's eta): the formula assumes a fixed d
-        c = (draft_s / calls) / ar_token_s
-        predicted = predicted_speedup(row.extra["alpha"], d, c)
         measured = row.tokens_per_second / ar.tokens_per_second
         # Pass by pass: both systems ran in the same pass, minutes apart at most, so these
         # ratios show how much of the spread is the machine's drift between passes.
         pairs = zip(row.extra["seconds_per_pass"], ar.extra["seconds_per_pass"], strict=True)
         per_pass = [(row.new_tokens / s) / (ar.new_tokens / a) for s, a in pairs]
+        row.extra.update(measured_vs_autoregressive=measured,
+                         measured_vs_autoregressive_per_pass=per_pass)  # fmt: skip
+        if row.extra.get("dynamic_draft_length"):
+            continue  # eta > 0: the formula assumes d drafts every round
+        c = (draft_s / calls) / ar_token_s
+        predicted = predicted_speedup(row.extra["alpha"], d, c)
         row.extra.update(c=c, predicted_vs_autoregressive=predicted,
-                         measured_vs_autoregressive=measured,
-                         measured_vs_autoregressive_per_pass=per_pass,
                          measured_over_predicted=measured / predicted)  # fmt: skip
 
 

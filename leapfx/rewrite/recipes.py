@@ -95,6 +95,10 @@ class LayerSkipOptions:
     # Draft tokens per verify step (the paper's d). Its tables use 4..12; 6 suits an exit
     # layer around L/4 with acceptance rates near 0.7-0.8.
     num_speculations: int = 6
+    # 0 (the paper): every round drafts num_speculations tokens. > 0: a round stops drafting
+    # after the first draft whose exit top-1 probability is <= this (Kangaroo's eq. 4 rule on
+    # the exit head; not in LayerSkip). Lossless either way: only the draft length changes.
+    confidence_threshold: float = 0.0
     max_cache_len: int | None = None
     fuse_layers: bool = True
 
@@ -102,6 +106,7 @@ class LayerSkipOptions:
         e = default_exit_layer(num_layers) if self.exit_layer is None else self.exit_layer
         _check_int("exit_layer", e, 1, num_layers - 1)
         _check_int("num_speculations", self.num_speculations, 1)
+        _check_threshold("confidence_threshold", self.confidence_threshold)
         _check_cache(self.max_cache_len)
         _check_bool("fuse_layers", self.fuse_layers)
         return dataclasses.replace(self, exit_layer=e)
@@ -118,12 +123,19 @@ def default_kangaroo_exit_layer(num_layers: int) -> int:
     return max(1, min(num_layers - 1, -(-num_layers // 16)))
 
 
+def _layerskip_schedule(o: LayerSkipOptions):
+    if not o.confidence_threshold:
+        return partial(schedules.self_speculative, num_speculations=o.num_speculations)
+    drafter = partial(schedules.draft, threshold=float(o.confidence_threshold))
+    return partial(schedules.self_speculative, num_speculations=o.num_speculations, drafter=drafter)
+
+
 def _check_threshold(name: str, value) -> None:
     ok = isinstance(value, (int, float)) and not isinstance(value, bool)
     if not (ok and math.isfinite(value) and 0 <= value < 1):
         raise ValueError(
             f"{name}: {value!r} is invalid; allowed: a number in [0, 1) "
-            "(0 drafts max_draft_tokens tokens every round)"
+            "(0 drafts the maximum number of tokens every round)"
         )
 
 
@@ -252,9 +264,7 @@ RECIPES: dict[str, Recipe] = {
             options_type=LayerSkipOptions,
             passes=lambda o: [InsertExitHead(layer=o.exit_layer), *_fuse(o)],
             cut=partition,
-            schedule=lambda o: partial(
-                schedules.self_speculative, num_speculations=o.num_speculations
-            ),
+            schedule=_layerskip_schedule,
             lookahead=lambda o: o.num_speculations + 1,
             lossless=True,
         ),
