@@ -315,3 +315,16 @@ def test_speculative_accept_random_first_token_chi_square():
     assert chisquare(counts[:5].numpy(), q_ref.numpy()).pvalue < 1e-9
     # Acceptance is not degenerate here: both outcomes happen often.
     assert 0.2 < (n_accepted >= 1).double().mean().item() < 0.8
+
+
+def test_decode_metrics_count_a_rejection_only_where_a_draft_was_rejected():
+    from leapfx.runtime.metrics import DecodeMetrics
+
+    m = DecodeMetrics(schedule="self_speculative", num_speculations=4)
+    m.record_verify(4, 4)  # all accepted: the bonus token follows
+    m.record_verify(2, 2)  # a round cut short (eta, or max_new_tokens): all accepted
+    m.record_verify(4, 1)  # the second draft rejected
+    m.record_verify(3, 0)  # the first draft rejected
+    assert m.rejections == 2
+    assert m.accepted_per_verify == [5, 3, 2, 1]
+    assert m.accepted_drafts / (m.accepted_drafts + m.rejections) == pytest.approx(7 / 9)

@@ -428,7 +428,7 @@ def _speculation_stats(row: Row, metrics: list[DecodeMetrics]) -> None:
     row.mean_accepted_tokens = sum(steps) / len(steps)
     row.acceptance_rate = accepted / drafted if drafted else 0.0
     row.ctar = [sum(1 for s in steps if s > w) / len(steps) for w in range(1, d + 1)]
-    rejected = sum(1 for m in metrics for s in m.accepted_per_verify if s <= m.num_speculations)
+    rejected = sum(m.rejections for m in metrics)
     # Per-token acceptance probability (geometric MLE), what the speedup formula's alpha means.
     row.extra["alpha"] = accepted / (accepted + rejected) if accepted + rejected else 0.0
     row.extra["draft_calls"] = sum(m.draft_calls for m in metrics)

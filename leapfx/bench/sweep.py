@@ -86,7 +86,7 @@ def calibrate(
         tps, metrics = max(runs, key=lambda r: r[0])
         accepted = sum(m.accepted_drafts for m in metrics)
         drafted = sum(m.drafted_tokens for m in metrics)
-        rejected = sum(1 for m in metrics for s in m.accepted_per_verify if s <= d)
+        rejected = sum(m.rejections for m in metrics)
         alpha = accepted / (accepted + rejected) if accepted + rejected else 0.0
         draft_s = sum(m.stage_seconds.get("draft", 0.0) for m in metrics)
         calls = sum(m.draft_calls for m in metrics)

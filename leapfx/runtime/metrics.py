@@ -28,6 +28,7 @@ class DecodeMetrics:
     drafted_tokens: int = 0
     accepted_drafts: int = 0
     accepted_per_verify: list[int] = field(default_factory=list)  # s_k, bonus included
+    drafted_per_verify: list[int] = field(default_factory=list)  # drafts each verify checked
     num_speculations: int = 0
     stage_seconds: dict[str, float] = field(default_factory=dict)  # host time per stage
 
@@ -36,6 +37,15 @@ class DecodeMetrics:
         self.drafted_tokens += drafted
         self.accepted_drafts += accepted
         self.accepted_per_verify.append(accepted + 1)
+        self.drafted_per_verify.append(drafted)
+
+    @property
+    def rejections(self) -> int:
+        """Verify steps that rejected a draft (fewer accepted than drafted). With
+        ``accepted_drafts`` this gives the per-token acceptance probability's geometric MLE,
+        accepted / (accepted + rejections), whatever length each round drafted."""
+        pairs = zip(self.drafted_per_verify, self.accepted_per_verify, strict=True)
+        return sum(1 for drafted, s in pairs if s - 1 < drafted)
 
     @property
     def acceptance_rate(self) -> float:
