@@ -124,8 +124,7 @@ def default_kangaroo_exit_layer(num_layers: int) -> int:
 
 
 def _layerskip_schedule(o: LayerSkipOptions):
-    if not o.confidence_threshold:
-        return partial(schedules.self_speculative, num_speculations=o.num_speculations)
+    # threshold 0 is the paper's fixed d: schedules.draft then never stops early nor syncs.
     drafter = partial(schedules.draft, threshold=float(o.confidence_threshold))
     return partial(schedules.self_speculative, num_speculations=o.num_speculations, drafter=drafter)
 
