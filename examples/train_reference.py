@@ -63,6 +63,16 @@ def main() -> None:
         "(not in the LayerSkip paper; default: eq. 6 as is)",
     )
     parser.add_argument("--focus-share", type=float, default=None, help="0 < share < 1")
+    parser.add_argument(
+        "--distill-minutes",
+        type=float,
+        default=0.0,
+        help="minutes of --minutes for a second phase that distills the early exits from the "
+        "last layer (not in the LayerSkip paper; the shipped model: 10 of 50)",
+    )
+    parser.add_argument(
+        "--distill-steps", type=int, default=None, help="fix that phase's T instead of probing"
+    )
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -91,12 +101,15 @@ def main() -> None:
         progress=not args.no_progress,
         device=args.device,
         corpus_root=args.corpus_root,
+        distill_minutes=args.distill_minutes,
+        distill_steps=args.distill_steps,
     )
     summary = {
         "held_out": report["held_out"],
         "agreement_top1": {e: round(v["agreement_top1"], 4) for e, v in report["exits"].items()},
         "tokens_per_s": report["training"]["tokens_per_s"],
         "steps": report["training"]["steps"],
+        "distill_steps": (report["distill"] or {}).get("steps"),
         "device": report["training"]["device"],
         "corpus": report["corpus"],
     }

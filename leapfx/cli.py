@@ -249,6 +249,7 @@ def _train_reference(args: argparse.Namespace) -> int:
         threads=args.threads,
         device=args.device,
         corpus_root=args.corpus_root,
+        distill_minutes=args.distill_minutes,
     )
     print(json.dumps(report, indent=2))
     return 0
@@ -333,6 +334,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--focus-share", type=float, default=None, help="0 < share < 1, with --focus-exit"
     )
+    train.add_argument(
+        "--distill-minutes", type=float, default=0.0,
+        help="minutes of --minutes for a second phase that distills the early exits from the "
+        "last layer (not in the LayerSkip paper; the shipped model used 10 of 50)",
+    )  # fmt: skip
     train.set_defaults(func=_train_reference)
     return parser
 

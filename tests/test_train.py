@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -238,6 +239,48 @@ def test_layerskip_loss_is_eq_5():
         )
     assert float(out.loss.detach()) == pytest.approx(float(want), rel=1e-5)
     assert out.keep.all() and set(out.layer_losses) == {1, 2, 3}  # e(0) = 0
+
+
+@pytest.mark.parametrize("beta", [1.0, 0.25])
+def test_exit_distill_is_kl_to_the_detached_last_layer(beta):
+    model = tiny_model(layers=4)
+    batch = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(3))
+    recipe = LayerSkipTrainConfig(p_max=0.0, e_scale=0.7, exit_curriculum="all",
+                                  exit_distill=beta)  # fmt: skip
+    out = layerskip_loss(model, batch, step=5, total_steps=10, config=recipe)
+    targets = batch[:, 1:].flatten()
+    with torch.no_grad():
+        hs = run_decoder(model, batch[:, :-1])
+        last = F.log_softmax(exit_logits(model, hs[-1]), -1).flatten(0, 1)  # [N, V]
+        want = out.scales[-1] * F.cross_entropy(exit_logits(model, hs[-1]).flatten(0, 1), targets)
+        for l, s in enumerate(out.scales[:-1]):
+            logits = exit_logits(model, hs[l]).flatten(0, 1)
+            kl = F.kl_div(F.log_softmax(logits, -1), last, log_target=True, reduction="batchmean")
+            want = want + s * ((1 - beta) * F.cross_entropy(logits, targets) + beta * kl)
+    assert float(out.loss.detach()) == pytest.approx(float(want), rel=1e-5)
+    # layer_losses stay the labels' CE, whatever the objective
+    with torch.no_grad():
+        ce1 = F.cross_entropy(exit_logits(model, hs[1]).flatten(0, 1), targets)
+    assert out.layer_losses[1] == pytest.approx(float(ce1), rel=1e-5)
+    # The teacher gets no gradient from the distillation terms: at a step where only an early
+    # exit is weighted (rotation 2 at t = 0 enables layers 0 and 2 of 4; e(0) = 0), the last
+    # layer's parameters, reached only through the teacher, get none.
+    model.zero_grad()
+    only_exits = LayerSkipTrainConfig(
+        p_max=0.0, e_scale=0.7, exit_curriculum="rotational", rotation=2,
+        train_last_layer=False, exit_distill=1.0,
+    )  # fmt: skip
+    out = layerskip_loss(model, batch, step=0, total_steps=10, config=only_exits)
+    assert out.scales == [0.0, 0.0, 1.0, 0.0]
+    out.loss.backward()
+    last_layer = list(model.model.layers[-1].parameters())
+    assert all(p.grad is None or not p.grad.any() for p in last_layer)
+    assert model.model.layers[0].self_attn.q_proj.weight.grad.abs().sum() > 0
+
+
+def test_exit_distill_option_is_checked():
+    with pytest.raises(ValueError, match=re.escape("exit_distill: got 1.5; allowed range is 0 <=")):
+        LayerSkipTrainConfig(exit_distill=1.5)
 
 
 # -- trainer -----------------------------------------------------------------------------------
@@ -517,6 +560,48 @@ def test_train_reference_end_to_end_tiny(tmp_path):
     assert report["corpus"]["files"] == len(stdlib_files())
     assert report["corpus"]["root"] == str(stdlib_root().resolve())
     assert len(report["corpus"]["sha256"]) == 64
+
+
+def test_train_reference_distill_phase_tiny(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from leapfx.train.reference import REFERENCE_DISTILL_RECIPE
+
+    spec = ReferenceModelSpec(num_layers=4, hidden_size=32, intermediate_size=64, num_heads=2,
+                              num_kv_heads=1)  # fmt: skip
+    recipe = dataclasses.replace(REFERENCE_DISTILL_RECIPE, focus_exit=2)
+    kw = dict(
+        minutes=2, spec=spec, steps=3, batch_size=2, seq_len=32, eval_tokens=256, progress=False,
+        distill_minutes=0.5, distill_recipe=recipe, distill_steps=2,
+    )  # fmt: skip
+    report = train_reference(tmp_path, **kw)
+    distill = report["distill"]
+    assert distill["steps"] == 2 and distill["finished"]
+    assert distill["recipe"]["exit_distill"] == 1.0 and distill["trainer"]["lr"] == 3e-4
+    assert distill["trainer"]["seed"] == report["training"]["seed"] + 1
+    assert report["training"]["steps"] == 3
+    pretrained = AutoModelForCausalLM.from_pretrained(tmp_path / "pretrained")
+    final = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
+    moved = [
+        not torch.equal(a, b)
+        for a, b in zip(pretrained.parameters(), final.parameters(), strict=True)
+    ]
+    assert any(moved)  # the reported model is the finetuned one
+    saved = json.loads((tmp_path / "model" / "leapfx_training.json").read_text())
+    assert saved["step"] == 2 and saved["recipe"]["exit_distill"] == 1.0
+    # Run again: both phases resume at their ends and the same model comes out.
+    again = train_reference(tmp_path, **kw)
+    assert again["distill"]["steps"] == 2 and again["exits"] == report["exits"]
+
+
+def test_bad_distill_minutes_is_refused_before_anything_is_written(tmp_path, capsys):
+    from leapfx.cli import main
+
+    out = tmp_path / "run"
+    assert main(["train-reference", str(out), "--minutes", "10", "--distill-minutes", "10"]) == 2
+    err = capsys.readouterr().err
+    assert "distill_minutes: got 10.0; allowed range is 0 <= distill_minutes < minutes" in err
+    assert not out.exists()
 
 
 # -- devices and corpus roots (CPU only: no CUDA code runs here) -------------------------------

@@ -31,6 +31,11 @@ Early-exit loss (eq. 5-6). ``J = sum_l e~(t,l) CE(g(x_{l+1}), Y)`` with
   the last layer on from step 0 (its loss is the language-modelling loss itself), layer ``L-2``
   after ``T/(2L)`` steps, ..., layer 0 after ``(L-1)T/(2L)``.
 
+Exit self-distillation (``exit_distill`` = beta > 0, not in the paper): each early exit's term
+becomes ``(1 - beta) CE(g(x_{l+1}), Y) + beta KL(p_L || p_l)``, ``p_L`` the last layer's
+distribution in the same forward, detached. The reference model's second phase uses it (see
+reference.py).
+
 With ``train_last_layer`` (default, as in the authors' reference code) the last layer's loss is
 enabled at every step whatever the curriculum says; without it a rotational step can leave the
 last layer untrained. Note that ``e(0) = 0``: the paper's scales never train the exit after the
@@ -88,6 +93,12 @@ class LayerSkipTrainConfig:
     # layers share the rest in eq. 6's proportions. Both None (the default): eq. 6 as is.
     focus_exit: int | None = None
     focus_share: float | None = None
+    # Not in the paper: self-distillation of the early exits. Each early exit's term becomes
+    # (1 - exit_distill) CE(g(x_{l+1}), Y) + exit_distill KL(p_last || p_l), p_last being the
+    # last layer's distribution in the same forward, detached (a teacher, not trained by this
+    # term). What self-speculation needs is agreement with the last layer, and the last layer's
+    # full distribution says more about it than the one label. 0 (the default): eq. 5 as is.
+    exit_distill: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.p_max <= 1.0:
@@ -124,6 +135,11 @@ class LayerSkipTrainConfig:
         if self.focus_share is not None and not 0.0 < self.focus_share < 1.0:
             raise ValueError(
                 f"focus_share: got {self.focus_share!r}; allowed range is 0 < focus_share < 1"
+            )
+
+        if not 0.0 <= self.exit_distill <= 1.0:
+            raise ValueError(
+                f"exit_distill: got {self.exit_distill!r}; allowed range is 0 <= exit_distill <= 1"
             )
 
     def rotation_for(self, num_layers: int) -> int:
@@ -382,6 +398,17 @@ def exit_logits(
     return parts.head(parts.norm(hidden))  # [B, S, V]
 
 
+def distill_kl(teacher_logp: torch.Tensor, student_logits: torch.Tensor) -> torch.Tensor:
+    """``KL(p_teacher || p_student)`` in nats, averaged over positions.
+
+    ``teacher_logp`` [..., V] holds log-probabilities (no gradient flows into it);
+    ``student_logits`` [..., V] raw logits.
+    """
+    student = F.log_softmax(student_logits.float(), -1)
+    teacher = teacher_logp.detach()
+    return (teacher.exp() * (teacher - student)).sum(-1).mean()
+
+
 @dataclass
 class LayerSkipLoss:
     """What one LayerSkip forward returns."""
@@ -417,12 +444,20 @@ def layerskip_loss(
     hidden = run_decoder(model, inputs, keep, parts=parts)
     loss = hidden[-1].sum() * 0.0  # keeps the graph connected if every scale is 0
     ces: dict[int, torch.Tensor] = {}
+    last = n - 1
+    beta = config.exit_distill
+    teacher = None  # log p_last [B, S, V], detached, when an early exit distills
+    if beta > 0 and any(s > 0 for s in scales[:last]):
+        with torch.no_grad():
+            teacher = F.log_softmax(exit_logits(model, hidden[-1], parts=parts).float(), -1)
     for l, scale in enumerate(scales):
         if scale == 0.0:
             continue
         logits = exit_logits(model, hidden[l], parts=parts)  # [B, S, V]
         ce = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
         ces[l] = ce.detach()
+        if teacher is not None and l < last:
+            ce = (1.0 - beta) * ce + beta * distill_kl(teacher, logits)
         loss = loss + scale * ce
     # One device -> host copy for all layers (a float() per layer would sync a GPU per layer).
     values = torch.stack(list(ces.values())).tolist() if ces else []
