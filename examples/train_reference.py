@@ -67,8 +67,8 @@ def main() -> None:
         "--distill-minutes",
         type=float,
         default=0.0,
-        help="minutes of --minutes for a second phase that distills the early exits from the "
-        "last layer (not in the LayerSkip paper; the shipped model: 10 of 50)",
+        help="minutes of --minutes kept for a second phase that distills the early exits from the "
+        "last layer (not in the LayerSkip paper; it also gets what the first phase leaves)",
     )
     parser.add_argument(
         "--distill-steps", type=int, default=None, help="fix that phase's T instead of probing"

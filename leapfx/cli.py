@@ -336,8 +336,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument(
         "--distill-minutes", type=float, default=0.0,
-        help="minutes of --minutes for a second phase that distills the early exits from the "
-        "last layer (not in the LayerSkip paper; the shipped model used 10 of 50)",
+        help="minutes of --minutes kept for a second phase that distills the early exits from the "
+        "last layer (not in the LayerSkip paper; it also gets what the first phase leaves)",
     )  # fmt: skip
     train.set_defaults(func=_train_reference)
     return parser

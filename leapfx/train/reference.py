@@ -292,8 +292,9 @@ def _distill_phase(
     if not result.finished:
         log.warning("distill phase stopped at step %d of %d (wall-clock)", result.step, steps)
         save_pretrained_atomic(
-            model, final_dir, tokenizer=tokenizer, dtype=getattr(torch, save_dtype)
-        )
+            model, final_dir, tokenizer=tokenizer, dtype=getattr(torch, save_dtype),
+            extra_json={"leapfx_training.json": trainer.identity(finished=False)},
+        )  # fmt: skip
     return {
         "steps": result.step,
         "planned_steps": steps,
@@ -344,7 +345,9 @@ def train_reference(
     ``corpus_root`` is the stdlib folder to read (None: this interpreter's). Both are checked
     before anything is written.
 
-    ``distill_minutes`` > 0 adds a second phase of that many minutes (out of ``minutes``): the
+    ``distill_minutes`` > 0 adds a second phase: the first gets ``minutes - distill_minutes``
+    and the second the rest of ``minutes`` (at least ``distill_minutes``; more when the first
+    finishes early, since its step count keeps 5% slack). The
     pretrained model (kept in ``out_dir/pretrained``) is finetuned with ``distill_recipe`` at a
     peak LR of ``distill_lr`` (checkpoints in ``out_dir/distill``), and that is the model saved
     in ``out_dir/model`` and reported. ``distill_steps=None`` sizes that phase from a probe.
@@ -413,8 +416,9 @@ def train_reference(
     if not result.finished:  # over budget: still leave a usable model, flagged in the report
         log.warning("stopped at step %d of %d (wall-clock budget)", result.step, steps)
         save_pretrained_atomic(
-            model, final_dir, tokenizer=tokenizer, dtype=getattr(torch, save_dtype)
-        )
+            model, final_dir, tokenizer=tokenizer, dtype=getattr(torch, save_dtype),
+            extra_json={"leapfx_training.json": trainer.identity(finished=False)},
+        )  # fmt: skip
     distill = None
     if distill_minutes > 0 and result.finished:
         distill = _distill_phase(

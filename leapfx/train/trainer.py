@@ -352,6 +352,14 @@ class LayerSkipTrainer:
         }
         return {"trainer": trainer, "recipe": dataclasses.asdict(self.recipe)}
 
+    def identity(self, *, finished: bool = True) -> dict:
+        """What ``leapfx_training.json`` beside a saved model holds: the step reached, the
+        options that define the run and, for a run stopped short, ``"finished": false``."""
+        out = {"step": self.step, **self._identity()}
+        if not finished:
+            out["finished"] = False
+        return out
+
     def save_checkpoint(self, elapsed_s: float = 0.0) -> Path:
         """Write the model, the optimizer and the step to ``checkpoints/step-NNNNNNN``."""
         final = self.checkpoint_root / f"step-{self.step:07d}"
@@ -515,7 +523,7 @@ class LayerSkipTrainer:
                 final_dir if final_dir is not None else self.out_dir / "model",
                 tokenizer=self.tokenizer,
                 dtype=SAVE_DTYPES[cfg.save_dtype] if cfg.save_dtype != "float32" else None,
-                extra_json={"leapfx_training.json": {"step": self.step, **self._identity()}},
+                extra_json={"leapfx_training.json": self.identity()},
             )
         return TrainResult(
             step=self.step,
