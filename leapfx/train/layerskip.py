@@ -446,14 +446,17 @@ def layerskip_loss(
     ces: dict[int, torch.Tensor] = {}
     last = n - 1
     beta = config.exit_distill
-    teacher = None  # log p_last [B, S, V], detached, when an early exit distills
+    teacher = last_logits = None  # teacher: log p_last [B, S, V], detached
     if beta > 0 and any(s > 0 for s in scales[:last]):
-        with torch.no_grad():
-            teacher = F.log_softmax(exit_logits(model, hidden[-1], parts=parts).float(), -1)
+        last_logits = exit_logits(model, hidden[-1], parts=parts)  # reused by the last layer's CE
+        teacher = F.log_softmax(last_logits.detach().float(), -1)
     for l, scale in enumerate(scales):
         if scale == 0.0:
             continue
-        logits = exit_logits(model, hidden[l], parts=parts)  # [B, S, V]
+        if l == last and last_logits is not None:
+            logits = last_logits
+        else:
+            logits = exit_logits(model, hidden[l], parts=parts)  # [B, S, V]
         ce = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
         ces[l] = ce.detach()
         if teacher is not None and l < last:

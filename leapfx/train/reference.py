@@ -96,6 +96,7 @@ from leapfx.train.layerskip import LayerSkipTrainConfig, check_focus, layerskip_
 from leapfx.train.trainer import (
     LayerSkipTrainer,
     TrainerConfig,
+    TrainResult,
     describe_device,
     make_optimizer,
     move_into_place,
@@ -258,53 +259,52 @@ def probe_seconds_per_step(
     return sum(times[1:]) / steps
 
 
-def _distill_phase(
-    model, train_ids, out_dir: Path, final_dir: Path, *, tokenizer, base: TrainerConfig,
-    recipe: LayerSkipTrainConfig, lr: float, seed: int, resume: bool, progress: bool,
-    save_dtype: str, deadline_s: float, start: float, steps: int | None,
-) -> dict:  # fmt: skip
-    """Second phase: finetune ``model`` with ``recipe`` until ``deadline_s`` after ``start``."""
-    phase_dir = out_dir / "distill"
-    # Batches from another seed's stream: the first phase's seed would replay its first batches.
-    cfg = dataclasses.replace(base, lr=lr, seed=seed + 1)
-    saved = _saved_steps(phase_dir) if resume else None
+@dataclass
+class _Phase:
+    result: TrainResult
+    config: TrainerConfig
+    probe_s: float | None
+
+
+def _run_phase(
+    model, train_ids, *, out_dir: Path, final_dir: Path, fallback_dir: Path, base: TrainerConfig,
+    recipe: LayerSkipTrainConfig, steps: int | None, probe_steps: int, max_warmup: int,
+    checkpoints: int, deadline_s: float, start: float, tokenizer, resume: bool, progress: bool,
+    save_dtype: str, name: str,
+) -> _Phase:  # fmt: skip
+    """Train ``model`` with ``recipe`` (checkpoints in ``out_dir``) until ``deadline_s`` seconds
+    after ``start``. ``T`` is the resumed run's, else ``steps``, else sized from a probe. A
+    finished run saves into ``final_dir``; one stopped by the clock into ``fallback_dir``."""
+    saved = _saved_steps(out_dir) if resume else None
     steps = saved if saved is not None else steps
     probe_s = None
     if steps is None:
-        probe_s = probe_seconds_per_step(model, train_ids, cfg, recipe, 2)
+        probe_s = probe_seconds_per_step(model, train_ids, base, recipe, probe_steps)
         budget_s = deadline_s - (time.perf_counter() - start)
+        # 5% slack: the machine is shared and a step's cost varies with the exits it enables.
         steps = max(2, int(0.95 * budget_s / probe_s))
-        log.info("distill probe: %.2f s/step -> %d steps", probe_s, steps)
+        log.info("%s probe: %.2f s/step -> %d steps", name, probe_s, steps)
     remaining_min = (deadline_s - (time.perf_counter() - start)) / 60.0
-    cfg = dataclasses.replace(
-        cfg,
+    config = dataclasses.replace(
+        base,
         steps=steps,
-        warmup_steps=min(30, max(1, steps // 10)),
-        checkpoint_every=max(1, steps // 4),
+        warmup_steps=min(max_warmup, max(1, steps // 10)),
+        checkpoint_every=max(1, steps // checkpoints),
         max_minutes=max(0.05, remaining_min),
         progress=progress,
         save_dtype=save_dtype,
     )
     trainer = LayerSkipTrainer(
-        model, train_ids, out_dir=phase_dir, config=cfg, recipe=recipe, tokenizer=tokenizer
+        model, train_ids, out_dir=out_dir, config=config, recipe=recipe, tokenizer=tokenizer
     )
     result = trainer.train(resume=resume, final_dir=final_dir)
-    if not result.finished:
-        log.warning("distill phase stopped at step %d of %d (wall-clock)", result.step, steps)
+    if not result.finished:  # over budget: still leave a usable model, flagged in the report
+        log.warning("%s stopped at step %d of %d (wall-clock budget)", name, result.step, steps)
         save_pretrained_atomic(
-            model, final_dir, tokenizer=tokenizer, dtype=getattr(torch, save_dtype),
+            model, fallback_dir, tokenizer=tokenizer, dtype=getattr(torch, save_dtype),
             extra_json={"leapfx_training.json": trainer.identity(finished=False)},
         )  # fmt: skip
-    return {
-        "steps": result.step,
-        "planned_steps": steps,
-        "finished": result.finished,
-        "train_minutes": result.elapsed_s / 60.0,
-        "probe_s_per_step": probe_s,
-        "trainer": dataclasses.asdict(cfg),
-        "recipe": dataclasses.asdict(recipe),
-        "pretrained": str(out_dir / "pretrained"),
-    }
+    return _Phase(result, config, probe_s)
 
 
 def _saved_steps(out_dir: Path) -> int | None:
@@ -384,49 +384,38 @@ def train_reference(
     base = TrainerConfig(batch_size=batch_size, seq_len=seq_len, lr=lr, seed=seed, device=str(dev))
     # Evaluation and the final save take ~1 min at the default sizes; keep 5% (>= 1 min) free.
     reserve_s = max(60.0, 0.05 * minutes * 60.0)
-    probe_s = None
-    saved = _saved_steps(out_dir) if resume else None
-    if saved is not None:
-        steps = saved
-    elif steps is None:
-        # Up to one full rotation of the exits (each step enables a different set).
-        probe_steps = min(4, recipe.rotation_for(spec.num_layers))
-        probe_s = probe_seconds_per_step(model, train_ids, base, recipe, probe_steps)
-        budget_s = (minutes - distill_minutes) * 60.0 - (time.perf_counter() - start) - reserve_s
-        # 5% slack: the machine is shared and a step's cost varies with the exits it enables.
-        steps = max(2, int(0.95 * budget_s / probe_s))
-        log.info("probe: %.2f s/step -> %d steps", probe_s, steps)
-    remaining_s = (minutes - distill_minutes) * 60.0 - (time.perf_counter() - start) - reserve_s
-    remaining_min = remaining_s / 60.0
-    config = dataclasses.replace(
-        base,
-        steps=steps,
-        warmup_steps=min(100, max(1, steps // 10)),
-        checkpoint_every=max(1, steps // 12),
-        max_minutes=max(0.05, remaining_min),
-        progress=progress,
-        save_dtype=save_dtype,
-    )
-    trainer = LayerSkipTrainer(
-        model, train_ids, out_dir=out_dir, config=config, recipe=recipe, tokenizer=tokenizer
-    )
     final_dir = out_dir / "model"
-    pretrained_dir = out_dir / "pretrained" if distill_minutes > 0 else final_dir
-    result = trainer.train(resume=resume, final_dir=pretrained_dir)
-    if not result.finished:  # over budget: still leave a usable model, flagged in the report
-        log.warning("stopped at step %d of %d (wall-clock budget)", result.step, steps)
-        save_pretrained_atomic(
-            model, final_dir, tokenizer=tokenizer, dtype=getattr(torch, save_dtype),
-            extra_json={"leapfx_training.json": trainer.identity(finished=False)},
-        )  # fmt: skip
+    common = dict(start=start, tokenizer=tokenizer, resume=resume, progress=progress,
+                  save_dtype=save_dtype)  # fmt: skip
+    first = _run_phase(
+        model, train_ids, out_dir=out_dir, base=base, recipe=recipe, steps=steps,
+        final_dir=out_dir / "pretrained" if distill_minutes > 0 else final_dir,
+        fallback_dir=final_dir,
+        # Up to one full rotation of the exits (each step enables a different set).
+        probe_steps=min(4, recipe.rotation_for(spec.num_layers)), max_warmup=100, checkpoints=12,
+        deadline_s=(minutes - distill_minutes) * 60.0 - reserve_s, name="layerskip", **common,
+    )  # fmt: skip
+    result, config, probe_s = first.result, first.config, first.probe_s
     distill = None
     if distill_minutes > 0 and result.finished:
-        distill = _distill_phase(
-            model, train_ids, out_dir, final_dir, tokenizer=tokenizer, base=base,
-            recipe=distill_recipe, lr=distill_lr, seed=seed, resume=resume, progress=progress,
-            save_dtype=save_dtype, deadline_s=minutes * 60.0 - reserve_s, start=start,
-            steps=distill_steps,
+        second = _run_phase(
+            model, train_ids, out_dir=out_dir / "distill", final_dir=final_dir,
+            fallback_dir=final_dir, recipe=distill_recipe, steps=distill_steps,
+            # Batches from another seed's stream: seed would replay the first phase's batches.
+            base=dataclasses.replace(base, lr=distill_lr, seed=seed + 1),
+            probe_steps=2, max_warmup=30, checkpoints=4, deadline_s=minutes * 60.0 - reserve_s,
+            name="distill", **common,
         )  # fmt: skip
+        distill = {
+            "steps": second.result.step,
+            "planned_steps": second.config.steps,
+            "finished": second.result.finished,
+            "train_minutes": second.result.elapsed_s / 60.0,
+            "probe_s_per_step": second.probe_s,
+            "trainer": dataclasses.asdict(second.config),
+            "recipe": dataclasses.asdict(distill_recipe),
+            "pretrained": str(out_dir / "pretrained"),
+        }
 
     # Measure what was saved (float16 weights), computing in float32 on the training device.
     saved_model = AutoModelForCausalLM.from_pretrained(final_dir, dtype=torch.float32).to(dev)
@@ -453,7 +442,7 @@ def train_reference(
         },
         "training": {
             "steps": result.step,
-            "planned_steps": steps,
+            "planned_steps": config.steps,
             "finished": result.finished,
             "tokens_seen": result.step * batch_size * seq_len,
             "train_tokens_in_corpus": len(train_ids),
