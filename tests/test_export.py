@@ -167,7 +167,11 @@ def test_manifest_files_and_checker(exported):
         "position_ids": [0],
         "remainder_position_ids": [1],
     }
-    assert sorted(os.listdir(path)) == sorted([MANIFEST, *(s["file"] for s in stages.values())])
+    files = [MANIFEST, "weights.bin", *(s["file"] for s in stages.values())]
+    assert sorted(os.listdir(path)) == sorted(files)
+    assert manifest["weights"]["file"] == "weights.bin"
+    assert manifest["weights"]["bytes"] == (path / "weights.bin").stat().st_size
+    assert manifest["cache"]["update"].startswith("in place")
     for name, spec in stages.items():
         onnx.checker.check_model(str(path / spec["file"]))
         graph = onnx.load(str(path / spec["file"])).graph
@@ -202,13 +206,21 @@ def test_stage_signatures_follow_the_optimum_convention(exported):
     assert inputs["position_ids"] == ["batch", "sequence"]
     assert inputs["exit_hidden"] == ["batch", "hidden_sequence", c.hidden_size]
     assert inputs["remainder_position_ids"] == ["batch", "remainder_sequence"]
-    assert inputs["past_key_values.0.key"] == ["batch", h_kv, "past_sequence", d]
-    assert inputs["past_key_values.1.value"] == ["batch", h_kv, "remainder_past_sequence", d]
+    # The cache is the whole static buffer, in and out (written in place through IO binding).
+    assert inputs["past_key_values.0.key"] == ["batch", h_kv, "max_cache_len", d]
+    assert inputs["past_key_values.1.value"] == ["batch", h_kv, "max_cache_len", d]
     outputs = {o.name: _dims(o) for o in verify.output}
     assert list(outputs) == [
         "logits", "present.0.key", "present.0.value", "present.1.key", "present.1.value",
     ]  # fmt: skip
-    assert outputs["present.0.key"][2] in ("past_sequence + sequence", "sequence + past_sequence")
+    assert outputs["present.0.key"] == ["batch", h_kv, "max_cache_len", d]
+    # Each present is one ScatterElements straight on its past: nothing copies the buffer.
+    producers = {o: n for n in verify.node for o in n.output}
+    for name in outputs:
+        if name.startswith("present."):
+            node = producers[name]
+            assert node.op_type == "ScatterElements", (name, node.op_type)
+            assert node.input[0] == name.replace("present.", "past_key_values.")
     draft = onnx.load(str(path / "draft.onnx")).graph
     names = [o.name for o in draft.output]
     assert names == ["logits", "hidden", "present.0.key", "present.0.value"]
@@ -282,6 +294,51 @@ def test_cli_errors_are_one_line(checkpoint, tmp_path, capsys):
     assert not (tmp_path / "x").exists()
 
 
+def test_cli_export_takes_the_shipped_setting_of_the_reference_model(tmp_path, capsys, monkeypatch):
+    # Without --model, export writes what `leapfx bench` runs: layerskip at E=6, d=4 and
+    # kangaroo with the shipped adapter; a flag given explicitly wins.
+    from leapfx.bench import REFERENCE_ADAPTER
+    from leapfx.runtime.model import SpeculativeModel
+
+    seen = {}
+
+    def record(self, path, **kwargs):
+        seen[self.recipe.name] = self.options
+        return path
+
+    monkeypatch.setattr(SpeculativeModel, "export_onnx", record)
+    assert main(["export", "--out", str(tmp_path / "a")]) == 0
+    o = seen["layerskip"]
+    assert (o.exit_layer, o.num_speculations) == (6, 4)
+    assert "the shipped setting exit_layer=6, num_speculations=4" in capsys.readouterr().out
+    assert main(["export", "--exit-layer", "3", "--out", str(tmp_path / "b")]) == 0
+    assert (seen["layerskip"].exit_layer, seen["layerskip"].num_speculations) == (3, 4)
+    assert main(["export", "--recipe", "kangaroo", "--out", str(tmp_path / "c")]) == 0
+    assert os.fspath(seen["kangaroo"].adapter) == str(REFERENCE_ADAPTER)
+    assert seen["kangaroo"].exit_layer == 2  # the adapter's own
+
+
+@pytest.mark.slow
+def test_cli_export_of_the_reference_model_is_its_weights_once(tmp_path, capsys):
+    # kangaroo has three stages (full, draft, verify); stored once, the export is within 1.2x
+    # of the model's and the adapter's float32 weights.
+    from leapfx.bench import REFERENCE_ADAPTER
+
+    out = tmp_path / "kangaroo"
+    assert main(["export", "--recipe", "kangaroo", "--out", str(out)]) == 0
+    model, _ = load_model()
+    sm = rewrite.apply(model, "kangaroo", adapter=str(REFERENCE_ADAPTER))
+    params = {id(p): p for m in sm.stages.modules.values() for p in m.parameters()}
+    weights = sum(p.numel() * 4 for p in params.values())
+    size = sum(f.stat().st_size for f in out.iterdir())
+    assert size <= 1.2 * weights, (size, weights)
+    om = OnnxModel(out, threads=1)
+    assert om.options.adapter == str(REFERENCE_ADAPTER)
+    prompt = torch.tensor([[256, 100, 101, 102, 32, 40]])
+    eager = sm.generate(prompt, max_new_tokens=24)
+    assert_same_tokens(om.generate(prompt, max_new_tokens=24), eager, model, prompt)
+
+
 # ---- errors: a clear message and nothing left behind ------------------------------------------
 
 
@@ -320,13 +377,13 @@ def small_sm():
 
 def test_overwrite_replaces_a_previous_export(small_sm, tmp_path):
     target = tmp_path / "out"
-    target.mkdir()  # a previous export, as far as the manifest says
+    target.mkdir()  # a previous export (of the older format), as far as the manifest says
     (target / MANIFEST).write_text(json.dumps({"format": "leapfx-onnx", "format_version": 1}))
     (target / "stale.onnx").write_text("from the previous export")
     rng = torch.get_rng_state()
     assert small_sm.export_onnx(target, overwrite=True) == target
     assert torch.equal(torch.get_rng_state(), rng)  # exporting never moves the caller's RNG
-    assert sorted(os.listdir(target)) == ["full.onnx", MANIFEST]
+    assert sorted(os.listdir(target)) == ["full.onnx", MANIFEST, "weights.bin"]
     assert read_manifest(target)["recipe"] == "autoregressive"
     assert os.listdir(tmp_path) == ["out"]  # no temporary or backup directory left
 
@@ -399,15 +456,47 @@ def test_onnx_model_errors(tmp_path, onnx_model):
 
 def test_ort_cache_rolls_back_in_place():
     cache = OrtKVCache([(2, 4), (1, 8)], max_len=8)
-    buffers = [id(k) for k in cache.keys]
-    present = torch.arange(2 * 5 * 4, dtype=torch.float32).reshape(1, 2, 5, 4).numpy()
-    cache.write(0, present, present)
-    assert cache.lengths == [5, 0]
+    buffers = [k.data_ptr() for k in cache.keys]
+    cache.lengths = [5, 5]
     cache.crop(3)
-    assert cache.lengths == [3, 0] and [id(k) for k in cache.keys] == buffers
-    keys, _ = cache.past(0)
-    assert keys.shape == (1, 2, 3, 4) and keys.flags.c_contiguous
-    assert (keys == present[:, :, :3]).all()
+    assert cache.lengths == [3, 3] and [k.data_ptr() for k in cache.keys] == buffers
+    keys, values = cache.filled(1)
+    assert keys.shape == values.shape == (1, 1, 3, 8) and not keys.any()  # zero-filled
     with pytest.raises(ValueError, match="max_cache_len"):
-        big = torch.zeros(1, 1, 9, 8).numpy()
-        cache.write(1, big, big)
+        cache.check_room(9)
+
+
+def test_rollback_after_rejected_drafts_matches_a_fresh_decode(exported, onnx_model):
+    # Rejected drafts leave stale keys in the buffers past the committed length; the next
+    # calls overwrite them before any query may read them (masks are by position). So decoding
+    # on a used cache gives the tokens and the cache contents of a decode on a fresh one.
+    model, sm, path = exported("llama", "layerskip")
+    om = onnx_model("llama", "layerskip")
+    prompt = torch.tensor([[5, 9, 2, 7, 1, 3]])
+    om.generate(torch.tensor([[8, 8, 1]]), max_new_tokens=20)  # dirty the buffers first
+    used = om.generate(prompt, max_new_tokens=20)
+    assert om.last_metrics.accepted_per_verify != [] and om.last_metrics.rejections > 0
+    dirty = om._cache
+    kept = [dirty.filled(i) for i in range(dirty.num_layers)]
+    fresh_model = OnnxModel(path, threads=1)
+    fresh = fresh_model.generate(prompt, max_new_tokens=20)
+    assert torch.equal(used, fresh)
+    clean = fresh_model._cache
+    assert dirty.lengths == clean.lengths
+    for i, (k, v) in enumerate(kept):
+        ck, cv = clean.filled(i)
+        assert (k == ck).all() and (v == cv).all(), f"cache layer {i}"
+
+
+def test_export_shares_one_copy_of_the_weights(exported):
+    # Three stages of one model, one copy of its weights: the export is about the model's own
+    # size in its dtype (graphs and the manifest add a little), not once per stage.
+    model, sm, path = exported("llama", "layerskip")
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    manifest = read_manifest(path)
+    assert manifest["weights"]["dtype"] == "float32"
+    assert (path / "weights.bin").stat().st_size <= 1.05 * weights
+    for spec in manifest["stages"].values():
+        graph = onnx.load(str(path / spec["file"]), load_external_data=False).graph
+        inline = sum(len(t.raw_data) for t in graph.initializer)
+        assert inline < 4096, spec["file"]  # every weight lives in weights.bin

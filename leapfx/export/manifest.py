@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 FORMAT = "leapfx-onnx"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: static cache buffers written in place; 1: past + new concatenated
 MANIFEST = "manifest.json"
 
 
@@ -41,10 +41,11 @@ def layer_ranges(layers: list[int]) -> list[list[int]]:
 
 
 def is_export_dir(path: Path) -> bool:
-    """Whether ``path`` holds a leapfx ONNX export (a manifest of our format)."""
+    """Whether ``path`` holds a leapfx ONNX export (a manifest of our format, any version:
+    an export of an older format may still be replaced by a new one)."""
     try:
-        return read_manifest(path)["format"] == FORMAT
-    except ValueError:
+        return json.loads((Path(path) / MANIFEST).read_text()).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
         return False
 
 

@@ -6,11 +6,15 @@ Steps, per stage (``full``, ``draft``, ``verify``, whichever the recipe cut):
    eager call on a few tokens over empty pasts, with a different token count per position input
    (a cache layer's present length then says which input fed it);
 2. wrap the stage as an :class:`~leapfx.export.stage_module.ExportableStage` (tensors in,
-   tensors out, masks built in the graph) and export it with ``torch.onnx.export(dynamo=True)``
-   with named dynamic axes: ``batch``, ``sequence`` (``input_ids``), ``past_sequence`` (the
-   pasts fed by ``position_ids``) and, for verify, ``hidden_sequence`` (``exit_hidden``),
-   ``remainder_sequence`` and ``remainder_past_sequence`` (the upper layers' pasts);
-3. ``onnx.checker.check_model`` on the written file.
+   tensors out, masks built in the graph, the KV cache as whole static buffers written in
+   place) and export it with ``torch.onnx.export(dynamo=True)`` with named dynamic axes:
+   ``batch``, ``sequence`` (``input_ids``), ``max_cache_len`` (every cache buffer) and, for
+   verify, ``hidden_sequence`` (``exit_hidden``) and ``remainder_sequence``;
+3. once every stage is written, :func:`share_weights` moves the weights of all stages into one
+   external data file, ``weights.bin``, each distinct tensor stored once: the stages cut from one
+   model share its layers, so an export is about as large as the model's weights (in the
+   model's dtype), not once per stage;
+4. ``onnx.checker.check_model`` on every stage file.
 
 Everything is written into a temporary directory beside the target and renamed into place at
 the end, ``manifest.json`` last, so a failed or interrupted export never looks complete. An
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -58,17 +63,20 @@ MIN_OPSET = 18
 MAX_OPSET = 23
 SUPPORTED_DTYPES = (torch.float32, torch.float16)
 
-# Each position input of a stage, the mask input it feeds, and the names of its dynamic axes:
-# (sequence axis of the positions, past axis of the cache layers it feeds).
+# Each position input of a stage, the mask input it feeds, and the name of its sequence axis.
 POSITION_INPUTS = {
-    "position_ids": ("masks", "sequence", "past_sequence"),
-    "remainder_position_ids": ("remainder_masks", "remainder_sequence", "remainder_past_sequence"),
+    "position_ids": ("masks", "sequence"),
+    "remainder_position_ids": ("remainder_masks", "remainder_sequence"),
 }
-MASK_INPUTS = frozenset(m for m, _, _ in POSITION_INPUTS.values())
+MASK_INPUTS = frozenset(m for m, _ in POSITION_INPUTS.values())
 # Token counts of the discovery call (distinct, so that a present's length names its input).
 _DISCOVERY_TOKENS = {"input_ids": 1, "exit_hidden": 2}
-# Example sizes for tracing: >= 2 (torch.export specialises 0/1) and pairwise distinct.
-_EXAMPLE = {"batch": 2, "sequence": 3, "hidden_sequence": 4, "past": 5, "remainder_past": 6}
+# Example sizes for tracing: >= 2 (torch.export specialises 0/1) and pairwise distinct; the
+# positions start at "past" / "remainder_past" and end inside the "max_cache_len" buffers.
+_EXAMPLE = {
+    "batch": 2, "sequence": 3, "hidden_sequence": 4, "past": 5, "remainder_past": 6,
+    "max_cache_len": 16,
+}  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,7 +176,7 @@ def discover(sm: SpeculativeModel, name: str, stage: fx.GraphModule) -> StageSig
     pasts = dict.fromkeys(POSITION_INPUTS, 0)
     inputs: dict[str, Any] = _example_inputs(sm, tensor_inputs, 1, _DISCOVERY_TOKENS, pasts)
     queries: dict[str, int] = {}  # position input -> query count it positions
-    for positions, (mask, _, _) in POSITION_INPUTS.items():
+    for positions, (mask, _) in POSITION_INPUTS.items():
         if positions in inputs:
             inputs[mask] = _masks(sm, inputs[positions], 0)
             queries[positions] = inputs[positions].shape[1]
@@ -191,8 +199,7 @@ def _dynamic_shapes(sig: StageSignature) -> tuple[dict[int, Any], ...]:
         "batch": torch.export.Dim("batch"),
         "sequence": torch.export.Dim("sequence"),
         "hidden_sequence": torch.export.Dim("hidden_sequence"),
-        "past_sequence": torch.export.Dim("past_sequence", min=0),
-        "remainder_past_sequence": torch.export.Dim("remainder_past_sequence", min=0),
+        "max_cache_len": torch.export.Dim("max_cache_len"),
     }
     shapes: list[dict[int, Any]] = []
     for name in sig.tensor_inputs:
@@ -203,10 +210,7 @@ def _dynamic_shapes(sig: StageSignature) -> tuple[dict[int, Any], ...]:
         else:  # remainder_position_ids: hidden_sequence + sequence, which a Dim cannot say;
             # a named axis string becomes Dim.DYNAMIC and keeps its name in the ONNX model.
             shapes.append({0: dims["batch"], 1: "remainder_sequence"})
-    for layer in sig.cache_layers:
-        positions = next(p for p, layers in sig.groups.items() if layer in layers)
-        past = dims[POSITION_INPUTS[positions][2]]
-        shapes += [{0: dims["batch"], 2: past}] * 2
+    shapes += [{0: dims["batch"], 2: dims["max_cache_len"]}] * (2 * len(sig.cache_layers))
     return tuple(shapes)
 
 
@@ -219,7 +223,7 @@ def _export_stage(
         stage,
         tensor_inputs=sig.tensor_inputs,
         groups={
-            p: (POSITION_INPUTS[p][0], min(sig.groups[p]) if p in sig.groups else None)
+            p: (POSITION_INPUTS[p][0], sig.groups.get(p, []))
             for p in POSITION_INPUTS
             if p in sig.tensor_inputs
         },
@@ -240,9 +244,8 @@ def _export_stage(
     param = next(sm.hf_model.parameters())
     kv = _kv_shapes(sm)
     for layer in sig.cache_layers:
-        positions = next(p for p, layers in sig.groups.items() if layer in layers)
         h, d = kv[layer]
-        shape = (batch, h, pasts[positions], d)
+        shape = (batch, h, _EXAMPLE["max_cache_len"], d)
         gen = _generator()
         args += [torch.randn(shape, generator=gen).to(param.device, param.dtype) for _ in range(2)]
     try:
@@ -265,7 +268,6 @@ def _export_stage(
             f"export: stage {name!r} cannot be exported to ONNX: {_summary(exc)}"
         ) from exc
     _save(program, path)
-    _check(path, name)
     return sig
 
 
@@ -281,9 +283,63 @@ def _summary(exc: BaseException) -> str:
 
 
 def _save(program, path: Path) -> None:
-    # Weights over protobuf's 2 GiB limit go to an external data file beside the model
-    # (``ONNXProgram.save`` decides); onnxruntime and the checker find it from the path.
-    program.save(path)
+    # Weights in an external data file beside the model (``<stage>.onnx.data``), whatever the
+    # model's size (protobuf stops at 2 GiB); share_weights merges the stages' files.
+    program.save(path, external_data=True)
+
+
+WEIGHTS = "weights.bin"
+_ALIGN = 64  # byte alignment of each tensor in weights.bin (lets a reader map it directly)
+
+
+def share_weights(directory: Path, stages: list[str]) -> dict[str, int]:
+    """Move the external weights of ``<stage>.onnx`` for every stage into one ``weights.bin``.
+
+    Tensors with equal bytes, element type and shape are stored once (the stages of one model
+    hold the same layers); each model's initializers then point into ``weights.bin`` with
+    offsets and lengths (ONNX external data), and the per-stage data files are deleted. The
+    exporter's per-node debugging metadata is dropped on the way.
+    Returns ``{"bytes": size of weights.bin, "tensors": distinct tensors, "references": ...}``.
+    """
+    import onnx
+    from onnx.external_data_helper import ExternalDataInfo, uses_external_data
+
+    stored: dict[tuple, tuple[int, int]] = {}  # (digest, type, shape) -> (offset, length)
+    references = 0
+    sources: set[Path] = set()
+    with open(directory / WEIGHTS, "wb") as out:
+        for name in stages:
+            path = directory / f"{name}.onnx"
+            model = onnx.load(str(path), load_external_data=False)
+            for node in model.graph.node:
+                # The exporter's per-node debugging records (source stack traces, FX node
+                # names): often larger than a small model's weights, of no use to a runtime.
+                del node.metadata_props[:]
+            for tensor in model.graph.initializer:
+                if not uses_external_data(tensor):
+                    continue
+                info = ExternalDataInfo(tensor)
+                source = directory / info.location
+                sources.add(source)
+                with open(source, "rb") as f:
+                    f.seek(info.offset or 0)
+                    data = f.read(info.length) if info.length else f.read()
+                key = (hashlib.sha256(data).digest(), tensor.data_type, tuple(tensor.dims))
+                if key not in stored:
+                    out.write(b"\0" * (-out.tell() % _ALIGN))
+                    stored[key] = (out.tell(), len(data))
+                    out.write(data)
+                offset, length = stored[key]
+                del tensor.external_data[:]
+                for k, v in (("location", WEIGHTS), ("offset", offset), ("length", length)):
+                    entry = tensor.external_data.add()
+                    entry.key, entry.value = k, str(v)
+                references += 1
+            onnx.save(model, str(path))
+        size = out.tell()
+    for source in sources - {directory / WEIGHTS}:
+        source.unlink()
+    return {"bytes": size, "tensors": len(stored), "references": references}
 
 
 def _check(path: Path, name: str) -> None:
@@ -295,7 +351,9 @@ def _check(path: Path, name: str) -> None:
         raise ValueError(f"export: stage {name!r} failed onnx.checker: {_summary(exc)}") from exc
 
 
-def _manifest(sm: SpeculativeModel, opset: int, signatures: dict[str, StageSignature]) -> dict:
+def _manifest(
+    sm: SpeculativeModel, opset: int, signatures: dict[str, StageSignature], weights: dict
+) -> dict:
     config = sm.config
     gen = sm.hf_model.generation_config
     eos = gen.eos_token_id if gen.eos_token_id is not None else config.eos_token_id
@@ -310,8 +368,8 @@ def _manifest(sm: SpeculativeModel, opset: int, signatures: dict[str, StageSigna
             "file": f"{name}.onnx",
             "layers": layers,
             "layer_ranges": layer_ranges(layers),
-            "cache_reads": sig.cache_layers,  # every attention reads its past ...
-            "cache_writes": sig.cache_layers,  # ... and returns past + new as its present
+            "cache_reads": sig.cache_layers,  # every attention reads its buffer ...
+            "cache_writes": sig.cache_layers,  # ... and returns it with its positions written
             "position_groups": sig.groups,
             "inputs": sig.input_names,
             "outputs": sig.output_names,
@@ -343,7 +401,19 @@ def _manifest(sm: SpeculativeModel, opset: int, signatures: dict[str, StageSigna
             "extra_slots": sm.recipe.extra_cache_layers,
             "num_kv_heads": [h for h, _ in kv],
             "head_dim": [d for _, d in kv],
-            "layout": "[batch, kv_heads, sequence, head_dim]",
+            "layout": "[batch, kv_heads, max_cache_len, head_dim]; slot j holds position j",
+            "update": (
+                "in place: present.{i}.* is past_key_values.{i}.* with the stage's positions "
+                "written; bind both to one buffer. Slots past a query's position are masked, "
+                "so rolling back is moving a length"
+            ),
+        },
+        "weights": {
+            "file": WEIGHTS,
+            "dtype": str(lay.dtype).removeprefix("torch."),
+            "bytes": weights["bytes"],
+            "shared": "every stage's initializers point into this one file (ONNX external "
+            "data); a tensor used by several stages is stored once",
         },
         "stages": stages,
     }
@@ -465,7 +535,10 @@ def export_onnx(
         for name, stage in sm.stages.modules.items():
             log.info("exporting stage %s", name)
             signatures[name] = _export_stage(sm, name, stage, tmp / f"{name}.onnx", opset)
-        manifest = _manifest(sm, opset, signatures)
+        weights = share_weights(tmp, list(signatures))
+        for name in signatures:
+            _check(tmp / f"{name}.onnx", name)
+        manifest = _manifest(sm, opset, signatures, weights)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         _replace(tmp, target, overwrite)
     except OSError as exc:

@@ -3,14 +3,16 @@
 The schedules of ``leapfx.runtime`` call a StageRunner, which calls ``stages[name](**inputs)``
 and ``runner.cache.crop(n)``. This module puts onnxruntime behind exactly that interface:
 
-- :class:`OrtKVCache` holds keys/values as preallocated numpy arrays ``[B, H_kv, max_len, D]``
-  per cache slot, each with its own fill length, and rolls back with ``crop`` in O(1) (moves
-  lengths, copies nothing), like ``StaticKVCache``;
-- :class:`OrtStage` is a stage executor: it feeds ``past_key_values.{i}.*`` as the filled prefix
-  of each slot the stage touches (made contiguous for onnxruntime), runs the session, writes the
-  new positions of each ``present.{i}.*`` back into the buffers and returns the stage's outputs
-  as torch tensors (zero-copy views of onnxruntime's arrays). Masks are computed inside the ONNX
-  graphs, so it ignores the runner's ``masks``.
+- :class:`OrtKVCache` holds keys/values as preallocated buffers ``[B, H_kv, max_len, D]`` per
+  cache slot (OrtValues: over numpy arrays on a CPU, in device memory on a GPU), each with its
+  own fill length, and rolls back with ``crop`` in O(1) (moves lengths, copies nothing), like
+  ``StaticKVCache``;
+- :class:`OrtStage` is a stage executor over one session and an IO binding: each slot's
+  ``past_key_values.{i}.*`` input and ``present.{i}.*`` output are bound to the slot's one
+  buffer, so a call writes only its new positions in place (the export's ScatterElements) and
+  moves nothing else; the token ids and positions are bound per call, and the stage's own
+  outputs (logits, hidden states: small) come back as torch tensors. Masks are computed inside
+  the ONNX graphs from the positions, so it ignores the runner's ``masks``.
 
 The schedule (autoregressive, early exit, self-speculative, Kangaroo) is the one the recipe
 registry gives for the manifest's recipe and options: the decode loops are not re-implemented.
@@ -49,14 +51,15 @@ _BASELINE_STAGES = {"autoregressive": "full", "early_exit": "draft"}
 
 
 class OrtKVCache(SlotLengths):
-    """Numpy key/value buffers per cache slot with per-slot lengths and O(1) rollback.
+    """Key/value buffers per cache slot with per-slot lengths and O(1) rollback.
+
+    ``keys[i]`` / ``values[i]`` are OrtValues ``[B, H_kv, max_len, D]`` on ``device``
+    (``"cpu"``: views of numpy arrays; ``"cuda"``: device memory), zero-filled: a masked slot
+    must hold finite numbers, since attention multiplies it by a zero weight.
 
     >>> cache = OrtKVCache([(2, 4), (2, 4)], max_len=16)
-    >>> cache.write(0, np.zeros((1, 2, 3, 4), np.float32), np.zeros((1, 2, 3, 4), np.float32))
-    >>> cache.lengths
-    [3, 0]
-    >>> cache.crop(2); cache.lengths
-    [2, 0]
+    >>> cache.lengths = [3, 3]; cache.crop(2); cache.lengths
+    [2, 2]
     """
 
     def __init__(
@@ -66,28 +69,27 @@ class OrtKVCache(SlotLengths):
         *,
         batch_size: int = 1,
         dtype: Any = np.float32,
+        device: str = "cpu",
     ) -> None:
+        import onnxruntime as ort
+
         self.max_len = max_len
-        self.keys = [np.zeros((batch_size, h, max_len, d), dtype=dtype) for h, d in shapes]
-        self.values = [np.zeros_like(k) for k in self.keys]
+        self.device = device
+
+        def buffer(h: int, d: int):
+            zeros = np.zeros((batch_size, h, max_len, d), dtype=dtype)
+            if device == "cpu":
+                return ort.OrtValue.ortvalue_from_numpy(zeros)  # shares the numpy memory
+            return ort.OrtValue.ortvalue_from_numpy(zeros, device, 0)  # a device copy
+
+        self.keys = [buffer(h, d) for h, d in shapes]
+        self.values = [buffer(h, d) for h, d in shapes]
         self.lengths = [0] * len(self.keys)
 
-    def past(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
-        """Keys and values of the filled prefix, contiguous: [B, H_kv, length, D] each."""
+    def filled(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """Copies of slot ``layer``'s filled prefix [B, H_kv, length, D] (for inspection)."""
         n = self.lengths[layer]
-        return (
-            np.ascontiguousarray(self.keys[layer][:, :, :n]),
-            np.ascontiguousarray(self.values[layer][:, :, :n]),
-        )
-
-    def write(self, layer: int, present_keys: np.ndarray, present_values: np.ndarray) -> None:
-        """Store a present (past + new, [B, H_kv, length + S, D]): only the new part is copied."""
-        start, end = self.lengths[layer], present_keys.shape[2]
-        assert end >= start, "a present is never shorter than the past it was fed"
-        self.check_room(end)
-        self.keys[layer][:, :, start:end] = present_keys[:, :, start:]
-        self.values[layer][:, :, start:end] = present_values[:, :, start:]
-        self.lengths[layer] = end
+        return self.keys[layer].numpy()[:, :, :n], self.values[layer].numpy()[:, :, :n]
 
 
 class OrtStage:
@@ -102,8 +104,25 @@ class OrtStage:
         self.tensor_inputs = [n for n in spec["inputs"] if not n.startswith("past_key_values.")]
         self.outputs = [n for n in spec["outputs"] if not n.startswith("present.")]
         self.groups: dict[str, list[int]] = spec["position_groups"]
-        self._output_names = self.outputs + [n for i in self.cache_layers for n in present_names(i)]
         assert all(n in names for i in self.cache_layers for n in past_names(i))
+        provider = session.get_providers()[0]
+        self.device = "cuda" if provider == "CUDAExecutionProvider" else "cpu"
+        self._binding = None
+        self._bound: OrtKVCache | None = None  # the cache whose buffers _binding holds
+
+    def _bind_cache(self, cache: OrtKVCache):
+        """An IO binding with each slot's past input and present output on its one buffer."""
+        if cache is not self._bound:
+            io = self.session.io_binding()
+            for layer in self.cache_layers:
+                buffers = (cache.keys[layer], cache.values[layer])
+                for past, present, buf in zip(
+                    past_names(layer), present_names(layer), buffers, strict=True
+                ):
+                    io.bind_ortvalue_input(past, buf)
+                    io.bind_ortvalue_output(present, buf)
+            self._binding, self._bound = io, cache
+        return self._binding
 
     def __call__(
         self,
@@ -113,23 +132,25 @@ class OrtStage:
         remainder_masks: Any = None,
         **tensors: torch.Tensor,
     ) -> dict[str, torch.Tensor]:
-        del masks, remainder_masks  # computed in the graph from positions and past lengths
-        feed: dict[str, np.ndarray] = {}
-        for name in self.tensor_inputs:
-            feed[name] = _to_numpy(tensors[name])
-        for layer in self.cache_layers:
-            k_name, v_name = past_names(layer)
-            feed[k_name], feed[v_name] = cache.past(layer)
+        del masks, remainder_masks  # computed in the graph from the positions
+        ends = {}
         for positions, layers in self.groups.items():
-            lengths = {cache.lengths[i] for i in layers}
-            # Each group's mask is sized by one past length: the schedules keep them equal.
-            assert len(lengths) == 1, f"{positions}: cache layers {layers} differ in length"
-        results = self.session.run(self._output_names, feed)
-        n = len(self.outputs)
-        for j, layer in enumerate(self.cache_layers):
-            cache.write(layer, results[n + 2 * j], results[n + 2 * j + 1])
+            n = tensors[positions].shape[1]
+            for layer in layers:
+                ends[layer] = cache.lengths[layer] + n
+        cache.check_room(max(ends.values(), default=0))  # before: ORT does not bounds-check
+        io = self._bind_cache(cache)
+        for name in self.tensor_inputs:
+            io.bind_cpu_input(name, _to_numpy(tensors[name]))
+        for name in self.outputs:
+            io.bind_output(name, self.device)  # allocated by onnxruntime, shape varies
+        self.session.run_with_iobinding(io)
+        for layer, end in ends.items():
+            cache.lengths[layer] = end
+        # get_outputs: in binding order, the cache's presents first (bound once), then ours.
+        results = io.get_outputs()[-len(self.outputs) :]
         return {
-            name: torch.from_numpy(a) for name, a in zip(self.outputs, results[:n], strict=True)
+            name: torch.from_numpy(v.numpy()) for name, v in zip(self.outputs, results, strict=True)
         }
 
 
@@ -255,7 +276,8 @@ class OnnxModel:
     def _cache_for(self, needed: int) -> OrtKVCache:
         size = cache_length(needed, getattr(self.options, "max_cache_len", None), self._lookahead)
         if self._cache is None or self._cache.max_len < size:
-            self._cache = OrtKVCache(self._kv_shapes, size, dtype=self._dtype)
+            device = next(iter(self.stages.values())).device
+            self._cache = OrtKVCache(self._kv_shapes, size, dtype=self._dtype, device=device)
         self._cache.reset()
         return self._cache
 

@@ -1,26 +1,30 @@
-"""A stage as a pure function of tensors: explicit KV cache in, presents out, masks inside.
+"""A stage as a pure function of tensors: the KV cache buffers in and out, masks inside.
 
 A stage GraphModule takes ``masks`` (a dict) and ``cache`` (a StaticKVCache, mutated in place);
 neither can cross an ONNX boundary. :class:`ExportableStage` wraps the stage so that its inputs
-and outputs are tensors only, following the optimum convention:
+and outputs are tensors only. The names follow optimum; the cache is static and updated in place
+(the convention of onnxruntime-genai's shared past/present buffers):
 
 - each cache layer ``i`` the stage touches becomes two inputs ``past_key_values.{i}.key`` /
-  ``.value`` ([B, H_kv, past, D]) and two outputs ``present.{i}.key`` / ``.value``
-  ([B, H_kv, past + S, D], past and new concatenated). :class:`FunctionalKVCache` provides the
-  ``update(k, v, layer_idx)`` call HF attention makes on a cache, so the stage runs unchanged;
-- attention masks are computed in the graph from the position ids and the past length
-  (``runtime.masks.position_masks``), so an ONNX consumer feeds token ids, positions and past
-  keys/values and needs no HF mask logic. Keys of a layer sit at positions
-  ``0 .. past + S - 1`` (the cache is filled from position 0, rollback only shortens it), so
-  query ``q`` sees key ``k`` iff
-  ``k <= q`` (and ``k > q - window`` under a sliding window): the same rule as
-  ``runtime.masks.chunk_mask``, always explicit. The mask is per batch row, from that row's
-  positions.
+  ``.value``: the whole preallocated buffer ``[B, H_kv, max_cache_len, D]`` whose slot ``j``
+  holds position ``j``, and two outputs ``present.{i}.key`` / ``.value``: the same buffer with
+  the stage's new keys/values written at their positions (one ``ScatterElements`` on the input
+  buffer, nothing else reads it). A runtime binds input and output to ONE buffer
+  (onnxruntime IO binding): the call then writes only the new positions and copies nothing
+  else. :class:`SlotWriteKVCache` provides the ``update(k, v, layer_idx)`` call HF attention
+  makes on a cache, so the stage runs unchanged;
+- attention masks are computed in the graph from the position ids over all ``max_cache_len``
+  slots, so an ONNX consumer feeds token ids, positions and the buffers and needs no HF mask
+  logic: query ``q`` sees slot ``k`` iff ``k <= q`` (and ``k > q - window`` under a sliding
+  window), the rule of ``runtime.masks.position_mask`` and of the compiled stages. Slots past
+  a query, including stale ones left by rejected drafts, are masked; every slot ``<= q`` was
+  written by a real token before any query reads it (the schedules write positions in order
+  and roll back by lengths only). The mask is per batch row, from that row's positions; the
+  keys are written at the first row's positions (the schedules decode one row).
 
-Every attention layer sharing one mask reads the same past length: in ``full`` and ``draft`` all
-layers run the same positions; in ``verify`` the layers below the exit (and an adapter's slot)
-run ``position_ids`` and the layers from the exit up run ``remainder_position_ids``. So each
-position input takes its past length from the first cache layer of its group.
+In ``full`` and ``draft`` every layer runs ``position_ids``; in ``verify`` the layers below the
+exit (and an adapter's slot) run ``position_ids`` and the layers from the exit up run
+``remainder_position_ids``: each cache layer is written at its group's positions.
 """
 
 from __future__ import annotations
@@ -66,6 +70,53 @@ class FunctionalKVCache:
         return self.past[layer_idx][0].shape[2]
 
 
+class SlotWriteKVCache:
+    """``update`` writes new keys/values into the whole buffers at their positions.
+
+    Functional (``scatter``, not ``scatter_``): the written buffers are the presents, which the
+    exporter turns into one ``ScatterElements`` from each past input to its present output.
+
+    >>> past = {0: (torch.zeros(1, 2, 8, 4), torch.zeros(1, 2, 8, 4))}
+    >>> cache = SlotWriteKVCache(past, {0: torch.tensor([3, 4])})
+    >>> k, v = cache.update(torch.ones(1, 2, 2, 4), torch.ones(1, 2, 2, 4), 0)
+    >>> k.shape, k[0, 0, :, 0].tolist()
+    (torch.Size([1, 2, 8, 4]), [0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0])
+    """
+
+    is_compileable = False  # read by HF code paths that ask; we are not an HF Cache
+
+    def __init__(
+        self,
+        past: dict[int, tuple[torch.Tensor, torch.Tensor]],
+        positions: dict[int, torch.Tensor],
+    ) -> None:
+        self.past = past
+        self.positions = positions  # cache layer -> the positions [S] its new keys go to
+        self.present: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def update(
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        layer_idx: int,
+        cache_kwargs: dict | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # key_states: [B, H_kv, S, D] -> written into past [B, H_kv, max_cache_len, D]
+        assert layer_idx not in self.present, f"cache layer {layer_idx} written twice in a stage"
+        past_k, past_v = self.past[layer_idx]
+        # scatter along the sequence axis with the index spelled out per element: it exports
+        # as ScatterElements straight on the past buffer (index_copy adds two transposes,
+        # i.e. two copies of the whole buffer).
+        index = self.positions[layer_idx].view(1, 1, -1, 1).expand_as(key_states)
+        keys = past_k.scatter(2, index, key_states.to(past_k.dtype))
+        values = past_v.scatter(2, index, value_states.to(past_v.dtype))
+        self.present[layer_idx] = (keys, values)
+        return keys, values
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.past[layer_idx][0].shape[2]
+
+
 def past_names(layer: int) -> tuple[str, str]:
     return f"past_key_values.{layer}.key", f"past_key_values.{layer}.value"
 
@@ -79,10 +130,9 @@ class ExportableStage(nn.Module):
 
     ``tensor_inputs``: the stage's tensor placeholders in order (``input_ids``, ``position_ids``
     and, for verify, ``exit_hidden``, ``remainder_position_ids``); ``groups`` maps each position
-    input to the mask input it feeds (``position_ids -> masks``) and the cache layer whose past
-    length sizes that mask (None: no attention reads it); ``cache_layers`` are the cache layers
-    the stage touches, in the order of the flat ``past``/``present`` arguments;
-    ``output_names`` the stage's dict outputs.
+    input to the mask input it feeds (``position_ids -> masks``) and the cache layers whose
+    keys it positions; ``cache_layers`` are the cache layers the stage touches, in the order of
+    the flat ``past``/``present`` arguments; ``output_names`` the stage's dict outputs.
     """
 
     def __init__(
@@ -90,7 +140,7 @@ class ExportableStage(nn.Module):
         stage: fx.GraphModule,
         *,
         tensor_inputs: list[str],
-        groups: dict[str, tuple[str, int | None]],
+        groups: dict[str, tuple[str, list[int]]],
         cache_layers: list[int],
         output_names: list[str],
         kinds: tuple[str, ...],
@@ -119,16 +169,19 @@ class ExportableStage(nn.Module):
             torch._check(named["remainder_position_ids"].shape[1] == c + m)
         flat = args[n:]
         past = {layer: (flat[2 * j], flat[2 * j + 1]) for j, layer in enumerate(self.cache_layers)}
-        cache = FunctionalKVCache(past)
+        positions: dict[int, torch.Tensor] = {}
         inputs: dict[str, object] = dict(named)
-        for positions, (mask_input, layer) in self.groups.items():
-            # A group without cache layers has no attention: its (unused) masks see no past.
-            past_len = 0 if layer is None else past[layer][0].shape[2]
-            kv_len = past_len + named[positions].shape[1]
+        for pos_name, (mask_input, layers) in self.groups.items():
+            pos = named[pos_name]  # [B, S]
+            for layer in layers:
+                positions[layer] = pos[0]
+            # A group without cache layers has no attention: its (unused) masks see nothing.
+            kv_len = past[layers[0]][0].shape[2] if layers else pos.shape[1]
             inputs[mask_input] = position_masks(
-                named[positions], kv_len, kinds=self.kinds, impl=self.impl,
-                window=self.window, dtype=self.dtype,
+                pos, kv_len, kinds=self.kinds, impl=self.impl, window=self.window,
+                dtype=self.dtype,
             )  # fmt: skip
+        cache = SlotWriteKVCache(past, positions)
         out = self.stage(**inputs, cache=cache)
         missing = set(self.cache_layers) - set(cache.present)
         assert not missing, f"cache layers {sorted(missing)} were fed but not written"
