@@ -111,24 +111,32 @@ def _bench(args: argparse.Namespace) -> int:
     if used:
         state = "on" if used == [True] else "off" if used == [False] else "mixed"
         print(f"leapfx CPU kernels (--cpu-kernels {args.cpu_kernels}): {state}")
+    if any("draft_cost" in r.extra for r in rows):
+        print(
+            "c / verify: the cost of one draft / verify call over one leapfx_autoregressive "
+            "token on the same backend"
+        )
     for r in rows:
         x = r.extra
         if "measured_vs_autoregressive" not in x:
             continue
         passes = x.get("measured_vs_autoregressive_per_pass", [])
         spread = f"; per pass {min(passes):.2f}-{max(passes):.2f}x" if len(passes) > 1 else ""
+        costs = f"c {x['draft_cost']:.3f}"
+        if "verify_cost" in x:
+            costs += f", verify {x['verify_cost']:.2f}"
         if "predicted_vs_autoregressive" in x:
             print(
-                f"{r.system}: alpha {x['alpha']:.3f}, c {x['c']:.3f} -> formula predicts "
+                f"{r.system}: alpha {x['alpha']:.3f}, {costs} -> formula predicts "
                 f"{x['predicted_vs_autoregressive']:.2f}x over leapfx_autoregressive, measured "
                 f"{x['measured_vs_autoregressive']:.2f}x ({x['measured_over_predicted']:.0%})"
                 f"{spread}"
             )
         else:
             print(
-                f"{r.system}: alpha {x['alpha']:.3f}, dynamic draft length (no formula), "
-                f"measured {x['measured_vs_autoregressive']:.2f}x over leapfx_autoregressive"
-                f"{spread}"
+                f"{r.system}: alpha {x['alpha']:.3f}, {costs}, dynamic draft length (no "
+                f"formula), measured {x['measured_vs_autoregressive']:.2f}x over "
+                f"leapfx_autoregressive{spread}"
             )
     hf = next(r for r in rows if r.system.startswith("hf_"))
     share = hf.extra.get("repeated_4gram_share")
@@ -154,6 +162,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 CPU_KERNELS = {"auto": None, "on": True, "off": False}  # --cpu-kernels -> BenchConfig
+EXPORT_DTYPES = ("float32", "float16")  # leapfx export --dtype
 DEFAULT_SPECULATIONS = 6  # --num-speculations: the layerskip recipe's default and Kangaroo's gamma
 # `leapfx bench` on the shipped model without --exit-layer / --num-speculations (layerskip):
 # the setting `leapfx bench --sweep` measured best there (README, "Measured").
@@ -209,6 +218,7 @@ def _grid(spec: str | None, num_layers: int) -> list[int]:
 def _export(args: argparse.Namespace) -> int:
     import logging
 
+    import torch
     import transformers
 
     from . import rewrite
@@ -218,16 +228,22 @@ def _export(args: argparse.Namespace) -> int:
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)
-    options = {
-        name: value
-        for name, value in (
-            ("exit_layer", args.exit_layer),
-            ("num_speculations", args.num_speculations),
-            ("adapter", args.adapter),
-        )
-        if value is not None
-    }
+    given = {"exit_layer": args.exit_layer, "num_speculations": args.num_speculations,
+             "adapter": args.adapter}  # fmt: skip
+    options = {name: value for name, value in given.items() if value is not None}
+    if args.model is None:
+        # The shipped model exports what `leapfx bench` runs on it: layerskip at its measured
+        # setting, kangaroo with its trained adapter. An explicit flag wins.
+        shipped = dict(REFERENCE_LAYERSKIP) if args.recipe == "layerskip" else {}
+        if _adapter(args) is not None:
+            shipped["adapter"] = _adapter(args)
+        shipped = {k: v for k, v in shipped.items() if k not in options}
+        if shipped:
+            said = ", ".join(f"{k}={v}" for k, v in shipped.items())
+            print(f"reference model: the shipped setting {said}")
+        options.update(shipped)
     model, _ = load_model(args.model)
+    model = model.to(getattr(torch, args.dtype))
     sm = rewrite.apply(model, args.recipe, **options)
     path = sm.export_onnx(args.out, opset=args.opset, overwrite=args.overwrite)
     stages = ", ".join(f"{name}.onnx" for name in sm.stages.modules)
@@ -315,6 +331,11 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--out", required=True, help="output directory (must not exist)")
     export.add_argument("--overwrite", action="store_true", help="replace an existing export")
     export.add_argument("--opset", type=int, default=18)
+    export.add_argument(
+        "--dtype", choices=EXPORT_DTYPES, default="float32",
+        help="weights and compute dtype of the export (default float32: onnxruntime's CPU "
+        "provider computes in float32; float16 halves the file)",
+    )  # fmt: skip
     export.set_defaults(func=_export)
 
     train = sub.add_parser("train-reference", help="train the project's reference model")

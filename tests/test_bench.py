@@ -48,6 +48,10 @@ def test_run_bench_rows(checkpoint):
     assert 0.0 <= by["hf_greedy"].extra["repeated_4gram_share"] <= 1.0
     x = ls.extra
     assert x["c"] > 0 and x["predicted_vs_autoregressive"] > 0
+    assert x["draft_cost"] == x["c"] and x["verify_cost"] > 0
+    verify_s = x["stage_seconds"]["verify"] / x["verify_calls"]
+    ar_row = by["leapfx_autoregressive"]
+    assert x["verify_cost"] == pytest.approx(verify_s / (ar_row.seconds / ar_row.new_tokens))
     ar = by["leapfx_autoregressive"].tokens_per_second
     assert x["measured_vs_autoregressive"] == pytest.approx(ls.tokens_per_second / ar)
 
@@ -72,8 +76,11 @@ def test_speedup_per_pass_pairs_the_systems_of_each_pass(checkpoint, capsys):
         "--num-speculations", "3", "--quiet", "--cpu-kernels", "off",
     ])  # fmt: skip
     assert code == 0
-    assert re.search(r"leapfx_layerskip: .* measured .*; per pass \d\.\d\d-\d\.\d\dx",
-                     capsys.readouterr().out)  # fmt: skip
+    out = capsys.readouterr().out
+    assert re.search(r"leapfx_layerskip: .* measured .*; per pass \d\.\d\d-\d\.\d\dx", out)
+    # The guard against a backend whose stage calls regress: both cost ratios, printed.
+    assert re.search(r"leapfx_layerskip: alpha \d\.\d+, c \d\.\d+, verify \d+\.\d\d -> ", out)
+    assert "c / verify: the cost of one draft / verify call" in out
 
 
 def test_cli_json_fields(checkpoint, tmp_path, capsys):
@@ -184,6 +191,24 @@ def test_onnxruntime_backend_rows(checkpoint, tmp_path):
     by = {r.system: r for r in rows}
     assert by["leapfx_autoregressive"].identical_to_greedy is True
     assert (tmp_path / "leapfx_autoregressive" / "manifest.json").is_file()
+
+
+def test_cost_ratios_per_backend(checkpoint, tmp_path):
+    # Every backend's speculative row carries its own draft and verify cost ratios, measured
+    # against the autoregressive row of the same backend.
+    model, tok = load_model(checkpoint)
+    prompts = [torch.tensor([tok("for i in range(")["input_ids"]])]
+    config = BenchConfig(exit_layer=2, num_speculations=3, max_new_tokens=10, repeats=1,
+                         warmup=0, backend="eager,onnxruntime",
+                         export_dir=str(tmp_path))  # fmt: skip
+    by = {r.system: r for r in run_bench(model, prompts, config, progress=False)}
+    for backend in ("eager", "onnxruntime"):
+        x = by[f"leapfx_layerskip@{backend}"].extra
+        ar = by[f"leapfx_autoregressive@{backend}"]
+        draft_s = x["stage_seconds"]["draft"] / x["draft_calls"]
+        assert x["draft_cost"] == pytest.approx(draft_s / (ar.seconds / ar.new_tokens))
+        assert x["verify_cost"] > 0
+        assert by[f"leapfx_layerskip@{backend}"].identical_to_greedy is True
 
 
 def test_unknown_backend():

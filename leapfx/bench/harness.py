@@ -401,9 +401,17 @@ def _formula_check(rows: list[Row]) -> None:
             continue
         ar_token_s = ar.seconds / ar.new_tokens
         calls = row.extra.get("draft_calls", 0)
-        draft_s = row.extra.get("stage_seconds", {}).get("draft", 0.0)
+        stage_s = row.extra.get("stage_seconds", {})
+        draft_s = stage_s.get("draft", 0.0)
         if not calls or row.ctar is None:
             continue
+        # The cost of one call against one autoregressive token on the same backend: c for a
+        # draft call (the formula's c), and a verify call's (~1 where verify costs a full
+        # step, as the formula assumes). A backend whose stage calls regress shows it here.
+        verify_calls = row.extra.get("verify_calls", 0)
+        row.extra["draft_cost"] = (draft_s / calls) / ar_token_s
+        if verify_calls:
+            row.extra["verify_cost"] = (stage_s.get("verify", 0.0) / verify_calls) / ar_token_s
         d = len(row.ctar)
         measured = row.tokens_per_second / ar.tokens_per_second
         # Pass by pass: both systems ran in the same pass, minutes apart at most, so these
@@ -414,7 +422,7 @@ def _formula_check(rows: list[Row]) -> None:
                          measured_vs_autoregressive_per_pass=per_pass)  # fmt: skip
         if row.extra.get("dynamic_draft_length"):
             continue  # eta > 0: the formula assumes d drafts every round
-        c = (draft_s / calls) / ar_token_s
+        c = row.extra["draft_cost"]
         predicted = predicted_speedup(row.extra["alpha"], d, c)
         row.extra.update(c=c, predicted_vs_autoregressive=predicted,
                          measured_over_predicted=measured / predicted)  # fmt: skip
