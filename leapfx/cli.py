@@ -63,7 +63,7 @@ def _bench(args: argparse.Namespace) -> int:
     prompts = bench_prompts(
         tokenizer, count=args.prompts, num_tokens=args.prompt_tokens, device=args.device
     )
-    quiet = args.quiet
+    quiet = not _progress(args)
     exit_layer, d = args.exit_layer, args.num_speculations
     threshold = args.confidence_threshold
     if args.model is None and args.recipe == "layerskip" and not args.auto:
@@ -160,6 +160,17 @@ DEFAULT_SPECULATIONS = 6  # --num-speculations: the layerskip recipe's default a
 REFERENCE_LAYERSKIP = {"exit_layer": 6, "num_speculations": 4}
 # ... and the threshold of its leapfx_layerskip_dynamic row (README: eta for the layerskip drafts).
 REFERENCE_LAYERSKIP_THRESHOLD = 0.5
+
+
+def _progress(args: argparse.Namespace) -> bool:
+    """Progress bars (on stderr): ``--progress``/``--no-progress``/``--quiet``, else only when
+    stderr is a terminal, so a log of ``leapfx bench > log 2>&1`` holds the report, not bars."""
+    if args.quiet:
+        return False
+    if args.progress is not None:
+        return args.progress
+    isatty = getattr(sys.stderr, "isatty", None)
+    return bool(isatty and isatty())
 
 
 def _calibration_kernels(model, kernels: bool | None) -> bool:
@@ -303,7 +314,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--sweep-exit-layers", default=None, help="e.g. 2,3,4,6")
     bench.add_argument("--sweep-speculations", default="1,2,3,4,6,8")
     bench.add_argument("--auto", action="store_true", help="pick E and d by calibration")
-    bench.add_argument("--quiet", action="store_true", help="no progress bars")
+    bench.add_argument("--quiet", action="store_true", help="no progress bars (= --no-progress)")
+    bench.add_argument(
+        "--progress", action=argparse.BooleanOptionalAction, default=None,
+        help="progress bars on stderr (default: only when stderr is a terminal)",
+    )  # fmt: skip
     bench.set_defaults(func=_bench)
 
     export = sub.add_parser("export", help="export a recipe's stages to ONNX (+ manifest)")

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
 from .. import rewrite
+from .harness import progress_bar
 
 
 def predicted_speedup(alpha: float, d: int, c: float) -> float:
@@ -78,7 +78,7 @@ def calibrate(
     )
     grid = [(e, d) for e in exit_layers for d in speculations]
     out = []
-    for e, d in tqdm(grid, desc="sweep", unit="cfg", disable=not progress):
+    for e, d in progress_bar(grid, desc="sweep", unit="cfg", enabled=progress):
         sm = rewrite.apply(
             model, "layerskip", exit_layer=e, num_speculations=d, cpu_kernels=cpu_kernels
         )
