@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import io
 import json
 import os
+import shlex
 import sys
 
 
@@ -151,6 +154,55 @@ def _bench(args: argparse.Namespace) -> int:
             by_exit[c.exit_layer] = max(by_exit.get(c.exit_layer, 0.0), c.acceptance_rate)
         write_plot(args.plot, rows, by_exit)
     return 0
+
+
+def _bench_and_report(args: argparse.Namespace) -> int:
+    """``leapfx bench``, and with ``--markdown PATH`` what it printed written into PATH as well.
+
+    The report is taken from stdout as printed (a tee), so the page holds exactly what a reader
+    of the terminal saw, every line the bench prints included, with nothing copied by hand.
+    """
+    import torch
+
+    from .bench.report import check_markdown_target, markdown_block, write_markdown
+
+    targets = args.markdown or []
+    for path in targets:
+        check_markdown_target(path)
+    if not targets:
+        return _bench(args)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(_Tee(sys.stdout, printed)):
+        code = _bench(args)
+    if code == 0:
+        command = shlex.join(["leapfx", *args.argv])
+        block = markdown_block(
+            printed.getvalue(), command=command, device=args.device,
+            threads=torch.get_num_threads(),
+        )  # fmt: skip
+        for path in targets:
+            write_markdown(path, block)
+            print(f"leapfx bench: report written into {path}", file=sys.stderr)
+    return code
+
+
+class _Tee(io.TextIOBase):
+    """A text stream writing to two others (stdout and the ``--markdown`` buffer)."""
+
+    def __init__(self, *streams) -> None:
+        self.streams = streams
+
+    def write(self, text: str) -> int:
+        for stream in self.streams:
+            stream.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        for stream in self.streams:
+            stream.flush()
+
+    def isatty(self) -> bool:
+        return self.streams[0].isatty()
 
 
 CPU_KERNELS = {"auto": None, "on": True, "off": False}  # --cpu-kernels -> BenchConfig
@@ -310,6 +362,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     bench.add_argument("--json", default=None, help="write the rows as JSON to this path")
     bench.add_argument("--plot", default=None, help="write a PNG to this path")
+    bench.add_argument(
+        "--markdown", action="append", default=None, metavar="PATH",
+        help="also write the report, headed by the command, date, machine and versions, into "
+        "PATH between its <!-- bench:begin --> and <!-- bench:end --> lines (a new PATH: the "
+        "block alone); repeatable, e.g. --markdown README.md --markdown docs/benchmarks.md",
+    )  # fmt: skip
     bench.add_argument("--sweep", action="store_true", help="grid of exit layer x speculations")
     bench.add_argument("--sweep-exit-layers", default=None, help="e.g. 2,3,4,6")
     bench.add_argument("--sweep-speculations", default="1,2,3,4,6,8")
@@ -319,7 +377,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--progress", action=argparse.BooleanOptionalAction, default=None,
         help="progress bars on stderr (default: only when stderr is a terminal)",
     )  # fmt: skip
-    bench.set_defaults(func=_bench)
+    bench.set_defaults(func=_bench_and_report)
 
     export = sub.add_parser("export", help="export a recipe's stages to ONNX (+ manifest)")
     export.add_argument("--model", default=None, help="local HF checkpoint (default: reference)")
@@ -359,7 +417,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv  # the command line as typed, for reports that name it (bench --markdown)
     try:
         return args.func(args)
     except ValueError as exc:  # bad user input: one line, no traceback
