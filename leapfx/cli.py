@@ -70,7 +70,7 @@ def _bench(args: argparse.Namespace) -> int:
     exit_layer, d = args.exit_layer, args.num_speculations
     threshold = args.confidence_threshold
     if args.model is None and args.recipe == "layerskip" and not args.auto:
-        # The shipped model's setting (README: the best of `leapfx bench --sweep`).
+        # The shipped model's setting (docs/benchmarks.md: the best of `leapfx bench --sweep`).
         exit_layer = REFERENCE_LAYERSKIP["exit_layer"] if exit_layer is None else exit_layer
         d = REFERENCE_LAYERSKIP["num_speculations"] if d is None else d
         if (args.exit_layer, args.num_speculations) != (exit_layer, d):
@@ -208,9 +208,9 @@ class _Tee(io.TextIOBase):
 CPU_KERNELS = {"auto": None, "on": True, "off": False}  # --cpu-kernels -> BenchConfig
 DEFAULT_SPECULATIONS = 6  # --num-speculations: the layerskip recipe's default and Kangaroo's gamma
 # `leapfx bench` on the shipped model without --exit-layer / --num-speculations (layerskip):
-# the setting `leapfx bench --sweep` measured best there (README, "Measured").
+# the setting `leapfx bench --sweep` measured best there (docs/benchmarks.md, History).
 REFERENCE_LAYERSKIP = {"exit_layer": 6, "num_speculations": 4}
-# ... and the threshold of its leapfx_layerskip_dynamic row (README: eta for the layerskip drafts).
+# ... and the threshold of its leapfx_layerskip_dynamic row (docs/benchmarks.md: eta 0.5 best).
 REFERENCE_LAYERSKIP_THRESHOLD = 0.5
 
 

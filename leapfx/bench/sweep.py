@@ -106,7 +106,7 @@ def choose(calibrations: list[Calibration]) -> Calibration:
     """The (E, d) with the best measured speedup over ``leapfx_autoregressive`` (``--auto``).
 
     Measured, not predicted: the formula assumes a verify pass costs one autoregressive step,
-    which on a CPU it does not (see the README), and a short calibration's alpha is noisy, so
+    which on a CPU it does not (docs/benchmarks.md), and a short calibration's alpha is noisy, so
     the predicted best was often a poor setting in practice (on the reference model it picked
     E = 2, d = 6, which then ran 0.94x). Calibrations without a measurement fall back to the
     prediction.
