@@ -1,9 +1,10 @@
 """Train the project's reference model (a 16-layer LayerSkip Llama on the Python stdlib).
 
-    python examples/train_reference.py runs/reference --minutes 58 --threads 1
+    python examples/train_reference.py runs/reference --minutes 50 --threads 2 --distill-minutes 10
 
-(the shipped model's command; the defaults are its settings: bytes, 8 x 256 tokens a step, the
-early-exit loss at every layer). On a GPU, with another Python, on this corpus (a copy of the
+(the shipped model's command, the same as ``leapfx train-reference``; the defaults are its
+settings: bytes, 8 x 256 tokens a step, the early-exit loss at every layer; see
+docs/training.md). On a GPU, with another Python, on this corpus (a copy of the
 stdlib folder the shipped model was trained on)::
 
     python examples/train_reference.py runs/reference-gpu --device cuda --corpus-root .stdlib311

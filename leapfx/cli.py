@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import io
 import json
 import os
+import shlex
 import sys
 
 
@@ -63,11 +66,11 @@ def _bench(args: argparse.Namespace) -> int:
     prompts = bench_prompts(
         tokenizer, count=args.prompts, num_tokens=args.prompt_tokens, device=args.device
     )
-    quiet = args.quiet
+    quiet = not _progress(args)
     exit_layer, d = args.exit_layer, args.num_speculations
     threshold = args.confidence_threshold
     if args.model is None and args.recipe == "layerskip" and not args.auto:
-        # The shipped model's setting (README: the best of `leapfx bench --sweep`).
+        # The shipped model's setting (docs/benchmarks.md: the best of `leapfx bench --sweep`).
         exit_layer = REFERENCE_LAYERSKIP["exit_layer"] if exit_layer is None else exit_layer
         d = REFERENCE_LAYERSKIP["num_speculations"] if d is None else d
         if (args.exit_layer, args.num_speculations) != (exit_layer, d):
@@ -161,14 +164,74 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_and_report(args: argparse.Namespace) -> int:
+    """``leapfx bench``, and with ``--markdown PATH`` what it printed written into PATH as well.
+
+    The report is taken from stdout as printed (a tee), so the page holds exactly what a reader
+    of the terminal saw, every line the bench prints included, with nothing copied by hand.
+    """
+    import torch
+
+    from .bench.report import check_markdown_target, markdown_block, write_markdown
+
+    targets = args.markdown or []
+    for path in targets:
+        check_markdown_target(path)
+    if not targets:
+        return _bench(args)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(_Tee(sys.stdout, printed)):
+        code = _bench(args)
+    if code == 0:
+        command = shlex.join(["leapfx", *args.argv])
+        block = markdown_block(
+            printed.getvalue(), command=command, device=args.device,
+            threads=torch.get_num_threads(),
+        )  # fmt: skip
+        for path in targets:
+            write_markdown(path, block)
+            print(f"leapfx bench: report written into {path}", file=sys.stderr)
+    return code
+
+
+class _Tee(io.TextIOBase):
+    """A text stream writing to two others (stdout and the ``--markdown`` buffer)."""
+
+    def __init__(self, *streams) -> None:
+        self.streams = streams
+
+    def write(self, text: str) -> int:
+        for stream in self.streams:
+            stream.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        for stream in self.streams:
+            stream.flush()
+
+    def isatty(self) -> bool:
+        return self.streams[0].isatty()
+
+
 CPU_KERNELS = {"auto": None, "on": True, "off": False}  # --cpu-kernels -> BenchConfig
 EXPORT_DTYPES = ("float32", "float16")  # leapfx export --dtype
 DEFAULT_SPECULATIONS = 6  # --num-speculations: the layerskip recipe's default and Kangaroo's gamma
 # `leapfx bench` on the shipped model without --exit-layer / --num-speculations (layerskip):
-# the setting `leapfx bench --sweep` measured best there (README, "Measured").
+# the setting `leapfx bench --sweep` measured best there (docs/benchmarks.md, History).
 REFERENCE_LAYERSKIP = {"exit_layer": 6, "num_speculations": 4}
-# ... and the threshold of its leapfx_layerskip_dynamic row (README: eta for the layerskip drafts).
+# ... and the threshold of its leapfx_layerskip_dynamic row (docs/benchmarks.md: eta 0.5 best).
 REFERENCE_LAYERSKIP_THRESHOLD = 0.5
+
+
+def _progress(args: argparse.Namespace) -> bool:
+    """Progress bars (on stderr): ``--progress``/``--no-progress``/``--quiet``, else only when
+    stderr is a terminal, so a log of ``leapfx bench > log 2>&1`` holds the report, not bars."""
+    if args.quiet:
+        return False
+    if args.progress is not None:
+        return args.progress
+    isatty = getattr(sys.stderr, "isatty", None)
+    return bool(isatty and isatty())
 
 
 def _calibration_kernels(model, kernels: bool | None) -> bool:
@@ -315,12 +378,22 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     bench.add_argument("--json", default=None, help="write the rows as JSON to this path")
     bench.add_argument("--plot", default=None, help="write a PNG to this path")
+    bench.add_argument(
+        "--markdown", action="append", default=None, metavar="PATH",
+        help="also write the report, headed by the command, date, machine and versions, into "
+        "PATH between its <!-- bench:begin --> and <!-- bench:end --> lines (a new PATH: the "
+        "block alone); repeatable, e.g. --markdown README.md --markdown docs/benchmarks.md",
+    )  # fmt: skip
     bench.add_argument("--sweep", action="store_true", help="grid of exit layer x speculations")
     bench.add_argument("--sweep-exit-layers", default=None, help="e.g. 2,3,4,6")
     bench.add_argument("--sweep-speculations", default="1,2,3,4,6,8")
     bench.add_argument("--auto", action="store_true", help="pick E and d by calibration")
-    bench.add_argument("--quiet", action="store_true", help="no progress bars")
-    bench.set_defaults(func=_bench)
+    bench.add_argument("--quiet", action="store_true", help="no progress bars (= --no-progress)")
+    bench.add_argument(
+        "--progress", action=argparse.BooleanOptionalAction, default=None,
+        help="progress bars on stderr (default: only when stderr is a terminal)",
+    )  # fmt: skip
+    bench.set_defaults(func=_bench_and_report)
 
     export = sub.add_parser("export", help="export a recipe's stages to ONNX (+ manifest)")
     export.add_argument("--model", default=None, help="local HF checkpoint (default: reference)")
@@ -365,7 +438,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv  # the command line as typed, for reports that name it (bench --markdown)
     try:
         return args.func(args)
     except ValueError as exc:  # bad user input: one line, no traceback

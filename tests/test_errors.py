@@ -55,6 +55,24 @@ def test_batch_larger_than_one(model):
         sm.generate(torch.ones(2, 4, dtype=torch.long), max_new_tokens=3)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int16, torch.bool])
+def test_input_ids_of_a_non_index_dtype(model, dtype):
+    # The check both backends share (runtime.decode.check_prompt): without it the embedding
+    # raised a bare RuntimeError about 'indices' that did not name input_ids.
+    sm = rewrite.apply(model, "layerskip", exit_layer=2)
+    pattern = rf"input_ids: dtype {dtype} is invalid; allowed: .*torch.int64 .*torch.int32"
+    with pytest.raises(ValueError, match=pattern):
+        sm.generate(torch.ones(1, 4, dtype=dtype), max_new_tokens=3)
+
+
+def test_input_ids_int32_decodes_like_int64(model):
+    sm = rewrite.apply(model, "layerskip", exit_layer=2)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    out = sm.generate(ids.int(), max_new_tokens=6)
+    assert out.dtype == torch.int32
+    assert torch.equal(out.long(), sm.generate(ids, max_new_tokens=6))
+
+
 def test_prompt_longer_than_the_cache(model):
     sm = rewrite.apply(model, "layerskip", exit_layer=2, max_cache_len=16)
     with pytest.raises(ValueError, match=r"max_cache_len: .*need 32 cache positions.*is 16"):

@@ -1,8 +1,8 @@
 """Benchmarks: ``leapfx bench`` runs HF and leapfx systems side by side on one model.
 
 The default model is the project's reference model, shipped in ``leapfx/assets/reference``
-(trained by ``leapfx train-reference``; see the README for its numbers). Prompts are the first
-tokens of held-out Python standard-library functions.
+(trained by ``leapfx train-reference``; its model card is ``assets/reference/README.md``).
+Prompts are the first tokens of held-out Python standard-library functions.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 REFERENCE_MODEL = Path(__file__).resolve().parent.parent / "assets" / "reference"
-REFERENCE_ADAPTER = REFERENCE_MODEL / "kangaroo_adapter"  # trained with sm.fit, see README
+REFERENCE_ADAPTER = REFERENCE_MODEL / "kangaroo_adapter"  # trained with sm.fit, see its model card
 
 
 def load_model(path: str | Path | None = None, *, device: str = "cpu"):

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import math
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -294,6 +295,19 @@ def _backend(config: BenchConfig, backend: str):
     return export
 
 
+def progress_bar(iterable=None, *, enabled: bool, **kwargs) -> tqdm:
+    """A tqdm bar on stderr, never stdout, which holds the report.
+
+    What was printed before the bar is flushed first: with stdout and stderr sent to one file,
+    stdout's block buffer would otherwise land after the bar's lines. Callers close the bar before
+    the report is printed, so the report follows every bar. Whether bars show at all is the
+    caller's choice (the CLI: only when stderr is a terminal, unless ``--progress``).
+    """
+    if enabled:
+        sys.stdout.flush()
+    return tqdm(iterable, file=sys.stderr, disable=not enabled, **kwargs)
+
+
 def repeated_4gram_share(new_tokens: list[int]) -> float:
     """Share of the output's 4-grams that already occurred earlier in the same output."""
     grams = [tuple(new_tokens[i : i + 4]) for i in range(len(new_tokens) - 3)]
@@ -325,7 +339,7 @@ def run_bench(
     passes = config.warmup + config.repeats
     times: dict[str, list[float]] = {s.name: [] for s in systems}
     first: dict[str, SystemRun] = {}
-    bar = tqdm(total=passes * len(systems), desc="bench", unit="run", disable=not progress)
+    bar = progress_bar(total=passes * len(systems), desc="bench", unit="run", enabled=progress)
     for p in range(passes):
         k = p % len(systems)
         for system in systems[k:] + systems[:k]:  # rotate the order every pass

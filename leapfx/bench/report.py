@@ -1,9 +1,19 @@
-"""Report of a bench run: the table, ``--json`` rows and the ``--plot`` PNG."""
+"""Report of a bench run: the table, ``--json`` rows, the ``--plot`` PNG and ``--markdown``.
+
+``--markdown PATH`` keeps results pages regenerated rather than hand-copied: the report the bench
+printed goes into PATH between two marker lines, headed by the command, the date, the machine and
+the library versions. A PATH that exists must already hold the markers (README.md and
+docs/benchmarks.md do); only the text between them is replaced. A new PATH is written as the
+block alone, markers included, so it can be regenerated the same way.
+"""
 
 from __future__ import annotations
 
+import datetime
+import importlib.metadata
 import json
 import os
+import platform
 import tempfile
 from pathlib import Path
 
@@ -87,3 +97,101 @@ def write_plot(path: str | Path, rows: list[Row], acceptance_by_exit: dict[int, 
     fig.savefig(tmp, dpi=110)
     plt.close(fig)
     os.replace(tmp, path)
+
+
+MARKDOWN_BEGIN = "<!-- bench:begin -->"
+MARKDOWN_END = "<!-- bench:end -->"
+
+
+def machine(device: str = "cpu", threads: int | None = None) -> str:
+    """What ran the bench, in words: the GPU's name, or the CPU model and its core count."""
+    import torch
+
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name(torch.device(device))} (CUDA {torch.version.cuda})"
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next(
+                line.split(":", 1)[1].strip() for line in f if line.startswith("model name")
+            )
+    except (OSError, StopIteration):
+        pass
+    used = f", {threads} torch threads" if threads is not None else ""
+    return f"{name}, {os.cpu_count()} cores{used}, no GPU used"
+
+
+def versions() -> str:
+    """Versions of the libraries the bench's numbers depend on."""
+    parts = []
+    for dist in ("torch", "transformers", "onnxruntime"):
+        try:
+            parts.append(f"{dist} {importlib.metadata.version(dist)}")
+        except importlib.metadata.PackageNotFoundError:
+            parts.append(f"{dist} not installed")
+    return ", ".join(parts) + f", Python {platform.python_version()}"
+
+
+def markdown_block(
+    report: str,
+    *,
+    command: str,
+    device: str = "cpu",
+    threads: int | None = None,
+    when: datetime.datetime | None = None,
+) -> str:
+    """The ``--markdown`` block: markers, a header line, the command and the printed report."""
+    when = when or datetime.datetime.now(datetime.timezone.utc)
+    header = (
+        f"Measured {when:%Y-%m-%d %H:%M} UTC on {machine(device, threads)}; {versions()}. "
+        "Written by `leapfx bench --markdown`, not by hand."
+    )
+    fence = "`" * max(3, _longest_backtick_run(report) + 1)
+    return "\n".join([
+        MARKDOWN_BEGIN, header, "", "```bash", command, "```", "", fence + "text",
+        report.rstrip("\n"), fence, MARKDOWN_END,
+    ])  # fmt: skip
+
+
+def _longest_backtick_run(text: str) -> int:
+    run = best = 0
+    for ch in text:
+        run = run + 1 if ch == "`" else 0
+        best = max(best, run)
+    return best
+
+
+def check_markdown_target(path: str | Path) -> None:
+    """Refuse, before a long run, a PATH that ``write_markdown`` could not update."""
+    path = Path(path)
+    if not path.parent.is_dir():
+        raise ValueError(f"--markdown: the directory of {str(path)!r} does not exist")
+    if path.exists():
+        _split_at_markers(path.read_text(), path)
+
+
+def _split_at_markers(text: str, path: Path) -> tuple[str, str]:
+    if text.count(MARKDOWN_BEGIN) != 1 or text.count(MARKDOWN_END) != 1:
+        raise ValueError(
+            f"--markdown: {str(path)!r} exists but does not hold one {MARKDOWN_BEGIN} line and "
+            f"one {MARKDOWN_END} line after it; allowed: a new file, or one with both markers "
+            "(the block between them is replaced)"
+        )
+    head, rest = text.split(MARKDOWN_BEGIN)
+    if MARKDOWN_END not in rest:
+        raise ValueError(
+            f"--markdown: in {str(path)!r} {MARKDOWN_END} comes before {MARKDOWN_BEGIN}"
+        )
+    return head, rest.split(MARKDOWN_END, 1)[1]
+
+
+def write_markdown(path: str | Path, block: str) -> None:
+    """Put ``block`` between the markers of ``path`` (or write it as a new file), atomically."""
+    path = Path(path)
+    check_markdown_target(path)
+    if path.exists():
+        head, tail = _split_at_markers(path.read_text(), path)
+        text = head + block + tail
+    else:
+        text = block + "\n"
+    write_atomic(path, text.encode())

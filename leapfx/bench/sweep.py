@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
 from .. import rewrite
+from .harness import progress_bar
 
 
 def predicted_speedup(alpha: float, d: int, c: float) -> float:
@@ -78,7 +78,7 @@ def calibrate(
     )
     grid = [(e, d) for e in exit_layers for d in speculations]
     out = []
-    for e, d in tqdm(grid, desc="sweep", unit="cfg", disable=not progress):
+    for e, d in progress_bar(grid, desc="sweep", unit="cfg", enabled=progress):
         sm = rewrite.apply(
             model, "layerskip", exit_layer=e, num_speculations=d, cpu_kernels=cpu_kernels
         )
@@ -106,7 +106,7 @@ def choose(calibrations: list[Calibration]) -> Calibration:
     """The (E, d) with the best measured speedup over ``leapfx_autoregressive`` (``--auto``).
 
     Measured, not predicted: the formula assumes a verify pass costs one autoregressive step,
-    which on a CPU it does not (see the README), and a short calibration's alpha is noisy, so
+    which on a CPU it does not (docs/benchmarks.md), and a short calibration's alpha is noisy, so
     the predicted best was often a poor setting in practice (on the reference model it picked
     E = 2, d = 6, which then ran 0.94x). Calibrations without a measurement fall back to the
     prediction.

@@ -17,7 +17,8 @@ So a stage has one shape per token count: the draft step and an autoregressive s
 one token; prefill sees the prompt length (compiled once with a dynamic length) and verify sees
 ``c`` cached exit states plus the last draft. Kangaroo's dynamic drafting varies ``c``: verify is
 compiled with ``c`` dynamic (``dynamic_verify=True``, the default) or once per ``c``
-(``dynamic_verify=False``); ``leapfx bench --backend inductor`` measures both (see README).
+(``dynamic_verify=False``); ``leapfx bench --backend inductor`` measures both (see
+docs/benchmarks.md).
 
 The Python-int lengths of the cache are still kept (the schedules crop by them and the eager
 stages write at them): after a call each cache layer advances by the tokens its group ran.

@@ -19,6 +19,9 @@ from .sampling import SamplingParams
 from .schedules import DecodeRequest
 
 CACHE_ROUNDING = 256  # auto-sized caches grow in steps of this many positions
+# Token id dtypes a prompt may have: what torch's embedding takes (HF's own generate refuses the
+# rest from deep inside the embedding, with a RuntimeError that does not name input_ids).
+TOKEN_ID_DTYPES = (torch.int64, torch.int32)
 
 
 def check_prompt(
@@ -30,6 +33,11 @@ def check_prompt(
         raise ValueError(
             "input_ids: expected a LongTensor of shape [batch, seq], "
             f"got {shape or type(input_ids).__name__}"
+        )
+    if input_ids.dtype not in TOKEN_ID_DTYPES:
+        raise ValueError(
+            f"input_ids: dtype {input_ids.dtype} is invalid; allowed: integer token ids of dtype "
+            "torch.int64 (long) or torch.int32 (e.g. tokenizer(text, return_tensors='pt'))"
         )
     if input_ids.shape[0] != 1:
         raise ValueError(

@@ -40,7 +40,7 @@ on the benchmark that is agreement on the model's own output, half of which repe
 output already holds. Eq. 5 trains each exit on the labels; the second phase trains it on the
 last layer's whole distribution instead (``exit_distill=1``: KL from the detached last layer),
 with no layer dropout, the exit after 6 layers (the benchmarks' E) at 18% of the early-exit loss,
-a fresh AdamW at a peak LR of 3e-4, the last layer still on the labels. Measured (session 6,
+a fresh AdamW at a peak LR of 3e-4, the last layer still on the labels. Measured (2026-11-22,
 finetuning the previous shipped model 12 minutes on one thread, 392 steps): layerskip
 acceptance alpha at E = 6, d = 4 over 32 bench prompts 0.830 -> 0.857, held-out agreement at
 E = 6 74.8% -> 80.9%, the share of repeated 4-grams in the outputs unchanged (46% -> 45%), the
