@@ -258,3 +258,61 @@ def test_differing_prompts_are_located_and_explained(checkpoint, monkeypatch):
     assert diff["prompt"] == 1 and diff["new_token"] == 3
     assert diff["near_tie"] is False and diff["logit_gap"] > diff["tolerance"]
     assert "1/2 (1 NOT a tie)" in table(rows)
+
+
+def test_random_model_sizes_are_documented_shapes():
+    # Counted on the meta device: a 0.5B model is never built in CI.
+    from leapfx.bench.random_model import parameter_count, random_config
+
+    c = random_config("0.5b")
+    assert (c.num_hidden_layers, c.hidden_size, c.num_attention_heads,
+            c.num_key_value_heads, c.head_dim) == (16, 1536, 12, 4, 128)  # fmt: skip
+    assert c.eos_token_id is None  # every run generates max_new_tokens
+    assert parameter_count("0.5b") == 501_007_872
+    assert parameter_count("1b") == 1_104_218_112
+    with pytest.raises(ValueError, match="--random-model: '7b' is invalid; allowed: tiny, 0.5b"):
+        random_config("7b")
+
+
+def test_random_model_is_seeded_and_takes_a_dtype():
+    from leapfx.bench.random_model import random_model
+
+    a, tok = random_model("tiny", dtype="bfloat16")
+    b, _ = random_model("tiny", dtype=torch.bfloat16)
+    assert next(a.parameters()).dtype == torch.bfloat16
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters(), strict=True))
+    assert max(tok("def f(x):")["input_ids"]) < a.config.vocab_size
+    with pytest.raises(ValueError, match="--dtype: 'fp8' is invalid; allowed: float32, bfloat16"):
+        random_model("tiny", dtype="fp8")
+
+
+def test_cli_random_model_runs_throughput_rows_only(tmp_path, capsys):
+    out = tmp_path / "rows.json"
+    code = main([
+        "bench", "--random-model", "tiny", "--dtype", "bfloat16", "--prompts", "2",
+        "--prompt-tokens", "8", "--max-new-tokens", "8", "--repeats", "1", "--warmup", "0",
+        "--quiet", "--json", str(out),
+    ])  # fmt: skip
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "random model tiny: Llama-shaped, random weights" in printed
+    assert "Throughput only" in printed
+    rows = json.loads(out.read_text())
+    assert [r["system"] for r in rows] == ["hf_greedy", "hf_static", "leapfx_autoregressive"]
+    run = rows[0]["run"]
+    assert (run["model"], run["dtype"], run["throughput_only"]) == ("random:tiny", "bfloat16", True)
+    for r in rows[1:]:  # bf16: equal, or every difference located and judged
+        assert r["identical_prompts"] + len(r.get("differences", [])) == 2
+
+
+def test_random_model_refuses_what_needs_acceptance(capsys):
+    argv = ["bench", "--random-model", "tiny", "--sweep"]
+    _one_line_error(argv, capsys, "--sweep: not with --random-model tiny")
+    argv = ["bench", "--random-model", "tiny", "--model", "x"]
+    _one_line_error(argv, capsys, "--model: not with --random-model tiny")
+
+
+def test_load_model_dtype(checkpoint):
+    model, _ = load_model(checkpoint, dtype="float16")
+    assert next(model.parameters()).dtype == torch.float16
+    assert next(load_model(checkpoint)[0].parameters()).dtype == torch.float32  # CPU default

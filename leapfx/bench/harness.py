@@ -70,6 +70,9 @@ class BenchConfig:
     repeats: int = 3
     warmup: int = 1
     hf_baselines: bool = True
+    # Only the systems whose speed does not depend on acceptance (hf_greedy, hf_static,
+    # leapfx_autoregressive on each backend): a model with random weights (--random-model).
+    throughput_only: bool = False
 
     def validate(self) -> BenchConfig:
         checks = [
@@ -184,6 +187,7 @@ def build_systems(model: nn.Module, config: BenchConfig, generator_seed: int = 0
     probability is <= the threshold.
     With several backends (``--backend eager,inductor``) every leapfx system runs once per
     backend, named ``<system>@<backend>``, so backends compare side by side in one run.
+    ``throughput_only`` keeps hf_greedy, hf_static and leapfx_autoregressive (per backend).
     """
     d = config.num_speculations
     layerskip_opts = {"num_speculations": d}
@@ -211,6 +215,7 @@ def build_systems(model: nn.Module, config: BenchConfig, generator_seed: int = 0
         systems.append(System(baseline_name(config), hf()))
         systems.append(System("hf_static", hf(cache_implementation="static"),
                               info={"hf_compiled": hf_compiles_static(model)}))  # fmt: skip
+    if config.hf_baselines and not config.throughput_only:
         assistant = hf(
             assistant_early_exit=exit_layer,
             num_assistant_tokens=d,
@@ -241,6 +246,8 @@ def build_systems(model: nn.Module, config: BenchConfig, generator_seed: int = 0
             return System(name + suffix, run, lambda: sm.last_metrics, lossless=lossless, info=info)
 
         systems.append(ours("leapfx_autoregressive", rewrite.apply(model, "autoregressive")))
+        if config.throughput_only:
+            continue
         early = rewrite.apply(model, "early_exit", exit_layer=exit_layer)
         systems.append(ours("leapfx_early_exit", early, lossless=False))
         if config.recipe in ("layerskip", "kangaroo"):
