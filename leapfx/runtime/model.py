@@ -248,7 +248,10 @@ class SpeculativeModel:
         Greedy output is token-identical to ``hf_model.generate(input_ids, do_sample=False)``
         for lossless recipes; with ``do_sample=True`` it has the same distribution as HF
         sampling with the same temperature/top_k/top_p. Pass a ``torch.Generator`` for
-        reproducible sampling. Metrics land in ``self.last_metrics``.
+        reproducible sampling. Metrics land in ``self.last_metrics``. Exactly so in float32 and
+        float64; in bfloat16/float16 or on a GPU a verify pass over several positions rounds
+        differently from one-token steps and may resolve a near tie between the top two logits
+        the other way (``leapfx.bench.ties`` measures it; see docs/gpu.md).
         """
         check_prompt(input_ids, attention_mask, self._hf_model.config.vocab_size)
         prompt = input_ids.to(self._layout.device)
