@@ -15,6 +15,7 @@ Example::
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,6 +32,8 @@ from .masks import SUPPORTED_ATTENTION
 from .metrics import DecodeMetrics
 from .runner import AttentionLayout, StageRunner
 from .schedules import DecodeRequest
+
+log = logging.getLogger(__name__)
 
 # A schedule: (runner, prompt [1, n], request, metrics) -> new token ids.
 Schedule = Callable[[StageRunner, torch.Tensor, DecodeRequest, DecodeMetrics], list[int]]
@@ -217,9 +220,22 @@ class SpeculativeModel:
         return self._cache_for(self._cache.max_len if self._cache else 1).max_len
 
     def _cache_for(self, needed: int) -> StaticKVCache:
+        """The model's one KV cache, reset, with room for ``needed`` positions.
+
+        Allocated once (at ``max_cache_len``, or ``needed`` rounded up) and reused by every
+        later call that fits, so its buffers keep their addresses (CUDA graphs replay on
+        them); a call that needs more than the allocated maximum reallocates it, and says so.
+        """
         fixed = getattr(self.options, "max_cache_len", None)
         size = cache_length(needed, fixed, self.recipe.lookahead)
         if self._cache is None or self._cache.max_len < size:
+            if self._cache is not None:
+                log.info(
+                    "KV cache: %d positions needed, %d allocated; reallocating %d (compiled "
+                    "stages specialised to the old length compile again; set max_cache_len "
+                    "to allocate the maximum once)",
+                    needed, self._cache.max_len, size,
+                )  # fmt: skip
             # Inference tensors, made the same way whoever asks (compile() or generate()):
             # compiled graphs guard on whether their inputs are inference tensors.
             with torch.inference_mode():
