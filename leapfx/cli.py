@@ -56,7 +56,10 @@ def _bench(args: argparse.Namespace) -> int:
         out = getattr(args, flag)
         if out is not None and not os.path.isdir(os.path.dirname(os.path.abspath(out))):
             raise ValueError(f"--{flag}: the directory of {out!r} does not exist")
-    model, tokenizer = load_model(args.model, device=args.device)
+    if args.random_model is not None:
+        model, tokenizer = _random_model(args)
+    else:
+        model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
     num_layers = model.config.num_hidden_layers
     if args.exit_layer is not None and not 1 <= args.exit_layer <= num_layers - 1:
         raise ValueError(
@@ -69,7 +72,8 @@ def _bench(args: argparse.Namespace) -> int:
     quiet = not _progress(args)
     exit_layer, d = args.exit_layer, args.num_speculations
     threshold = args.confidence_threshold
-    if args.model is None and args.recipe == "layerskip" and not args.auto:
+    reference = args.model is None and args.random_model is None
+    if reference and args.recipe == "layerskip" and not args.auto:
         # The shipped model's setting (docs/benchmarks.md: the best of `leapfx bench --sweep`).
         exit_layer = REFERENCE_LAYERSKIP["exit_layer"] if exit_layer is None else exit_layer
         d = REFERENCE_LAYERSKIP["num_speculations"] if d is None else d
@@ -108,8 +112,10 @@ def _bench(args: argparse.Namespace) -> int:
         confidence_threshold=threshold, backend=args.backend,
         cpu_kernels=kernels,
     )  # fmt: skip
+    config = dataclasses.replace(config, throughput_only=args.random_model is not None)
     rows = run_bench(model, prompts, config, progress=not quiet)
     print(table(rows))
+    _hf_static_line(rows)
     used = sorted({r.extra["cpu_kernels"] for r in rows if "cpu_kernels" in r.extra})
     if used:
         state = "on" if used == [True] else "off" if used == [False] else "mixed"
@@ -154,6 +160,9 @@ def _bench(args: argparse.Namespace) -> int:
         "repeats": args.repeats, "threads": torch.get_num_threads(), "device": args.device,
         "backend": args.backend, "cpu_kernels": args.cpu_kernels,
     }  # fmt: skip
+    meta["dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
+    if args.random_model is not None:
+        meta.update(model=f"random:{args.random_model}", throughput_only=True)
     if args.json:
         write_json(args.json, rows, meta)
     if args.plot:
@@ -234,6 +243,44 @@ def _progress(args: argparse.Namespace) -> bool:
     return bool(isatty and isatty())
 
 
+def _random_model(args: argparse.Namespace):
+    """--random-model: the model and tokenizer, after refusing what such a run cannot mean; prints
+    the run's header."""
+    from .bench.random_model import parameter_count, random_model
+
+    clashes = [("--model", args.model is not None), ("--adapter", args.adapter is not None),
+               ("--sweep", args.sweep), ("--auto", args.auto), ("--plot", args.plot)]  # fmt: skip
+    for flag, given in clashes:
+        if given:
+            raise ValueError(
+                f"{flag}: not with --random-model {args.random_model} (random weights: a "
+                "throughput run without speculation; allowed: --model without --random-model)"
+            )
+    count = parameter_count(args.random_model)  # validates the size before allocating
+    model, tokenizer = random_model(args.random_model, device=args.device, dtype=args.dtype)
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    print(
+        f"random model {args.random_model}: Llama-shaped, random weights (seed 0), "
+        f"{_millions(count)} parameters, {dtype} on {args.device}.\n"
+        "Throughput only: acceptance means nothing with random weights, so the rows are the "
+        "systems whose speed does not depend on it (hf_greedy, hf_static, leapfx_autoregressive "
+        "on each backend)."
+    )
+    return model, tokenizer
+
+
+def _millions(count: int) -> str:
+    return f"{count / 1e9:.2f}B" if count >= 1e8 else f"{count / 1e6:.2f}M"
+
+
+def _hf_static_line(rows) -> None:
+    static = next((r for r in rows if r.system == "hf_static"), None)
+    if static is not None:
+        how = ("its decode step compiled by HF" if static.extra.get("hf_compiled")
+               else "eager: HF compiles it only on a GPU")  # fmt: skip
+        print(f"hf_static: HF generate(cache_implementation='static'), {how}")
+
+
 def _calibration_kernels(model, kernels: bool | None) -> bool:
     """--sweep/--auto calibrate on eager stages, with the CPU kernels when the run uses them."""
     from .bench.harness import CPU_KERNELS_FLAG
@@ -251,7 +298,7 @@ def _adapter(args: argparse.Namespace) -> str | None:
         return None
     if args.adapter is not None:
         return args.adapter
-    if args.model is None and REFERENCE_ADAPTER.is_dir():
+    if args.model is None and args.random_model is None and REFERENCE_ADAPTER.is_dir():
         return str(REFERENCE_ADAPTER)
     return None
 
@@ -375,6 +422,15 @@ def build_parser() -> argparse.ArgumentParser:
         "(auto: on for a float32 model on a CPU when they build)",
     )  # fmt: skip
     bench.add_argument("--device", default="cpu")
+    bench.add_argument(
+        "--dtype", default=None,
+        help="float32 | bfloat16 | float16 (default: float32 on cpu, bfloat16 on cuda)",
+    )  # fmt: skip
+    bench.add_argument(
+        "--random-model", default=None, metavar="SIZE",
+        help="a Llama-shaped model with random weights instead of --model: tiny, 0.5b or 1b "
+        "(throughput rows only: hf_greedy, hf_static, leapfx_autoregressive)",
+    )  # fmt: skip
     bench.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     bench.add_argument("--json", default=None, help="write the rows as JSON to this path")
     bench.add_argument("--plot", default=None, help="write a PNG to this path")

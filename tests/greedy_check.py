@@ -5,14 +5,17 @@ logits tie within float error (a verify pass over several tokens sums in a diffe
 one-token steps). ``assert_greedy_equal`` accepts a divergence only at such a tie, as measured
 on the HF model's own full forward pass, reports it, and then requires the rest of our output to
 equal HF greedy continued from our choice (the tie-broken alternative). Anything else fails.
+The measurement (``logit_gap``, the per-dtype tolerance) lives in ``leapfx.bench.ties``, which
+the bench uses to explain its differences the same way.
 """
 
 from __future__ import annotations
 
 import torch
 from hypothesis import event, note
+from hypothesis.control import currently_in_test_context
 
-TIE_TOL = 1e-4  # |logit gap| below this (relative to the logit scale) counts as a float tie
+from leapfx.bench.ties import is_near_tie, logit_gap
 
 
 def hf_greedy(model, prompt: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
@@ -26,15 +29,10 @@ def hf_greedy(model, prompt: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
     )
 
 
-def _gap(model, prefix: torch.Tensor, a: int, b: int) -> tuple[float, float]:
-    with torch.no_grad():
-        logits = model(input_ids=prefix, use_cache=False).logits[0, -1].double()
-    return float((logits[a] - logits[b]).abs()), float(logits.abs().max())
-
-
 def assert_greedy_equal(model, ours: torch.Tensor, ref: torch.Tensor, prompt_len: int) -> int:
     """Assert ``ours`` equals HF greedy ``ref`` up to detected ties; returns the tie count."""
     ties = 0
+    dtype = next(model.parameters()).dtype
     while not torch.equal(ours, ref):
         n = min(ours.shape[1], ref.shape[1])
         diff = (ours[0, :n] != ref[0, :n]).nonzero()
@@ -46,15 +44,16 @@ def assert_greedy_equal(model, ours: torch.Tensor, ref: torch.Tensor, prompt_len
         t = int(diff[0])
         assert t >= prompt_len, "the prompt itself differs"
         a, b = int(ours[0, t]), int(ref[0, t])
-        gap, scale = _gap(model, ours[:, :t], a, b)
-        if gap > TIE_TOL * max(1.0, scale):
+        gap, scale = logit_gap(model, ours[:, :t], a, b)
+        if not is_near_tie(gap, scale, dtype):
             raise AssertionError(
                 f"greedy output differs at new token {t - prompt_len}: ours {a}, HF {b}, "
                 f"logit gap {gap:.3g} (not a tie)\nours {ours.tolist()}\nHF   {ref.tolist()}"
             )
         ties += 1
-        event("float tie between top logits (compared against the tie-broken alternative)")
-        note(f"tie at new token {t - prompt_len}: ours {a} vs HF {b}, gap {gap:.3g}")
+        if currently_in_test_context():  # hypothesis tests count and show them
+            event("float tie between top logits (compared against the tie-broken alternative)")
+            note(f"tie at new token {t - prompt_len}: ours {a} vs HF {b}, gap {gap:.3g}")
         remaining = ours.shape[1] - (t + 1)
         if remaining <= 0:
             break

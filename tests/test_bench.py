@@ -34,13 +34,20 @@ def test_run_bench_rows(checkpoint):
     rows = run_bench(model, prompts, config, progress=False)
     names = [r.system for r in rows]
     assert names == [
-        "hf_greedy", "hf_assistant_early_exit", "leapfx_autoregressive",
+        "hf_greedy", "hf_static", "hf_assistant_early_exit", "leapfx_autoregressive",
         "leapfx_early_exit", "leapfx_layerskip",
     ]  # fmt: skip
     by = {r.system: r for r in rows}
     assert by["hf_greedy"].speedup == 1.0
-    for name in ("hf_assistant_early_exit", "leapfx_autoregressive", "leapfx_layerskip"):
+    for name in ("hf_static", "hf_assistant_early_exit", "leapfx_autoregressive",
+                 "leapfx_layerskip"):  # fmt: skip
         assert by[name].identical_to_greedy is True
+        assert (by[name].identical_prompts, by[name].prompts) == (2, 2)
+        assert by[name].differences is None
+    static = by["hf_static"]
+    assert static.speedup_vs_static == 1.0 and static.extra["hf_compiled"] is False  # CPU
+    for r in rows:
+        assert r.speedup_vs_static == pytest.approx(r.tokens_per_second / static.tokens_per_second)
     assert 0.0 <= by["leapfx_early_exit"].agreement_with_greedy <= 1.0
     ls = by["leapfx_layerskip"]
     assert len(ls.ctar) == 3 and ls.mean_accepted_tokens >= 1.0
@@ -93,9 +100,17 @@ def test_cli_json_fields(checkpoint, tmp_path, capsys):
     assert code == 0
     rows = json.loads(out.read_text())
     assert {"system", "tokens_per_second", "speedup", "identical_to_greedy"} <= rows[-1].keys()
+    by = {r["system"]: r for r in rows}
+    assert by["hf_static"]["identical_to_greedy"] is True
+    assert by["hf_static"]["identical_prompts"] == 2 and by["hf_static"]["prompts"] == 2
+    assert by["hf_static"]["speedup_vs_static"] == 1.0
+    assert all("speedup_vs_static" in r for r in rows)
     assert {"mean_accepted_tokens", "acceptance_rate"} <= rows[-1].keys()
     assert rows[-1]["system"] == "leapfx_layerskip"
-    assert "leapfx_layerskip" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "leapfx_layerskip" in printed
+    assert re.search(r"hf_static .* 1\.00x .* 2/2", printed)
+    assert "vs static" in printed
 
 
 def _one_line_error(argv, capsys, pattern):
@@ -234,3 +249,95 @@ def test_reference_bench_defaults_to_its_measured_setting(tmp_path, capsys):
     assert [r["system"] for r in rows[-2:]] == ["leapfx_layerskip", "leapfx_layerskip_dynamic"]
     assert main([*argv, "--num-speculations", "2"]) == 0
     assert json.loads(out.read_text())[-1]["run"]["num_speculations"] == 2
+
+
+def test_differing_prompts_are_located_and_explained(checkpoint, monkeypatch):
+    # A "lossless" system that changes one token of the second prompt: the row says 1/2, and the
+    # JSON says where (new token 3) and that the gap there is no float tie.
+    from leapfx.bench import harness
+    from leapfx.bench.report import table
+
+    model, tok = load_model(checkpoint)
+    prompts = [torch.tensor([tok(t)["input_ids"]]) for t in ("import os\n", "def g(y):\n")]
+
+    def hf(prompt):
+        return model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                              max_new_tokens=6)  # fmt: skip
+
+    def broken(prompt):
+        out = hf(prompt).clone()
+        if prompt is prompts[1]:
+            t = prompt.shape[1] + 3
+            logits = model(out[:, :t]).logits[0, -1]
+            out[0, t] = int(logits.argsort()[0])  # the least likely token: far from a tie
+        return out
+
+    systems = [harness.System("hf_greedy", hf), harness.System("leapfx_broken", broken)]
+    monkeypatch.setattr(harness, "build_systems", lambda model, config: systems)
+    config = BenchConfig(max_new_tokens=6, repeats=1, warmup=0)
+    rows = run_bench(model, prompts, config, progress=False)
+    row = rows[1]
+    assert row.identical_to_greedy is False
+    assert (row.identical_prompts, row.prompts) == (1, 2)
+    [diff] = row.differences
+    assert diff["prompt"] == 1 and diff["new_token"] == 3
+    assert diff["near_tie"] is False and diff["logit_gap"] > diff["tolerance"]
+    assert "1/2 (1 NOT a tie)" in table(rows)
+
+
+def test_random_model_sizes_are_documented_shapes():
+    # Counted on the meta device: a 0.5B model is never built in CI.
+    from leapfx.bench.random_model import parameter_count, random_config
+
+    c = random_config("0.5b")
+    assert (c.num_hidden_layers, c.hidden_size, c.num_attention_heads,
+            c.num_key_value_heads, c.head_dim) == (16, 1536, 12, 4, 128)  # fmt: skip
+    assert c.eos_token_id is None  # every run generates max_new_tokens
+    assert parameter_count("0.5b") == 501_007_872
+    assert parameter_count("1b") == 1_104_218_112
+    with pytest.raises(ValueError, match="--random-model: '7b' is invalid; allowed: tiny, 0.5b"):
+        random_config("7b")
+
+
+def test_random_model_is_seeded_and_takes_a_dtype():
+    from leapfx.bench.random_model import random_model
+
+    a, tok = random_model("tiny", dtype="bfloat16")
+    b, _ = random_model("tiny", dtype=torch.bfloat16)
+    assert next(a.parameters()).dtype == torch.bfloat16
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters(), strict=True))
+    assert max(tok("def f(x):")["input_ids"]) < a.config.vocab_size
+    with pytest.raises(ValueError, match="--dtype: 'fp8' is invalid; allowed: float32, bfloat16"):
+        random_model("tiny", dtype="fp8")
+
+
+def test_cli_random_model_runs_throughput_rows_only(tmp_path, capsys):
+    out = tmp_path / "rows.json"
+    code = main([
+        "bench", "--random-model", "tiny", "--dtype", "bfloat16", "--prompts", "2",
+        "--prompt-tokens", "8", "--max-new-tokens", "8", "--repeats", "1", "--warmup", "0",
+        "--quiet", "--json", str(out),
+    ])  # fmt: skip
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "random model tiny: Llama-shaped, random weights" in printed
+    assert "Throughput only" in printed
+    rows = json.loads(out.read_text())
+    assert [r["system"] for r in rows] == ["hf_greedy", "hf_static", "leapfx_autoregressive"]
+    run = rows[0]["run"]
+    assert (run["model"], run["dtype"], run["throughput_only"]) == ("random:tiny", "bfloat16", True)
+    for r in rows[1:]:  # bf16: equal, or every difference located and judged
+        assert r["identical_prompts"] + len(r.get("differences", [])) == 2
+
+
+def test_random_model_refuses_what_needs_acceptance(capsys):
+    argv = ["bench", "--random-model", "tiny", "--sweep"]
+    _one_line_error(argv, capsys, "--sweep: not with --random-model tiny")
+    argv = ["bench", "--random-model", "tiny", "--model", "x"]
+    _one_line_error(argv, capsys, "--model: not with --random-model tiny")
+
+
+def test_load_model_dtype(checkpoint):
+    model, _ = load_model(checkpoint, dtype="float16")
+    assert next(model.parameters()).dtype == torch.float16
+    assert next(load_model(checkpoint)[0].parameters()).dtype == torch.float32  # CPU default

@@ -2,7 +2,8 @@
 
 The default model is the project's reference model, shipped in ``leapfx/assets/reference``
 (trained by ``leapfx train-reference``; its model card is ``assets/reference/README.md``).
-Prompts are the first tokens of held-out Python standard-library functions.
+Prompts are the first tokens of held-out Python standard-library functions. ``--random-model
+SIZE`` times a Llama-shaped model with random weights instead (``leapfx.bench.random_model``).
 """
 
 from __future__ import annotations
@@ -14,9 +15,36 @@ import torch
 REFERENCE_MODEL = Path(__file__).resolve().parent.parent / "assets" / "reference"
 REFERENCE_ADAPTER = REFERENCE_MODEL / "kangaroo_adapter"  # trained with sm.fit, see its model card
 
+# --dtype: the model's weights and compute dtype.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-def load_model(path: str | Path | None = None, *, device: str = "cpu"):
-    """Load a local HF checkpoint directory (float32 on CPU) and its tokenizer.
+
+def bench_device(device: str | torch.device) -> torch.device:
+    """``--device`` as a torch.device; ValueError for a bad name or a missing CUDA device."""
+    try:
+        dev = torch.device(device)
+    except RuntimeError as exc:
+        raise ValueError(f"--device: {device!r} is invalid ({exc})") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device: {device!r} requested but no CUDA device is available")
+    return dev
+
+
+def bench_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """``--dtype`` (a name of ``DTYPES`` or a torch dtype); None: float32 on a CPU, bfloat16
+    on an accelerator."""
+    if dtype is None:
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype: {dtype!r} is invalid; allowed: {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def load_model(path: str | Path | None = None, *, device: str = "cpu", dtype=None):
+    """Load a local HF checkpoint directory and its tokenizer, in ``dtype`` (see
+    :func:`bench_dtype`; default float32 on CPU, bfloat16 on a GPU).
 
     Raises ValueError with one line for a missing directory, a directory that is no HF
     checkpoint, or an architecture leapfx does not support.
@@ -31,13 +59,8 @@ def load_model(path: str | Path | None = None, *, device: str = "cpu"):
         raise ValueError(f"--model: {str(path)!r} is not a directory{hint}")
     if not (path / "config.json").is_file():
         raise ValueError(f"--model: {str(path)!r} has no config.json; expected a HF checkpoint")
-    try:
-        dev = torch.device(device)
-    except RuntimeError as exc:
-        raise ValueError(f"--device: {device!r} is invalid ({exc})") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device: {device!r} requested but no CUDA device is available")
-    dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
+    dev = bench_device(device)
+    dtype = bench_dtype(dtype, dev)
     try:
         config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
         model = transformers.AutoModelForCausalLM.from_config(config)  # architecture check first

@@ -3,6 +3,9 @@
 Every system decodes the same prompts with the same ``max_new_tokens`` and the same stop rule:
 
 - ``hf_greedy``                HF ``generate`` (the baseline, speedup 1.00x)
+- ``hf_static``                HF ``generate(cache_implementation="static")``: HF's strongest
+                               path; HF compiles the decode step itself on a GPU (on a CPU it
+                               runs eagerly). Every row's ``speedup_vs_static`` is against it.
 - ``hf_assistant_early_exit``  HF's own LayerSkip: ``generate(assistant_early_exit=E,
                                num_assistant_tokens=d)``, constant schedule
 - ``leapfx_autoregressive``    the leapfx runtime without speculation
@@ -13,6 +16,10 @@ Timing: one warm-up pass per system, then ``repeats`` timed passes; within a pas
 run in a rotated order so drift on a shared machine spreads over all of them. A system's time is
 the median over passes of its total time for all prompts, and tokens/s = new tokens / that time.
 Speedups are ratios of tokens/s measured in the same run.
+
+Greedy runs compare every lossless row with the baseline prompt by prompt (``identical n/m``);
+at the first differing token of each differing prompt the full model measures whether the two
+candidates were a near tie (``leapfx.bench.ties``): the row's ``differences`` in ``--json``.
 """
 
 from __future__ import annotations
@@ -64,6 +71,9 @@ class BenchConfig:
     repeats: int = 3
     warmup: int = 1
     hf_baselines: bool = True
+    # Only the systems whose speed does not depend on acceptance (hf_greedy, hf_static,
+    # leapfx_autoregressive on each backend): a model with random weights (--random-model).
+    throughput_only: bool = False
 
     def validate(self) -> BenchConfig:
         checks = [
@@ -108,7 +118,13 @@ class Row:
     mean_accepted_tokens: float | None = None
     acceptance_rate: float | None = None
     ctar: list[float] | None = None
-    identical_to_greedy: bool | None = None  # lossless systems, greedy runs
+    identical_to_greedy: bool | None = None  # lossless systems, greedy runs: every prompt
+    identical_prompts: int | None = None  # ... how many of ``prompts`` are token-identical
+    prompts: int | None = None
+    # ... per differing prompt: where the outputs part and whether it is a near-tie flip
+    # ({"prompt": i, **leapfx.bench.ties.first_difference(...)})
+    differences: list[dict] | None = None
+    speedup_vs_static: float | None = None  # tokens/s over hf_static's (when it ran)
     agreement_with_greedy: float | None = None  # lossy systems: share of equal tokens
     distribution_check: str | None = None  # sampling runs
     new_tokens: int = 0
@@ -172,6 +188,7 @@ def build_systems(model: nn.Module, config: BenchConfig, generator_seed: int = 0
     probability is <= the threshold.
     With several backends (``--backend eager,inductor``) every leapfx system runs once per
     backend, named ``<system>@<backend>``, so backends compare side by side in one run.
+    ``throughput_only`` keeps hf_greedy, hf_static and leapfx_autoregressive (per backend).
     """
     d = config.num_speculations
     layerskip_opts = {"num_speculations": d}
@@ -197,6 +214,9 @@ def build_systems(model: nn.Module, config: BenchConfig, generator_seed: int = 0
     systems = []
     if config.hf_baselines:
         systems.append(System(baseline_name(config), hf()))
+        systems.append(System("hf_static", hf(cache_implementation="static"),
+                              info={"hf_compiled": hf_compiles_static(model)}))  # fmt: skip
+    if config.hf_baselines and not config.throughput_only:
         assistant = hf(
             assistant_early_exit=exit_layer,
             num_assistant_tokens=d,
@@ -227,6 +247,8 @@ def build_systems(model: nn.Module, config: BenchConfig, generator_seed: int = 0
             return System(name + suffix, run, lambda: sm.last_metrics, lossless=lossless, info=info)
 
         systems.append(ours("leapfx_autoregressive", rewrite.apply(model, "autoregressive")))
+        if config.throughput_only:
+            continue
         early = rewrite.apply(model, "early_exit", exit_layer=exit_layer)
         systems.append(ours("leapfx_early_exit", early, lossless=False))
         if config.recipe in ("layerskip", "kangaroo"):
@@ -249,6 +271,16 @@ def build_systems(model: nn.Module, config: BenchConfig, generator_seed: int = 0
             systems.append(ours("leapfx_kangaroo_fixed", fixed))
             systems.append(ours("leapfx_kangaroo", dynamic))
     return systems
+
+
+def hf_compiles_static(model: nn.Module) -> bool:
+    """Whether HF ``generate`` compiles the decode step of a static-cache call on this model.
+
+    transformers 5 (``GenerationMixin._valid_auto_compile_criteria``) compiles it by itself
+    when the cache is compileable (a static one is) and the model sits on a CUDA, XPU, Neuron
+    or TPU device; on a CPU it runs eagerly unless the caller passes a ``CompileConfig``.
+    """
+    return next(model.parameters()).device.type in ("cuda", "xpu", "neuron", "tpu")
 
 
 # How --cpu-kernels names itself in errors (leapfx.kernels.cpu.resolve).
@@ -353,6 +385,8 @@ def run_bench(
     rows = _rows(systems, prompts, config, times, first)
     if config.temperature > 0:
         _distribution_checks(model, rows, systems, first, prompts)
+    else:
+        _explain_differences(model, rows, systems, first, prompts)
     return rows
 
 
@@ -380,7 +414,9 @@ def _rows(systems, prompts, config, times, first) -> list[Row]:
         if greedy and system.name != base:
             pairs = zip(run.outputs, baseline.outputs, prompts, strict=True)
             if system.lossless:
-                row.identical_to_greedy = all(torch.equal(o, r) for o, r, _ in pairs)
+                same = [torch.equal(o, r) for o, r, _ in pairs]
+                row.identical_to_greedy = all(same)
+                row.identical_prompts, row.prompts = sum(same), len(same)
             else:
                 agree = [_agreement(o, r, p.shape[1]) for o, r, p in pairs]
                 row.agreement_with_greedy = sum(a for a, _ in agree) / max(
@@ -398,6 +434,14 @@ def _rows(systems, prompts, config, times, first) -> list[Row]:
     base_tps = rows[0].tokens_per_second
     for row in rows:
         row.speedup = row.tokens_per_second / base_tps if base_tps else math.nan
+    static = next((r for r in rows if r.system == "hf_static"), None)
+    if static is not None:
+        for row in rows:
+            row.speedup_vs_static = (
+                row.tokens_per_second / static.tokens_per_second
+                if static.tokens_per_second
+                else math.nan
+            )
     _formula_check(rows)
     return rows
 
@@ -463,6 +507,24 @@ def _sum_stage_seconds(metrics: list[DecodeMetrics]) -> dict[str, float]:
         for k, v in m.stage_seconds.items():
             total[k] = total.get(k, 0.0) + v
     return total
+
+
+def _explain_differences(model, rows, systems, first, prompts) -> None:
+    """Greedy runs: for each prompt where a lossless row differs from the baseline, where the
+    outputs part and whether the full model (the baseline's model) puts the two candidates
+    within float tolerance of a tie there (a near-tie flip, not a bug)."""
+    from .ties import first_difference
+
+    base = first[rows[0].system].outputs
+    for row, system in zip(rows, systems, strict=True):
+        if row.identical_to_greedy is not False:
+            continue
+        outs = first[system.name].outputs
+        row.differences = [
+            {"prompt": i, **first_difference(model, o, r, p.shape[1])}
+            for i, (o, r, p) in enumerate(zip(outs, base, prompts, strict=True))
+            if not torch.equal(o, r)
+        ]
 
 
 def _distribution_checks(model, rows, systems, first, prompts) -> None:

@@ -24,13 +24,31 @@ def _fmt(value, spec: str = ".2f") -> str:
     return "-" if value is None else format(value, spec)
 
 
+def identical(row: Row) -> str:
+    """The ``identical`` cell of a lossless row: ``n/m`` prompts token-identical to the
+    baseline, and for the others how many are near-tie flips (``leapfx.bench.ties``)."""
+    text = f"{row.identical_prompts}/{row.prompts}"
+    if row.differences:
+        ties = sum(d["near_tie"] for d in row.differences)
+        others = len(row.differences) - ties
+        parts = [f"{ties} near-tie flip{'s' * (ties != 1)}"] if ties else []
+        parts += [f"{others} NOT a tie"] if others else []
+        text += f" ({', '.join(parts)})"
+    return text
+
+
 def table(rows: list[Row]) -> str:
     """A plain-text table of the rows (what ``leapfx bench`` prints)."""
     d = max((len(r.ctar) for r in rows if r.ctar), default=0)
     head = ["system", "tok/s", "speedup", "mean acc", "accept", f"CTAR(1..{d})", "identical"]
+    static = any(r.speedup_vs_static is not None for r in rows)
+    if static:
+        head.insert(3, "vs static")
     lines = []
     for r in rows:
-        if r.identical_to_greedy is not None:
+        if r.identical_prompts is not None:
+            same = identical(r)
+        elif r.identical_to_greedy is not None:
             same = "yes" if r.identical_to_greedy else "NO"
         elif r.agreement_with_greedy is not None:
             same = f"agree {r.agreement_with_greedy:.1%}"
@@ -43,6 +61,9 @@ def table(rows: list[Row]) -> str:
             r.system, f"{r.tokens_per_second:.1f}", f"{r.speedup:.2f}x",
             _fmt(r.mean_accepted_tokens), _fmt(r.acceptance_rate), ctar, same,
         ])  # fmt: skip
+        if static:
+            vs = r.speedup_vs_static
+            lines[-1].insert(3, "-" if vs is None else f"{vs:.2f}x")
     widths = [max(len(str(x)) for x in col) for col in zip(head, *lines, strict=True)]
     out = ["  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True))]
     out.append("  ".join("-" * w for w in widths))

@@ -10,6 +10,13 @@ writes different position ranges in different layers. Rejected tokens are rolled
 The class speaks the one method HF attention modules call on a cache,
 ``update(key_states, value_states, layer_idx) -> (keys, values)``, so HF decoder layers run on it
 unchanged; it returns views of the filled prefix.
+
+A SpeculativeModel allocates its cache once, at a maximum length, and between ``generate`` calls
+only resets it (lengths to 0), so the buffers keep their addresses. On a GPU each buffer is also
+marked with ``torch._dynamo.mark_static_address``: compiled stages update the cache in place, and
+CUDA graph trees replay a graph that mutates an input only if the input is static (a parameter, a
+buffer or a marked tensor); otherwise Inductor skips cudagraphs ("mutated inputs"). HF's
+``StaticLayer`` marks its tensors for the same reason.
 """
 
 from __future__ import annotations
@@ -75,6 +82,7 @@ class StaticKVCache(SlotLengths):
         batch_size: int = 1,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        static_addresses: bool | None = None,
     ) -> None:
         heads = num_kv_heads if isinstance(num_kv_heads, list) else [num_kv_heads] * num_layers
         dims = head_dim if isinstance(head_dim, list) else [head_dim] * num_layers
@@ -85,6 +93,16 @@ class StaticKVCache(SlotLengths):
         ]
         self.values = [torch.zeros_like(k) for k in self.keys]
         self.lengths = [0] * num_layers
+        # None: on CUDA only. On a CPU there are no graphs to replay, and a static input would
+        # only change what Inductor assumes about the CPU stages' inputs.
+        if static_addresses is None:
+            static_addresses = torch.device(device).type == "cuda"
+        self.static_addresses = static_addresses
+        if static_addresses:
+            for t in (*self.keys, *self.values):
+                # guard=False: no address guard; the cache is reset between calls, never
+                # reallocated within one (SpeculativeModel._cache_for).
+                torch._dynamo.mark_static_address(t, guard=False)
 
     def update(
         self,
@@ -107,13 +125,20 @@ class StaticKVCache(SlotLengths):
 
 
 def cache_for(
-    model, max_len: int, *, extra_layers: int = 0, dtype=None, device=None
+    model,
+    max_len: int,
+    *,
+    extra_layers: int = 0,
+    dtype=None,
+    device=None,
+    static_addresses: bool | None = None,
 ) -> StaticKVCache:
     """A cache shaped for ``model`` (a supported HF causal LM).
 
     ``extra_layers`` slots past the model's own layers serve attention blocks a rewrite added
     (the Kangaroo adapter writes slot ``num_hidden_layers``); they have the model's KV shape and
-    roll back with the rest.
+    roll back with the rest. ``static_addresses`` (None: on CUDA) marks the buffers for CUDA
+    graphs (see the module docstring).
     """
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -126,4 +151,5 @@ def cache_for(
         max_len,
         dtype=dtype or param.dtype,
         device=device or param.device,
+        static_addresses=static_addresses,
     )

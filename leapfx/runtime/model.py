@@ -15,6 +15,7 @@ Example::
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,6 +32,8 @@ from .masks import SUPPORTED_ATTENTION
 from .metrics import DecodeMetrics
 from .runner import AttentionLayout, StageRunner
 from .schedules import DecodeRequest
+
+log = logging.getLogger(__name__)
 
 # A schedule: (runner, prompt [1, n], request, metrics) -> new token ids.
 Schedule = Callable[[StageRunner, torch.Tensor, DecodeRequest, DecodeMetrics], list[int]]
@@ -217,9 +220,22 @@ class SpeculativeModel:
         return self._cache_for(self._cache.max_len if self._cache else 1).max_len
 
     def _cache_for(self, needed: int) -> StaticKVCache:
+        """The model's one KV cache, reset, with room for ``needed`` positions.
+
+        Allocated once (at ``max_cache_len``, or ``needed`` rounded up) and reused by every
+        later call that fits, so its buffers keep their addresses (CUDA graphs replay on
+        them); a call that needs more than the allocated maximum reallocates it, and says so.
+        """
         fixed = getattr(self.options, "max_cache_len", None)
         size = cache_length(needed, fixed, self.recipe.lookahead)
         if self._cache is None or self._cache.max_len < size:
+            if self._cache is not None:
+                log.info(
+                    "KV cache: %d positions needed, %d allocated; reallocating %d (compiled "
+                    "stages specialised to the old length compile again; set max_cache_len "
+                    "to allocate the maximum once)",
+                    needed, self._cache.max_len, size,
+                )  # fmt: skip
             # Inference tensors, made the same way whoever asks (compile() or generate()):
             # compiled graphs guard on whether their inputs are inference tensors.
             with torch.inference_mode():
@@ -248,7 +264,10 @@ class SpeculativeModel:
         Greedy output is token-identical to ``hf_model.generate(input_ids, do_sample=False)``
         for lossless recipes; with ``do_sample=True`` it has the same distribution as HF
         sampling with the same temperature/top_k/top_p. Pass a ``torch.Generator`` for
-        reproducible sampling. Metrics land in ``self.last_metrics``.
+        reproducible sampling. Metrics land in ``self.last_metrics``. Exactly so in float32 and
+        float64; in bfloat16/float16 or on a GPU a verify pass over several positions rounds
+        differently from one-token steps and may resolve a near tie between the top two logits
+        the other way (``leapfx.bench.ties`` measures it; see docs/gpu.md).
         """
         check_prompt(input_ids, attention_mask, self._hf_model.config.vocab_size)
         prompt = input_ids.to(self._layout.device)

@@ -10,6 +10,13 @@ from x (the draft stage writes lower-layer KV for positions n..n+d-1 and returns
 hidden states), then one verify call runs the lower layers on the last draft (position n+d) and
 the upper layers on positions n..n+d, giving d + 1 target distributions. With k drafts accepted
 the cache is cropped to n + k + 1 (O(1)) and the emitted correction/bonus token becomes the next x.
+
+Host syncs (a cost on a GPU): acceptance runs on the device (the ``leapfx::greedy_accept`` /
+``leapfx::speculative_accept`` ops: Triton on CUDA, the rules of ``verify`` elsewhere) and the
+next x stays a device tensor. A round syncs once, reading k, the next token and the drafts
+together: the cache lengths the next round writes at are Python ints, and the stop rule (EOS,
+max_new_tokens) looks at the tokens. Fixed-length drafting does not sync inside the draft loop;
+dynamic drafting (threshold > 0) syncs once per draft to decide whether to stop.
 """
 
 from __future__ import annotations
@@ -22,7 +29,6 @@ import torch
 from .metrics import DecodeMetrics
 from .runner import StageRunner
 from .sampling import SamplingParams, probs
-from .verify import greedy_accept, speculative_accept_random
 
 
 @dataclass(frozen=True)
@@ -145,15 +151,23 @@ def accept(
     q: torch.Tensor | None,
     target_logits: torch.Tensor,
     request: DecodeRequest,
-) -> tuple[int, int]:
-    """Accepted draft count and the next token (correction or bonus), synced to the host once."""
-    if request.sampling.do_sample:
-        p = probs(target_logits.float(), request.sampling)  # [1, d+1, V]
-        n, nxt = speculative_accept_random(drafts, q, p, generator=request.generator)
-    else:
-        n, nxt = greedy_accept(drafts, target_logits)
-    n_accepted, next_token = torch.stack([n[0], nxt[0]]).tolist()
-    return n_accepted, next_token
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accepted draft count n [1] and the next token [1] (correction or bonus), on the device.
+
+    No host sync: the ``leapfx`` acceptance ops (``leapfx.kernels``) compute the rules of
+    ``leapfx.runtime.verify``. Sampling draws ``u_accept`` [1, d] then ``u_sample`` [1] from the
+    request's generator (as ``verify.speculative_accept_random`` does).
+    """
+    from .. import kernels  # on first use: it imports Triton where installed
+
+    if not request.sampling.do_sample:
+        return kernels.greedy_accept(drafts, target_logits)
+    p = probs(target_logits.float(), request.sampling)  # [1, d+1, V]
+    B, d = drafts.shape
+    kw = dict(generator=request.generator, device=p.device, dtype=p.dtype)
+    u_accept = torch.rand((B, d), **kw)  # [1, d]
+    u_sample = torch.rand((B,), **kw)  # [1]
+    return kernels.speculative_accept(drafts, q, p, u_accept, u_sample)
 
 
 # A drafter: (runner, x [1, 1], start, max drafts, request) -> (drafts [1, d], exit hidden
@@ -196,10 +210,13 @@ def self_speculative(
         metrics.draft_calls += d
         # Lower layers for the last draft, upper layers for x and every draft: [1, d+1, V].
         target_logits = runner.verify(drafts[:, -1:], exit_hidden, pos)
-        k, next_token = accept(drafts, q, target_logits, request)
+        n, nxt = accept(drafts, q, target_logits, request)  # [1], [1] on the device
+        # The round's one host sync: the cache lengths are Python ints (crop), and the stop
+        # rule reads the emitted tokens.
+        k, next_token, *drafted = torch.cat([n, nxt, drafts[0]]).tolist()
         runner.cache.crop(pos + k + 1)  # keep x and the k accepted drafts
         metrics.record_verify(d, k)
-        out.extend([*drafts[0, :k].tolist(), next_token])
+        out.extend([*drafted[:k], next_token])
         pos += k + 1
-        x = torch.tensor([[next_token]], device=drafts.device)
+        x = nxt.view(1, 1)  # stays on the device: no host-to-device copy
     return out.tokens
