@@ -298,7 +298,11 @@ def _adapter(args: argparse.Namespace) -> str | None:
         return None
     if args.adapter is not None:
         return args.adapter
-    if args.model is None and args.random_model is None and REFERENCE_ADAPTER.is_dir():
+    if (
+        args.model is None
+        and getattr(args, "random_model", None) is None
+        and REFERENCE_ADAPTER.is_dir()
+    ):
         return str(REFERENCE_ADAPTER)
     return None
 
