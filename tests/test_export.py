@@ -441,12 +441,15 @@ def test_bad_options_fail_before_exporting(small_sm, tmp_path):
     assert os.listdir(tmp_path) == []
 
 
-def test_onnx_model_errors(tmp_path, onnx_model):
+def test_onnx_model_errors(tmp_path, exported, onnx_model):
     with pytest.raises(ValueError, match="has no manifest.json"):
         OnnxModel(tmp_path)
     (tmp_path / MANIFEST).write_text(json.dumps({"format": "leapfx-onnx", "format_version": 99}))
     with pytest.raises(ValueError, match="format_version 99"):
         OnnxModel(tmp_path)
+    path = exported("llama", "layerskip")[2]
+    with pytest.raises(ValueError, match="spin: 'no' is invalid; allowed: True or False"):
+        OnnxModel(path, spin="no")
     om = onnx_model("llama", "layerskip")
     with pytest.raises(ValueError, match="token ids must lie in"):
         om.generate(torch.tensor([[10_000]]))
