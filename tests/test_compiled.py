@@ -146,3 +146,25 @@ def test_inductor_kangaroo_padded_verify_with_sliding_window():
         model, "kangaroo", "padded", cpu_kernels=False, exit_layer=2, max_draft_tokens=4,
         confidence_threshold=0.3,
     )  # fmt: skip
+
+
+def test_every_compiled_graph_skips_the_guards_on_the_stage_modules(monkeypatch):
+    # torch.compile pops "guard_filter_fn" from the options dict it is given: a dict shared by
+    # a stage's two compiled callables left the second one guarding every parameter and module
+    # attribute on every call (0.25 ms of a verify call on the reference model). Each graph the
+    # warm-up compiles (full, draft and verify: a one-token step and a multi-token chunk) must
+    # pass through the filter.
+    real = torch.compiler.skip_guard_on_all_nn_modules_unsafe
+    filtered = []
+
+    def counting(entries):
+        filtered.append(len(entries))
+        return real(entries)
+
+    monkeypatch.setattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", counting)
+    torch._dynamo.reset()
+    model = tiny_model("llama", layers=2)
+    graphs = _graphs()
+    rewrite.apply(model, "layerskip", exit_layer=1, num_speculations=3).compile()
+    assert _graphs() - graphs == 6
+    assert len(filtered) == 6
