@@ -14,6 +14,7 @@ import copy
 import json
 import os
 import random
+import shutil
 import tempfile
 
 import pytest
@@ -155,7 +156,7 @@ def test_manifest_files_and_checker(exported):
     assert manifest["options"]["exit_layer"] == 1 and manifest["options"]["num_speculations"] == 3
     assert manifest["vocab_size"] == model.config.vocab_size
     assert manifest["eos_token_ids"] == []
-    assert manifest["opset"] == 18
+    assert manifest["opset"] == 23
     assert manifest["attention"]["masks"].startswith("computed in the graph")
     stages = manifest["stages"]
     assert sorted(stages) == ["draft", "full", "verify"]
@@ -450,6 +451,15 @@ def test_onnx_model_errors(tmp_path, exported, onnx_model):
     path = exported("llama", "layerskip")[2]
     with pytest.raises(ValueError, match="spin: 'no' is invalid; allowed: True or False"):
         OnnxModel(path, spin="no")
+    # An opset this onnxruntime cannot read: one line that says what to do.
+    stale = tmp_path / "stale"
+    shutil.copytree(path, stale)
+    model = onnx.load(str(stale / "full.onnx"), load_external_data=False)
+    for entry in model.opset_import:
+        entry.version = 99 if entry.domain in ("", "ai.onnx") else entry.version
+    onnx.save(model, str(stale / "full.onnx"))
+    with pytest.raises(ValueError, match="cannot load .*export again with a lower opset"):
+        OnnxModel(stale)
     om = onnx_model("llama", "layerskip")
     with pytest.raises(ValueError, match="token ids must lie in"):
         om.generate(torch.tensor([[10_000]]))

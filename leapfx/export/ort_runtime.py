@@ -154,6 +154,15 @@ class OrtStage:
         }
 
 
+def _load_errors() -> tuple[type[BaseException], ...]:
+    """onnxruntime's exception types for a model it cannot load (an opset it does not know,
+    an op it has no kernel for): not subclasses of any builtin error."""
+    from onnxruntime.capi import onnxruntime_pybind11_state as state
+
+    names = ("Fail", "InvalidGraph", "NotImplemented", "InvalidArgument")
+    return tuple(getattr(state, n) for n in names if hasattr(state, n))
+
+
 def _to_numpy(t: torch.Tensor) -> np.ndarray:
     return np.ascontiguousarray(t.detach().cpu().numpy())
 
@@ -238,12 +247,20 @@ class OnnxModel:
             options.inter_op_num_threads = 1
         options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
         chosen = list(providers) if providers is not None else default_providers()
+        _LOAD_ERRORS = _load_errors()
         self.stages: dict[str, OrtStage] = {}
         for name, spec in m["stages"].items():
             file = self.path / spec["file"]
             if not file.is_file():
                 raise ValueError(f"path: {str(file)!r} is missing; the export is incomplete")
-            session = ort.InferenceSession(str(file), options, providers=chosen)
+            try:
+                session = ort.InferenceSession(str(file), options, providers=chosen)
+            except _LOAD_ERRORS as exc:
+                raise ValueError(
+                    f"path: onnxruntime {ort.__version__} cannot load {str(file)!r} (opset "
+                    f"{m.get('opset')}): {str(exc).splitlines()[0]}; upgrade onnxruntime or "
+                    "export again with a lower opset (export_onnx(..., opset=18))"
+                ) from exc
             self.stages[name] = OrtStage(session, spec)
         first = next(iter(self.stages.values()))
         self.providers: list[str] = first.session.get_providers()

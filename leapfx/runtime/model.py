@@ -292,7 +292,7 @@ class SpeculativeModel:
         new = torch.tensor([tokens], dtype=input_ids.dtype, device=input_ids.device)
         return torch.cat([input_ids, new], dim=1)
 
-    def export_onnx(self, path: Any, *, opset: int = 18, overwrite: bool = False) -> Any:
+    def export_onnx(self, path: Any, *, opset: int = 23, overwrite: bool = False) -> Any:
         """Export every stage as an ONNX model with an explicit KV cache, plus ``manifest.json``.
 
         Run the export with ``leapfx.export.OnnxModel(path).generate(...)``; see
