@@ -168,3 +168,18 @@ def test_every_compiled_graph_skips_the_guards_on_the_stage_modules(monkeypatch)
     rewrite.apply(model, "layerskip", exit_layer=1, num_speculations=3).compile()
     assert _graphs() - graphs == 6
     assert len(filtered) == 6
+
+
+def test_warm_up_runs_on_the_cache_generate_reuses():
+    # The graphs are compiled (on a GPU: recorded as CUDA graphs) over the buffers decoding
+    # then writes: the model's own static cache, which generate() only resets.
+    model = tiny_model("llama", layers=2)
+    sm = rewrite.apply(model, "layerskip", exit_layer=1, num_speculations=3).compile()
+    cache = sm._cache
+    pointers = [t.data_ptr() for t in cache.keys + cache.values]
+    assert cache.lengths == [0] * cache.num_layers  # warm-up leaves it reset
+    graphs = _graphs()
+    for prompt in _prompts(model.config.vocab_size, lengths=(5, 2)):
+        sm.generate(prompt, max_new_tokens=16)
+    assert sm._cache is cache and [t.data_ptr() for t in cache.keys + cache.values] == pointers
+    assert _graphs() == graphs

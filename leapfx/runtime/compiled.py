@@ -323,7 +323,7 @@ class CompiledStage:
         return {**out, "logits": torch.cat([logits[:, :c], logits[:, g:]], dim=1)}
 
     def warmup(self, cache: StaticKVCache, example: dict[str, torch.Tensor]) -> None:
-        """Compile the shapes decoding uses, on a scratch ``cache`` of the real one's shapes."""
+        """Compile the shapes decoding uses, over ``cache`` (the model's own, compile_stages)."""
         for tensors in self._warmup_inputs(example):
             self._run(cache.keys, cache.values, tensors)
 
@@ -429,11 +429,12 @@ def compile_stages(sm, options: CompileOptions) -> dict[str, CompiledStage]:
             max_hidden=max(1, sm.recipe.lookahead - 1),
         )
     if options.warmup:
-        from .cache import cache_for
-
         # Under inference mode, as generate() runs: dynamo guards on it (inference tensors).
+        # On the model's own cache, which generate() reuses: graphs recorded on its buffers'
+        # addresses (CUDA graphs) replay on them. What warm-up writes there is never read:
+        # generate() resets the lengths, and slots past a query are masked.
         with torch.inference_mode():
-            scratch = cache_for(sm.hf_model, cache_len, extra_layers=sm.recipe.extra_cache_layers)
+            cache = sm._cache_for(cache_len)
             example = {
                 "input_ids": torch.zeros(1, 2, dtype=torch.long, device=lay.device),
                 "exit_hidden": torch.zeros(
@@ -443,6 +444,7 @@ def compile_stages(sm, options: CompileOptions) -> dict[str, CompiledStage]:
             for name, executor in out.items():
                 start = time.perf_counter()
                 shapes = example if name == "verify" else {"input_ids": example["input_ids"]}
-                executor.warmup(scratch, shapes)
+                executor.warmup(cache, shapes)
                 log.info("compiled stage %s in %.1f s", name, time.perf_counter() - start)
+            cache.reset()
     return out
