@@ -513,3 +513,21 @@ def test_export_shares_one_copy_of_the_weights(exported):
         graph = onnx.load(str(path / spec["file"]), load_external_data=False).graph
         inline = sum(len(t.raw_data) for t in graph.initializer)
         assert inline < 4096, spec["file"]  # every weight lives in weights.bin
+
+
+@pytest.mark.gpu
+def test_cuda_provider_keeps_the_cache_on_the_device(exported):
+    # onnxruntime-gpu: the same OnnxModel code, the cache buffers in device memory and bound
+    # in place there; tokens as on the CPU provider (or a measured float tie).
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        pytest.skip("onnxruntime-gpu is not installed (pip install 'leapfx[onnx-gpu]')")
+    model, sm, path = exported("llama", "layerskip")
+    om = OnnxModel(path, providers=["CUDAExecutionProvider", "CPUExecutionProvider"])
+    assert om.providers[0] == "CUDAExecutionProvider"
+    prompt = torch.tensor([[5, 9, 2, 7, 1, 3]])
+    ours = om.generate(prompt, max_new_tokens=20)
+    assert om._cache.device == "cuda"
+    assert all(k.device_name() == "cuda" for k in om._cache.keys)
+    assert_same_tokens(ours, sm.generate(prompt, max_new_tokens=20), model, prompt)
