@@ -123,7 +123,7 @@ def _bench(args: argparse.Namespace) -> int:
     if any("draft_cost" in r.extra for r in rows):
         print(
             "c / verify: the cost of one draft / verify call over one leapfx_autoregressive "
-            "token on the same backend"
+            "decode step on the same backend (prefills excluded)"
         )
     for r in rows:
         x = r.extra

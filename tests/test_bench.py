@@ -56,9 +56,14 @@ def test_run_bench_rows(checkpoint):
     x = ls.extra
     assert x["c"] > 0 and x["predicted_vs_autoregressive"] > 0
     assert x["draft_cost"] == x["c"] and x["verify_cost"] > 0
-    verify_s = x["stage_seconds"]["verify"] / x["verify_calls"]
+    # Both against one autoregressive decode step: its full-stage time over its steps, the
+    # prompts' prefills timed apart (2 prompts, 12 new tokens each: a prefill and 11 steps).
     ar_row = by["leapfx_autoregressive"]
-    assert x["verify_cost"] == pytest.approx(verify_s / (ar_row.seconds / ar_row.new_tokens))
+    assert ar_row.extra["full_steps"] == 2 * 11
+    assert ar_row.extra["stage_seconds"]["prefill"] > 0
+    step_s = ar_row.extra["stage_seconds"]["full"] / ar_row.extra["full_steps"]
+    verify_s = x["stage_seconds"]["verify"] / x["verify_calls"]
+    assert x["verify_cost"] == pytest.approx(verify_s / step_s)
     ar = by["leapfx_autoregressive"].tokens_per_second
     assert x["measured_vs_autoregressive"] == pytest.approx(ls.tokens_per_second / ar)
 
@@ -87,7 +92,7 @@ def test_speedup_per_pass_pairs_the_systems_of_each_pass(checkpoint, capsys):
     assert re.search(r"leapfx_layerskip: .* measured .*; per pass \d\.\d\d-\d\.\d\dx", out)
     # The guard against a backend whose stage calls regress: both cost ratios, printed.
     assert re.search(r"leapfx_layerskip: alpha \d\.\d+, c \d\.\d+, verify \d+\.\d\d -> ", out)
-    assert "c / verify: the cost of one draft / verify call" in out
+    assert "c / verify: the cost of one draft / verify call" in out and "decode step" in out
 
 
 def test_cli_json_fields(checkpoint, tmp_path, capsys):
@@ -221,7 +226,8 @@ def test_cost_ratios_per_backend(checkpoint, tmp_path):
         x = by[f"leapfx_layerskip@{backend}"].extra
         ar = by[f"leapfx_autoregressive@{backend}"]
         draft_s = x["stage_seconds"]["draft"] / x["draft_calls"]
-        assert x["draft_cost"] == pytest.approx(draft_s / (ar.seconds / ar.new_tokens))
+        step_s = ar.extra["stage_seconds"]["full"] / ar.extra["full_steps"]
+        assert x["draft_cost"] == pytest.approx(draft_s / step_s)
         assert x["verify_cost"] > 0
         assert by[f"leapfx_layerskip@{backend}"].identical_to_greedy is True
 

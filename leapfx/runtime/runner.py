@@ -41,13 +41,15 @@ class StageRunner:
         self.cache = cache
         self.layout = layout
         # Host wall time per stage name, for cost ratios (bench --sweep). On a GPU these are
-        # launch times, not kernel times, unless the caller synchronises.
+        # launch times, not kernel times, unless the caller synchronises. A decode's first
+        # call (the prompt, at position 0) counts as "prefill", whichever stage runs it, so
+        # that "full" / "draft" / "verify" time decode steps only.
         self.seconds: defaultdict[str, float] = defaultdict(float)
 
-    def _call(self, name: str, **inputs) -> dict[str, torch.Tensor]:
+    def _call(self, name: str, key: str | None = None, **inputs) -> dict[str, torch.Tensor]:
         start = time.perf_counter()
         out = self.stages[name](**inputs)
-        self.seconds[name] += time.perf_counter() - start
+        self.seconds[key or name] += time.perf_counter() - start
         return out
 
     def _positions(self, start: int, length: int) -> torch.Tensor:
@@ -70,6 +72,7 @@ class StageRunner:
         n = input_ids.shape[1]
         return self._call(
             name,
+            key="prefill" if start == 0 else None,
             input_ids=input_ids,
             position_ids=self._positions(start, n),
             masks=self._masks(name, start, n),
