@@ -52,12 +52,20 @@ def _run(sm, prompts, max_new_tokens) -> tuple[float, list]:
     return new / seconds, metrics
 
 
-def autoregressive_seconds_per_token(
+def autoregressive_seconds(
     model, prompts, max_new_tokens, repeats=1, cpu_kernels: bool = False
-) -> float:
+) -> tuple[float, float]:
+    """Of the fastest of ``repeats`` runs: (seconds per new token, seconds per decode step).
+
+    A token's time includes the prompts' prefills (what tokens/s ratios compare); a decode
+    step's is the full stage's time per step without them (what a draft call's c is over).
+    """
     ar = rewrite.apply(model, "autoregressive", cpu_kernels=cpu_kernels)
-    best = min(_run(ar, prompts, max_new_tokens)[0] for _ in range(repeats))
-    return 1.0 / best
+    tps, metrics = max((_run(ar, prompts, max_new_tokens) for _ in range(repeats)),
+                       key=lambda r: r[0])  # fmt: skip
+    steps = sum(m.full_calls for m in metrics) - len(metrics)  # one prefill per prompt
+    step_s = sum(m.stage_seconds.get("full", 0.0) for m in metrics) / steps if steps else 0.0
+    return 1.0 / tps, step_s or 1.0 / tps
 
 
 def calibrate(
@@ -73,7 +81,7 @@ def calibrate(
 ) -> list[Calibration]:
     """Measure alpha, c and tokens/s of layerskip for each (E, d) of the grid (eager stages;
     ``cpu_kernels``: with leapfx's CPU kernels, see ``SpeculativeModel.use_cpu_kernels``)."""
-    ar_tok = autoregressive_seconds_per_token(
+    ar_tok, ar_step = autoregressive_seconds(
         model, prompts, max_new_tokens, repeats, cpu_kernels=cpu_kernels
     )
     grid = [(e, d) for e in exit_layers for d in speculations]
@@ -90,7 +98,7 @@ def calibrate(
         alpha = accepted / (accepted + rejected) if accepted + rejected else 0.0
         draft_s = sum(m.stage_seconds.get("draft", 0.0) for m in metrics)
         calls = sum(m.draft_calls for m in metrics)
-        c = (draft_s / calls) / ar_tok if calls else 1.0
+        c = (draft_s / calls) / ar_step if calls else 1.0
         out.append(
             Calibration(
                 exit_layer=e, num_speculations=d, alpha=alpha,
