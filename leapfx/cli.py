@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import io
 import json
+import logging
 import os
 import shlex
 import sys
@@ -49,9 +50,11 @@ def _bench(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     import transformers
 
-    # The CLI owns this process: HF's own progress bars and warnings would bury the report.
+    # The CLI owns this process: HF's own progress bars and warnings would bury the report,
+    # and so would the ONNX exporter's (--backend onnxruntime exports every leapfx system).
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
     for flag in ("json", "plot"):
         out = getattr(args, flag)
         if out is not None and not os.path.isdir(os.path.dirname(os.path.abspath(out))):
@@ -330,8 +333,6 @@ def _grid(spec: str | None, num_layers: int) -> list[int]:
 
 
 def _export(args: argparse.Namespace) -> int:
-    import logging
-
     import torch
     import transformers
 

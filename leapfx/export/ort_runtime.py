@@ -247,7 +247,7 @@ class OnnxModel:
             options.inter_op_num_threads = 1
         options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
         chosen = list(providers) if providers is not None else default_providers()
-        _LOAD_ERRORS = _load_errors()
+        load_errors = _load_errors()
         self.stages: dict[str, OrtStage] = {}
         for name, spec in m["stages"].items():
             file = self.path / spec["file"]
@@ -255,7 +255,7 @@ class OnnxModel:
                 raise ValueError(f"path: {str(file)!r} is missing; the export is incomplete")
             try:
                 session = ort.InferenceSession(str(file), options, providers=chosen)
-            except _LOAD_ERRORS as exc:
+            except load_errors as exc:
                 raise ValueError(
                     f"path: onnxruntime {ort.__version__} cannot load {str(file)!r} (opset "
                     f"{m.get('opset')}): {str(exc).splitlines()[0]}; upgrade onnxruntime or "
