@@ -63,8 +63,9 @@ MIN_OPSET = 18
 # 1202), and onnxruntime, which pays a fixed cost per node, runs a step ~25% faster (measured
 # with onnxruntime 1.32). opset=18 still exports for an older onnxruntime.
 DEFAULT_OPSET = 23
-# The newest opset checked end to end here (torch 2.13's exporter, onnxruntime 1.32); the onnx
-# extra asks for an onnxruntime that reads it. An older onnxruntime needs opset=18..21.
+# The newest opset checked end to end here (torch 2.13's exporter, onnxruntime 1.32; 1.23 is the
+# oldest that loads it, and the onnx extra asks for it; 1.22 refuses opset 23). An older
+# onnxruntime needs opset=18..21.
 MAX_OPSET = 23
 SUPPORTED_DTYPES = (torch.float32, torch.float16)
 
