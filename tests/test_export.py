@@ -222,6 +222,14 @@ def test_stage_signatures_follow_the_optimum_convention(exported):
             node = producers[name]
             assert node.op_type == "ScatterElements", (name, node.op_type)
             assert node.input[0] == name.replace("present.", "past_key_values.")
+    # Attention (opset 23) reads the grouped keys and values as they are (this config has
+    # 4 query heads and 1 key/value head): no Expand repeats the buffers per query head.
+    assert c.num_attention_heads > c.num_key_value_heads
+    attention = [n for n in verify.node if n.op_type == "Attention"]
+    assert len(attention) == c.num_hidden_layers
+    for node in attention:
+        assert [producers[i].op_type for i in node.input[1:3]] == ["ScatterElements"] * 2
+    assert "TRANSFORMERS_SDPA_FORCE_GQA" not in os.environ  # the export's switch, restored
     draft = onnx.load(str(path / "draft.onnx")).graph
     names = [o.name for o in draft.output]
     assert names == ["logits", "hidden", "present.0.key", "present.0.value"]
