@@ -398,6 +398,8 @@ def baseline_name(config: BenchConfig) -> str:
 
 
 def _rows(systems, prompts, config, times, first) -> list[Row]:
+    from .sweep import autoregressive_steps  # sweep imports this module
+
     greedy = config.temperature == 0
     base = baseline_name(config)
     baseline = first[base]
@@ -430,8 +432,7 @@ def _rows(systems, prompts, config, times, first) -> list[Row]:
             row.extra["repeated_4gram_share"] = sum(shares) / len(shares)
         if run.metrics:
             row.extra["stage_seconds"] = _sum_stage_seconds(run.metrics)
-            # decode steps of the full stage (prefill calls are timed apart)
-            row.extra["full_steps"] = sum(m.full_calls for m in run.metrics) - len(run.metrics)
+            row.extra["full_steps"] = autoregressive_steps(run.metrics)  # prefills apart
         rows.append(row)
     base_tps = rows[0].tokens_per_second
     for row in rows:
@@ -463,20 +464,20 @@ def _formula_check(rows: list[Row]) -> None:
         # (first timed) pass as the speculative row's stage times, prefills excluded; the
         # row's time per token where stage times are missing.
         ar_steps = ar.extra.get("full_steps", 0)
-        ar_step_s = ar.extra.get("stage_seconds", {}).get("full", 0.0)
-        ar_token_s = ar_step_s / ar_steps if ar_steps > 0 else ar.seconds / ar.new_tokens
+        ar_full_s = ar.extra.get("stage_seconds", {}).get("full", 0.0)
+        ar_step_s = ar_full_s / ar_steps if ar_steps > 0 else ar.seconds / ar.new_tokens
         calls = row.extra.get("draft_calls", 0)
         stage_s = row.extra.get("stage_seconds", {})
         draft_s = stage_s.get("draft", 0.0)
         if not calls or row.ctar is None:
             continue
-        # The cost of one call against one autoregressive decode step on the same backend: c for a
-        # draft call (the formula's c), and a verify call's (~1 where verify costs a full
+        # The cost of one call against one autoregressive decode step on the same backend: c for
+        # a draft call (the formula's c), and a verify call's (~1 where verify costs a full
         # step, as the formula assumes). A backend whose stage calls regress shows it here.
         verify_calls = row.extra.get("verify_calls", 0)
-        row.extra["draft_cost"] = (draft_s / calls) / ar_token_s
+        row.extra["draft_cost"] = (draft_s / calls) / ar_step_s
         if verify_calls:
-            row.extra["verify_cost"] = (stage_s.get("verify", 0.0) / verify_calls) / ar_token_s
+            row.extra["verify_cost"] = (stage_s.get("verify", 0.0) / verify_calls) / ar_step_s
         d = len(row.ctar)
         measured = row.tokens_per_second / ar.tokens_per_second
         # Pass by pass: both systems ran in the same pass, minutes apart at most, so these

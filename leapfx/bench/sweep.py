@@ -52,6 +52,12 @@ def _run(sm, prompts, max_new_tokens) -> tuple[float, list]:
     return new / seconds, metrics
 
 
+def autoregressive_steps(metrics: list) -> int:
+    """Decode steps of autoregressive runs: full-stage calls less each run's prefill (its
+    first full call, timed apart as "prefill" in ``stage_seconds``)."""
+    return sum(m.full_calls for m in metrics) - len(metrics)
+
+
 def autoregressive_seconds(
     model, prompts, max_new_tokens, repeats=1, cpu_kernels: bool = False
 ) -> tuple[float, float]:
@@ -63,7 +69,7 @@ def autoregressive_seconds(
     ar = rewrite.apply(model, "autoregressive", cpu_kernels=cpu_kernels)
     tps, metrics = max((_run(ar, prompts, max_new_tokens) for _ in range(repeats)),
                        key=lambda r: r[0])  # fmt: skip
-    steps = sum(m.full_calls for m in metrics) - len(metrics)  # one prefill per prompt
+    steps = autoregressive_steps(metrics)
     step_s = sum(m.stage_seconds.get("full", 0.0) for m in metrics) / steps if steps else 0.0
     return 1.0 / tps, step_s or 1.0 / tps
 
