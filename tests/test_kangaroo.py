@@ -414,6 +414,22 @@ def test_fit_needs_a_recipe_that_trains():
         sm.fit(torch.arange(10))
     with pytest.raises(ValueError, match="save_adapter: recipe 'layerskip'"):
         sm.save_adapter("unused")
+    with pytest.raises(ValueError, match="save_parts: recipe 'layerskip'"):
+        sm.save_parts("unused")
+
+
+def test_parts_is_the_generic_name_of_the_adapter_option(tmp_path):
+    model = tiny_model("llama", layers=4, seed=3)
+    sm = rewrite.apply(model, "kangaroo", exit_layer=2)
+    sm.save_parts(tmp_path / "p")
+    loaded = rewrite.apply(model, "kangaroo", parts=tmp_path / "p")
+    assert loaded.options.adapter == str(tmp_path / "p") and loaded.options.exit_layer == 2
+    a, b = adapter_of(sm.graph_module).state_dict(), adapter_of(loaded.graph_module).state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(ValueError, match=r"parts: given together with adapter="):
+        rewrite.apply(model, "kangaroo", parts=tmp_path / "p", adapter=tmp_path / "p")
+    with pytest.raises(ValueError, match=r"parts: recipe 'layerskip' inserts nothing .*kangaroo"):
+        rewrite.apply(model, "layerskip", parts=tmp_path / "p")
 
 
 def test_save_and_load_round_trip(tmp_path):

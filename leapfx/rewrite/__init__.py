@@ -3,8 +3,9 @@
     >>> from leapfx import rewrite
     >>> sm = rewrite.apply(hf_model, "layerskip", exit_layer=4, num_speculations=6)
     >>> out = sm.generate(input_ids, max_new_tokens=128)
-    >>> kg = rewrite.apply(hf_model, "kangaroo", exit_layer=2)  # adapter=<dir>: a trained one
-    >>> kg.fit(token_ids); kg.save_adapter("kangaroo-adapter/")
+    >>> kg = rewrite.apply(hf_model, "kangaroo", exit_layer=2)
+    >>> kg.fit(token_ids); kg.save_parts("kangaroo-parts/")
+    >>> kg = rewrite.apply(hf_model, "kangaroo", parts="kangaroo-parts/")  # the trained parts
 
 ``rewrite.recipes()`` lists the registered recipes. An unknown recipe or option, or an option
 value out of range, raises ValueError naming it and what is allowed, before anything runs.
@@ -51,12 +52,29 @@ def make_options(recipe: Recipe, num_layers: int, options: dict):
     return recipe.options_type(**options).validate(num_layers)
 
 
+def parts_options(recipe: Recipe, parts, options: dict) -> dict:
+    """The recipe option that ``apply(..., parts=dir)`` stands for (e.g. Kangaroo's ``adapter``)."""
+    if recipe.parts_option is None:
+        with_parts = [n for n, r in RECIPES.items() if r.parts_option is not None]
+        raise ValueError(
+            f"parts: recipe {recipe.name!r} inserts nothing that trains, so it takes no parts "
+            f"directory; recipes with trained parts: {', '.join(with_parts)}"
+        )
+    if options.get(recipe.parts_option) is not None:
+        raise ValueError(
+            f"parts: given together with {recipe.parts_option}={options[recipe.parts_option]!r}; "
+            f"allowed: one of the two (for recipe {recipe.name!r} they name the same directory)"
+        )
+    return {recipe.parts_option: parts}
+
+
 def apply(
     model: nn.Module,
     recipe: str,
     *,
     backend: str = "eager",
     cpu_kernels: bool | None = None,
+    parts=None,
     **options,
 ) -> SpeculativeModel:
     """Rewrite ``model`` with ``recipe``; the model itself is never modified.
@@ -67,7 +85,9 @@ def apply(
     ``cpu_kernels``: run the projections through leapfx's small-M CPU kernels (float32 CPU
     models; see ``SpeculativeModel.use_cpu_kernels``). None: off for eager (the stages are
     HF's math, bit for bit), on for inductor where they build; True: on (ValueError where
-    they cannot be); False: off.
+    they cannot be); False: off. ``parts``: a directory written by
+    ``SpeculativeModel.save_parts`` (the trained parts the recipe inserts, with the options
+    they were trained with); every recipe with trained parts takes it.
     """
     if cpu_kernels is not None and not isinstance(cpu_kernels, bool):
         raise ValueError(
@@ -82,6 +102,8 @@ def apply(
     if not isinstance(model, nn.Module):
         raise ValueError(f"model: expected a HuggingFace causal LM, got {type(model).__name__}")
     check_supported(model)
+    if parts is not None:
+        options = {**options, **parts_options(r, parts, options)}
     opts = make_options(r, model.config.num_hidden_layers, options)
     pipeline = PassPipeline(r.passes(opts))
     gm = pipeline(capture(model))

@@ -228,6 +228,9 @@ class Recipe:
     lookahead: Callable[[object], int]
     lossless: bool
     training: Callable[[], RecipeTraining] | None = None  # fits/saves the inserted parts
+    # The option that takes a directory written by ``SpeculativeModel.save_parts``;
+    # ``apply(..., parts=dir)`` fills it. None: the recipe has no trained parts.
+    parts_option: str | None = None
 
 
 def _full_only(gm: fx.GraphModule) -> Stages:
@@ -281,6 +284,7 @@ RECIPES: dict[str, Recipe] = {
             lookahead=lambda o: o.max_draft_tokens + 1,
             lossless=True,
             training=_kangaroo_training,
+            parts_option="adapter",
         ),
     )
 }

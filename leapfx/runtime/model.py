@@ -124,11 +124,16 @@ class SpeculativeModel:
         """
         return self._training("fit").fit(self, data, **options)
 
-    def save_adapter(self, path: Any) -> Any:
+    def save_parts(self, path: Any) -> Any:
         """Save what ``fit`` trained with the recipe's options (safetensors + JSON).
 
-        Load it back with ``rewrite.apply(hf_model, recipe, adapter=path)``.
+        Load it back with ``rewrite.apply(hf_model, recipe, parts=path)``; every recipe with
+        trained parts (Kangaroo's adapter, draft heads, predictors ...) saves this way.
         """
+        return self._training("save_parts").save(self, path)
+
+    def save_adapter(self, path: Any) -> Any:
+        """Kangaroo's name for ``save_parts`` (kept; ``apply(..., adapter=path)`` loads it)."""
         return self._training("save_adapter").save(self, path)
 
     def use_cpu_kernels(self, enabled: bool = True) -> SpeculativeModel:
