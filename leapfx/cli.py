@@ -386,6 +386,36 @@ def _train_reference(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train_specee(args: argparse.Namespace) -> int:
+    import torch
+
+    from .bench import REFERENCE_MODEL, load_model
+    from .rewrite import apply
+    from .train.data import encode_documents
+    from .train.reference import reference_corpus
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    model, tokenizer = load_model(args.model, device=args.device)
+    corpus = reference_corpus(args.corpus_root)
+    data = encode_documents(tokenizer, corpus.train)
+    options = {"drafter": args.drafter}
+    if args.exit_layer is not None:
+        options["exit_layer"] = args.exit_layer
+    if args.drafter == "kangaroo":
+        options["adapter"] = args.adapter or str(REFERENCE_MODEL / "kangaroo_adapter")
+    torch.manual_seed(args.seed)
+    sm = apply(model, "specee", **options)
+    result = sm.fit(
+        data, prompts=args.prompts, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
+        epochs=args.epochs, seed=args.seed, progress=_progress(args),
+    )  # fmt: skip
+    out = args.out or str(REFERENCE_MODEL / "specee")
+    sm.save_parts(out)
+    print(json.dumps({"parts": out, **result.as_dict()}, indent=2))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="leapfx", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -497,6 +527,33 @@ def build_parser() -> argparse.ArgumentParser:
         "last layer (not in the LayerSkip paper; it also gets what the first phase leaves)",
     )  # fmt: skip
     train.set_defaults(func=_train_reference)
+
+    specee = sub.add_parser(
+        "train-specee", help="train SpecEE's exit predictors for a model (default: the reference)"
+    )
+    specee.add_argument(
+        "out", nargs="?", default=None,
+        help="parts directory (default: leapfx/assets/reference/specee)",
+    )  # fmt: skip
+    specee.add_argument("--model", default=None, help="HF checkpoint dir (default: reference)")
+    specee.add_argument("--drafter", default="exit_head", choices=("exit_head", "kangaroo"))
+    specee.add_argument("--exit-layer", type=int, default=None, help="the drafter's layer E")
+    specee.add_argument(
+        "--adapter", default=None, help="kangaroo drafter: adapter dir (default: the shipped one)"
+    )
+    specee.add_argument("--prompts", type=int, default=64)
+    specee.add_argument("--prompt-len", type=int, default=64)
+    specee.add_argument("--new-tokens", type=int, default=256)
+    specee.add_argument("--epochs", type=int, default=100)
+    specee.add_argument("--seed", type=int, default=0)
+    specee.add_argument("--threads", type=int, default=None)
+    specee.add_argument("--device", default="cpu")
+    specee.add_argument(
+        "--corpus-root", default=None, help="stdlib folder (default: this Python's)"
+    )
+    specee.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None)
+    specee.add_argument("--quiet", action="store_true")
+    specee.set_defaults(func=_train_specee)
     return parser
 
 

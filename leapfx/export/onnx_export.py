@@ -538,6 +538,15 @@ def _remove_dirs(created: list[Path]) -> None:
             d.rmdir()
 
 
+# Recipes whose schedule the ONNX manifest cannot express, and what is missing.
+UNEXPORTABLE = {
+    "specee": "its per-token exits are host decisions between per-layer stages and exit-check "
+    "nodes, and the onnxruntime executor has no such schedule (missing: per-layer stages, "
+    "exit-check stages and the SpecEE schedule in leapfx.export.ort_runtime); use the eager "
+    "backend",
+}
+
+
 def export_onnx(
     sm: SpeculativeModel,
     path: str | os.PathLike,
@@ -553,6 +562,9 @@ def export_onnx(
 
     >>> export_onnx(sm, "out/layerskip-onnx", overwrite=True)
     """
+    if sm.recipe.name in UNEXPORTABLE:
+        raise ValueError(f"recipe: {sm.recipe.name!r} cannot be exported to ONNX: "
+                         f"{UNEXPORTABLE[sm.recipe.name]}")  # fmt: skip
     _require_onnx()
     target = _check_options(sm, path, opset, overwrite)
     _check_target(target, overwrite)

@@ -21,8 +21,10 @@ from ..passes.base import GraphPass
 from ..passes.exit_head import InsertExitHead
 from ..passes.fuse_layers import FuseDecoderLayers
 from ..passes.partition import Stages, early_exit_stages, full_stage, partition
+from ..passes.specee_stages import specee_stages
 from ..runtime import kangaroo, schedules
 from ..runtime.model import RecipeTraining, Schedule
+from . import specee_recipe
 
 
 def default_exit_layer(num_layers: int) -> int:
@@ -226,7 +228,7 @@ class Recipe:
     cut: Callable[[fx.GraphModule], Stages]
     schedule: Callable[[object], Schedule]
     lookahead: Callable[[object], int]
-    lossless: bool
+    lossless: bool | Callable[[object], bool]  # a function of the options where they decide
     training: Callable[[], RecipeTraining] | None = None  # fits/saves the inserted parts
     # The option that takes a directory written by ``SpeculativeModel.save_parts``;
     # ``apply(..., parts=dir)`` fills it. None: the recipe has no trained parts.
@@ -285,6 +287,18 @@ RECIPES: dict[str, Recipe] = {
             lossless=True,
             training=_kangaroo_training,
             parts_option="adapter",
+        ),
+        Recipe(
+            name="specee",
+            description="SpecEE exit predictors (lossy; lossless with verify=True)",
+            options_type=specee_recipe.SpecEEOptions,
+            passes=specee_recipe.specee_passes,
+            cut=specee_stages,
+            schedule=specee_recipe.specee_schedule,
+            lookahead=specee_recipe.specee_lookahead,
+            lossless=lambda o: o.verify,
+            training=specee_recipe.specee_training,
+            parts_option="parts",
         ),
     )
 }

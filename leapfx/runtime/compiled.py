@@ -406,6 +406,11 @@ def compile_stages(sm, options: CompileOptions) -> dict[str, CompiledStage]:
     from ..export.onnx_export import discover  # which cache layers each position input feeds
     from ..kernels import cpu
 
+    if sm.recipe.name == "specee":
+        raise ValueError(
+            "backend: 'inductor' is not implemented for recipe 'specee' (missing: compiled "
+            "per-layer segments with the validity mask as an input); allowed: 'eager'"
+        )
     options = options.validate()
     lay = sm._layout
     cache_len = sm._compile_cache_len()
