@@ -88,7 +88,12 @@ def _bench(args: argparse.Namespace) -> int:
     d = DEFAULT_SPECULATIONS if d is None else d
     kernels = CPU_KERNELS[args.cpu_kernels]
     calibration = []
-    if args.sweep or args.auto or args.plot:
+    if args.sweep_threshold and args.recipe != "specee":
+        raise ValueError(
+            f"--sweep-threshold: sweeps SpecEE's exit threshold; allowed with --recipe specee "
+            f"(got --recipe {args.recipe})"
+        )
+    if (args.sweep or args.auto or args.plot) and not args.sweep_threshold:
         exits = _grid(args.sweep_exit_layers, num_layers)
         specs = _speculations(args.sweep_speculations) if args.sweep or args.auto else [d]
         cal_prompts = prompts if args.sweep else prompts[:2]
@@ -113,7 +118,8 @@ def _bench(args: argparse.Namespace) -> int:
         repeats=args.repeats, warmup=args.warmup, adapter=_adapter(args),
         kangaroo_exit_layer=args.kangaroo_exit_layer,
         confidence_threshold=threshold, backend=args.backend,
-        cpu_kernels=kernels,
+        cpu_kernels=kernels, specee_parts=_specee_parts(args),
+        specee_threshold=args.specee_threshold,
     )  # fmt: skip
     config = dataclasses.replace(config, throughput_only=args.random_model is not None)
     rows = run_bench(model, prompts, config, progress=not quiet)
@@ -166,9 +172,22 @@ def _bench(args: argparse.Namespace) -> int:
     meta["dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
     if args.random_model is not None:
         meta.update(model=f"random:{args.random_model}", throughput_only=True)
+    curve = []
+    if args.sweep_threshold:
+        curve = _specee_curve(args, model, prompts, rows, config, num_layers, quiet)
+        meta["specee_curve"] = [p.as_dict() for p in curve]
+    for r in rows:
+        share = _predictor_share(r)
+        if share is not None:
+            print(f"{r.system}: the exit predictors take {share:.1%} of decode time")
+    meta["specee_parts"] = config.specee_parts
     if args.json:
         write_json(args.json, rows, meta)
-    if args.plot:
+    if args.plot and curve:
+        from .bench.specee_sweep import write_curve_plot
+
+        write_curve_plot(args.plot, curve)
+    elif args.plot:
         by_exit: dict[int, float] = {}
         for c in calibration:
             by_exit[c.exit_layer] = max(by_exit.get(c.exit_layer, 0.0), c.acceptance_rate)
@@ -293,6 +312,55 @@ def _calibration_kernels(model, kernels: bool | None) -> bool:
     return cpu.resolve(kernels, param.device, param.dtype, **CPU_KERNELS_FLAG)
 
 
+def _specee_parts(args: argparse.Namespace) -> str | None:
+    """--specee-parts, else the reference model's shipped predictors for the reference."""
+    from .bench import REFERENCE_MODEL
+
+    if args.recipe != "specee":
+        return None
+    if args.specee_parts is not None:
+        return args.specee_parts
+    shipped = REFERENCE_MODEL / "specee"
+    if args.model is None and args.random_model is None and shipped.is_dir():
+        return str(shipped)
+    return None
+
+
+def _predictor_share(row) -> float | None:
+    """Predictor time over decode time of a specee row (its stage timings)."""
+    stages = row.extra.get("stage_seconds") or {}
+    if "predictor" not in stages or not row.seconds:
+        return None
+    return stages["predictor"] / row.seconds
+
+
+def _specee_curve(args, model, prompts, rows, config, num_layers, quiet):
+    """--sweep-threshold: specee at each threshold beside early_exit at every E."""
+    from .bench.harness import specee_options, use_cpu_kernels
+    from .bench.specee_sweep import sweep_threshold_table, threshold_sweep
+    from .rewrite import apply
+
+    base = apply(model, "autoregressive")
+    greedy = [base.generate(p, max_new_tokens=args.max_new_tokens, do_sample=False)
+              for p in prompts]  # fmt: skip
+    try:
+        thresholds = [float(x) for x in args.sweep_thresholds.split(",")]
+    except ValueError:
+        thresholds = [-1.0]
+    if not thresholds or not all(0 <= t <= 1 for t in thresholds):
+        raise ValueError(
+            f"--sweep-thresholds: {args.sweep_thresholds!r} is invalid; allowed: numbers in "
+            "[0, 1], comma-separated"
+        )
+    points = threshold_sweep(
+        model, prompts, greedy, thresholds=thresholds, exits=list(range(1, num_layers)),
+        specee_options=specee_options(config), max_new_tokens=args.max_new_tokens,
+        repeats=args.repeats, cpu_kernels=use_cpu_kernels(config, base),
+    )  # fmt: skip
+    print(sweep_threshold_table(points))
+    return points
+
+
 def _adapter(args: argparse.Namespace) -> str | None:
     """--adapter, else the reference model's shipped adapter when benchmarking the reference."""
     from .bench import REFERENCE_ADAPTER
@@ -409,6 +477,8 @@ def _train_specee(args: argparse.Namespace) -> int:
     result = sm.fit(
         data, prompts=args.prompts, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
         epochs=args.epochs, seed=args.seed, progress=_progress(args),
+        threshold=args.threshold, target_agreement=args.target_agreement,
+        features_path=args.features,
     )  # fmt: skip
     out = args.out or str(REFERENCE_MODEL / "specee")
     sm.save_parts(out)
@@ -479,6 +549,20 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--sweep-exit-layers", default=None, help="e.g. 2,3,4,6")
     bench.add_argument("--sweep-speculations", default="1,2,3,4,6,8")
     bench.add_argument("--auto", action="store_true", help="pick E and d by calibration")
+    bench.add_argument(
+        "--specee-parts", default=None,
+        help="specee: parts directory (default: the shipped ones for the reference model)",
+    )  # fmt: skip
+    bench.add_argument(
+        "--specee-threshold", type=float, default=None,
+        help="specee: exit threshold (default: the parts' calibrated one, else 0.5)",
+    )  # fmt: skip
+    bench.add_argument(
+        "--sweep-threshold", action="store_true",
+        help="specee: agreement vs speed at each --sweep-thresholds beside early_exit at every "
+        "E (with --plot: the curve as a PNG)",
+    )  # fmt: skip
+    bench.add_argument("--sweep-thresholds", default="0.5,0.7,0.8,0.9,0.95,0.97,0.99")
     bench.add_argument("--quiet", action="store_true", help="no progress bars (= --no-progress)")
     bench.add_argument(
         "--progress", action=argparse.BooleanOptionalAction, default=None,
@@ -546,6 +630,18 @@ def build_parser() -> argparse.ArgumentParser:
     specee.add_argument("--new-tokens", type=int, default=256)
     specee.add_argument("--epochs", type=int, default=100)
     specee.add_argument("--seed", type=int, default=0)
+    specee.add_argument(
+        "--threshold", type=float, default=None,
+        help="exit threshold saved with the parts (default: 0.5, or see --target-agreement)",
+    )  # fmt: skip
+    specee.add_argument(
+        "--target-agreement", type=float, default=None,
+        help="pick the threshold of fewest layers whose held-out agreement reaches this",
+    )  # fmt: skip
+    specee.add_argument(
+        "--features", default=None,
+        help="safetensors file caching the collected features (read if it exists)",
+    )  # fmt: skip
     specee.add_argument("--threads", type=int, default=None)
     specee.add_argument("--device", default="cpu")
     specee.add_argument(

@@ -11,7 +11,8 @@ Every system decodes the same prompts with the same ``max_new_tokens`` and the s
 - ``leapfx_autoregressive``    the leapfx runtime without speculation
 - ``leapfx_early_exit``        exit after E layers for every token (lossy: ``agreement``, the
                                teacher-forced agreement with greedy, and ``avg_layers``)
-- ``leapfx_<recipe>``          the recipe under test (``layerskip`` by default)
+- ``leapfx_<recipe>``          the recipe under test (``layerskip`` by default); ``specee``
+                               gives ``leapfx_specee`` (lossy) and ``leapfx_specee_verified``
 
 Timing: one warm-up pass per system, then ``repeats`` timed passes; within a pass the systems
 run in a rotated order so drift on a shared machine spreads over all of them. A system's time is
@@ -77,6 +78,10 @@ class BenchConfig:
     # Only the systems whose speed does not depend on acceptance (hf_greedy, hf_static,
     # leapfx_autoregressive on each backend): a model with random weights (--random-model).
     throughput_only: bool = False
+    # specee runs: the parts directory (None: untrained predictors) and the exit threshold
+    # (None: the parts' own).
+    specee_parts: str | None = None
+    specee_threshold: float | None = None
 
     def validate(self) -> BenchConfig:
         checks = [
@@ -233,10 +238,10 @@ def build_systems(model: nn.Module, config: BenchConfig, generator_seed: int = 0
             num_assistant_tokens_schedule="constant",
         )
         systems.append(System("hf_assistant_early_exit", assistant))
-    if config.recipe not in ("autoregressive", "early_exit", "layerskip", "kangaroo"):
+    if config.recipe not in ("autoregressive", "early_exit", "layerskip", "kangaroo", "specee"):
         raise ValueError(
             f"--recipe: {config.recipe!r} is not benchmarked; allowed: autoregressive, "
-            "early_exit, layerskip, kangaroo"
+            "early_exit, layerskip, kangaroo, specee"
         )
     backends = config.backends
     for backend in backends:
@@ -272,6 +277,12 @@ def build_systems(model: nn.Module, config: BenchConfig, generator_seed: int = 0
                 **layerskip_opts,
             )  # fmt: skip
             systems.append(ours("leapfx_layerskip_dynamic", dynamic))
+        if config.recipe == "specee":
+            kw = specee_options(config)
+            lossy = rewrite.apply(model, "specee", **kw)
+            systems.append(ours("leapfx_specee", lossy, lossless=False))
+            verified = rewrite.apply(model, "specee", verify=True, max_draft_tokens=d, **kw)
+            systems.append(ours("leapfx_specee_verified", verified))
         if config.recipe == "kangaroo":
             kw = {"max_draft_tokens": d, "adapter": config.adapter}
             if config.kangaroo_exit_layer is not None:
@@ -283,6 +294,16 @@ def build_systems(model: nn.Module, config: BenchConfig, generator_seed: int = 0
             systems.append(ours("leapfx_kangaroo_fixed", fixed))
             systems.append(ours("leapfx_kangaroo", dynamic))
     return systems
+
+
+def specee_options(config: BenchConfig) -> dict:
+    """The specee options of a run: its parts and threshold, where given."""
+    kw: dict = {}
+    if config.specee_parts is not None:
+        kw["parts"] = config.specee_parts
+    if config.specee_threshold is not None:
+        kw["threshold"] = config.specee_threshold
+    return kw
 
 
 def hf_compiles_static(model: nn.Module) -> bool:

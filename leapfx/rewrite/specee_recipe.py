@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..passes.adapter import InsertKangarooAdapter
-from ..passes.adapter_checkpoint import LoadKangarooAdapter
+from ..passes.adapter_checkpoint import LoadKangarooAdapter, read_adapter_config
 from ..passes.base import GraphPass
 from ..passes.exit_head import InsertExitHead
 from ..passes.fuse_layers import FuseDecoderLayers
@@ -56,7 +56,9 @@ class SpecEEOptions:
     # E: the draft head reads h_{E-1}; predictors check layers E-1..L-2. None: the parts',
     # else L // 4 (exit_head) or ceil(L / 16) (kangaroo, as that recipe).
     exit_layer: int | None = None
-    threshold: float = 0.5  # exit when the predictor's probability is > this (1.0: never)
+    # Exit when the predictor's probability is > this (1.0: never). None: the parts' (a
+    # threshold calibrated on held-out data when they were trained), else 0.5 (the paper's).
+    threshold: float | None = None
     verify: bool = False  # True: exited tokens are drafts, verified by the remainder (lossless)
     kv_fill: str = "mask"  # K/V of the layers an exited token skipped: see runtime.specee
     max_draft_tokens: int = 6  # verify=True: drafts per round at most
@@ -86,6 +88,10 @@ class SpecEEOptions:
         default_e = max(1, num_layers // 4)
         if drafter == "kangaroo":
             default_e = max(1, min(num_layers - 1, -(-num_layers // 16)))
+            adapter_dir = _check_path("adapter", self.adapter)
+            if adapter_dir is not None:  # the adapter's own layer
+                saved_adapter = read_adapter_config(adapter_dir).get("options", {})
+                default_e = saved_adapter.get("exit_layer", default_e)
         e = self.exit_layer if self.exit_layer is not None else saved.get("exit_layer", default_e)
         _check_int("exit_layer", e, 1, num_layers - 1)
         if saved.get("exit_layer") not in (None, e):
@@ -93,7 +99,7 @@ class SpecEEOptions:
                 f"exit_layer: {e!r} does not match the parts at {parts!r}, trained with "
                 f"{saved['exit_layer']}; allowed: {saved['exit_layer']} or None"
             )
-        t = self.threshold
+        t = self.threshold if self.threshold is not None else saved.get("threshold", 0.5)
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t <= 1:
             raise ValueError(
                 f"threshold: {t!r} is invalid; allowed: a number in [0, 1] (1.0 never exits)"

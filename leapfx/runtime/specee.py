@@ -243,6 +243,11 @@ class SpecEEDecoder:
         self.scheduler.record(i)
         cache = self.runner.cache
         if self.config.kv_fill == "next":
+            # Groups still pending stopped at or above this exit (those below it joined);
+            # one that also waits for layer i + 1 merges: its positions come just before.
+            if self.pending and self.pending[-1][2] == i + 1:
+                rows, start, _ = self.pending.pop()
+                h, batch_start = torch.cat([rows, h], dim=1), start
             self.pending.append((h, batch_start, i + 1))
             return
         self.bias[i + 1 :, pos] = self.neg

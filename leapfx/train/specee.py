@@ -57,7 +57,14 @@ class SpecEEFitConfig:
     batch_size: int = 1024
     lr: float = 1e-3
     held_out: float = 0.2  # share of the prompts held out for the per-layer report
-    threshold: float = 0.5  # for the report and the offline subset
+    # The exit threshold of the report and of the offline measurement, saved with the parts.
+    # None: 0.5 (the paper's), or with target_agreement the grid threshold of fewest layers
+    # whose held-out simulated agreement reaches it.
+    threshold: float | None = None
+    target_agreement: float | None = None
+    # A safetensors file for the collected features: loaded if it exists, else written, so a
+    # second fit with other training options skips the greedy decoding.
+    features_path: str | None = None
     offline_coverage: float = 0.8  # the offline subset covers this share of measured exits
     seed: int = 0
     progress: bool = True
@@ -74,8 +81,10 @@ class SpecEEFitConfig:
             ok = isinstance(value, (int, float)) and not isinstance(value, bool)
             if not (ok and low < value < high):
                 raise ValueError(f"{name}: {value!r} is invalid; allowed: in ({low}, {high})")
-        for name in ("threshold", "offline_coverage"):
+        for name in ("threshold", "offline_coverage", "target_agreement"):
             value = getattr(self, name)
+            if value is None and name != "offline_coverage":
+                continue
             ok = isinstance(value, (int, float)) and not isinstance(value, bool)
             if not (ok and 0 <= value <= 1):
                 raise ValueError(f"{name}: {value!r} is invalid; allowed: a number in [0, 1]")
@@ -102,8 +111,11 @@ class SpecEEFitResult:
     layers: dict[int, LayerReport] = field(default_factory=dict)
     exit_counts: dict[int, int] = field(default_factory=dict)  # held-out, every predictor on
     offline_layers: tuple[int, ...] = ()
+    threshold: float = 0.5
     simulated_agreement: float = 0.0  # held-out: the exit layer's argmax == the full model's
     simulated_avg_layers: float = 0.0
+    # (threshold, simulated agreement, simulated avg layers), every predictor on
+    curve: list[tuple[float, float, float]] = field(default_factory=list)
     seconds: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
@@ -200,6 +212,60 @@ def offline_subset(exit_counts: dict[int, int], coverage: float) -> tuple[int, .
     return tuple(sorted(chosen))
 
 
+THRESHOLD_GRID = (0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.925, 0.95, 0.96, 0.97, 0.98, 0.99, 0.995)
+
+
+def simulate(probs, labels, hits, threshold: float, e: int, num_layers: int):
+    """Held-out exits with every predictor on: (agreement, avg layers, exits per layer).
+
+    ``probs``, ``labels``, ``hits``: [L-E, N] for layers E-1..L-2. A position exits at the first
+    layer whose predictor fires and whose argmax is in S (sec. 4.3.3); it agrees when that
+    layer's argmax is the full model's token (or it never exits).
+    """
+    exits = (probs > threshold) & hits
+    any_exit = exits.any(0)
+    idx = exits.float().argmax(0)  # [N]: the first exit (0 where none: masked below)
+    layers = range(e - 1, num_layers - 1)
+    counts = {layer: int(((idx == j) & any_exit).sum()) for j, layer in enumerate(layers)}
+    agree = torch.where(any_exit, labels[idx, torch.arange(idx.numel())] > 0.5, True)
+    depth = torch.where(any_exit, idx + e, num_layers)  # layers run
+    return float(agree.float().mean()), float(depth.float().mean()), counts
+
+
+def _collect(sm, data, tokenizer, config: SpecEEFitConfig) -> dict[str, torch.Tensor]:
+    """Training and held-out features (x, y; hx, hy, hhit), from ``features_path`` if it
+    exists (written there otherwise)."""
+    from safetensors.torch import load_file, save_file
+
+    path = Path(config.features_path) if config.features_path else None
+    if path is not None and path.is_file():
+        return load_file(str(path))
+    stream = token_stream(data, vocab_size=sm.config.vocab_size, tokenizer=tokenizer)
+    generator = torch.Generator().manual_seed(config.seed)
+    device = next(sm.hf_model.parameters()).device
+    windows = sample_windows(stream, config.prompts, config.prompt_len, generator)
+    prompts = [w[None].to(device) for w in windows]
+    seqs = greedy_continuations(sm, prompts, config.new_tokens, config.progress)
+    feats = []
+    bar = tqdm(seqs, desc="specee: features", disable=not config.progress)
+    for seq, prompt in zip(bar, prompts, strict=True):
+        feats.append(layer_features(sm, seq, prompt.shape[1] - 1))
+    n_held = max(1, round(config.held_out * len(feats)))
+    train, held = feats[n_held:], feats[:n_held]
+
+    def cat(items, key):
+        return torch.cat([f[key] for f in items], dim=1).contiguous()
+
+    out = {"x": cat(train, "x"), "y": cat(train, "y"), "hx": cat(held, "x"),
+           "hy": cat(held, "y"), "hhit": cat(held, "hit")}  # fmt: skip
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        save_file({k: v.cpu() for k, v in out.items()}, str(tmp))
+        tmp.replace(path)
+    return out
+
+
 def fit(sm, data: Any, *, tokenizer=None, **options: Any) -> SpecEEFitResult:
     """Train the exit predictors of ``sm`` (a specee SpeculativeModel) on ``data``.
 
@@ -216,24 +282,9 @@ def fit(sm, data: Any, *, tokenizer=None, **options: Any) -> SpecEEFitResult:
         )
     config = SpecEEFitConfig(**options)
     begin = time.perf_counter()
-    stream = token_stream(data, vocab_size=sm.config.vocab_size, tokenizer=tokenizer)
-    generator = torch.Generator().manual_seed(config.seed)
-    device = next(sm.hf_model.parameters()).device
-    windows = sample_windows(stream, config.prompts, config.prompt_len, generator)
-    prompts = [w[None].to(device) for w in windows]
-    seqs = greedy_continuations(sm, prompts, config.new_tokens, config.progress)
-    feats = []
-    bar = tqdm(seqs, desc="specee: features", disable=not config.progress)
-    for seq, prompt in zip(bar, prompts, strict=True):
-        feats.append(layer_features(sm, seq, prompt.shape[1] - 1))
-    n_held = max(1, round(config.held_out * len(feats)))
-    train, held = feats[n_held:], feats[:n_held]
-
-    def cat(items, key):
-        return torch.cat([f[key] for f in items], dim=1)
-
-    x, y = cat(train, "x"), cat(train, "y")
-    hx, hy, hhit = cat(held, "x"), cat(held, "y"), cat(held, "hit")
+    held_x = _collect(sm, data, tokenizer, config)
+    generator = torch.Generator().manual_seed(config.seed + 1)
+    x, y, hx, hy, hhit = (held_x[k] for k in ("x", "y", "hx", "hy", "hhit"))
     bank = predictors_of(sm.graph_module)
     e, num_layers = sm.options.exit_layer, sm.config.num_hidden_layers
     result = SpecEEFitResult(samples=x.shape[1], held_out_samples=hx.shape[1])
@@ -247,23 +298,24 @@ def fit(sm, data: Any, *, tokenizer=None, **options: Any) -> SpecEEFitResult:
         with torch.no_grad():
             prob = mlp(hx[j].to(dtype))[:, 0].float()
         probs.append(prob)
-        result.layers[layer] = _report(prob, hy[j], config.threshold)
+        result.layers[layer] = _report(prob, hy[j], config.threshold or 0.5)
     # Exits on the held-out positions with every predictor on (the offline measurement).
-    fires = torch.stack(probs) > config.threshold  # [L-E, N]
-    exits = fires & hhit
-    any_exit = exits.any(0)
-    idx = exits.float().argmax(0)  # [N]: the first exit (0 where none: masked below)
-    layers = range(e - 1, num_layers - 1)
-    counts = {layer: int(((idx == j) & any_exit).sum()) for j, layer in enumerate(layers)}
+    probs = torch.stack(probs)  # [L-E, N]
+    for t in THRESHOLD_GRID:
+        agreement, avg, _ = simulate(probs, hy, hhit, t, e, num_layers)
+        result.curve.append((t, agreement, avg))
+    threshold = 0.5 if config.threshold is None else config.threshold
+    if config.target_agreement is not None and config.threshold is None:
+        good = [(avg, t) for t, a, avg in result.curve if a >= config.target_agreement]
+        threshold = min(good)[1] if good else THRESHOLD_GRID[-1]
+    agreement, avg, counts = simulate(probs, hy, hhit, threshold, e, num_layers)
+    result.threshold = threshold
     result.exit_counts = counts
-    agree = torch.where(any_exit, hy[idx, torch.arange(idx.numel())] > 0.5, True)
-    result.simulated_agreement = float(agree.float().mean())
-    depth = torch.where(any_exit, idx + e, num_layers)  # layers run
-    result.simulated_avg_layers = float(depth.float().mean())
+    result.simulated_agreement, result.simulated_avg_layers = agreement, avg
     result.offline_layers = offline_subset(counts, config.offline_coverage)
     bank.offline.zero_()
     bank.offline[list(result.offline_layers)] = True
-    _set_options(sm, offline_layers=result.offline_layers)
+    _set_options(sm, offline_layers=result.offline_layers, threshold=threshold)
     result.seconds = time.perf_counter() - begin
     sm._specee_report = result.as_dict()
     log.info("specee predictors: %s", result.as_dict())
@@ -281,7 +333,7 @@ def _set_options(sm, **changes) -> None:
 def save_parts(sm, path: str | Path) -> Path:
     """Write the predictors (and a Kangaroo drafter's adapter) with the options they need."""
     o = sm.options
-    options = {"drafter": o.drafter, "exit_layer": o.exit_layer,
+    options = {"drafter": o.drafter, "exit_layer": o.exit_layer, "threshold": o.threshold,
                "offline_layers": list(o.offline_layers)}  # fmt: skip
     report = getattr(sm, "_specee_report", None)
     return write_parts(

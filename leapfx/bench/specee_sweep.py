@@ -1,0 +1,139 @@
+"""``leapfx bench --recipe specee --sweep-threshold``: SpecEE's agreement-vs-speed curve.
+
+Each point is one setting of a lossy system decoding the bench prompts greedily: its tokens/s
+over ``leapfx_autoregressive`` on the same prompts (timed, best of ``repeats`` passes), its
+teacher-forced agreement with the full model's greedy tokens (``leapfx.bench.agreement``) and
+its decoder layers per token. SpecEE runs at every threshold of the grid, LayerSkip's fixed early
+exit at every E: SpecEE earns its predictors only if its curve lies above fixed early exit at
+equal speed (the issue's test).
+
+    >>> points = threshold_sweep(model, prompts, greedy, thresholds=[0.5, 0.9], exits=[4, 8])
+    >>> print(sweep_threshold_table(points))
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from .. import rewrite
+from .agreement import teacher_forced_agreement
+
+
+@dataclass(frozen=True)
+class CurvePoint:
+    system: str  # "specee" or "early_exit"
+    setting: float  # the threshold, or E
+    tokens_per_second: float
+    speedup: float  # over leapfx_autoregressive on the same prompts
+    agreement: float
+    avg_layers: float | None
+    predictor_share: float | None = None  # specee: predictor time / decode time
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _tokens_per_second(sm, prompts, max_new_tokens: int, repeats: int) -> tuple[float, float]:
+    best, share = 0.0, None
+    for _ in range(repeats):
+        tokens, seconds, predictor = 0, 0.0, 0.0
+        for p in prompts:
+            start = time.perf_counter()
+            sm.generate(p, max_new_tokens=max_new_tokens, do_sample=False)
+            seconds += time.perf_counter() - start
+            m = sm.last_metrics
+            tokens += m.new_tokens
+            predictor += m.stage_seconds.get("predictor", 0.0)
+        if tokens / seconds > best:
+            best, share = tokens / seconds, predictor / seconds
+    return best, share
+
+
+def threshold_sweep(
+    model,
+    prompts: list[torch.Tensor],
+    greedy_outputs: list[torch.Tensor],
+    *,
+    thresholds: list[float],
+    exits: list[int],
+    specee_options: dict | None = None,
+    max_new_tokens: int = 128,
+    repeats: int = 1,
+    cpu_kernels: bool = False,
+) -> list[CurvePoint]:
+    """Tokens/s, agreement and layers of specee at each threshold and early_exit at each E."""
+
+    def prepare(sm):
+        sm = sm.use_cpu_kernels() if cpu_kernels else sm
+        sm.generate(prompts[0], max_new_tokens=4)  # warm-up
+        return sm
+
+    base = prepare(rewrite.apply(model, "autoregressive"))
+    base_tps, _ = _tokens_per_second(base, prompts, max_new_tokens, repeats)
+    points = []
+    options = dict(specee_options or {})
+    options.pop("threshold", None)
+    for t in thresholds:
+        sm = prepare(rewrite.apply(model, "specee", threshold=t, **options))
+        tps, share = _tokens_per_second(sm, prompts, max_new_tokens, repeats)
+        a = teacher_forced_agreement(sm, prompts, greedy_outputs)
+        points.append(CurvePoint("specee", t, tps, tps / base_tps, a.agreement, a.avg_layers,
+                                 share))  # fmt: skip
+    for e in exits:
+        sm = prepare(rewrite.apply(model, "early_exit", exit_layer=e))
+        tps, _ = _tokens_per_second(sm, prompts, max_new_tokens, repeats)
+        a = teacher_forced_agreement(sm, prompts, greedy_outputs)
+        points.append(CurvePoint("early_exit", e, tps, tps / base_tps, a.agreement, a.avg_layers))
+    return points
+
+
+def sweep_threshold_table(points: list[CurvePoint]) -> str:
+    """The curve as text, one line per point."""
+    lines = [
+        f"{'system':<11} {'setting':>8} {'tok/s':>8} {'speedup':>8} {'agreement':>9} "
+        f"{'layers':>6} {'predictor':>9}",
+        "-" * 65,
+    ]
+    for p in points:
+        setting = f"t={p.setting:g}" if p.system == "specee" else f"E={int(p.setting)}"
+        layers = f"{p.avg_layers:.2f}" if p.avg_layers is not None else "-"
+        share = f"{p.predictor_share:.1%}" if p.predictor_share is not None else "-"
+        lines.append(
+            f"{p.system:<11} {setting:>8} {p.tokens_per_second:>8.1f} {p.speedup:>7.2f}x "
+            f"{p.agreement:>9.1%} {layers:>6} {share:>9}"
+        )
+    return "\n".join(lines)
+
+
+def write_curve_plot(path: str | Path, points: list[CurvePoint]) -> None:
+    """Agreement against speedup over leapfx_autoregressive, one line per system."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    for system, style in (("specee", "o-"), ("early_exit", "s--")):
+        pts = sorted((p for p in points if p.system == system), key=lambda p: p.speedup)
+        if not pts:
+            continue
+        ax.plot([p.speedup for p in pts], [p.agreement for p in pts], style, label=system)
+        for p in pts:
+            label = f"{p.setting:g}" if system == "specee" else f"E={int(p.setting)}"
+            ax.annotate(label, (p.speedup, p.agreement), fontsize=7, xytext=(3, 3),
+                        textcoords="offset points")  # fmt: skip
+    ax.set_xlabel("speedup over leapfx_autoregressive (tokens/s ratio)")
+    ax.set_ylabel("teacher-forced agreement with greedy")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
