@@ -67,8 +67,12 @@ class StageRunner:
             window=lay.window, dtype=lay.dtype, device=lay.device, additive=True,
         )  # fmt: skip
 
-    def chunk(self, name: str, input_ids: torch.Tensor, start: int) -> dict[str, torch.Tensor]:
-        """Run stage ``name`` on ``input_ids`` [1, S] at positions start..start+S-1."""
+    def chunk(
+        self, name: str, input_ids: torch.Tensor, start: int, **extra: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        """Run stage ``name`` on ``input_ids`` [1, S] at positions start..start+S-1.
+
+        ``extra``: the stage's other tensor inputs (e.g. the EAGLE head's ``hidden``)."""
         n = input_ids.shape[1]
         return self._call(
             name,
@@ -77,6 +81,7 @@ class StageRunner:
             position_ids=self._positions(start, n),
             masks=self._masks(name, start, n),
             cache=self.cache,
+            **extra,
         )
 
     def full(self, input_ids: torch.Tensor, start: int) -> torch.Tensor:
