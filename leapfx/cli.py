@@ -386,6 +386,27 @@ def _train_reference(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train_eagle(args: argparse.Namespace) -> int:
+    from .bench import REFERENCE_EAGLE
+    from .train.eagle import train_reference_head
+
+    summary = train_reference_head(
+        args.out or REFERENCE_EAGLE,
+        model_path=args.model,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        lr=args.lr,
+        threads=args.threads,
+        device=args.device,
+        corpus_root=args.corpus_root,
+        resume=args.resume,
+        progress=_progress(args),
+    )
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="leapfx", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -497,6 +518,29 @@ def build_parser() -> argparse.ArgumentParser:
         "last layer (not in the LayerSkip paper; it also gets what the first phase leaves)",
     )  # fmt: skip
     train.set_defaults(func=_train_reference)
+
+    eagle = sub.add_parser(
+        "train-eagle", help="train the EAGLE draft head of the reference model (or --model)"
+    )
+    eagle.add_argument(
+        "--out", default=None, help="parts directory (default: leapfx/assets/reference/eagle)"
+    )
+    eagle.add_argument("--model", default=None, help="HF checkpoint dir (default: reference)")
+    eagle.add_argument("--steps", type=int, default=2000)
+    eagle.add_argument("--batch-size", type=int, default=8)
+    eagle.add_argument("--seq-len", type=int, default=256)
+    eagle.add_argument("--lr", type=float, default=3e-4)
+    eagle.add_argument("--threads", type=int, default=None)
+    eagle.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (float32)")
+    eagle.add_argument(
+        "--corpus-root", default=None, help="stdlib folder to train on (default: this Python's)"
+    )
+    eagle.add_argument(
+        "--resume", action="store_true", help="start from the head already in --out, if any"
+    )
+    eagle.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None)
+    eagle.add_argument("--quiet", action="store_true", help="no progress bar")
+    eagle.set_defaults(func=_train_eagle)
     return parser
 
 
