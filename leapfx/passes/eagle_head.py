@@ -260,6 +260,28 @@ class InsertEagleHead(GraphPass):
         return PassResult(gm, modified=True, matches=1)
 
 
+@dataclass(frozen=True)
+class FuseEagleHeadLayer(GraphPass):
+    """Run the head's decoder layer as a FusedDecoderLayer (``fuse_layers``; same math, same
+    weights by reference, no nn.Module dispatch): the head runs once per draft, so its
+    dispatch overhead counts as much as one host layer's."""
+
+    name: ClassVar[str] = "fuse-eagle-head-layer"
+    requires: ClassVar[frozenset[str]] = frozenset({"eagle-head"})
+    provides: ClassVar[frozenset[str]] = frozenset({"eagle-head-fused"})
+
+    def run(self, gm: fx.GraphModule) -> PassResult:
+        from .fuse_layers import FusedDecoderLayer, fusable
+
+        node = nodes_by_role(gm, "eagle_layer")[0]
+        layer = gm.get_submodule(node.target)
+        if isinstance(layer, FusedDecoderLayer) or not fusable(layer):
+            return PassResult(gm, modified=False, matches=0)
+        gm.add_submodule("leapfx_fused.eagle_layer", FusedDecoderLayer(layer))
+        node.target = "leapfx_fused.eagle_layer"
+        return PassResult(gm, modified=True, matches=1)
+
+
 def eagle_slot_of(gm: fx.GraphModule) -> int:
     """The KV-cache slot of the EAGLE head of ``gm``."""
     if EAGLE_SLOT not in gm.meta:
@@ -318,6 +340,7 @@ def eagle_stages(gm: fx.GraphModule) -> Stages:
 
 __all__ = [
     "EagleHead",
+    "FuseEagleHeadLayer",
     "InsertEagleHead",
     "eagle_head_of",
     "eagle_slot_of",

@@ -19,7 +19,7 @@ from ..passes.adapter import InsertKangarooAdapter
 from ..passes.adapter_checkpoint import LoadKangarooAdapter, read_adapter_config
 from ..passes.base import GraphPass
 from ..passes.eagle_checkpoint import LoadEagleHead, read_eagle_config
-from ..passes.eagle_head import InsertEagleHead, eagle_stages
+from ..passes.eagle_head import FuseEagleHeadLayer, InsertEagleHead, eagle_stages
 from ..passes.exit_head import InsertExitHead
 from ..passes.fuse_layers import FuseDecoderLayers
 from ..passes.partition import Stages, early_exit_stages, full_stage, partition
@@ -254,6 +254,12 @@ class EagleOptions:
             path = os.fspath(self.parts)
             meta = read_eagle_config(path)
             saved = {**meta.get("options", {}), "init_layer": meta.get("init_layer")}
+            trained = meta.get("host", {}).get("num_hidden_layers")
+            if trained != num_layers:
+                raise ValueError(
+                    f"parts: {path!r} was trained for another model: num_hidden_layers="
+                    f"{trained!r} (model: {num_layers})"
+                )
 
         def pick(name: str, default):
             value = getattr(self, name)
@@ -287,7 +293,9 @@ class EagleOptions:
 
 def _eagle_passes(o: EagleOptions) -> list[GraphPass]:
     # The head copies a host layer, so it goes before passes that replace layers.
-    passes: list[GraphPass] = [InsertEagleHead(init_layer=o.init_layer), *_fuse(o)]
+    passes: list[GraphPass] = [InsertEagleHead(init_layer=o.init_layer)]
+    if o.fuse_layers:
+        passes += [FuseDecoderLayers(), FuseEagleHeadLayer()]
     if o.parts is not None:
         passes.append(LoadEagleHead(path=o.parts))
     return passes
