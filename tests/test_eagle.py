@@ -239,3 +239,13 @@ def test_fuse_layers_fuses_the_head_layer_too(fuse):
     assert "eagle_head.fc" in stages["head"].code and target in stages["target"].code
     prompt = torch.tensor([[5, 6, 7, 8]])
     assert torch.equal(sm.generate(prompt, max_new_tokens=12), hf_greedy(model, prompt, 12))
+
+
+def test_inductor_and_onnx_refuse_the_eagle_stages(tmp_path):
+    model = tiny_model("llama", layers=3)
+    with pytest.raises(ValueError, match=r"backend: 'inductor' does not run the stages \['head'"):
+        rewrite.apply(model, "eagle", backend="inductor")
+    sm = rewrite.apply(model, "eagle")
+    with pytest.raises(ValueError, match="backend: 'onnxruntime' .* allowed for this recipe"):
+        sm.export_onnx(tmp_path / "onnx")
+    assert not (tmp_path / "onnx").exists()

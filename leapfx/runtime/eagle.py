@@ -49,7 +49,8 @@ def head_step(
     """The draft head on tokens ``input_ids`` [1, S] at positions start.. reading ``hidden``
     [1, S, D] (h_{t-1} of each token, or the head's own g); returns (logits [1, S, V],
     g [1, S, D]) and writes the head's KV slot for those positions."""
-    out = runner.chunk("head", input_ids, start, hidden=hidden)
+    # Timed as "draft" / "verify" (``runner.seconds``), the names the bench's cost ratios read.
+    out = runner.chunk("head", input_ids, start, key="draft", hidden=hidden)
     return out["logits"], out["hidden"]
 
 
@@ -59,7 +60,7 @@ def target_step(
     """The full model (and the head's KV from true features) on ``input_ids`` [1, S] at
     positions start..; ``prev_hidden`` [1, 1, D] is h_{start-1} (None at 0: zeros). Returns
     (logits [1, S, V], h [1, S, D], pre-norm)."""
-    out = runner.chunk("target", input_ids, start, prev_hidden=prev_hidden)
+    out = runner.chunk("target", input_ids, start, key="verify", prev_hidden=prev_hidden)
     return out["logits"], out["hidden"]
 
 

@@ -63,13 +63,14 @@ class EagleFitConfig:
     steps: int = 300
     batch_size: int = 8
     seq_len: int = 128  # window length; shorter data trains on whole documents
-    lr: float = 3e-4  # EAGLE's rate; the head starts from a copy of a host layer
+    lr: float = 1e-3  # one layer from a host copy: a high rate converges in minutes
     weight_decay: float = 0.0
-    grad_clip: float = 0.5  # EAGLE clips at 0.5; 0 disables clipping
+    grad_clip: float = 0.5  # max global grad norm (EAGLE clips values at 0.5); 0: none
     reg_weight: float = 1.0  # w_reg (EAGLE's v_w)
     cls_weight: float = 0.1  # w_cls (EAGLE's p_w)
     noise: float = 0.2  # width of the uniform input noise, in units of the features' RMS
     seed: int = 0  # window sampling and noise
+    max_minutes: float = 0.0  # > 0: stop after this much wall time even if steps remain
     eval_seq_len: int = 256  # held-out windows for the agreement report
     progress: bool = True  # tqdm bar
 
@@ -80,7 +81,8 @@ class EagleFitConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name}: {value!r} is invalid; allowed: an integer >= {low}")
         positive = {"lr"}
-        for name in ("lr", "weight_decay", "grad_clip", "reg_weight", "cls_weight", "noise"):
+        names = ("lr", "weight_decay", "grad_clip", "reg_weight", "cls_weight", "noise")
+        for name in (*names, "max_minutes"):
             value = getattr(self, name)
             ok = isinstance(value, (int, float)) and not isinstance(value, bool)
             ok = ok and math.isfinite(value) and (value > 0 if name in positive else value >= 0)
@@ -97,7 +99,7 @@ class EagleFitConfig:
 class EagleFitResult:
     """What ``fit`` did: per-step losses, and held-out agreement when ``eval_data`` was given."""
 
-    steps: int
+    steps: int  # steps asked for; len(losses) ran (fewer when max_minutes stopped it)
     losses: list[float] = field(default_factory=list)  # w_reg * L_reg + w_cls * L_cls
     reg_losses: list[float] = field(default_factory=list)
     cls_losses: list[float] = field(default_factory=list)
@@ -246,6 +248,8 @@ def fit(sm, data: Any, *, tokenizer=None, eval_data: Any = None, **options: Any)
             result.cls_losses.append(float(cls.detach()))
             result.tokens += batch.numel()
             bar.set_postfix(loss=f"{result.losses[-1]:.4f}")
+            if config.max_minutes and time.perf_counter() - start > 60 * config.max_minutes:
+                break  # the wall-clock budget; the result says how many steps ran
     finally:
         head.eval()
         optimizer.zero_grad(set_to_none=True)
@@ -285,21 +289,24 @@ def train_reference_head(
     *,
     model_path: str | Path | None = None,
     steps: int = 2000,
+    minutes: float = 0.0,
     batch_size: int = 8,
     seq_len: int = 256,
-    lr: float = 3e-4,
+    lr: float = 1e-3,
     threads: int | None = None,
     device: str = "cpu",
     corpus_root: str | Path | None = None,
     resume: bool = False,
     progress: bool = False,
     eval_bytes: int = 32768,
+    seed: int = 0,
 ) -> dict[str, Any]:
     """``leapfx train-eagle``: train the reference model's EAGLE head and write it to ``out``.
 
     The stdlib corpus's training split (as the reference model's), the first ``eval_bytes``
     of its held-out split for the agreement report. ``resume``: start from the head already in
-    ``out`` (a run is cheap to continue: the head is the only state). Returns the summary that
+    ``out`` (a run is cheap to continue: the head is the only state; give another ``seed`` so
+    it draws other windows). ``minutes`` > 0 stops at that wall time. Returns the summary that
     is also stored in ``eagle_head.json`` under ``"training"``.
     """
     import platform
@@ -322,13 +329,15 @@ def train_reference_head(
     sm = rewrite.apply(model, "eagle", parts=parts)
     result = fit(
         sm, train, eval_data=held, steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr,
-        progress=progress,
+        progress=progress, max_minutes=minutes, seed=seed,
     )  # fmt: skip
     summary = {
         "held_out_agreement_before": result.agreement_before,
         "held_out_agreement_after": result.agreement_after,
         "held_out_bytes": int(held.numel()),
-        "steps": result.steps,
+        "steps": len(result.losses),
+        "steps_asked": result.steps,
+        "seed": seed,
         "resumed": parts is not None,
         "batch_size": batch_size,
         "seq_len": seq_len,
