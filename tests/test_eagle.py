@@ -249,3 +249,28 @@ def test_inductor_and_onnx_refuse_the_eagle_stages(tmp_path):
     with pytest.raises(ValueError, match="backend: 'onnxruntime' .* allowed for this recipe"):
         sm.export_onnx(tmp_path / "onnx")
     assert not (tmp_path / "onnx").exists()
+
+
+def test_bench_eagle_rows(tmp_path, capsys):
+    """``leapfx bench --recipe eagle``: leapfx_kangaroo and leapfx_eagle beside the baselines,
+    lossless, with the eagle head's cost ratios and its parts in the JSON."""
+    from leapfx.cli import main
+    from leapfx.train.data import byte_tokenizer
+
+    tok = byte_tokenizer()
+    model = tiny_model("llama", layers=4, vocab=len(tok), eos=tok.eos_token_id)
+    model.save_pretrained(tmp_path / "ckpt")
+    tok.save_pretrained(tmp_path / "ckpt")
+    rewrite.apply(model, "eagle", max_draft_tokens=3).save_parts(tmp_path / "parts")
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--model", str(tmp_path / "ckpt"), "--recipe", "eagle", "--prompts", "1",
+            "--max-new-tokens", "10", "--repeats", "1", "--warmup", "0", "--quiet",
+            "--eagle-parts", str(tmp_path / "parts"), "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    rows = {r["system"]: r for r in json.loads(out.read_text())}
+    assert list(rows)[-2:] == ["leapfx_kangaroo", "leapfx_eagle"]
+    eagle = rows["leapfx_eagle"]
+    assert eagle["run"]["eagle_parts"] == str(tmp_path / "parts")
+    assert all(rows[n]["identical_to_greedy"] for n in list(rows)[-2:])
+    assert len(eagle["ctar"]) == 3  # the parts' d
+    assert "leapfx_eagle" in capsys.readouterr().out
