@@ -49,7 +49,11 @@ Stages (:func:`eagle_stages`; the ``eagle`` recipe and SpecEE use them)::
        chaining), writes the head's KV slot for the S positions, returns the head's logits
        (through the shared norm and LM head) and g.
 
-``leapfx.runtime.eagle.head_step`` / ``target_step`` call them through a ``StageRunner``.
+``leapfx.runtime.eagle.head_step`` / ``target_step`` call them through a ``StageRunner``. A
+recipe with other stages (SpecEE) adds ``head_stage(gm)`` to its own under the name ``head``.
+The head's KV slot must hold every position before a head call reads it: either its stages
+keep the ``eagle_*`` nodes wherever the last layer runs (as ``target`` does), or it calls the
+head on the committed positions' true h (a multi-token ``head_step``) before drafting again.
 
 Example::
 
