@@ -479,6 +479,9 @@ def _check_options(sm: SpeculativeModel, path: Any, opset: Any, overwrite: Any) 
         )
     if not isinstance(overwrite, bool):
         raise ValueError(f"overwrite: {overwrite!r} is invalid; allowed: True or False")
+    from ..runtime.compiled import check_backend_stages
+
+    check_backend_stages(sm, "onnxruntime")
     if sm.hf_model.training:
         raise ValueError(
             "model: it is in training mode (dropout would be exported); call model.eval() first"

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+import torch.nn.functional as F
 from torch import fx, nn
 
 from ..kernels.subset import subset_logits
@@ -114,11 +115,15 @@ class LayerExit(nn.Module):
 
         ``with_mlp=False`` computes p_l only (the layer below an active one: D needs it)."""
         norm, head = self._host
-        normed = norm(hidden[:, -1])  # [B, H]
+        # .forward and F.linear: the same math without nn.Module dispatch, which costs more
+        # than the arithmetic at this size (the check runs on the decode's critical path).
+        normed = norm.forward(hidden[:, -1])  # [B, H]
         x, p = exit_features(normed, head.weight, candidates, p_prev)
         if not with_mlp:
             return None, p
-        return self.mlp(x.to(self.mlp[0].weight.dtype))[:, 0], p
+        first, last = self.mlp[0], self.mlp[2]
+        a = torch.relu(F.linear(x.to(first.weight.dtype), first.weight, first.bias))  # [B, 512]
+        return torch.sigmoid(F.linear(a, last.weight, last.bias))[:, 0], p  # [B], [B, k]
 
 
 class SpecEEPredictors(nn.Module):

@@ -401,8 +401,25 @@ def kernel_stages(sm) -> dict[str, fx.GraphModule]:
     }
 
 
+# The stages the compiled and ONNX backends know the inputs of (their warm-up shapes, their
+# position groups). Others (the EAGLE head's ``target`` and ``head``) run eagerly only.
+BACKEND_STAGES = ("full", "draft", "verify")
+
+
+def check_backend_stages(sm, backend: str) -> None:
+    """ValueError naming the recipe and its stages when ``backend`` cannot run them."""
+    unknown = sorted(set(sm.stages.modules) - set(BACKEND_STAGES))
+    if unknown:
+        raise ValueError(
+            f"backend: {backend!r} does not run the stages {unknown} of recipe "
+            f"{sm.recipe.name!r} yet (it runs {', '.join(BACKEND_STAGES)}); allowed for this "
+            "recipe: backend='eager'"
+        )
+
+
 def compile_stages(sm, options: CompileOptions) -> dict[str, CompiledStage]:
     """A CompiledStage for every stage of SpeculativeModel ``sm`` (warmed up if asked)."""
+    check_backend_stages(sm, "inductor")
     from ..export.onnx_export import discover  # which cache layers each position input feeds
     from ..kernels import cpu
 
