@@ -75,7 +75,7 @@ def test_one_mlp_per_layer_but_the_last_and_nodes_after_the_drafter():
 
 
 def test_golden_specee_stage_text():
-    sm = rewrite.apply(tiny_model("llama", layers=4), "specee", exit_layer=1)
+    sm = rewrite.apply(tiny_model("llama", layers=4), "specee", drafter="exit_head", exit_layer=1)
     graph = f"# rewritten graph\n{sm.graph_module.code.strip()}\n\n"
     _check_golden("specee_llama4", graph + sm.stages.code())
 
@@ -165,7 +165,7 @@ def test_threshold_one_never_exits_and_is_greedy(spec, data):
     model = tiny_model(**spec)
     prompt = _prompt(data, spec["vocab"])
     max_new = data.draw(st.integers(1, 16), label="max_new_tokens")
-    drafter = data.draw(st.sampled_from(["exit_head", "kangaroo"]), label="drafter")
+    drafter = data.draw(st.sampled_from(["eagle", "exit_head", "kangaroo"]), label="drafter")
     sm = rewrite.apply(model, "specee", drafter=drafter, threshold=1.0)
     ours = sm.generate(prompt, max_new_tokens=max_new)
     assert_greedy_equal(model, ours, hf_greedy(model, prompt, max_new), prompt.shape[1])
@@ -179,7 +179,7 @@ def test_verified_specee_greedy_identical_to_hf(spec, data):
     prompt = _prompt(data, spec["vocab"])
     layers = spec["layers"]
     options = dict(
-        drafter=data.draw(st.sampled_from(["exit_head", "kangaroo"]), label="drafter"),
+        drafter=data.draw(st.sampled_from(["eagle", "exit_head", "kangaroo"]), label="drafter"),
         exit_layer=data.draw(st.integers(1, layers - 1), label="exit_layer"),
         threshold=data.draw(st.sampled_from([0.0, 0.3, 0.5, 0.7]), label="threshold"),
         max_draft_tokens=data.draw(st.integers(1, 6), label="max_draft_tokens"),
@@ -191,7 +191,8 @@ def test_verified_specee_greedy_identical_to_hf(spec, data):
     sm = rewrite.apply(model, "specee", **options)
     if data.draw(st.booleans(), label="trained"):
         tokens = torch.randint(0, spec["vocab"], (64,), generator=torch.Generator().manual_seed(1))
-        sm.fit(tokens, prompts=3, prompt_len=4, new_tokens=6, epochs=2, progress=False)
+        sm.fit(tokens, prompts=3, prompt_len=4, new_tokens=6, epochs=2, progress=False,
+               draft_steps=2)  # fmt: skip
     ours = sm.generate(prompt, max_new_tokens=max_new)
     assert_greedy_equal(model, ours, hf_greedy(model, prompt, max_new), prompt.shape[1])
     m = sm.last_metrics
@@ -199,10 +200,11 @@ def test_verified_specee_greedy_identical_to_hf(spec, data):
     assert len(m.layers_per_token) == m.new_tokens or m.new_tokens < len(m.layers_per_token)
 
 
-def test_verified_specee_float64_exact_with_exits():
+@pytest.mark.parametrize("drafter", ["eagle", "exit_head", "kangaroo"])
+def test_verified_specee_float64_exact_with_exits(drafter):
     model = tiny_model("qwen2", layers=6, vocab=64, dtype=torch.float64, seed=5, sliding_window=6)
     prompt = torch.tensor([[5, 9, 1, 33, 2]])
-    sm = rewrite.apply(model, "specee", exit_layer=2, threshold=0.0, verify=True)
+    sm = rewrite.apply(model, "specee", drafter=drafter, exit_layer=2, threshold=0.0, verify=True)
     ours = sm.generate(prompt, max_new_tokens=48)
     assert torch.equal(ours, hf_greedy(model, prompt, 48))
     m = sm.last_metrics
@@ -262,10 +264,11 @@ def test_lossy_teacher_forcing_counts_agreement():
 
 def test_parts_round_trip(tmp_path):
     model = tiny_model("llama", layers=6, seed=1)
-    for drafter in ("exit_head", "kangaroo"):
+    for drafter in ("eagle", "exit_head", "kangaroo"):
         sm = rewrite.apply(model, "specee", drafter=drafter, exit_layer=2)
         tokens = torch.randint(0, 128, (256,), generator=torch.Generator().manual_seed(0))
-        result = sm.fit(tokens, prompts=4, prompt_len=8, new_tokens=12, epochs=2, progress=False)
+        result = sm.fit(tokens, prompts=4, prompt_len=8, new_tokens=12, epochs=2, progress=False,
+                        draft_steps=3)  # fmt: skip
         assert set(result.layers) == {1, 2, 3, 4}
         sm.save_parts(tmp_path / drafter)
         loaded = rewrite.apply(model, "specee", parts=tmp_path / drafter)
@@ -290,7 +293,8 @@ def test_parts_round_trip(tmp_path):
         ({"kv_fill": "next", "verify": True}, "kv_fill"),
         ({"max_draft_tokens": 0}, "max_draft_tokens"),
         ({"offline_layers": (0, 9)}, "offline_layers"),
-        ({"adapter": "x"}, "adapter"),
+        ({"adapter": "x", "drafter": "exit_head"}, "adapter"),
+        ({"eagle": "x", "drafter": "kangaroo"}, "eagle"),
         ({"parts": "/nonexistent"}, "parts"),
     ],
 )

@@ -52,6 +52,7 @@ from .capture import LAYER, ROLE, layer_node, nodes_by_role, output_dict, set_ou
 from .exit_head import exit_layer_of
 
 PREDICTOR_MODULE = "specee"  # attribute of the rewritten GraphModule
+FIRST_PREDICTED = "leapfx.first_predicted_layer"  # gm.meta: E - 1
 NUM_SPECULATIVE_TOKENS = 4  # k (sec. 4.3.1: "generate 4 speculative tokens each time")
 HIDDEN_WIDTH = 512  # Fig. 8: 2 layers of width 512 are best
 NUM_FEATURES = 3 * NUM_SPECULATIVE_TOKENS
@@ -162,17 +163,28 @@ class InsertExitPredictors(GraphPass):
     requires: ClassVar[frozenset[str]] = frozenset({"decoder-graph"})
     provides: ClassVar[frozenset[str]] = frozenset({"exit-predictors"})
 
+    # The first predicted layer. None: E - 1 for the graph's exit head or adapter after E
+    # layers. An EAGLE head (``eagle_logits``) drafts before the token's pass, so any layer can
+    # be the first; its nodes follow the head's in the graph.
+    first_layer: int | None = None
+
     def run(self, gm: fx.GraphModule) -> PassResult:
         if nodes_by_role(gm, "exit_check"):
             return PassResult(gm, modified=False, matches=0)
         outputs = dict(output_dict(gm))
-        if "exit_logits" not in outputs:
+        source_key = "eagle_logits" if "eagle_logits" in outputs else "exit_logits"
+        if source_key not in outputs:
             raise ValueError(
                 "drafter: the graph has no draft head to take speculative tokens from; insert "
-                "an exit head or a Kangaroo adapter first"
+                "an exit head, a Kangaroo adapter or an EAGLE head first"
             )
-        e = exit_layer_of(gm)
         num_layers = len(nodes_by_role(gm, "layer"))
+        if self.first_layer is not None:
+            e = self.first_layer + 1
+        elif source_key == "exit_logits":
+            e = exit_layer_of(gm)
+        else:
+            e = 1
         norm = gm.get_submodule(nodes_by_role(gm, "norm")[0].target)
         head = gm.get_submodule(nodes_by_role(gm, "head")[0].target)
         if head.weight.shape[0] < NUM_SPECULATIVE_TOKENS:
@@ -183,17 +195,19 @@ class InsertExitPredictors(GraphPass):
             )
         device = head.weight.device
         gm.add_submodule(PREDICTOR_MODULE, SpecEEPredictors(num_layers, norm, head).to(device))
+        gm.meta[FIRST_PREDICTED] = e - 1
         graph = gm.graph
-        with graph.inserting_after(outputs["exit_logits"]):
-            cands = graph.call_function(speculative_tokens, (outputs["exit_logits"],))
+        with graph.inserting_after(outputs[source_key]):
+            cands = graph.call_function(speculative_tokens, (outputs[source_key],))
         cands.name = "speculative_tokens"
         cands.meta[ROLE] = "speculative_tokens"
         probs, p_prev, anchor = [], None, cands
         for i in range(e - 1, num_layers - 1):
             source = layer_node(gm, i)
             assert source is not None, "capture annotates every decoder layer"
-            # After the layer and after the candidates (E - 1: the adapter follows the layer).
-            after = anchor if i == e - 1 else source
+            # After the layer and after the candidates (E - 1: the adapter follows the layer;
+            # an EAGLE head's candidates come after the last layer: every check follows them).
+            after = anchor if i == e - 1 or source_key == "eagle_logits" else source
             with graph.inserting_after(after):
                 check = graph.call_module(f"{PREDICTOR_MODULE}.exits.{i}", (source, cands, p_prev))
             with graph.inserting_after(check):

@@ -5,6 +5,7 @@ A parts directory (``SpeculativeModel.save_parts``; ``rewrite.apply(..., "specee
     predictors.safetensors  the L - 1 exit MLPs and the offline layer subset (``offline``)
     specee.json             {"format", "recipe", "options", "host", "report"}
     adapter/                the Kangaroo adapter, when the drafter is "kangaroo"
+    eagle/                  the EAGLE head, when the drafter is "eagle"
 
 ``options`` hold what the predictors were trained with (``drafter``, ``exit_layer``) and the
 offline subset as a list (``offline_layers``); ``report`` the training's held-out per-layer
@@ -33,6 +34,7 @@ FORMAT = 1
 WEIGHTS = "predictors.safetensors"
 CONFIG = "specee.json"
 ADAPTER_DIR = "adapter"
+EAGLE_DIR = "eagle"
 
 
 def write_parts(
@@ -54,6 +56,12 @@ def write_parts(
     try:
         save_file(tensors, str(tmp / WEIGHTS), metadata={"format": str(FORMAT)})
         (tmp / CONFIG).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+        head = getattr(gm, "eagle_head", None)
+        if head is not None:
+            from .eagle_checkpoint import write_eagle_files
+
+            (tmp / EAGLE_DIR).mkdir()
+            write_eagle_files(head, tmp / EAGLE_DIR, recipe="eagle", options={}, host=host)
         adapter = getattr(gm, "kangaroo_adapter", None)
         if adapter is not None:
             write_adapter(

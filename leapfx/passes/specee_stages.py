@@ -8,7 +8,10 @@ draft stage computed for the same positions, so no layer recomputes it)::
     every layer: prefill ("prefill runs all layers, no exit", the authors' code).
 ``draft``    (input_ids, position_ids, masks, cache) -> {hidden, logits, candidates, rope}
     the embedding, layers < E and the draft head: h_{E-1}, the draft head's logits and S, its
-    top-k ids (the speculative tokens of every later exit check).
+    top-k ids (the speculative tokens of every later exit check). With an EAGLE head the draft
+    stage is layers < E alone ({hidden, rope}); S comes from the head's own stage
+    ``eagle_head`` (token and h of the previous position), and ``target`` (the host plus the
+    head's KV on true features, returning h) replaces ``full`` for the prefill.
 ``layer_i``  (hidden, rope, mask, position_ids, cache) -> {hidden}     for i = E..L-1
     one decoder layer; ``mask`` is this layer's own (the KV validity mask of exited tokens).
 ``check_l``  (hidden, candidates, p_prev) -> {p, prob}                 for l = E-1..L-2
@@ -31,16 +34,18 @@ import operator
 from torch import fx
 
 from .capture import LAYER, ROLE, output_dict
-from .exit_head import exit_layer_of
+from .eagle_head import eagle_stages
 from .partition import Stages, _ancestors, _copy, _finish, _placeholders, full_stage
+from .predictor import FIRST_PREDICTED
 
 _LOWER_ROLES = {"embed", "rotary", "mask", "layer"}
 
 
 def specee_stages(gm: fx.GraphModule) -> Stages:
     """Cut ``gm`` (a draft head + InsertExitPredictors) into full, draft, layer_i and head."""
-    e = exit_layer_of(gm)
+    e = gm.meta[FIRST_PREDICTED] + 1
     outputs = output_dict(gm)
+    eagle = "eagle_logits" in outputs
     nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
     inputs = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
 
@@ -50,22 +55,31 @@ def specee_stages(gm: fx.GraphModule) -> Stages:
 
     lower = [n for n in nodes if is_lower(n)]
     cands = next(n for n in nodes if n.meta.get(ROLE) == "speculative_tokens")
-    head_part = {cands} | _ancestors(cands)
-    exit_nodes = [n for n in nodes if n in head_part and not is_lower(n)]
     rope = next(n for n in nodes if n.meta.get(ROLE) == "rotary")
-
+    last_lower = next(n for n in lower if n.meta.get(ROLE) == "layer" and n.meta[LAYER] == e - 1)
     draft = fx.Graph()
     env = {inputs[k]: v for k, v in _placeholders(draft, list(inputs)).items()}
-    _copy(draft, lower + exit_nodes, env)
-    draft.output(
-        {
-            "hidden": env[outputs["exit_hidden"]],
-            "logits": env[outputs["exit_logits"]],
-            "candidates": env[cands],
-            "rope": env[rope],
-        }
-    )
-    modules = {"full": full_stage(gm), "draft": _finish(gm, draft, "draft")}
+    if eagle:
+        # The EAGLE head drafts from the previous position: its own stage (``eagle_head``),
+        # and the prefill is its ``target`` stage (which also returns h of the last position).
+        _copy(draft, lower, env)
+        draft.output({"hidden": env[last_lower], "rope": env[rope]})
+        cut = eagle_stages(gm).modules
+        modules = {"target": cut["target"], "eagle_head": cut["head"]}
+    else:
+        head_part = {cands} | _ancestors(cands)
+        exit_nodes = [n for n in nodes if n in head_part and not is_lower(n)]
+        _copy(draft, lower + exit_nodes, env)
+        draft.output(
+            {
+                "hidden": env[last_lower],
+                "logits": env[outputs["exit_logits"]],
+                "candidates": env[cands],
+                "rope": env[rope],
+            }
+        )
+        modules = {"full": full_stage(gm)}
+    modules["draft"] = _finish(gm, draft, "draft")
 
     for node in nodes:
         if node.meta.get(ROLE) != "layer" or node.meta[LAYER] < e:

@@ -19,15 +19,18 @@ from pathlib import Path
 from ..passes.adapter import InsertKangarooAdapter
 from ..passes.adapter_checkpoint import LoadKangarooAdapter, read_adapter_config
 from ..passes.base import GraphPass
+from ..passes.eagle_checkpoint import LoadEagleHead
+from ..passes.eagle_head import FuseEagleHeadLayer, InsertEagleHead
 from ..passes.exit_head import InsertExitHead
 from ..passes.fuse_layers import FuseDecoderLayers
 from ..passes.predictor import InsertExitPredictors
-from ..passes.specee_checkpoint import ADAPTER_DIR, LoadSpecEEParts, read_parts_config
+from ..passes.specee_checkpoint import ADAPTER_DIR, EAGLE_DIR, LoadSpecEEParts, read_parts_config
 from ..runtime.specee import SpecEEConfig, specee
 
-# Where the speculative tokens come from. "exit_head": the host's own norm and LM head after
-# the first E layers (a LayerSkip exit); "kangaroo": the Kangaroo adapter after layer E.
-DRAFTERS = ("exit_head", "kangaroo")
+# Where the speculative tokens come from. "eagle": an EAGLE draft head on the previous
+# position's hidden state (the paper's); "exit_head": the host's own norm and LM head after the
+# first E layers (a LayerSkip exit); "kangaroo": the Kangaroo adapter after layer E.
+DRAFTERS = ("eagle", "exit_head", "kangaroo")
 KV_FILLS = ("mask", "next")
 
 
@@ -52,9 +55,10 @@ def _check_path(name: str, value) -> str | None:
 class SpecEEOptions:
     """SpecEE: exit predictors decide each token's depth (lossy), or draft for it (verify)."""
 
-    drafter: str | None = None  # None: the parts', else "exit_head"
-    # E: the draft head reads h_{E-1}; predictors check layers E-1..L-2. None: the parts',
-    # else L // 4 (exit_head) or ceil(L / 16) (kangaroo, as that recipe).
+    drafter: str | None = None  # None: the parts', else "eagle"
+    # E: predictors check layers E-1..L-2 (exit_head / kangaroo: the draft head reads h_{E-1}).
+    # None: the parts', else 1 (eagle), L // 4 (exit_head) or the adapter's / ceil(L / 16)
+    # (kangaroo, as that recipe).
     exit_layer: int | None = None
     # Exit when the predictor's probability is > this (1.0: never). None: the parts' (a
     # threshold calibrated on held-out data when they were trained), else 0.5 (the paper's).
@@ -69,13 +73,14 @@ class SpecEEOptions:
     offline_layers: tuple[int, ...] | None = None
     parts: str | os.PathLike | None = None  # a directory written by save_parts
     adapter: str | os.PathLike | None = None  # drafter="kangaroo": a trained adapter directory
+    eagle: str | os.PathLike | None = None  # drafter="eagle": a trained head (eagle parts dir)
     max_cache_len: int | None = None
     fuse_layers: bool = True
 
     def validate(self, num_layers: int) -> SpecEEOptions:
         parts = _check_path("parts", self.parts)
         saved = read_parts_config(parts).get("options", {}) if parts else {}
-        drafter = self.drafter if self.drafter is not None else saved.get("drafter", "exit_head")
+        drafter = self.drafter if self.drafter is not None else saved.get("drafter", "eagle")
         if drafter not in DRAFTERS:
             raise ValueError(
                 f"drafter: {drafter!r} is invalid; allowed: {', '.join(map(repr, DRAFTERS))}"
@@ -85,7 +90,7 @@ class SpecEEOptions:
                 f"drafter: {drafter!r} does not match the parts at {parts!r}, trained with "
                 f"{saved['drafter']!r}; allowed: {saved['drafter']!r} or None"
             )
-        default_e = max(1, num_layers // 4)
+        default_e = 1 if drafter == "eagle" else max(1, num_layers // 4)
         if drafter == "kangaroo":
             default_e = max(1, min(num_layers - 1, -(-num_layers // 16)))
             adapter_dir = _check_path("adapter", self.adapter)
@@ -137,18 +142,36 @@ class SpecEEOptions:
         if adapter is None and parts and drafter == "kangaroo":
             if (Path(parts) / ADAPTER_DIR).is_dir():
                 adapter = str(Path(parts) / ADAPTER_DIR)
+        eagle = _check_path("eagle", self.eagle)
+        if eagle is not None and drafter != "eagle":
+            raise ValueError(
+                f"eagle: {eagle!r} is only for drafter='eagle' (drafter is {drafter!r})"
+            )
+        if eagle is None and parts and drafter == "eagle" and (Path(parts) / EAGLE_DIR).is_dir():
+            eagle = str(Path(parts) / EAGLE_DIR)
         if self.max_cache_len is not None:
             _check_int("max_cache_len", self.max_cache_len, 2)
         if not isinstance(self.fuse_layers, bool):
             raise ValueError(f"fuse_layers: {self.fuse_layers!r} is invalid; allowed: True/False")
         return dataclasses.replace(
             self, drafter=drafter, exit_layer=e, threshold=float(t), offline_layers=offline,
-            parts=parts, adapter=adapter,
+            parts=parts, adapter=adapter, eagle=eagle,
         )  # fmt: skip
 
 
 def specee_passes(o: SpecEEOptions) -> list[GraphPass]:
     passes: list[GraphPass] = []
+    if o.drafter == "eagle":
+        # The head copies a host layer, so it goes before passes that replace layers.
+        passes.append(InsertEagleHead())
+        passes.append(InsertExitPredictors(first_layer=o.exit_layer - 1))
+        if o.fuse_layers:
+            passes += [FuseDecoderLayers(), FuseEagleHeadLayer()]
+        if o.eagle is not None:
+            passes.append(LoadEagleHead(path=o.eagle))
+        if o.parts is not None:
+            passes.append(LoadSpecEEParts(path=o.parts))
+        return passes
     if o.drafter == "kangaroo":
         passes.append(InsertKangarooAdapter(exit_layer=o.exit_layer))
         if o.adapter is not None:

@@ -144,6 +144,26 @@ class SpecEEDecoder:
         self.all_valid_below = self.num_layers - 1
         self.pending: list[tuple[torch.Tensor, int, int]] = []  # (h [1, r, H], start, next layer)
         self.predictor_seconds = 0.0
+        # EAGLE drafter: the head reads h of the previous position (pre-norm; for an exited
+        # token the state at its exit layer, as the authors' code feeds the exit's state).
+        self.eagle = "eagle_head" in runner.stages
+        self.h_prev: torch.Tensor | None = None  # [1, 1, H]
+        self.k = 4
+
+    def prefill(self, prompt: torch.Tensor) -> torch.Tensor:
+        """Every layer on the prompt; returns the logits [1, n, V]."""
+        if not self.eagle:
+            return self.runner.full(prompt, 0)
+        out = self.runner.chunk("target", prompt, 0, prev_hidden=None)
+        self.h_prev = out["hidden"][:, -1:]
+        return out["logits"]
+
+    def _candidates(self, x: torch.Tensor, pos: int, out: dict) -> torch.Tensor:
+        """S [k] for token x at ``pos``: from the draft stage, or the EAGLE head's stage."""
+        if not self.eagle:
+            return out["candidates"]
+        head = self.runner.chunk("eagle_head", x, pos, hidden=self.h_prev)
+        return head["logits"][0, -1].topk(self.k).indices  # [k]
 
     # -- stage calls -------------------------------------------------------------------------
 
@@ -194,8 +214,8 @@ class SpecEEDecoder:
         """Run token x [1, 1] at ``pos`` until its predicted exit (or the last layer)."""
         runner, cfg = self.runner, self.config
         out = runner.chunk("draft", x, pos)
-        h, cands = out["hidden"], out["candidates"]  # [1, 1, H], [k]
-        rope = out["rope"]
+        cands = self._candidates(x, pos, out)  # [k]
+        h, rope = out["hidden"], out["rope"]  # [1, 1, H]
         base = self._base_masks(pos, 1)
         active, needed = self.scheduler.active(), self.scheduler.needed()
         hidden = {self.first - 1: h}
@@ -233,9 +253,11 @@ class SpecEEDecoder:
             self.predictor_seconds += time.perf_counter() - t0
             if exited:
                 self._exit(i, pos, h, batch_start)
+                self.h_prev = h[:, -1:]
                 return Step(choose(logits, request), i, logits, hidden)
         logits = self._head(h[:, -1:])[:, -1]
         self.pending = []
+        self.h_prev = h[:, -1:]
         return Step(choose(logits, request), self.num_layers - 1, logits, hidden)
 
     def _exit(self, i: int, pos: int, h: torch.Tensor, batch_start: int) -> None:
@@ -281,6 +303,8 @@ class SpecEEDecoder:
         """
         d = len(steps)
         m = min(s.exit_layer for s in steps)
+        if self.eagle:  # the head's KV slot holds every position: fill the last draft's
+            self._candidates(last, c + d, {})
         out = self.runner.chunk("draft", last, c + d)
         h = out["hidden"]
         base = self._base_masks(c + d, 1)
@@ -296,6 +320,7 @@ class SpecEEDecoder:
         for i in range(m + 1, self.num_layers):
             cache.lengths[i] = c  # roll the layer back to the round's start
             rows = self._layer(i, rows, rope, c, base[self._kind(i)])
+        self.verified = rows  # [1, d+1, H]: h of the last layer, exact
         return self._head(rows)  # [1, d+1, V]
 
 
@@ -309,7 +334,7 @@ def specee(
     """SpecEE decoding: lossy early exit, or verified (lossless) with ``config.verify``."""
     dec = SpecEEDecoder(runner, config, metrics)
     out = Output(request)
-    logits = runner.full(prompt, 0)  # prefill: every layer, no exit
+    logits = dec.prefill(prompt)  # every layer, no exit
     metrics.full_calls += 1
     pos = prompt.shape[1]
     x = teacher_force(choose(logits[:, -1], request), out, request, metrics)
@@ -359,6 +384,7 @@ def _verified_round(dec: SpecEEDecoder, x, c: int, request, out: Output, metrics
     n, nxt = accept(drafts, q, target, request)
     k, next_token, *drafted = torch.cat([n, nxt, drafts[0]]).tolist()  # the round's sync
     dec.runner.cache.crop(c + k + 1)
+    dec.h_prev = dec.verified[:, k : k + 1]  # h of position c + k: the next token reads it
     metrics.record_verify(d, k)
     # Layers per emitted token: the draft's own depth (the verify pass is counted in
     # stage_seconds, not here); the correction/bonus token ran every layer.

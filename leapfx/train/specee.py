@@ -65,13 +65,16 @@ class SpecEEFitConfig:
     # A safetensors file for the collected features: loaded if it exists, else written, so a
     # second fit with other training options skips the greedy decoding.
     features_path: str | None = None
+    # drafter="eagle": steps of EAGLE head training before the features are collected (0:
+    # keep the head as it is, e.g. loaded with eagle=...).
+    draft_steps: int = 200
     offline_coverage: float = 0.8  # the offline subset covers this share of measured exits
     seed: int = 0
     progress: bool = True
 
     def __post_init__(self) -> None:
         ints = (("prompts", 2), ("prompt_len", 1), ("new_tokens", 1), ("epochs", 1),
-                ("batch_size", 1), ("seed", 0))  # fmt: skip
+                ("batch_size", 1), ("seed", 0), ("draft_steps", 0))  # fmt: skip
         for name, low in ints:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -149,6 +152,11 @@ def layer_features(sm, seq: torch.Tensor, start: int) -> dict[str, torch.Tensor]
     final = out.logits[0, start:-1].argmax(-1)  # [N]: the full model's tokens
     if sm.options.drafter == "kangaroo":
         draft_logits = adapter_and_target_logits(sm, seq)[0][0, start:-1]
+    elif sm.options.drafter == "eagle":  # position t reads h_{t-1} (teacher-forced, as decoding)
+        from .eagle import head_outputs, teacher_features
+
+        h, _ = teacher_features(sm, seq)
+        draft_logits = head_outputs(sm, seq, h)[1][0, start:-1]
     else:
         draft_logits = parts.head(parts.norm(out.hidden_states[e][0, start:-1]))
     cands = draft_logits.topk(NUM_SPECULATIVE_TOKENS, dim=-1).indices  # [N, k]
@@ -282,6 +290,11 @@ def fit(sm, data: Any, *, tokenizer=None, **options: Any) -> SpecEEFitResult:
         )
     config = SpecEEFitConfig(**options)
     begin = time.perf_counter()
+    if sm.options.drafter == "eagle" and config.draft_steps > 0:
+        from .eagle import fit as fit_eagle  # the draft head first: S comes from it
+
+        fit_eagle(sm, data, tokenizer=tokenizer, steps=config.draft_steps,
+                  progress=config.progress, seed=config.seed)  # fmt: skip
     held_x = _collect(sm, data, tokenizer, config)
     generator = torch.Generator().manual_seed(config.seed + 1)
     x, y, hx, hy, hhit = (held_x[k] for k in ("x", "y", "hx", "hy", "hhit"))
@@ -338,7 +351,7 @@ def save_parts(sm, path: str | Path) -> Path:
     report = getattr(sm, "_specee_report", None)
     return write_parts(
         sm.graph_module, path, options=options, host=host_signature(sm.config), report=report
-    )
+    )  # with the drafter's trained part: the Kangaroo adapter or the EAGLE head
 
 
 class SpecEETraining:
