@@ -12,7 +12,8 @@ Every system decodes the same prompts with the same ``max_new_tokens`` and the s
 - ``leapfx_early_exit``        exit after E layers for every token (lossy: ``agreement``, the
                                teacher-forced agreement with greedy, and ``avg_layers``)
 - ``leapfx_<recipe>``          the recipe under test (``layerskip`` by default); ``specee``
-                               gives ``leapfx_specee`` (lossy) and ``leapfx_specee_verified``
+                               gives ``leapfx_specee`` (lossy), ``leapfx_specee_next``
+                               (lossy, kv_fill="next") and ``leapfx_specee_verified``
 
 Timing: one warm-up pass per system, then ``repeats`` timed passes; within a pass the systems
 run in a rotated order so drift on a shared machine spreads over all of them. A system's time is
@@ -285,8 +286,14 @@ def build_systems(model: nn.Module, config: BenchConfig, generator_seed: int = 0
             kw = specee_options(config)
             lossy = rewrite.apply(model, "specee", **kw)
             systems.append(ours("leapfx_specee", lossy, lossless=False))
+            # The alternative KV policy (skipped layers run with the next token), beside it.
+            fill = rewrite.apply(model, "specee", kv_fill="next", **kw)
+            systems.append(ours("leapfx_specee_next", fill, lossless=False))
             verified = rewrite.apply(model, "specee", verify=True, max_draft_tokens=d, **kw)
-            systems.append(ours("leapfx_specee_verified", verified))
+            system = ours("leapfx_specee_verified", verified)
+            # Rounds end at the first pass that does not exit: no fixed d, no speedup formula.
+            system.info["dynamic_draft_length"] = True
+            systems.append(system)
         if config.recipe == "kangaroo":
             kw = {"max_draft_tokens": d, "adapter": config.adapter}
             if config.kangaroo_exit_layer is not None:

@@ -74,21 +74,24 @@ def threshold_sweep(
         return sm
 
     base = prepare(rewrite.apply(model, "autoregressive"))
-    base_tps, _ = _tokens_per_second(base, prompts, max_new_tokens, repeats)
     points = []
     options = dict(specee_options or {})
     options.pop("threshold", None)
-    for t in thresholds:
-        sm = prepare(rewrite.apply(model, "specee", threshold=t, **options))
+    settings = [("specee", t) for t in thresholds] + [("early_exit", e) for e in exits]
+    for system, setting in settings:
+        if system == "specee":
+            sm = rewrite.apply(model, "specee", threshold=setting, **options)
+        else:
+            sm = rewrite.apply(model, "early_exit", exit_layer=setting)
+        sm = prepare(sm)
+        # The baseline is timed right before each point: on a shared machine the load drifts
+        # over a sweep, and a ratio of neighbouring measurements drifts least.
+        base_tps, _ = _tokens_per_second(base, prompts, max_new_tokens, repeats)
         tps, share = _tokens_per_second(sm, prompts, max_new_tokens, repeats)
         a = teacher_forced_agreement(sm, prompts, greedy_outputs)
-        points.append(CurvePoint("specee", t, tps, tps / base_tps, a.agreement, a.avg_layers,
-                                 share))  # fmt: skip
-    for e in exits:
-        sm = prepare(rewrite.apply(model, "early_exit", exit_layer=e))
-        tps, _ = _tokens_per_second(sm, prompts, max_new_tokens, repeats)
-        a = teacher_forced_agreement(sm, prompts, greedy_outputs)
-        points.append(CurvePoint("early_exit", e, tps, tps / base_tps, a.agreement, a.avg_layers))
+        share = share if system == "specee" else None
+        points.append(CurvePoint(system, setting, tps, tps / base_tps, a.agreement,
+                                 a.avg_layers, share))  # fmt: skip
     return points
 
 

@@ -53,6 +53,7 @@ def write_parts(
     meta = {"format": FORMAT, "recipe": "specee", "options": options, "host": host,
             "report": report or {}}  # fmt: skip
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    tmp.chmod(0o755)  # mkdtemp's 0700 would survive the rename
     try:
         save_file(tensors, str(tmp / WEIGHTS), metadata={"format": str(FORMAT)})
         (tmp / CONFIG).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
