@@ -6,6 +6,8 @@ sampling distribution test follows Kangaroo's (exact HF distribution, chi-square
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -309,3 +311,34 @@ def test_onnx_export_and_compile_refuse_clearly(tmp_path):
         sm.export_onnx(tmp_path / "x")
     with pytest.raises(ValueError, match="inductor"):
         sm.compile()
+
+
+def test_bench_specee_rows_and_threshold_curve(tmp_path, capsys):
+    """`leapfx bench --recipe specee --sweep-threshold --plot`: rows, JSON fields, the curve."""
+    from leapfx.cli import main
+    from leapfx.train.data import byte_tokenizer
+
+    tok = byte_tokenizer()
+    model = tiny_model("llama", layers=4, vocab=len(tok), eos=tok.eos_token_id)
+    model.save_pretrained(tmp_path / "ckpt")
+    tok.save_pretrained(tmp_path / "ckpt")
+    out, plot = tmp_path / "rows.json", tmp_path / "curve.png"
+    code = main([
+        "bench", "--model", str(tmp_path / "ckpt"), "--recipe", "specee", "--prompts", "1",
+        "--prompt-tokens", "8", "--max-new-tokens", "6", "--repeats", "1", "--quiet",
+        "--specee-threshold", "0.3", "--sweep-threshold", "--sweep-thresholds", "0.2,1.0",
+        "--json", str(out), "--plot", str(plot),
+    ])  # fmt: skip
+    assert code == 0
+    import json
+
+    doc = json.loads(out.read_text())
+    rows = doc if isinstance(doc, list) else doc["rows"]
+    by = {r["system"]: r for r in rows}
+    assert {"leapfx_specee", "leapfx_specee_next", "leapfx_specee_verified"} <= by.keys()
+    assert by["leapfx_specee_verified"]["identical_to_greedy"] is True
+    assert by["leapfx_specee"]["agreement"] is not None
+    assert by["leapfx_specee"]["avg_layers"] is not None
+    printed = capsys.readouterr().out
+    assert re.search(r"specee +t=1 ", printed) and re.search(r"early_exit +E=3 ", printed)
+    assert plot.is_file() and plot.stat().st_size > 0
