@@ -486,6 +486,10 @@ def _train_specee(args: argparse.Namespace) -> int:
         options["exit_layer"] = args.exit_layer
     if args.drafter == "kangaroo":
         options["adapter"] = args.adapter or str(REFERENCE_MODEL / "kangaroo_adapter")
+    draft_steps = args.draft_steps
+    if args.drafter == "eagle" and args.eagle is not None:
+        options["eagle"] = args.eagle  # a trained head: keep it as it is
+        draft_steps = 0 if draft_steps is None else draft_steps
     torch.manual_seed(args.seed)
     sm = apply(model, "specee", **options)
     result = sm.fit(
@@ -493,6 +497,7 @@ def _train_specee(args: argparse.Namespace) -> int:
         epochs=args.epochs, seed=args.seed, progress=_progress(args),
         threshold=args.threshold, target_agreement=args.target_agreement,
         features_path=args.features,
+        **({} if draft_steps is None else {"draft_steps": draft_steps}),
     )  # fmt: skip
     out = args.out or str(REFERENCE_MODEL / "specee")
     sm.save_parts(out)
@@ -662,7 +667,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="parts directory (default: leapfx/assets/reference/specee)",
     )  # fmt: skip
     specee.add_argument("--model", default=None, help="HF checkpoint dir (default: reference)")
-    specee.add_argument("--drafter", default="exit_head", choices=("exit_head", "kangaroo"))
+    specee.add_argument(
+        "--drafter", default="exit_head", choices=("eagle", "exit_head", "kangaroo")
+    )
+    specee.add_argument(
+        "--eagle", default=None, help="eagle drafter: a trained head dir (leapfx train-eagle)"
+    )
+    specee.add_argument(
+        "--draft-steps", type=int, default=None,
+        help="eagle drafter: head training steps before the predictors (default: 200, or 0 "
+        "with --eagle)",
+    )  # fmt: skip
     specee.add_argument("--exit-layer", type=int, default=None, help="the drafter's layer E")
     specee.add_argument(
         "--adapter", default=None, help="kangaroo drafter: adapter dir (default: the shipped one)"
