@@ -144,6 +144,7 @@ class SpecEEDecoder:
         self.all_valid_below = self.num_layers - 1
         self.pending: list[tuple[torch.Tensor, int, int]] = []  # (h [1, r, H], start, next layer)
         self.predictor_seconds = 0.0
+        self._masks: dict = {}  # kv_fill="next": the batch mask of the current rows
         # EAGLE drafter: the head reads h of the previous position (pre-norm; for an exited
         # token the state at its exit layer, as the authors' code feeds the exit's state).
         self.eagle = "eagle_head" in runner.stages
@@ -287,11 +288,15 @@ class SpecEEDecoder:
         return h, self._rope(h, start, pos + 1 - start), start
 
     def _batch_mask(self, i: int, start: int, pos: int):
-        w = self.window if self._kind(i) == "sliding_attention" else None
-        return chunk_mask(
-            self.impl, start, pos + 1 - start, window=w, dtype=self.bias.dtype,
-            device=self.bias.device, additive=True,
-        )  # fmt: skip
+        kind = self._kind(i)
+        key = (kind, start, pos)  # rows keep their start over several layers: build it once
+        if key not in self._masks:
+            w = self.window if kind == "sliding_attention" else None
+            self._masks = {key: chunk_mask(
+                self.impl, start, pos + 1 - start, window=w, dtype=self.bias.dtype,
+                device=self.bias.device, additive=True,
+            )}  # fmt: skip
+        return self._masks[key]
 
     # -- verified mode -----------------------------------------------------------------------
 
