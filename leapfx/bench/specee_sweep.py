@@ -5,7 +5,8 @@ over ``leapfx_autoregressive`` on the same prompts (timed, best of ``repeats`` p
 teacher-forced agreement with the full model's greedy tokens (``leapfx.bench.agreement``) and
 its decoder layers per token. SpecEE runs at every threshold of the grid, LayerSkip's fixed early
 exit at every E: SpecEE earns its predictors only if its curve lies above fixed early exit at
-equal speed (the issue's test).
+equal speed (the issue's test). SpecEE runs with both KV policies (``kv_fill`` "mask" and
+"next"), which differ most in agreement.
 
     >>> points = threshold_sweep(model, prompts, greedy, thresholds=[0.5, 0.9], exits=[4, 8])
     >>> print(sweep_threshold_table(points))
@@ -26,7 +27,7 @@ from .agreement import teacher_forced_agreement
 
 @dataclass(frozen=True)
 class CurvePoint:
-    system: str  # "specee" or "early_exit"
+    system: str  # "specee", "specee_next" (kv_fill="next") or "early_exit"
     setting: float  # the threshold, or E
     tokens_per_second: float
     speedup: float  # over leapfx_autoregressive on the same prompts
@@ -77,10 +78,13 @@ def threshold_sweep(
     points = []
     options = dict(specee_options or {})
     options.pop("threshold", None)
-    settings = [("specee", t) for t in thresholds] + [("early_exit", e) for e in exits]
+    settings = [("specee", t) for t in thresholds] + [("specee_next", t) for t in thresholds]
+    settings += [("early_exit", e) for e in exits]
     for system, setting in settings:
         if system == "specee":
             sm = rewrite.apply(model, "specee", threshold=setting, **options)
+        elif system == "specee_next":
+            sm = rewrite.apply(model, "specee", threshold=setting, kv_fill="next", **options)
         else:
             sm = rewrite.apply(model, "early_exit", exit_layer=setting)
         sm = prepare(sm)
@@ -89,7 +93,7 @@ def threshold_sweep(
         base_tps, _ = _tokens_per_second(base, prompts, max_new_tokens, repeats)
         tps, share = _tokens_per_second(sm, prompts, max_new_tokens, repeats)
         a = teacher_forced_agreement(sm, prompts, greedy_outputs)
-        share = share if system == "specee" else None
+        share = share if system.startswith("specee") else None
         points.append(CurvePoint(system, setting, tps, tps / base_tps, a.agreement,
                                  a.avg_layers, share))  # fmt: skip
     return points
@@ -98,16 +102,16 @@ def threshold_sweep(
 def sweep_threshold_table(points: list[CurvePoint]) -> str:
     """The curve as text, one line per point."""
     lines = [
-        f"{'system':<11} {'setting':>8} {'tok/s':>8} {'speedup':>8} {'agreement':>9} "
+        f"{'system':<12} {'setting':>8} {'tok/s':>8} {'speedup':>8} {'agreement':>9} "
         f"{'layers':>6} {'predictor':>9}",
         "-" * 65,
     ]
     for p in points:
-        setting = f"t={p.setting:g}" if p.system == "specee" else f"E={int(p.setting)}"
+        setting = f"E={int(p.setting)}" if p.system == "early_exit" else f"t={p.setting:g}"
         layers = f"{p.avg_layers:.2f}" if p.avg_layers is not None else "-"
         share = f"{p.predictor_share:.1%}" if p.predictor_share is not None else "-"
         lines.append(
-            f"{p.system:<11} {setting:>8} {p.tokens_per_second:>8.1f} {p.speedup:>7.2f}x "
+            f"{p.system:<12} {setting:>8} {p.tokens_per_second:>8.1f} {p.speedup:>7.2f}x "
             f"{p.agreement:>9.1%} {layers:>6} {share:>9}"
         )
     return "\n".join(lines)
@@ -121,13 +125,13 @@ def write_curve_plot(path: str | Path, points: list[CurvePoint]) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
-    for system, style in (("specee", "o-"), ("early_exit", "s--")):
+    for system, style in (("specee", "o-"), ("specee_next", "^-"), ("early_exit", "s--")):
         pts = sorted((p for p in points if p.system == system), key=lambda p: p.speedup)
         if not pts:
             continue
         ax.plot([p.speedup for p in pts], [p.agreement for p in pts], style, label=system)
         for p in pts:
-            label = f"{p.setting:g}" if system == "specee" else f"E={int(p.setting)}"
+            label = f"E={int(p.setting)}" if system == "early_exit" else f"{p.setting:g}"
             ax.annotate(label, (p.speedup, p.agreement), fontsize=7, xytext=(3, 3),
                         textcoords="offset points")  # fmt: skip
     ax.set_xlabel("speedup over leapfx_autoregressive (tokens/s ratio)")
