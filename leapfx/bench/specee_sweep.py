@@ -124,20 +124,28 @@ def write_curve_plot(path: str | Path, points: list[CurvePoint]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.5, 4.5))
-    for system, style in (("specee", "o-"), ("specee_next", "^-"), ("early_exit", "s--")):
-        pts = sorted((p for p in points if p.system == system), key=lambda p: p.speedup)
-        if not pts:
-            continue
-        ax.plot([p.speedup for p in pts], [p.agreement for p in pts], style, label=system)
-        for p in pts:
-            label = f"E={int(p.setting)}" if system == "early_exit" else f"{p.setting:g}"
-            ax.annotate(label, (p.speedup, p.agreement), fontsize=7, xytext=(3, 3),
-                        textcoords="offset points")  # fmt: skip
-    ax.set_xlabel("speedup over leapfx_autoregressive (tokens/s ratio)")
-    ax.set_ylabel("teacher-forced agreement with greedy")
-    ax.grid(alpha=0.3)
-    ax.legend()
+    # Left: against measured speed. Right: against decoder layers per token, which does not
+    # move with the machine's load (the speed of an eager CPU decode follows it closely).
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    for ax, key, xlabel in (
+        (axes[0], "speedup", "speedup over leapfx_autoregressive (tokens/s ratio)"),
+        (axes[1], "avg_layers", "decoder layers per token (teacher-forced)"),
+    ):
+        for system, style in (("specee", "o-"), ("specee_next", "^-"), ("early_exit", "s--")):
+            pts = [p for p in points if p.system == system and getattr(p, key) is not None]
+            pts.sort(key=lambda p: getattr(p, key))
+            if not pts:
+                continue
+            xs = [getattr(p, key) for p in pts]
+            ax.plot(xs, [p.agreement for p in pts], style, label=system)
+            for p, x in zip(pts, xs, strict=True):
+                label = f"E={int(p.setting)}" if system == "early_exit" else f"{p.setting:g}"
+                ax.annotate(label, (x, p.agreement), fontsize=7, xytext=(3, 3),
+                            textcoords="offset points")  # fmt: skip
+        ax.set_xlabel(xlabel)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("teacher-forced agreement with greedy")
+    axes[0].legend()
     fig.tight_layout()
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp.png")
