@@ -280,3 +280,13 @@ def test_bench_eagle_rows(tmp_path, capsys):
     assert all(rows[n]["identical_to_greedy"] for n in list(rows)[-2:])
     assert len(eagle["ctar"]) == 3  # the parts' d
     assert "leapfx_eagle" in capsys.readouterr().out
+
+
+def test_train_eagle_cli_checks_its_options_first(tmp_path, capsys):
+    from leapfx.cli import main
+
+    assert main(["train-eagle", "--out", str(tmp_path / "h"), "--steps", "0"]) == 2
+    assert "steps: 0 is invalid; allowed: an integer >= 1" in capsys.readouterr().err
+    assert main(["train-eagle", "--out", str(tmp_path / "h"), "--minutes", "-1"]) == 2
+    assert "max_minutes: -1.0 is invalid" in capsys.readouterr().err
+    assert not (tmp_path / "h").exists()

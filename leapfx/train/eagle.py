@@ -319,6 +319,9 @@ def train_reference_head(
     from leapfx.train.reference import corpus_digest, reference_corpus
     from leapfx.train.trainer import describe_device, resolve_device
 
+    options = dict(steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr,
+                   progress=progress, max_minutes=minutes, seed=seed)  # fmt: skip
+    EagleFitConfig(**options)  # checked before anything is loaded
     torch_device = resolve_device(device, option="--device")
     corpus = reference_corpus(corpus_root, option="--corpus-root")
     if threads:
@@ -329,10 +332,7 @@ def train_reference_head(
     held = encode_documents(tokenizer, corpus.held_out).long()[:eval_bytes]
     parts = str(out) if resume and (Path(out) / "eagle_head.json").is_file() else None
     sm = rewrite.apply(model, "eagle", parts=parts)
-    result = fit(
-        sm, train, eval_data=held, steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr,
-        progress=progress, max_minutes=minutes, seed=seed,
-    )  # fmt: skip
+    result = fit(sm, train, eval_data=held, **options)
     summary = {
         "held_out_agreement_before": result.agreement_before,
         "held_out_agreement_after": result.agreement_after,
