@@ -241,14 +241,20 @@ def test_fuse_layers_fuses_the_head_layer_too(fuse):
     assert torch.equal(sm.generate(prompt, max_new_tokens=12), hf_greedy(model, prompt, 12))
 
 
-def test_inductor_and_onnx_refuse_the_eagle_stages(tmp_path):
-    model = tiny_model("llama", layers=3)
-    with pytest.raises(ValueError, match=r"backend: 'inductor' does not run the stages \['head'"):
-        rewrite.apply(model, "eagle", backend="inductor")
-    sm = rewrite.apply(model, "eagle")
+def test_onnx_export_refuses_the_eagle_stages(tmp_path):
+    sm = rewrite.apply(tiny_model("llama", layers=3), "eagle")
     with pytest.raises(ValueError, match="backend: 'onnxruntime' .* allowed for this recipe"):
         sm.export_onnx(tmp_path / "onnx")
     assert not (tmp_path / "onnx").exists()
+
+
+@pytest.mark.slow
+def test_inductor_eagle_is_token_identical_and_never_recompiles():
+    """The target and head stages compile like the others (warm-up covers every shape)."""
+    from tests.test_compiled import _check_compiled
+
+    model = tiny_model("qwen2", layers=3, sliding_window=6)
+    _check_compiled(model, "eagle", "dynamic", max_draft_tokens=3, confidence_threshold=0.2)
 
 
 def test_bench_eagle_rows(tmp_path, capsys):
@@ -274,3 +280,13 @@ def test_bench_eagle_rows(tmp_path, capsys):
     assert all(rows[n]["identical_to_greedy"] for n in list(rows)[-2:])
     assert len(eagle["ctar"]) == 3  # the parts' d
     assert "leapfx_eagle" in capsys.readouterr().out
+
+
+def test_train_eagle_cli_checks_its_options_first(tmp_path, capsys):
+    from leapfx.cli import main
+
+    assert main(["train-eagle", "--out", str(tmp_path / "h"), "--steps", "0"]) == 2
+    assert "steps: 0 is invalid; allowed: an integer >= 1" in capsys.readouterr().err
+    assert main(["train-eagle", "--out", str(tmp_path / "h"), "--minutes", "-1"]) == 2
+    assert "max_minutes: -1.0 is invalid" in capsys.readouterr().err
+    assert not (tmp_path / "h").exists()

@@ -10,6 +10,7 @@ assumed.
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -90,12 +91,13 @@ def test_eagle_float64_is_exact_with_a_trained_head(tmp_path):
     assert sm.last_metrics.acceptance_rate > rate_before
 
 
-def test_eagle_sampling_matches_target_distribution():
+@pytest.mark.parametrize("trained", [False, True])
+def test_eagle_sampling_matches_target_distribution(trained):
     """Chi-square of 3000 sampled 4-token continuations against the exact HF distribution.
 
-    After the prefill token a round drafts at most two tokens (the threshold stops some after
-    one), then rejection sampling emits the correction or bonus token. Temperature, top-k and
-    top-p warp both the drafts and the target.
+    After the prefill token a round drafts at most two tokens, then rejection sampling emits
+    the correction or bonus token. Temperature, top-k and top-p warp both the drafts and the
+    target. ``trained``: a few fit steps at a high rate first, so q is not the initial copy's.
     """
     vocab, length = 4, 4
     model = tiny_model("llama", layers=3, vocab=vocab, heads=2, kv_heads=1, seed=11)
@@ -104,6 +106,9 @@ def test_eagle_sampling_matches_target_distribution():
     prompt = torch.tensor([[1, 3, 2]])
     exact = _exact_distribution(model, prompt, vocab, length)
     sm = rewrite.apply(model, "eagle", max_draft_tokens=2, confidence_threshold=0.0)
+    if trained:
+        tokens = torch.randint(0, vocab, (64,), generator=torch.Generator().manual_seed(2))
+        sm.fit(tokens, steps=5, batch_size=2, seq_len=16, lr=1e-2, progress=False)
     g = torch.Generator().manual_seed(1234)
     n = 3000
     counts = dict.fromkeys(exact, 0)

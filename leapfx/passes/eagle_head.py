@@ -41,7 +41,8 @@ Stages (:func:`eagle_stages`; the ``eagle`` recipe and SpecEE use them)::
         -> {logits [B, S, V], hidden [B, S, D]}
        every host layer (host KV for the S positions), the final norm and LM head, and the
        head's fc + layer on the true features (head KV for the same positions); ``prev_hidden``
-       is h of the position before the chunk (None for a chunk at position 0: zeros),
+       is h of the position before the chunk (zeros [B, 1, 1] or None for a chunk at position
+       0: zeros),
        ``hidden`` is the pre-norm last-layer state of every position.
     head   (input_ids [B, S], position_ids, masks, hidden [B, S, D], cache)
         -> {logits [B, S, V], hidden [B, S, D]}
@@ -94,10 +95,13 @@ def previous_hidden(last_hidden: torch.Tensor, first: torch.Tensor | None = None
     """h_{t-1} for every position t of a chunk: ``last_hidden`` [B, S, D] shifted right by one.
 
     ``first`` [B, 1, D] is h of the position before the chunk; None (a chunk at position 0,
-    or training on whole windows) puts zeros there, as the head is trained.
+    or training on whole windows) puts zeros there, as the head is trained, and so does a
+    zero ``first`` of shape [B, 1, 1] (broadcast: a schedule that does not know D passes it,
+    and a compiled stage cannot take None).
     """
     if first is None:
         first = torch.zeros_like(last_hidden[:, :1])
+    first = first.expand(-1, -1, last_hidden.shape[-1])
     return torch.cat([first, last_hidden[:, :-1]], dim=1)
 
 

@@ -58,7 +58,8 @@ def target_step(
     runner: StageRunner, input_ids: torch.Tensor, prev_hidden: torch.Tensor | None, start: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The full model (and the head's KV from true features) on ``input_ids`` [1, S] at
-    positions start..; ``prev_hidden`` [1, 1, D] is h_{start-1} (None at 0: zeros). Returns
+    positions start..; ``prev_hidden`` [1, 1, D] is h_{start-1} (at 0: zeros, [1, 1, 1] or None).
+    Returns
     (logits [1, S, V], h [1, S, D], pre-norm)."""
     out = runner.chunk("target", input_ids, start, key="verify", prev_hidden=prev_hidden)
     return out["logits"], out["hidden"]
@@ -110,7 +111,9 @@ def eagle(
     """EAGLE chain decoding: head drafts with dynamic length, the full model verifies."""
     metrics.num_speculations = max_draft_tokens  # CTAR(w) for w = 1..d
     out = Output(request)
-    logits, hidden = target_step(runner, prompt, None, 0)  # prefill: [1, n, V], [1, n, D]
+    lay = runner.layout
+    zero = torch.zeros(1, 1, 1, dtype=lay.dtype, device=lay.device)  # h_{-1}, broadcast to D
+    logits, hidden = target_step(runner, prompt, zero, 0)  # prefill: [1, n, V], [1, n, D]
     metrics.full_calls += 1
     pos = prompt.shape[1]  # position of x, the newest token (not yet in the cache)
     x = choose(logits[:, -1], request)

@@ -36,6 +36,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import time
 import warnings
@@ -306,8 +307,9 @@ def train_reference_head(
     The stdlib corpus's training split (as the reference model's), the first ``eval_bytes``
     of its held-out split for the agreement report. ``resume``: start from the head already in
     ``out`` (a run is cheap to continue: the head is the only state; give another ``seed`` so
-    it draws other windows). ``minutes`` > 0 stops at that wall time. Returns the summary that
-    is also stored in ``eagle_head.json`` under ``"training"``.
+    it draws other windows). ``minutes`` > 0 stops at that wall time. Returns the run's summary;
+    ``eagle_head.json`` lists the summaries of every run the head came from under
+    ``"training"``.
     """
     import platform
 
@@ -317,6 +319,9 @@ def train_reference_head(
     from leapfx.train.reference import corpus_digest, reference_corpus
     from leapfx.train.trainer import describe_device, resolve_device
 
+    options = dict(steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr,
+                   progress=progress, max_minutes=minutes, seed=seed)  # fmt: skip
+    EagleFitConfig(**options)  # checked before anything is loaded
     torch_device = resolve_device(device, option="--device")
     corpus = reference_corpus(corpus_root, option="--corpus-root")
     if threads:
@@ -327,10 +332,7 @@ def train_reference_head(
     held = encode_documents(tokenizer, corpus.held_out).long()[:eval_bytes]
     parts = str(out) if resume and (Path(out) / "eagle_head.json").is_file() else None
     sm = rewrite.apply(model, "eagle", parts=parts)
-    result = fit(
-        sm, train, eval_data=held, steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr,
-        progress=progress, max_minutes=minutes, seed=seed,
-    )  # fmt: skip
+    result = fit(sm, train, eval_data=held, **options)
     summary = {
         "held_out_agreement_before": result.agreement_before,
         "held_out_agreement_after": result.agreement_after,
@@ -354,5 +356,9 @@ def train_reference_head(
             "sha256": corpus_digest(corpus),
         },
     }
-    save_parts(sm, out, extra={"training": summary})
+    history = []
+    if parts is not None:  # keep the runs this head came from
+        previous = json.loads((Path(out) / "eagle_head.json").read_text()).get("training", [])
+        history = previous if isinstance(previous, list) else [previous]
+    save_parts(sm, out, extra={"training": [*history, summary]})
     return summary
