@@ -487,8 +487,11 @@ def _train_specee(args: argparse.Namespace) -> int:
     if args.drafter == "kangaroo":
         options["adapter"] = args.adapter or str(REFERENCE_MODEL / "kangaroo_adapter")
     draft_steps = args.draft_steps
-    if args.drafter == "eagle" and args.eagle is not None:
-        options["eagle"] = args.eagle  # a trained head: keep it as it is
+    eagle = args.eagle
+    if eagle is None and args.model is None and (REFERENCE_MODEL / "eagle").is_dir():
+        eagle = str(REFERENCE_MODEL / "eagle")  # the reference model's shipped head
+    if args.drafter == "eagle" and eagle is not None:
+        options["eagle"] = eagle  # a trained head: keep it as it is
         draft_steps = 0 if draft_steps is None else draft_steps
     torch.manual_seed(args.seed)
     sm = apply(model, "specee", **options)
@@ -671,7 +674,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--drafter", default="exit_head", choices=("eagle", "exit_head", "kangaroo")
     )
     specee.add_argument(
-        "--eagle", default=None, help="eagle drafter: a trained head dir (leapfx train-eagle)"
+        "--eagle",
+        default=None,
+        help="eagle drafter: a trained head dir (default: the shipped one for the reference)",
     )
     specee.add_argument(
         "--draft-steps", type=int, default=None,
