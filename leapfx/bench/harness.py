@@ -39,7 +39,6 @@ from tqdm.auto import tqdm
 
 from .. import rewrite
 from ..runtime.metrics import DecodeMetrics
-from ..runtime.model import SpeculativeModel
 from .agreement import teacher_forced_agreement
 
 log = logging.getLogger(__name__)
@@ -167,7 +166,8 @@ class System:
         self.generate = generate
         self.metrics = metrics
         self.lossless = lossless
-        # The SpeculativeModel behind a lossy leapfx row: teacher-forced agreement runs on it.
+        # The SpeculativeModel or OnnxModel behind a lossy leapfx row: teacher-forced
+        # agreement runs on it.
         self.model = model
         self.info = info or {}  # copied into the row's extra (e.g. cpu_kernels)
 
@@ -254,9 +254,9 @@ def build_systems(model: nn.Module, config: BenchConfig, generator_seed: int = 0
             # eta > 0: rounds may stop short of d, which the speedup formula does not model.
             eta = getattr(getattr(sm, "options", None), "confidence_threshold", 0)
             info["dynamic_draft_length"] = bool(eta)
-            teachable = not lossless and isinstance(sm, SpeculativeModel)
+            # SpeculativeModel and OnnxModel both take teacher_tokens (lossy recipes).
             return System(name + suffix, run, lambda: sm.last_metrics, lossless=lossless,
-                          info=info, model=sm if teachable else None)  # fmt: skip
+                          info=info, model=None if lossless else sm)  # fmt: skip
 
         systems.append(ours("leapfx_autoregressive", rewrite.apply(model, "autoregressive")))
         if config.throughput_only:
