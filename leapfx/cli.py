@@ -112,7 +112,7 @@ def _bench(args: argparse.Namespace) -> int:
         recipe=args.recipe, exit_layer=exit_layer, num_speculations=d,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature,
         repeats=args.repeats, warmup=args.warmup, adapter=_adapter(args),
-        kangaroo_exit_layer=args.kangaroo_exit_layer,
+        kangaroo_exit_layer=args.kangaroo_exit_layer, eagle_parts=_eagle_parts(args),
         confidence_threshold=threshold, backend=args.backend,
         cpu_kernels=kernels, onnx_threads=onnx_threads,
     )  # fmt: skip
@@ -159,7 +159,8 @@ def _bench(args: argparse.Namespace) -> int:
     meta = {
         "model": str(args.model or "reference"), "recipe": args.recipe,
         "exit_layer": exit_layer, "num_speculations": d,
-        "adapter": config.adapter, "confidence_threshold": threshold,
+        "adapter": config.adapter, "eagle_parts": config.eagle_parts,
+        "confidence_threshold": threshold,
         "prompts": len(prompts), "prompt_tokens": args.prompt_tokens,
         "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
         "repeats": args.repeats, "threads": torch.get_num_threads(), "device": args.device,
@@ -324,7 +325,7 @@ def _adapter(args: argparse.Namespace) -> str | None:
     """--adapter, else the reference model's shipped adapter when benchmarking the reference."""
     from .bench import REFERENCE_ADAPTER
 
-    if args.recipe != "kangaroo":
+    if args.recipe not in ("kangaroo", "eagle"):
         return None
     if args.adapter is not None:
         return args.adapter
@@ -334,6 +335,19 @@ def _adapter(args: argparse.Namespace) -> str | None:
         and REFERENCE_ADAPTER.is_dir()
     ):
         return str(REFERENCE_ADAPTER)
+    return None
+
+
+def _eagle_parts(args: argparse.Namespace) -> str | None:
+    """--eagle-parts, else the reference model's shipped EAGLE head when benchmarking it."""
+    from .bench import REFERENCE_EAGLE
+
+    if args.recipe != "eagle":
+        return None
+    if args.eagle_parts is not None:
+        return args.eagle_parts
+    if args.model is None and args.random_model is None and REFERENCE_EAGLE.is_dir():
+        return str(REFERENCE_EAGLE)
     return None
 
 
@@ -413,6 +427,29 @@ def _train_reference(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train_eagle(args: argparse.Namespace) -> int:
+    from .bench import REFERENCE_EAGLE
+    from .train.eagle import train_reference_head
+
+    summary = train_reference_head(
+        args.out or REFERENCE_EAGLE,
+        model_path=args.model,
+        steps=args.steps,
+        minutes=args.minutes,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        lr=args.lr,
+        threads=args.threads,
+        device=args.device,
+        corpus_root=args.corpus_root,
+        resume=args.resume,
+        seed=args.seed,
+        progress=_progress(args),
+    )
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="leapfx", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -440,6 +477,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--warmup", type=int, default=1, help="untimed passes first")
     bench.add_argument("--adapter", default=None, help="kangaroo adapter dir")
     bench.add_argument("--kangaroo-exit-layer", type=int, default=None)
+    bench.add_argument(
+        "--eagle-parts", default=None,
+        help="EAGLE head parts dir (--recipe eagle; default on the reference model: the shipped "
+        "head)",
+    )  # fmt: skip
     bench.add_argument(
         "--confidence-threshold", type=float, default=None,
         help="eta: kangaroo's (default 0.6); layerskip: > 0 adds a leapfx_layerskip_dynamic row "
@@ -529,6 +571,33 @@ def build_parser() -> argparse.ArgumentParser:
         "last layer (not in the LayerSkip paper; it also gets what the first phase leaves)",
     )  # fmt: skip
     train.set_defaults(func=_train_reference)
+
+    eagle = sub.add_parser(
+        "train-eagle", help="train the EAGLE draft head of the reference model (or --model)"
+    )
+    eagle.add_argument(
+        "--out", default=None, help="parts directory (default: leapfx/assets/reference/eagle)"
+    )
+    eagle.add_argument("--model", default=None, help="HF checkpoint dir (default: reference)")
+    eagle.add_argument("--steps", type=int, default=2000)
+    eagle.add_argument(
+        "--minutes", type=float, default=0.0, help="> 0: stop after this wall time (resumable)"
+    )
+    eagle.add_argument("--batch-size", type=int, default=8)
+    eagle.add_argument("--seq-len", type=int, default=256)
+    eagle.add_argument("--lr", type=float, default=1e-3)
+    eagle.add_argument("--seed", type=int, default=0, help="window sampling and input noise")
+    eagle.add_argument("--threads", type=int, default=None)
+    eagle.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (float32)")
+    eagle.add_argument(
+        "--corpus-root", default=None, help="stdlib folder to train on (default: this Python's)"
+    )
+    eagle.add_argument(
+        "--resume", action="store_true", help="start from the head already in --out, if any"
+    )
+    eagle.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None)
+    eagle.add_argument("--quiet", action="store_true", help="no progress bar")
+    eagle.set_defaults(func=_train_eagle)
     return parser
 
 

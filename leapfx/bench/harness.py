@@ -62,6 +62,10 @@ class BenchConfig:
     adapter: str | None = None
     kangaroo_exit_layer: int | None = None
     confidence_threshold: float | None = None
+    # eagle runs: the EAGLE head's parts (None: untrained, copied from the last layer). The
+    # leapfx_eagle row drafts with the parts' options (d, threshold) unless
+    # confidence_threshold is given; the leapfx_kangaroo row beside it with the adapter's.
+    eagle_parts: str | None = None
     # Which backend runs the leapfx stages: "eager" (PyTorch), "inductor" (every leapfx system's
     # stages compiled with torch.compile and warmed up before timing) or "onnxruntime" (every
     # leapfx system is exported to ONNX and runs in onnxruntime sessions). HF rows stay eager.
@@ -244,10 +248,10 @@ def build_systems(model: nn.Module, config: BenchConfig, generator_seed: int = 0
             num_assistant_tokens_schedule="constant",
         )
         systems.append(System("hf_assistant_early_exit", assistant))
-    if config.recipe not in ("autoregressive", "early_exit", "layerskip", "kangaroo"):
+    if config.recipe not in ("autoregressive", "early_exit", "layerskip", "kangaroo", "eagle"):
         raise ValueError(
             f"--recipe: {config.recipe!r} is not benchmarked; allowed: autoregressive, "
-            "early_exit, layerskip, kangaroo"
+            "early_exit, layerskip, kangaroo, eagle"
         )
     backends = config.backends
     for backend in backends:
@@ -296,6 +300,12 @@ def build_systems(model: nn.Module, config: BenchConfig, generator_seed: int = 0
             )
             systems.append(ours("leapfx_kangaroo_fixed", fixed))
             systems.append(ours("leapfx_kangaroo", dynamic))
+        if config.recipe == "eagle":
+            kangaroo = rewrite.apply(model, "kangaroo", adapter=config.adapter)
+            systems.append(ours("leapfx_kangaroo", kangaroo))
+            kw = {"confidence_threshold": config.confidence_threshold}
+            eagle = rewrite.apply(model, "eagle", parts=config.eagle_parts, **kw)
+            systems.append(ours("leapfx_eagle", eagle))
     return systems
 
 
