@@ -483,9 +483,9 @@ def _check_options(sm: SpeculativeModel, path: Any, opset: Any, overwrite: Any) 
         )
     if not isinstance(overwrite, bool):
         raise ValueError(f"overwrite: {overwrite!r} is invalid; allowed: True or False")
-    from ..runtime.compiled import BACKEND_STAGES, check_backend_stages
+    from ..runtime.compiled import EAGLE_STAGES, refuse_stages
 
-    check_backend_stages(sm, "onnxruntime", BACKEND_STAGES)
+    refuse_stages(sm, "onnxruntime", EAGLE_STAGES)
     if sm.hf_model.training:
         raise ValueError(
             "model: it is in training mode (dropout would be exported); call model.eval() first"

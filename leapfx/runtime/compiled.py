@@ -415,25 +415,24 @@ def kernel_stages(sm) -> dict[str, fx.GraphModule]:
     }
 
 
-# The stages whose inputs the ONNX export knows; Inductor also compiles the EAGLE stages.
-BACKEND_STAGES = ("full", "draft", "verify")
+# The EAGLE stages: Inductor compiles them (their state inputs in the warm-up); the ONNX export
+# and runtime do not know their inputs and refuse them (``refuse_stages``).
 EAGLE_STAGES = ("target", "head")
 
 
-def check_backend_stages(sm, backend: str, known: tuple[str, ...]) -> None:
-    """ValueError naming the recipe and its stages when ``backend`` cannot run them."""
-    unknown = sorted(set(sm.stages.modules) - set(known))
-    if unknown:
+def refuse_stages(sm, backend: str, stages: tuple[str, ...]) -> None:
+    """ValueError naming the recipe and the stages of ``stages`` it has that ``backend``
+    cannot run."""
+    found = sorted(set(sm.stages.modules) & set(stages))
+    if found:
         raise ValueError(
-            f"backend: {backend!r} does not run the stages {unknown} of recipe "
-            f"{sm.recipe.name!r} yet (it runs {', '.join(known)}); allowed for this "
-            "recipe: backend='eager'"
+            f"backend: {backend!r} does not run the stages {found} of recipe "
+            f"{sm.recipe.name!r} yet; allowed for this recipe: backend='eager' or 'inductor'"
         )
 
 
 def compile_stages(sm, options: CompileOptions) -> dict[str, CompiledStage]:
     """A CompiledStage for every stage of SpeculativeModel ``sm`` (warmed up if asked)."""
-    check_backend_stages(sm, "inductor", BACKEND_STAGES + EAGLE_STAGES)
     from ..export.onnx_export import discover  # which cache layers each position input feeds
     from ..kernels import cpu
 
