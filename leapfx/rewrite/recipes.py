@@ -15,13 +15,16 @@ from functools import partial
 
 from torch import fx
 
+from ..passes.accelerator import InsertAccelerator
+from ..passes.accelerator_checkpoint import LoadAccelerator, read_parts_config
 from ..passes.adapter import InsertKangarooAdapter
 from ..passes.adapter_checkpoint import LoadKangarooAdapter, read_adapter_config
 from ..passes.base import GraphPass
 from ..passes.exit_head import InsertExitHead
+from ..passes.fast_partition import fast_stream_stages
 from ..passes.fuse_layers import FuseDecoderLayers
 from ..passes.partition import Stages, early_exit_stages, full_stage, partition
-from ..runtime import kangaroo, schedules
+from ..runtime import kangaroo, m2r2, schedules
 from ..runtime.model import RecipeTraining, Schedule
 
 
@@ -215,6 +218,84 @@ def _kangaroo_training() -> RecipeTraining:
     return KangarooTraining()
 
 
+def default_fast_layers(num_layers: int) -> int:
+    """k = 4 (sec. 2.3.2: J = 1, R = N/k), at most N - 1."""
+    return max(1, min(4, num_layers - 1))
+
+
+def _parts_meta(parts) -> tuple[str | None, dict]:
+    if parts is None:
+        return None, {}
+    if not isinstance(parts, (str, os.PathLike)):
+        raise ValueError(
+            f"parts: {parts!r} is invalid; allowed: a directory written by "
+            "SpeculativeModel.save_parts (str or os.PathLike) or None"
+        )
+    path = os.fspath(parts)
+    return path, read_parts_config(path).get("options", {})
+
+
+@dataclass(frozen=True)
+class M2R2Options:
+    """M2R2 self-speculation (sec. 2.3.2): fast-stream drafts, slow verification (lossless).
+
+    With ``parts`` (a directory written by ``SpeculativeModel.save_parts``) ``heads`` and
+    ``rank`` left as None come from it; its gates must start with ``fast_layers``.
+    """
+
+    fast_layers: int | None = None  # k: the gate E_1 = k, rate R = N/k; None: 4 (or N-1)
+    heads: int | None = None  # fast query heads; None: the parts', else one per KV group / 8
+    rank: int | None = None  # adapter and LoRA rank; None: the parts', else 8 (Fig. 10a)
+    num_speculations: int = 3  # gamma: drafts a round (the paper's g = 3)
+    # > 0: a round stops drafting after the first draft whose top-1 probability is <= this
+    # (not in the paper). Lossless either way: only the draft length changes.
+    confidence_threshold: float = 0.0
+    parts: str | os.PathLike | None = None
+    max_cache_len: int | None = None
+    fuse_layers: bool = True
+
+    def validate(self, num_layers: int) -> M2R2Options:
+        path, saved = _parts_meta(self.parts)
+        k = self.fast_layers
+        if k is None:
+            k = saved["gates"][0] if saved.get("gates") else default_fast_layers(num_layers)
+        _check_int("fast_layers", k, 1, num_layers - 1)
+        if saved.get("gates") and saved["gates"][0] != k:
+            raise ValueError(
+                f"fast_layers: {k!r} does not match the parts at {path!r}, trained with gates "
+                f"{saved['gates']}; allowed: {saved['gates'][0]} or None"
+            )
+        heads = saved.get("heads") if self.heads is None else self.heads
+        if heads is not None:
+            _check_int("heads", heads, 1)
+        rank = saved.get("rank", 8) if self.rank is None else self.rank
+        _check_int("rank", rank, 1)
+        _check_int("num_speculations", self.num_speculations, 1)
+        _check_threshold("confidence_threshold", self.confidence_threshold)
+        _check_cache(self.max_cache_len)
+        _check_bool("fuse_layers", self.fuse_layers)
+        return dataclasses.replace(
+            self, fast_layers=k, heads=heads, rank=rank, parts=path,
+            confidence_threshold=float(self.confidence_threshold),
+        )  # fmt: skip
+
+
+def _m2r2_passes(o) -> list[GraphPass]:
+    gates = (o.fast_layers,) if isinstance(o, M2R2Options) else tuple(o.gates)
+    # The fast layers read the HF layers' modules, so the accelerator goes before fusing.
+    passes: list[GraphPass] = [InsertAccelerator(gates=gates, heads=o.heads, rank=o.rank)]
+    passes += _fuse(o)
+    if o.parts is not None:
+        passes.append(LoadAccelerator(path=o.parts))
+    return passes
+
+
+def _m2r2_training() -> RecipeTraining:
+    from ..train.m2r2 import M2R2Training
+
+    return M2R2Training()
+
+
 @dataclass(frozen=True)
 class Recipe:
     """A named recipe: options type, passes, partition, schedule (and what trains, if any)."""
@@ -285,6 +366,22 @@ RECIPES: dict[str, Recipe] = {
             lossless=True,
             training=_kangaroo_training,
             parts_option="adapter",
+        ),
+        Recipe(
+            name="m2r2",
+            description="M2R2: accelerated-residual drafts, slow verification (lossless)",
+            options_type=M2R2Options,
+            passes=_m2r2_passes,
+            cut=fast_stream_stages,
+            schedule=lambda o: partial(
+                m2r2.m2r2,
+                num_speculations=o.num_speculations,
+                confidence_threshold=o.confidence_threshold,
+            ),
+            lookahead=lambda o: o.num_speculations + 1,
+            lossless=True,
+            training=_m2r2_training,
+            parts_option="parts",
         ),
     )
 }
