@@ -76,13 +76,13 @@ def _bench(args: argparse.Namespace) -> int:
     exit_layer, d = args.exit_layer, args.num_speculations
     threshold = args.confidence_threshold
     reference = args.model is None and args.random_model is None
-    if reference and args.recipe == "layerskip" and not args.auto:
+    if reference and args.recipe in ("layerskip", "m2r2") and not args.auto:
         # The shipped model's setting (docs/benchmarks.md: the best of `leapfx bench --sweep`).
         exit_layer = REFERENCE_LAYERSKIP["exit_layer"] if exit_layer is None else exit_layer
         d = REFERENCE_LAYERSKIP["num_speculations"] if d is None else d
         if (args.exit_layer, args.num_speculations) != (exit_layer, d):
             print(f"reference model: exit_layer={exit_layer} num_speculations={d}")
-        if threshold is None:
+        if threshold is None and args.recipe == "layerskip":
             threshold = REFERENCE_LAYERSKIP_THRESHOLD
             print(f"reference model: leapfx_layerskip_dynamic at eta {threshold}")
     d = DEFAULT_SPECULATIONS if d is None else d
@@ -113,7 +113,7 @@ def _bench(args: argparse.Namespace) -> int:
         repeats=args.repeats, warmup=args.warmup, adapter=_adapter(args),
         kangaroo_exit_layer=args.kangaroo_exit_layer,
         confidence_threshold=threshold, backend=args.backend,
-        cpu_kernels=kernels,
+        cpu_kernels=kernels, parts=_m2r2_parts(args),
     )  # fmt: skip
     config = dataclasses.replace(config, throughput_only=args.random_model is not None)
     rows = run_bench(model, prompts, config, progress=not quiet)
@@ -297,7 +297,7 @@ def _adapter(args: argparse.Namespace) -> str | None:
     """--adapter, else the reference model's shipped adapter when benchmarking the reference."""
     from .bench import REFERENCE_ADAPTER
 
-    if args.recipe != "kangaroo":
+    if args.recipe not in ("kangaroo", "m2r2"):
         return None
     if args.adapter is not None:
         return args.adapter
@@ -308,6 +308,18 @@ def _adapter(args: argparse.Namespace) -> str | None:
     ):
         return str(REFERENCE_ADAPTER)
     return None
+
+
+def _m2r2_parts(args: argparse.Namespace) -> str | None:
+    """--parts, else the reference model's shipped M2R2 parts when benchmarking the reference."""
+    from .bench import REFERENCE_M2R2
+
+    if args.recipe != "m2r2":
+        return None
+    if getattr(args, "parts", None) is not None:
+        return args.parts
+    reference = args.model is None and getattr(args, "random_model", None) is None
+    return str(REFERENCE_M2R2) if reference and REFERENCE_M2R2.is_dir() else None
 
 
 def _speculations(spec: str) -> list[int]:
@@ -413,6 +425,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--warmup", type=int, default=1, help="untimed passes first")
     bench.add_argument("--adapter", default=None, help="kangaroo adapter dir")
     bench.add_argument("--kangaroo-exit-layer", type=int, default=None)
+    bench.add_argument(
+        "--parts", default=None, help="m2r2 accelerator parts dir (default: the reference's)"
+    )
     bench.add_argument(
         "--confidence-threshold", type=float, default=None,
         help="eta: kangaroo's (default 0.6); layerskip: > 0 adds a leapfx_layerskip_dynamic row "

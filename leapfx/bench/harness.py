@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 
 
 BACKENDS = ("eager", "inductor", "onnxruntime")
+BENCHED_RECIPES = ("autoregressive", "early_exit", "layerskip", "kangaroo", "m2r2")
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,10 @@ class BenchConfig:
     adapter: str | None = None
     kangaroo_exit_layer: int | None = None
     confidence_threshold: float | None = None
+    # m2r2 runs: the accelerator parts (None: untrained) and gamma (None: the recipe's 3); the
+    # run also carries leapfx_layerskip (E, d) and leapfx_kangaroo (``adapter``, its own eta).
+    parts: str | None = None
+    m2r2_speculations: int | None = None
     # Which backend runs the leapfx stages: "eager" (PyTorch), "inductor" (every leapfx system's
     # stages compiled with torch.compile and warmed up before timing) or "onnxruntime" (every
     # leapfx system is exported to ONNX and runs in onnxruntime sessions). HF rows stay eager.
@@ -223,10 +228,10 @@ def build_systems(model: nn.Module, config: BenchConfig, generator_seed: int = 0
             num_assistant_tokens_schedule="constant",
         )
         systems.append(System("hf_assistant_early_exit", assistant))
-    if config.recipe not in ("autoregressive", "early_exit", "layerskip", "kangaroo"):
+    if config.recipe not in BENCHED_RECIPES:
         raise ValueError(
-            f"--recipe: {config.recipe!r} is not benchmarked; allowed: autoregressive, "
-            "early_exit, layerskip, kangaroo"
+            f"--recipe: {config.recipe!r} is not benchmarked; allowed: "
+            f"{', '.join(BENCHED_RECIPES)}"
         )
     backends = config.backends
     for backend in backends:
@@ -251,7 +256,7 @@ def build_systems(model: nn.Module, config: BenchConfig, generator_seed: int = 0
             continue
         early = rewrite.apply(model, "early_exit", exit_layer=exit_layer)
         systems.append(ours("leapfx_early_exit", early, lossless=False))
-        if config.recipe in ("layerskip", "kangaroo"):
+        if config.recipe in ("layerskip", "kangaroo", "m2r2"):
             layerskip = rewrite.apply(model, "layerskip", **layerskip_opts)
             systems.append(ours("leapfx_layerskip", layerskip))
         if config.recipe == "layerskip" and config.confidence_threshold:
@@ -270,6 +275,13 @@ def build_systems(model: nn.Module, config: BenchConfig, generator_seed: int = 0
             )
             systems.append(ours("leapfx_kangaroo_fixed", fixed))
             systems.append(ours("leapfx_kangaroo", dynamic))
+        if config.recipe == "m2r2":
+            kangaroo = rewrite.apply(model, "kangaroo", adapter=config.adapter)
+            systems.append(ours("leapfx_kangaroo", kangaroo))
+            kw = {"parts": config.parts}
+            if config.m2r2_speculations is not None:
+                kw["num_speculations"] = config.m2r2_speculations
+            systems.append(ours("leapfx_m2r2", rewrite.apply(model, "m2r2", **kw)))
     return systems
 
 

@@ -90,7 +90,8 @@ def target_layers(gates: tuple[int, ...], num_layers: int) -> dict[int, int]:
     ``(i + 1 - E_j) R_j + E_j``, rounded and clipped to N."""
     out = {}
     edges = (0, *gates)
-    for (a, b), r in zip(zip(edges, edges[1:], strict=False), rates(gates, num_layers), strict=True):
+    spans = zip(edges, edges[1:], strict=False)
+    for (a, b), r in zip(spans, rates(gates, num_layers), strict=True):
         for i in range(a, b):
             out[i] = min(num_layers, round((i + 1 - a) * r + a))
     return out
@@ -232,7 +233,7 @@ class AcceleratedLayer(nn.Module):
             mask = None
             length = keys.shape[2]
             if self.window is not None and length > self.window:
-                mask = torch.arange(length, device=q.device) >= length - self.window
+                mask = (torch.arange(length, device=q.device) >= length - self.window)[None]
         if self.expand is not None:
             keys, values = keys[:, self.expand], values[:, self.expand]
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling)
@@ -398,7 +399,6 @@ class InsertAccelerator(GraphPass):
         set_output_dict(gm, outputs)
         gm.meta[GATES] = gates
         return PassResult(gm, modified=True, matches=len(modules))
-
 
 
 def compatible_layers(
