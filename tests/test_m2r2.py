@@ -98,9 +98,9 @@ def test_fast_query_never_reads_the_slow_state_of_its_own_position(arch):
     full = list(cache.lengths)
     for t in (0, 3, 7):
         cache.crop(t)  # only the slow keys of positions < t remain
-        draft = sm.stages["draft"](
-            ids[:, t : t + 1], torch.tensor([[t]]), cache, FastScratch()
-        )["hidden"]
+        draft = sm.stages["draft"](ids[:, t : t + 1], torch.tensor([[t]]), cache, FastScratch())[
+            "hidden"
+        ]
         torch.testing.assert_close(draft[:, 0], parallel[:, t], rtol=1e-5, atol=1e-5)
         cache.lengths = list(full)  # crop moved lengths only: the keys are still there
     # Poison the slow keys/values of positions >= 5 of layer 0: fast row 5 must not move.

@@ -230,8 +230,7 @@ def build_systems(model: nn.Module, config: BenchConfig, generator_seed: int = 0
         systems.append(System("hf_assistant_early_exit", assistant))
     if config.recipe not in BENCHED_RECIPES:
         raise ValueError(
-            f"--recipe: {config.recipe!r} is not benchmarked; allowed: "
-            f"{', '.join(BENCHED_RECIPES)}"
+            f"--recipe: {config.recipe!r} is not benchmarked; allowed: {', '.join(BENCHED_RECIPES)}"
         )
     backends = config.backends
     for backend in backends:
