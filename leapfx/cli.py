@@ -378,6 +378,27 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train_m2r2(args: argparse.Namespace) -> int:
+    import json
+
+    import torch
+
+    from .bench import REFERENCE_M2R2
+    from .train.m2r2 import train_parts
+
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads: {args.threads} is invalid; allowed: an integer >= 1")
+        torch.set_num_threads(args.threads)
+    report = train_parts(
+        args.out or REFERENCE_M2R2, model_path=args.model, recipe=args.recipe, init=args.init,
+        corpus_root=args.corpus_root, steps=args.steps, batch_size=args.batch_size,
+        seq_len=args.seq_len, lr=args.lr, ce_target=args.ce_target, seed=args.seed,
+    )  # fmt: skip
+    print(json.dumps(report, indent=2, sort_keys=True))
+    return 0
+
+
 def _train_reference(args: argparse.Namespace) -> int:
     from .train.reference import REFERENCE_RECIPE, train_reference
 
@@ -512,6 +533,25 @@ def build_parser() -> argparse.ArgumentParser:
         "last layer (not in the LayerSkip paper; it also gets what the first phase leaves)",
     )  # fmt: skip
     train.set_defaults(func=_train_reference)
+    m2r2 = sub.add_parser("train-m2r2", help="train M2R2 accelerator parts (eq. 5)")
+    m2r2.add_argument(
+        "out", nargs="?", default=None,
+        help="parts directory (default: leapfx/assets/reference/m2r2)",
+    )  # fmt: skip
+    m2r2.add_argument("--model", default=None, help="HF checkpoint dir (default: reference)")
+    m2r2.add_argument("--recipe", default="m2r2", choices=["m2r2"])
+    m2r2.add_argument("--init", default=None, help="parts to start from (resume)")
+    m2r2.add_argument("--steps", type=int, default=1500)
+    m2r2.add_argument("--batch-size", type=int, default=8)
+    m2r2.add_argument("--seq-len", type=int, default=128)
+    m2r2.add_argument("--lr", type=float, default=2e-3)
+    m2r2.add_argument("--ce-target", default="model", choices=["labels", "model"])
+    m2r2.add_argument("--seed", type=int, default=0)
+    m2r2.add_argument("--threads", type=int, default=None)
+    m2r2.add_argument(
+        "--corpus-root", default=None, help="stdlib folder to train on (default: this Python's)"
+    )
+    m2r2.set_defaults(func=_train_m2r2)
     return parser
 
 

@@ -284,3 +284,11 @@ def test_m2r2_sampling_matches_target_distribution():
         obs_b = np.append(obs_b, observed[tail].sum())
     stat, pvalue = chisquare(obs_b, exp_b * obs_b.sum() / exp_b.sum())
     assert pvalue > 1e-3, f"chi-square {stat:.1f} over {len(exp_b)} bins, p={pvalue:.2e}"
+
+
+def test_m2r2_runs_eager_only_and_says_so():
+    model = tiny_model("llama", layers=3)
+    with pytest.raises(ValueError, match="eager only"):
+        rewrite.apply(model, "m2r2", backend="inductor")
+    with pytest.raises(ValueError, match="eager only"):
+        rewrite.apply(model, "m2r2").export_onnx("unused")

@@ -312,6 +312,9 @@ class Recipe:
     # The option that takes a directory written by ``SpeculativeModel.save_parts``;
     # ``apply(..., parts=dir)`` fills it. None: the recipe has no trained parts.
     parts_option: str | None = None
+    # Whether its stages lower to Inductor and ONNX (False: a stage takes a Python object,
+    # e.g. M2R2's FastScratch, that neither traces).
+    compiles: bool = True
 
 
 def _full_only(gm: fx.GraphModule) -> Stages:
@@ -382,6 +385,7 @@ RECIPES: dict[str, Recipe] = {
             lossless=True,
             training=_m2r2_training,
             parts_option="parts",
+            compiles=False,
         ),
     )
 }

@@ -58,6 +58,7 @@ class RecipeInfo:
     extra_cache_layers: int = 0  # KV-cache slots for attention blocks the rewrite added
     # Trains/saves what the recipe inserted; a factory so that decoding never imports training.
     training: Callable[[], RecipeTraining] | None = None
+    compiles: bool = True  # False: the stages run eager only (no Inductor, no ONNX export)
 
 
 class SpeculativeModel:
@@ -208,6 +209,7 @@ class SpeculativeModel:
         """
         from .compiled import CompileOptions, compile_stages
 
+        self._check_compiles("compile")
         options = CompileOptions(
             mode=mode,
             verify_shapes=verify_shapes,
@@ -307,7 +309,16 @@ class SpeculativeModel:
         """
         from ..export import export_onnx  # optional dependencies: imported when used
 
+        self._check_compiles("export_onnx")
         return export_onnx(self, path, opset=opset, overwrite=overwrite)
+
+    def _check_compiles(self, what: str) -> None:
+        if not self.recipe.compiles:
+            raise ValueError(
+                f"{what}: recipe {self.recipe.name!r} runs its stages eager only (a stage takes "
+                "a Python object that neither Inductor nor ONNX traces); allowed: backend='eager'"
+                ", with use_cpu_kernels() for the projections"
+            )
 
     def __repr__(self) -> str:
         return (

@@ -316,3 +316,58 @@ class M2R2Training:
 
     def save(self, model, path: str | Path) -> Path:
         return save_parts(model, path)
+
+
+def train_parts(
+    out: str | Path,
+    *,
+    model_path: str | Path | None = None,
+    recipe: str = "m2r2",
+    init: str | Path | None = None,
+    held_out_tokens: int = 16384,
+    corpus_root: str | None = None,
+    **options: Any,
+) -> dict[str, Any]:
+    """Train M2R2 parts for a checkpoint (default: the shipped reference model) on the stdlib
+    corpus's training split and write them to ``out`` with ``m2r2_report.json`` (the held-out
+    alignment before and after). ``init``: start from parts written earlier (a resumed run;
+    the optimizer starts fresh). ``options``: :class:`M2R2FitConfig` fields. What
+    ``leapfx train-m2r2`` runs."""
+    import json
+    import platform
+
+    from leapfx import rewrite
+    from leapfx.bench import load_model
+    from leapfx.train.data import encode_documents
+    from leapfx.train.reference import corpus_digest, reference_corpus
+
+    corpus = reference_corpus(corpus_root, option="--corpus-root")
+    model, tokenizer = load_model(model_path)
+    train = encode_documents(tokenizer, corpus.train).long()
+    held = encode_documents(tokenizer, corpus.held_out).long()[:held_out_tokens]
+    sm = rewrite.apply(model, recipe, parts=None if init is None else str(init))
+    before = evaluate(sm, held)
+    result = fit(sm, train, **options)
+    after = evaluate(sm, held)
+    path = save_parts(sm, out)
+    report = {
+        "recipe": recipe,
+        "options": parts_options(sm),
+        "fit": {**dataclasses.asdict(M2R2FitConfig(**options)), "init": init and str(init)},
+        "steps": result.steps,
+        "tokens": result.tokens,
+        "seconds": round(result.seconds, 1),
+        "final_loss": result.final_loss,
+        "final_ce": result.ce[-1],
+        "final_mse": result.mse[-1],
+        "held_out_before": before,
+        "held_out_after": after,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "corpus": {"files": len(corpus.train) + len(corpus.held_out),
+                   "sha256": corpus_digest(corpus)},
+    }  # fmt: skip
+    tmp = path / ".m2r2_report.json.tmp"
+    tmp.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    tmp.rename(path / "m2r2_report.json")
+    return report
