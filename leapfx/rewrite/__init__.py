@@ -116,6 +116,7 @@ def apply(
         lookahead=r.lookahead(opts),
         extra_cache_layers=gm.meta.get(EXTRA_CACHE_LAYERS, 0),
         training=r.training,
+        lossless=r.lossless,
         compiles=r.compiles,
     )
     sm = SpeculativeModel(model, gm, stages, info)

@@ -15,6 +15,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import warnings
 from collections.abc import Callable
@@ -56,6 +57,7 @@ class RecipeInfo:
     schedule: Schedule
     lookahead: int  # positions a schedule may write past the last emitted token
     extra_cache_layers: int = 0  # KV-cache slots for attention blocks the rewrite added
+    lossless: bool = True  # token-identical to greedy; lossy recipes support teacher forcing
     # Trains/saves what the recipe inserted; a factory so that decoding never imports training.
     training: Callable[[], RecipeTraining] | None = None
     compiles: bool = True  # False: the stages run eager only (no Inductor, no ONNX export)
@@ -265,8 +267,15 @@ class SpeculativeModel:
         top_p: float | None = None,
         eos_token_id: int | list[int] | None = None,
         generator: torch.Generator | None = None,
+        teacher_tokens: torch.Tensor | list[int] | None = None,
     ) -> torch.Tensor:
         """Generate like HF ``generate``: returns [1, prompt + new] token ids.
+
+        ``teacher_tokens`` (lossy recipes): the full model's greedy continuation of the prompt,
+        [m] or [1, m]; the recipe emits these tokens instead of its own and
+        ``last_metrics.agreement`` is the share of positions where its own choice (exit
+        decisions made on its own cache state) was the same token. ``max_new_tokens`` defaults
+        to m and may not exceed it.
 
         Greedy output is token-identical to ``hf_model.generate(input_ids, do_sample=False)``
         for lossless recipes; with ``do_sample=True`` it has the same distribution as HF
@@ -277,6 +286,9 @@ class SpeculativeModel:
         the other way (``leapfx.bench.ties`` measures it; see docs/gpu.md).
         """
         check_prompt(input_ids, attention_mask, self._hf_model.config.vocab_size)
+        teacher = self._teacher(teacher_tokens)
+        if teacher is not None and max_new_tokens is None:
+            max_new_tokens = len(teacher)
         prompt = input_ids.to(self._layout.device)
         sampling = {"do_sample": do_sample, "temperature": temperature, "top_k": top_k,
                     "top_p": top_p}  # fmt: skip
@@ -284,6 +296,18 @@ class SpeculativeModel:
             self._hf_model.generation_config, prompt.shape[1], max_new_tokens=max_new_tokens,
             eos_token_id=eos_token_id, sampling=sampling, generator=generator,
         )  # fmt: skip
+        if teacher is not None:
+            if request.sampling.do_sample:
+                raise ValueError(
+                    "teacher_tokens: teacher forcing measures greedy agreement; allowed only "
+                    "with do_sample=False"
+                )
+            if request.max_new_tokens > len(teacher):
+                raise ValueError(
+                    f"max_new_tokens: {request.max_new_tokens} is more than the "
+                    f"{len(teacher)} teacher_tokens; allowed: at most {len(teacher)}"
+                )
+            request = dataclasses.replace(request, teacher_tokens=teacher)
         if self._hf_model.training:
             warnings.warn(
                 "the model is in training mode (dropout active); call model.eval() first",
@@ -298,6 +322,28 @@ class SpeculativeModel:
         )  # fmt: skip
         new = torch.tensor([tokens], dtype=input_ids.dtype, device=input_ids.device)
         return torch.cat([input_ids, new], dim=1)
+
+    def _teacher(self, teacher_tokens) -> tuple[int, ...] | None:
+        if teacher_tokens is None:
+            return None
+        if self.recipe.lossless:
+            raise ValueError(
+                f"teacher_tokens: recipe {self.recipe.name!r} is lossless (its tokens are the "
+                "full model's); teacher forcing measures the agreement of lossy recipes "
+                "(e.g. 'early_exit')"
+            )
+        t = torch.as_tensor(teacher_tokens)
+        if t.dtype.is_floating_point or t.dtype == torch.bool or t.dim() > 2 or t.numel() == 0:
+            raise ValueError(
+                f"teacher_tokens: dtype {t.dtype}, shape {tuple(t.shape)} is invalid; allowed: "
+                "a non-empty integer sequence [m] or [1, m]"
+            )
+        if t.dim() == 2 and t.shape[0] != 1:
+            raise ValueError(
+                f"teacher_tokens: shape {tuple(t.shape)} is invalid; allowed: [m] or [1, m] "
+                "(batch size 1)"
+            )
+        return tuple(int(x) for x in t.reshape(-1).tolist())
 
     def export_onnx(self, path: Any, *, opset: int = 23, overwrite: bool = False) -> Any:
         """Export every stage as an ONNX model with an explicit KV cache, plus ``manifest.json``.
