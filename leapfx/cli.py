@@ -394,6 +394,7 @@ def _train_m2r2(args: argparse.Namespace) -> int:
         args.out or REFERENCE_M2R2, model_path=args.model, recipe=args.recipe, init=args.init,
         corpus_root=args.corpus_root, steps=args.steps, batch_size=args.batch_size,
         seq_len=args.seq_len, lr=args.lr, ce_target=args.ce_target, seed=args.seed,
+        router_steps=args.router_steps,
     )  # fmt: skip
     print(json.dumps(report, indent=2, sort_keys=True))
     return 0
@@ -539,7 +540,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="parts directory (default: leapfx/assets/reference/m2r2)",
     )  # fmt: skip
     m2r2.add_argument("--model", default=None, help="HF checkpoint dir (default: reference)")
-    m2r2.add_argument("--recipe", default="m2r2", choices=["m2r2"])
+    m2r2.add_argument(
+        "--recipe", default="m2r2", choices=["m2r2", "m2r2_exit"],
+        help="m2r2_exit: the exit gates N/4, N/2, 3N/4 and their ARLA routers (the parts also "
+        "serve m2r2, whose gate is the first)",
+    )  # fmt: skip
+    m2r2.add_argument("--router-steps", type=int, default=300)
     m2r2.add_argument("--init", default=None, help="parts to start from (resume)")
     m2r2.add_argument("--steps", type=int, default=1500)
     m2r2.add_argument("--batch-size", type=int, default=8)

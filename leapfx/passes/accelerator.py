@@ -273,14 +273,51 @@ def _qkv_weights(attn: nn.Module, nh: int, nkv: int, d: int):
     )  # fmt: skip
 
 
+class ARLARouter(nn.Module):
+    """ARLA (sec. 2.3.1, Fig. 4): should the token exit at this gate?
+
+    Attention across the accelerated states of the gate's interval (the reset state and every
+    fast layer's output, each through the model's frozen final norm) in a ``latent``-dim space:
+    the query from the gate's state, one head, then ``Linear(latent -> 1)`` and a sigmoid. A
+    score >= the threshold exits."""
+
+    def __init__(self, norm: nn.Module, hidden: int, latent: int = 64, **kw) -> None:
+        super().__init__()
+        object.__setattr__(self, "norm", norm)  # the host's final norm: shared, frozen
+        self.q = nn.Linear(hidden, latent, **kw)
+        self.k = nn.Linear(hidden, latent, **kw)
+        self.v = nn.Linear(hidden, latent, **kw)
+        self.out = nn.Linear(latent, 1, **kw)
+
+    def forward(self, states: list[torch.Tensor]) -> torch.Tensor:
+        # states: L x [B, S, H] (reset first, the gate's state last) -> score [B, S] in (0, 1)
+        x = self.norm.forward(torch.stack(states, dim=-2))  # [B, S, L, H]
+        q = self.q(x[..., -1:, :])  # [B, S, 1, d]
+        a = F.scaled_dot_product_attention(q, self.k(x), self.v(x))  # [B, S, 1, d]
+        return torch.sigmoid(self.out(a)).reshape(x.shape[:-2])
+
+    def logit(self, states: list[torch.Tensor]) -> torch.Tensor:
+        """The pre-sigmoid score [B, S] (for BCE with logits in training)."""
+        x = self.norm.forward(torch.stack(states, dim=-2))
+        a = F.scaled_dot_product_attention(self.q(x[..., -1:, :]), self.k(x), self.v(x))
+        return self.out(a).reshape(x.shape[:-2])
+
+
 class Accelerator(nn.Module):
-    """Every accelerated layer of a model (``layers["i"]``) and the gates they serve."""
+    """Every accelerated layer of a model (``layers["i"]``), the gates they serve, and an ARLA
+    router per gate (``routers["E"]``) where the recipe exits early."""
 
     def __init__(
-        self, layers: dict[int, AcceleratedLayer], *, gates: tuple[int, ...], num_layers: int
+        self,
+        layers: dict[int, AcceleratedLayer],
+        *,
+        gates: tuple[int, ...],
+        num_layers: int,
+        routers: dict[int, ARLARouter] | None = None,
     ) -> None:
         super().__init__()
         self.layers = nn.ModuleDict({str(i): m for i, m in layers.items()})
+        self.routers = nn.ModuleDict({str(g): r for g, r in (routers or {}).items()})
         self.gates = tuple(gates)
         self.num_layers = num_layers
 
@@ -336,6 +373,7 @@ class InsertAccelerator(GraphPass):
     gates: tuple[int, ...]
     heads: int | None = None  # query heads of the fast attention; None: default_heads
     rank: int = 8
+    routers: bool = False  # an ARLA router per gate (outputs gate_score_{E})
 
     def run(self, gm: fx.GraphModule) -> PassResult:
         layers = nodes_by_role(gm, "layer")
@@ -365,7 +403,16 @@ class InsertAccelerator(GraphPass):
             w = window if node.meta[ATTN_KIND] == "sliding_attention" else None
             modules[i] = AcceleratedLayer(host, index=i, heads=heads, rank=self.rank, window=w)
             modules[i].train(host.training)
-        gm.add_submodule(ACCELERATOR_MODULE, Accelerator(modules, gates=gates, num_layers=n))
+        routers = None
+        if self.routers:
+            norm_module = gm.get_submodule(nodes_by_role(gm, "norm")[0].target)
+            w = first.self_attn.o_proj.weight
+            routers = {
+                b: ARLARouter(norm_module, config.hidden_size, dtype=w.dtype, device=w.device)
+                for b in gates
+            }
+        acc = Accelerator(modules, gates=gates, num_layers=n, routers=routers)
+        gm.add_submodule(ACCELERATOR_MODULE, acc)
 
         g = gm.graph
         rope = nodes_by_role(gm, "rotary")[0]
@@ -380,6 +427,7 @@ class InsertAccelerator(GraphPass):
         edges = (0, *gates)
         for a, b in zip(edges, edges[1:], strict=False):
             p = embed if a == 0 else layer_node(gm, a - 1)  # the reset: p^{E_j} = h^{E_j}
+            states = [p]
             for i in range(a, b):
                 with g.inserting_after(layer_node(gm, i)):
                     p = g.call_module(
@@ -387,6 +435,13 @@ class InsertAccelerator(GraphPass):
                     )
                 p.name = f"fast_{i}"
                 p.meta.update({ROLE: "accelerator", LAYER: i, GATE: b})
+                states.append(p)
+            if self.routers:
+                with g.inserting_after(p):
+                    score = g.call_module(f"{ACCELERATOR_MODULE}.routers.{b}", (states,))
+                score.name = f"gate_score_{b}"
+                score.meta.update({ROLE: "router", GATE: b})
+                outputs[f"gate_score_{b}"] = score
             with g.inserting_after(p):
                 normed = g.call_module(norm.target, (p,))
             with g.inserting_after(normed):

@@ -75,3 +75,27 @@ class LoadAccelerator(GraphPass):
             )
         acc.load_state_dict(wanted)
         return PassResult(gm, modified=True, matches=len(wanted))
+
+
+def load_compatible(gm: fx.GraphModule, path) -> list[int]:
+    """Load the fast layers of ``path`` that were trained for the same interval as this
+    graph's (``compatible_layers``) and return their indices; the rest stay as they are.
+    Training starts from earlier parts this way (e.g. the exit gates' first interval from
+    self-speculation parts); decoding loads with :class:`LoadAccelerator`, which needs all."""
+    acc = accelerator_of(gm)
+    meta = read_parts_config(path)
+    first = next(iter(acc.layers.values()))
+    host = host_signature(first.host.self_attn.config)
+    if any(meta.get("host", {}).get(k) != v for k, v in host.items()):
+        raise ValueError(f"parts: {str(path)!r} were trained for another model")
+    saved_gates = meta.get("options", {}).get("gates", [])
+    layers = compatible_layers(saved_gates, host["num_hidden_layers"], acc.gates, acc.num_layers)
+    tensors = load_file(str(Path(path) / WEIGHTS))
+    own = acc.state_dict()
+    wanted = {
+        k: v
+        for k, v in tensors.items()
+        if k in own and k.startswith("layers.") and int(k.split(".")[1]) in layers
+    }
+    acc.load_state_dict(wanted, strict=False)
+    return layers

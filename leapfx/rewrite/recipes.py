@@ -21,7 +21,7 @@ from ..passes.adapter import InsertKangarooAdapter
 from ..passes.adapter_checkpoint import LoadKangarooAdapter, read_adapter_config
 from ..passes.base import GraphPass
 from ..passes.exit_head import InsertExitHead
-from ..passes.fast_partition import fast_stream_stages
+from ..passes.fast_partition import exit_stages, fast_stream_stages
 from ..passes.fuse_layers import FuseDecoderLayers
 from ..passes.partition import Stages, early_exit_stages, full_stage, partition
 from ..runtime import kangaroo, m2r2, schedules
@@ -280,10 +280,67 @@ class M2R2Options:
         )  # fmt: skip
 
 
+def default_exit_gates(num_layers: int) -> tuple[int, ...]:
+    """N/4, N/2, 3N/4 (the spec's choice for ARLA), distinct and within 1..N-1."""
+    gates = sorted({max(1, min(num_layers - 1, (num_layers * q) // 4)) for q in (1, 2, 3)})
+    return tuple(gates)
+
+
+@dataclass(frozen=True)
+class M2R2ExitOptions:
+    """M2R2 dynamic early exit with ARLA routers (sec. 2.3.1; lossy).
+
+    A token exits at the first gate whose router score is >= ``threshold``; a threshold above
+    1 never exits (token-identical to greedy). With ``parts``, ``gates``, ``heads`` and
+    ``rank`` left as None come from it.
+    """
+
+    gates: tuple[int, ...] | None = None  # E_1..E_J; None: the parts', else N/4, N/2, 3N/4
+    threshold: float = 0.8  # tau: exit when the gate's ARLA score >= tau (swept in Fig. 7)
+    heads: int | None = None
+    rank: int | None = None
+    parts: str | os.PathLike | None = None
+    max_cache_len: int | None = None
+    fuse_layers: bool = True
+
+    def validate(self, num_layers: int) -> M2R2ExitOptions:
+        from ..passes.accelerator import check_gates
+
+        path, saved = _parts_meta(self.parts)
+        gates = self.gates
+        if gates is None:
+            gates = saved.get("gates") or default_exit_gates(num_layers)
+        gates = check_gates(tuple(gates) if isinstance(gates, list) else gates, num_layers)
+        if saved.get("gates") not in (None, list(gates)):
+            raise ValueError(
+                f"gates: {list(gates)} do not match the parts at {path!r}, trained with gates "
+                f"{saved['gates']}; allowed: {saved['gates']} or None"
+            )
+        ok = isinstance(self.threshold, (int, float)) and not isinstance(self.threshold, bool)
+        if not (ok and math.isfinite(self.threshold) and self.threshold >= 0):
+            raise ValueError(
+                f"threshold: {self.threshold!r} is invalid; allowed: a number >= 0 (above 1: "
+                "never exit)"
+            )
+        heads = saved.get("heads") if self.heads is None else self.heads
+        if heads is not None:
+            _check_int("heads", heads, 1)
+        rank = saved.get("rank", 8) if self.rank is None else self.rank
+        _check_int("rank", rank, 1)
+        _check_cache(self.max_cache_len)
+        _check_bool("fuse_layers", self.fuse_layers)
+        return dataclasses.replace(
+            self, gates=gates, threshold=float(self.threshold), heads=heads, rank=rank, parts=path
+        )
+
+
 def _m2r2_passes(o) -> list[GraphPass]:
-    gates = (o.fast_layers,) if isinstance(o, M2R2Options) else tuple(o.gates)
+    exits = isinstance(o, M2R2ExitOptions)
+    gates = tuple(o.gates) if exits else (o.fast_layers,)
     # The fast layers read the HF layers' modules, so the accelerator goes before fusing.
-    passes: list[GraphPass] = [InsertAccelerator(gates=gates, heads=o.heads, rank=o.rank)]
+    passes: list[GraphPass] = [
+        InsertAccelerator(gates=gates, heads=o.heads, rank=o.rank, routers=exits)
+    ]
     passes += _fuse(o)
     if o.parts is not None:
         passes.append(LoadAccelerator(path=o.parts))
@@ -383,6 +440,21 @@ RECIPES: dict[str, Recipe] = {
             ),
             lookahead=lambda o: o.num_speculations + 1,
             lossless=True,
+            training=_m2r2_training,
+            parts_option="parts",
+            compiles=False,
+        ),
+        Recipe(
+            name="m2r2_exit",
+            description="M2R2: ARLA dynamic early exit on accelerated residuals (lossy)",
+            options_type=M2R2ExitOptions,
+            passes=_m2r2_passes,
+            cut=exit_stages,
+            schedule=lambda o: partial(
+                m2r2.m2r2_exit, gates=tuple(o.gates), threshold=o.threshold
+            ),  # fmt: skip
+            lookahead=lambda o: 1,
+            lossless=False,
             training=_m2r2_training,
             parts_option="parts",
             compiles=False,

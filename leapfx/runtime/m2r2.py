@@ -28,7 +28,7 @@ from ..passes.accelerator import FastScratch
 from .metrics import DecodeMetrics
 from .runner import StageRunner
 from .sampling import probs
-from .schedules import DecodeRequest, Output, _token, accept, choose
+from .schedules import DecodeRequest, Output, _token, accept, choose, teacher_force
 
 
 def draft_fast(
@@ -104,4 +104,74 @@ def m2r2(
         out.extend([*drafted[:k], next_token])
         pos += k + 1
         x = nxt.view(1, 1)
+    return out.tokens
+
+
+def m2r2_exit(
+    runner: StageRunner,
+    prompt: torch.Tensor,
+    request: DecodeRequest,
+    metrics: DecodeMetrics,
+    gates: tuple[int, ...],
+    threshold: float,
+) -> list[int]:
+    """M2R2 dynamic early exit (sec. 2.3.1; lossy): exit at the first gate whose ARLA score is
+    >= ``threshold`` with the token of the gate's fast state; else reset and go on.
+
+    Stages (``fast_partition.exit_stages``): ``slow_j`` (layers E_j..E_{j+1}-1), ``gate_j``
+    (the fast stream of the interval ending at E_j, its head and its router), ``tail``.
+
+    A token that exits at E_k leaves the keys of layers >= E_k of its position unwritten. The
+    next step fills them (the paper leaves this open): the previous token's h^{E_k} joins the
+    current token's rows from segment k on (two rows at positions p-1, p), or runs those
+    segments alone once the current token has exited, so every layer's cache is complete
+    before any later query reads it. Host syncs: one per gate (the exit decision).
+    """
+    num_layers = len(runner.layout.kinds)  # every decoder layer of the host
+    edges = (0, *gates, num_layers)
+    out = Output(request)
+    logits = runner.full(prompt, 0)  # prefill: [1, n, V]
+    metrics.full_calls += 1
+    pos = prompt.shape[1]
+    token = teacher_force(choose(logits[:, -1], request), out, request, metrics)
+    metrics.record_layers(num_layers)
+    out.extend([_token(token)])
+    pending: tuple[int, torch.Tensor] | None = None  # (k, h^{E_k} [1, 1, H]) of token pos-1
+    while not out.done:
+        exited, gate_logits = None, None
+        cur = reset = None  # the current token's slow state, and its reset state
+        old = pending
+        for j in range(len(edges) - 1):
+            with_old = old is not None and old[0] <= j
+            running = exited is None
+            if not (with_old or running):
+                continue
+            if j == 0:  # the previous token never rejoins before E_1 (k >= 1)
+                o = runner.rows("slow_0", pos, 1, input_ids=token)
+                cur, reset = o["hidden"], o["reset"]  # [1, 1, H] each
+            else:
+                rows = ([old[1]] if with_old else []) + ([cur] if running else [])
+                start = pos - 1 if with_old else pos
+                h = runner.rows(f"slow_{j}", start, len(rows), hidden=torch.cat(rows, dim=1))
+                h = h["hidden"]  # [1, rows, H]
+                if with_old:
+                    old = (old[0], h[:, :1])
+                if running:
+                    reset, cur = cur, h[:, -1:]
+            if running and j + 1 < len(edges) - 1:
+                g = runner.rows(f"gate_{j + 1}", pos, 1, masks=False, hidden=reset)
+                if float(g["score"].reshape(-1)[0]) >= threshold:  # host sync: the decision
+                    exited, gate_logits = j + 1, g["logits"]
+        if exited is None:
+            logits, pending = runner.rows("tail", pos, 1, masks=False, hidden=cur), None
+            logits = logits["logits"]
+            metrics.full_calls += 1
+            metrics.record_layers(num_layers)
+        else:
+            logits, pending = gate_logits, (exited, cur)
+            metrics.draft_calls += 1
+            metrics.record_layers(edges[exited])
+        token = teacher_force(choose(logits[:, -1], request), out, request, metrics)
+        out.extend([_token(token)])
+        pos += 1
     return out.tokens

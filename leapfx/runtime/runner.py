@@ -94,6 +94,16 @@ class StageRunner:
             cache=self.cache,
         )["logits"]
 
+    def rows(
+        self, name: str, start: int, length: int, *, masks: bool = True, **inputs
+    ) -> dict[str, torch.Tensor]:
+        """Stage ``name`` on ``length`` rows at positions start..start+length-1 (their
+        position_ids, their masks where ``masks``, and the cache added to ``inputs``)."""
+        extra = {"masks": self._masks(name, start, length)} if masks else {}
+        return self._call(
+            name, position_ids=self._positions(start, length), cache=self.cache, **extra, **inputs
+        )
+
     def fast_draft(self, input_ids: torch.Tensor, start: int, scratch) -> torch.Tensor:
         """M2R2's fast stream on one token [1, 1] at ``start``; returns logits [1, 1, V].
 

@@ -67,20 +67,26 @@ class M2R2FitConfig:
     mse_weight: float = 1.0  # a1
     ce_target: str = "labels"  # "labels" (eq. 5) or "model" (the full model's distribution)
     grad_clip: float = 1.0
+    # ARLA routers (m2r2_exit), trained after the adapters (sec. 2.3.1) with BCE on whether
+    # the gate's LM-head argmax equals the full model's; ignored where there are none.
+    router_steps: int = 200
+    router_lr: float = 1e-3
     seed: int = 0
     progress: bool = True  # a tqdm bar, shown only when stderr is a terminal
 
     def __post_init__(self) -> None:
-        for name, low in (("steps", 1), ("batch_size", 1), ("seq_len", 2), ("seed", 0)):
+        ints = (("steps", 1), ("batch_size", 1), ("seq_len", 2), ("seed", 0), ("router_steps", 0))
+        for name, low in ints:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name}: {value!r} is invalid; allowed: an integer >= {low}")
-        for name in ("lr", "weight_decay", "ce_weight", "mse_weight", "grad_clip"):
+        for name in ("lr", "router_lr", "weight_decay", "ce_weight", "mse_weight", "grad_clip"):
             value = getattr(self, name)
+            positive = name in ("lr", "router_lr")
             ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-            ok = ok and math.isfinite(value) and (value > 0 if name == "lr" else value >= 0)
+            ok = ok and math.isfinite(value) and (value > 0 if positive else value >= 0)
             if not ok:
-                allowed = "a finite number > 0" if name == "lr" else "a finite number >= 0"
+                allowed = "a finite number > 0" if positive else "a finite number >= 0"
                 raise ValueError(f"{name}: {value!r} is invalid; allowed: {allowed}")
         if not (isinstance(self.warmup, (int, float)) and 0 <= self.warmup < 1):
             raise ValueError(f"warmup: {self.warmup!r} is invalid; allowed: a number in [0, 1)")
@@ -98,6 +104,7 @@ class FitResult:
     losses: list[float] = field(default_factory=list)
     ce: list[float] = field(default_factory=list)
     mse: list[float] = field(default_factory=list)
+    router_losses: list[float] = field(default_factory=list)  # BCE, summed over the gates
     tokens: int = 0
     seconds: float = 0.0
 
@@ -196,6 +203,24 @@ def m2r2_loss(
     return config.ce_weight * ce + config.mse_weight * mse, ce, mse
 
 
+def router_loss(sm, ids: torch.Tensor) -> torch.Tensor:
+    """BCE of every gate's ARLA router on a batch [B, S]: label 1 where the gate's LM-head
+    argmax equals the full model's (the adapters frozen: their states are detached)."""
+    acc = accelerator_of(sm.graph_module)
+    slow = slow_pass(sm, ids)
+    with torch.no_grad():
+        fast = fast_states(sm, slow)
+        full = slow.logits.argmax(-1)
+    loss = torch.zeros((), device=full.device)
+    for a, b in acc.intervals:
+        states = [slow.hidden[a], *(fast[i] for i in range(a, b))]
+        with torch.no_grad():
+            label = (gate_logits(sm, fast[b - 1]).argmax(-1) == full).float()
+        logit = acc.routers[str(b)].logit(states)
+        loss = loss + F.binary_cross_entropy_with_logits(logit.float(), label)
+    return loss
+
+
 @torch.no_grad()
 def evaluate(sm, data: Any, *, tokenizer=None, seq_len: int = 256) -> dict[str, Any]:
     """Held-out alignment per gate: cosine of the gate's fast state with h^N, and top-1
@@ -204,6 +229,7 @@ def evaluate(sm, data: Any, *, tokenizer=None, seq_len: int = 256) -> dict[str, 
     stream = token_stream(data, vocab_size=sm.config.vocab_size, tokenizer=tokenizer)
     cos = {b: 0.0 for _, b in acc.intervals}
     agree = {b: 0 for _, b in acc.intervals}
+    router_right = {b: 0 for _, b in acc.intervals}
     count = 0
     for start in range(0, stream.numel() - 1, seq_len):
         window = stream[start : start + seq_len][None]
@@ -211,16 +237,24 @@ def evaluate(sm, data: Any, *, tokenizer=None, seq_len: int = 256) -> dict[str, 
         fast = fast_states(sm, slow)
         full = slow.logits.argmax(-1)
         final = slow.hidden[-1]
-        for _, b in acc.intervals:
+        for a, b in acc.intervals:
             p = fast[b - 1]
             cos[b] += float(F.cosine_similarity(p.float(), final.float(), dim=-1).sum())
-            agree[b] += int((gate_logits(sm, p).argmax(-1) == full).sum())
+            agreed = gate_logits(sm, p).argmax(-1) == full
+            agree[b] += int(agreed.sum())
+            if str(b) in acc.routers:
+                states = [slow.hidden[a], *(fast[i] for i in range(a, b))]
+                says = acc.routers[str(b)](states) >= 0.5
+                router_right[b] += int((says == agreed).sum())
         count += window.shape[1]
-    return {
+    report = {
         "tokens": count,
         "cosine": {str(b): cos[b] / count for b in cos},
         "agreement": {str(b): agree[b] / count for b in agree},
     }
+    if len(acc.routers):  # the router's accuracy at 0.5 on "the gate agrees with the model"
+        report["router_accuracy"] = {str(b): router_right[b] / count for b in router_right}
+    return report
 
 
 def fit(sm, data: Any, *, tokenizer=None, **options: Any) -> FitResult:
@@ -278,6 +312,8 @@ def fit(sm, data: Any, *, tokenizer=None, **options: Any) -> FitResult:
             result.mse.append(float(mse.detach()))
             result.tokens += batch.numel()
             bar.set_postfix(ce=f"{result.ce[-1]:.3f}", mse=f"{result.mse[-1]:.3f}")
+        if len(acc.routers) and config.router_steps:
+            _fit_routers(sm, stream, config, generator, result, show)
     finally:
         for p in host:
             p.requires_grad_(True)
@@ -285,6 +321,26 @@ def fit(sm, data: Any, *, tokenizer=None, **options: Any) -> FitResult:
         optimizer.zero_grad(set_to_none=True)
     result.seconds = time.perf_counter() - start
     return result
+
+
+def _fit_routers(sm, stream, config, generator, result, show: bool) -> None:
+    """Sec. 2.3.1: the routers train after the adapters, every gate's in parallel."""
+    acc = accelerator_of(sm.graph_module)
+    acc.layers.requires_grad_(False)
+    try:
+        params = list(acc.routers.parameters())
+        optimizer = torch.optim.AdamW(params, lr=config.router_lr)
+        bar = tqdm(range(config.router_steps), desc="m2r2 routers", disable=not show)
+        for _ in bar:
+            batch = sample_windows(stream, config.batch_size, config.seq_len, generator)
+            loss = router_loss(sm, batch)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            result.router_losses.append(float(loss.detach()))
+            bar.set_postfix(bce=f"{result.router_losses[-1]:.3f}")
+    finally:
+        acc.layers.requires_grad_(True)
 
 
 def parts_options(sm) -> dict[str, Any]:
@@ -331,7 +387,8 @@ def train_parts(
     """Train M2R2 parts for a checkpoint (default: the shipped reference model) on the stdlib
     corpus's training split and write them to ``out`` with ``m2r2_report.json`` (the held-out
     alignment before and after). ``init``: start from parts written earlier (a resumed run;
-    the optimizer starts fresh). ``options``: :class:`M2R2FitConfig` fields. What
+    the optimizer starts fresh; only the fast layers of the same intervals load, see
+    ``load_compatible``). ``options``: :class:`M2R2FitConfig` fields. What
     ``leapfx train-m2r2`` runs."""
     import json
     import platform
@@ -345,7 +402,10 @@ def train_parts(
     model, tokenizer = load_model(model_path)
     train = encode_documents(tokenizer, corpus.train).long()
     held = encode_documents(tokenizer, corpus.held_out).long()[:held_out_tokens]
-    sm = rewrite.apply(model, recipe, parts=None if init is None else str(init))
+    from leapfx.passes.accelerator_checkpoint import load_compatible
+
+    sm = rewrite.apply(model, recipe)
+    initialised = [] if init is None else load_compatible(sm.graph_module, init)
     before = evaluate(sm, held)
     result = fit(sm, train, **options)
     after = evaluate(sm, held)
@@ -353,13 +413,15 @@ def train_parts(
     report = {
         "recipe": recipe,
         "options": parts_options(sm),
-        "fit": {**dataclasses.asdict(M2R2FitConfig(**options)), "init": init and str(init)},
+        "fit": {**dataclasses.asdict(M2R2FitConfig(**options)), "init": init and str(init),
+                "initialised_layers": initialised},
         "steps": result.steps,
         "tokens": result.tokens,
         "seconds": round(result.seconds, 1),
         "final_loss": result.final_loss,
         "final_ce": result.ce[-1],
         "final_mse": result.mse[-1],
+        "final_router_bce": result.router_losses[-1] if result.router_losses else None,
         "held_out_before": before,
         "held_out_after": after,
         "torch": torch.__version__,
