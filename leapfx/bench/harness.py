@@ -68,6 +68,7 @@ class BenchConfig:
     # run also carries leapfx_layerskip (E, d) and leapfx_kangaroo (``adapter``, its own eta).
     parts: str | None = None
     m2r2_speculations: int | None = None
+    m2r2_threshold: float | None = None  # leapfx_m2r2_exit's tau (None: the recipe's 0.8)
     # Which backend runs the leapfx stages: "eager" (PyTorch), "inductor" (every leapfx system's
     # stages compiled with torch.compile and warmed up before timing) or "onnxruntime" (every
     # leapfx system is exported to ONNX and runs in onnxruntime sessions). HF rows stay eager.
@@ -293,6 +294,11 @@ def build_systems(model: nn.Module, config: BenchConfig, generator_seed: int = 0
             if config.m2r2_speculations is not None:
                 kw["num_speculations"] = config.m2r2_speculations
             systems.append(ours("leapfx_m2r2", rewrite.apply(model, "m2r2", **kw)))
+            kw = {"parts": config.parts}
+            if config.m2r2_threshold is not None:
+                kw["threshold"] = config.m2r2_threshold
+            exits = rewrite.apply(model, "m2r2_exit", **kw)
+            systems.append(ours("leapfx_m2r2_exit", exits, lossless=False))
     return systems
 
 
