@@ -166,6 +166,8 @@ def _bench(args: argparse.Namespace) -> int:
     meta["dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
     if args.random_model is not None:
         meta.update(model=f"random:{args.random_model}", throughput_only=True)
+    if args.sweep_threshold:
+        _exit_curve(args, model, prompts, rows, config, num_layers)
     if args.json:
         write_json(args.json, rows, meta)
     if args.plot:
@@ -174,6 +176,42 @@ def _bench(args: argparse.Namespace) -> int:
             by_exit[c.exit_layer] = max(by_exit.get(c.exit_layer, 0.0), c.acceptance_rate)
         write_plot(args.plot, rows, by_exit)
     return 0
+
+
+def _exit_curve(args, model, prompts, rows, config, num_layers: int) -> None:
+    """--sweep-threshold: m2r2_exit's agreement-vs-speed curve beside fixed early exit."""
+    from .bench.exit_curve import curve_table, exit_curve, write_curve_plot
+
+    if args.recipe != "m2r2":
+        raise ValueError("--sweep-threshold: allowed with --recipe m2r2 only")
+    try:
+        taus = [float(x) for x in args.sweep_threshold.split(",")]
+    except ValueError:
+        taus = []
+    if not taus or min(taus) < 0:
+        raise ValueError(
+            f"--sweep-threshold: {args.sweep_threshold!r} is invalid; allowed: e.g. 0.5,0.7,0.9"
+        )
+    exits = _grid(args.sweep_exit_layers, num_layers)
+    greedy = rows[0].extra.get("outputs")
+    if greedy is None:  # the baseline's outputs are not kept in the rows: decode them again
+        import torch
+
+        with torch.inference_mode():
+            greedy = [
+                model.generate(p, attention_mask=torch.ones_like(p), do_sample=False,
+                               max_new_tokens=args.max_new_tokens)
+                for p in prompts
+            ]  # fmt: skip
+    kernels = bool(next((r.extra.get("cpu_kernels") for r in rows if "cpu_kernels" in r.extra),
+                        False))  # fmt: skip
+    points = exit_curve(
+        model, prompts, greedy, thresholds=taus, exit_layers=exits, parts=config.parts,
+        max_new_tokens=args.max_new_tokens, cpu_kernels=kernels,
+    )  # fmt: skip
+    print(curve_table(points))
+    if args.curve_plot:
+        write_curve_plot(args.curve_plot, points)
 
 
 def _bench_and_report(args: argparse.Namespace) -> int:
@@ -484,6 +522,12 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     bench.add_argument("--sweep", action="store_true", help="grid of exit layer x speculations")
     bench.add_argument("--sweep-exit-layers", default=None, help="e.g. 2,3,4,6")
+    bench.add_argument(
+        "--sweep-threshold", default=None,
+        help="--recipe m2r2: m2r2_exit's agreement-vs-speed curve at these taus (e.g. "
+        "0.5,0.7,0.9) beside early_exit at --sweep-exit-layers",
+    )  # fmt: skip
+    bench.add_argument("--curve-plot", default=None, help="PNG of the --sweep-threshold curve")
     bench.add_argument("--sweep-speculations", default="1,2,3,4,6,8")
     bench.add_argument("--auto", action="store_true", help="pick E and d by calibration")
     bench.add_argument("--quiet", action="store_true", help="no progress bars (= --no-progress)")
