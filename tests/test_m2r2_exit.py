@@ -103,3 +103,35 @@ def test_routers_train_after_the_adapters_and_parts_serve_both_recipes(tmp_path)
     greedy = [hf_greedy(model, p, 8) for p in prompts]
     res = teacher_forced_agreement(again, prompts, greedy)
     assert res.positions == 16 and 1 <= res.avg_layers <= 4
+
+
+def test_bench_m2r2_rows_and_threshold_curve(tmp_path, capsys):
+    from leapfx.bench import load_model
+    from leapfx.bench.harness import BenchConfig, run_bench
+    from leapfx.cli import main
+    from leapfx.train.data import byte_tokenizer
+
+    tok = byte_tokenizer()
+    tiny_model("llama", layers=4, vocab=len(tok), eos=tok.eos_token_id).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    model, tok = load_model(tmp_path)
+    prompts = [torch.tensor([tok("class A:\n    def")["input_ids"]])]
+    config = BenchConfig(recipe="m2r2", exit_layer=2, num_speculations=3, max_new_tokens=10,
+                         repeats=1)  # fmt: skip
+    by = {r.system: r for r in run_bench(model, prompts, config, progress=False)}
+    assert list(by)[-4:] == ["leapfx_layerskip", "leapfx_kangaroo", "leapfx_m2r2",
+                             "leapfx_m2r2_exit"]  # fmt: skip
+    assert by["leapfx_m2r2"].identical_to_greedy and len(by["leapfx_m2r2"].ctar) == 3
+    assert "draft_cost" in by["leapfx_m2r2"].extra
+    ex = by["leapfx_m2r2_exit"]
+    assert ex.agreement is not None and 1 <= ex.avg_layers <= 4
+    code = main([
+        "bench", "--model", str(tmp_path), "--prompts", "1", "--prompt-tokens", "8",
+        "--max-new-tokens", "8", "--repeats", "1", "--warmup", "0", "--exit-layer", "2",
+        "--recipe", "m2r2", "--sweep-threshold", "0.3,2", "--sweep-exit-layers", "1,2",
+        "--curve-plot", str(tmp_path / "curve.png"),
+    ])  # fmt: skip
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "tau=2" in out and "E=1" in out
+    assert (tmp_path / "curve.png").stat().st_size > 1000
