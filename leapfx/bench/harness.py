@@ -297,9 +297,21 @@ def build_systems(model: nn.Module, config: BenchConfig, generator_seed: int = 0
             kw = {"parts": config.parts}
             if config.m2r2_threshold is not None:
                 kw["threshold"] = config.m2r2_threshold
-            exits = rewrite.apply(model, "m2r2_exit", **kw)
-            systems.append(ours("leapfx_m2r2_exit", exits, lossless=False))
+            if _has_routers(config.parts):
+                exits = rewrite.apply(model, "m2r2_exit", **kw)
+                systems.append(ours("leapfx_m2r2_exit", exits, lossless=False))
+            else:
+                log.warning("parts %s hold no ARLA routers: no leapfx_m2r2_exit row", config.parts)
     return systems
+
+
+def _has_routers(parts: str | None) -> bool:
+    """Whether ``parts`` (None: untrained, routers included) serve ``m2r2_exit``."""
+    if parts is None:
+        return True
+    from ..passes.accelerator_checkpoint import read_parts_config
+
+    return read_parts_config(parts).get("recipe") == "m2r2_exit"
 
 
 def hf_compiles_static(model: nn.Module) -> bool:
