@@ -113,7 +113,7 @@ def _bench(args: argparse.Namespace) -> int:
         repeats=args.repeats, warmup=args.warmup, adapter=_adapter(args),
         kangaroo_exit_layer=args.kangaroo_exit_layer,
         confidence_threshold=threshold, backend=args.backend,
-        cpu_kernels=kernels, parts=_m2r2_parts(args),
+        cpu_kernels=kernels, parts=_m2r2_parts(args), exit_parts=_m2r2_parts(args, exits=True),
     )  # fmt: skip
     config = dataclasses.replace(config, throughput_only=args.random_model is not None)
     rows = run_bench(model, prompts, config, progress=not quiet)
@@ -206,8 +206,9 @@ def _exit_curve(args, model, prompts, rows, config, num_layers: int) -> None:
     kernels = bool(next((r.extra.get("cpu_kernels") for r in rows if "cpu_kernels" in r.extra),
                         False))  # fmt: skip
     points = exit_curve(
-        model, prompts, greedy, thresholds=taus, exit_layers=exits, parts=config.parts,
-        max_new_tokens=args.max_new_tokens, cpu_kernels=kernels,
+        model, prompts, greedy, thresholds=taus, exit_layers=exits,
+        parts=config.exit_parts or config.parts, max_new_tokens=args.max_new_tokens,
+        cpu_kernels=kernels,
     )  # fmt: skip
     print(curve_table(points))
     if args.curve_plot:
@@ -348,16 +349,19 @@ def _adapter(args: argparse.Namespace) -> str | None:
     return None
 
 
-def _m2r2_parts(args: argparse.Namespace) -> str | None:
-    """--parts, else the reference model's shipped M2R2 parts when benchmarking the reference."""
-    from .bench import REFERENCE_M2R2
+def _m2r2_parts(args: argparse.Namespace, exits: bool = False) -> str | None:
+    """--parts (--exit-parts), else the reference model's shipped M2R2 parts (its exit parts)
+    when benchmarking the reference."""
+    from .bench import REFERENCE_M2R2, REFERENCE_M2R2_EXIT
 
     if args.recipe != "m2r2":
         return None
-    if getattr(args, "parts", None) is not None:
-        return args.parts
+    given = getattr(args, "exit_parts" if exits else "parts", None)
+    if given is not None:
+        return given
+    shipped = REFERENCE_M2R2_EXIT if exits else REFERENCE_M2R2
     reference = args.model is None and getattr(args, "random_model", None) is None
-    return str(REFERENCE_M2R2) if reference and REFERENCE_M2R2.is_dir() else None
+    return str(shipped) if reference and shipped.is_dir() else None
 
 
 def _speculations(spec: str) -> list[int]:
@@ -430,9 +434,10 @@ def _train_m2r2(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     report = train_parts(
         args.out or REFERENCE_M2R2, model_path=args.model, recipe=args.recipe, init=args.init,
+        heads=args.heads, rank=args.rank,
         corpus_root=args.corpus_root, steps=args.steps, batch_size=args.batch_size,
         seq_len=args.seq_len, lr=args.lr, ce_target=args.ce_target, seed=args.seed,
-        router_steps=args.router_steps,
+        router_steps=args.router_steps, mse_weight=args.mse_weight,
     )  # fmt: skip
     print(json.dumps(report, indent=2, sort_keys=True))
     return 0
@@ -488,6 +493,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--parts", default=None, help="m2r2 accelerator parts dir (default: the reference's)"
     )
+    bench.add_argument(
+        "--exit-parts", default=None,
+        help="m2r2_exit parts dir, with routers (default: the reference's, else --parts)",
+    )  # fmt: skip
     bench.add_argument(
         "--confidence-threshold", type=float, default=None,
         help="eta: kangaroo's (default 0.6); layerskip: > 0 adds a leapfx_layerskip_dynamic row "
@@ -596,6 +605,9 @@ def build_parser() -> argparse.ArgumentParser:
     m2r2.add_argument("--seq-len", type=int, default=128)
     m2r2.add_argument("--lr", type=float, default=2e-3)
     m2r2.add_argument("--ce-target", default="model", choices=["labels", "model"])
+    m2r2.add_argument("--mse-weight", type=float, default=1.0, help="eq. 5's a1 (a0 is 1)")
+    m2r2.add_argument("--heads", type=int, default=None, help="fast query heads (sec. 2.5)")
+    m2r2.add_argument("--rank", type=int, default=None, help="adapter/LoRA rank (default 8)")
     m2r2.add_argument("--seed", type=int, default=0)
     m2r2.add_argument("--threads", type=int, default=None)
     m2r2.add_argument(

@@ -69,6 +69,7 @@ class BenchConfig:
     parts: str | None = None
     m2r2_speculations: int | None = None
     m2r2_threshold: float | None = None  # leapfx_m2r2_exit's tau (None: the recipe's 0.8)
+    exit_parts: str | None = None  # leapfx_m2r2_exit's parts (None: ``parts`` if they serve it)
     # Which backend runs the leapfx stages: "eager" (PyTorch), "inductor" (every leapfx system's
     # stages compiled with torch.compile and warmed up before timing) or "onnxruntime" (every
     # leapfx system is exported to ONNX and runs in onnxruntime sessions). HF rows stay eager.
@@ -294,10 +295,10 @@ def build_systems(model: nn.Module, config: BenchConfig, generator_seed: int = 0
             if config.m2r2_speculations is not None:
                 kw["num_speculations"] = config.m2r2_speculations
             systems.append(ours("leapfx_m2r2", rewrite.apply(model, "m2r2", **kw)))
-            kw = {"parts": config.parts}
+            kw = {"parts": config.exit_parts or config.parts}
             if config.m2r2_threshold is not None:
                 kw["threshold"] = config.m2r2_threshold
-            if _has_routers(config.parts):
+            if _has_routers(kw["parts"]):
                 exits = rewrite.apply(model, "m2r2_exit", **kw)
                 systems.append(ours("leapfx_m2r2_exit", exits, lossless=False))
             else:

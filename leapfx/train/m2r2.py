@@ -380,6 +380,8 @@ def train_parts(
     model_path: str | Path | None = None,
     recipe: str = "m2r2",
     init: str | Path | None = None,
+    heads: int | None = None,
+    rank: int | None = None,
     held_out_tokens: int = 16384,
     corpus_root: str | None = None,
     **options: Any,
@@ -388,8 +390,8 @@ def train_parts(
     corpus's training split and write them to ``out`` with ``m2r2_report.json`` (the held-out
     alignment before and after). ``init``: start from parts written earlier (a resumed run;
     the optimizer starts fresh; only the fast layers of the same intervals load, see
-    ``load_compatible``). ``options``: :class:`M2R2FitConfig` fields. What
-    ``leapfx train-m2r2`` runs."""
+    ``load_compatible``). ``heads``, ``rank``: the recipe's options. ``options``:
+    :class:`M2R2FitConfig` fields. What ``leapfx train-m2r2`` runs."""
     import json
     import platform
 
@@ -404,7 +406,7 @@ def train_parts(
     held = encode_documents(tokenizer, corpus.held_out).long()[:held_out_tokens]
     from leapfx.passes.accelerator_checkpoint import load_compatible
 
-    sm = rewrite.apply(model, recipe)
+    sm = rewrite.apply(model, recipe, heads=heads, rank=rank)
     initialised = [] if init is None else load_compatible(sm.graph_module, init)
     before = evaluate(sm, held)
     result = fit(sm, train, **options)
