@@ -172,6 +172,7 @@ class AcceleratedLayer(nn.Module):
             "b_o", None if o.bias is None else o.bias.detach().clone(), persistent=False
         )
         self._qk_norm = hasattr(attn, "q_norm")
+        self._qkv_split = [heads * d, len(kv_heads) * d, len(kv_heads) * d]
         weight = o.weight
         kw = dict(dtype=weight.dtype, device=weight.device)
         qd = heads * d
@@ -198,15 +199,19 @@ class AcceleratedLayer(nn.Module):
         host = self.host
         x = host.input_layernorm.forward(p)
         B, S, _ = x.shape
-        q = F.linear(x, self.w_q, self.b_q) + F.linear(F.linear(x, self.q_a), self.q_b)
-        k = F.linear(x, self.w_k, self.b_k)
-        v = F.linear(x, self.w_v, self.b_v)
-        q = q.view(B, S, -1, self.head_dim)
-        k = k.view(B, S, -1, self.head_dim)
+        merged = None if torch.is_grad_enabled() and self.gate.requires_grad else self._merged()
+        if merged is None:  # training: LoRA and the gate apart, so that they get gradients
+            q = F.linear(x, self.w_q, self.b_q) + F.linear(F.linear(x, self.q_a), self.q_b)
+            k = F.linear(x, self.w_k, self.b_k)
+            v = F.linear(x, self.w_v, self.b_v)
+        else:
+            q, k, v = F.linear(x, merged[0], merged[1]).split(self._qkv_split, dim=-1)
+        q = q.reshape(B, S, -1, self.head_dim)
+        k = k.reshape(B, S, -1, self.head_dim)
         if self._qk_norm:
             q, k = host.self_attn.q_norm.forward(q), host.self_attn.k_norm.forward(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, h, S, D]
-        v = v.view(B, S, -1, self.head_dim).transpose(1, 2)
+        v = v.reshape(B, S, -1, self.head_dim).transpose(1, 2)
         cos, sin = position_embeddings
         q, k = self._rope(q, k, cos, sin)
         # Slow keys/values of layer i, read in place (the fast stream writes no cache).
@@ -238,10 +243,35 @@ class AcceleratedLayer(nn.Module):
             keys, values = keys[:, self.expand], values[:, self.expand]
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling)
         out = out.transpose(1, 2).reshape(B, S, -1)  # [B, S, h*D]
-        a = F.linear(out, self.w_o, self.b_o) + F.linear(F.linear(out, self.o_a), self.o_b)
-        p = p + self.gate * a
+        if merged is None:
+            a = F.linear(out, self.w_o, self.b_o) + F.linear(F.linear(out, self.o_a), self.o_b)
+            p = p + self.gate * a
+        else:
+            p = p + F.linear(out, merged[2], merged[3])
         m = host.post_attention_layernorm.forward(p)
         return p + F.linear(F.silu(F.linear(m, self.down)), self.up)
+
+    def _merged(self) -> tuple:
+        """Inference weights with LoRA and the gate folded in: ``[q + B_q A_q | k | v]`` as one
+        projection and ``diag(gate) (o + B_o A_o)`` (4 products a layer instead of 8). Cached
+        until a parameter changes (in-place optimizer steps bump their versions)."""
+        params = (self.q_a, self.q_b, self.o_a, self.o_b, self.gate)
+        key = tuple(p._version for p in params) + tuple(id(p) for p in params)
+        if getattr(self, "_merged_key", None) != key:
+            with torch.no_grad():
+                w_q = self.w_q + self.q_b @ self.q_a
+                w_qkv = torch.cat([w_q, self.w_k, self.w_v])
+                biases = (self.b_q, self.b_k, self.b_v)
+                b_qkv = None
+                if any(b is not None for b in biases):
+                    rows = (self.w_q, self.w_k, self.w_v)
+                    b_qkv = torch.cat([b if b is not None else w.new_zeros(w.shape[0])
+                                       for b, w in zip(biases, rows, strict=True)])  # fmt: skip
+                w_o = self.gate[:, None] * (self.w_o + self.o_b @ self.o_a)
+                b_o = None if self.b_o is None else self.gate * self.b_o
+            self._merged_weights = (w_qkv, b_qkv, w_o, b_o)
+            self._merged_key = key
+        return self._merged_weights
 
     def _parallel_mask(self, position_ids, n: int, S: int, device) -> torch.Tensor:
         q_pos = position_ids.reshape(-1, S)[0][:, None].to(device)  # [S, 1]
