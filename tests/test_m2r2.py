@@ -82,14 +82,16 @@ def test_untrained_accelerator_leaves_the_fast_stream_at_its_reset_state(arch):
     assert torch.equal(out["logits"], model(ids).logits)  # the slow stream is untouched
 
 
+@pytest.mark.parametrize("heads", [None, 4])  # 4: grouped queries (SDPA enable_gqa)
 @pytest.mark.parametrize("arch", ARCHS)
-def test_fast_query_never_reads_the_slow_state_of_its_own_position(arch):
+def test_fast_query_never_reads_the_slow_state_of_its_own_position(arch, heads):
     """The parallel rows (slow keys of every position in the cache, the [slow | fast] mask)
     equal one-token drafting over a cache that holds only positions < t; and changing the
     slow keys/values at positions >= t changes nothing for row t."""
     model = tiny_model(arch, layers=3, sliding_window=4 if arch in ("mistral", "qwen2") else None)
-    sm = rewrite.apply(model, "m2r2", fast_layers=2, fuse_layers=False)
+    sm = rewrite.apply(model, "m2r2", fast_layers=2, fuse_layers=False, heads=heads)
     _randomize(sm.graph_module)
+    assert accelerator_of(sm.graph_module).layers["0"].gqa == (heads == 4)
     ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(1))
     out, cache = _run_full(model, sm.graph_module, ids)
     parallel = out["gate_hidden_2"]  # [1, 8, H]

@@ -153,6 +153,12 @@ class AcceleratedLayer(nn.Module):
         self.kv_index = _head_index(kv_heads, nkv)  # the cache's heads this layer reads
         per_query = [kv_heads.index(g) for g in kv_of_q]
         self.expand = None if per_query == list(range(len(kv_heads))) else per_query
+        # Query heads in equal consecutive groups per KV head: SDPA reads the KV heads in place
+        # (enable_gqa) instead of a per-query copy of the cache.
+        per = heads // len(kv_heads)
+        self.gqa = per > 1 and per_query == [i // per for i in range(heads)]
+        if self.gqa:
+            self.expand = None
         w_q, b_q, w_k, b_k, w_v, b_v = _qkv_weights(attn, nh, nkv, d)
 
         def rows(w, b, sel):
@@ -241,7 +247,9 @@ class AcceleratedLayer(nn.Module):
                 mask = (torch.arange(length, device=q.device) >= length - self.window)[None]
         if self.expand is not None:
             keys, values = keys[:, self.expand], values[:, self.expand]
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling)
+        out = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, scale=self.scaling, enable_gqa=self.gqa
+        )
         out = out.transpose(1, 2).reshape(B, S, -1)  # [B, S, h*D]
         if merged is None:
             a = F.linear(out, self.w_o, self.b_o) + F.linear(F.linear(out, self.o_a), self.o_b)
