@@ -48,6 +48,7 @@ def _bench(args: argparse.Namespace) -> int:
         if args.threads < 1:
             raise ValueError(f"--threads: {args.threads} is invalid; allowed: an integer >= 1")
         torch.set_num_threads(args.threads)
+    onnx_threads = _onnx_threads(args.onnx_threads)
     import transformers
 
     # The CLI owns this process: HF's own progress bars and warnings would bury the report,
@@ -111,9 +112,10 @@ def _bench(args: argparse.Namespace) -> int:
         recipe=args.recipe, exit_layer=exit_layer, num_speculations=d,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature,
         repeats=args.repeats, warmup=args.warmup, adapter=_adapter(args),
-        kangaroo_exit_layer=args.kangaroo_exit_layer,
+        kangaroo_exit_layer=args.kangaroo_exit_layer, eagle_parts=_eagle_parts(args),
         confidence_threshold=threshold, backend=args.backend,
-        cpu_kernels=kernels, parts=_m2r2_parts(args), exit_parts=_m2r2_parts(args, exits=True),
+        cpu_kernels=kernels, onnx_threads=onnx_threads, parts=_m2r2_parts(args),
+        exit_parts=_m2r2_parts(args, exits=True),
     )  # fmt: skip
     config = dataclasses.replace(config, throughput_only=args.random_model is not None)
     rows = run_bench(model, prompts, config, progress=not quiet)
@@ -123,6 +125,7 @@ def _bench(args: argparse.Namespace) -> int:
     if used:
         state = "on" if used == [True] else "off" if used == [False] else "mixed"
         print(f"leapfx CPU kernels (--cpu-kernels {args.cpu_kernels}): {state}")
+    _onnx_threads_line(rows, args.onnx_threads)
     if any("draft_cost" in r.extra for r in rows):
         print(
             "c / verify: the cost of one draft / verify call over one leapfx_autoregressive "
@@ -157,11 +160,13 @@ def _bench(args: argparse.Namespace) -> int:
     meta = {
         "model": str(args.model or "reference"), "recipe": args.recipe,
         "exit_layer": exit_layer, "num_speculations": d,
-        "adapter": config.adapter, "confidence_threshold": threshold,
+        "adapter": config.adapter, "eagle_parts": config.eagle_parts,
+        "confidence_threshold": threshold,
         "prompts": len(prompts), "prompt_tokens": args.prompt_tokens,
         "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
         "repeats": args.repeats, "threads": torch.get_num_threads(), "device": args.device,
         "backend": args.backend, "cpu_kernels": args.cpu_kernels,
+        "onnx_threads": args.onnx_threads,
     }  # fmt: skip
     meta["dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
     if args.random_model is not None:
@@ -213,6 +218,30 @@ def _exit_curve(args, model, prompts, rows, config, num_layers: int) -> None:
     print(curve_table(points))
     if args.curve_plot:
         write_curve_plot(args.curve_plot, points)
+
+
+def _onnx_threads(value: str) -> int | None:
+    """``--onnx-threads``: auto (None) or a count."""
+    if value == "auto":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(
+            f"--onnx-threads: {value!r} is invalid; allowed: auto or an integer >= 1"
+        ) from None
+
+
+def _onnx_threads_line(rows, flag: str) -> None:
+    row = next((r for r in rows if "onnx_threads" in r.extra), None)
+    if row is None:
+        return
+    timing = row.extra.get("onnx_threads_timing")
+    how = ""
+    if timing:
+        per = ", ".join(f"{t}: {s * 1e3:.2f} ms/token" for t, s in sorted(timing.items()))
+        how = f" (the faster on the autoregressive export: {per})"
+    print(f"onnxruntime intra-op threads (--onnx-threads {flag}): {row.extra['onnx_threads']}{how}")
 
 
 def _bench_and_report(args: argparse.Namespace) -> int:
@@ -336,7 +365,7 @@ def _adapter(args: argparse.Namespace) -> str | None:
     """--adapter, else the reference model's shipped adapter when benchmarking the reference."""
     from .bench import REFERENCE_ADAPTER
 
-    if args.recipe not in ("kangaroo", "m2r2"):
+    if args.recipe not in ("kangaroo", "m2r2", "eagle"):
         return None
     if args.adapter is not None:
         return args.adapter
@@ -362,6 +391,19 @@ def _m2r2_parts(args: argparse.Namespace, exits: bool = False) -> str | None:
     shipped = REFERENCE_M2R2_EXIT if exits else REFERENCE_M2R2
     reference = args.model is None and getattr(args, "random_model", None) is None
     return str(shipped) if reference and shipped.is_dir() else None
+
+
+def _eagle_parts(args: argparse.Namespace) -> str | None:
+    """--eagle-parts, else the reference model's shipped EAGLE head when benchmarking it."""
+    from .bench import REFERENCE_EAGLE
+
+    if args.recipe != "eagle":
+        return None
+    if args.eagle_parts is not None:
+        return args.eagle_parts
+    if args.model is None and args.random_model is None and REFERENCE_EAGLE.is_dir():
+        return str(REFERENCE_EAGLE)
+    return None
 
 
 def _speculations(spec: str) -> list[int]:
@@ -463,6 +505,29 @@ def _train_reference(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train_eagle(args: argparse.Namespace) -> int:
+    from .bench import REFERENCE_EAGLE
+    from .train.eagle import train_reference_head
+
+    summary = train_reference_head(
+        args.out or REFERENCE_EAGLE,
+        model_path=args.model,
+        steps=args.steps,
+        minutes=args.minutes,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        lr=args.lr,
+        threads=args.threads,
+        device=args.device,
+        corpus_root=args.corpus_root,
+        resume=args.resume,
+        seed=args.seed,
+        progress=_progress(args),
+    )
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="leapfx", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -498,6 +563,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="m2r2_exit parts dir, with routers (default: the reference's, else --parts)",
     )  # fmt: skip
     bench.add_argument(
+        "--eagle-parts", default=None,
+        help="EAGLE head parts dir (--recipe eagle; default on the reference model: the shipped "
+        "head)",
+    )  # fmt: skip
+    bench.add_argument(
         "--confidence-threshold", type=float, default=None,
         help="eta: kangaroo's (default 0.6); layerskip: > 0 adds a leapfx_layerskip_dynamic row "
         "(default on the reference model: 0.5)",
@@ -521,6 +591,11 @@ def build_parser() -> argparse.ArgumentParser:
         "(throughput rows only: hf_greedy, hf_static, leapfx_autoregressive)",
     )  # fmt: skip
     bench.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    bench.add_argument(
+        "--onnx-threads", default="auto", metavar="N|auto",
+        help="onnxruntime intra-op threads for the onnxruntime rows (auto: the faster of 1 and "
+        "the torch thread count, timed on the autoregressive export first)",
+    )  # fmt: skip
     bench.add_argument("--json", default=None, help="write the rows as JSON to this path")
     bench.add_argument("--plot", default=None, help="write a PNG to this path")
     bench.add_argument(
@@ -614,6 +689,33 @@ def build_parser() -> argparse.ArgumentParser:
         "--corpus-root", default=None, help="stdlib folder to train on (default: this Python's)"
     )
     m2r2.set_defaults(func=_train_m2r2)
+
+    eagle = sub.add_parser(
+        "train-eagle", help="train the EAGLE draft head of the reference model (or --model)"
+    )
+    eagle.add_argument(
+        "--out", default=None, help="parts directory (default: leapfx/assets/reference/eagle)"
+    )
+    eagle.add_argument("--model", default=None, help="HF checkpoint dir (default: reference)")
+    eagle.add_argument("--steps", type=int, default=2000)
+    eagle.add_argument(
+        "--minutes", type=float, default=0.0, help="> 0: stop after this wall time (resumable)"
+    )
+    eagle.add_argument("--batch-size", type=int, default=8)
+    eagle.add_argument("--seq-len", type=int, default=256)
+    eagle.add_argument("--lr", type=float, default=1e-3)
+    eagle.add_argument("--seed", type=int, default=0, help="window sampling and input noise")
+    eagle.add_argument("--threads", type=int, default=None)
+    eagle.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (float32)")
+    eagle.add_argument(
+        "--corpus-root", default=None, help="stdlib folder to train on (default: this Python's)"
+    )
+    eagle.add_argument(
+        "--resume", action="store_true", help="start from the head already in --out, if any"
+    )
+    eagle.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None)
+    eagle.add_argument("--quiet", action="store_true", help="no progress bar")
+    eagle.set_defaults(func=_train_eagle)
     return parser
 
 

@@ -15,7 +15,6 @@ Example::
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import warnings
 from collections.abc import Callable
@@ -28,7 +27,14 @@ from torch import fx, nn
 from ..passes.capture import decoder_parts
 from ..passes.partition import Stages
 from .cache import StaticKVCache, cache_for
-from .decode import cache_length, check_prompt, decode, decode_request
+from .decode import (
+    cache_length,
+    check_prompt,
+    decode,
+    decode_request,
+    teacher_sequence,
+    with_teacher,
+)
 from .masks import SUPPORTED_ATTENTION
 from .metrics import DecodeMetrics
 from .runner import AttentionLayout, StageRunner
@@ -286,7 +292,7 @@ class SpeculativeModel:
         the other way (``leapfx.bench.ties`` measures it; see docs/gpu.md).
         """
         check_prompt(input_ids, attention_mask, self._hf_model.config.vocab_size)
-        teacher = self._teacher(teacher_tokens)
+        teacher = teacher_sequence(teacher_tokens, self.recipe.name, self.recipe.lossless)
         if teacher is not None and max_new_tokens is None:
             max_new_tokens = len(teacher)
         prompt = input_ids.to(self._layout.device)
@@ -296,18 +302,7 @@ class SpeculativeModel:
             self._hf_model.generation_config, prompt.shape[1], max_new_tokens=max_new_tokens,
             eos_token_id=eos_token_id, sampling=sampling, generator=generator,
         )  # fmt: skip
-        if teacher is not None:
-            if request.sampling.do_sample:
-                raise ValueError(
-                    "teacher_tokens: teacher forcing measures greedy agreement; allowed only "
-                    "with do_sample=False"
-                )
-            if request.max_new_tokens > len(teacher):
-                raise ValueError(
-                    f"max_new_tokens: {request.max_new_tokens} is more than the "
-                    f"{len(teacher)} teacher_tokens; allowed: at most {len(teacher)}"
-                )
-            request = dataclasses.replace(request, teacher_tokens=teacher)
+        request = with_teacher(request, teacher)
         if self._hf_model.training:
             warnings.warn(
                 "the model is in training mode (dropout active); call model.eval() first",
@@ -322,28 +317,6 @@ class SpeculativeModel:
         )  # fmt: skip
         new = torch.tensor([tokens], dtype=input_ids.dtype, device=input_ids.device)
         return torch.cat([input_ids, new], dim=1)
-
-    def _teacher(self, teacher_tokens) -> tuple[int, ...] | None:
-        if teacher_tokens is None:
-            return None
-        if self.recipe.lossless:
-            raise ValueError(
-                f"teacher_tokens: recipe {self.recipe.name!r} is lossless (its tokens are the "
-                "full model's); teacher forcing measures the agreement of lossy recipes "
-                "(e.g. 'early_exit')"
-            )
-        t = torch.as_tensor(teacher_tokens)
-        if t.dtype.is_floating_point or t.dtype == torch.bool or t.dim() > 2 or t.numel() == 0:
-            raise ValueError(
-                f"teacher_tokens: dtype {t.dtype}, shape {tuple(t.shape)} is invalid; allowed: "
-                "a non-empty integer sequence [m] or [1, m]"
-            )
-        if t.dim() == 2 and t.shape[0] != 1:
-            raise ValueError(
-                f"teacher_tokens: shape {tuple(t.shape)} is invalid; allowed: [m] or [1, m] "
-                "(batch size 1)"
-            )
-        return tuple(int(x) for x in t.reshape(-1).tolist())
 
     def export_onnx(self, path: Any, *, opset: int = 23, overwrite: bool = False) -> Any:
         """Export every stage as an ONNX model with an explicit KV cache, plus ``manifest.json``.
