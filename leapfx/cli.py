@@ -77,22 +77,22 @@ def _bench(args: argparse.Namespace) -> int:
     exit_layer, d = args.exit_layer, args.num_speculations
     threshold = args.confidence_threshold
     reference = args.model is None and args.random_model is None
-    if reference and args.recipe == "layerskip" and not args.auto:
+    if reference and args.recipe in ("layerskip", "m2r2") and not args.auto:
         # The shipped model's setting (docs/benchmarks.md: the best of `leapfx bench --sweep`).
         exit_layer = REFERENCE_LAYERSKIP["exit_layer"] if exit_layer is None else exit_layer
         d = REFERENCE_LAYERSKIP["num_speculations"] if d is None else d
         if (args.exit_layer, args.num_speculations) != (exit_layer, d):
             print(f"reference model: exit_layer={exit_layer} num_speculations={d}")
-        if threshold is None:
+        if threshold is None and args.recipe == "layerskip":
             threshold = REFERENCE_LAYERSKIP_THRESHOLD
             print(f"reference model: leapfx_layerskip_dynamic at eta {threshold}")
     d = DEFAULT_SPECULATIONS if d is None else d
     kernels = CPU_KERNELS[args.cpu_kernels]
     calibration = []
-    if args.sweep_threshold and args.recipe != "specee":
+    if args.sweep_threshold and args.recipe not in ("specee", "m2r2"):
         raise ValueError(
-            f"--sweep-threshold: sweeps SpecEE's exit threshold; allowed with --recipe specee "
-            f"(got --recipe {args.recipe})"
+            "--sweep-threshold: sweeps the exit threshold of SpecEE or of m2r2_exit; allowed "
+            f"with --recipe specee or --recipe m2r2 (got --recipe {args.recipe})"
         )
     if (args.sweep or args.auto or args.plot) and not args.sweep_threshold:
         exits = _grid(args.sweep_exit_layers, num_layers)
@@ -120,7 +120,8 @@ def _bench(args: argparse.Namespace) -> int:
         kangaroo_exit_layer=args.kangaroo_exit_layer, eagle_parts=_eagle_parts(args),
         confidence_threshold=threshold, backend=args.backend,
         cpu_kernels=kernels, onnx_threads=onnx_threads, specee_parts=_specee_parts(args),
-        specee_threshold=args.specee_threshold,
+        specee_threshold=args.specee_threshold, parts=_m2r2_parts(args),
+        exit_parts=_m2r2_parts(args, exits=True),
     )  # fmt: skip
     config = dataclasses.replace(config, throughput_only=args.random_model is not None)
     rows = run_bench(model, prompts, config, progress=not quiet)
@@ -177,9 +178,12 @@ def _bench(args: argparse.Namespace) -> int:
     if args.random_model is not None:
         meta.update(model=f"random:{args.random_model}", throughput_only=True)
     curve = []
-    if args.sweep_threshold:
+    if args.sweep_threshold and args.recipe == "specee":
         curve = _specee_curve(args, model, prompts, rows, config, num_layers, quiet)
         meta["specee_curve"] = [p.as_dict() for p in curve]
+    elif args.sweep_threshold:  # m2r2: m2r2_exit's curve
+        points = _exit_curve(args, model, prompts, rows, config, num_layers)
+        meta["m2r2_exit_curve"] = [dataclasses.asdict(p) for p in points]
     for r in rows:
         share = _predictor_share(r)
         if share is not None:
@@ -191,12 +195,50 @@ def _bench(args: argparse.Namespace) -> int:
         from .bench.specee_sweep import write_curve_plot
 
         write_curve_plot(args.plot, curve)
-    elif args.plot:
+    elif args.plot and not args.sweep_threshold:  # (m2r2's curve plot is written above)
         by_exit: dict[int, float] = {}
         for c in calibration:
             by_exit[c.exit_layer] = max(by_exit.get(c.exit_layer, 0.0), c.acceptance_rate)
         write_plot(args.plot, rows, by_exit)
     return 0
+
+
+def _exit_curve(args, model, prompts, rows, config, num_layers: int) -> list:
+    """--sweep-threshold with --recipe m2r2: m2r2_exit's agreement-vs-speed curve at each
+    --sweep-thresholds beside fixed early exit at --sweep-exit-layers."""
+    from .bench.exit_curve import curve_table, exit_curve, write_curve_plot
+
+    try:
+        taus = [float(x) for x in args.sweep_thresholds.split(",")]
+    except ValueError:
+        taus = []
+    if not taus or min(taus) < 0:
+        raise ValueError(
+            f"--sweep-thresholds: {args.sweep_thresholds!r} is invalid; allowed: numbers >= 0, "
+            "comma-separated (e.g. 0.5,0.7,0.9)"
+        )
+    exits = _grid(args.sweep_exit_layers, num_layers)
+    greedy = rows[0].extra.get("outputs")
+    if greedy is None:  # the baseline's outputs are not kept in the rows: decode them again
+        import torch
+
+        with torch.inference_mode():
+            greedy = [
+                model.generate(p, attention_mask=torch.ones_like(p), do_sample=False,
+                               max_new_tokens=args.max_new_tokens)
+                for p in prompts
+            ]  # fmt: skip
+    kernels = bool(next((r.extra.get("cpu_kernels") for r in rows if "cpu_kernels" in r.extra),
+                        False))  # fmt: skip
+    points = exit_curve(
+        model, prompts, greedy, thresholds=taus, exit_layers=exits,
+        parts=config.exit_parts or config.parts, max_new_tokens=args.max_new_tokens,
+        cpu_kernels=kernels,
+    )  # fmt: skip
+    print(curve_table(points))
+    if args.plot:
+        write_curve_plot(args.plot, points)
+    return points
 
 
 def _onnx_threads(value: str) -> int | None:
@@ -393,7 +435,7 @@ def _adapter(args: argparse.Namespace) -> str | None:
     """--adapter, else the reference model's shipped adapter when benchmarking the reference."""
     from .bench import REFERENCE_ADAPTER
 
-    if args.recipe not in ("kangaroo", "eagle"):
+    if args.recipe not in ("kangaroo", "m2r2", "eagle"):
         return None
     if args.adapter is not None:
         return args.adapter
@@ -404,6 +446,21 @@ def _adapter(args: argparse.Namespace) -> str | None:
     ):
         return str(REFERENCE_ADAPTER)
     return None
+
+
+def _m2r2_parts(args: argparse.Namespace, exits: bool = False) -> str | None:
+    """--parts (--exit-parts), else the reference model's shipped M2R2 parts (its exit parts)
+    when benchmarking the reference."""
+    from .bench import REFERENCE_M2R2, REFERENCE_M2R2_EXIT
+
+    if args.recipe != "m2r2":
+        return None
+    given = getattr(args, "exit_parts" if exits else "parts", None)
+    if given is not None:
+        return given
+    shipped = REFERENCE_M2R2_EXIT if exits else REFERENCE_M2R2
+    reference = args.model is None and getattr(args, "random_model", None) is None
+    return str(shipped) if reference and shipped.is_dir() else None
 
 
 def _eagle_parts(args: argparse.Namespace) -> str | None:
@@ -472,6 +529,29 @@ def _export(args: argparse.Namespace) -> int:
     path = sm.export_onnx(args.out, opset=args.opset, overwrite=args.overwrite)
     stages = ", ".join(f"{name}.onnx" for name in sm.stages.modules)
     print(f"leapfx export: {args.recipe} {sm.options} -> {path} ({stages}, manifest.json)")
+    return 0
+
+
+def _train_m2r2(args: argparse.Namespace) -> int:
+    import json
+
+    import torch
+
+    from .bench import REFERENCE_M2R2
+    from .train.m2r2 import train_parts
+
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads: {args.threads} is invalid; allowed: an integer >= 1")
+        torch.set_num_threads(args.threads)
+    report = train_parts(
+        args.out or REFERENCE_M2R2, model_path=args.model, recipe=args.recipe, init=args.init,
+        heads=args.heads, rank=args.rank,
+        corpus_root=args.corpus_root, steps=args.steps, batch_size=args.batch_size,
+        seq_len=args.seq_len, lr=args.lr, ce_target=args.ce_target, seed=args.seed,
+        router_steps=args.router_steps, mse_weight=args.mse_weight,
+    )  # fmt: skip
+    print(json.dumps(report, indent=2, sort_keys=True))
     return 0
 
 
@@ -586,6 +666,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--adapter", default=None, help="kangaroo adapter dir")
     bench.add_argument("--kangaroo-exit-layer", type=int, default=None)
     bench.add_argument(
+        "--parts", default=None, help="m2r2 accelerator parts dir (default: the reference's)"
+    )
+    bench.add_argument(
+        "--exit-parts", default=None,
+        help="m2r2_exit parts dir, with routers (default: the reference's, else --parts)",
+    )  # fmt: skip
+    bench.add_argument(
         "--eagle-parts", default=None,
         help="EAGLE head parts dir (--recipe eagle; default on the reference model: the shipped "
         "head)",
@@ -641,8 +728,9 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     bench.add_argument(
         "--sweep-threshold", action="store_true",
-        help="specee: agreement vs speed at each --sweep-thresholds beside early_exit at every "
-        "E (with --plot: the curve as a PNG)",
+        help="--recipe specee (or m2r2, for m2r2_exit): agreement vs speed at each "
+        "--sweep-thresholds beside early_exit at every E (m2r2: --sweep-exit-layers); with "
+        "--plot: the curve as a PNG",
     )  # fmt: skip
     bench.add_argument("--sweep-thresholds", default="0.5,0.7,0.8,0.9,0.95,0.97,0.99")
     bench.add_argument("--quiet", action="store_true", help="no progress bars (= --no-progress)")
@@ -693,6 +781,33 @@ def build_parser() -> argparse.ArgumentParser:
         "last layer (not in the LayerSkip paper; it also gets what the first phase leaves)",
     )  # fmt: skip
     train.set_defaults(func=_train_reference)
+    m2r2 = sub.add_parser("train-m2r2", help="train M2R2 accelerator parts (eq. 5)")
+    m2r2.add_argument(
+        "out", nargs="?", default=None,
+        help="parts directory (default: leapfx/assets/reference/m2r2)",
+    )  # fmt: skip
+    m2r2.add_argument("--model", default=None, help="HF checkpoint dir (default: reference)")
+    m2r2.add_argument(
+        "--recipe", default="m2r2", choices=["m2r2", "m2r2_exit"],
+        help="m2r2_exit: the exit gates N/4, N/2, 3N/4 and their ARLA routers (the parts also "
+        "serve m2r2, whose gate is the first)",
+    )  # fmt: skip
+    m2r2.add_argument("--router-steps", type=int, default=300)
+    m2r2.add_argument("--init", default=None, help="parts to start from (resume)")
+    m2r2.add_argument("--steps", type=int, default=1500)
+    m2r2.add_argument("--batch-size", type=int, default=8)
+    m2r2.add_argument("--seq-len", type=int, default=128)
+    m2r2.add_argument("--lr", type=float, default=2e-3)
+    m2r2.add_argument("--ce-target", default="model", choices=["labels", "model"])
+    m2r2.add_argument("--mse-weight", type=float, default=1.0, help="eq. 5's a1 (a0 is 1)")
+    m2r2.add_argument("--heads", type=int, default=None, help="fast query heads (sec. 2.5)")
+    m2r2.add_argument("--rank", type=int, default=None, help="adapter/LoRA rank (default 8)")
+    m2r2.add_argument("--seed", type=int, default=0)
+    m2r2.add_argument("--threads", type=int, default=None)
+    m2r2.add_argument(
+        "--corpus-root", default=None, help="stdlib folder to train on (default: this Python's)"
+    )
+    m2r2.set_defaults(func=_train_m2r2)
 
     specee = sub.add_parser(
         "train-specee", help="train SpecEE's exit predictors for a model (default: the reference)"

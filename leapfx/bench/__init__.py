@@ -14,6 +14,8 @@ import torch
 
 REFERENCE_MODEL = Path(__file__).resolve().parent.parent / "assets" / "reference"
 REFERENCE_ADAPTER = REFERENCE_MODEL / "kangaroo_adapter"  # trained with sm.fit, see its model card
+REFERENCE_M2R2 = REFERENCE_MODEL / "m2r2"  # the self-speculation drafter, `leapfx train-m2r2`
+REFERENCE_M2R2_EXIT = REFERENCE_MODEL / "m2r2_exit"  # exit gates 4, 8, 12 + ARLA routers
 REFERENCE_EAGLE = REFERENCE_MODEL / "eagle"  # EAGLE head parts: `leapfx train-eagle`
 
 # --dtype: the model's weights and compute dtype.

@@ -47,6 +47,9 @@ log = logging.getLogger(__name__)
 
 
 BACKENDS = ("eager", "inductor", "onnxruntime")
+BENCHED_RECIPES = (
+    "autoregressive", "early_exit", "layerskip", "kangaroo", "eagle", "specee", "m2r2",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,12 @@ class BenchConfig:
     adapter: str | None = None
     kangaroo_exit_layer: int | None = None
     confidence_threshold: float | None = None
+    # m2r2 runs: the accelerator parts (None: untrained) and gamma (None: the recipe's 3); the
+    # run also carries leapfx_layerskip (E, d) and leapfx_kangaroo (``adapter``, its own eta).
+    parts: str | None = None
+    m2r2_speculations: int | None = None
+    m2r2_threshold: float | None = None  # leapfx_m2r2_exit's tau (None: the recipe's 0.8)
+    exit_parts: str | None = None  # leapfx_m2r2_exit's parts (None: ``parts`` if they serve it)
     # eagle runs: the EAGLE head's parts (None: untrained, copied from the last layer). The
     # leapfx_eagle row drafts with the parts' options (d, threshold) unless
     # confidence_threshold is given; the leapfx_kangaroo row beside it with the adapter's.
@@ -254,10 +263,9 @@ def build_systems(model: nn.Module, config: BenchConfig, generator_seed: int = 0
             num_assistant_tokens_schedule="constant",
         )
         systems.append(System("hf_assistant_early_exit", assistant))
-    benchmarked = ("autoregressive", "early_exit", "layerskip", "kangaroo", "eagle", "specee")
-    if config.recipe not in benchmarked:
+    if config.recipe not in BENCHED_RECIPES:
         raise ValueError(
-            f"--recipe: {config.recipe!r} is not benchmarked; allowed: {', '.join(benchmarked)}"
+            f"--recipe: {config.recipe!r} is not benchmarked; allowed: {', '.join(BENCHED_RECIPES)}"
         )
     backends = config.backends
     for backend in backends:
@@ -287,7 +295,7 @@ def build_systems(model: nn.Module, config: BenchConfig, generator_seed: int = 0
             continue
         early = rewrite.apply(model, "early_exit", exit_layer=exit_layer)
         systems.append(ours("leapfx_early_exit", early, lossless=False))
-        if config.recipe in ("layerskip", "kangaroo"):
+        if config.recipe in ("layerskip", "kangaroo", "m2r2"):
             layerskip = rewrite.apply(model, "layerskip", **layerskip_opts)
             systems.append(ours("leapfx_layerskip", layerskip))
         if config.recipe == "layerskip" and config.confidence_threshold:
@@ -318,6 +326,21 @@ def build_systems(model: nn.Module, config: BenchConfig, generator_seed: int = 0
             )
             systems.append(ours("leapfx_kangaroo_fixed", fixed))
             systems.append(ours("leapfx_kangaroo", dynamic))
+        if config.recipe == "m2r2":
+            kangaroo = rewrite.apply(model, "kangaroo", adapter=config.adapter)
+            systems.append(ours("leapfx_kangaroo", kangaroo))
+            kw = {"parts": config.parts}
+            if config.m2r2_speculations is not None:
+                kw["num_speculations"] = config.m2r2_speculations
+            systems.append(ours("leapfx_m2r2", rewrite.apply(model, "m2r2", **kw)))
+            kw = {"parts": config.exit_parts or config.parts}
+            if config.m2r2_threshold is not None:
+                kw["threshold"] = config.m2r2_threshold
+            if _has_routers(kw["parts"]):
+                exits = rewrite.apply(model, "m2r2_exit", **kw)
+                systems.append(ours("leapfx_m2r2_exit", exits, lossless=False))
+            else:
+                log.warning("parts %s hold no ARLA routers: no leapfx_m2r2_exit row", config.parts)
         if config.recipe == "eagle":
             kangaroo = rewrite.apply(model, "kangaroo", adapter=config.adapter)
             systems.append(ours("leapfx_kangaroo", kangaroo))
@@ -335,6 +358,15 @@ def specee_options(config: BenchConfig) -> dict:
     if config.specee_threshold is not None:
         kw["threshold"] = config.specee_threshold
     return kw
+
+
+def _has_routers(parts: str | None) -> bool:
+    """Whether ``parts`` (None: untrained, routers included) serve ``m2r2_exit``."""
+    if parts is None:
+        return True
+    from ..passes.accelerator_checkpoint import read_parts_config
+
+    return read_parts_config(parts).get("recipe") == "m2r2_exit"
 
 
 def hf_compiles_static(model: nn.Module) -> bool:

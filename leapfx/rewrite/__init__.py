@@ -117,6 +117,7 @@ def apply(
         extra_cache_layers=gm.meta.get(EXTRA_CACHE_LAYERS, 0),
         training=r.training,
         lossless=r.lossless(opts) if callable(r.lossless) else r.lossless,
+        compiles=r.compiles,
     )
     sm = SpeculativeModel(model, gm, stages, info)
     if backend == "inductor":

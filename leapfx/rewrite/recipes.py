@@ -15,16 +15,19 @@ from functools import partial
 
 from torch import fx
 
+from ..passes.accelerator import InsertAccelerator
+from ..passes.accelerator_checkpoint import LoadAccelerator, read_parts_config
 from ..passes.adapter import InsertKangarooAdapter
 from ..passes.adapter_checkpoint import LoadKangarooAdapter, read_adapter_config
 from ..passes.base import GraphPass
 from ..passes.eagle_checkpoint import LoadEagleHead, read_eagle_config
 from ..passes.eagle_head import FuseEagleHeadLayer, InsertEagleHead, eagle_stages
 from ..passes.exit_head import InsertExitHead
+from ..passes.fast_partition import exit_stages, fast_stream_stages
 from ..passes.fuse_layers import FuseDecoderLayers
 from ..passes.partition import Stages, early_exit_stages, full_stage, partition
 from ..passes.specee_stages import specee_stages
-from ..runtime import eagle, kangaroo, schedules
+from ..runtime import eagle, kangaroo, m2r2, schedules
 from ..runtime.model import RecipeTraining, Schedule
 from . import specee_recipe
 
@@ -219,6 +222,141 @@ def _kangaroo_training() -> RecipeTraining:
     return KangarooTraining()
 
 
+def default_fast_layers(num_layers: int) -> int:
+    """k = 4 (sec. 2.3.2: J = 1, R = N/k), at most N - 1."""
+    return max(1, min(4, num_layers - 1))
+
+
+def _parts_meta(parts) -> tuple[str | None, dict]:
+    if parts is None:
+        return None, {}
+    if not isinstance(parts, (str, os.PathLike)):
+        raise ValueError(
+            f"parts: {parts!r} is invalid; allowed: a directory written by "
+            "SpeculativeModel.save_parts (str or os.PathLike) or None"
+        )
+    path = os.fspath(parts)
+    return path, read_parts_config(path).get("options", {})
+
+
+@dataclass(frozen=True)
+class M2R2Options:
+    """M2R2 self-speculation (sec. 2.3.2): fast-stream drafts, slow verification (lossless).
+
+    With ``parts`` (a directory written by ``SpeculativeModel.save_parts``) ``heads`` and
+    ``rank`` left as None come from it; its gates must start with ``fast_layers``.
+    """
+
+    fast_layers: int | None = None  # k: the gate E_1 = k, rate R = N/k; None: 4 (or N-1)
+    heads: int | None = None  # fast query heads; None: the parts', else one per KV group / 8
+    rank: int | None = None  # adapter and LoRA rank; None: the parts', else 8 (Fig. 10a)
+    num_speculations: int = 3  # gamma: drafts a round (the paper's g = 3)
+    # > 0: a round stops drafting after the first draft whose top-1 probability is <= this
+    # (not in the paper). Lossless either way: only the draft length changes.
+    confidence_threshold: float = 0.0
+    parts: str | os.PathLike | None = None
+    max_cache_len: int | None = None
+    fuse_layers: bool = True
+
+    def validate(self, num_layers: int) -> M2R2Options:
+        path, saved = _parts_meta(self.parts)
+        k = self.fast_layers
+        if k is None:
+            k = saved["gates"][0] if saved.get("gates") else default_fast_layers(num_layers)
+        _check_int("fast_layers", k, 1, num_layers - 1)
+        if saved.get("gates") and saved["gates"][0] != k:
+            raise ValueError(
+                f"fast_layers: {k!r} does not match the parts at {path!r}, trained with gates "
+                f"{saved['gates']}; allowed: {saved['gates'][0]} or None"
+            )
+        heads = saved.get("heads") if self.heads is None else self.heads
+        if heads is not None:
+            _check_int("heads", heads, 1)
+        rank = saved.get("rank", 8) if self.rank is None else self.rank
+        _check_int("rank", rank, 1)
+        _check_int("num_speculations", self.num_speculations, 1)
+        _check_threshold("confidence_threshold", self.confidence_threshold)
+        _check_cache(self.max_cache_len)
+        _check_bool("fuse_layers", self.fuse_layers)
+        return dataclasses.replace(
+            self, fast_layers=k, heads=heads, rank=rank, parts=path,
+            confidence_threshold=float(self.confidence_threshold),
+        )  # fmt: skip
+
+
+def default_exit_gates(num_layers: int) -> tuple[int, ...]:
+    """N/4, N/2, 3N/4 (the spec's choice for ARLA), distinct and within 1..N-1."""
+    gates = sorted({max(1, min(num_layers - 1, (num_layers * q) // 4)) for q in (1, 2, 3)})
+    return tuple(gates)
+
+
+@dataclass(frozen=True)
+class M2R2ExitOptions:
+    """M2R2 dynamic early exit with ARLA routers (sec. 2.3.1; lossy).
+
+    A token exits at the first gate whose router score is >= ``threshold``; a threshold above
+    1 never exits (token-identical to greedy). With ``parts``, ``gates``, ``heads`` and
+    ``rank`` left as None come from it.
+    """
+
+    gates: tuple[int, ...] | None = None  # E_1..E_J; None: the parts', else N/4, N/2, 3N/4
+    threshold: float = 0.8  # tau: exit when the gate's ARLA score >= tau (swept in Fig. 7)
+    heads: int | None = None
+    rank: int | None = None
+    parts: str | os.PathLike | None = None
+    max_cache_len: int | None = None
+    fuse_layers: bool = True
+
+    def validate(self, num_layers: int) -> M2R2ExitOptions:
+        from ..passes.accelerator import check_gates
+
+        path, saved = _parts_meta(self.parts)
+        gates = self.gates
+        if gates is None:
+            gates = saved.get("gates") or default_exit_gates(num_layers)
+        gates = check_gates(tuple(gates) if isinstance(gates, list) else gates, num_layers)
+        if saved.get("gates") not in (None, list(gates)):
+            raise ValueError(
+                f"gates: {list(gates)} do not match the parts at {path!r}, trained with gates "
+                f"{saved['gates']}; allowed: {saved['gates']} or None"
+            )
+        ok = isinstance(self.threshold, (int, float)) and not isinstance(self.threshold, bool)
+        if not (ok and math.isfinite(self.threshold) and self.threshold >= 0):
+            raise ValueError(
+                f"threshold: {self.threshold!r} is invalid; allowed: a number >= 0 (above 1: "
+                "never exit)"
+            )
+        heads = saved.get("heads") if self.heads is None else self.heads
+        if heads is not None:
+            _check_int("heads", heads, 1)
+        rank = saved.get("rank", 8) if self.rank is None else self.rank
+        _check_int("rank", rank, 1)
+        _check_cache(self.max_cache_len)
+        _check_bool("fuse_layers", self.fuse_layers)
+        return dataclasses.replace(
+            self, gates=gates, threshold=float(self.threshold), heads=heads, rank=rank, parts=path
+        )
+
+
+def _m2r2_passes(o) -> list[GraphPass]:
+    exits = isinstance(o, M2R2ExitOptions)
+    gates = tuple(o.gates) if exits else (o.fast_layers,)
+    # The fast layers read the HF layers' modules, so the accelerator goes before fusing.
+    passes: list[GraphPass] = [
+        InsertAccelerator(gates=gates, heads=o.heads, rank=o.rank, routers=exits)
+    ]
+    passes += _fuse(o)
+    if o.parts is not None:
+        passes.append(LoadAccelerator(path=o.parts))
+    return passes
+
+
+def _m2r2_training() -> RecipeTraining:
+    from ..train.m2r2 import M2R2Training
+
+    return M2R2Training()
+
+
 # EAGLE's chain setting: 5 drafts a round (its chain experiments; EAGLE-2's tree has depth
 # 5-6). The threshold stops a chain early once the head is unsure (Kangaroo's eq. 4 rule on the
 # head's top-1 probability; EAGLE-2 ranks its tree by the same confidence).
@@ -333,6 +471,9 @@ class Recipe:
     # The option that takes a directory written by ``SpeculativeModel.save_parts``;
     # ``apply(..., parts=dir)`` fills it. None: the recipe has no trained parts.
     parts_option: str | None = None
+    # Whether its stages lower to Inductor and ONNX (False: a stage takes a Python object,
+    # e.g. M2R2's FastScratch, that neither traces).
+    compiles: bool = True
 
 
 def _full_only(gm: fx.GraphModule) -> Stages:
@@ -387,6 +528,38 @@ RECIPES: dict[str, Recipe] = {
             lossless=True,
             training=_kangaroo_training,
             parts_option="adapter",
+        ),
+        Recipe(
+            name="m2r2",
+            description="M2R2: accelerated-residual drafts, slow verification (lossless)",
+            options_type=M2R2Options,
+            passes=_m2r2_passes,
+            cut=fast_stream_stages,
+            schedule=lambda o: partial(
+                m2r2.m2r2,
+                num_speculations=o.num_speculations,
+                confidence_threshold=o.confidence_threshold,
+            ),
+            lookahead=lambda o: o.num_speculations + 1,
+            lossless=True,
+            training=_m2r2_training,
+            parts_option="parts",
+            compiles=False,
+        ),
+        Recipe(
+            name="m2r2_exit",
+            description="M2R2: ARLA dynamic early exit on accelerated residuals (lossy)",
+            options_type=M2R2ExitOptions,
+            passes=_m2r2_passes,
+            cut=exit_stages,
+            schedule=lambda o: partial(
+                m2r2.m2r2_exit, gates=tuple(o.gates), threshold=o.threshold
+            ),  # fmt: skip
+            lookahead=lambda o: 1,
+            lossless=False,
+            training=_m2r2_training,
+            parts_option="parts",
+            compiles=False,
         ),
         Recipe(
             name="eagle",

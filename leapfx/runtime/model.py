@@ -66,6 +66,7 @@ class RecipeInfo:
     lossless: bool = True  # token-identical to greedy; lossy recipes support teacher forcing
     # Trains/saves what the recipe inserted; a factory so that decoding never imports training.
     training: Callable[[], RecipeTraining] | None = None
+    compiles: bool = True  # False: the stages run eager only (no Inductor, no ONNX export)
 
 
 class SpeculativeModel:
@@ -216,6 +217,7 @@ class SpeculativeModel:
         """
         from .compiled import CompileOptions, compile_stages
 
+        self._check_compiles("compile")
         options = CompileOptions(
             mode=mode,
             verify_shapes=verify_shapes,
@@ -326,7 +328,16 @@ class SpeculativeModel:
         """
         from ..export import export_onnx  # optional dependencies: imported when used
 
+        self._check_compiles("export_onnx")
         return export_onnx(self, path, opset=opset, overwrite=overwrite)
+
+    def _check_compiles(self, what: str) -> None:
+        if not self.recipe.compiles:
+            raise ValueError(
+                f"{what}: recipe {self.recipe.name!r} runs its stages eager only (a stage takes "
+                "a Python object that neither Inductor nor ONNX traces); allowed: backend='eager'"
+                ", with use_cpu_kernels() for the projections"
+            )
 
     def __repr__(self) -> str:
         return (

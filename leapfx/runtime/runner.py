@@ -91,9 +91,43 @@ class StageRunner:
             **extra,
         )
 
-    def full(self, input_ids: torch.Tensor, start: int) -> torch.Tensor:
-        """All layers on ``input_ids`` [1, S] at positions start..; returns logits [1, S, V]."""
-        return self.chunk("full", input_ids, start)["logits"]
+    def full(self, input_ids: torch.Tensor, start: int, key: str | None = None) -> torch.Tensor:
+        """All layers on ``input_ids`` [1, S] at positions start..; returns logits [1, S, V].
+
+        ``key`` names the call in ``seconds`` (M2R2's verify pass is a ``full`` call)."""
+        n = input_ids.shape[1]
+        key = "prefill" if start == 0 else key
+        return self._call(
+            "full",
+            key=key,
+            input_ids=input_ids,
+            position_ids=self._positions(start, n),
+            masks=self._masks("full", start, n),
+            cache=self.cache,
+        )["logits"]
+
+    def rows(
+        self, name: str, start: int, length: int, *, masks: bool = True, **inputs
+    ) -> dict[str, torch.Tensor]:
+        """Stage ``name`` on ``length`` rows at positions start..start+length-1 (their
+        position_ids, their masks where ``masks``, and the cache added to ``inputs``)."""
+        extra = {"masks": self._masks(name, start, length)} if masks else {}
+        return self._call(
+            name, position_ids=self._positions(start, length), cache=self.cache, **extra, **inputs
+        )
+
+    def fast_draft(self, input_ids: torch.Tensor, start: int, scratch) -> torch.Tensor:
+        """M2R2's fast stream on one token [1, 1] at ``start``; returns logits [1, 1, V].
+
+        Reads the cache's slow keys and extends ``scratch`` (a ``FastScratch``); writes no
+        cache slot."""
+        return self._call(
+            "draft",
+            input_ids=input_ids,
+            position_ids=self._positions(start, 1),
+            cache=self.cache,
+            scratch=scratch,
+        )["logits"]
 
     def draft(self, input_ids: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layers < E and the exit head; returns (exit logits [1, S, V], exit hidden [1, S, H])."""

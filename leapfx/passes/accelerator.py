@@ -1,0 +1,510 @@
+"""InsertAccelerator: M2R2's accelerated residual stream as branch nodes beside the slow layers.
+
+M2R2 (sec. 2.2, eq. 1, 2, 4) runs a second, "fast" residual stream p through the same layer
+indices as the model's own ("slow") stream h. Gates ``0 = E_0 < E_1 < ... < E_J`` cut the
+layers into intervals; in interval j the fast stream starts from the slow state (the reset,
+``p^{E_j} = h^{E_j}``) and each of its layers moves it ``R_j = (N - E_j) / (E_{j+1} - E_j)``
+slow layers ahead, so that at the gate ``p^{E_{j+1}} ~ h^N``. There is no fast stream after
+``E_J``. One accelerated layer i computes (eq. 2)::
+
+    a   = gate_i * A_i(p)              A_i: layer i's own attention, sliced to a few heads
+    p'  = p + a + M_i(p + a)           M_i: a rank-r adapter in place of the layer's MLP
+
+- ``A_i`` reads the slow stream's keys/values of layer i for positions < t plus ONE key/value
+  computed from the fast state at t (the shared KV cache of sec. 2.2): the fast query never sees
+  the slow state of its own position, and the fast stream writes nothing into the shared cache.
+  Its q/k/v/o are the host's projections restricted to the chosen query heads (default: one per
+  KV group under grouped-query attention, else 8; sec. 2.5) and the KV heads they read, frozen,
+  with trainable rank-r LoRA on q and o. The host's norms, q/k norms and rotary are used as is.
+- ``M_i(x) = W_up SiLU(W_down norm(x))`` with the host's post-attention norm (frozen), rank r
+  (default 8: Fig. 10a's plateau). ``W_up`` and the attention gate (a per-channel vector) start
+  at zero, so an untrained accelerator leaves the fast stream equal to its reset state: the
+  branch starts as the identity and only adds what training puts there.
+
+Queries at positions ``t_0..t_0+S-1`` are computed in parallel through one attention over
+``[slow | fast]`` keys: slow column s is visible to fast row t iff s < t, fast column u iff u = t.
+In a graph that runs the slow layers (``full``, training) the fast node of layer i runs right
+after slow layer i has written its keys, so this mask is exactly eq. 2's attention. The drafting
+stage (``leapfx.runtime.m2r2``) runs the fast layers alone, one token at a time, with a
+:class:`FastScratch` holding the fast keys/values of the round's earlier drafts: they stand in
+for the slow keys of positions the slow stream has not verified yet and are discarded after
+verification.
+
+Graph after the pass (for gates (2,) on a 4-layer model)::
+
+    embed -> layer_0 -> layer_1 -> layer_2 -> layer_3 -> norm -> logits
+       \\         |         |
+        +----> fast_0 -> fast_1 -> gate_norm_2 -> gate_logits_2       (role "accelerator")
+
+and the graph gains outputs ``gate_logits_{E}`` and ``gate_hidden_{E}`` per gate. The modules
+live in an :class:`Accelerator` the rewritten GraphModule owns (``gm.m2r2_accelerator``); its
+state dict holds only the trainable parts, the host's weights stay shared by reference.
+
+Example::
+
+    >>> gm = InsertAccelerator(gates=(2,)).run(capture(hf_model)).graph_module
+    >>> sorted(gm(input_ids, position_ids, masks, cache))
+    ['gate_hidden_2', 'gate_logits_2', 'logits']
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+from .base import GraphPass, PassResult
+from .capture import (
+    ATTN_KIND,
+    LAYER,
+    ROLE,
+    layer_node,
+    nodes_by_role,
+    output_dict,
+    set_output_dict,
+)
+
+ACCELERATOR_MODULE = "m2r2_accelerator"  # attribute of the rewritten GraphModule
+GATE = "leapfx.gate"  # node.meta of a fast node: the gate E_{j+1} its interval ends at
+GATES = "leapfx.gates"  # GraphModule meta: the gates (E_1..E_J)
+
+
+def default_heads(num_heads: int, num_kv_heads: int) -> int:
+    """One query head per KV group under grouped-query attention, else 8 (sec. 2.5)."""
+    return num_kv_heads if num_kv_heads < num_heads else min(8, num_heads)
+
+
+def rates(gates: tuple[int, ...], num_layers: int) -> list[float]:
+    """R_j = (N - E_j) / (E_{j+1} - E_j) for every interval j (E_0 = 0)."""
+    edges = (0, *gates)
+    return [(num_layers - a) / (b - a) for a, b in zip(edges, edges[1:], strict=False)]
+
+
+def target_layers(gates: tuple[int, ...], num_layers: int) -> dict[int, int]:
+    """Fast layer i -> the slow layer index its output should match (eq. 5's MSE target):
+    ``(i + 1 - E_j) R_j + E_j``, rounded and clipped to N."""
+    out = {}
+    edges = (0, *gates)
+    spans = zip(edges, edges[1:], strict=False)
+    for (a, b), r in zip(spans, rates(gates, num_layers), strict=True):
+        for i in range(a, b):
+            out[i] = min(num_layers, round((i + 1 - a) * r + a))
+    return out
+
+
+@dataclass
+class FastScratch:
+    """Temporary fast keys/values of a drafting round: slot -> [(k, v)] ([B, h_kv, 1, D] each).
+
+    They belong to draft positions the slow stream has not verified; the schedule makes a new
+    scratch every round, so they are discarded after verification (the shared cache is never
+    written by the fast stream)."""
+
+    kv: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return max((len(v) for v in self.kv.values()), default=0)
+
+
+def _head_index(heads: list[int], total: int) -> slice | torch.Tensor:
+    """A view (slice) where ``heads`` are evenly strided, else an index tensor (a copy)."""
+    if heads == list(range(total)):
+        return slice(None)
+    step = heads[1] - heads[0] if len(heads) > 1 else 1
+    if step > 0 and heads == list(range(heads[0], heads[0] + step * len(heads), step)):
+        return slice(heads[0], heads[0] + step * len(heads), step)
+    return torch.tensor(heads)
+
+
+class AcceleratedLayer(nn.Module):
+    """The fast stream through decoder layer ``index`` (eq. 2): sliced attention + adapter.
+
+    Parameters (all trainable, all that ``state_dict`` holds): LoRA on q (``q_a``, ``q_b``) and o
+    (``o_a``, ``o_b``), the attention gate, the adapter's ``down`` and ``up``. The host layer is
+    held without registering it, and its sliced projections are non-persistent buffers.
+    """
+
+    def __init__(
+        self, layer: nn.Module, *, index: int, heads: int, rank: int, window: int | None
+    ) -> None:
+        super().__init__()
+        attn = layer.self_attn
+        config = attn.config
+        object.__setattr__(self, "host", layer)  # shared, frozen, not a submodule
+        self.index = index
+        self.cache_slot = attn.layer_idx
+        self.window = window
+        self.scaling = attn.scaling
+        self._rope = sys.modules[type(layer).__module__].apply_rotary_pos_emb
+        nh = config.num_attention_heads
+        nkv = getattr(config, "num_key_value_heads", None) or nh
+        d = attn.head_dim
+        hidden = config.hidden_size
+        q_heads = [(i * nh) // heads for i in range(heads)]
+        group = nh // nkv
+        kv_of_q = [q // group for q in q_heads]
+        kv_heads = sorted(set(kv_of_q))
+        self.q_heads, self.kv_heads, self.head_dim = q_heads, kv_heads, d
+        self.kv_index = _head_index(kv_heads, nkv)  # the cache's heads this layer reads
+        per_query = [kv_heads.index(g) for g in kv_of_q]
+        self.expand = None if per_query == list(range(len(kv_heads))) else per_query
+        # Query heads in equal consecutive groups per KV head: SDPA reads the KV heads in place
+        # (enable_gqa) instead of a per-query copy of the cache.
+        per = heads // len(kv_heads)
+        self.gqa = per > 1 and per_query == [i // per for i in range(heads)]
+        if self.gqa:
+            self.expand = None
+        w_q, b_q, w_k, b_k, w_v, b_v = _qkv_weights(attn, nh, nkv, d)
+
+        def rows(w, b, sel):
+            idx = torch.tensor([h * d + j for h in sel for j in range(d)])
+            return w.detach()[idx].clone(), None if b is None else b.detach()[idx].clone()
+
+        for name, (w, b) in {
+            "q": rows(w_q, b_q, q_heads), "k": rows(w_k, b_k, kv_heads),
+            "v": rows(w_v, b_v, kv_heads),
+        }.items():  # fmt: skip
+            self.register_buffer(f"w_{name}", w, persistent=False)
+            self.register_buffer(f"b_{name}", b, persistent=False)
+        cols = torch.tensor([h * d + j for h in q_heads for j in range(d)])
+        o = attn.o_proj
+        self.register_buffer("w_o", o.weight.detach()[:, cols].clone(), persistent=False)
+        self.register_buffer(
+            "b_o", None if o.bias is None else o.bias.detach().clone(), persistent=False
+        )
+        self._qk_norm = hasattr(attn, "q_norm")
+        self._qkv_split = [heads * d, len(kv_heads) * d, len(kv_heads) * d]
+        weight = o.weight
+        kw = dict(dtype=weight.dtype, device=weight.device)
+        qd = heads * d
+        self.q_a = nn.Parameter(_kaiming(rank, hidden, **kw))
+        self.q_b = nn.Parameter(torch.zeros(qd, rank, **kw))
+        self.o_a = nn.Parameter(_kaiming(rank, qd, **kw))
+        self.o_b = nn.Parameter(torch.zeros(hidden, rank, **kw))
+        self.gate = nn.Parameter(torch.zeros(hidden, **kw))
+        self.down = nn.Parameter(_kaiming(rank, hidden, **kw))
+        self.up = nn.Parameter(torch.zeros(hidden, rank, **kw))
+
+    def extra_repr(self) -> str:
+        return f"layer={self.index}, q_heads={self.q_heads}, rank={self.down.shape[0]}"
+
+    def forward(
+        self,
+        p: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        position_ids: torch.Tensor,
+        cache,
+        scratch: FastScratch | None = None,
+    ) -> torch.Tensor:
+        # p: [B, S, H], the fast state at positions position_ids [*, S] -> [B, S, H]
+        host = self.host
+        x = host.input_layernorm.forward(p)
+        B, S, _ = x.shape
+        merged = None if torch.is_grad_enabled() and self.gate.requires_grad else self._merged()
+        if merged is None:  # training: LoRA and the gate apart, so that they get gradients
+            q = F.linear(x, self.w_q, self.b_q) + F.linear(F.linear(x, self.q_a), self.q_b)
+            k = F.linear(x, self.w_k, self.b_k)
+            v = F.linear(x, self.w_v, self.b_v)
+        else:
+            q, k, v = F.linear(x, merged[0], merged[1]).split(self._qkv_split, dim=-1)
+        q = q.reshape(B, S, -1, self.head_dim)
+        k = k.reshape(B, S, -1, self.head_dim)
+        if self._qk_norm:
+            q, k = host.self_attn.q_norm.forward(q), host.self_attn.k_norm.forward(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, h, S, D]
+        v = v.reshape(B, S, -1, self.head_dim).transpose(1, 2)
+        cos, sin = position_embeddings
+        q, k = self._rope(q, k, cos, sin)
+        # Slow keys/values of layer i, read in place (the fast stream writes no cache).
+        n = cache.lengths[self.cache_slot]
+        slow_k = cache.keys[self.cache_slot][:, self.kv_index, :n]  # [B?, h_kv, n, D]
+        slow_v = cache.values[self.cache_slot][:, self.kv_index, :n]
+        if slow_k.shape[0] != B:
+            slow_k, slow_v = slow_k.expand(B, -1, -1, -1), slow_v.expand(B, -1, -1, -1)
+        if scratch is None:
+            # Parallel rows (full graph, training): the slow layer has written every row's key;
+            # row t sees slow columns < t and its own fast column only.
+            keys = torch.cat([slow_k, k], dim=2)
+            values = torch.cat([slow_v, v], dim=2)
+            mask = self._parallel_mask(position_ids, n, S, q.device)
+        else:
+            # Drafting, one row at t = n + len(earlier drafts): slow keys < n (verified), then
+            # the round's earlier fast keys, then its own.
+            if S != 1:
+                raise ValueError(f"drafting runs one token at a time, got {S}")
+            earlier = scratch.kv.setdefault(self.cache_slot, [])
+            keys = torch.cat([slow_k, *(e[0] for e in earlier), k], dim=2)
+            values = torch.cat([slow_v, *(e[1] for e in earlier), v], dim=2)
+            earlier.append((k, v))
+            mask = None
+            length = keys.shape[2]
+            if self.window is not None and length > self.window:
+                mask = (torch.arange(length, device=q.device) >= length - self.window)[None]
+        if self.expand is not None:
+            keys, values = keys[:, self.expand], values[:, self.expand]
+        out = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, scale=self.scaling, enable_gqa=self.gqa
+        )
+        out = out.transpose(1, 2).reshape(B, S, -1)  # [B, S, h*D]
+        if merged is None:
+            a = F.linear(out, self.w_o, self.b_o) + F.linear(F.linear(out, self.o_a), self.o_b)
+            p = p + self.gate * a
+        else:
+            p = p + F.linear(out, merged[2], merged[3])
+        m = host.post_attention_layernorm.forward(p)
+        return p + F.linear(F.silu(F.linear(m, self.down)), self.up)
+
+    def _merged(self) -> tuple:
+        """Inference weights with LoRA and the gate folded in: ``[q + B_q A_q | k | v]`` as one
+        projection and ``diag(gate) (o + B_o A_o)`` (4 products a layer instead of 8). Cached
+        until a parameter changes (in-place optimizer steps bump their versions)."""
+        params = (self.q_a, self.q_b, self.o_a, self.o_b, self.gate)
+        key = tuple(p._version for p in params) + tuple(id(p) for p in params)
+        if getattr(self, "_merged_key", None) != key:
+            with torch.no_grad():
+                w_q = self.w_q + self.q_b @ self.q_a
+                w_qkv = torch.cat([w_q, self.w_k, self.w_v])
+                biases = (self.b_q, self.b_k, self.b_v)
+                b_qkv = None
+                if any(b is not None for b in biases):
+                    rows = (self.w_q, self.w_k, self.w_v)
+                    b_qkv = torch.cat([b if b is not None else w.new_zeros(w.shape[0])
+                                       for b, w in zip(biases, rows, strict=True)])  # fmt: skip
+                w_o = self.gate[:, None] * (self.w_o + self.o_b @ self.o_a)
+                b_o = None if self.b_o is None else self.gate * self.b_o
+            self._merged_weights = (w_qkv, b_qkv, w_o, b_o)
+            self._merged_key = key
+        return self._merged_weights
+
+    def _parallel_mask(self, position_ids, n: int, S: int, device) -> torch.Tensor:
+        q_pos = position_ids.reshape(-1, S)[0][:, None].to(device)  # [S, 1]
+        k_pos = torch.arange(n, device=device)[None]  # [1, n]
+        slow = k_pos < q_pos
+        if self.window is not None:
+            slow &= k_pos > q_pos - self.window  # its own position counts inside the window
+        own = torch.eye(S, dtype=torch.bool, device=device)
+        return torch.cat([slow, own], dim=1)  # [S, n + S]
+
+
+def _kaiming(rows: int, cols: int, **kw) -> torch.Tensor:
+    w = torch.empty(rows, cols, **kw)
+    nn.init.kaiming_uniform_(w, a=math.sqrt(5))  # nn.Linear's (and LoRA's) default
+    return w
+
+
+def _qkv_weights(attn: nn.Module, nh: int, nkv: int, d: int):
+    if hasattr(attn, "qkv_proj"):  # Phi-3: one fused projection, [q | k | v] rows
+        w, b = attn.qkv_proj.weight, attn.qkv_proj.bias
+        cuts = [0, nh * d, nh * d + nkv * d, nh * d + 2 * nkv * d]
+        parts = [
+            (w[a:z], None if b is None else b[a:z]) for a, z in zip(cuts, cuts[1:], strict=False)
+        ]
+        return (*parts[0], *parts[1], *parts[2])
+    return (
+        attn.q_proj.weight, attn.q_proj.bias, attn.k_proj.weight, attn.k_proj.bias,
+        attn.v_proj.weight, attn.v_proj.bias,
+    )  # fmt: skip
+
+
+class ARLARouter(nn.Module):
+    """ARLA (sec. 2.3.1, Fig. 4): should the token exit at this gate?
+
+    Attention across the accelerated states of the gate's interval (the reset state and every
+    fast layer's output, each through the model's frozen final norm) in a ``latent``-dim space:
+    the query from the gate's state, one head, then ``Linear(latent -> 1)`` and a sigmoid. A
+    score >= the threshold exits."""
+
+    def __init__(self, norm: nn.Module, hidden: int, latent: int = 64, **kw) -> None:
+        super().__init__()
+        object.__setattr__(self, "norm", norm)  # the host's final norm: shared, frozen
+        self.q = nn.Linear(hidden, latent, **kw)
+        self.k = nn.Linear(hidden, latent, **kw)
+        self.v = nn.Linear(hidden, latent, **kw)
+        self.out = nn.Linear(latent, 1, **kw)
+
+    def forward(self, states: list[torch.Tensor]) -> torch.Tensor:
+        # states: L x [B, S, H] (reset first, the gate's state last) -> score [B, S] in (0, 1)
+        x = self.norm.forward(torch.stack(states, dim=-2))  # [B, S, L, H]
+        q = self.q(x[..., -1:, :])  # [B, S, 1, d]
+        a = F.scaled_dot_product_attention(q, self.k(x), self.v(x))  # [B, S, 1, d]
+        return torch.sigmoid(self.out(a)).reshape(x.shape[:-2])
+
+    def logit(self, states: list[torch.Tensor]) -> torch.Tensor:
+        """The pre-sigmoid score [B, S] (for BCE with logits in training)."""
+        x = self.norm.forward(torch.stack(states, dim=-2))
+        a = F.scaled_dot_product_attention(self.q(x[..., -1:, :]), self.k(x), self.v(x))
+        return self.out(a).reshape(x.shape[:-2])
+
+
+class Accelerator(nn.Module):
+    """Every accelerated layer of a model (``layers["i"]``), the gates they serve, and an ARLA
+    router per gate (``routers["E"]``) where the recipe exits early."""
+
+    def __init__(
+        self,
+        layers: dict[int, AcceleratedLayer],
+        *,
+        gates: tuple[int, ...],
+        num_layers: int,
+        routers: dict[int, ARLARouter] | None = None,
+    ) -> None:
+        super().__init__()
+        self.layers = nn.ModuleDict({str(i): m for i, m in layers.items()})
+        self.routers = nn.ModuleDict({str(g): r for g, r in (routers or {}).items()})
+        self.gates = tuple(gates)
+        self.num_layers = num_layers
+
+    @property
+    def intervals(self) -> list[tuple[int, int]]:
+        edges = (0, *self.gates)
+        return list(zip(edges, edges[1:], strict=False))
+
+    @property
+    def rates(self) -> list[float]:
+        return rates(self.gates, self.num_layers)
+
+    def stream(
+        self, reset: torch.Tensor, start: int, end: int, rope, position_ids, cache, scratch=None
+    ) -> torch.Tensor:
+        """The fast stream from the reset state at E_j = start through layers start..end-1."""
+        p = reset
+        for i in range(start, end):
+            p = self.layers[str(i)](p, rope, position_ids, cache, scratch)
+        return p
+
+
+def accelerator_of(gm: fx.GraphModule) -> Accelerator:
+    """The Accelerator a graph rewritten by InsertAccelerator owns."""
+    acc = getattr(gm, ACCELERATOR_MODULE, None)
+    if not isinstance(acc, Accelerator):
+        raise ValueError("graph has no M2R2 accelerator; run InsertAccelerator first")
+    return acc
+
+
+def check_gates(gates, num_layers: int) -> tuple[int, ...]:
+    """Gates E_1 < ... < E_J, each in 1..N-1; ValueError naming ``gates`` otherwise."""
+    ok = isinstance(gates, (tuple, list)) and len(gates) >= 1
+    ok = ok and all(isinstance(g, int) and not isinstance(g, bool) for g in gates)
+    ok = ok and all(1 <= g <= num_layers - 1 for g in gates)
+    ok = ok and all(a < b for a, b in zip(gates, gates[1:], strict=False))
+    if not ok:
+        raise ValueError(
+            f"gates: {gates!r} is invalid for a {num_layers}-layer model; allowed: a strictly "
+            f"increasing sequence of integers in 1..{num_layers - 1}"
+        )
+    return tuple(gates)
+
+
+@dataclass(frozen=True)
+class InsertAccelerator(GraphPass):
+    """Insert the fast residual stream for ``gates`` beside the slow layers (see module doc)."""
+
+    name: ClassVar[str] = "insert-accelerator"
+    requires: ClassVar[frozenset[str]] = frozenset({"decoder-graph"})
+    provides: ClassVar[frozenset[str]] = frozenset({"m2r2-accelerator"})
+
+    gates: tuple[int, ...]
+    heads: int | None = None  # query heads of the fast attention; None: default_heads
+    rank: int = 8
+    routers: bool = False  # an ARLA router per gate (outputs gate_score_{E})
+
+    def run(self, gm: fx.GraphModule) -> PassResult:
+        layers = nodes_by_role(gm, "layer")
+        n = len(layers)
+        gates = check_gates(self.gates, n)
+        if nodes_by_role(gm, "accelerator"):
+            raise ValueError("gates: the graph already has an accelerated stream")
+        first = gm.get_submodule(layers[0].target)
+        if not hasattr(first, "self_attn") or not hasattr(first, "post_attention_layernorm"):
+            raise ValueError(
+                f"layer 0 is a {type(first).__name__}, not a HF decoder layer; run "
+                "insert-accelerator before passes that replace decoder layers"
+            )
+        config = first.self_attn.config
+        nh = config.num_attention_heads
+        nkv = getattr(config, "num_key_value_heads", None) or nh
+        heads = default_heads(nh, nkv) if self.heads is None else self.heads
+        if isinstance(heads, bool) or not isinstance(heads, int) or not 1 <= heads <= nh:
+            raise ValueError(f"heads: {heads!r} is invalid; allowed: an integer 1..{nh}")
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
+            raise ValueError(f"rank: {self.rank!r} is invalid; allowed: an integer >= 1")
+        window = getattr(config, "sliding_window", None)
+        modules = {}
+        for i in range(gates[-1]):
+            node = layer_node(gm, i)
+            host = gm.get_submodule(node.target)
+            w = window if node.meta[ATTN_KIND] == "sliding_attention" else None
+            modules[i] = AcceleratedLayer(host, index=i, heads=heads, rank=self.rank, window=w)
+            modules[i].train(host.training)
+        routers = None
+        if self.routers:
+            norm_module = gm.get_submodule(nodes_by_role(gm, "norm")[0].target)
+            w = first.self_attn.o_proj.weight
+            routers = {
+                b: ARLARouter(norm_module, config.hidden_size, dtype=w.dtype, device=w.device)
+                for b in gates
+            }
+        acc = Accelerator(modules, gates=gates, num_layers=n, routers=routers)
+        gm.add_submodule(ACCELERATOR_MODULE, acc)
+
+        g = gm.graph
+        rope = nodes_by_role(gm, "rotary")[0]
+        norm = nodes_by_role(gm, "norm")[0]
+        head = nodes_by_role(gm, "head")[0]
+        position_ids, cache = (
+            next(x for x in g.nodes if x.op == "placeholder" and x.name == name)
+            for name in ("position_ids", "cache")
+        )
+        embed = nodes_by_role(gm, "embed")[0]
+        outputs = dict(output_dict(gm))
+        edges = (0, *gates)
+        for a, b in zip(edges, edges[1:], strict=False):
+            p = embed if a == 0 else layer_node(gm, a - 1)  # the reset: p^{E_j} = h^{E_j}
+            states = [p]
+            for i in range(a, b):
+                with g.inserting_after(layer_node(gm, i)):
+                    p = g.call_module(
+                        f"{ACCELERATOR_MODULE}.layers.{i}", (p, rope, position_ids, cache)
+                    )
+                p.name = f"fast_{i}"
+                p.meta.update({ROLE: "accelerator", LAYER: i, GATE: b})
+                states.append(p)
+            if self.routers:
+                with g.inserting_after(p):
+                    score = g.call_module(f"{ACCELERATOR_MODULE}.routers.{b}", (states,))
+                score.name = f"gate_score_{b}"
+                score.meta.update({ROLE: "router", GATE: b})
+                outputs[f"gate_score_{b}"] = score
+            with g.inserting_after(p):
+                normed = g.call_module(norm.target, (p,))
+            with g.inserting_after(normed):
+                logits = g.call_module(head.target, (normed,))
+            normed.name, logits.name = f"gate_norm_{b}", f"gate_logits_{b}"
+            normed.meta.update({ROLE: "gate_norm", GATE: b})
+            logits.meta.update({ROLE: "gate_head", GATE: b})
+            outputs[f"gate_logits_{b}"] = logits
+            outputs[f"gate_hidden_{b}"] = p
+        set_output_dict(gm, outputs)
+        gm.meta[GATES] = gates
+        return PassResult(gm, modified=True, matches=len(modules))
+
+
+def compatible_layers(
+    saved_gates, saved_layers: int, gates: tuple[int, ...], num_layers: int
+) -> list[int]:
+    """Fast layers of ``gates`` trained identically under ``saved_gates`` (same reset, same
+    rate): a checkpoint trained for M2R2's exit gates (N/4, N/2, 3N/4) also serves the
+    self-speculation recipe's single gate N/4."""
+    if saved_layers != num_layers:
+        return []
+    ours = {i: (a, b) for a, b in zip((0, *gates), gates, strict=False) for i in range(a, b)}
+    saved_gates = tuple(saved_gates)
+    theirs = {
+        i: (a, b) for a, b in zip((0, *saved_gates), saved_gates, strict=False) for i in range(a, b)
+    }
+    return [i for i in sorted(ours) if theirs.get(i) == ours[i]]

@@ -1,0 +1,101 @@
+"""M2R2's trained accelerator on disk, and the pass that loads it into a rewritten graph.
+
+The same format as every leapfx part (``adapter_checkpoint``): a directory with
+``adapter.safetensors`` (the Accelerator's state dict: ``layers.<i>.<name>``, trainable tensors
+only) and ``adapter.json`` (``recipe``, the ``options`` it was trained with -- gates, heads,
+rank --, the ``host`` signature), written to a temporary directory and renamed into place.
+
+A checkpoint may hold more fast layers than a graph needs: parts trained for the exit gates
+(N/4, N/2, 3N/4) load into the self-speculation recipe (gate N/4), whose first interval is the
+same (``compatible_layers``). A graph layer the checkpoint does not cover is an error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+from safetensors.torch import load_file
+from torch import fx
+
+from .accelerator import accelerator_of, compatible_layers
+from .adapter_checkpoint import WEIGHTS, host_signature, read_adapter_config
+from .base import GraphPass, PassResult
+
+RECIPES = ("m2r2", "m2r2_exit")
+
+
+def read_parts_config(path) -> dict[str, Any]:
+    """The JSON of an M2R2 parts directory (either recipe); ValueError naming ``parts``."""
+    errors = []
+    for recipe in RECIPES:
+        try:
+            return read_adapter_config(path, recipe=recipe)
+        except ValueError as exc:
+            errors.append(str(exc).replace("adapter:", "parts:", 1))
+    raise ValueError(errors[-1])
+
+
+@dataclass(frozen=True)
+class LoadAccelerator(GraphPass):
+    """Load trained accelerator weights (and routers, when present) from ``path``."""
+
+    name: ClassVar[str] = "load-accelerator"
+    requires: ClassVar[frozenset[str]] = frozenset({"m2r2-accelerator"})
+    provides: ClassVar[frozenset[str]] = frozenset({"m2r2-accelerator-weights"})
+
+    path: str
+
+    def run(self, gm: fx.GraphModule) -> PassResult:
+        acc = accelerator_of(gm)
+        meta = read_parts_config(self.path)
+        first = next(iter(acc.layers.values()))
+        host = host_signature(first.host.self_attn.config)
+        saved_host = meta.get("host", {})
+        diff = sorted(k for k in host if saved_host.get(k) != host[k])
+        if diff:
+            pairs = ", ".join(f"{k}={saved_host.get(k)!r} (model: {host[k]!r})" for k in diff)
+            raise ValueError(f"parts: {self.path!r} were trained for another model: {pairs}")
+        options = meta.get("options", {})
+        saved_gates = options.get("gates", [])
+        ok = compatible_layers(saved_gates, host["num_hidden_layers"], acc.gates, acc.num_layers)
+        if ok != sorted(int(i) for i in acc.layers):
+            raise ValueError(
+                f"gates: the accelerator at {self.path!r} was trained for gates {saved_gates}, "
+                f"which do not cover this graph's gates {list(acc.gates)}"
+            )
+        tensors = load_file(str(Path(self.path) / WEIGHTS))  # safetensors: no unpickling
+        own = acc.state_dict()
+        wanted = {k: v for k, v in tensors.items() if k in own}
+        if set(wanted) != set(own) or any(wanted[k].shape != own[k].shape for k in own):
+            raise ValueError(
+                f"parts: the tensors in {self.path!r} do not fit this accelerator (heads, rank: "
+                f"saved {options.get('heads')}, {options.get('rank')}; expected {sorted(own)})"
+            )
+        acc.load_state_dict(wanted)
+        return PassResult(gm, modified=True, matches=len(wanted))
+
+
+def load_compatible(gm: fx.GraphModule, path) -> list[int]:
+    """Load the fast layers of ``path`` that were trained for the same interval as this
+    graph's (``compatible_layers``) and return their indices; the rest stay as they are.
+    Training starts from earlier parts this way (e.g. the exit gates' first interval from
+    self-speculation parts); decoding loads with :class:`LoadAccelerator`, which needs all."""
+    acc = accelerator_of(gm)
+    meta = read_parts_config(path)
+    first = next(iter(acc.layers.values()))
+    host = host_signature(first.host.self_attn.config)
+    if any(meta.get("host", {}).get(k) != v for k, v in host.items()):
+        raise ValueError(f"parts: {str(path)!r} were trained for another model")
+    saved_gates = meta.get("options", {}).get("gates", [])
+    layers = compatible_layers(saved_gates, host["num_hidden_layers"], acc.gates, acc.num_layers)
+    tensors = load_file(str(Path(path) / WEIGHTS))
+    own = acc.state_dict()
+    wanted = {
+        k: v
+        for k, v in tensors.items()
+        if k in own and k.startswith("layers.") and int(k.split(".")[1]) in layers
+    }
+    acc.load_state_dict(wanted, strict=False)
+    return layers

@@ -1,0 +1,62 @@
+"""Ahead-of-time expert prediction from the accelerated residual (M2R2 sec. 2.3.3).
+
+With a fast stream at twice the slow rate (R = 2: gate N/2, so the fast state after fast layer i,
+``p^{i+1}``, approximates the slow state ``h^{2i+2}``), "the experts needed for layers 2i+2 and
+2i+3 can be identified while still computing in layer i": apply layer L's own post-attention
+norm and router to ``p^{i+1}`` and take its top-k (``num_experts_per_tok``), for
+L in {2i+2, 2i+3}. Layers 0 and 1 are never predicted. The MoE offload runtime issues the loads
+of these experts while layer i computes, then checks residency before layer L's experts run.
+
+This module works on the HF MoE modules directly (Mixtral, OLMoE, Qwen2-MoE in transformers 5:
+``layer.post_attention_layernorm`` and the router ``layer.mlp.gate``, which returns
+``(logits, scores, top_k_indices)``), because ``capture`` does not support MoE architectures
+yet: the caller supplies the fast states. Dense layers of a mixed model (no router) are skipped.
+
+Example::
+
+    >>> predicted = predict_experts(moe_model, fast_state, layer=3)   # while layer 3 runs
+    >>> sorted(predicted)                                            # layers 8 and 9
+    [8, 9]
+    >>> predicted[8].shape                                           # [B, S, top_k]
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def router_of(layer: nn.Module) -> nn.Module | None:
+    """The top-k router of an HF MoE decoder layer (``mlp.gate``), or None for a dense layer."""
+    gate = getattr(getattr(layer, "mlp", None), "gate", None)
+    return gate if gate is not None and hasattr(gate, "top_k") else None
+
+
+def predicted_layers(layer: int, num_layers: int) -> list[int]:
+    """The layers whose experts are predicted while ``layer`` (i) runs: 2i+2 and 2i+3 (< N)."""
+    if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < num_layers:
+        raise ValueError(f"layer: {layer!r} is invalid; allowed: an integer 0..{num_layers - 1}")
+    return [target for target in (2 * layer + 2, 2 * layer + 3) if target < num_layers]
+
+
+@torch.no_grad()
+def predict_experts(
+    model: nn.Module, fast_state: torch.Tensor, layer: int
+) -> dict[int, torch.Tensor]:
+    """Predicted top-k expert indices {L: [B, S, top_k]} of layers 2i+2 and 2i+3 (MoE ones only),
+    from ``fast_state`` [B, S, H], the accelerated residual after fast layer i = ``layer``."""
+    layers = model.model.layers
+    if fast_state.dim() != 3 or fast_state.shape[-1] != model.config.hidden_size:
+        raise ValueError(
+            f"fast_state: shape {tuple(fast_state.shape)} is invalid; allowed: [B, S, "
+            f"{model.config.hidden_size}]"
+        )
+    out: dict[int, torch.Tensor] = {}
+    for target in predicted_layers(layer, len(layers)):
+        router = router_of(layers[target])
+        if router is None:
+            continue
+        x = layers[target].post_attention_layernorm(fast_state)
+        _, _, indices = router(x)  # [B * S, top_k]
+        out[target] = indices.reshape(*fast_state.shape[:-1], router.top_k)
+    return out

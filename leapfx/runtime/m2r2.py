@@ -1,0 +1,177 @@
+"""M2R2's self-speculative schedule (sec. 2.3.2): drafts from the fast stream, slow verify.
+
+Stages (``leapfx.passes.fast_partition``): ``full`` (every slow layer) and ``draft`` (the fast
+stream alone: embedding -> k accelerated layers -> final norm -> LM head, one token).
+
+A round, with the newest token x at position p (not yet in the cache; the cache holds the slow
+keys of positions 0..p-1)::
+
+    draft:  y_1..y_g from x, y_1, ..: the fast stream only. Draft i (at position p+i) attends
+            to the slow keys of 0..p-1 and the fast keys of p..p+i-1 that this round's earlier
+            drafts left in a FastScratch; nothing is written into the shared cache, and no slow
+            layer runs (unlike LayerSkip/Kangaroo, whose drafts run shallow slow layers).
+    verify: one slow pass over [x, y_1..y_g] at p..p+g -> g + 1 target distributions; it writes
+            the slow keys of those positions.
+    accept: k drafts and a correction/bonus token (greedy prefix match or rejection sampling,
+            the acceptance ops every lossless recipe uses); crop the cache to p+k+1 (O(1)).
+            The round's scratch is dropped: the fast keys of drafts are never reused.
+
+Lossless for any accelerator, trained or not: the emitted tokens come from the slow pass.
+Host syncs: one per round (k and the tokens), plus one per draft with a confidence stop.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..passes.accelerator import FastScratch
+from .metrics import DecodeMetrics
+from .runner import StageRunner
+from .sampling import probs
+from .schedules import DecodeRequest, Output, _token, accept, choose, teacher_force
+
+
+def draft_fast(
+    runner: StageRunner,
+    x: torch.Tensor,
+    start: int,
+    max_tokens: int,
+    request: DecodeRequest,
+    *,
+    threshold: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Draft up to ``max_tokens`` from token x [1, 1] at position ``start`` with the fast stream.
+
+    Returns drafts [1, d] and, when sampling, their distributions q [1, d, V]. ``threshold`` > 0
+    stops after the first draft whose top-1 probability is <= threshold (kept), one host sync
+    per draft; 0 drafts ``max_tokens`` with no sync.
+    """
+    scratch = FastScratch()  # this round's fast keys: discarded with the round
+    tokens, qs = [], []
+    token = x
+    for i in range(max_tokens):
+        logits = runner.fast_draft(token, start + i, scratch)  # [1, 1, V]
+        q = None
+        if request.sampling.do_sample:
+            q = probs(logits[:, -1].float(), request.sampling)  # [1, V]
+            token = torch.multinomial(q, 1, generator=request.generator)
+            qs.append(q)
+        else:
+            token = logits[:, -1].argmax(dim=-1, keepdim=True)  # [1, 1]
+        tokens.append(token)
+        if threshold > 0 and i + 1 < max_tokens:
+            dist = q if q is not None else torch.softmax(logits[:, -1].float(), dim=-1)
+            if float(dist.max()) <= threshold:
+                break
+    return torch.cat(tokens, dim=1), (torch.stack(qs, dim=1) if qs else None)
+
+
+def m2r2(
+    runner: StageRunner,
+    prompt: torch.Tensor,
+    request: DecodeRequest,
+    metrics: DecodeMetrics,
+    num_speculations: int,
+    confidence_threshold: float = 0.0,
+) -> list[int]:
+    """M2R2 self-speculative decoding: fast-stream drafts, one slow verify pass a round."""
+    metrics.num_speculations = num_speculations
+    out = Output(request)
+    logits = runner.full(prompt, 0)  # prefill: [1, n, V]
+    metrics.full_calls += 1
+    pos = prompt.shape[1]  # position of x, the newest token (not yet in the cache)
+    x = choose(logits[:, -1], request)
+    out.extend([_token(x)])
+    while not out.done:
+        g = min(num_speculations, out.remaining - 1)  # drafts past max_new_tokens are waste
+        if g == 0:
+            logits = runner.full(x, pos)
+            metrics.full_calls += 1
+            x = choose(logits[:, -1], request)
+            out.extend([_token(x)])
+            pos += 1
+            continue
+        drafts, q = draft_fast(runner, x, pos, g, request, threshold=confidence_threshold)
+        g = drafts.shape[1]
+        metrics.draft_calls += g
+        # The slow stream over [x, drafts]: [1, g+1, V]. Counted as a verify call.
+        target_logits = runner.full(torch.cat([x, drafts], dim=1), pos, key="verify")
+        n, nxt = accept(drafts, q, target_logits, request)  # [1], [1] on the device
+        # The round's one host sync: crop takes a Python int; the stop rule reads the tokens.
+        k, next_token, *drafted = torch.cat([n, nxt, drafts[0]]).tolist()
+        runner.cache.crop(pos + k + 1)  # keep x and the k accepted drafts
+        metrics.record_verify(g, k)
+        out.extend([*drafted[:k], next_token])
+        pos += k + 1
+        x = nxt.view(1, 1)
+    return out.tokens
+
+
+def m2r2_exit(
+    runner: StageRunner,
+    prompt: torch.Tensor,
+    request: DecodeRequest,
+    metrics: DecodeMetrics,
+    gates: tuple[int, ...],
+    threshold: float,
+) -> list[int]:
+    """M2R2 dynamic early exit (sec. 2.3.1; lossy): exit at the first gate whose ARLA score is
+    >= ``threshold`` with the token of the gate's fast state; else reset and go on.
+
+    Stages (``fast_partition.exit_stages``): ``slow_j`` (layers E_j..E_{j+1}-1), ``gate_j``
+    (the fast stream of the interval ending at E_j, its head and its router), ``tail``.
+
+    A token that exits at E_k leaves the keys of layers >= E_k of its position unwritten. The
+    next step fills them (the paper leaves this open): the previous token's h^{E_k} joins the
+    current token's rows from segment k on (two rows at positions p-1, p), or runs those
+    segments alone once the current token has exited, so every layer's cache is complete
+    before any later query reads it. Host syncs: one per gate (the exit decision).
+    """
+    num_layers = len(runner.layout.kinds)  # every decoder layer of the host
+    edges = (0, *gates, num_layers)
+    out = Output(request)
+    logits = runner.full(prompt, 0)  # prefill: [1, n, V]
+    metrics.full_calls += 1
+    pos = prompt.shape[1]
+    token = teacher_force(choose(logits[:, -1], request), out, request, metrics)
+    metrics.record_layers(num_layers)
+    out.extend([_token(token)])
+    pending: tuple[int, torch.Tensor] | None = None  # (k, h^{E_k} [1, 1, H]) of token pos-1
+    while not out.done:
+        exited, gate_logits = None, None
+        cur = reset = None  # the current token's slow state, and its reset state
+        old = pending
+        for j in range(len(edges) - 1):
+            with_old = old is not None and old[0] <= j
+            running = exited is None
+            if not (with_old or running):
+                continue
+            if j == 0:  # the previous token never rejoins before E_1 (k >= 1)
+                o = runner.rows("slow_0", pos, 1, input_ids=token)
+                cur, reset = o["hidden"], o["reset"]  # [1, 1, H] each
+            else:
+                rows = ([old[1]] if with_old else []) + ([cur] if running else [])
+                start = pos - 1 if with_old else pos
+                h = runner.rows(f"slow_{j}", start, len(rows), hidden=torch.cat(rows, dim=1))
+                h = h["hidden"]  # [1, rows, H]
+                if with_old:
+                    old = (old[0], h[:, :1])
+                if running:
+                    reset, cur = cur, h[:, -1:]
+            if running and j + 1 < len(edges) - 1:
+                g = runner.rows(f"gate_{j + 1}", pos, 1, masks=False, hidden=reset)
+                if float(g["score"].reshape(-1)[0]) >= threshold:  # host sync: the decision
+                    exited, gate_logits = j + 1, g["logits"]
+        if exited is None:
+            logits, pending = runner.rows("tail", pos, 1, masks=False, hidden=cur), None
+            logits = logits["logits"]
+            metrics.full_calls += 1
+            metrics.record_layers(num_layers)
+        else:
+            logits, pending = gate_logits, (exited, cur)
+            metrics.draft_calls += 1
+            metrics.record_layers(edges[exited])
+        token = teacher_force(choose(logits[:, -1], request), out, request, metrics)
+        out.extend([_token(token)])
+        pos += 1
+    return out.tokens

@@ -1,0 +1,437 @@
+"""Training M2R2's accelerator adapters (sec. 2.4, eq. 5); the base model stays frozen.
+
+For every interval [E_j, E_{j+1}) the fast stream starts from the slow state h^{E_j} (detached:
+an adapter gets gradient only from its own interval's gate) and eq. 5 sums
+
+    a0 * CE(head(norm(p^{E_{j+1}})), y)                        at each gate
+    a1 * ||p^{i+1} - h^{target(i)}||^2 / mean ||h^{target(i)}||^2   at each fast layer i
+
+with ``target(i) = round((i + 1 - E_j) R_j + E_j)`` clipped to N (the slow state R_j layers
+further per fast layer; ``h^N`` is the last layer's output before the final norm). ``y`` is
+the next token of the data (the paper) or, with ``ce_target="model"``, the full model's
+distribution (soft cross-entropy, as Kangaroo's eq. 3: what a drafter is judged by).
+
+One step is "the same forward" of sec. 2.2: a no-grad slow pass of the frozen model fills a
+batch-sized KV cache with every layer's slow keys and returns every h^l; then each fast layer
+runs on all positions at once through one attention over [slow | fast] keys (fast row t sees
+slow columns < t and its own fast column), exactly the mask the fast rows would get inside a
+joint [slow | fast] batch -- the slow rows are computed separately only because no gradient
+flows through them. Only the accelerator's parameters train: the host's are set
+``requires_grad=False`` for the duration of ``fit`` and restored after.
+
+Example::
+
+    >>> sm = rewrite.apply(hf_model, "m2r2")
+    >>> result = sm.fit(token_ids, steps=300, batch_size=8, seq_len=128)
+    >>> report = evaluate(sm, held_out_ids)     # cosine and top-1 agreement per gate
+    >>> sm.save_parts("m2r2-parts/")
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from leapfx.passes.accelerator import accelerator_of, target_layers
+from leapfx.passes.adapter_checkpoint import host_signature, write_adapter
+from leapfx.passes.capture import decoder_parts
+from leapfx.runtime.cache import StaticKVCache
+from leapfx.runtime.masks import masks_for
+from leapfx.train.kangaroo import kangaroo_loss, sample_windows, token_stream
+
+CE_TARGETS = ("labels", "model")
+
+
+@dataclass(frozen=True)
+class M2R2FitConfig:
+    """Options of ``fit``. The paper gives no hyperparameters; these are the spec's choices
+    (AdamW, cosine with 3% warmup, a0 = a1 = 1) at a learning rate for rank-8 adapters."""
+
+    steps: int = 300
+    batch_size: int = 8
+    seq_len: int = 128
+    lr: float = 2e-3  # small zero-initialised adapters: 2e-4 (the spec's) moves them too slowly
+    weight_decay: float = 0.0
+    warmup: float = 0.03  # share of steps with a linear warmup, then cosine to 0
+    ce_weight: float = 1.0  # a0
+    mse_weight: float = 1.0  # a1
+    ce_target: str = "labels"  # "labels" (eq. 5) or "model" (the full model's distribution)
+    grad_clip: float = 1.0
+    # ARLA routers (m2r2_exit), trained after the adapters (sec. 2.3.1) with BCE on whether
+    # the gate's LM-head argmax equals the full model's; ignored where there are none.
+    router_steps: int = 200
+    router_lr: float = 1e-3
+    seed: int = 0
+    progress: bool = True  # a tqdm bar, shown only when stderr is a terminal
+
+    def __post_init__(self) -> None:
+        ints = (("steps", 1), ("batch_size", 1), ("seq_len", 2), ("seed", 0), ("router_steps", 0))
+        for name, low in ints:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name}: {value!r} is invalid; allowed: an integer >= {low}")
+        for name in ("lr", "router_lr", "weight_decay", "ce_weight", "mse_weight", "grad_clip"):
+            value = getattr(self, name)
+            positive = name in ("lr", "router_lr")
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+            ok = ok and math.isfinite(value) and (value > 0 if positive else value >= 0)
+            if not ok:
+                allowed = "a finite number > 0" if positive else "a finite number >= 0"
+                raise ValueError(f"{name}: {value!r} is invalid; allowed: {allowed}")
+        if not (isinstance(self.warmup, (int, float)) and 0 <= self.warmup < 1):
+            raise ValueError(f"warmup: {self.warmup!r} is invalid; allowed: a number in [0, 1)")
+        if self.ce_target not in CE_TARGETS:
+            raise ValueError(f"ce_target: {self.ce_target!r} is invalid; allowed: {CE_TARGETS}")
+        if not isinstance(self.progress, bool):
+            raise ValueError(f"progress: {self.progress!r} is invalid; allowed: True or False")
+
+
+@dataclass
+class FitResult:
+    """What ``fit`` did: eq. 5's loss and its two terms on every step's batch."""
+
+    steps: int
+    losses: list[float] = field(default_factory=list)
+    ce: list[float] = field(default_factory=list)
+    mse: list[float] = field(default_factory=list)
+    router_losses: list[float] = field(default_factory=list)  # BCE, summed over the gates
+    tokens: int = 0
+    seconds: float = 0.0
+
+    @property
+    def final_loss(self) -> float:
+        return self.losses[-1] if self.losses else float("nan")
+
+
+@dataclass
+class SlowPass:
+    """The frozen model on a batch: every slow state and a cache holding every layer's keys."""
+
+    hidden: list[torch.Tensor]  # h^0..h^N, each [B, S, H] (h^N before the final norm)
+    logits: torch.Tensor  # the full model's [B, S, V]
+    cache: StaticKVCache
+    rope: tuple[torch.Tensor, torch.Tensor]
+    position_ids: torch.Tensor  # [1, S]
+
+
+@torch.no_grad()
+def slow_pass(sm, ids: torch.Tensor) -> SlowPass:
+    """Run the frozen model on ``ids`` [B, S], keeping each layer's output and keys/values."""
+    model = sm.hf_model
+    parts = decoder_parts(model)
+    config = model.config
+    weight = next(model.parameters())
+    ids = ids.to(weight.device)
+    B, S = ids.shape
+    heads = config.num_attention_heads
+    cache = StaticKVCache(
+        config.num_hidden_layers,
+        getattr(config, "num_key_value_heads", None) or heads,
+        getattr(config, "head_dim", None) or config.hidden_size // heads,
+        S,
+        batch_size=B,
+        dtype=weight.dtype,
+        device=weight.device,
+    )
+    pos = torch.arange(S, device=ids.device)[None]
+    h = parts.embed(ids)
+    rope = parts.rotary(h, pos)
+    masks = masks_for(
+        config._attn_implementation, parts.attn_kinds, 0, S,
+        window=parts.sliding_window, dtype=weight.dtype, device=weight.device,
+    )  # fmt: skip
+    hidden = [h]
+    for layer, kind in zip(parts.layers, parts.attn_kinds, strict=True):
+        h = layer(
+            h, attention_mask=masks[kind], position_embeddings=rope, position_ids=pos,
+            past_key_values=cache,
+        )  # fmt: skip
+        hidden.append(h)
+    logits = parts.head(parts.norm(h))
+    return SlowPass(hidden, logits, cache, rope, pos)
+
+
+def fast_states(sm, slow: SlowPass) -> dict[int, torch.Tensor]:
+    """Every fast layer's output (with autograd), keyed by the layer index i (state p^{i+1})."""
+    acc = accelerator_of(sm.graph_module)
+    out: dict[int, torch.Tensor] = {}
+    for a, b in acc.intervals:
+        p = slow.hidden[a].detach()  # the reset p^{E_j} = h^{E_j}: no gradient crosses it
+        for i in range(a, b):
+            p = acc.layers[str(i)](p, slow.rope, slow.position_ids, slow.cache)
+            out[i] = p
+    return out
+
+
+def gate_logits(sm, p: torch.Tensor) -> torch.Tensor:
+    """The final norm and LM head (frozen) on a fast state at a gate: [B, S, V]."""
+    parts = decoder_parts(sm.hf_model)
+    return parts.head(parts.norm(p))
+
+
+def m2r2_loss(
+    sm, ids: torch.Tensor, config: M2R2FitConfig
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Eq. 5 on a batch [B, S]: (loss, CE term, MSE term)."""
+    acc = accelerator_of(sm.graph_module)
+    slow = slow_pass(sm, ids)
+    fast = fast_states(sm, slow)
+    targets = target_layers(acc.gates, acc.num_layers)
+    mse = torch.zeros((), device=slow.logits.device)
+    for i, p in fast.items():
+        h = slow.hidden[targets[i]]
+        scale = h.float().pow(2).sum(-1).mean()
+        mse = mse + (p.float() - h.float()).pow(2).sum(-1).mean() / scale
+    ce = torch.zeros((), device=slow.logits.device)
+    labels = ids.to(slow.logits.device)[:, 1:]
+    for _, b in acc.intervals:
+        logits = gate_logits(sm, fast[b - 1])
+        if config.ce_target == "labels":
+            ce = ce + F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels.flatten())
+        else:
+            ce = ce + kangaroo_loss(logits, slow.logits)
+    return config.ce_weight * ce + config.mse_weight * mse, ce, mse
+
+
+def router_loss(sm, ids: torch.Tensor) -> torch.Tensor:
+    """BCE of every gate's ARLA router on a batch [B, S]: label 1 where the gate's LM-head
+    argmax equals the full model's (the adapters frozen: their states are detached)."""
+    acc = accelerator_of(sm.graph_module)
+    slow = slow_pass(sm, ids)
+    with torch.no_grad():
+        fast = fast_states(sm, slow)
+        full = slow.logits.argmax(-1)
+    loss = torch.zeros((), device=full.device)
+    for a, b in acc.intervals:
+        states = [slow.hidden[a], *(fast[i] for i in range(a, b))]
+        with torch.no_grad():
+            label = (gate_logits(sm, fast[b - 1]).argmax(-1) == full).float()
+        logit = acc.routers[str(b)].logit(states)
+        loss = loss + F.binary_cross_entropy_with_logits(logit.float(), label)
+    return loss
+
+
+@torch.no_grad()
+def evaluate(sm, data: Any, *, tokenizer=None, seq_len: int = 256) -> dict[str, Any]:
+    """Held-out alignment per gate: cosine of the gate's fast state with h^N, and top-1
+    agreement of the gate's LM-head argmax with the full model's, over consecutive windows."""
+    acc = accelerator_of(sm.graph_module)
+    stream = token_stream(data, vocab_size=sm.config.vocab_size, tokenizer=tokenizer)
+    cos = {b: 0.0 for _, b in acc.intervals}
+    agree = {b: 0 for _, b in acc.intervals}
+    router_right = {b: 0 for _, b in acc.intervals}
+    count = 0
+    for start in range(0, stream.numel() - 1, seq_len):
+        window = stream[start : start + seq_len][None]
+        slow = slow_pass(sm, window)
+        fast = fast_states(sm, slow)
+        full = slow.logits.argmax(-1)
+        final = slow.hidden[-1]
+        for a, b in acc.intervals:
+            p = fast[b - 1]
+            cos[b] += float(F.cosine_similarity(p.float(), final.float(), dim=-1).sum())
+            agreed = gate_logits(sm, p).argmax(-1) == full
+            agree[b] += int(agreed.sum())
+            if str(b) in acc.routers:
+                states = [slow.hidden[a], *(fast[i] for i in range(a, b))]
+                says = acc.routers[str(b)](states) >= 0.5
+                router_right[b] += int((says == agreed).sum())
+        count += window.shape[1]
+    report = {
+        "tokens": count,
+        "cosine": {str(b): cos[b] / count for b in cos},
+        "agreement": {str(b): agree[b] / count for b in agree},
+    }
+    if len(acc.routers):  # the router's accuracy at 0.5 on "the gate agrees with the model"
+        report["router_accuracy"] = {str(b): router_right[b] / count for b in router_right}
+    return report
+
+
+def fit(sm, data: Any, *, tokenizer=None, **options: Any) -> FitResult:
+    """Train the accelerator of ``sm`` on ``data`` (eq. 5); returns a FitResult.
+
+    ``options`` are the fields of :class:`M2R2FitConfig`. Only the accelerator's parameters
+    change; the stages share them, so ``sm.generate`` drafts with them at once.
+    """
+    fields = {f.name for f in dataclasses.fields(M2R2FitConfig)}
+    unknown = sorted(set(options) - fields)
+    if unknown:
+        raise ValueError(
+            f"option {unknown[0]!r} is not an option of fit; its options are: "
+            f"tokenizer, {', '.join(sorted(fields))}"
+        )
+    config = M2R2FitConfig(**options)
+    if sm.hf_model.training:
+        warnings.warn(
+            "the model is in training mode (dropout active): call model.eval() first",
+            stacklevel=2,
+        )
+    stream = token_stream(data, vocab_size=sm.config.vocab_size, tokenizer=tokenizer)
+    acc = accelerator_of(sm.graph_module)
+    params = list(acc.parameters())
+    optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
+    warm = max(1, round(config.warmup * config.steps))
+
+    def schedule(step: int) -> float:
+        if step < warm:
+            return (step + 1) / warm
+        return 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, config.steps - warm)))
+
+    lr = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    generator = torch.Generator().manual_seed(config.seed)
+    result = FitResult(steps=config.steps)
+    host = [p for p in sm.hf_model.parameters() if p.requires_grad]
+    start = time.perf_counter()
+    acc.train()
+    try:
+        for p in host:  # no gradient into the user's model; restored in finally
+            p.requires_grad_(False)
+        show = config.progress and sys.stderr.isatty()
+        bar = tqdm(range(config.steps), desc="m2r2 accelerator", disable=not show)
+        for _ in bar:
+            batch = sample_windows(stream, config.batch_size, config.seq_len, generator)
+            loss, ce, mse = m2r2_loss(sm, batch, config)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            if config.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
+            optimizer.step()
+            lr.step()
+            result.losses.append(float(loss.detach()))
+            result.ce.append(float(ce.detach()))
+            result.mse.append(float(mse.detach()))
+            result.tokens += batch.numel()
+            bar.set_postfix(ce=f"{result.ce[-1]:.3f}", mse=f"{result.mse[-1]:.3f}")
+        if len(acc.routers) and config.router_steps:
+            _fit_routers(sm, stream, config, generator, result, show)
+    finally:
+        for p in host:
+            p.requires_grad_(True)
+        acc.eval()
+        optimizer.zero_grad(set_to_none=True)
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def _fit_routers(sm, stream, config, generator, result, show: bool) -> None:
+    """Sec. 2.3.1: the routers train after the adapters, every gate's in parallel."""
+    acc = accelerator_of(sm.graph_module)
+    acc.layers.requires_grad_(False)
+    try:
+        params = list(acc.routers.parameters())
+        optimizer = torch.optim.AdamW(params, lr=config.router_lr)
+        bar = tqdm(range(config.router_steps), desc="m2r2 routers", disable=not show)
+        for _ in bar:
+            batch = sample_windows(stream, config.batch_size, config.seq_len, generator)
+            loss = router_loss(sm, batch)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            result.router_losses.append(float(loss.detach()))
+            bar.set_postfix(bce=f"{result.router_losses[-1]:.3f}")
+    finally:
+        acc.layers.requires_grad_(True)
+
+
+def parts_options(sm) -> dict[str, Any]:
+    """What a parts directory records: the gates, heads and rank of the accelerator (and the
+    recipe's other options)."""
+    acc = accelerator_of(sm.graph_module)
+    first = next(iter(acc.layers.values()))
+    options = {k: v for k, v in dataclasses.asdict(sm.options).items() if k != "parts"}
+    options.update(gates=list(acc.gates), heads=len(first.q_heads), rank=first.down.shape[0])
+    return options
+
+
+def save_parts(sm, path: str | Path) -> Path:
+    """Write the accelerator of ``sm`` (see passes.accelerator_checkpoint)."""
+    return write_adapter(
+        accelerator_of(sm.graph_module),
+        path,
+        recipe=sm.recipe.name,
+        options=parts_options(sm),
+        host=host_signature(sm.config),
+    )
+
+
+class M2R2Training:
+    """The m2r2 recipes' training hook (``SpeculativeModel.fit`` / ``save_parts``)."""
+
+    def fit(self, model, data: Any, **options: Any) -> FitResult:
+        return fit(model, data, **options)
+
+    def save(self, model, path: str | Path) -> Path:
+        return save_parts(model, path)
+
+
+def train_parts(
+    out: str | Path,
+    *,
+    model_path: str | Path | None = None,
+    recipe: str = "m2r2",
+    init: str | Path | None = None,
+    heads: int | None = None,
+    rank: int | None = None,
+    held_out_tokens: int = 16384,
+    corpus_root: str | None = None,
+    **options: Any,
+) -> dict[str, Any]:
+    """Train M2R2 parts for a checkpoint (default: the shipped reference model) on the stdlib
+    corpus's training split and write them to ``out`` with ``m2r2_report.json`` (the held-out
+    alignment before and after). ``init``: start from parts written earlier (a resumed run;
+    the optimizer starts fresh; only the fast layers of the same intervals load, see
+    ``load_compatible``). ``heads``, ``rank``: the recipe's options. ``options``:
+    :class:`M2R2FitConfig` fields. What ``leapfx train-m2r2`` runs."""
+    import json
+    import platform
+
+    from leapfx import rewrite
+    from leapfx.bench import load_model
+    from leapfx.train.data import encode_documents
+    from leapfx.train.reference import corpus_digest, reference_corpus
+
+    corpus = reference_corpus(corpus_root, option="--corpus-root")
+    model, tokenizer = load_model(model_path)
+    train = encode_documents(tokenizer, corpus.train).long()
+    held = encode_documents(tokenizer, corpus.held_out).long()[:held_out_tokens]
+    from leapfx.passes.accelerator_checkpoint import load_compatible
+
+    sm = rewrite.apply(model, recipe, heads=heads, rank=rank)
+    initialised = [] if init is None else load_compatible(sm.graph_module, init)
+    before = evaluate(sm, held)
+    result = fit(sm, train, **options)
+    after = evaluate(sm, held)
+    path = save_parts(sm, out)
+    report = {
+        "recipe": recipe,
+        "options": parts_options(sm),
+        "fit": {**dataclasses.asdict(M2R2FitConfig(**options)), "init": init and str(init),
+                "initialised_layers": initialised},
+        "steps": result.steps,
+        "tokens": result.tokens,
+        "seconds": round(result.seconds, 1),
+        "final_loss": result.final_loss,
+        "final_ce": result.ce[-1],
+        "final_mse": result.mse[-1],
+        "final_router_bce": result.router_losses[-1] if result.router_losses else None,
+        "held_out_before": before,
+        "held_out_after": after,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "corpus": {"files": len(corpus.train) + len(corpus.held_out),
+                   "sha256": corpus_digest(corpus)},
+    }  # fmt: skip
+    tmp = path / ".m2r2_report.json.tmp"
+    tmp.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    tmp.rename(path / "m2r2_report.json")
+    return report
