@@ -33,6 +33,9 @@ FUSABLE = frozenset(
         "Qwen2DecoderLayer",
         "Qwen3DecoderLayer",
         "GemmaDecoderLayer",
+        # Dense layers of MoE models (mlp_only_layers); their MoE layers are captured as parts.
+        "Qwen2MoeDecoderLayer",
+        "Qwen3MoeDecoderLayer",
     }
 )
 
@@ -148,7 +151,8 @@ class TransposedLinear(nn.Module):
 
 
 def fusable(layer: nn.Module) -> bool:
-    return type(layer).__name__ in FUSABLE and not layer.training
+    dense = hasattr(getattr(layer, "mlp", None), "gate_proj")
+    return type(layer).__name__ in FUSABLE and dense and not layer.training
 
 
 @dataclass(frozen=True)
@@ -162,6 +166,8 @@ class FuseDecoderLayers(GraphPass):
     def run(self, gm: fx.GraphModule) -> PassResult:
         matches = 0
         for node in nodes_by_role(gm, "layer"):
+            if node.op != "call_module":  # an MoE layer's residual add (see capture)
+                continue
             layer = gm.get_submodule(node.target)
             if isinstance(layer, FusedDecoderLayer) or not fusable(layer):
                 continue

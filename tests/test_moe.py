@@ -1,0 +1,146 @@
+"""Mixture-of-Experts models: capture exposes routers and experts, and every recipe is lossless.
+
+Hypothesis draws tiny random MoE configs of every supported family (mixtral, qwen2_moe with its
+gated shared expert, qwen3_moe, olmoe), with and without ``norm_topk_prob``, top-1..3 of 2..6
+experts, and dense ``mlp_only_layers`` in the qwen families. Float ties are detected and
+reported (greedy_check), never assumed.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from leapfx import rewrite
+from leapfx.passes.capture import LAYER, capture, layer_module, nodes_by_role
+from leapfx.runtime.masks import masks_for
+from tests.conftest import MOE_ARCHS, tiny_moe_model
+from tests.greedy_check import assert_greedy_equal, hf_greedy
+
+
+@st.composite
+def moe_specs(draw):
+    arch = draw(st.sampled_from(MOE_ARCHS))
+    layers = draw(st.integers(2, 5))
+    experts = draw(st.integers(2, 6))
+    spec = dict(
+        arch=arch,
+        layers=layers,
+        heads=draw(st.sampled_from([2, 4])),
+        kv_heads=draw(st.sampled_from([1, 2])),
+        head_dim=draw(st.sampled_from([4, 8])),
+        vocab=draw(st.integers(16, 200)),
+        experts=experts,
+        top_k=draw(st.integers(1, min(3, experts))),
+        intermediate=draw(st.sampled_from([8, 16])),
+        norm_topk_prob=draw(st.booleans()),
+        tie=draw(st.booleans()),
+        eos=draw(st.one_of(st.none(), st.integers(0, 15))),
+        seed=draw(st.integers(0, 2**16)),
+    )
+    if arch in ("qwen2_moe", "qwen3_moe"):
+        spec["dense_layers"] = tuple(draw(st.sets(st.integers(0, layers - 1), max_size=1)))
+    return spec
+
+
+def _prompt(data, vocab: int) -> torch.Tensor:
+    ids = data.draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=24), label="prompt")
+    return torch.tensor([ids])
+
+
+def _full_masks(n: int) -> dict:
+    return masks_for("sdpa", ["full_attention"], 0, n, window=None, dtype=torch.float32,
+                     device=torch.device("cpu"), additive=True)  # fmt: skip
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_capture_exposes_router_and_experts_with_shared_weights(arch):
+    dense = (1,) if arch.startswith("qwen") else ()
+    model = tiny_moe_model(arch, layers=3, dense_layers=dense)
+    gm = capture(model)
+    moe_layers = [i for i in range(3) if i not in dense]
+    routers, experts = nodes_by_role(gm, "router"), nodes_by_role(gm, "experts")
+    assert [n.meta[LAYER] for n in routers] == moe_layers
+    assert [n.meta[LAYER] for n in experts] == moe_layers
+    assert [n.meta[LAYER] for n in nodes_by_role(gm, "layer")] == [0, 1, 2]
+    for node in experts:
+        # experts(hidden [T, H], top_k_index, top_k_weights): the ids come from the router.
+        index, weights = node.args[1], node.args[2]
+        assert index.args[1] == 2 and weights.args[1] == 1
+        assert index.args[0].meta["leapfx.role"] == "router" == weights.args[0].meta["leapfx.role"]
+        module = gm.get_submodule(node.target)
+        hf = model.model.layers[node.meta[LAYER]].mlp.experts
+        assert module is hf and module.gate_up_proj is hf.gate_up_proj  # by reference
+    if arch == "qwen2_moe":
+        assert len(nodes_by_role(gm, "shared_expert")) == 5 * len(moe_layers)
+    # The layer's own modules stay reachable for passes that copy them (Kangaroo).
+    assert layer_module(gm, 0).self_attn is model.model.layers[0].self_attn
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2]])
+    ours = gm(ids, torch.arange(7)[None], _full_masks(7), None)["logits"]
+    assert torch.equal(ours, model(ids, use_cache=False).logits)  # bitwise the HF forward
+
+
+def test_stages_split_moe_layers_at_the_exit():
+    model = tiny_moe_model("olmoe", layers=4)
+    sm = rewrite.apply(model, "layerskip", exit_layer=2)
+    draft_layers = {n.meta[LAYER] for n in sm.stages["draft"].graph.nodes if LAYER in n.meta}
+    verify_experts = nodes_by_role(sm.stages["verify"], "experts")
+    assert draft_layers == {0, 1}
+    # verify runs the lower layers for the last draft token and the upper ones for all.
+    assert sorted(n.meta[LAYER] for n in verify_experts) == [0, 1, 2, 3]
+
+
+@settings(max_examples=30)
+@given(spec=moe_specs(), data=st.data())
+def test_autoregressive_identical_to_hf_on_moe(spec, data):
+    model = tiny_moe_model(**spec)
+    prompt = _prompt(data, spec["vocab"])
+    max_new = data.draw(st.integers(1, 16), label="max_new_tokens")
+    fuse = data.draw(st.booleans(), label="fuse_layers")
+    sm = rewrite.apply(model, "autoregressive", fuse_layers=fuse)
+    ours = sm.generate(prompt, max_new_tokens=max_new)
+    ref = hf_greedy(model, prompt, max_new)
+    # The same kernels in the same order as HF (prefill, then one token a step): no ties.
+    assert torch.equal(ours, ref), f"ours {ours.tolist()}\nHF   {ref.tolist()}"
+
+
+@settings(max_examples=30)
+@given(spec=moe_specs(), data=st.data())
+def test_speculative_recipes_lossless_on_moe(spec, data):
+    model = tiny_moe_model(**spec)
+    prompt = _prompt(data, spec["vocab"])
+    max_new = data.draw(st.integers(1, 16), label="max_new_tokens")
+    e = data.draw(st.integers(1, spec["layers"] - 1), label="exit_layer")
+    recipe = data.draw(st.sampled_from(["layerskip", "kangaroo"]), label="recipe")
+    if recipe == "layerskip":
+        d = data.draw(st.integers(1, 6), label="num_speculations")
+        sm = rewrite.apply(model, recipe, exit_layer=e, num_speculations=d)
+    else:
+        sm = rewrite.apply(model, recipe, exit_layer=e, confidence_threshold=0.0)
+    ours = sm.generate(prompt, max_new_tokens=max_new)
+    assert_greedy_equal(model, ours, hf_greedy(model, prompt, max_new), prompt.shape[1])
+
+
+@settings(max_examples=15)
+@given(spec=moe_specs(), data=st.data())
+def test_early_exit_on_moe_is_the_truncated_model(spec, data):
+    model = tiny_moe_model(**spec)
+    prompt = _prompt(data, spec["vocab"])
+    e = data.draw(st.integers(1, spec["layers"] - 1), label="exit_layer")
+    max_new = data.draw(st.integers(1, 10), label="max_new_tokens")
+    ours = rewrite.apply(model, "early_exit", exit_layer=e).generate(prompt, max_new_tokens=max_new)
+    short = copy.deepcopy(model)
+    short.model.layers = short.model.layers[:e]
+    short.config.num_hidden_layers = e
+    assert_greedy_equal(short, ours, hf_greedy(short, prompt, max_new), prompt.shape[1])
+
+
+def test_unsupported_moe_family_is_refused_with_the_list():
+    model = tiny_moe_model("olmoe", layers=2)
+    model.config.model_type = "deepseek_v3"
+    with pytest.raises(ValueError, match="olmoe.*qwen3_moe|mixtral"):
+        rewrite.apply(model, "autoregressive")
