@@ -47,6 +47,8 @@ LAYER = "leapfx.layer"
 ATTN_KIND = "leapfx.attn_kind"
 # A node that writes the KV cache as a side effect: stages keep it even when its output is unused.
 WRITES_CACHE = "leapfx.writes_cache"
+# A node run for its side effect other than the KV cache (an expert prefetch): stages keep it.
+SIDE_EFFECT = "leapfx.side_effect"
 # GraphModule meta: KV-cache slots the rewrite adds past the host's layers (an adapter attention).
 EXTRA_CACHE_LAYERS = "leapfx.extra_cache_layers"
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from .capture import LAYER, ROLE, WRITES_CACHE, output_dict
+from .capture import LAYER, ROLE, SIDE_EFFECT, WRITES_CACHE, output_dict
 from .exit_head import exit_layer_of
 
 # Nodes shared by every layer; a node of decoder layer i (the layer itself, or one of an MoE
@@ -78,7 +78,9 @@ def _copy(graph: fx.Graph, nodes: list[fx.Node], env: dict[fx.Node, fx.Node]) ->
 
 
 def _has_side_effect(node: fx.Node) -> bool:
-    return node.meta.get(WRITES_CACHE, False) or node.is_impure()
+    return node.meta.get(WRITES_CACHE, False) or node.meta.get(SIDE_EFFECT, False) or (
+        node.is_impure()
+    )
 
 
 def _ancestors(node: fx.Node) -> set[fx.Node]:

@@ -99,6 +99,10 @@ class SpeculativeModel:
         # Stage executors that generate() runs: the eager stages unless compile() replaced them.
         self._executors: dict[str, Any] | None = None
         self.backend = "eager"
+        # The expert-offload runtime (rewrite.apply(..., offload=...)); its report of the
+        # latest generate call lands in last_offload_report.
+        self.offload = None
+        self.last_offload_report = None
 
     @property
     def hf_model(self) -> nn.Module:
@@ -290,10 +294,15 @@ class SpeculativeModel:
         needed = prompt.shape[1] + request.max_new_tokens + self.recipe.lookahead
         stages = self._executors or self.stages.modules
         runner = StageRunner(stages, self._cache_for(needed), self._layout)
+        if self.offload is not None:
+            self.offload.begin()
         tokens, self.last_metrics = decode(
             self.recipe.schedule, runner, prompt, request, name=self.recipe.name,
             num_speculations=getattr(self.options, "num_speculations", 0),
         )  # fmt: skip
+        if self.offload is not None:
+            self.offload.synchronize()  # prefetches still in flight finish before we return
+            self.last_offload_report = self.offload.report(len(tokens), self.last_metrics.seconds)
         new = torch.tensor([tokens], dtype=input_ids.dtype, device=input_ids.device)
         return torch.cat([input_ids, new], dim=1)
 
