@@ -78,9 +78,8 @@ def _copy(graph: fx.Graph, nodes: list[fx.Node], env: dict[fx.Node, fx.Node]) ->
 
 
 def _has_side_effect(node: fx.Node) -> bool:
-    return node.meta.get(WRITES_CACHE, False) or node.meta.get(SIDE_EFFECT, False) or (
-        node.is_impure()
-    )
+    marked = node.meta.get(WRITES_CACHE, False) or node.meta.get(SIDE_EFFECT, False)
+    return marked or node.is_impure()
 
 
 def _ancestors(node: fx.Node) -> set[fx.Node]:
