@@ -212,6 +212,11 @@ class SpeculativeModel:
         """
         from .compiled import CompileOptions, compile_stages
 
+        if self.offload is not None:
+            raise ValueError(
+                "compile: the experts of this model are offloaded (data-dependent transfers "
+                "that torch.compile cannot trace); allowed: the eager backend"
+            )
         options = CompileOptions(
             mode=mode,
             verify_shapes=verify_shapes,

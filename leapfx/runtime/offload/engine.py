@@ -46,6 +46,30 @@ class TransferEngine(Protocol):
     def close(self) -> None: ...
 
 
+class _Busy:
+    seconds = 0.0  # worker time spent in jobs (the copy engine's busy share)
+
+
+def _work(jobs: queue.PriorityQueue, delay: float, busy: _Busy) -> None:
+    # A function of the queue, not a method: the thread must not keep the engine alive, so that
+    # an engine nobody references is collected and its __del__ stops the thread.
+    while True:
+        _, _, job, future = jobs.get()
+        if job is None:
+            return
+        if not future.set_running_or_notify_cancel():
+            continue
+        start = time.perf_counter()
+        try:
+            if delay:
+                time.sleep(delay)
+            future.set_result(job())
+        except BaseException as err:  # handed to the waiting thread, which re-raises it
+            future.set_exception(err)
+        finally:
+            busy.seconds += time.perf_counter() - start
+
+
 class ThreadEngine:
     """A worker thread with a priority queue of copy jobs; tickets are futures.
 
@@ -56,27 +80,16 @@ class ThreadEngine:
     def __init__(self, *, delay_s: float = 0.0) -> None:
         self._queue: queue.PriorityQueue = queue.PriorityQueue()
         self._order = itertools.count()
-        self._delay = delay_s
-        self.busy_seconds = 0.0  # worker time spent in jobs (the copy engine's busy share)
-        self._thread = threading.Thread(target=self._work, name="leapfx-offload", daemon=True)
+        self._busy = _Busy()
+        self._thread = threading.Thread(
+            target=_work, args=(self._queue, delay_s, self._busy), name="leapfx-offload",
+            daemon=True,
+        )  # fmt: skip
         self._thread.start()
 
-    def _work(self) -> None:
-        while True:
-            _, _, job, future = self._queue.get()
-            if job is None:
-                return
-            if not future.set_running_or_notify_cancel():
-                continue
-            start = time.perf_counter()
-            try:
-                if self._delay:
-                    time.sleep(self._delay)
-                future.set_result(job())
-            except BaseException as err:  # handed to the waiting thread, which re-raises it
-                future.set_exception(err)
-            finally:
-                self.busy_seconds += time.perf_counter() - start
+    @property
+    def busy_seconds(self) -> float:
+        return self._busy.seconds
 
     def submit(self, job: Job, *, demand: bool, after: Any = None) -> Future:
         future: Future = Future()
@@ -98,9 +111,13 @@ class ThreadEngine:
         return None
 
     def close(self) -> None:
+        """Stop the worker after the jobs already queued."""
         if self._thread.is_alive():
-            self._queue.put((-1, next(self._order), None, None))
+            self._queue.put((2, next(self._order), None, None))
             self._thread.join()
+
+    def __del__(self) -> None:
+        self._queue.put((2, next(self._order), None, None))
 
 
 class CudaEngine:
