@@ -347,3 +347,40 @@ def test_cuda_engine_offload_is_token_identical(prefetch):
     assert sm.offload.store.pinned
     assert torch.equal(ours, resident)
     assert sm.last_offload_report.hit_rate > 0
+
+
+def test_offloaded_moe_layerskip_sampling_matches_target_distribution():
+    """Rejection sampling over an offloaded MoE model: the target's distribution (chi-square)."""
+    import numpy as np
+    from scipy.stats import chisquare
+
+    from tests.test_sampling_e2e import TEMPERATURE, TOP_K, TOP_P, _exact_distribution
+
+    model = tiny_moe_model("qwen2_moe", layers=3, vocab=6, heads=2, kv_heads=1, experts=4,
+                           seed=11)  # fmt: skip
+    with torch.no_grad():
+        model.lm_head.weight.mul_(0.25)
+    prompt = torch.tensor([[1, 4, 2]])
+    exact = _exact_distribution(model, prompt, 3)
+    options = OffloadOptions(slots=2, tier="host", prefetch="next_gate")
+    sm = rewrite.apply(model, "layerskip", exit_layer=1, num_speculations=4, offload=options)
+    g = torch.Generator().manual_seed(99)
+    n = 3000
+    counts = dict.fromkeys(exact, 0)
+    for _ in range(n):
+        out = sm.generate(prompt, do_sample=True, temperature=TEMPERATURE, top_k=TOP_K,
+                          top_p=TOP_P, max_new_tokens=3, generator=g)  # fmt: skip
+        counts[tuple(out[0, 3:].tolist())] += 1
+    sm.offload.close()
+    keys = sorted(exact, key=lambda k: -exact[k])
+    expected = np.array([exact[k] * n for k in keys])
+    observed = np.array([counts[k] for k in keys])
+    assert observed[expected == 0].sum() == 0
+    big = expected >= 5
+    tail = (expected > 0) & ~big
+    exp_b, obs_b = expected[big], observed[big]
+    if tail.any():
+        exp_b = np.append(exp_b, expected[tail].sum())
+        obs_b = np.append(obs_b, observed[tail].sum())
+    stat, pvalue = chisquare(obs_b, exp_b * obs_b.sum() / exp_b.sum())
+    assert pvalue > 1e-3, f"chi-square {stat:.1f} over {len(exp_b)} bins, p={pvalue:.2e}"
