@@ -144,3 +144,19 @@ def test_unsupported_moe_family_is_refused_with_the_list():
     model.config.model_type = "deepseek_v3"
     with pytest.raises(ValueError, match="olmoe.*qwen3_moe|mixtral"):
         rewrite.apply(model, "autoregressive")
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_moe_attention_is_fused_bitwise(arch):
+    model = tiny_moe_model(arch, layers=3, seed=2)
+    if arch == "olmoe":
+        model.config.clip_qkv = 0.05  # small enough to clamp: the in-place clamp path runs
+    sm = rewrite.apply(model, "autoregressive")
+    targets = [n.target for n in nodes_by_role(sm.graph_module, "attention")]
+    assert targets == [f"leapfx_fused.attention_{i}" for i in range(3)]
+    prompt = torch.tensor([[5, 3, 8, 1, 9, 2]])
+    ours = sm.generate(prompt, max_new_tokens=12)
+    assert torch.equal(ours, hf_greedy(model, prompt, 12))
+    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    logits = sm.stages["full"](ids, torch.arange(5)[None], _full_masks(5), None)["logits"]
+    assert torch.equal(logits, model(ids, use_cache=False).logits)
