@@ -160,3 +160,19 @@ def test_moe_attention_is_fused_bitwise(arch):
     ids = torch.tensor([[3, 1, 4, 1, 5]])
     logits = sm.stages["full"](ids, torch.arange(5)[None], _full_masks(5), None)["logits"]
     assert torch.equal(logits, model(ids, use_cache=False).logits)
+
+
+def test_routing_stats_report_entropy_load_and_predictability():
+    from leapfx.bench.routing import routing_stats
+
+    model = tiny_moe_model("qwen3_moe", layers=4, experts=6, top_k=2, dense_layers=(1,))
+    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(0))
+    stats = routing_stats(model, [ids])
+    assert sorted(stats["layers"]) == ["0", "2", "3"] and stats["tokens"] == 40
+    first = stats["layers"]["0"]
+    assert 0 < first["entropy_bits"] <= first["entropy_max_bits"] + 1e-6
+    assert abs(sum(first["load"]) - 1) < 1e-3 and first["load_max_over_mean"] >= 1
+    assert first["next_gate"]["1"]["target_layer"] == 2  # the next MoE layer, past the dense
+    assert first["next_gate"]["2"]["target_layer"] == 3
+    assert 0 <= first["next_gate"]["1"]["precision"] <= 1
+    assert "1" not in stats["layers"]["3"]["next_gate"]
