@@ -44,12 +44,16 @@ def test_run_bench_rows(checkpoint):
         assert by[name].identical_to_greedy is True
         assert (by[name].identical_prompts, by[name].prompts) == (2, 2)
         assert by[name].differences is None
+    ls = by["leapfx_layerskip"]
     static = by["hf_static"]
     assert static.speedup_vs_static == 1.0 and static.extra["hf_compiled"] is False  # CPU
     for r in rows:
         assert r.speedup_vs_static == pytest.approx(r.tokens_per_second / static.tokens_per_second)
-    assert 0.0 <= by["leapfx_early_exit"].agreement_with_greedy <= 1.0
-    ls = by["leapfx_layerskip"]
+    ee = by["leapfx_early_exit"]
+    assert 0.0 <= ee.agreement_with_greedy <= 1.0
+    assert 0.0 <= ee.agreement <= 1.0 and ee.avg_layers == 2.0  # teacher-forced; E = 2
+    assert by["leapfx_autoregressive"].avg_layers == 4.0 and ls.avg_layers is None
+    assert ee.agreement >= ee.agreement_with_greedy  # forced never diverges for good
     assert len(ls.ctar) == 3 and ls.mean_accepted_tokens >= 1.0
     assert all(r.tokens_per_second > 0 for r in rows)
     assert 0.0 <= by["hf_greedy"].extra["repeated_4gram_share"] <= 1.0

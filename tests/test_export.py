@@ -147,6 +147,22 @@ def test_onnx_identical_to_eager(exported, onnx_model, arch, recipe, data):
         assert_same_tokens(ours, eager, reference, prompt)
 
 
+def test_onnx_teacher_forcing_matches_eager(exported, onnx_model):
+    model, sm, _ = exported("llama", "layerskip")
+    prompt = torch.tensor([[5, 9, 2, 7]])
+    ref = rewrite.apply(model, "autoregressive").generate(prompt, max_new_tokens=10)
+    teacher = ref[0, prompt.shape[1] :]
+    eager = rewrite.apply(model, "early_exit", exit_layer=1)
+    om = onnx_model("llama", "layerskip", "early_exit")
+    assert torch.equal(om.generate(prompt, teacher_tokens=teacher), ref)
+    eager.generate(prompt, teacher_tokens=teacher)
+    m, e = om.last_metrics, eager.last_metrics
+    assert m.teacher_positions == 10 and m.avg_layers == 1.0
+    assert m.teacher_agreed == e.teacher_agreed  # same exit head, same decisions
+    with pytest.raises(ValueError, match="teacher_tokens: recipe 'layerskip' is lossless"):
+        onnx_model("llama", "layerskip").generate(prompt, teacher_tokens=teacher)
+
+
 def test_manifest_files_and_checker(exported):
     model, sm, path = exported("llama", "layerskip")
     manifest = json.loads((path / MANIFEST).read_text())

@@ -9,7 +9,8 @@ Every system decodes the same prompts with the same ``max_new_tokens`` and the s
 - ``hf_assistant_early_exit``  HF's own LayerSkip: ``generate(assistant_early_exit=E,
                                num_assistant_tokens=d)``, constant schedule
 - ``leapfx_autoregressive``    the leapfx runtime without speculation
-- ``leapfx_early_exit``        exit after E layers for every token (lossy: agreement reported)
+- ``leapfx_early_exit``        exit after E layers for every token (lossy: ``agreement``, the
+                               teacher-forced agreement with greedy, and ``avg_layers``)
 - ``leapfx_<recipe>``          the recipe under test (``layerskip`` by default)
 
 Timing: one warm-up pass per system, then ``repeats`` timed passes; within a pass the systems
@@ -38,6 +39,7 @@ from tqdm.auto import tqdm
 
 from .. import rewrite
 from ..runtime.metrics import DecodeMetrics
+from .agreement import teacher_forced_agreement
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +128,10 @@ class Row:
     differences: list[dict] | None = None
     speedup_vs_static: float | None = None  # tokens/s over hf_static's (when it ran)
     agreement_with_greedy: float | None = None  # lossy systems: share of equal tokens
+    # Lossy systems, greedy runs: teacher-forced agreement with the baseline's tokens
+    # (leapfx.bench.agreement) and decoder layers run per token under it.
+    agreement: float | None = None
+    avg_layers: float | None = None  # every leapfx row that records it (timed pass)
     distribution_check: str | None = None  # sampling runs
     new_tokens: int = 0
     seconds: float = 0.0
@@ -154,11 +160,15 @@ class System:
         metrics: Callable[[], DecodeMetrics | None] = lambda: None,
         lossless: bool = True,
         info: dict | None = None,
+        model=None,
     ) -> None:
         self.name = name
         self.generate = generate
         self.metrics = metrics
         self.lossless = lossless
+        # The SpeculativeModel or OnnxModel behind a lossy leapfx row: teacher-forced
+        # agreement runs on it.
+        self.model = model
         self.info = info or {}  # copied into the row's extra (e.g. cpu_kernels)
 
     def run(self, prompts: list[torch.Tensor]) -> SystemRun:
@@ -244,7 +254,9 @@ def build_systems(model: nn.Module, config: BenchConfig, generator_seed: int = 0
             # eta > 0: rounds may stop short of d, which the speedup formula does not model.
             eta = getattr(getattr(sm, "options", None), "confidence_threshold", 0)
             info["dynamic_draft_length"] = bool(eta)
-            return System(name + suffix, run, lambda: sm.last_metrics, lossless=lossless, info=info)
+            # SpeculativeModel and OnnxModel both take teacher_tokens (lossy recipes).
+            return System(name + suffix, run, lambda: sm.last_metrics, lossless=lossless,
+                          info=info, model=None if lossless else sm)  # fmt: skip
 
         systems.append(ours("leapfx_autoregressive", rewrite.apply(model, "autoregressive")))
         if config.throughput_only:
@@ -424,6 +436,10 @@ def _rows(systems, prompts, config, times, first) -> list[Row]:
                 row.agreement_with_greedy = sum(a for a, _ in agree) / max(
                     1, sum(n for _, n in agree)
                 )
+                if system.model is not None:  # after timing: not part of the row's speed
+                    row.agreement = teacher_forced_agreement(
+                        system.model, prompts, baseline.outputs
+                    ).agreement
         if system.name == base:
             shares = [
                 repeated_4gram_share(o[0, p.shape[1] :].tolist())
@@ -431,6 +447,8 @@ def _rows(systems, prompts, config, times, first) -> list[Row]:
             ]
             row.extra["repeated_4gram_share"] = sum(shares) / len(shares)
         if run.metrics:
+            layers = [n for m in run.metrics for n in m.layers_per_token]
+            row.avg_layers = sum(layers) / len(layers) if layers else None
             row.extra["stage_seconds"] = _sum_stage_seconds(run.metrics)
             row.extra["full_steps"] = autoregressive_steps(run.metrics)  # prefills apart
         rows.append(row)

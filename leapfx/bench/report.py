@@ -50,6 +50,10 @@ def table(rows: list[Row]) -> str:
             same = identical(r)
         elif r.identical_to_greedy is not None:
             same = "yes" if r.identical_to_greedy else "NO"
+        elif r.agreement is not None:  # teacher-forced (lossy leapfx rows)
+            same = f"agreement {r.agreement:.1%}"
+            if r.avg_layers is not None:
+                same += f", {r.avg_layers:.1f} layers"
         elif r.agreement_with_greedy is not None:
             same = f"agree {r.agreement_with_greedy:.1%}"
         elif r.distribution_check is not None:

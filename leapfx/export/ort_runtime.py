@@ -37,7 +37,14 @@ import numpy as np
 import torch
 
 from ..runtime.cache import SlotLengths
-from ..runtime.decode import cache_length, check_prompt, decode, decode_request
+from ..runtime.decode import (
+    cache_length,
+    check_prompt,
+    decode,
+    decode_request,
+    teacher_sequence,
+    with_teacher,
+)
 from ..runtime.metrics import DecodeMetrics
 from ..runtime.runner import AttentionLayout, StageRunner
 from .manifest import read_manifest
@@ -284,6 +291,7 @@ class OnnxModel:
         fields = {f.name for f in dataclasses.fields(r.options_type)}
         self.options = r.options_type(**{k: v for k, v in m["options"].items() if k in fields})
         self._schedule = r.schedule(self.options)
+        self._lossless = r.lossless
         self._lookahead = r.lookahead(self.options)
         self._generation_config = _generation_config(m["generation_config"])
         att = m["attention"]
@@ -320,13 +328,18 @@ class OnnxModel:
         top_p: float | None = None,
         eos_token_id: int | list[int] | None = None,
         generator: torch.Generator | None = None,
+        teacher_tokens: torch.Tensor | list[int] | None = None,
     ) -> torch.Tensor:
         """Generate like ``SpeculativeModel.generate``: returns [1, prompt + new] token ids.
 
         Defaults (``max_new_tokens``, sampling, EOS) come from the exported model's generation
-        config. Metrics land in ``self.last_metrics``.
+        config. Metrics land in ``self.last_metrics``. ``teacher_tokens``: teacher forcing for
+        lossy recipes, as in ``SpeculativeModel.generate``.
         """
         check_prompt(input_ids, attention_mask, self.manifest["vocab_size"])
+        teacher = teacher_sequence(teacher_tokens, self.recipe, self._lossless)
+        if teacher is not None and max_new_tokens is None:
+            max_new_tokens = len(teacher)
         prompt = input_ids.to(torch.long).cpu()
         sampling = {"do_sample": do_sample, "temperature": temperature, "top_k": top_k,
                     "top_p": top_p}  # fmt: skip
@@ -336,6 +349,7 @@ class OnnxModel:
             self._generation_config, prompt.shape[1], max_new_tokens=max_new_tokens,
             eos_token_id=eos_token_id, sampling=sampling, generator=generator,
         )  # fmt: skip
+        request = with_teacher(request, teacher)
         needed = prompt.shape[1] + request.max_new_tokens + self._lookahead
         runner = StageRunner(self.stages, self._cache_for(needed), self._layout)
         with torch.inference_mode():

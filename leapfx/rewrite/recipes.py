@@ -256,7 +256,7 @@ RECIPES: dict[str, Recipe] = {
             options_type=EarlyExitOptions,
             passes=lambda o: [InsertExitHead(layer=o.exit_layer), *_fuse(o)],
             cut=early_exit_stages,
-            schedule=lambda o: schedules.early_exit,
+            schedule=lambda o: partial(schedules.early_exit, exit_layer=o.exit_layer),
             lookahead=lambda o: 1,
             lossless=False,
         ),

@@ -7,6 +7,7 @@ the stages; each backend only supplies its stages, its cache and its generation 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import Any
@@ -87,6 +88,46 @@ def decode_request(
         eos = frozenset(int(t) for t in eos_token_id)
     params = SamplingParams.from_generation_config(generation_config, **sampling)
     return DecodeRequest(max_new_tokens, eos, params, generator)
+
+
+def teacher_sequence(teacher_tokens, recipe: str, lossless: bool) -> tuple[int, ...] | None:
+    """``generate``'s ``teacher_tokens`` as a tuple of ints (None: no teacher forcing)."""
+    if teacher_tokens is None:
+        return None
+    if lossless:
+        raise ValueError(
+            f"teacher_tokens: recipe {recipe!r} is lossless (its tokens are the full model's); "
+            "teacher forcing measures the agreement of lossy recipes (e.g. 'early_exit')"
+        )
+    t = torch.as_tensor(teacher_tokens)
+    if t.dtype.is_floating_point or t.dtype == torch.bool or t.dim() > 2 or t.numel() == 0:
+        raise ValueError(
+            f"teacher_tokens: dtype {t.dtype}, shape {tuple(t.shape)} is invalid; allowed: a "
+            "non-empty integer sequence [m] or [1, m]"
+        )
+    if t.dim() == 2 and t.shape[0] != 1:
+        raise ValueError(
+            f"teacher_tokens: shape {tuple(t.shape)} is invalid; allowed: [m] or [1, m] "
+            "(batch size 1)"
+        )
+    return tuple(int(x) for x in t.reshape(-1).tolist())
+
+
+def with_teacher(request: DecodeRequest, teacher: tuple[int, ...] | None) -> DecodeRequest:
+    """``request`` with teacher forcing (greedy only, at most one new token per teacher's)."""
+    if teacher is None:
+        return request
+    if request.sampling.do_sample:
+        raise ValueError(
+            "teacher_tokens: teacher forcing measures greedy agreement; allowed only with "
+            "do_sample=False"
+        )
+    if request.max_new_tokens > len(teacher):
+        raise ValueError(
+            f"max_new_tokens: {request.max_new_tokens} is more than the {len(teacher)} "
+            f"teacher_tokens; allowed: at most {len(teacher)}"
+        )
+    return dataclasses.replace(request, teacher_tokens=teacher)
 
 
 def cache_length(needed: int, fixed: int | None, lookahead: int) -> int:

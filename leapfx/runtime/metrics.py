@@ -7,6 +7,15 @@ correction token the verifier emits, so ``s_k >= 1``.
 - ``acceptance_rate``      = accepted draft tokens / drafted tokens;
 - ``ctar(w)``              = share of verify steps with s_k > w (all of the first w drafts
   accepted); ``ctar_curve`` holds w = 1..num_speculations.
+
+Early exit (lossy recipes):
+
+- ``avg_layers``     = mean decoder layers run per emitted token (a schedule records, for each
+  token it emits, the layers its pass ran; None where a schedule records none);
+- ``exit_histogram`` = {layers run: tokens};
+- ``agreement``      = under teacher forcing (``generate(..., teacher_tokens=...)``: the full
+  model's greedy tokens are emitted, the recipe decides with its own cache state), the share of
+  positions whose own token equals the teacher's; None without teacher forcing.
 """
 
 from __future__ import annotations
@@ -31,6 +40,35 @@ class DecodeMetrics:
     drafted_per_verify: list[int] = field(default_factory=list)  # drafts each verify checked
     num_speculations: int = 0
     stage_seconds: dict[str, float] = field(default_factory=dict)  # host time per stage
+    layers_per_token: list[int] = field(default_factory=list)  # decoder layers per emitted token
+    teacher_positions: int = 0  # positions decided under teacher forcing
+    teacher_agreed: int = 0  # ... whose own token equalled the teacher's
+
+    def record_layers(self, layers: int, tokens: int = 1) -> None:
+        """``tokens`` emitted tokens each ran ``layers`` decoder layers."""
+        self.layers_per_token.extend([layers] * tokens)
+
+    def record_agreement(self, agreed: bool) -> None:
+        self.teacher_positions += 1
+        self.teacher_agreed += bool(agreed)
+
+    @property
+    def avg_layers(self) -> float | None:
+        n = self.layers_per_token
+        return sum(n) / len(n) if n else None
+
+    @property
+    def exit_histogram(self) -> dict[int, int]:
+        hist: dict[int, int] = {}
+        for n in self.layers_per_token:
+            hist[n] = hist.get(n, 0) + 1
+        return dict(sorted(hist.items()))
+
+    @property
+    def agreement(self) -> float | None:
+        if not self.teacher_positions:
+            return None
+        return self.teacher_agreed / self.teacher_positions
 
     def record_verify(self, drafted: int, accepted: int) -> None:
         self.verify_calls += 1
@@ -84,4 +122,7 @@ class DecodeMetrics:
             "mean_accepted_tokens": self.mean_accepted_tokens,
             "ctar": self.ctar_curve,
             "stage_seconds": dict(self.stage_seconds),
+            "avg_layers": self.avg_layers,
+            "exit_histogram": {str(k): v for k, v in self.exit_histogram.items()},
+            "agreement": self.agreement,
         }

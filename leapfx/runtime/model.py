@@ -27,7 +27,14 @@ from torch import fx, nn
 from ..passes.capture import decoder_parts
 from ..passes.partition import Stages
 from .cache import StaticKVCache, cache_for
-from .decode import cache_length, check_prompt, decode, decode_request
+from .decode import (
+    cache_length,
+    check_prompt,
+    decode,
+    decode_request,
+    teacher_sequence,
+    with_teacher,
+)
 from .masks import SUPPORTED_ATTENTION
 from .metrics import DecodeMetrics
 from .runner import AttentionLayout, StageRunner
@@ -56,6 +63,7 @@ class RecipeInfo:
     schedule: Schedule
     lookahead: int  # positions a schedule may write past the last emitted token
     extra_cache_layers: int = 0  # KV-cache slots for attention blocks the rewrite added
+    lossless: bool = True  # token-identical to greedy; lossy recipes support teacher forcing
     # Trains/saves what the recipe inserted; a factory so that decoding never imports training.
     training: Callable[[], RecipeTraining] | None = None
 
@@ -272,8 +280,15 @@ class SpeculativeModel:
         top_p: float | None = None,
         eos_token_id: int | list[int] | None = None,
         generator: torch.Generator | None = None,
+        teacher_tokens: torch.Tensor | list[int] | None = None,
     ) -> torch.Tensor:
         """Generate like HF ``generate``: returns [1, prompt + new] token ids.
+
+        ``teacher_tokens`` (lossy recipes): the full model's greedy continuation of the prompt,
+        [m] or [1, m]; the recipe emits these tokens instead of its own and
+        ``last_metrics.agreement`` is the share of positions where its own choice (exit
+        decisions made on its own cache state) was the same token. ``max_new_tokens`` defaults
+        to m and may not exceed it.
 
         Greedy output is token-identical to ``hf_model.generate(input_ids, do_sample=False)``
         for lossless recipes; with ``do_sample=True`` it has the same distribution as HF
@@ -284,6 +299,9 @@ class SpeculativeModel:
         the other way (``leapfx.bench.ties`` measures it; see docs/gpu.md).
         """
         check_prompt(input_ids, attention_mask, self._hf_model.config.vocab_size)
+        teacher = teacher_sequence(teacher_tokens, self.recipe.name, self.recipe.lossless)
+        if teacher is not None and max_new_tokens is None:
+            max_new_tokens = len(teacher)
         prompt = input_ids.to(self._layout.device)
         sampling = {"do_sample": do_sample, "temperature": temperature, "top_k": top_k,
                     "top_p": top_p}  # fmt: skip
@@ -291,6 +309,7 @@ class SpeculativeModel:
             self._hf_model.generation_config, prompt.shape[1], max_new_tokens=max_new_tokens,
             eos_token_id=eos_token_id, sampling=sampling, generator=generator,
         )  # fmt: skip
+        request = with_teacher(request, teacher)
         if self._hf_model.training:
             warnings.warn(
                 "the model is in training mode (dropout active); call model.eval() first",

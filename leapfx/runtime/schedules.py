@@ -39,6 +39,10 @@ class DecodeRequest:
     eos_token_ids: frozenset[int]
     sampling: SamplingParams
     generator: torch.Generator | None = None
+    # Teacher forcing, for lossy schedules (``agreement``): emit teacher_tokens[i] as the i-th
+    # new token instead of the schedule's own choice, and count whether the two agree. The
+    # schedule decides everything else (exits, cache state) as it would on its own.
+    teacher_tokens: tuple[int, ...] | None = None
 
 
 class Output:
@@ -74,38 +78,56 @@ def _token(t: torch.Tensor) -> int:
     return int(t.reshape(-1)[0])
 
 
+def teacher_force(
+    token: torch.Tensor, out: Output, request: DecodeRequest, metrics: DecodeMetrics
+) -> torch.Tensor:
+    """The token [1, 1] to emit next: ``token`` itself, or under teacher forcing the teacher's
+    token at this position (recording whether ``token`` agreed with it)."""
+    teacher = request.teacher_tokens
+    if teacher is None:
+        return token
+    forced = teacher[len(out.tokens)]
+    metrics.record_agreement(_token(token) == forced)
+    return torch.full_like(token, forced)
+
+
 def autoregressive(
     runner: StageRunner, prompt: torch.Tensor, request: DecodeRequest, metrics: DecodeMetrics
 ) -> list[int]:
     """One full-model call per token: the reference schedule (token-identical to HF greedy)."""
-    return _one_stage_loop(runner.full, runner, prompt, request, metrics, "full_calls")
+    layers = len(runner.layout.kinds)  # every decoder layer of the host
+    return _one_stage_loop(runner.full, runner, prompt, request, metrics, "full_calls", layers)
 
 
 def early_exit(
-    runner: StageRunner, prompt: torch.Tensor, request: DecodeRequest, metrics: DecodeMetrics
+    runner: StageRunner,
+    prompt: torch.Tensor,
+    request: DecodeRequest,
+    metrics: DecodeMetrics,
+    exit_layer: int,
 ) -> list[int]:
-    """LayerSkip sec. 4.2: every token from the exit head after layer E (lossy)."""
+    """LayerSkip sec. 4.2: every token from the exit head after layer E = ``exit_layer`` (lossy)."""
 
     def stage(ids: torch.Tensor, start: int) -> torch.Tensor:
         return runner.draft(ids, start)[0]
 
-    return _one_stage_loop(stage, runner, prompt, request, metrics, "draft_calls")
+    return _one_stage_loop(stage, runner, prompt, request, metrics, "draft_calls", exit_layer)
 
 
-def _one_stage_loop(stage, runner, prompt, request, metrics, counter) -> list[int]:
+def _one_stage_loop(stage, runner, prompt, request, metrics, counter, layers) -> list[int]:
+    """One ``stage`` call per token, each running ``layers`` decoder layers."""
     out = Output(request)
     logits = stage(prompt, 0)  # prefill: [1, n, V]
     pos = prompt.shape[1]
-    token = choose(logits[:, -1], request)
-    setattr(metrics, counter, getattr(metrics, counter) + 1)
-    out.extend([_token(token)])
-    while not out.done:
-        logits = stage(token, pos)
-        pos += 1
-        token = choose(logits[:, -1], request)
+    while True:
+        token = teacher_force(choose(logits[:, -1], request), out, request, metrics)
         setattr(metrics, counter, getattr(metrics, counter) + 1)
+        metrics.record_layers(layers)
         out.extend([_token(token)])
-    return out.tokens
+        if out.done:
+            return out.tokens
+        logits = stage(token, pos)  # [1, 1, V]
+        pos += 1
 
 
 def draft(
