@@ -211,3 +211,18 @@ def test_moe_reference_trainer_runs_and_reports_routing(tmp_path):
     sm.offload.close()
     again = train_moe_reference(tmp_path, steps=2, **kwargs)  # resumes: nothing left to run
     assert again["training"]["steps"] == 2
+
+
+def test_golden_moe_stage_text():
+    """The stages of an MoE model: its parts, with qwen2_moe's shared expert and a dense layer,
+    and the offloaded experts with next-gate prefetch nodes."""
+    from leapfx.runtime.offload import OffloadOptions
+    from tests.test_partition import _check_golden
+
+    model = tiny_moe_model("qwen2_moe", layers=3, dense_layers=(1,))
+    sm = rewrite.apply(model, "layerskip", exit_layer=1)
+    _check_golden("layerskip_qwen2_moe", sm.stages.code())
+    options = OffloadOptions(slots=2, prefetch="next_gate", tier="host")
+    sm = rewrite.apply(model, "layerskip", exit_layer=1, offload=options)
+    _check_golden("layerskip_qwen2_moe_offload_next_gate", sm.stages.code())
+    sm.offload.close()

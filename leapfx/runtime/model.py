@@ -338,6 +338,11 @@ class SpeculativeModel:
 
         >>> sm.export_onnx("layerskip-onnx/", overwrite=True)
         """
+        if self.offload is not None:
+            raise ValueError(
+                "export_onnx: the experts of this model are offloaded (a runtime, not a graph); "
+                "allowed: a model applied without offload="
+            )
         from ..export import export_onnx  # optional dependencies: imported when used
 
         return export_onnx(self, path, opset=opset, overwrite=overwrite)
