@@ -384,3 +384,20 @@ def test_offloaded_moe_layerskip_sampling_matches_target_distribution():
         obs_b = np.append(obs_b, observed[tail].sum())
     stat, pvalue = chisquare(obs_b, exp_b * obs_b.sum() / exp_b.sum())
     assert pvalue > 1e-3, f"chi-square {stat:.1f} over {len(exp_b)} bins, p={pvalue:.2e}"
+
+
+def test_trace_and_timeline_plot(tmp_path):
+    from leapfx.bench.offload import plot_offload
+
+    model = tiny_moe_model("olmoe", layers=3, experts=6, top_k=2)
+    sm = rewrite.apply(model, "autoregressive",
+                       offload=OffloadOptions(slots=2, prefetch="next_gate"))  # fmt: skip
+    sm.offload.trace = []
+    sm.generate(torch.tensor([[1, 2, 3, 4]]), max_new_tokens=6)
+    trace = sm.offload.trace
+    lanes = {span[0] for span in trace}
+    assert {"compute", "demand"} <= lanes and all(span[3] <= span[4] for span in trace)
+    assert sum(1 for span in trace if span[0] == "compute") == 3 * 6  # 3 layers x 6 calls
+    path = plot_offload(trace, sm.last_offload_report.hit_rate_per_layer, tmp_path / "t.png")
+    assert path.stat().st_size > 0
+    sm.offload.close()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from dataclasses import dataclass
 
@@ -71,9 +72,13 @@ class OffloadRow:
 
 def offload_rows(
     model, prompts: list[torch.Tensor], *, max_new_tokens: int, slots: float | int,
-    policy: str = "lru", exit_layer: int | None = None, path=None,
+    policy: str = "lru", exit_layer: int | None = None, path=None, plot_dir=None,
 ) -> list[OffloadRow]:  # fmt: skip
-    """Time every row on ``prompts`` (after one warm-up prompt per system)."""
+    """Time every row on ``prompts`` (after one warm-up prompt per system).
+
+    ``plot_dir``: also trace the last prompt of every offloaded row (not timed) and draw its
+    timeline into ``plot_dir/<system>.png``.
+    """
     exit_layer = exit_layer or max(1, model.config.num_hidden_layers // 4)
     systems = {
         "leapfx_resident": ("autoregressive", None, {}),
@@ -103,6 +108,12 @@ def offload_rows(
             name, tokens / seconds,
             identical=all(torch.equal(a, b) for a, b in zip(outputs, reference, strict=True)),
         )  # fmt: skip
+        if sm.offload is not None and plot_dir is not None:
+            sm.offload.trace = []
+            sm.generate(prompts[-1], max_new_tokens=max_new_tokens)
+            plot_offload(sm.offload.trace, sm.last_offload_report.hit_rate_per_layer,
+                         os.path.join(plot_dir, f"{name}.png"), title=name)  # fmt: skip
+            sm.offload.trace = None
         if sm.offload is not None:
             n = len(reports)
             for field in ("hit_rate", "prefetch_hit_rate", "stall_ms_per_token",
@@ -114,6 +125,38 @@ def offload_rows(
             sm.offload.close()
         rows.append(row)
     return rows
+
+
+def plot_offload(trace: list, hit_rate_per_layer: dict[int, float], path, *, title: str = ""):
+    """The overlap timeline (compute, stall and transfer lanes; cf. M2R2's Fig. 11) and the hit
+    rate per layer of one traced ``generate`` call, as one PNG at ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lanes = {"compute": 3, "stall": 2, "demand": 1, "prefetch": 0}
+    colors = {"compute": "tab:blue", "stall": "tab:red", "demand": "tab:orange",
+              "prefetch": "tab:green"}  # fmt: skip
+    t0 = min(span[3] for span in trace) if trace else 0.0
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 3.2), gridspec_kw={"width_ratios": [4, 1]})
+    for lane, y in lanes.items():
+        spans = [(1e3 * (a - t0), 1e3 * (b - a)) for kind, _, _, a, b in trace if kind == lane]
+        ax.broken_barh(spans, (y - 0.4, 0.8), color=colors[lane])
+    ax.set_yticks(list(lanes.values()), [f"{k}" for k in lanes])
+    ax.set_xlabel("ms")
+    ax.set_title(title or "expert offload: experts calls vs transfers")
+    layers = sorted(hit_rate_per_layer)
+    bx.bar([str(i) for i in layers], [hit_rate_per_layer[i] for i in layers], color="tab:blue")
+    bx.set_ylim(0, 1)
+    bx.set_xlabel("MoE layer")
+    bx.set_title("hit rate")
+    fig.tight_layout()
+    tmp = f"{path}.tmp.png"
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)  # written whole or not at all
+    return path
 
 
 def markdown(rows: list[OffloadRow]) -> str:
@@ -147,15 +190,30 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--path", default=None, help="the disk tier's file (default: a temp file)")
     p.add_argument("--json", default=None, help="also write the rows here")
+    p.add_argument("--plot", default=None, help="folder for each offloaded row's timeline PNG")
+    p.add_argument("--model", default=None, help="a local MoE checkpoint (default: random)")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
-    model = random_moe(layers=a.layers, hidden=a.hidden, experts=a.experts, top_k=a.top_k,
-                       intermediate=a.intermediate)  # fmt: skip
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 512, (1, 16), generator=g) for _ in range(a.prompts)]
+    if a.model is not None:
+        from transformers import AutoModelForCausalLM
+
+        from ..train.data import byte_tokenizer, held_out_prompts
+        from ..train.reference import reference_corpus
+
+        model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).eval()
+        found = held_out_prompts(byte_tokenizer(), reference_corpus(), num_tokens=32,
+                                 count=a.prompts)  # fmt: skip
+        prompts = [p.input_ids for p in found]
+    else:
+        model = random_moe(layers=a.layers, hidden=a.hidden, experts=a.experts, top_k=a.top_k,
+                           intermediate=a.intermediate)  # fmt: skip
+        g = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(0, 512, (1, 16), generator=g) for _ in range(a.prompts)]
+    if a.plot:
+        os.makedirs(a.plot, exist_ok=True)
     slots = int(a.slots) if a.slots >= 1 else a.slots
     rows = offload_rows(model, prompts, max_new_tokens=a.tokens, slots=slots, policy=a.policy,
-                        path=a.path)  # fmt: skip
+                        path=a.path, plot_dir=a.plot)  # fmt: skip
     print(markdown(rows))  # noqa: T201 - a command's output
     if a.json:
         with open(a.json, "w") as f:

@@ -17,7 +17,9 @@ routing order, so with one wave the output is bitwise the resident model's (the 
 it). A call that needs more distinct experts than there are slots (a long prefill, a verify
 pass) runs in waves, the other waves' entries given the sentinel id and weight 0 (HF's
 expert-parallel convention): the per-token sum then adds the waves' partial sums, which for
-top_k <= 2 is still exact and otherwise equal up to rounding.
+top_k <= 2 is still exact and otherwise equal up to rounding. (batched_mm computes the
+sentinel entries too, from a clamped slot, times weight 0: finite slots give exact zeros; with
+``poison`` on, use eager or grouped_mm.)
 
 Prefetch (``prefetch``, called by a ``next_gate`` node one MoE layer ahead): the predicted
 experts, most probable first, are placed into free or evicted-unpinned slots and loaded at low
@@ -31,6 +33,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -204,6 +207,10 @@ class ExpertOffload:
         self._predicted: dict[int, set[int]] = {}
         self.counters = _Counters()
         self._busy_start = 0.0
+        # (lane, layer, expert or None, start s, end s) spans for a timeline plot, when tracing:
+        # lanes "compute" (an experts call), "stall" (compute waiting), "demand"/"prefetch"
+        # (transfers, timed on the copy engine's thread; CPU engine only).
+        self.trace: list[tuple[str, int, int | None, float, float]] | None = None
         log.info(
             "offload: %d MoE layers, %d of %d experts resident per layer (%s, %s tier%s), "
             "%.1f KiB per expert",
@@ -226,8 +233,15 @@ class ExpertOffload:
         store = self.store
         expert = p.expert
 
+        trace = self.trace
+        lane = "demand" if demand else "prefetch"
+
         def job() -> int:
-            return store.read_into(layer, expert, gate_up, down)
+            start = time.perf_counter()
+            moved = store.read_into(layer, expert, gate_up, down)
+            if trace is not None:
+                trace.append((lane, layer, expert, start, time.perf_counter()))
+            return moved
 
         self.caches[layer].begin_load(p.slot)
         self._pending[key] = self.engine.submit(job, demand=demand, after=after)
@@ -240,7 +254,11 @@ class ExpertOffload:
         """Make compute wait for the slot's load, if one is in flight."""
         ticket = self._pending.pop((layer, slot), None)
         if ticket is not None:
-            self.counters.stall_seconds += self.engine.wait(ticket)
+            start = time.perf_counter()
+            stalled = self.engine.wait(ticket)
+            self.counters.stall_seconds += stalled
+            if self.trace is not None and stalled > 0:
+                self.trace.append(("stall", layer, None, start, time.perf_counter()))
             self.caches[layer].end_load(slot)
 
     def _reap(self, layer: int) -> None:
@@ -293,6 +311,13 @@ class ExpertOffload:
         top_k_weights: torch.Tensor,
     ) -> torch.Tensor:
         """``module(hidden [T, H], top_k_index [T, k], top_k_weights [T, k])`` from the slots."""
+        start = time.perf_counter()
+        out = self._run(layer, module, hidden, top_k_index, top_k_weights)
+        if self.trace is not None:
+            self.trace.append(("compute", layer, None, start, time.perf_counter()))
+        return out
+
+    def _run(self, layer, module, hidden, top_k_index, top_k_weights) -> torch.Tensor:
         # Host sync: which experts to place is decided on the host (once per MoE layer).
         ids = torch.unique(top_k_index).tolist()
         self._score(layer, ids)
