@@ -6,8 +6,8 @@ the host seconds that took (the stall); ``done(ticket)`` polls; ``record_free()`
 point in compute after which a slot's old contents are no longer read (``after=`` of the next
 job that overwrites the slot). On-demand jobs go before queued prefetches.
 
-- ``ThreadEngine`` (CPU): one worker thread is the copy engine, a priority queue orders the
-  jobs (demand first, then first come), a ``concurrent.futures.Future`` is the ticket. Compute
+- ``ThreadEngine`` (CPU): worker threads are the copy engine (one for demand, one for
+  prefetch), a ``concurrent.futures.Future`` is the ticket. Compute
   runs on the caller's thread and is synchronous, so a slot is free once ``release`` returns:
   ``record_free`` has nothing to record. Disk reads and tensor copies release the GIL, so the
   worker's reads overlap the caller's matmuls.
@@ -47,7 +47,11 @@ class TransferEngine(Protocol):
 
 
 class _Busy:
-    seconds = 0.0  # worker time spent in jobs (the copy engine's busy share)
+    """Worker time spent in jobs, summed over the workers (the copy engine's busy time)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.lock = threading.Lock()
 
 
 def _work(jobs: queue.PriorityQueue, delay: float, busy: _Busy) -> None:
@@ -67,25 +71,37 @@ def _work(jobs: queue.PriorityQueue, delay: float, busy: _Busy) -> None:
         except BaseException as err:  # handed to the waiting thread, which re-raises it
             future.set_exception(err)
         finally:
-            busy.seconds += time.perf_counter() - start
+            with busy.lock:
+                busy.seconds += time.perf_counter() - start
 
 
 class ThreadEngine:
-    """A worker thread with a priority queue of copy jobs; tickets are futures.
+    """Worker threads as copy engines; tickets are futures.
+
+    Two workers, like the CUDA engine's two streams: one runs on-demand jobs, the other
+    prefetches, so that a demanded expert never waits behind a prefetch already being read (a
+    single worker made next-gate prefetch stall on its own speculation; the disk serves both
+    reads at once). Each takes its jobs first come, first served.
 
     ``delay_s`` sleeps before every job: tests use it so that a compute that forgets to wait
     reads a poisoned slot every time instead of sometimes.
     """
 
     def __init__(self, *, delay_s: float = 0.0) -> None:
-        self._queue: queue.PriorityQueue = queue.PriorityQueue()
         self._order = itertools.count()
         self._busy = _Busy()
-        self._thread = threading.Thread(
-            target=_work, args=(self._queue, delay_s, self._busy), name="leapfx-offload",
-            daemon=True,
-        )  # fmt: skip
-        self._thread.start()
+        self._queues = {True: queue.PriorityQueue(), False: queue.PriorityQueue()}
+        self._threads = [
+            threading.Thread(
+                target=_work,
+                args=(q, delay_s, self._busy),
+                daemon=True,
+                name=f"leapfx-offload-{'demand' if demand else 'prefetch'}",
+            )
+            for demand, q in self._queues.items()
+        ]
+        for thread in self._threads:
+            thread.start()
 
     @property
     def busy_seconds(self) -> float:
@@ -93,7 +109,7 @@ class ThreadEngine:
 
     def submit(self, job: Job, *, demand: bool, after: Any = None) -> Future:
         future: Future = Future()
-        self._queue.put((0 if demand else 1, next(self._order), job, future))
+        self._queues[demand].put((0, next(self._order), job, future))
         return future
 
     def wait(self, ticket: Future) -> float:
@@ -110,14 +126,19 @@ class ThreadEngine:
     def record_free(self) -> None:
         return None
 
+    def _stop(self) -> None:
+        for q in self._queues.values():
+            q.put((1, next(self._order), None, None))
+
     def close(self) -> None:
-        """Stop the worker after the jobs already queued."""
-        if self._thread.is_alive():
-            self._queue.put((2, next(self._order), None, None))
-            self._thread.join()
+        """Stop the workers after the jobs already queued."""
+        if any(t.is_alive() for t in self._threads):
+            self._stop()
+            for thread in self._threads:
+                thread.join()
 
     def __del__(self) -> None:
-        self._queue.put((2, next(self._order), None, None))
+        self._stop()
 
 
 class CudaEngine:
