@@ -106,6 +106,7 @@ def tiny_moe_model(
     intermediate: int = 16,
     norm_topk_prob: bool = False,
     dense_layers: tuple[int, ...] = (),
+    sliding_window: int | None = None,
     tie: bool = False,
     eos: int | None = None,
     seed: int = 0,
@@ -115,6 +116,7 @@ def tiny_moe_model(
 
     qwen2_moe has its sigmoid-gated shared expert; ``dense_layers`` are the qwen families'
     ``mlp_only_layers``; mixtral always renormalises the top-k (``norm_topk_prob`` ignored).
+    ``sliding_window``: mixtral and qwen3_moe (every layer), ignored elsewhere.
     """
     hidden = heads * head_dim
     kwargs = dict(
@@ -133,8 +135,9 @@ def tiny_moe_model(
     )
     if arch == "mixtral":
         config = transformers.MixtralConfig(
-            intermediate_size=intermediate, num_local_experts=experts, **kwargs
-        )
+            intermediate_size=intermediate, num_local_experts=experts,
+            sliding_window=sliding_window, **kwargs,
+        )  # fmt: skip
     elif arch == "olmoe":
         config = transformers.OlmoeConfig(
             intermediate_size=intermediate, num_experts=experts, norm_topk_prob=norm_topk_prob,
@@ -143,6 +146,8 @@ def tiny_moe_model(
     else:
         cls = transformers.Qwen2MoeConfig if arch == "qwen2_moe" else transformers.Qwen3MoeConfig
         extra = {"shared_expert_intermediate_size": 2 * intermediate} if arch == "qwen2_moe" else {}
+        if arch == "qwen3_moe" and sliding_window is not None:
+            extra.update(use_sliding_window=True, sliding_window=sliding_window)
         config = cls(
             moe_intermediate_size=intermediate, intermediate_size=3 * intermediate,
             num_experts=experts, norm_topk_prob=norm_topk_prob, mlp_only_layers=list(dense_layers),

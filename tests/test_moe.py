@@ -44,6 +44,8 @@ def moe_specs(draw):
     )
     if arch in ("qwen2_moe", "qwen3_moe"):
         spec["dense_layers"] = tuple(draw(st.sets(st.integers(0, layers - 1), max_size=1)))
+    if arch in ("mixtral", "qwen3_moe"):
+        spec["sliding_window"] = draw(st.one_of(st.none(), st.integers(2, 12)))
     return spec
 
 
