@@ -110,12 +110,15 @@ class RouterLogits:
         self.coef = coef
         self.num_experts = model.config.num_experts
         self.top_k = model.config.num_experts_per_tok
-        self._hooks = [
-            layer.mlp.gate.register_forward_hook(self._keep) for layer in model.model.layers
-        ]
+        routers = [layer.mlp.gate for layer in model.model.layers]
+        self._routers = {id(r) for r in routers}
+        self._hooks = [r.register_forward_hook(self._keep) for r in routers]
 
     def _keep(self, module, args, output) -> None:
-        self.logits.append(output[0])  # [T, E]
+        # A deep copy of the model (the trainer's throughput probe) copies the hooks too: keep
+        # only this model's routers.
+        if id(module) in self._routers:
+            self.logits.append(output[0])  # [T, E]
 
     def balance_loss(self) -> torch.Tensor:
         from transformers.models.olmoe.modeling_olmoe import load_balancing_loss_func
