@@ -48,6 +48,7 @@ def _bench(args: argparse.Namespace) -> int:
         if args.threads < 1:
             raise ValueError(f"--threads: {args.threads} is invalid; allowed: an integer >= 1")
         torch.set_num_threads(args.threads)
+    onnx_threads = _onnx_threads(args.onnx_threads)
     import transformers
 
     # The CLI owns this process: HF's own progress bars and warnings would bury the report,
@@ -113,7 +114,7 @@ def _bench(args: argparse.Namespace) -> int:
         repeats=args.repeats, warmup=args.warmup, adapter=_adapter(args),
         kangaroo_exit_layer=args.kangaroo_exit_layer,
         confidence_threshold=threshold, backend=args.backend,
-        cpu_kernels=kernels,
+        cpu_kernels=kernels, onnx_threads=onnx_threads,
     )  # fmt: skip
     config = dataclasses.replace(config, throughput_only=args.random_model is not None)
     rows = run_bench(model, prompts, config, progress=not quiet)
@@ -123,6 +124,7 @@ def _bench(args: argparse.Namespace) -> int:
     if used:
         state = "on" if used == [True] else "off" if used == [False] else "mixed"
         print(f"leapfx CPU kernels (--cpu-kernels {args.cpu_kernels}): {state}")
+    _onnx_threads_line(rows, args.onnx_threads)
     if any("draft_cost" in r.extra for r in rows):
         print(
             "c / verify: the cost of one draft / verify call over one leapfx_autoregressive "
@@ -162,6 +164,7 @@ def _bench(args: argparse.Namespace) -> int:
         "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
         "repeats": args.repeats, "threads": torch.get_num_threads(), "device": args.device,
         "backend": args.backend, "cpu_kernels": args.cpu_kernels,
+        "onnx_threads": args.onnx_threads,
     }  # fmt: skip
     meta["dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
     if args.random_model is not None:
@@ -174,6 +177,30 @@ def _bench(args: argparse.Namespace) -> int:
             by_exit[c.exit_layer] = max(by_exit.get(c.exit_layer, 0.0), c.acceptance_rate)
         write_plot(args.plot, rows, by_exit)
     return 0
+
+
+def _onnx_threads(value: str) -> int | None:
+    """``--onnx-threads``: auto (None) or a count."""
+    if value == "auto":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(
+            f"--onnx-threads: {value!r} is invalid; allowed: auto or an integer >= 1"
+        ) from None
+
+
+def _onnx_threads_line(rows, flag: str) -> None:
+    row = next((r for r in rows if "onnx_threads" in r.extra), None)
+    if row is None:
+        return
+    timing = row.extra.get("onnx_threads_timing")
+    how = ""
+    if timing:
+        per = ", ".join(f"{t}: {s * 1e3:.2f} ms/token" for t, s in sorted(timing.items()))
+        how = f" (the faster on the autoregressive export: {per})"
+    print(f"onnxruntime intra-op threads (--onnx-threads {flag}): {row.extra['onnx_threads']}{how}")
 
 
 def _bench_and_report(args: argparse.Namespace) -> int:
@@ -453,6 +480,11 @@ def build_parser() -> argparse.ArgumentParser:
         "(throughput rows only: hf_greedy, hf_static, leapfx_autoregressive)",
     )  # fmt: skip
     bench.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    bench.add_argument(
+        "--onnx-threads", default="auto", metavar="N|auto",
+        help="onnxruntime intra-op threads for the onnxruntime rows (auto: the faster of 1 and "
+        "the torch thread count, timed on the autoregressive export first)",
+    )  # fmt: skip
     bench.add_argument("--json", default=None, help="write the rows as JSON to this path")
     bench.add_argument("--plot", default=None, help="write a PNG to this path")
     bench.add_argument(

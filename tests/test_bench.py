@@ -215,6 +215,29 @@ def test_onnxruntime_backend_rows(checkpoint, tmp_path):
     by = {r.system: r for r in rows}
     assert by["leapfx_autoregressive"].identical_to_greedy is True
     assert (tmp_path / "leapfx_autoregressive" / "manifest.json").is_file()
+    # auto: the faster of 1 and torch's thread count, timed on the autoregressive export
+    x = by["leapfx_autoregressive"].extra
+    counts = sorted({1, torch.get_num_threads()})
+    assert x["onnx_threads"] in counts
+    if len(counts) > 1:
+        timing = x["onnx_threads_timing"]
+        assert sorted(timing) == counts and x["onnx_threads"] == min(timing, key=timing.get)
+
+
+def test_fixed_onnx_threads_and_their_errors(checkpoint, tmp_path, monkeypatch):
+    from leapfx.bench import harness
+
+    model, tok = load_model(checkpoint)
+    prompts = [torch.tensor([tok("for i in range(")["input_ids"]])]
+    monkeypatch.setattr(harness, "fastest_onnx_threads", None)  # a fixed count times nothing
+    config = BenchConfig(recipe="autoregressive", max_new_tokens=4, repeats=1, warmup=0,
+                         backend="onnxruntime", export_dir=str(tmp_path), onnx_threads=1,
+                         hf_baselines=False, throughput_only=True)  # fmt: skip
+    (row,) = run_bench(model, prompts, config, progress=False)
+    assert row.extra["onnx_threads"] == 1 and row.extra["onnx_threads_timing"] is None
+    with pytest.raises(ValueError, match="--onnx-threads: 0 is invalid; allowed: auto or an"):
+        BenchConfig(onnx_threads=0).validate()
+    assert main(["bench", "--onnx-threads", "two"]) == 2
 
 
 def test_cost_ratios_per_backend(checkpoint, tmp_path):

@@ -67,6 +67,10 @@ class BenchConfig:
     # leapfx system is exported to ONNX and runs in onnxruntime sessions). HF rows stay eager.
     backend: str = "eager"
     export_dir: str | None = None  # onnxruntime: where exports go (None: a temp dir)
+    # onnxruntime intra-op threads for every onnxruntime row. None (auto): the faster of 1 and
+    # torch's thread count, timed on the autoregressive export before the run (on a small
+    # model one thread can beat several: the work per op is too small to split).
+    onnx_threads: int | None = None
     # eager and inductor leapfx rows: projections through leapfx's small-M CPU kernels
     # (leapfx.kernels.cpu). None: where they apply (a float32 model on a CPU) and build.
     cpu_kernels: bool | None = None
@@ -89,6 +93,13 @@ class BenchConfig:
                 raise ValueError(f"{name}: {value!r} is invalid; allowed: an integer >= {low}")
         if not self.temperature >= 0:
             raise ValueError(f"--temperature: {self.temperature!r} is invalid; allowed: >= 0")
+        if self.onnx_threads is not None and (
+            not isinstance(self.onnx_threads, int) or self.onnx_threads < 1
+        ):
+            raise ValueError(
+                f"--onnx-threads: {self.onnx_threads!r} is invalid; allowed: auto or an "
+                "integer >= 1"
+            )
         if self.cpu_kernels is not None and not isinstance(self.cpu_kernels, bool):
             raise ValueError(
                 f"--cpu-kernels: {self.cpu_kernels!r} is invalid; allowed: auto, on or off"
@@ -251,6 +262,9 @@ def build_systems(model: nn.Module, config: BenchConfig, generator_seed: int = 0
                 return sm.generate(prompt, max_new_tokens=n, **sampling, **extra)
 
             info = {"cpu_kernels": sm.cpu_kernels} if hasattr(sm, "cpu_kernels") else {}
+            if hasattr(sm, "threads"):  # an OnnxModel
+                info["onnx_threads"] = sm.threads
+                info["onnx_threads_timing"] = getattr(sm, "threads_timing", None)
             # eta > 0: rounds may stop short of d, which the speedup formula does not model.
             eta = getattr(getattr(sm, "options", None), "confidence_threshold", 0)
             info["dynamic_draft_length"] = bool(eta)
@@ -328,15 +342,49 @@ def _backend(config: BenchConfig, backend: str):
     from ..export import OnnxModel
 
     root = config.export_dir or tempfile.mkdtemp(prefix="leapfx-bench-onnx-")
-    threads = torch.get_num_threads()
+    chosen: dict = {}  # one thread count for every onnxruntime row of the run
 
     def export(name: str, sm):
         path = f"{root}/{name.replace('@', '-')}"
         log.info("exporting %s to %s", name, path)
         sm.export_onnx(path, overwrite=True)
-        return OnnxModel(path, threads=threads)
+        if not chosen:
+            if config.onnx_threads is not None:
+                chosen.update(threads=config.onnx_threads, timing=None)
+            else:
+                chosen.update(zip(("threads", "timing"), fastest_onnx_threads(path), strict=True))
+        om = OnnxModel(path, threads=chosen["threads"])
+        om.threads_timing = chosen["timing"]
+        return om
 
     return export
+
+
+def fastest_onnx_threads(
+    path: str, *, new_tokens: int = 32, repeats: int = 3
+) -> tuple[int, dict[int, float]]:
+    """The faster of 1 and ``torch.get_num_threads()`` onnxruntime intra-op threads on the
+    export at ``path``, and each count's median seconds per token of its own schedule (a
+    ``new_tokens`` greedy decode of a fixed prompt, one untimed call first, the counts timed in
+    turn so drift on a shared machine falls on both)."""
+    from ..export import OnnxModel
+
+    counts = sorted({1, torch.get_num_threads()})
+    if len(counts) == 1:
+        return counts[0], {}
+    models = {t: OnnxModel(path, threads=t) for t in counts}
+    prompt = torch.arange(1, 9).remainder(models[1].manifest["vocab_size"]).view(1, -1)
+    times: dict[int, list[float]] = {t: [] for t in counts}
+    for r in range(repeats + 1):
+        for t, om in models.items():
+            start = time.perf_counter()
+            om.generate(prompt, max_new_tokens=new_tokens, do_sample=False, eos_token_id=[])
+            if r:  # the first call of each is a warm-up
+                times[t].append((time.perf_counter() - start) / new_tokens)
+    per_token = {t: statistics.median(v) for t, v in times.items()}
+    best = min(per_token, key=per_token.get)
+    log.info("onnxruntime threads: %d (seconds per token: %s)", best, per_token)
+    return best, per_token
 
 
 def progress_bar(iterable=None, *, enabled: bool, **kwargs) -> tqdm:

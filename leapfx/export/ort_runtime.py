@@ -246,6 +246,7 @@ class OnnxModel:
         m = self.manifest
         if threads is not None and (not isinstance(threads, int) or threads < 1):
             raise ValueError(f"threads: {threads!r} is invalid; allowed: an integer >= 1 or None")
+        self.threads = threads
         options = ort.SessionOptions()
         if not isinstance(spin, bool):
             raise ValueError(f"spin: {spin!r} is invalid; allowed: True or False")
