@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> None:
         model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).eval()
         found = held_out_prompts(byte_tokenizer(), reference_corpus(), num_tokens=32,
                                  count=a.prompts)  # fmt: skip
-        prompts = [p.input_ids for p in found]
+        prompts = [torch.tensor([p.input_ids]) for p in found]
     else:
         model = random_moe(layers=a.layers, hidden=a.hidden, experts=a.experts, top_k=a.top_k,
                            intermediate=a.intermediate)  # fmt: skip
