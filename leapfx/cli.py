@@ -89,7 +89,12 @@ def _bench(args: argparse.Namespace) -> int:
     d = DEFAULT_SPECULATIONS if d is None else d
     kernels = CPU_KERNELS[args.cpu_kernels]
     calibration = []
-    if args.sweep or args.auto or args.plot:
+    if args.sweep_threshold and args.recipe != "specee":
+        raise ValueError(
+            f"--sweep-threshold: sweeps SpecEE's exit threshold; allowed with --recipe specee "
+            f"(got --recipe {args.recipe})"
+        )
+    if (args.sweep or args.auto or args.plot) and not args.sweep_threshold:
         exits = _grid(args.sweep_exit_layers, num_layers)
         specs = _speculations(args.sweep_speculations) if args.sweep or args.auto else [d]
         cal_prompts = prompts if args.sweep else prompts[:2]
@@ -112,9 +117,10 @@ def _bench(args: argparse.Namespace) -> int:
         recipe=args.recipe, exit_layer=exit_layer, num_speculations=d,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature,
         repeats=args.repeats, warmup=args.warmup, adapter=_adapter(args),
-        kangaroo_exit_layer=args.kangaroo_exit_layer,
+        kangaroo_exit_layer=args.kangaroo_exit_layer, eagle_parts=_eagle_parts(args),
         confidence_threshold=threshold, backend=args.backend,
-        cpu_kernels=kernels, onnx_threads=onnx_threads,
+        cpu_kernels=kernels, onnx_threads=onnx_threads, specee_parts=_specee_parts(args),
+        specee_threshold=args.specee_threshold,
     )  # fmt: skip
     config = dataclasses.replace(config, throughput_only=args.random_model is not None)
     rows = run_bench(model, prompts, config, progress=not quiet)
@@ -159,7 +165,8 @@ def _bench(args: argparse.Namespace) -> int:
     meta = {
         "model": str(args.model or "reference"), "recipe": args.recipe,
         "exit_layer": exit_layer, "num_speculations": d,
-        "adapter": config.adapter, "confidence_threshold": threshold,
+        "adapter": config.adapter, "eagle_parts": config.eagle_parts,
+        "confidence_threshold": threshold,
         "prompts": len(prompts), "prompt_tokens": args.prompt_tokens,
         "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
         "repeats": args.repeats, "threads": torch.get_num_threads(), "device": args.device,
@@ -169,9 +176,22 @@ def _bench(args: argparse.Namespace) -> int:
     meta["dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
     if args.random_model is not None:
         meta.update(model=f"random:{args.random_model}", throughput_only=True)
+    curve = []
+    if args.sweep_threshold:
+        curve = _specee_curve(args, model, prompts, rows, config, num_layers, quiet)
+        meta["specee_curve"] = [p.as_dict() for p in curve]
+    for r in rows:
+        share = _predictor_share(r)
+        if share is not None:
+            print(f"{r.system}: the exit predictors take {share:.1%} of decode time")
+    meta["specee_parts"] = config.specee_parts
     if args.json:
         write_json(args.json, rows, meta)
-    if args.plot:
+    if args.plot and curve:
+        from .bench.specee_sweep import write_curve_plot
+
+        write_curve_plot(args.plot, curve)
+    elif args.plot:
         by_exit: dict[int, float] = {}
         for c in calibration:
             by_exit[c.exit_layer] = max(by_exit.get(c.exit_layer, 0.0), c.acceptance_rate)
@@ -320,11 +340,60 @@ def _calibration_kernels(model, kernels: bool | None) -> bool:
     return cpu.resolve(kernels, param.device, param.dtype, **CPU_KERNELS_FLAG)
 
 
+def _specee_parts(args: argparse.Namespace) -> str | None:
+    """--specee-parts, else the reference model's shipped predictors for the reference."""
+    from .bench import REFERENCE_MODEL
+
+    if args.recipe != "specee":
+        return None
+    if args.specee_parts is not None:
+        return args.specee_parts
+    shipped = REFERENCE_MODEL / "specee"
+    if args.model is None and args.random_model is None and shipped.is_dir():
+        return str(shipped)
+    return None
+
+
+def _predictor_share(row) -> float | None:
+    """Predictor time over decode time of a specee row (its stage timings)."""
+    stages = row.extra.get("stage_seconds") or {}
+    if "predictor" not in stages or not row.seconds:
+        return None
+    return stages["predictor"] / row.seconds
+
+
+def _specee_curve(args, model, prompts, rows, config, num_layers, quiet):
+    """--sweep-threshold: specee at each threshold beside early_exit at every E."""
+    from .bench.harness import specee_options, use_cpu_kernels
+    from .bench.specee_sweep import sweep_threshold_table, threshold_sweep
+    from .rewrite import apply
+
+    base = apply(model, "autoregressive")
+    greedy = [base.generate(p, max_new_tokens=args.max_new_tokens, do_sample=False)
+              for p in prompts]  # fmt: skip
+    try:
+        thresholds = [float(x) for x in args.sweep_thresholds.split(",")]
+    except ValueError:
+        thresholds = [-1.0]
+    if not thresholds or not all(0 <= t <= 1 for t in thresholds):
+        raise ValueError(
+            f"--sweep-thresholds: {args.sweep_thresholds!r} is invalid; allowed: numbers in "
+            "[0, 1], comma-separated"
+        )
+    points = threshold_sweep(
+        model, prompts, greedy, thresholds=thresholds, exits=list(range(1, num_layers)),
+        specee_options=specee_options(config), max_new_tokens=args.max_new_tokens,
+        repeats=args.repeats, cpu_kernels=use_cpu_kernels(config, base),
+    )  # fmt: skip
+    print(sweep_threshold_table(points))
+    return points
+
+
 def _adapter(args: argparse.Namespace) -> str | None:
     """--adapter, else the reference model's shipped adapter when benchmarking the reference."""
     from .bench import REFERENCE_ADAPTER
 
-    if args.recipe != "kangaroo":
+    if args.recipe not in ("kangaroo", "eagle"):
         return None
     if args.adapter is not None:
         return args.adapter
@@ -334,6 +403,19 @@ def _adapter(args: argparse.Namespace) -> str | None:
         and REFERENCE_ADAPTER.is_dir()
     ):
         return str(REFERENCE_ADAPTER)
+    return None
+
+
+def _eagle_parts(args: argparse.Namespace) -> str | None:
+    """--eagle-parts, else the reference model's shipped EAGLE head when benchmarking it."""
+    from .bench import REFERENCE_EAGLE
+
+    if args.recipe != "eagle":
+        return None
+    if args.eagle_parts is not None:
+        return args.eagle_parts
+    if args.model is None and args.random_model is None and REFERENCE_EAGLE.is_dir():
+        return str(REFERENCE_EAGLE)
     return None
 
 
@@ -429,6 +511,69 @@ def _train_moe_reference(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train_specee(args: argparse.Namespace) -> int:
+    import torch
+
+    from .bench import REFERENCE_MODEL, load_model
+    from .rewrite import apply
+    from .train.data import encode_documents
+    from .train.reference import reference_corpus
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    model, tokenizer = load_model(args.model, device=args.device)
+    corpus = reference_corpus(args.corpus_root)
+    data = encode_documents(tokenizer, corpus.train)
+    options = {"drafter": args.drafter}
+    if args.exit_layer is not None:
+        options["exit_layer"] = args.exit_layer
+    if args.drafter == "kangaroo":
+        options["adapter"] = args.adapter or str(REFERENCE_MODEL / "kangaroo_adapter")
+    draft_steps = args.draft_steps
+    eagle = args.eagle
+    if eagle is None and args.model is None and (REFERENCE_MODEL / "eagle").is_dir():
+        eagle = str(REFERENCE_MODEL / "eagle")  # the reference model's shipped head
+    if args.drafter == "eagle" and eagle is not None:
+        options["eagle"] = eagle  # a trained head: keep it as it is
+        draft_steps = 0 if draft_steps is None else draft_steps
+    torch.manual_seed(args.seed)
+    sm = apply(model, "specee", **options)
+    result = sm.fit(
+        data, prompts=args.prompts, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
+        epochs=args.epochs, seed=args.seed, progress=_progress(args),
+        threshold=args.threshold, target_agreement=args.target_agreement,
+        features_path=args.features,
+        **({} if draft_steps is None else {"draft_steps": draft_steps}),
+    )  # fmt: skip
+    out = args.out or str(REFERENCE_MODEL / "specee")
+    sm.save_parts(out)
+    print(json.dumps({"parts": out, **result.as_dict()}, indent=2))
+    return 0
+
+
+def _train_eagle(args: argparse.Namespace) -> int:
+    from .bench import REFERENCE_EAGLE
+    from .train.eagle import train_reference_head
+
+    summary = train_reference_head(
+        args.out or REFERENCE_EAGLE,
+        model_path=args.model,
+        steps=args.steps,
+        minutes=args.minutes,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        lr=args.lr,
+        threads=args.threads,
+        device=args.device,
+        corpus_root=args.corpus_root,
+        resume=args.resume,
+        seed=args.seed,
+        progress=_progress(args),
+    )
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="leapfx", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -456,6 +601,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--warmup", type=int, default=1, help="untimed passes first")
     bench.add_argument("--adapter", default=None, help="kangaroo adapter dir")
     bench.add_argument("--kangaroo-exit-layer", type=int, default=None)
+    bench.add_argument(
+        "--eagle-parts", default=None,
+        help="EAGLE head parts dir (--recipe eagle; default on the reference model: the shipped "
+        "head)",
+    )  # fmt: skip
     bench.add_argument(
         "--confidence-threshold", type=float, default=None,
         help="eta: kangaroo's (default 0.6); layerskip: > 0 adds a leapfx_layerskip_dynamic row "
@@ -497,6 +647,20 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--sweep-exit-layers", default=None, help="e.g. 2,3,4,6")
     bench.add_argument("--sweep-speculations", default="1,2,3,4,6,8")
     bench.add_argument("--auto", action="store_true", help="pick E and d by calibration")
+    bench.add_argument(
+        "--specee-parts", default=None,
+        help="specee: parts directory (default: the shipped ones for the reference model)",
+    )  # fmt: skip
+    bench.add_argument(
+        "--specee-threshold", type=float, default=None,
+        help="specee: exit threshold (default: the parts' calibrated one, else 0.5)",
+    )  # fmt: skip
+    bench.add_argument(
+        "--sweep-threshold", action="store_true",
+        help="specee: agreement vs speed at each --sweep-thresholds beside early_exit at every "
+        "E (with --plot: the curve as a PNG)",
+    )  # fmt: skip
+    bench.add_argument("--sweep-thresholds", default="0.5,0.7,0.8,0.9,0.95,0.97,0.99")
     bench.add_argument("--quiet", action="store_true", help="no progress bars (= --no-progress)")
     bench.add_argument(
         "--progress", action=argparse.BooleanOptionalAction, default=None,
@@ -562,6 +726,83 @@ def build_parser() -> argparse.ArgumentParser:
         "--corpus-root", default=None, help="stdlib folder to train on (default: this Python's)"
     )
     moe.set_defaults(func=_train_moe_reference)
+
+    specee = sub.add_parser(
+        "train-specee", help="train SpecEE's exit predictors for a model (default: the reference)"
+    )
+    specee.add_argument(
+        "out", nargs="?", default=None,
+        help="parts directory (default: leapfx/assets/reference/specee)",
+    )  # fmt: skip
+    specee.add_argument("--model", default=None, help="HF checkpoint dir (default: reference)")
+    specee.add_argument(
+        "--drafter", default="exit_head", choices=("eagle", "exit_head", "kangaroo")
+    )
+    specee.add_argument(
+        "--eagle",
+        default=None,
+        help="eagle drafter: a trained head dir (default: the shipped one for the reference)",
+    )
+    specee.add_argument(
+        "--draft-steps", type=int, default=None,
+        help="eagle drafter: head training steps before the predictors (default: 200, or 0 "
+        "with --eagle)",
+    )  # fmt: skip
+    specee.add_argument("--exit-layer", type=int, default=None, help="the drafter's layer E")
+    specee.add_argument(
+        "--adapter", default=None, help="kangaroo drafter: adapter dir (default: the shipped one)"
+    )
+    specee.add_argument("--prompts", type=int, default=64)
+    specee.add_argument("--prompt-len", type=int, default=64)
+    specee.add_argument("--new-tokens", type=int, default=256)
+    specee.add_argument("--epochs", type=int, default=100)
+    specee.add_argument("--seed", type=int, default=0)
+    specee.add_argument(
+        "--threshold", type=float, default=None,
+        help="exit threshold saved with the parts (default: 0.5, or see --target-agreement)",
+    )  # fmt: skip
+    specee.add_argument(
+        "--target-agreement", type=float, default=None,
+        help="pick the threshold of fewest layers whose held-out agreement reaches this",
+    )  # fmt: skip
+    specee.add_argument(
+        "--features", default=None,
+        help="safetensors file caching the collected features (read if it exists)",
+    )  # fmt: skip
+    specee.add_argument("--threads", type=int, default=None)
+    specee.add_argument("--device", default="cpu")
+    specee.add_argument(
+        "--corpus-root", default=None, help="stdlib folder (default: this Python's)"
+    )
+    specee.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None)
+    specee.add_argument("--quiet", action="store_true")
+    specee.set_defaults(func=_train_specee)
+    eagle = sub.add_parser(
+        "train-eagle", help="train the EAGLE draft head of the reference model (or --model)"
+    )
+    eagle.add_argument(
+        "--out", default=None, help="parts directory (default: leapfx/assets/reference/eagle)"
+    )
+    eagle.add_argument("--model", default=None, help="HF checkpoint dir (default: reference)")
+    eagle.add_argument("--steps", type=int, default=2000)
+    eagle.add_argument(
+        "--minutes", type=float, default=0.0, help="> 0: stop after this wall time (resumable)"
+    )
+    eagle.add_argument("--batch-size", type=int, default=8)
+    eagle.add_argument("--seq-len", type=int, default=256)
+    eagle.add_argument("--lr", type=float, default=1e-3)
+    eagle.add_argument("--seed", type=int, default=0, help="window sampling and input noise")
+    eagle.add_argument("--threads", type=int, default=None)
+    eagle.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (float32)")
+    eagle.add_argument(
+        "--corpus-root", default=None, help="stdlib folder to train on (default: this Python's)"
+    )
+    eagle.add_argument(
+        "--resume", action="store_true", help="start from the head already in --out, if any"
+    )
+    eagle.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None)
+    eagle.add_argument("--quiet", action="store_true", help="no progress bar")
+    eagle.set_defaults(func=_train_eagle)
     return parser
 
 

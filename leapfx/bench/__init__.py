@@ -14,6 +14,7 @@ import torch
 
 REFERENCE_MODEL = Path(__file__).resolve().parent.parent / "assets" / "reference"
 REFERENCE_ADAPTER = REFERENCE_MODEL / "kangaroo_adapter"  # trained with sm.fit, see its model card
+REFERENCE_EAGLE = REFERENCE_MODEL / "eagle"  # EAGLE head parts: `leapfx train-eagle`
 
 # --dtype: the model's weights and compute dtype.
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

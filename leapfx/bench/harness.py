@@ -11,7 +11,9 @@ Every system decodes the same prompts with the same ``max_new_tokens`` and the s
 - ``leapfx_autoregressive``    the leapfx runtime without speculation
 - ``leapfx_early_exit``        exit after E layers for every token (lossy: ``agreement``, the
                                teacher-forced agreement with greedy, and ``avg_layers``)
-- ``leapfx_<recipe>``          the recipe under test (``layerskip`` by default)
+- ``leapfx_<recipe>``          the recipe under test (``layerskip`` by default); ``specee``
+                               gives ``leapfx_specee`` (lossy), ``leapfx_specee_next``
+                               (lossy, kv_fill="next") and ``leapfx_specee_verified``
 
 Timing: one warm-up pass per system, then ``repeats`` timed passes; within a pass the systems
 run in a rotated order so drift on a shared machine spreads over all of them. A system's time is
@@ -62,6 +64,10 @@ class BenchConfig:
     adapter: str | None = None
     kangaroo_exit_layer: int | None = None
     confidence_threshold: float | None = None
+    # eagle runs: the EAGLE head's parts (None: untrained, copied from the last layer). The
+    # leapfx_eagle row drafts with the parts' options (d, threshold) unless
+    # confidence_threshold is given; the leapfx_kangaroo row beside it with the adapter's.
+    eagle_parts: str | None = None
     # Which backend runs the leapfx stages: "eager" (PyTorch), "inductor" (every leapfx system's
     # stages compiled with torch.compile and warmed up before timing) or "onnxruntime" (every
     # leapfx system is exported to ONNX and runs in onnxruntime sessions). HF rows stay eager.
@@ -80,6 +86,10 @@ class BenchConfig:
     # Only the systems whose speed does not depend on acceptance (hf_greedy, hf_static,
     # leapfx_autoregressive on each backend): a model with random weights (--random-model).
     throughput_only: bool = False
+    # specee runs: the parts directory (None: untrained predictors) and the exit threshold
+    # (None: the parts' own).
+    specee_parts: str | None = None
+    specee_threshold: float | None = None
 
     def validate(self) -> BenchConfig:
         checks = [
@@ -244,10 +254,10 @@ def build_systems(model: nn.Module, config: BenchConfig, generator_seed: int = 0
             num_assistant_tokens_schedule="constant",
         )
         systems.append(System("hf_assistant_early_exit", assistant))
-    if config.recipe not in ("autoregressive", "early_exit", "layerskip", "kangaroo"):
+    benchmarked = ("autoregressive", "early_exit", "layerskip", "kangaroo", "eagle", "specee")
+    if config.recipe not in benchmarked:
         raise ValueError(
-            f"--recipe: {config.recipe!r} is not benchmarked; allowed: autoregressive, "
-            "early_exit, layerskip, kangaroo"
+            f"--recipe: {config.recipe!r} is not benchmarked; allowed: {', '.join(benchmarked)}"
         )
     backends = config.backends
     for backend in backends:
@@ -286,6 +296,18 @@ def build_systems(model: nn.Module, config: BenchConfig, generator_seed: int = 0
                 **layerskip_opts,
             )  # fmt: skip
             systems.append(ours("leapfx_layerskip_dynamic", dynamic))
+        if config.recipe == "specee":
+            kw = specee_options(config)
+            lossy = rewrite.apply(model, "specee", **kw)
+            systems.append(ours("leapfx_specee", lossy, lossless=False))
+            # The alternative KV policy (skipped layers run with the next token), beside it.
+            fill = rewrite.apply(model, "specee", kv_fill="next", **kw)
+            systems.append(ours("leapfx_specee_next", fill, lossless=False))
+            verified = rewrite.apply(model, "specee", verify=True, max_draft_tokens=d, **kw)
+            system = ours("leapfx_specee_verified", verified)
+            # Rounds end at the first pass that does not exit: no fixed d, no speedup formula.
+            system.info["dynamic_draft_length"] = True
+            systems.append(system)
         if config.recipe == "kangaroo":
             kw = {"max_draft_tokens": d, "adapter": config.adapter}
             if config.kangaroo_exit_layer is not None:
@@ -296,7 +318,23 @@ def build_systems(model: nn.Module, config: BenchConfig, generator_seed: int = 0
             )
             systems.append(ours("leapfx_kangaroo_fixed", fixed))
             systems.append(ours("leapfx_kangaroo", dynamic))
+        if config.recipe == "eagle":
+            kangaroo = rewrite.apply(model, "kangaroo", adapter=config.adapter)
+            systems.append(ours("leapfx_kangaroo", kangaroo))
+            kw = {"confidence_threshold": config.confidence_threshold}
+            eagle = rewrite.apply(model, "eagle", parts=config.eagle_parts, **kw)
+            systems.append(ours("leapfx_eagle", eagle))
     return systems
+
+
+def specee_options(config: BenchConfig) -> dict:
+    """The specee options of a run: its parts and threshold, where given."""
+    kw: dict = {}
+    if config.specee_parts is not None:
+        kw["parts"] = config.specee_parts
+    if config.specee_threshold is not None:
+        kw["threshold"] = config.specee_threshold
+    return kw
 
 
 def hf_compiles_static(model: nn.Module) -> bool:

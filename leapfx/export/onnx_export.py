@@ -145,6 +145,10 @@ def _example_inputs(
         elif name == "exit_hidden":
             shape = (batch, n_hidden, config.hidden_size)
             out[name] = torch.randn(shape, generator=gen).to(param.device, param.dtype)
+        elif name in ("hidden", "prev_hidden"):  # the EAGLE stages' state inputs
+            n = n_ids if name == "hidden" else 1
+            shape = (batch, n, config.hidden_size)
+            out[name] = torch.randn(shape, generator=gen).to(param.device, param.dtype)
         elif name == "position_ids":
             start = pasts["position_ids"]
             out[name] = torch.arange(start, start + n_ids, device=param.device).expand(batch, -1)
@@ -479,6 +483,9 @@ def _check_options(sm: SpeculativeModel, path: Any, opset: Any, overwrite: Any) 
         )
     if not isinstance(overwrite, bool):
         raise ValueError(f"overwrite: {overwrite!r} is invalid; allowed: True or False")
+    from ..runtime.compiled import EAGLE_STAGES, refuse_stages
+
+    refuse_stages(sm, "onnxruntime", EAGLE_STAGES)
     if sm.hf_model.training:
         raise ValueError(
             "model: it is in training mode (dropout would be exported); call model.eval() first"
@@ -538,6 +545,15 @@ def _remove_dirs(created: list[Path]) -> None:
             d.rmdir()
 
 
+# Recipes whose schedule the ONNX manifest cannot express, and what is missing.
+UNEXPORTABLE = {
+    "specee": "its per-token exits are host decisions between per-layer stages and exit-check "
+    "nodes, and the onnxruntime executor has no such schedule (missing: per-layer stages, "
+    "exit-check stages and the SpecEE schedule in leapfx.export.ort_runtime); use the eager "
+    "backend",
+}
+
+
 def export_onnx(
     sm: SpeculativeModel,
     path: str | os.PathLike,
@@ -553,6 +569,9 @@ def export_onnx(
 
     >>> export_onnx(sm, "out/layerskip-onnx", overwrite=True)
     """
+    if sm.recipe.name in UNEXPORTABLE:
+        raise ValueError(f"recipe: {sm.recipe.name!r} cannot be exported to ONNX: "
+                         f"{UNEXPORTABLE[sm.recipe.name]}")  # fmt: skip
     _require_onnx()
     target = _check_options(sm, path, opset, overwrite)
     _check_target(target, overwrite)

@@ -139,7 +139,7 @@ def apply(
         lookahead=r.lookahead(opts),
         extra_cache_layers=gm.meta.get(EXTRA_CACHE_LAYERS, 0),
         training=r.training,
-        lossless=r.lossless,
+        lossless=r.lossless(opts) if callable(r.lossless) else r.lossless,
     )
     sm = SpeculativeModel(model, gm, stages, info)
     sm.offload = gm.meta.get(OFFLOAD)

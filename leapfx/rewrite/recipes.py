@@ -18,11 +18,15 @@ from torch import fx
 from ..passes.adapter import InsertKangarooAdapter
 from ..passes.adapter_checkpoint import LoadKangarooAdapter, read_adapter_config
 from ..passes.base import GraphPass
+from ..passes.eagle_checkpoint import LoadEagleHead, read_eagle_config
+from ..passes.eagle_head import FuseEagleHeadLayer, InsertEagleHead, eagle_stages
 from ..passes.exit_head import InsertExitHead
 from ..passes.fuse_layers import FuseDecoderLayers
 from ..passes.partition import Stages, early_exit_stages, full_stage, partition
-from ..runtime import kangaroo, schedules
+from ..passes.specee_stages import specee_stages
+from ..runtime import eagle, kangaroo, schedules
 from ..runtime.model import RecipeTraining, Schedule
+from . import specee_recipe
 
 
 def default_exit_layer(num_layers: int) -> int:
@@ -215,6 +219,104 @@ def _kangaroo_training() -> RecipeTraining:
     return KangarooTraining()
 
 
+# EAGLE's chain setting: 5 drafts a round (its chain experiments; EAGLE-2's tree has depth
+# 5-6). The threshold stops a chain early once the head is unsure (Kangaroo's eq. 4 rule on the
+# head's top-1 probability; EAGLE-2 ranks its tree by the same confidence).
+EAGLE_MAX_DRAFT_TOKENS = 5
+EAGLE_CONFIDENCE_THRESHOLD = 0.3
+
+
+@dataclass(frozen=True)
+class EagleOptions:
+    """EAGLE: a one-layer draft head on the last hidden state drafts a chain (lossless).
+
+    With ``parts`` (a directory written by ``SpeculativeModel.save_parts``) every option left
+    as None comes from it.
+    """
+
+    max_draft_tokens: int | None = None  # d; None: the parts', else 5
+    # A round stops drafting once the head's top-1 probability is <= this; 0 drafts d tokens
+    # every round. None: the parts', else 0.3.
+    confidence_threshold: float | None = None
+    # The host layer whose copy starts the head's decoder layer; None: the parts', else L-1.
+    init_layer: int | None = None
+    parts: str | os.PathLike | None = None  # trained head; None: initialised from the host
+    max_cache_len: int | None = None
+    fuse_layers: bool = True
+
+    def validate(self, num_layers: int) -> EagleOptions:
+        saved: dict = {}
+        path = None
+        if self.parts is not None:
+            if not isinstance(self.parts, (str, os.PathLike)):
+                raise ValueError(
+                    f"parts: {self.parts!r} is invalid; allowed: a parts directory "
+                    "(str or os.PathLike) or None"
+                )
+            path = os.fspath(self.parts)
+            meta = read_eagle_config(path)
+            saved = {**meta.get("options", {}), "init_layer": meta.get("init_layer")}
+            trained = meta.get("host", {}).get("num_hidden_layers")
+            if trained != num_layers:
+                raise ValueError(
+                    f"parts: {path!r} was trained for another model: num_hidden_layers="
+                    f"{trained!r} (model: {num_layers})"
+                )
+
+        def pick(name: str, default):
+            value = getattr(self, name)
+            if value is not None:
+                return value
+            return default if saved.get(name) is None else saved[name]
+
+        d = pick("max_draft_tokens", EAGLE_MAX_DRAFT_TOKENS)
+        _check_int("max_draft_tokens", d, 1)
+        eta = pick("confidence_threshold", EAGLE_CONFIDENCE_THRESHOLD)
+        _check_threshold("confidence_threshold", eta)
+        init = pick("init_layer", num_layers - 1)
+        _check_int("init_layer", init, 0, num_layers - 1)
+        if saved.get("init_layer") not in (None, init):
+            raise ValueError(
+                f"init_layer: {init!r} does not match the head at {path!r}, whose layer was "
+                f"copied from layer {saved['init_layer']}; allowed: {saved['init_layer']} or None"
+            )
+        cache_len = pick("max_cache_len", None)
+        _check_cache(cache_len)
+        _check_bool("fuse_layers", self.fuse_layers)
+        return dataclasses.replace(
+            self,
+            max_draft_tokens=d,
+            confidence_threshold=float(eta),
+            init_layer=init,
+            parts=path,
+            max_cache_len=cache_len,
+        )
+
+
+def _eagle_passes(o: EagleOptions) -> list[GraphPass]:
+    # The head copies a host layer, so it goes before passes that replace layers.
+    passes: list[GraphPass] = [InsertEagleHead(init_layer=o.init_layer)]
+    if o.fuse_layers:
+        passes += [FuseDecoderLayers(), FuseEagleHeadLayer()]
+    if o.parts is not None:
+        passes.append(LoadEagleHead(path=o.parts))
+    return passes
+
+
+def _eagle_schedule(o: EagleOptions, gm: fx.GraphModule | None = None):
+    return partial(
+        eagle.eagle,
+        max_draft_tokens=o.max_draft_tokens,
+        confidence_threshold=o.confidence_threshold,
+    )
+
+
+def _eagle_training() -> RecipeTraining:
+    from ..train.eagle import EagleTraining
+
+    return EagleTraining()
+
+
 @dataclass(frozen=True)
 class Recipe:
     """A named recipe: options type, passes, partition, schedule (and what trains, if any)."""
@@ -226,7 +328,7 @@ class Recipe:
     cut: Callable[[fx.GraphModule], Stages]
     schedule: Callable[[object], Schedule]
     lookahead: Callable[[object], int]
-    lossless: bool
+    lossless: bool | Callable[[object], bool]  # a function of the options where they decide
     training: Callable[[], RecipeTraining] | None = None  # fits/saves the inserted parts
     # The option that takes a directory written by ``SpeculativeModel.save_parts``;
     # ``apply(..., parts=dir)`` fills it. None: the recipe has no trained parts.
@@ -285,6 +387,30 @@ RECIPES: dict[str, Recipe] = {
             lossless=True,
             training=_kangaroo_training,
             parts_option="adapter",
+        ),
+        Recipe(
+            name="eagle",
+            description="EAGLE: one-layer draft head on the last hidden state, chain (lossless)",
+            options_type=EagleOptions,
+            passes=_eagle_passes,
+            cut=eagle_stages,
+            schedule=_eagle_schedule,
+            lookahead=lambda o: o.max_draft_tokens + 1,
+            lossless=True,
+            training=_eagle_training,
+            parts_option="parts",
+        ),
+        Recipe(
+            name="specee",
+            description="SpecEE exit predictors (lossy; lossless with verify=True)",
+            options_type=specee_recipe.SpecEEOptions,
+            passes=specee_recipe.specee_passes,
+            cut=specee_stages,
+            schedule=specee_recipe.specee_schedule,
+            lookahead=specee_recipe.specee_lookahead,
+            lossless=lambda o: o.verify,
+            training=specee_recipe.specee_training,
+            parts_option="parts",
         ),
     )
 }

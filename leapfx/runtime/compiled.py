@@ -336,6 +336,20 @@ class CompiledStage:
 
         if hidden is None:  # full / draft: one-token steps and prefill chunks
             return [{"input_ids": ids[:, :n], "position_ids": positions(n)} for n in (1, 2)]
+        if self.name in EAGLE_STAGES:  # one-token steps and chunks, with the state input
+            # Chunks at two lengths: the first chunk graph specialises its length (a guard in
+            # the shifted state's cat), the second length makes dynamo compile it dynamic.
+            width = hidden.shape[-1]
+            calls = []
+            for n in (1, 2, 3):
+                call = {"input_ids": ids[:, :n], "position_ids": positions(n)}
+                if "hidden" in self.tensor_inputs:  # head: h_{t-1} (or g) of every token
+                    calls.append({**call, "hidden": hidden.new_zeros(1, n, width)})
+                else:  # target: h_{start-1}, or the [1, 1, 1] zeros of a prefill
+                    calls += [
+                        {**call, "prev_hidden": hidden.new_zeros(1, 1, w)} for w in (1, width)
+                    ]
+            return calls
         # verify: one last draft over c = 1 and c = 2 cached exit states (c >= 2 is one
         # dynamic graph, or the padded one).
         calls = []
@@ -401,11 +415,32 @@ def kernel_stages(sm) -> dict[str, fx.GraphModule]:
     }
 
 
+# The EAGLE stages: Inductor compiles them (their state inputs in the warm-up); the ONNX export
+# and runtime do not know their inputs and refuse them (``refuse_stages``).
+EAGLE_STAGES = ("target", "head")
+
+
+def refuse_stages(sm, backend: str, stages: tuple[str, ...]) -> None:
+    """ValueError naming the recipe and the stages of ``stages`` it has that ``backend``
+    cannot run."""
+    found = sorted(set(sm.stages.modules) & set(stages))
+    if found:
+        raise ValueError(
+            f"backend: {backend!r} does not run the stages {found} of recipe "
+            f"{sm.recipe.name!r} yet; allowed for this recipe: backend='eager' or 'inductor'"
+        )
+
+
 def compile_stages(sm, options: CompileOptions) -> dict[str, CompiledStage]:
     """A CompiledStage for every stage of SpeculativeModel ``sm`` (warmed up if asked)."""
     from ..export.onnx_export import discover  # which cache layers each position input feeds
     from ..kernels import cpu
 
+    if sm.recipe.name == "specee":
+        raise ValueError(
+            "backend: 'inductor' is not implemented for recipe 'specee' (missing: compiled "
+            "per-layer segments with the validity mask as an input); allowed: 'eager'"
+        )
     options = options.validate()
     lay = sm._layout
     cache_len = sm._compile_cache_len()
@@ -436,14 +471,15 @@ def compile_stages(sm, options: CompileOptions) -> dict[str, CompiledStage]:
         with torch.inference_mode():
             cache = sm._cache_for(cache_len)
             example = {
-                "input_ids": torch.zeros(1, 2, dtype=torch.long, device=lay.device),
+                "input_ids": torch.zeros(1, 3, dtype=torch.long, device=lay.device),
                 "exit_hidden": torch.zeros(
                     1, 2, sm.config.hidden_size, dtype=lay.dtype, device=lay.device
                 ),
             }
             for name, executor in out.items():
                 start = time.perf_counter()
-                shapes = example if name == "verify" else {"input_ids": example["input_ids"]}
+                full_draft = name not in ("verify", *EAGLE_STAGES)
+                shapes = {"input_ids": example["input_ids"]} if full_draft else example
                 executor.warmup(cache, shapes)
                 log.info("compiled stage %s in %.1f s", name, time.perf_counter() - start)
             cache.reset()

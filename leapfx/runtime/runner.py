@@ -67,16 +67,28 @@ class StageRunner:
             window=lay.window, dtype=lay.dtype, device=lay.device, additive=True,
         )  # fmt: skip
 
-    def chunk(self, name: str, input_ids: torch.Tensor, start: int) -> dict[str, torch.Tensor]:
-        """Run stage ``name`` on ``input_ids`` [1, S] at positions start..start+S-1."""
+    def chunk(
+        self,
+        name: str,
+        input_ids: torch.Tensor,
+        start: int,
+        *,
+        key: str | None = None,
+        **extra: torch.Tensor | None,
+    ) -> dict[str, torch.Tensor]:
+        """Run stage ``name`` on ``input_ids`` [1, S] at positions start..start+S-1.
+
+        ``extra``: the stage's other inputs (e.g. the EAGLE head's ``hidden``); ``key``: the
+        name its time is counted under in ``seconds`` (default ``name``; "prefill" at 0)."""
         n = input_ids.shape[1]
         return self._call(
             name,
-            key="prefill" if start == 0 else None,
+            key="prefill" if start == 0 else key,
             input_ids=input_ids,
             position_ids=self._positions(start, n),
             masks=self._masks(name, start, n),
             cache=self.cache,
+            **extra,
         )
 
     def full(self, input_ids: torch.Tensor, start: int) -> torch.Tensor:

@@ -1,0 +1,230 @@
+"""InsertExitPredictors: SpecEE's exit-predictor nodes (sec. 4.3, Fig. 6) as a graph rewrite.
+
+SpecEE decides per token whether it may leave the model after layer ``l``. The decision looks at
+k = 4 speculative tokens S (the drafter's top-4 for the next position) instead of the whole
+vocabulary: the features of layer ``l`` (sec. 4.3.1, our notation, ``N`` the final norm, ``W``
+the LM head) are
+
+    z_l = N(h_l) . W[S]^T          # [k], the ``leapfx::subset_logits`` op: no [V, H] product
+    p_l = softmax(z_l)             # [k], a distribution over S only
+    D_l = p_l - p_{l-1}            # [k]; D = p_l at the first predicted layer
+    x_l = cat([z_l, p_l, D_l])     # [12], no further normalisation (the authors' code)
+
+and a two-layer MLP per layer (Linear 12->512, ReLU, Linear 512->1, Sigmoid) gives the exit
+probability. One MLP for each layer 0..L-2 (the last layer needs none): L - 1 of them, owned by a
+:class:`SpecEEPredictors` module that the rewritten GraphModule holds (``gm.specee``), never by
+the user's model. ``D`` always means "from the previous layer": the runtime computes ``z`` at
+``l - 1`` too when it checks ``l`` (spec sec. 9.1, cheaper than computing it at every layer).
+
+The speculative tokens come from the graph's draft head (``exit_logits``: an exit head or the
+Kangaroo adapter after the first E layers), so the first layer with candidates is E - 1 and
+predictor nodes are inserted after layers E-1..L-2. Graph after the pass::
+
+    exit_logits -> speculative_tokens (top-k of the last position)          [k]
+    layer_l -> specee_exit_l = specee.exit_l(layer_l, speculative_tokens, p_{l-1})
+            -> exit_prob_l (getitem 0) [1], exit_p_l (getitem 1) [1, k]
+    output["exit_probs"] = cat(exit_prob_{E-1}, ..., exit_prob_{L-2})       [L - E]
+
+The host scheduler (``leapfx.runtime.specee``) runs these nodes only at the active layers of the
+two-level schedule; each check is a device-to-host sync.
+
+Example::
+
+    >>> gm = InsertExitHead(layer=4).run(capture(hf_model)).graph_module
+    >>> gm = InsertExitPredictors().run(gm).graph_module
+    >>> len(gm.specee.exits)      # L - 1 MLPs
+    15
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+from ..kernels.subset import subset_logits
+from .base import GraphPass, PassResult
+from .capture import LAYER, ROLE, layer_node, nodes_by_role, output_dict, set_output_dict
+from .exit_head import exit_layer_of
+
+PREDICTOR_MODULE = "specee"  # attribute of the rewritten GraphModule
+FIRST_PREDICTED = "leapfx.first_predicted_layer"  # gm.meta: E - 1
+NUM_SPECULATIVE_TOKENS = 4  # k (sec. 4.3.1: "generate 4 speculative tokens each time")
+HIDDEN_WIDTH = 512  # Fig. 8: 2 layers of width 512 are best
+NUM_FEATURES = 3 * NUM_SPECULATIVE_TOKENS
+
+
+class ExitMLP(nn.Sequential):
+    """Linear(12 -> 512), ReLU, Linear(512 -> 1), Sigmoid: one layer's exit predictor."""
+
+    def __init__(self, width: int = HIDDEN_WIDTH, num_features: int = NUM_FEATURES) -> None:
+        super().__init__(
+            nn.Linear(num_features, width), nn.ReLU(), nn.Linear(width, 1), nn.Sigmoid()
+        )
+
+
+def speculative_tokens(exit_logits: torch.Tensor, k: int = NUM_SPECULATIVE_TOKENS) -> torch.Tensor:
+    """S: the top-k token ids of the draft head's last position: ``[B, S, V] -> [k]`` (B = 1)."""
+    return exit_logits[0, -1].topk(k).indices  # [k]
+
+
+def exit_features(
+    normed: torch.Tensor,
+    head_weight: torch.Tensor,
+    candidates: torch.Tensor,
+    p_prev: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 12 features of sec. 4.3.1 and p_l: ``([R, 3k], [R, k])`` for ``normed`` [R, H].
+
+    ``normed`` is N(h_l) (the final norm already applied); ``candidates`` [k] are S;
+    ``p_prev`` [R, k] is p_{l-1} (None at the first predicted layer: D = p_l).
+
+    >>> x, p = exit_features(torch.ones(1, 2), torch.eye(2), torch.tensor([0, 1]), None)
+    >>> x.tolist(), p.tolist()
+    ([[1.0, 0.0, 0.7310585975646973, 0.2689414322376251, 0.7310585975646973, 0.2689414322376251]], [[0.7310585975646973, 0.2689414322376251]])
+    """  # noqa: E501
+    z, p = subset_logits(normed, head_weight, candidates)  # [R, k] each, float32
+    d = p if p_prev is None else p - p_prev
+    return torch.cat([z, p, d], dim=-1), p
+
+
+class LayerExit(nn.Module):
+    """The exit-check node of one layer: features of the last position, then its MLP.
+
+    Holds the host's final norm and LM head by plain reference (not as submodules), so the
+    predictors' state dict holds only the MLP.
+    """
+
+    def __init__(self, layer: int, mlp: ExitMLP, norm: nn.Module, head: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+        self.mlp = mlp
+        self._host = (norm, head)  # a tuple: not registered, not saved, not moved
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        candidates: torch.Tensor,
+        p_prev: torch.Tensor | None,
+        with_mlp: bool = True,
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """``hidden`` [B, S, H] (h_l) -> (exit probability [B], p_l [B, k]).
+
+        ``with_mlp=False`` computes p_l only (the layer below an active one: D needs it)."""
+        norm, head = self._host
+        # .forward and F.linear: the same math without nn.Module dispatch, which costs more
+        # than the arithmetic at this size (the check runs on the decode's critical path).
+        normed = norm.forward(hidden[:, -1])  # [B, H]
+        x, p = exit_features(normed, head.weight, candidates, p_prev)
+        if not with_mlp:
+            return None, p
+        first, last = self.mlp[0], self.mlp[2]
+        a = torch.relu(F.linear(x.to(first.weight.dtype), first.weight, first.bias))  # [B, 512]
+        return torch.sigmoid(F.linear(a, last.weight, last.bias))[:, 0], p  # [B], [B, k]
+
+
+class SpecEEPredictors(nn.Module):
+    """The L - 1 exit MLPs and the offline layer subset of the two-level schedule (sec. 5).
+
+    ``offline`` [L - 1] (a bool buffer) marks the layers the offline level keeps; it is measured
+    when the predictors are trained and saved with them (all False before: the online window
+    alone decides).
+    """
+
+    def __init__(self, num_layers: int, norm: nn.Module, head: nn.Module) -> None:
+        super().__init__()
+        self.num_layers = num_layers
+        self.exits = nn.ModuleList(
+            LayerExit(i, ExitMLP(), norm, head) for i in range(num_layers - 1)
+        )
+        self.register_buffer("offline", torch.zeros(num_layers - 1, dtype=torch.bool))
+
+    def offline_layers(self) -> frozenset[int]:
+        return frozenset(int(i) for i in self.offline.nonzero().flatten().tolist())
+
+
+def predictors_of(gm: fx.GraphModule) -> SpecEEPredictors:
+    """The SpecEEPredictors a graph rewritten by InsertExitPredictors owns."""
+    bank = getattr(gm, PREDICTOR_MODULE, None)
+    if not isinstance(bank, SpecEEPredictors):
+        raise ValueError("graph has no SpecEE predictors; run InsertExitPredictors first")
+    return bank
+
+
+@dataclass(frozen=True)
+class InsertExitPredictors(GraphPass):
+    """Insert an exit-check node after each layer E-1..L-2 (E: the draft head's layer)."""
+
+    name: ClassVar[str] = "insert-exit-predictors"
+    requires: ClassVar[frozenset[str]] = frozenset({"decoder-graph"})
+    provides: ClassVar[frozenset[str]] = frozenset({"exit-predictors"})
+
+    # The first predicted layer. None: E - 1 for the graph's exit head or adapter after E
+    # layers. An EAGLE head (``eagle_logits``) drafts before the token's pass, so any layer can
+    # be the first; its nodes follow the head's in the graph.
+    first_layer: int | None = None
+
+    def run(self, gm: fx.GraphModule) -> PassResult:
+        if nodes_by_role(gm, "exit_check"):
+            return PassResult(gm, modified=False, matches=0)
+        outputs = dict(output_dict(gm))
+        source_key = "eagle_logits" if "eagle_logits" in outputs else "exit_logits"
+        if source_key not in outputs:
+            raise ValueError(
+                "drafter: the graph has no draft head to take speculative tokens from; insert "
+                "an exit head, a Kangaroo adapter or an EAGLE head first"
+            )
+        num_layers = len(nodes_by_role(gm, "layer"))
+        if self.first_layer is not None:
+            e = self.first_layer + 1
+        elif source_key == "exit_logits":
+            e = exit_layer_of(gm)
+        else:
+            e = 1
+        norm = gm.get_submodule(nodes_by_role(gm, "norm")[0].target)
+        head = gm.get_submodule(nodes_by_role(gm, "head")[0].target)
+        if head.weight.shape[0] < NUM_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"model: a vocabulary of {head.weight.shape[0]} tokens is too small for "
+                f"{NUM_SPECULATIVE_TOKENS} speculative tokens; allowed: >= "
+                f"{NUM_SPECULATIVE_TOKENS}"
+            )
+        device = head.weight.device
+        gm.add_submodule(PREDICTOR_MODULE, SpecEEPredictors(num_layers, norm, head).to(device))
+        gm.meta[FIRST_PREDICTED] = e - 1
+        graph = gm.graph
+        with graph.inserting_after(outputs[source_key]):
+            cands = graph.call_function(speculative_tokens, (outputs[source_key],))
+        cands.name = "speculative_tokens"
+        cands.meta[ROLE] = "speculative_tokens"
+        probs, p_prev, anchor = [], None, cands
+        for i in range(e - 1, num_layers - 1):
+            source = layer_node(gm, i)
+            assert source is not None, "capture annotates every decoder layer"
+            # After the layer and after the candidates (E - 1: the adapter follows the layer;
+            # an EAGLE head's candidates come after the last layer: every check follows them).
+            after = anchor if i == e - 1 or source_key == "eagle_logits" else source
+            with graph.inserting_after(after):
+                check = graph.call_module(f"{PREDICTOR_MODULE}.exits.{i}", (source, cands, p_prev))
+            with graph.inserting_after(check):
+                prob = graph.call_function(operator.getitem, (check, 0))
+            with graph.inserting_after(prob):
+                p = graph.call_function(operator.getitem, (check, 1))
+            check.name, prob.name, p.name = f"exit_check_{i}", f"exit_prob_{i}", f"exit_p_{i}"
+            for node, role in ((check, "exit_check"), (prob, "exit_prob"), (p, "exit_p")):
+                node.meta[ROLE] = role
+                node.meta[LAYER] = i
+            probs.append(prob)
+            p_prev, anchor = p, p
+        out = next(n for n in graph.nodes if n.op == "output")
+        with graph.inserting_before(out):
+            joined = graph.call_function(torch.cat, (probs,))
+        joined.name = "exit_probs"
+        joined.meta[ROLE] = "exit_probs"
+        outputs["exit_probs"] = joined
+        set_output_dict(gm, outputs)
+        return PassResult(gm, modified=True, matches=len(probs))

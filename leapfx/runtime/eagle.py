@@ -1,0 +1,147 @@
+"""EAGLE's chain decode schedule: the draft head proposes, the full model verifies (lossless).
+
+Stages (``leapfx.passes.eagle_head.eagle_stages``):
+
+- ``target``: every host layer, norm and head on a chunk, plus the head's fc + layer on the
+  host's true features (so the head's KV slot is filled wherever the host runs); returns the
+  logits and the pre-norm last-layer hidden states h of the chunk;
+- ``head``: the draft head alone on (token x_t, h_{t-1}) -> (head logits, head state g_t).
+
+A round, with the newest token x at position p (not yet in the cache), every slot -- the host
+layers' and the head's -- holding positions 0..p-1, and h_{p-1} from the previous target call::
+
+    draft:  y_1 from head(x, h_{p-1}) at p; y_{i+1} from head(y_i, g_{p+i-1}) at p+i (the head
+            feeds its own state back). Stops after the first y_i whose top-1 probability is <=
+            confidence_threshold, or at d = max_draft_tokens. Writes head KV for p..p+d-1.
+    verify: crop the head's slot back to p (its draft KV came from its own g, not from h; the
+            host's slots hold 0..p-1 anyway, so a plain crop(p) does it), then
+            target on [x, y_1..y_d] at p..p+d with h_{p-1}: d+1 target distributions and the
+            true h of every position; host and head KV for p..p+d, the head's now from h.
+    accept: k drafts and a correction/bonus token z (``schedules.accept``: greedy prefix match
+            or rejection sampling); crop every slot to p+k+1 (O(1)); h_{p+k} is the state the
+            next round's first draft reads, z the token.
+
+So the head always attends to KV computed from the host's true features for committed
+positions (as EAGLE recomputes its KV of accepted tokens), and costs one head call per draft.
+
+Host syncs: one per draft step when ``confidence_threshold`` > 0 (to decide whether to stop),
+and one per round reading k, the next token and the drafts (as ``schedules.self_speculative``).
+
+Helpers for other schedules (SpecEE takes its k = 4 candidates from the head's logits)::
+
+    logits, g = head_step(runner, x, h_prev, start)     # [1, S, V], [1, S, D]
+    logits, h = target_step(runner, ids, h_prev, start)  # [1, S, V], [1, S, D]
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .metrics import DecodeMetrics
+from .runner import StageRunner
+from .sampling import probs
+from .schedules import DecodeRequest, Output, _token, accept, choose
+
+
+def head_step(
+    runner: StageRunner, input_ids: torch.Tensor, hidden: torch.Tensor, start: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The draft head on tokens ``input_ids`` [1, S] at positions start.. reading ``hidden``
+    [1, S, D] (h_{t-1} of each token, or the head's own g); returns (logits [1, S, V],
+    g [1, S, D]) and writes the head's KV slot for those positions."""
+    # Timed as "draft" / "verify" (``runner.seconds``), the names the bench's cost ratios read.
+    out = runner.chunk("head", input_ids, start, key="draft", hidden=hidden)
+    return out["logits"], out["hidden"]
+
+
+def target_step(
+    runner: StageRunner, input_ids: torch.Tensor, prev_hidden: torch.Tensor | None, start: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The full model (and the head's KV from true features) on ``input_ids`` [1, S] at
+    positions start..; ``prev_hidden`` [1, 1, D] is h_{start-1} (at 0: zeros, [1, 1, 1] or None).
+    Returns
+    (logits [1, S, V], h [1, S, D], pre-norm)."""
+    out = runner.chunk("target", input_ids, start, key="verify", prev_hidden=prev_hidden)
+    return out["logits"], out["hidden"]
+
+
+def draft_chain(
+    runner: StageRunner,
+    x: torch.Tensor,
+    h_prev: torch.Tensor,
+    start: int,
+    max_tokens: int,
+    threshold: float,
+    request: DecodeRequest,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Draft up to ``max_tokens`` from token x [1, 1] at ``start`` and h_{start-1} [1, 1, D].
+
+    Returns draft tokens [1, d] and, when sampling, their draft distributions q [1, d, V]
+    (what rejection sampling compares with the target). With ``threshold`` > 0 drafting stops
+    after the first token whose top-1 probability is <= threshold (that token is kept).
+    """
+    tokens, qs = [], []
+    token, hidden = x, h_prev
+    for i in range(max_tokens):
+        logits, hidden = head_step(runner, token, hidden, start + i)  # [1, 1, V], [1, 1, D]
+        q = None
+        if request.sampling.do_sample:
+            q = probs(logits[:, -1].float(), request.sampling)  # [1, V]
+            token = torch.multinomial(q, 1, generator=request.generator)  # [1, 1]
+            qs.append(q)
+        else:
+            token = logits[:, -1].argmax(dim=-1, keepdim=True)  # [1, 1]
+        tokens.append(token)
+        if threshold > 0 and i + 1 < max_tokens:
+            dist = q if q is not None else torch.softmax(logits[:, -1].float(), dim=-1)
+            if float(dist.max()) <= threshold:  # host sync: the stop rule
+                break
+    q_all = torch.stack(qs, dim=1) if qs else None
+    return torch.cat(tokens, dim=1), q_all
+
+
+def eagle(
+    runner: StageRunner,
+    prompt: torch.Tensor,
+    request: DecodeRequest,
+    metrics: DecodeMetrics,
+    max_draft_tokens: int,
+    confidence_threshold: float,
+) -> list[int]:
+    """EAGLE chain decoding: head drafts with dynamic length, the full model verifies."""
+    metrics.num_speculations = max_draft_tokens  # CTAR(w) for w = 1..d
+    out = Output(request)
+    lay = runner.layout
+    zero = torch.zeros(1, 1, 1, dtype=lay.dtype, device=lay.device)  # h_{-1}, broadcast to D
+    logits, hidden = target_step(runner, prompt, zero, 0)  # prefill: [1, n, V], [1, n, D]
+    metrics.full_calls += 1
+    pos = prompt.shape[1]  # position of x, the newest token (not yet in the cache)
+    x = choose(logits[:, -1], request)
+    h = hidden[:, -1:]  # h_{pos-1}: [1, 1, D]
+    out.extend([_token(x)])
+    while not out.done:
+        d = min(max_draft_tokens, out.remaining - 1)  # drafts past max_new_tokens are waste
+        if d == 0:
+            logits, hidden = target_step(runner, x, h, pos)
+            metrics.full_calls += 1
+            x, h, pos = choose(logits[:, -1], request), hidden, pos + 1
+            out.extend([_token(x)])
+            continue
+        drafts, q = draft_chain(runner, x, h, pos, d, confidence_threshold, request)
+        d = drafts.shape[1]
+        metrics.draft_calls += d
+        # The draft's head KV came from the head's own states; verify rewrites it from h.
+        # Only the head's slot holds positions >= pos, so this crops it alone.
+        runner.cache.crop(pos)
+        logits, hidden = target_step(runner, torch.cat([x, drafts], dim=1), h, pos)
+        n, nxt = accept(drafts, q, logits, request)  # [1], [1] on the device
+        # The round's one host sync: the cache lengths are Python ints (crop), and the stop
+        # rule reads the emitted tokens.
+        k, next_token, *drafted = torch.cat([n, nxt, drafts[0]]).tolist()
+        runner.cache.crop(pos + k + 1)  # keep x and the k accepted drafts
+        metrics.record_verify(d, k)
+        out.extend([*drafted[:k], next_token])
+        h = hidden[:, k : k + 1]  # h of the last kept position
+        pos += k + 1
+        x = nxt.view(1, 1)  # stays on the device
+    return out.tokens

@@ -1,0 +1,401 @@
+"""SpecEE decoding (sec. 4-5): per-token early exit decided by predictors, lossy or verified.
+
+One decode step for token x at position c (the stages of ``leapfx.passes.specee_stages``)::
+
+    draft      layers < E and the draft head: h_{E-1} and S, the top-k speculative tokens
+    for l = E-1 .. L-2 (layer l runs first when l >= E):
+        if l is active:  prob = MLP_l(features(h_l, S))          one host sync
+            if prob > threshold:  g = argmax N(h_l) W^T          one more host sync
+                if g in S: exit at l, emit g (sec. 4.3.3); else go on
+    no exit: layer L-1, the head, emit its token
+
+Two-level scheduling (sec. 5): a layer is active if the offline level kept it (measured exit
+frequencies, saved with the predictors) or it lies within +-``window`` of one of the last
+``history`` exits (the online level, once ``history`` exits have been seen). Features need
+p_{l-1}, so z is also computed at the layer below each active one (spec sec. 9.1).
+
+KV of exited layers (``kv_fill``):
+
+- ``"mask"`` (default, the authors' implementations): the layers above the exit write no K/V
+  for the token; their cache length still moves past it (positions stay global for RoPE) and
+  a per-layer validity bias (0 / -inf, ``[L, max_len]``) hides the slot from later queries.
+- ``"next"``: the exited token's hidden state stays pending and its skipped layers run batched
+  with the next token's pass (rows join at the layer where they stopped), so every slot a query
+  reads is filled exactly. Invariant: at each layer the missing positions are a suffix, so a
+  batch writes at that layer's fill length.
+
+Verified mode (``verify=True``, lossless): each exited token is a draft. A round drafts until
+``max_draft_tokens`` drafts or a pass that reaches the last layer, then verifies as LayerSkip's
+remainder does: with m the lowest exit of the round, the last draft runs layers <= m, layers
+m+1..L-1 are rolled back to c and rerun on h_m of positions c..c+d (every slot they read is
+then exact), and ``schedules.accept`` takes the prefix (greedy match or rejection sampling).
+A round whose first pass does not exit emits that token directly: its context was exact.
+
+Host syncs: one per active layer (the predictor's decision), one more where it fires (the
+global check), and in verified mode one per round (as ``self_speculative``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from .masks import chunk_mask, masks_for
+from .metrics import DecodeMetrics
+from .runner import StageRunner
+from .sampling import probs
+from .schedules import DecodeRequest, Output, _token, accept, choose, teacher_force
+
+
+@dataclass
+class LayerScheduler:
+    """The two-level schedule of sec. 5: offline subset + online +-window of recent exits.
+
+    >>> s = LayerScheduler(offline=frozenset({10}), low=3, high=14, history=2)
+    >>> sorted(s.active())
+    [10]
+    >>> s.record(5); s.record(13); sorted(s.active())
+    [3, 4, 5, 6, 7, 10, 11, 12, 13, 14]
+    """
+
+    offline: frozenset[int]
+    low: int  # first predicted layer (E - 1)
+    high: int  # last predicted layer (L - 2)
+    window: int = 2
+    history: int = 5
+    recent: deque = field(default_factory=deque)
+    _active: frozenset[int] | None = None
+    _needed: frozenset[int] | None = None
+
+    def record(self, layer: int) -> None:
+        """A token exited after ``layer``."""
+        self.recent.append(layer)
+        if len(self.recent) > self.history:
+            self.recent.popleft()
+        self._active = self._needed = None
+
+    def active(self) -> frozenset[int]:
+        """Layers whose predictor runs for the next token."""
+        if self._active is None:
+            layers = {i for i in self.offline if self.low <= i <= self.high}
+            if len(self.recent) >= self.history:
+                for e in self.recent:
+                    lo, hi = max(self.low, e - self.window), min(self.high, e + self.window)
+                    layers.update(range(lo, hi + 1))
+            self._active = frozenset(layers)
+        return self._active
+
+    def needed(self) -> frozenset[int]:
+        """Layers whose features are computed: the active ones and the layer below each."""
+        if self._needed is None:
+            act = self.active()
+            self._needed = act | {i - 1 for i in act if i - 1 >= self.low}
+        return self._needed
+
+
+@dataclass(frozen=True)
+class SpecEEConfig:
+    """What the SpecEE schedule needs from the recipe's options."""
+
+    threshold: float
+    offline: frozenset[int]
+    verify: bool = False
+    kv_fill: str = "mask"
+    max_draft_tokens: int = 6
+    window: int = 2
+    history: int = 5
+
+
+@dataclass
+class Step:
+    """One token's pass: the emitted (or drafted) token, its exit layer and its hidden states."""
+
+    token: torch.Tensor  # [1, 1]
+    exit_layer: int  # layers 0..exit_layer ran
+    logits: torch.Tensor  # [1, V] at the exit layer
+    hidden: dict[int, torch.Tensor]  # l -> h_l [1, 1, H] for l >= E - 1 that ran
+
+
+class SpecEEDecoder:
+    """The state of one SpecEE decode over a StageRunner (see the module docstring)."""
+
+    def __init__(self, runner: StageRunner, config: SpecEEConfig, metrics: DecodeMetrics):
+        self.runner = runner
+        self.config = config
+        self.metrics = metrics
+        layers = sorted(int(n.split("_")[1]) for n in runner.stages if n.startswith("layer_"))
+        self.first = layers[0]  # E: layers < E run in the draft stage
+        self.num_layers = layers[-1] + 1  # L
+        self.scheduler = LayerScheduler(
+            config.offline, self.first - 1, self.num_layers - 2, config.window, config.history
+        )
+        lay = runner.layout
+        self.impl, self.kinds, self.window = lay.impl, lay.kinds, lay.window
+        cache = runner.cache
+        # Additive validity bias per layer and position (kv_fill="mask"): 0 or -inf.
+        self.bias = torch.zeros(
+            self.num_layers, cache.max_len, dtype=lay.dtype, device=lay.device
+        )  # [L, max_len]
+        self.neg = float("-inf") if self.impl == "sdpa" else torch.finfo(lay.dtype).min
+        # Every layer <= this one holds valid K/V at every cached position (no bias needed).
+        self.all_valid_below = self.num_layers - 1
+        self.pending: list[tuple[torch.Tensor, int, int]] = []  # (h [1, r, H], start, next layer)
+        self.predictor_seconds = 0.0
+        self._masks: dict = {}  # kv_fill="next": the batch mask of the current rows
+        # EAGLE drafter: the head reads h of the previous position (pre-norm; for an exited
+        # token the state at its exit layer, as the authors' code feeds the exit's state).
+        self.eagle = "eagle_head" in runner.stages
+        self.h_prev: torch.Tensor | None = None  # [1, 1, H]
+        self.k = 4
+
+    def prefill(self, prompt: torch.Tensor) -> torch.Tensor:
+        """Every layer on the prompt; returns the logits [1, n, V]."""
+        if not self.eagle:
+            return self.runner.full(prompt, 0)
+        out = self.runner.chunk("target", prompt, 0, prev_hidden=None)
+        self.h_prev = out["hidden"][:, -1:]
+        return out["logits"]
+
+    def _candidates(self, x: torch.Tensor, pos: int, out: dict) -> torch.Tensor:
+        """S [k] for token x at ``pos``: from the draft stage, or the EAGLE head's stage."""
+        if not self.eagle:
+            return out["candidates"]
+        head = self.runner.chunk("eagle_head", x, pos, hidden=self.h_prev)
+        return head["logits"][0, -1].topk(self.k).indices  # [k]
+
+    # -- stage calls -------------------------------------------------------------------------
+
+    def _positions(self, start: int, length: int) -> torch.Tensor:
+        return torch.arange(start, start + length, device=self.runner.layout.device)[None]
+
+    def _rope(self, hidden: torch.Tensor, start: int, length: int):
+        out = self.runner._call("rope", hidden=hidden, position_ids=self._positions(start, length))
+        return out["rope"]
+
+    def _layer(self, i: int, hidden, rope, start: int, mask) -> torch.Tensor:
+        n = hidden.shape[1]
+        out = self.runner._call(
+            f"layer_{i}", hidden=hidden, rope=rope, mask=mask,
+            position_ids=self._positions(start, n), cache=self.runner.cache,
+        )  # fmt: skip
+        return out["hidden"]  # [1, n, H]
+
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.runner._call("head", hidden=hidden)["logits"]  # [1, n, V]
+
+    def _kind(self, i: int) -> str:
+        return self.kinds[i]
+
+    def _mask(self, i: int, start: int, length: int, base: dict) -> torch.Tensor | None:
+        """Layer i's mask for queries start..start+length-1: the chunk mask plus validity."""
+        if i <= self.all_valid_below or self.config.kv_fill == "next":
+            return base[self._kind(i)]
+        end = start + length
+        w = self.window if self._kind(i) == "sliding_attention" else None
+        causal = chunk_mask(
+            self.impl, start, length, window=w, dtype=self.bias.dtype,
+            device=self.bias.device, additive=True,
+        )  # fmt: skip
+        bias = self.bias[i, :end].view(1, 1, 1, end)
+        return bias if causal is None else causal + bias
+
+    def _base_masks(self, start: int, length: int) -> dict:
+        lay = self.runner.layout
+        return masks_for(
+            lay.impl, list(lay.kinds), start, length,
+            window=lay.window, dtype=lay.dtype, device=lay.device, additive=True,
+        )  # fmt: skip
+
+    # -- one token ---------------------------------------------------------------------------
+
+    def step(self, x: torch.Tensor, pos: int, request: DecodeRequest) -> Step:
+        """Run token x [1, 1] at ``pos`` until its predicted exit (or the last layer)."""
+        runner, cfg = self.runner, self.config
+        out = runner.chunk("draft", x, pos)
+        cands = self._candidates(x, pos, out)  # [k]
+        h, rope = out["hidden"], out["rope"]  # [1, 1, H]
+        base = self._base_masks(pos, 1)
+        active, needed = self.scheduler.active(), self.scheduler.needed()
+        hidden = {self.first - 1: h}
+        p_prev, prev_layer = None, -1
+        batch_start = pos  # kv_fill="next": the first position of the rows in flight
+        for i in range(self.first - 1, self.num_layers):
+            if i >= self.first:
+                if cfg.kv_fill == "next":
+                    h, rope, batch_start = self._join(i, h, rope, batch_start, pos)
+                    if h.shape[1] == 1:
+                        mask = base[self._kind(i)]
+                    else:
+                        mask = self._batch_mask(i, batch_start, pos)
+                else:
+                    mask = self._mask(i, pos, 1, base)
+                h = self._layer(i, h, rope, batch_start, mask)
+                hidden[i] = h[:, -1:]
+            if i == self.num_layers - 1 or i not in needed:
+                continue
+            t0 = time.perf_counter()
+            fired = False
+            if i in active:
+                prev = p_prev if prev_layer == i - 1 else None
+                res = runner._call(f"check_{i}", hidden=h, candidates=cands, p_prev=prev)
+                p = res["p"]
+                fired = float(res["prob"]) > cfg.threshold  # host sync: the exit decision
+            else:
+                p = runner._call(f"probs_{i}", hidden=h, candidates=cands)["p"]
+            p_prev, prev_layer = p, i
+            exited = False
+            if fired:
+                logits = self._head(h[:, -1:])[:, -1]  # [1, V]: the global check
+                g = logits.argmax(dim=-1)
+                exited = bool((cands == g).any())  # host sync
+            self.predictor_seconds += time.perf_counter() - t0
+            if exited:
+                self._exit(i, pos, h, batch_start)
+                self.h_prev = h[:, -1:]
+                return Step(choose(logits, request), i, logits, hidden)
+        logits = self._head(h[:, -1:])[:, -1]
+        self.pending = []
+        self.h_prev = h[:, -1:]
+        return Step(choose(logits, request), self.num_layers - 1, logits, hidden)
+
+    def _exit(self, i: int, pos: int, h: torch.Tensor, batch_start: int) -> None:
+        """Bookkeeping of a token that exits after layer i."""
+        self.scheduler.record(i)
+        cache = self.runner.cache
+        if self.config.kv_fill == "next":
+            # Groups still pending stopped at or above this exit (those below it joined);
+            # one that also waits for layer i + 1 merges: its positions come just before.
+            if self.pending and self.pending[-1][2] == i + 1:
+                rows, start, _ = self.pending.pop()
+                h, batch_start = torch.cat([rows, h], dim=1), start
+            self.pending.append((h, batch_start, i + 1))
+            return
+        self.bias[i + 1 :, pos] = self.neg
+        for j in range(i + 1, self.num_layers):
+            cache.lengths[j] = pos + 1  # the slot stays empty; the bias hides it
+        self.all_valid_below = min(self.all_valid_below, i)
+
+    def _join(self, i: int, h, rope, batch_start: int, pos: int):
+        """kv_fill="next": prepend the pending rows that stopped below layer i."""
+        if not self.pending or self.pending[-1][2] != i:
+            return h, rope, batch_start
+        rows, start, _ = self.pending.pop()
+        assert self.runner.cache.lengths[i] == start, "missing K/V must be a suffix"
+        h = torch.cat([rows, h], dim=1)
+        return h, self._rope(h, start, pos + 1 - start), start
+
+    def _batch_mask(self, i: int, start: int, pos: int):
+        kind = self._kind(i)
+        key = (kind, start, pos)  # rows keep their start over several layers: build it once
+        if key not in self._masks:
+            w = self.window if kind == "sliding_attention" else None
+            self._masks = {key: chunk_mask(
+                self.impl, start, pos + 1 - start, window=w, dtype=self.bias.dtype,
+                device=self.bias.device, additive=True,
+            )}  # fmt: skip
+        return self._masks[key]
+
+    # -- verified mode -----------------------------------------------------------------------
+
+    def verify(self, steps: list[Step], last: torch.Tensor, c: int) -> torch.Tensor:
+        """Target logits [1, d+1, V] for drafts at positions c+1..c+d and the bonus.
+
+        ``steps`` are the passes of positions c..c+d-1; ``last`` [1, 1] is the newest draft at
+        c + d, not yet run.
+        """
+        d = len(steps)
+        m = min(s.exit_layer for s in steps)
+        if self.eagle:  # the head's KV slot holds every position: fill the last draft's
+            self._candidates(last, c + d, {})
+        out = self.runner.chunk("draft", last, c + d)
+        h = out["hidden"]
+        base = self._base_masks(c + d, 1)
+        for i in range(self.first, m + 1):
+            h = self._layer(i, h, out["rope"], c + d, base[self._kind(i)])
+        rows = torch.cat([s.hidden[m] for s in steps] + [h[:, -1:]], dim=1)  # [1, d+1, H]
+        if m == self.num_layers - 1:  # cannot happen: a round's first full pass never drafts
+            raise AssertionError("verify needs a draft that exited")
+        cache = self.runner.cache
+        rope = self._rope(rows, c, d + 1)
+        base = self._base_masks(c, d + 1)
+        self.bias[m + 1 :, c : c + d + 1] = 0
+        for i in range(m + 1, self.num_layers):
+            cache.lengths[i] = c  # roll the layer back to the round's start
+            rows = self._layer(i, rows, rope, c, base[self._kind(i)])
+        self.verified = rows  # [1, d+1, H]: h of the last layer, exact
+        return self._head(rows)  # [1, d+1, V]
+
+
+def specee(
+    runner: StageRunner,
+    prompt: torch.Tensor,
+    request: DecodeRequest,
+    metrics: DecodeMetrics,
+    config: SpecEEConfig,
+) -> list[int]:
+    """SpecEE decoding: lossy early exit, or verified (lossless) with ``config.verify``."""
+    dec = SpecEEDecoder(runner, config, metrics)
+    out = Output(request)
+    logits = dec.prefill(prompt)  # every layer, no exit
+    metrics.full_calls += 1
+    pos = prompt.shape[1]
+    x = teacher_force(choose(logits[:, -1], request), out, request, metrics)
+    metrics.record_layers(dec.num_layers)
+    out.extend([_token(x)])
+    while not out.done:
+        if config.verify:
+            pos = _verified_round(dec, x, pos, request, out, metrics)
+            x = dec.next_x
+        else:
+            s = dec.step(x, pos, request)
+            metrics.draft_calls += 1
+            metrics.record_layers(s.exit_layer + 1)
+            x = teacher_force(s.token, out, request, metrics)
+            out.extend([_token(x)])
+            pos += 1
+    runner.seconds["predictor"] += dec.predictor_seconds
+    return out.tokens
+
+
+def _verified_round(dec: SpecEEDecoder, x, c: int, request, out: Output, metrics) -> int:
+    """Draft from x at position c until an exit-free pass or the maximum, then verify."""
+    d_max = min(dec.config.max_draft_tokens, out.remaining - 1)
+    dec.all_valid_below = dec.num_layers - 1  # everything before c is verified
+    steps: list[Step] = []
+    qs = []
+    token = x
+    while True:
+        s = dec.step(token, c + len(steps), request)
+        metrics.draft_calls += 1
+        if not steps and s.exit_layer == dec.num_layers - 1:
+            # The first pass ran every layer over an exact context: its token is final.
+            metrics.record_layers(dec.num_layers)
+            out.extend([_token(s.token)])
+            dec.next_x = s.token
+            return c + 1
+        steps.append(s)
+        if request.sampling.do_sample:
+            qs.append(probs(s.logits.float(), request.sampling))
+        token = s.token
+        if len(steps) >= d_max or s.exit_layer == dec.num_layers - 1:
+            break
+    drafts = torch.cat([s.token for s in steps], dim=1)  # [1, d]
+    d = drafts.shape[1]
+    target = dec.verify(steps, drafts[:, -1:], c)  # [1, d+1, V]
+    q = torch.stack(qs, dim=1) if qs else None
+    n, nxt = accept(drafts, q, target, request)
+    k, next_token, *drafted = torch.cat([n, nxt, drafts[0]]).tolist()  # the round's sync
+    dec.runner.cache.crop(c + k + 1)
+    dec.h_prev = dec.verified[:, k : k + 1]  # h of position c + k: the next token reads it
+    metrics.record_verify(d, k)
+    # Layers per emitted token: the draft's own depth (the verify pass is counted in
+    # stage_seconds, not here); the correction/bonus token ran every layer.
+    for s in steps[:k]:
+        metrics.record_layers(s.exit_layer + 1)
+    metrics.record_layers(dec.num_layers)
+    out.extend([*drafted[:k], next_token])
+    dec.next_x = nxt.view(1, 1)
+    return c + k + 1

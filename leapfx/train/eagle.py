@@ -1,0 +1,364 @@
+"""EAGLE draft-head training (Li et al. 2024, sec. 4): only the head trains.
+
+The head (``leapfx.passes.eagle_head``) reads (h_{t-1}, x_t) and outputs g_t; its logits are
+the host's LM head on the host's final norm of g_t. EAGLE trains it with two losses at every
+position t, against one no-grad forward of the host per batch (the teacher features)::
+
+    L_reg = SmoothL1(g_t / s, h_t / s)                      (feature regression)
+    L_cls = sum_n -p_n(x_{t+1}) log q_n(x_{t+1})            (the head's distribution q against
+                                                             the host's p, same position)
+    loss  = w_reg * L_reg + w_cls * L_cls                   (EAGLE: w_reg = 1, w_cls = 0.1)
+
+``h`` is the pre-norm residual stream after the last layer (the state the head reads and
+predicts, see the pass's docstring); EAGLE regresses the post-norm feature, whose scale is
+about 1. ``s`` (the batch's RMS of h, detached) brings the pre-norm regression to that scale, so
+EAGLE's weights and SmoothL1's threshold of 1 mean what they mean there. EAGLE also adds
+uniform noise to the input features (U(-0.1, 0.1) on unit-scale features) so the head learns
+to read its own imperfect g while chaining: here ``noise * s * U(-0.5, 0.5)``.
+
+The host runs without autograd and its LM head is called with detached weights; only the head's
+parameters (fc, one decoder layer) get gradients. AdamW at a constant rate, gradient clipping, a
+tqdm bar when ``progress`` (the CLI turns it on only when stderr is a terminal). ``eval_data``
+reports the head's held-out top-1 agreement with the host (teacher-forced: the share of
+positions where argmax q = argmax p), the number a greedy chain's acceptance follows.
+
+Data is what ``leapfx.train.kangaroo.token_stream`` takes (token ids, or texts with
+``tokenizer=``), drawn as ``batch_size`` random windows of ``seq_len`` tokens per step.
+
+Example::
+
+    >>> sm = rewrite.apply(hf_model, "eagle")
+    >>> result = sm.fit(token_ids, steps=300, eval_data=held_out_ids)
+    >>> result.agreement_before, result.agreement_after
+    >>> sm.save_parts("eagle-parts/")      # rewrite.apply(hf_model, "eagle", parts=...) loads it
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.func import functional_call
+from tqdm.auto import tqdm
+
+from leapfx.passes.adapter_checkpoint import host_signature
+from leapfx.passes.capture import decoder_parts
+from leapfx.passes.eagle_checkpoint import write_eagle_head
+from leapfx.passes.eagle_head import eagle_head_of, previous_hidden
+from leapfx.runtime.masks import masks_for
+from leapfx.train.kangaroo import kangaroo_loss, sample_windows, token_stream
+
+
+@dataclass(frozen=True)
+class EagleFitConfig:
+    """Options of ``fit``. EAGLE trains for epochs over ShareGPT; here steps are explicit."""
+
+    steps: int = 300
+    batch_size: int = 8
+    seq_len: int = 128  # window length; shorter data trains on whole documents
+    lr: float = 1e-3  # one layer from a host copy: a high rate converges in minutes
+    weight_decay: float = 0.0
+    grad_clip: float = 0.5  # max global grad norm (EAGLE clips values at 0.5); 0: none
+    reg_weight: float = 1.0  # w_reg (EAGLE's v_w)
+    cls_weight: float = 0.1  # w_cls (EAGLE's p_w)
+    noise: float = 0.2  # width of the uniform input noise, in units of the features' RMS
+    seed: int = 0  # window sampling and noise
+    max_minutes: float = 0.0  # > 0: stop after this much wall time even if steps remain
+    eval_seq_len: int = 256  # held-out windows for the agreement report
+    progress: bool = True  # tqdm bar
+
+    def __post_init__(self) -> None:
+        ints = (("steps", 1), ("batch_size", 1), ("seq_len", 2), ("seed", 0), ("eval_seq_len", 2))
+        for name, low in ints:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name}: {value!r} is invalid; allowed: an integer >= {low}")
+        positive = {"lr"}
+        names = ("lr", "weight_decay", "grad_clip", "reg_weight", "cls_weight", "noise")
+        for name in (*names, "max_minutes"):
+            value = getattr(self, name)
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+            ok = ok and math.isfinite(value) and (value > 0 if name in positive else value >= 0)
+            if not ok:
+                allowed = "a finite number > 0" if name in positive else "a finite number >= 0"
+                raise ValueError(f"{name}: {value!r} is invalid; allowed: {allowed}")
+        if self.reg_weight == 0 and self.cls_weight == 0:
+            raise ValueError("reg_weight, cls_weight: both 0; allowed: at least one > 0")
+        if not isinstance(self.progress, bool):
+            raise ValueError(f"progress: {self.progress!r} is invalid; allowed: True or False")
+
+
+@dataclass
+class EagleFitResult:
+    """What ``fit`` did: per-step losses, and held-out agreement when ``eval_data`` was given."""
+
+    steps: int  # steps asked for; len(losses) ran (fewer when max_minutes stopped it)
+    losses: list[float] = field(default_factory=list)  # w_reg * L_reg + w_cls * L_cls
+    reg_losses: list[float] = field(default_factory=list)
+    cls_losses: list[float] = field(default_factory=list)
+    tokens: int = 0
+    seconds: float = 0.0
+    agreement_before: float | None = None  # held-out top-1 agreement with the host
+    agreement_after: float | None = None
+
+    @property
+    def final_loss(self) -> float:
+        return self.losses[-1] if self.losses else float("nan")
+
+
+@torch.no_grad()
+def teacher_features(sm, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One no-grad host forward: (h [B, S, D], pre-norm last-layer states; logits [B, S, V])."""
+    model = sm.hf_model
+    norm = decoder_parts(model).norm
+    seen: list[torch.Tensor] = []
+    hook = norm.register_forward_hook(lambda module, args, out: seen.append(args[0]))
+    try:
+        logits = model(input_ids=input_ids, use_cache=False).logits
+    finally:
+        hook.remove()
+    assert len(seen) == 1, "the final norm runs once per forward"
+    return seen[0], logits
+
+
+def head_outputs(
+    sm, input_ids: torch.Tensor, hidden: torch.Tensor, noise: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The head over whole windows, teacher-forced: (g [B, S, D], logits [B, S, V]).
+
+    Position t reads h_{t-1} (+ ``noise`` [B, S, D] if given) and x_t; gradients reach the
+    head's parameters only.
+    """
+    model = sm.hf_model
+    head = eagle_head_of(sm.graph_module)
+    parts = decoder_parts(model)
+    weight = next(model.parameters())
+    n = input_ids.shape[1]
+    with torch.no_grad():
+        prev = previous_hidden(hidden)  # [B, S, D]
+        if noise is not None:
+            prev = prev + noise
+        embeds = parts.embed(input_ids)  # [B, S, D]
+        position_ids = torch.arange(n, device=input_ids.device)[None]  # [1, S]
+        rope = parts.rotary(embeds, position_ids)
+        masks = masks_for(
+            model.config._attn_implementation, [head.attn_kind], 0, n,
+            window=parts.sliding_window, dtype=weight.dtype, device=weight.device,
+        )  # fmt: skip
+    g = head(prev, embeds, rope, masks[head.attn_kind], position_ids)
+    frozen_norm = {k: v.detach() for k, v in parts.norm.named_parameters()}
+    frozen_head = {k: v.detach() for k, v in parts.head.named_parameters()}
+    normed = functional_call(parts.norm, frozen_norm, (g,))
+    return g, functional_call(parts.head, frozen_head, (normed,))
+
+
+def eagle_losses(
+    g: torch.Tensor, logits: torch.Tensor, h: torch.Tensor, target_logits: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(L_reg, L_cls) of the module docstring, in float32; all inputs [B, S, *]."""
+    scale = h.float().pow(2).mean().sqrt().clamp(min=1e-6).detach()
+    reg = F.smooth_l1_loss(g.float() / scale, h.float() / scale)
+    return reg, kangaroo_loss(logits, target_logits)
+
+
+@torch.no_grad()
+def evaluate_agreement(sm, data: Any, *, tokenizer=None, seq_len: int = 256) -> float:
+    """Held-out top-1 agreement of the head with the host over consecutive windows of
+    ``data`` (teacher-forced: the head reads the host's true h)."""
+    stream = token_stream(data, vocab_size=sm.config.vocab_size, tokenizer=tokenizer)
+    device = next(sm.hf_model.parameters()).device
+    agree, count = 0, 0
+    for start in range(0, stream.numel() - 1, seq_len):
+        window = stream[start : start + seq_len][None].to(device)
+        h, target = teacher_features(sm, window)
+        _, logits = head_outputs(sm, window, h)
+        agree += int((logits.argmax(-1) == target.argmax(-1)).sum())
+        count += window.numel()
+    return agree / count
+
+
+def fit(sm, data: Any, *, tokenizer=None, eval_data: Any = None, **options: Any):
+    """Train the EAGLE head of ``sm`` on ``data``; returns an EagleFitResult.
+
+    ``options`` are the fields of :class:`EagleFitConfig`. Only the head's parameters change;
+    the stages share them, so ``sm.generate`` drafts with the trained head at once. With
+    ``eval_data`` (same forms as ``data``) the result holds the held-out top-1 agreement
+    before and after training.
+    """
+    fields = {f.name for f in dataclasses.fields(EagleFitConfig)}
+    unknown = sorted(set(options) - fields)
+    if unknown:
+        raise ValueError(
+            f"option {unknown[0]!r} is not an option of fit; its options are: "
+            f"tokenizer, eval_data, {', '.join(sorted(fields))}"
+        )
+    config = EagleFitConfig(**options)
+    if sm.hf_model.training:
+        warnings.warn(
+            "the model is in training mode (dropout active): the targets are noisy; call "
+            "model.eval() first",
+            stacklevel=2,
+        )
+    stream = token_stream(data, vocab_size=sm.config.vocab_size, tokenizer=tokenizer)
+    head = eagle_head_of(sm.graph_module)
+    params = list(head.parameters())
+    device = next(sm.hf_model.parameters()).device
+    if params[0].device != device:
+        raise ValueError(
+            f"fit: the EAGLE head is on {params[0].device} but the model on {device}; move the "
+            "model to the device before rewrite.apply (the head is built where the model is)"
+        )
+    result = EagleFitResult(steps=config.steps)
+    if eval_data is not None:
+        result.agreement_before = evaluate_agreement(
+            sm, eval_data, tokenizer=tokenizer, seq_len=config.eval_seq_len
+        )
+    optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
+    generator = torch.Generator().manual_seed(config.seed)
+    start = time.perf_counter()
+    head.train()
+    try:
+        bar = tqdm(range(config.steps), desc="eagle head", disable=not config.progress)
+        for _ in bar:
+            batch = sample_windows(stream, config.batch_size, config.seq_len, generator)
+            batch = batch.to(device, non_blocking=True)
+            h, target = teacher_features(sm, batch)
+            noise = None
+            if config.noise > 0:
+                scale = h.float().pow(2).mean().sqrt()
+                u = torch.rand(h.shape, generator=generator).to(device=device, dtype=h.dtype)
+                noise = (u - 0.5) * (config.noise * scale).to(h.dtype)
+            g, logits = head_outputs(sm, batch, h, noise)
+            reg, cls = eagle_losses(g, logits, h, target)
+            loss = config.reg_weight * reg + config.cls_weight * cls
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            if config.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
+            optimizer.step()
+            result.losses.append(float(loss.detach()))
+            result.reg_losses.append(float(reg.detach()))
+            result.cls_losses.append(float(cls.detach()))
+            result.tokens += batch.numel()
+            bar.set_postfix(loss=f"{result.losses[-1]:.4f}")
+            if config.max_minutes and time.perf_counter() - start > 60 * config.max_minutes:
+                break  # the wall-clock budget; the result says how many steps ran
+    finally:
+        head.eval()
+        optimizer.zero_grad(set_to_none=True)
+    result.seconds = time.perf_counter() - start
+    if eval_data is not None:
+        result.agreement_after = evaluate_agreement(
+            sm, eval_data, tokenizer=tokenizer, seq_len=config.eval_seq_len
+        )
+    return result
+
+
+def save_parts(sm, path: str | Path, *, extra: dict[str, Any] | None = None) -> Path:
+    """Write the head of ``sm`` and its recipe options (see passes.eagle_checkpoint)."""
+    options = {k: v for k, v in dataclasses.asdict(sm.options).items() if k != "parts"}
+    return write_eagle_head(
+        eagle_head_of(sm.graph_module),
+        path,
+        recipe=sm.recipe.name,
+        options=options,
+        host=host_signature(sm.config),
+        extra=extra,
+    )
+
+
+class EagleTraining:
+    """The eagle recipe's training hook (``SpeculativeModel.fit`` / ``save_parts``)."""
+
+    def fit(self, model, data: Any, **options: Any) -> EagleFitResult:
+        return fit(model, data, **options)
+
+    def save(self, model, path: str | Path) -> Path:
+        return save_parts(model, path)
+
+
+def train_reference_head(
+    out: str | Path,
+    *,
+    model_path: str | Path | None = None,
+    steps: int = 2000,
+    minutes: float = 0.0,
+    batch_size: int = 8,
+    seq_len: int = 256,
+    lr: float = 1e-3,
+    threads: int | None = None,
+    device: str = "cpu",
+    corpus_root: str | Path | None = None,
+    resume: bool = False,
+    progress: bool = False,
+    eval_bytes: int = 32768,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """``leapfx train-eagle``: train the reference model's EAGLE head and write it to ``out``.
+
+    The stdlib corpus's training split (as the reference model's), the first ``eval_bytes``
+    of its held-out split for the agreement report. ``resume``: start from the head already in
+    ``out`` (a run is cheap to continue: the head is the only state; give another ``seed`` so
+    it draws other windows). ``minutes`` > 0 stops at that wall time. Returns the run's summary;
+    ``eagle_head.json`` lists the summaries of every run the head came from under
+    ``"training"``.
+    """
+    import platform
+
+    from leapfx import rewrite
+    from leapfx.bench import load_model
+    from leapfx.train.data import encode_documents
+    from leapfx.train.reference import corpus_digest, reference_corpus
+    from leapfx.train.trainer import describe_device, resolve_device
+
+    options = dict(steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr,
+                   progress=progress, max_minutes=minutes, seed=seed)  # fmt: skip
+    EagleFitConfig(**options)  # checked before anything is loaded
+    torch_device = resolve_device(device, option="--device")
+    corpus = reference_corpus(corpus_root, option="--corpus-root")
+    if threads:
+        torch.set_num_threads(threads)
+    model, tokenizer = load_model(model_path)  # float32 on the CPU
+    model.to(torch_device)  # before rewrite.apply: the head is built on the model's device
+    train = encode_documents(tokenizer, corpus.train).long()
+    held = encode_documents(tokenizer, corpus.held_out).long()[:eval_bytes]
+    parts = str(out) if resume and (Path(out) / "eagle_head.json").is_file() else None
+    sm = rewrite.apply(model, "eagle", parts=parts)
+    result = fit(sm, train, eval_data=held, **options)
+    summary = {
+        "held_out_agreement_before": result.agreement_before,
+        "held_out_agreement_after": result.agreement_after,
+        "held_out_bytes": int(held.numel()),
+        "steps": len(result.losses),
+        "steps_asked": result.steps,
+        "seed": seed,
+        "resumed": parts is not None,
+        "batch_size": batch_size,
+        "seq_len": seq_len,
+        "lr": lr,
+        "final_loss": result.final_loss,
+        "final_reg_loss": result.reg_losses[-1],
+        "final_cls_loss": result.cls_losses[-1],
+        "seconds": result.seconds,
+        "device": describe_device(torch_device),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "corpus": {
+            "files": len(corpus.train) + len(corpus.held_out),
+            "sha256": corpus_digest(corpus),
+        },
+    }
+    history = []
+    if parts is not None:  # keep the runs this head came from
+        previous = json.loads((Path(out) / "eagle_head.json").read_text()).get("training", [])
+        history = previous if isinstance(previous, list) else [previous]
+    save_parts(sm, out, extra={"training": [*history, summary]})
+    return summary
