@@ -575,6 +575,22 @@ def _train_reference(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train_moe_reference(args: argparse.Namespace) -> int:
+    from .train.moe_reference import train_moe_reference
+
+    report = train_moe_reference(
+        args.out,
+        minutes=args.minutes,
+        seed=args.seed,
+        aux_coef=args.aux_coef,
+        threads=args.threads,
+        device=args.device,
+        corpus_root=args.corpus_root,
+    )
+    print(json.dumps(report, indent=2))
+    return 0
+
+
 def _train_specee(args: argparse.Namespace) -> int:
     import torch
 
@@ -808,6 +824,23 @@ def build_parser() -> argparse.ArgumentParser:
         "--corpus-root", default=None, help="stdlib folder to train on (default: this Python's)"
     )
     m2r2.set_defaults(func=_train_m2r2)
+
+    moe = sub.add_parser(
+        "train-moe-reference", help="train the OLMoE-shaped MoE reference model (LayerSkip + "
+        "load balancing)",
+    )  # fmt: skip
+    moe.add_argument("out", help="output directory (resumes if it holds a checkpoint)")
+    moe.add_argument("--minutes", type=float, default=60.0)
+    moe.add_argument("--seed", type=int, default=0)
+    moe.add_argument("--threads", type=int, default=None)
+    moe.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (float32)")
+    moe.add_argument(
+        "--aux-coef", type=float, default=0.01, help="weight of the load-balancing loss (OLMoE's)"
+    )
+    moe.add_argument(
+        "--corpus-root", default=None, help="stdlib folder to train on (default: this Python's)"
+    )
+    moe.set_defaults(func=_train_moe_reference)
 
     specee = sub.add_parser(
         "train-specee", help="train SpecEE's exit predictors for a model (default: the reference)"

@@ -90,6 +90,82 @@ def tiny_model(
     return model.to(dtype).eval()
 
 
+MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+
+
+def tiny_moe_model(
+    arch: str = "olmoe",
+    *,
+    layers: int = 4,
+    heads: int = 4,
+    kv_heads: int = 2,
+    head_dim: int = 8,
+    vocab: int = 128,
+    experts: int = 4,
+    top_k: int = 2,
+    intermediate: int = 16,
+    norm_topk_prob: bool = False,
+    dense_layers: tuple[int, ...] = (),
+    sliding_window: int | None = None,
+    tie: bool = False,
+    eos: int | None = None,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+):
+    """A randomly initialised tiny Mixture-of-Experts causal LM of ``arch`` (eval mode).
+
+    qwen2_moe has its sigmoid-gated shared expert; ``dense_layers`` are the qwen families'
+    ``mlp_only_layers``; mixtral always renormalises the top-k (``norm_topk_prob`` ignored).
+    ``sliding_window``: mixtral and qwen3_moe (every layer), ignored elsewhere.
+    """
+    hidden = heads * head_dim
+    kwargs = dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=512,
+        tie_word_embeddings=tie,
+        bos_token_id=None,
+        eos_token_id=eos,
+        pad_token_id=0,
+        num_experts_per_tok=top_k,
+    )
+    if arch == "mixtral":
+        config = transformers.MixtralConfig(
+            intermediate_size=intermediate, num_local_experts=experts,
+            sliding_window=sliding_window, **kwargs,
+        )  # fmt: skip
+    elif arch == "olmoe":
+        config = transformers.OlmoeConfig(
+            intermediate_size=intermediate, num_experts=experts, norm_topk_prob=norm_topk_prob,
+            **kwargs,
+        )  # fmt: skip
+    else:
+        cls = transformers.Qwen2MoeConfig if arch == "qwen2_moe" else transformers.Qwen3MoeConfig
+        extra = {"shared_expert_intermediate_size": 2 * intermediate} if arch == "qwen2_moe" else {}
+        if arch == "qwen3_moe" and sliding_window is not None:
+            extra.update(use_sliding_window=True, sliding_window=sliding_window)
+        config = cls(
+            moe_intermediate_size=intermediate, intermediate_size=3 * intermediate,
+            num_experts=experts, norm_topk_prob=norm_topk_prob, mlp_only_layers=list(dense_layers),
+            **extra, **kwargs,
+        )  # fmt: skip
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4.0)
+        for layer in model.model.layers:
+            # Routers start at zero in some families: random routers make routing matter.
+            gate = getattr(getattr(layer, "mlp", None), "gate", None)
+            if gate is not None and hasattr(gate, "weight") and gate.weight.dim() == 2:
+                gate.weight.normal_(0.0, 0.5)
+    return model.to(dtype).eval()
+
+
 @pytest.fixture
 def llama():
     return tiny_model("llama", layers=4)

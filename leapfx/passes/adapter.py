@@ -47,6 +47,7 @@ from .capture import (
     EXTRA_CACHE_LAYERS,
     ROLE,
     WRITES_CACHE,
+    layer_module,
     layer_node,
     nodes_by_role,
     output_dict,
@@ -194,7 +195,7 @@ class InsertKangarooAdapter(GraphPass):
         kind = target_layer.meta[ATTN_KIND]
         norm = nodes_by_role(gm, "norm")[0]
         head = nodes_by_role(gm, "head")[0]
-        host_layer = gm.get_submodule(target_layer.target)
+        host_layer = layer_module(gm, self.exit_layer)
         if not hasattr(host_layer, "self_attn") or not hasattr(host_layer, "input_layernorm"):
             raise ValueError(
                 f"layer {self.exit_layer} is a {type(host_layer).__name__}, not a HF decoder "

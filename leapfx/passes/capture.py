@@ -6,6 +6,17 @@ The graph is built by hand rather than traced: one ``call_module`` node per deco
 model's own submodules, so the graph computes exactly what the HF model computes and shares its
 weights by reference (``GraphModule`` copies module references, not tensors).
 
+Mixture-of-Experts layers (mixtral, qwen2_moe, qwen3_moe, olmoe) are captured one level deeper,
+so that passes see the routing: the layer becomes its attention half (input norm, attention,
+residual), the post-attention norm, a ``router`` node (the block's ``gate``: logits, top-k
+weights, top-k expert ids), an ``experts`` node (the fused ``<X>Experts`` module, called as
+``experts(hidden [T, H], top_k_index [T, k], top_k_weights [T, k])``), qwen2_moe's gated shared
+expert, and the residual add, which carries ``leapfx.role = "layer"`` like a dense layer's node.
+Every node of layer i carries ``leapfx.layer = i``; each calls the HF module (or the same tensor
+op) that the HF layer calls, in the same order, so the result is bitwise the HF layer's. A pass
+can retarget the ``experts`` node (the expert-offload runtime does) or read the router's ids.
+Dense layers of MoE models (``mlp_only_layers``) stay one node.
+
 Graph inputs (placeholders)::
 
     input_ids     [B, S]    token ids
@@ -36,8 +47,14 @@ LAYER = "leapfx.layer"
 ATTN_KIND = "leapfx.attn_kind"
 # A node that writes the KV cache as a side effect: stages keep it even when its output is unused.
 WRITES_CACHE = "leapfx.writes_cache"
+# A node run for its side effect other than the KV cache (an expert prefetch): stages keep it.
+SIDE_EFFECT = "leapfx.side_effect"
 # GraphModule meta: KV-cache slots the rewrite adds past the host's layers (an adapter attention).
 EXTRA_CACHE_LAYERS = "leapfx.extra_cache_layers"
+
+# A node's module path in the HF model (a decoder layer's, for every node of that layer): passes
+# that need the HF layer (Kangaroo copies its attention) look it up with layer_module().
+MODULE = "leapfx.module"
 
 # model_type -> notes on what differs. The decoder layers of all of these take the same call
 # (hidden, attention_mask=, position_embeddings=, position_ids=, past_key_values=) and return a
@@ -50,7 +67,14 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "qwen3": "Qwen3ForCausalLM (q/k norms inside the layer)",
     "phi3": "Phi3ForCausalLM (fused qkv / gate_up projections)",
     "gemma": "GemmaForCausalLM (scaled embedding, 1+w norms)",
+    "mixtral": "MixtralForCausalLM (MoE; top-k always renormalised; sliding window honoured)",
+    "qwen2_moe": "Qwen2MoeForCausalLM (MoE + sigmoid-gated shared expert; norm_topk_prob)",
+    "qwen3_moe": "Qwen3MoeForCausalLM (MoE; q/k norms; norm_topk_prob; mlp_only_layers)",
+    "olmoe": "OlmoeForCausalLM (MoE; full-width q/k norms, clip_qkv; norm_topk_prob)",
 }
+# Architectures whose every sliding window applies to all layers (create_sliding_window_causal_mask
+# for the whole model) rather than per layer through config.layer_types.
+_MODEL_WIDE_WINDOW = ("mistral", "phi3", "mixtral", "qwen3_moe")
 
 
 @dataclass(frozen=True)
@@ -102,11 +126,12 @@ def decoder_parts(model: nn.Module) -> DecoderParts:
     n = config.num_hidden_layers
     layer_types = getattr(config, "layer_types", None) or ["full_attention"] * n
     window = getattr(config, "sliding_window", None)
-    if model.config.model_type in ("mistral", "phi3") and window is not None:
+    if model.config.model_type in _MODEL_WIDE_WINDOW and window:
         # These models apply the window to every layer (create_sliding_window_causal_mask).
         layer_types = ["sliding_attention"] * n
-    if window is None:
+    if not window:  # qwen2_moe stores 0 when use_sliding_window is off
         layer_types = ["full_attention"] * n
+        window = None
     return DecoderParts(
         embed=inner.embed_tokens,
         rotary=inner.rotary_emb,
@@ -154,18 +179,19 @@ def capture(model: nn.Module) -> fx.GraphModule:
         )
         mask_nodes[kind].name = f"mask_{kind}"
     for i, kind in enumerate(parts.attn_kinds):
-        hidden = graph.call_module(
-            f"model.layers.{i}",
-            (hidden,),
-            {
-                "attention_mask": mask_nodes[kind],
-                "position_embeddings": rope,
-                "position_ids": position_ids,
-                "past_key_values": cache,
-            },
-        )
+        path = f"model.layers.{i}"
+        context = {
+            "attention_mask": mask_nodes[kind],
+            "position_embeddings": rope,
+            "position_ids": position_ids,
+            "past_key_values": cache,
+        }
+        if is_moe_layer(parts.layers[i]):
+            hidden = _moe_layer(graph, i, parts.layers[i], path, hidden, context, kind)
+            continue
+        hidden = graph.call_module(path, (hidden,), context)
         hidden.name = f"layer_{i}"
-        _annotate(hidden, "layer", i, attn_kind=kind)
+        _annotate(hidden, "layer", i, attn_kind=kind, module=path)
     normed = _annotate(graph.call_module("model.norm", (hidden,)), "norm")
     normed.name = "norm"
     logits = _annotate(graph.call_module("lm_head", (normed,)), "head")
@@ -177,6 +203,65 @@ def capture(model: nn.Module) -> fx.GraphModule:
     gm.meta["leapfx.num_layers"] = parts.num_layers
     gm.meta["leapfx.stages"] = ["full"]
     return gm
+
+
+def is_moe_layer(layer: nn.Module) -> bool:
+    """Whether ``layer``'s MLP is a sparse MoE block (a ``gate`` router and fused ``experts``)."""
+    mlp = getattr(layer, "mlp", None)
+    experts = getattr(mlp, "experts", None)
+    return hasattr(mlp, "gate") and hasattr(experts, "gate_up_proj")
+
+
+def _moe_layer(
+    graph: fx.Graph, i: int, layer: nn.Module, path: str, hidden: fx.Node, context: dict, kind: str
+) -> fx.Node:
+    """Emit MoE decoder layer ``i`` as its parts (the HF layer's forward, op for op)."""
+
+    def emit(name: str, role: str, op: str, target, args: tuple, kwargs=None) -> fx.Node:
+        node = graph.create_node(op, target, args, kwargs or {}, name=f"layer_{i}_{name}")
+        return _annotate(node, role, i, attn_kind=kind, module=path)
+
+    residual = hidden
+    h = emit("attn_norm", "attn_norm", "call_module", f"{path}.input_layernorm", (hidden,))
+    kwargs = {"hidden_states": h, **context}
+    attn = emit("attention", "attention", "call_module", f"{path}.self_attn", (), kwargs)
+    attn = emit("attn_out", "attn_out", "call_function", operator.getitem, (attn, 0))
+    h = emit("attn_residual", "attn_residual", "call_function", operator.add, (residual, attn))
+    residual = h
+    normed = emit("moe_norm", "moe_norm", "call_module", f"{path}.post_attention_layernorm", (h,))
+    # [B, S, H] -> [T, H]: the router and the experts see flat tokens.
+    width = layer.self_attn.config.hidden_size
+    flat = emit("moe_input", "moe_input", "call_method", "view", (normed, -1, width))
+    mlp = f"{path}.mlp"
+    route = emit("router", "router", "call_module", f"{mlp}.gate", (flat,))
+    weights = emit("top_k_weights", "router_weights", "call_function", operator.getitem,
+                   (route, 1))  # fmt: skip
+    index = emit("top_k_index", "router_index", "call_function", operator.getitem, (route, 2))
+    out = emit("experts", "experts", "call_module", f"{mlp}.experts", (flat, index, weights))
+    if hasattr(layer.mlp, "shared_expert"):  # qwen2_moe: sigmoid(gate(x)) * shared_expert(x)
+        shared = emit("shared_expert", "shared_expert", "call_module", f"{mlp}.shared_expert",
+                      (flat,))  # fmt: skip
+        gate = emit("shared_gate", "shared_expert", "call_module", f"{mlp}.shared_expert_gate",
+                    (flat,))  # fmt: skip
+        gate = emit("shared_sigmoid", "shared_expert", "call_function", torch.sigmoid, (gate,))
+        shared = emit("shared_out", "shared_expert", "call_function", operator.mul, (gate, shared))
+        out = emit("moe_sum", "shared_expert", "call_function", operator.add, (out, shared))
+    out = emit("moe_out", "moe_out", "call_method", "reshape_as", (out, normed))
+    out = emit("out", "layer", "call_function", operator.add, (residual, out))
+    out.name = f"layer_{i}"
+    return out
+
+
+def layer_module(gm: fx.GraphModule, index: int) -> nn.Module:
+    """The HF decoder layer ``index`` (or, for an MoE layer, a container of its parts).
+
+    Passes that read a layer's own modules (Kangaroo copies its ``self_attn`` and
+    ``input_layernorm``) use this rather than a node's target, which passes may retarget and
+    which an MoE layer's output node does not have.
+    """
+    node = layer_node(gm, index)
+    assert node is not None and MODULE in node.meta, "capture annotates every decoder layer"
+    return gm.get_submodule(node.meta[MODULE])
 
 
 def nodes_by_role(gm: fx.GraphModule, role: str) -> list[fx.Node]:

@@ -34,10 +34,12 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from .capture import LAYER, ROLE, WRITES_CACHE, output_dict
+from .capture import LAYER, ROLE, SIDE_EFFECT, WRITES_CACHE, output_dict
 from .exit_head import exit_layer_of
 
-_LOWER_ROLES = {"embed", "rotary", "mask", "layer"}
+# Nodes shared by every layer; a node of decoder layer i (the layer itself, or one of an MoE
+# layer's parts: attention, router, experts ...) carries leapfx.layer = i.
+_INPUT_ROLES = {"embed", "rotary", "mask"}
 
 
 @dataclass
@@ -76,7 +78,8 @@ def _copy(graph: fx.Graph, nodes: list[fx.Node], env: dict[fx.Node, fx.Node]) ->
 
 
 def _has_side_effect(node: fx.Node) -> bool:
-    return node.meta.get(WRITES_CACHE, False) or node.is_impure()
+    marked = node.meta.get(WRITES_CACHE, False) or node.meta.get(SIDE_EFFECT, False)
+    return marked or node.is_impure()
 
 
 def _ancestors(node: fx.Node) -> set[fx.Node]:
@@ -117,8 +120,7 @@ def partition(gm: fx.GraphModule) -> Stages:
     inputs = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
 
     def is_lower(n: fx.Node) -> bool:
-        role = n.meta.get(ROLE)
-        return role in _LOWER_ROLES and (role != "layer" or n.meta[LAYER] < e)
+        return n.meta.get(ROLE) in _INPUT_ROLES or n.meta.get(LAYER, e) < e
 
     lower = [n for n in nodes if is_lower(n)]
     # The draft head: what computes exit_logits beyond the lower layers, in graph order.
@@ -128,7 +130,7 @@ def partition(gm: fx.GraphModule) -> Stages:
     writers = [n for n in exit_nodes if n.meta.get(WRITES_CACHE)]
     writer_part = set(writers).union(*(_ancestors(n) for n in writers))
     lower_writers = [n for n in exit_nodes if n in writer_part]
-    upper_layers = [n for n in nodes if n.meta.get(ROLE) == "layer" and n.meta[LAYER] >= e]
+    upper_layers = [n for n in nodes if n.meta.get(LAYER, -1) >= e]
     tail = [n for n in nodes if n.meta.get(ROLE) in ("norm", "head")]
     rope = next(n for n in nodes if n.meta.get(ROLE) == "rotary")
     masks = [n for n in nodes if n.meta.get(ROLE) == "mask"]

@@ -20,11 +20,13 @@ from torch import nn
 
 from ..passes.base import PassPipeline
 from ..passes.capture import EXTRA_CACHE_LAYERS, capture, check_supported
+from ..passes.offload import OFFLOAD, OffloadExperts
 from ..runtime.compiled import BACKENDS
 from ..runtime.model import RecipeInfo, SpeculativeModel
+from ..runtime.offload import OffloadOptions
 from .recipes import RECIPES, Recipe
 
-__all__ = ["apply", "recipes", "get_recipe", "Recipe"]
+__all__ = ["apply", "recipes", "get_recipe", "Recipe", "OffloadOptions"]
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +77,7 @@ def apply(
     backend: str = "eager",
     cpu_kernels: bool | None = None,
     parts=None,
+    offload: OffloadOptions | None = None,
     **options,
 ) -> SpeculativeModel:
     """Rewrite ``model`` with ``recipe``; the model itself is never modified.
@@ -87,7 +90,12 @@ def apply(
     HF's math, bit for bit), on for inductor where they build; True: on (ValueError where
     they cannot be); False: off. ``parts``: a directory written by
     ``SpeculativeModel.save_parts`` (the trained parts the recipe inserts, with the options
-    they were trained with); every recipe with trained parts takes it.
+    they were trained with); every recipe with trained parts takes it. ``offload``: run an
+    MoE model's experts from a fast tier of expert slots per layer over a slow tier (disk on a
+    CPU, pinned host memory on a GPU); any recipe, same tokens (see
+    ``leapfx.runtime.offload.OffloadOptions``; the eager backend only).
+
+    >>> sm = apply(moe_model, "layerskip", offload=OffloadOptions(slots=0.5, prefetch="next_gate"))
     """
     if cpu_kernels is not None and not isinstance(cpu_kernels, bool):
         raise ValueError(
@@ -98,6 +106,18 @@ def apply(
             f"backend: {backend!r} is invalid; allowed: {', '.join(map(repr, BACKENDS))} "
             "(ONNX: sm.export_onnx(dir), then leapfx.export.OnnxModel(dir))"
         )
+    if offload is not None:
+        if not isinstance(offload, OffloadOptions):
+            raise ValueError(
+                f"offload: {offload!r} is invalid; allowed: None or a "
+                "leapfx.runtime.offload.OffloadOptions"
+            )
+        offload.validate()
+        if backend != "eager" or cpu_kernels:
+            raise ValueError(
+                f"offload: runs on the eager backend without cpu_kernels; got backend="
+                f"{backend!r}, cpu_kernels={cpu_kernels!r} (allowed: backend='eager')"
+            )
     r = get_recipe(recipe)
     if not isinstance(model, nn.Module):
         raise ValueError(f"model: expected a HuggingFace causal LM, got {type(model).__name__}")
@@ -105,7 +125,10 @@ def apply(
     if parts is not None:
         options = {**options, **parts_options(r, parts, options)}
     opts = make_options(r, model.config.num_hidden_layers, options)
-    pipeline = PassPipeline(r.passes(opts))
+    passes = r.passes(opts)
+    if offload is not None:  # after the recipe's passes: it runs whatever stages they cut
+        passes = [*passes, OffloadExperts(options=offload)]
+    pipeline = PassPipeline(passes)
     gm = pipeline(capture(model))
     stages = r.cut(gm)
     log.info("applied recipe %s with %s; passes: %s", r.name, opts, pipeline.counters)
@@ -120,6 +143,7 @@ def apply(
         compiles=r.compiles,
     )
     sm = SpeculativeModel(model, gm, stages, info)
+    sm.offload = gm.meta.get(OFFLOAD)
     if backend == "inductor":
         return sm.compile(cpu_kernels=cpu_kernels)
     return sm.use_cpu_kernels() if cpu_kernels else sm

@@ -108,6 +108,10 @@ class SpeculativeModel:
         # Stage executors that generate() runs: the eager stages unless compile() replaced them.
         self._executors: dict[str, Any] | None = None
         self.backend = "eager"
+        # The expert-offload runtime (rewrite.apply(..., offload=...)); its report of the
+        # latest generate call lands in last_offload_report.
+        self.offload = None
+        self.last_offload_report = None
 
     @property
     def hf_model(self) -> nn.Module:
@@ -218,6 +222,11 @@ class SpeculativeModel:
         from .compiled import CompileOptions, compile_stages
 
         self._check_compiles("compile")
+        if self.offload is not None:
+            raise ValueError(
+                "compile: the experts of this model are offloaded (data-dependent transfers "
+                "that torch.compile cannot trace); allowed: the eager backend"
+            )
         options = CompileOptions(
             mode=mode,
             verify_shapes=verify_shapes,
@@ -311,10 +320,15 @@ class SpeculativeModel:
         needed = prompt.shape[1] + request.max_new_tokens + self.recipe.lookahead
         stages = self._executors or self.stages.modules
         runner = StageRunner(stages, self._cache_for(needed), self._layout)
+        if self.offload is not None:
+            self.offload.begin()
         tokens, self.last_metrics = decode(
             self.recipe.schedule, runner, prompt, request, name=self.recipe.name,
             num_speculations=getattr(self.options, "num_speculations", 0),
         )  # fmt: skip
+        if self.offload is not None:
+            self.offload.synchronize()  # prefetches still in flight finish before we return
+            self.last_offload_report = self.offload.report(len(tokens), self.last_metrics.seconds)
         new = torch.tensor([tokens], dtype=input_ids.dtype, device=input_ids.device)
         return torch.cat([input_ids, new], dim=1)
 
@@ -326,6 +340,11 @@ class SpeculativeModel:
 
         >>> sm.export_onnx("layerskip-onnx/", overwrite=True)
         """
+        if self.offload is not None:
+            raise ValueError(
+                "export_onnx: the experts of this model are offloaded (a runtime, not a graph); "
+                "allowed: a model applied without offload="
+            )
         from ..export import export_onnx  # optional dependencies: imported when used
 
         self._check_compiles("export_onnx")

@@ -270,7 +270,7 @@ def _run_phase(
     model, train_ids, *, out_dir: Path, final_dir: Path, fallback_dir: Path, base: TrainerConfig,
     recipe: LayerSkipTrainConfig, steps: int | None, probe_steps: int, max_warmup: int,
     checkpoints: int, deadline_s: float, start: float, tokenizer, resume: bool, progress: bool,
-    save_dtype: str, name: str,
+    save_dtype: str, name: str, aux_loss=None,
 ) -> _Phase:  # fmt: skip
     """Train ``model`` with ``recipe`` (checkpoints in ``out_dir``) until ``deadline_s`` seconds
     after ``start``. ``T`` is the resumed run's, else ``steps``, else sized from a probe. A
@@ -295,8 +295,9 @@ def _run_phase(
         save_dtype=save_dtype,
     )
     trainer = LayerSkipTrainer(
-        model, train_ids, out_dir=out_dir, config=config, recipe=recipe, tokenizer=tokenizer
-    )
+        model, train_ids, out_dir=out_dir, config=config, recipe=recipe, tokenizer=tokenizer,
+        aux_loss=aux_loss,
+    )  # fmt: skip
     result = trainer.train(resume=resume, final_dir=final_dir)
     if not result.finished:  # over budget: still leave a usable model, flagged in the report
         log.warning("%s stopped at step %d of %d (wall-clock budget)", name, result.step, steps)

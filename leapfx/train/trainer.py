@@ -44,6 +44,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -321,6 +322,7 @@ class LayerSkipTrainer:
         config: TrainerConfig,
         recipe: LayerSkipTrainConfig,
         tokenizer=None,
+        aux_loss: Callable[[], torch.Tensor] | None = None,
     ) -> None:
         if train_tokens.dim() != 1:
             raise ValueError(f"train_tokens: expected a 1-D tensor, got {train_tokens.dim()}-D")
@@ -333,6 +335,9 @@ class LayerSkipTrainer:
         self.tokenizer = tokenizer
         self.optimizer = make_optimizer(self.model, config)
         self.step = 0  # the next step to run
+        # A term added to the LayerSkip loss after each forward (an MoE model's load-balancing
+        # loss, read from hooks on its routers); called once per step, after layerskip_loss.
+        self.aux_loss = aux_loss
 
     # -- checkpoints -------------------------------------------------------------------------
 
@@ -445,8 +450,13 @@ class LayerSkipTrainer:
             config=self.recipe,
             generator=step_generator(cfg.seed, t, "dropout"),
         )
+        loss = out.loss
+        aux = None
+        if self.aux_loss is not None:
+            aux = self.aux_loss()
+            loss = loss + aux
         self.optimizer.zero_grad(set_to_none=True)
-        out.loss.backward()
+        loss.backward()
         grad_norm = None
         if cfg.grad_clip > 0:
             grad_norm = float(
@@ -464,6 +474,7 @@ class LayerSkipTrainer:
             "lr": lr,
             "grad_norm": grad_norm,
             "dropped": int((~out.keep).sum()),
+            **({} if aux is None else {"aux_loss": float(aux.detach())}),
             "tokens": out.tokens,
         }
 

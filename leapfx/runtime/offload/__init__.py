@@ -1,0 +1,36 @@
+"""Expert offload for MoE models: a fast tier of expert slots per layer over a slow tier.
+
+``rewrite.apply(model, recipe, offload=OffloadOptions(...))`` runs any recipe over the
+offloaded model (see ``runtime`` for the design, ``slots`` for the cache rules, ``engine`` for
+the transfer engines, ``store`` for the slow tiers).
+"""
+
+from .engine import CudaEngine, ThreadEngine, TransferEngine
+from .runtime import (
+    PREFETCH_POLICIES,
+    ExpertOffload,
+    NextGatePrefetch,
+    OffloadedExperts,
+    OffloadOptions,
+    OffloadReport,
+)
+from .slots import POLICIES, Placement, SlotCache, SlotStats
+from .store import DiskStore, HostStore
+
+__all__ = [
+    "POLICIES",
+    "PREFETCH_POLICIES",
+    "CudaEngine",
+    "DiskStore",
+    "ExpertOffload",
+    "HostStore",
+    "NextGatePrefetch",
+    "OffloadOptions",
+    "OffloadReport",
+    "OffloadedExperts",
+    "Placement",
+    "SlotCache",
+    "SlotStats",
+    "ThreadEngine",
+    "TransferEngine",
+]

@@ -1,0 +1,464 @@
+"""ExpertOffload: a fast tier of expert slots per MoE layer over a slow tier holding them all.
+
+What an offloaded ``experts`` node does, per call (``run``)::
+
+    ids   = unique(top_k_index)               # host sync: the router's choice, once per layer
+    for wave in waves(ids, num_slots):        # one wave unless a call needs more than the slots
+        place + pin each expert of the wave   # hits stay; misses load on demand, first in line
+        wait for the wave's slots to be ready # stall: time compute waits for a transfer
+        out += experts_forward(slots, slot_index, weights)   # HF's own experts function
+        unpin (record the slots' free point)
+
+``experts_forward`` is the HF module's own forward (eager / batched_mm / grouped_mm, whatever
+``config._experts_implementation`` selects) called on a stand-in whose ``gate_up_proj`` and
+``down_proj`` are the slot pools and whose expert ids are slot ids. Each (token, k) pair meets
+the same weights in a group of the same size as in the resident model, and the top-k sum runs in
+routing order, so with one wave the output is bitwise the resident model's (the tests check
+it). A call that needs more distinct experts than there are slots (a long prefill, a verify
+pass) runs in waves, the other waves' entries given the sentinel id and weight 0 (HF's
+expert-parallel convention): the per-token sum then adds the waves' partial sums, which for
+top_k <= 2 is still exact and otherwise equal up to rounding. (batched_mm computes the
+sentinel entries too, from a clamped slot, times weight 0: finite slots give exact zeros; with
+``poison`` on, use eager or grouped_mm.)
+
+Prefetch (``prefetch``, called by a ``next_gate`` node one MoE layer ahead): the predicted
+experts, most probable first, are placed into free or evicted-unpinned slots and loaded at low
+priority, within the byte budget of the call: ``prefetch_budget`` bytes per token (over all
+MoE layers) / number of MoE layers * tokens in the call. Predictions are scored against the
+next demand of that layer (precision, recall).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .engine import CudaEngine, ThreadEngine, TransferEngine
+from .slots import POLICIES, Placement, SlotCache, SlotStats
+from .store import DiskStore, HostStore
+
+log = logging.getLogger(__name__)
+
+PREFETCH_POLICIES = ("none", "next_gate")
+TIERS = ("auto", "disk", "host")
+
+
+@dataclass(frozen=True)
+class OffloadOptions:
+    """How an MoE model's experts are offloaded (``rewrite.apply(..., offload=...)``).
+
+    >>> sm = rewrite.apply(hf_model, "autoregressive",
+    ...                    offload=OffloadOptions(slots=0.5, prefetch="next_gate"))
+    >>> sm.generate(ids, max_new_tokens=32); sm.last_offload_report.hit_rate
+    """
+
+    # Fast-tier slots per MoE layer: a count (1..experts), or a fraction in (0, 1] of the
+    # layer's experts, rounded up.
+    slots: int | float = 0.5
+    policy: str = "lru"  # eviction: "lru" or "lfu" (see slots.SlotCache)
+    prefetch: str = "none"  # "none" (on demand only) or "next_gate"
+    # Prefetch bytes per token over all MoE layers; None: top_k experts per layer and token
+    # (as many bytes as the demand of a perfectly predicted token).
+    prefetch_budget: int | None = None
+    # Slow tier: "disk" (a file read with O_DIRECT), "host" (host memory, pinned for a GPU);
+    # "auto": disk when the model runs on a CPU, host on a GPU.
+    tier: str = "auto"
+    path: str | os.PathLike | None = None  # the disk tier's file; None: a temporary file
+    direct_io: bool = True  # False: buffered reads (the page cache then serves repeats)
+    # Debugging aids for tests: fill a slot with NaN when it is reassigned (a compute that does
+    # not wait for its load then reads NaN), and delay every transfer.
+    poison: bool = False
+    transfer_delay_s: float = 0.0
+
+    def validate(self) -> OffloadOptions:
+        s = self.slots
+        ok_int = isinstance(s, int) and not isinstance(s, bool) and s >= 1
+        ok_frac = isinstance(s, float) and 0.0 < s <= 1.0
+        if not (ok_int or ok_frac):
+            raise ValueError(
+                f"slots: {s!r} is invalid; allowed: an integer >= 1 (slots per MoE layer) or "
+                "a float in (0, 1] (a fraction of each layer's experts)"
+            )
+        for name, value, allowed in (
+            ("policy", self.policy, POLICIES),
+            ("prefetch", self.prefetch, PREFETCH_POLICIES),
+            ("tier", self.tier, TIERS),
+        ):
+            if value not in allowed:
+                raise ValueError(
+                    f"{name}: {value!r} is invalid; allowed: {', '.join(map(repr, allowed))}"
+                )
+        b = self.prefetch_budget
+        if b is not None and not (isinstance(b, int) and not isinstance(b, bool) and b >= 0):
+            raise ValueError(
+                f"prefetch_budget: {b!r} is invalid; allowed: None or an integer >= 0 (bytes "
+                "per token)"
+            )
+        for name in ("direct_io", "poison"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: {getattr(self, name)!r} is invalid; allowed: bool")
+        d = self.transfer_delay_s
+        if not (isinstance(d, (int, float)) and not isinstance(d, bool) and d >= 0):
+            raise ValueError(f"transfer_delay_s: {d!r} is invalid; allowed: a number >= 0")
+        return self
+
+    def num_slots(self, num_experts: int) -> int:
+        if isinstance(self.slots, float):
+            return max(1, math.ceil(self.slots * num_experts))
+        if self.slots > num_experts:
+            raise ValueError(
+                f"slots: {self.slots} is more than the {num_experts} experts of a layer; "
+                f"allowed: 1..{num_experts} or a fraction"
+            )
+        return self.slots
+
+
+@dataclass
+class OffloadReport:
+    """What the offload runtime did during one ``generate`` call (per new token where noted)."""
+
+    new_tokens: int
+    hit_rate: float  # demanded experts found resident / demanded
+    hit_rate_per_layer: dict[int, float]
+    prefetch_hit_rate: float  # demanded experts resident thanks to a prefetch / demanded
+    bytes_per_token: float  # demand + prefetch bytes moved
+    demand_bytes_per_token: float
+    prefetch_bytes_per_token: float
+    wasted_bytes_per_token: float  # prefetched, evicted before use
+    stall_ms_per_token: float  # host time compute waited for transfers
+    copy_busy_share: float  # copy-engine busy time / wall time of the call (CPU engine)
+    prefetch_precision: float | None  # predicted experts that were then demanded / predicted
+    prefetch_recall: float | None  # demanded experts that had been predicted / demanded
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class _Counters:
+    demand_bytes: int = 0
+    prefetch_bytes: int = 0
+    stall_seconds: float = 0.0
+    predicted: int = 0
+    demanded_scored: int = 0
+    true_positives: int = 0
+    # per prefetch call: (bytes moved, bytes allowed); the budget test reads it
+    prefetch_calls: list[tuple[int, float]] = field(default_factory=list)
+
+
+class _SlotExperts:
+    """Stands for an HF ``<X>Experts`` module over the slot pools (HF's forward reads ``self``)."""
+
+    def __init__(self, module: nn.Module, gate_up: torch.Tensor, down: torch.Tensor, waves: bool):
+        self.__dict__["_module"] = module
+        self.gate_up_proj = gate_up  # [S, 2I, H]
+        self.down_proj = down  # [S, H, I]
+        self.num_experts = gate_up.shape[0]  # slot ids; S is the sentinel of other waves
+        self._is_expert_parallel = waves  # HF masks sentinel entries out of the sum
+
+    def __getattr__(self, name: str):
+        return getattr(self.__dict__["_module"], name)
+
+
+class ExpertOffload:
+    """Slot pools, caches, slow tier and transfer engine for the MoE layers of one model."""
+
+    def __init__(
+        self, experts: dict[int, nn.Module], options: OffloadOptions, *, top_k: int
+    ) -> None:
+        self.options = options.validate()
+        self.top_k = top_k  # experts per token: what a prediction picks per token
+        self.layers = sorted(experts)
+        first = experts[self.layers[0]]
+        gate_up, down = first.gate_up_proj, first.down_proj
+        self.device, self.dtype = gate_up.device, gate_up.dtype
+        self.num_experts = gate_up.shape[0]
+        self.num_slots = options.num_slots(self.num_experts)
+        self.expert_bytes = (gate_up[0].numel() + down[0].numel()) * gate_up.element_size()
+        tier = options.tier
+        if tier == "auto":
+            tier = "host" if self.device.type == "cuda" else "disk"
+        pairs = {i: (m.gate_up_proj, m.down_proj) for i, m in experts.items()}
+        if tier == "disk":
+            self.store = DiskStore(pairs, options.path, direct_io=options.direct_io)
+        else:
+            self.store = HostStore(pairs, pin=self.device.type == "cuda")
+        self.engine: TransferEngine = (
+            CudaEngine(self.device)
+            if self.device.type == "cuda"
+            else ThreadEngine(delay_s=options.transfer_delay_s)
+        )
+        make = dict(dtype=self.dtype, device=self.device)
+        fill = math.nan if options.poison else 0.0
+        s = self.num_slots
+        self.gate_up = {i: torch.full((s, *gate_up.shape[1:]), fill, **make) for i in self.layers}
+        self.down = {i: torch.full((s, *down.shape[1:]), fill, **make) for i in self.layers}
+        self.caches = {i: SlotCache(s, options.policy) for i in self.layers}
+        self._pending: dict[tuple[int, int], object] = {}  # (layer, slot) -> ticket
+        self._free: dict[tuple[int, int], object] = {}  # (layer, slot) -> free event (CUDA)
+        self._predicted: dict[int, set[int]] = {}
+        self.counters = _Counters()
+        self._busy_start = 0.0
+        # (lane, layer, expert or None, start s, end s) spans for a timeline plot, when tracing:
+        # lanes "compute" (an experts call), "stall" (compute waiting), "demand"/"prefetch"
+        # (transfers, timed on the copy engine's thread; CPU engine only).
+        self.trace: list[tuple[str, int, int | None, float, float]] | None = None
+        log.info(
+            "offload: %d MoE layers, %d of %d experts resident per layer (%s, %s tier%s), "
+            "%.1f KiB per expert",
+            len(self.layers), s, self.num_experts, options.policy, tier,
+            " O_DIRECT" if getattr(self.store, "direct", False) else "", self.expert_bytes / 1024,
+        )  # fmt: skip
+
+    # ---- transfers -------------------------------------------------------------------------
+
+    def _issue(self, layer: int, p: Placement, *, demand: bool) -> None:
+        key = (layer, p.slot)
+        gate_up, down = self.gate_up[layer][p.slot], self.down[layer][p.slot]
+        after = self._free.pop(key, None)
+        if self.options.poison:
+            # The slot is unpinned and idle: nothing reads it now. A compute that forgot to
+            # wait for the load below reads NaN (with transfer_delay_s, always).
+            gate_up.fill_(math.nan)
+            down.fill_(math.nan)
+            after = self.engine.record_free() or after
+        store = self.store
+        expert = p.expert
+
+        trace = self.trace
+        lane = "demand" if demand else "prefetch"
+
+        def job() -> int:
+            start = time.perf_counter()
+            moved = store.read_into(layer, expert, gate_up, down)
+            if trace is not None:
+                trace.append((lane, layer, expert, start, time.perf_counter()))
+            return moved
+
+        self.caches[layer].begin_load(p.slot)
+        self._pending[key] = self.engine.submit(job, demand=demand, after=after)
+        if demand:
+            self.counters.demand_bytes += self.expert_bytes
+        else:
+            self.counters.prefetch_bytes += self.expert_bytes
+
+    def _settle(self, layer: int, slot: int) -> None:
+        """Make compute wait for the slot's load, if one is in flight."""
+        ticket = self._pending.pop((layer, slot), None)
+        if ticket is not None:
+            start = time.perf_counter()
+            stalled = self.engine.wait(ticket)
+            self.counters.stall_seconds += stalled
+            if self.trace is not None and stalled > 0:
+                self.trace.append(("stall", layer, None, start, time.perf_counter()))
+            self.caches[layer].end_load(slot)
+
+    def _reap(self, layer: int) -> None:
+        """Mark finished loads of ``layer`` idle, so their slots can be evicted again."""
+        for key in [k for k in self._pending if k[0] == layer]:
+            if self.engine.done(self._pending[key]):
+                self._settle(*key)
+
+    # ---- demand ----------------------------------------------------------------------------
+
+    def _acquire(self, layer: int, wave: list[int]) -> list[Placement]:
+        cache = self.caches[layer]
+        self._reap(layer)
+        placements = []
+        for expert in wave:
+            p = cache.demand_one(expert)
+            while p is None:  # every unpinned slot is receiving a prefetch: wait for one
+                key = next(k for k in self._pending if k[0] == layer and cache.pins[k[1]] == 0)
+                self._settle(*key)
+                p = cache.demand_one(expert)
+            if p.load:
+                self._issue(layer, p, demand=True)
+            placements.append(p)
+        for p in placements:  # loaded on demand now, or by a prefetch still in flight
+            self._settle(layer, p.slot)
+        return placements
+
+    def _release(self, layer: int, placements: list[Placement]) -> None:
+        self.caches[layer].release([p.expert for p in placements])
+        free = self.engine.record_free()
+        if free is not None:
+            for p in placements:
+                self._free[(layer, p.slot)] = free
+
+    def _score(self, layer: int, ids: list[int]) -> None:
+        predicted = self._predicted.pop(layer, None)
+        if predicted is None:
+            return
+        c = self.counters
+        c.predicted += len(predicted)
+        c.demanded_scored += len(ids)
+        c.true_positives += len(predicted.intersection(ids))
+
+    def run(
+        self,
+        layer: int,
+        module: nn.Module,
+        hidden: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+    ) -> torch.Tensor:
+        """``module(hidden [T, H], top_k_index [T, k], top_k_weights [T, k])`` from the slots."""
+        start = time.perf_counter()
+        out = self._run(layer, module, hidden, top_k_index, top_k_weights)
+        if self.trace is not None:
+            self.trace.append(("compute", layer, None, start, time.perf_counter()))
+        return out
+
+    def _run(self, layer, module, hidden, top_k_index, top_k_weights) -> torch.Tensor:
+        # Host sync: which experts to place is decided on the host (once per MoE layer).
+        ids = torch.unique(top_k_index).tolist()
+        self._score(layer, ids)
+        cache = self.caches[layer]
+        s = self.num_slots
+        resident = [e for e in ids if e in cache.slot_of]
+        order = resident + [e for e in ids if e not in cache.slot_of]  # hits need no wait
+        waves = [order[i : i + s] for i in range(0, len(order), s)]
+        forward = type(module).forward
+        out = None
+        for wave in waves:
+            placements = self._acquire(layer, wave)
+            lut = [s] * self.num_experts  # expert -> slot; s: not in this wave (sentinel)
+            for p in placements:
+                lut[p.expert] = p.slot
+            index = torch.tensor(lut, device=top_k_index.device)[top_k_index]
+            weights = top_k_weights
+            if len(waves) > 1:
+                weights = torch.where(index == s, torch.zeros_like(weights), weights)
+            view = _SlotExperts(module, self.gate_up[layer], self.down[layer], len(waves) > 1)
+            part = forward(view, hidden, index, weights)
+            out = part if out is None else out + part
+            self._release(layer, placements)
+        return out
+
+    # ---- prefetch --------------------------------------------------------------------------
+
+    def budget_per_call(self, tokens: int) -> float:
+        """Prefetch bytes one layer's prefetch may move for ``tokens`` tokens."""
+        b = self.options.prefetch_budget
+        if b is None:
+            return float(self.top_k * self.expert_bytes * tokens)
+        return b / len(self.layers) * tokens
+
+    def prefetch(self, layer: int, probs: torch.Tensor) -> None:
+        """Load the experts ``probs`` [T, E] predicts for ``layer``, most probable first."""
+        k = min(self.top_k, probs.shape[-1])
+        top = torch.topk(probs, k, dim=-1).indices.unique()
+        mass = probs.sum(0)[top]
+        # Host sync: the prediction decides which transfers to start.
+        candidates = top[torch.argsort(mass, descending=True, stable=True)].tolist()
+        self._predicted[layer] = set(candidates)
+        allowance = self.budget_per_call(probs.shape[0])
+        cache = self.caches[layer]
+        self._reap(layer)
+        moved = 0
+        for expert in candidates:
+            if expert in cache.slot_of:
+                cache.prefetch(expert)  # touch: keep it through this call's evictions
+                continue
+            if moved + self.expert_bytes > allowance:
+                break
+            p = cache.prefetch(expert)
+            if p is None:
+                break
+            self._issue(layer, p, demand=False)
+            moved += self.expert_bytes
+        self.counters.prefetch_calls.append((moved, allowance))
+
+    # ---- metrics ---------------------------------------------------------------------------
+
+    def begin(self) -> None:
+        """Start counting a new decode (the slots keep their experts: a warm cache)."""
+        self.counters = _Counters()
+        self._predicted.clear()
+        for cache in self.caches.values():
+            cache.stats = SlotStats()
+        self._busy_start = self.engine.busy_seconds
+
+    def report(self, new_tokens: int, seconds: float) -> OffloadReport:
+        c = self.counters
+        stats = SlotStats()
+        per_layer = {}
+        for i, cache in self.caches.items():
+            stats.add(cache.stats)
+            demanded = cache.stats.hits + cache.stats.misses
+            per_layer[i] = cache.stats.hits / demanded if demanded else 0.0
+        demanded = stats.hits + stats.misses
+        n = max(1, new_tokens)
+        busy = self.engine.busy_seconds - self._busy_start
+        return OffloadReport(
+            new_tokens=new_tokens,
+            hit_rate=stats.hits / demanded if demanded else 0.0,
+            hit_rate_per_layer=per_layer,
+            prefetch_hit_rate=stats.prefetch_hits / demanded if demanded else 0.0,
+            bytes_per_token=(c.demand_bytes + c.prefetch_bytes) / n,
+            demand_bytes_per_token=c.demand_bytes / n,
+            prefetch_bytes_per_token=c.prefetch_bytes / n,
+            wasted_bytes_per_token=stats.wasted_prefetches * self.expert_bytes / n,
+            stall_ms_per_token=1000.0 * c.stall_seconds / n,
+            copy_busy_share=busy / seconds if seconds > 0 else 0.0,
+            prefetch_precision=c.true_positives / c.predicted if c.predicted else None,
+            prefetch_recall=c.true_positives / c.demanded_scored if c.demanded_scored else None,
+            seconds=seconds,
+        )
+
+    def slot_stats(self) -> dict[int, SlotStats]:
+        return {i: cache.stats for i, cache in self.caches.items()}
+
+    def synchronize(self) -> None:
+        """Wait for every transfer in flight (prefetches included)."""
+        for key in list(self._pending):
+            self._settle(*key)
+
+    def close(self) -> None:
+        self.synchronize()
+        self.engine.close()
+        self.store.close()
+
+
+class OffloadedExperts(nn.Module):
+    """An ``experts`` node's module over an ExpertOffload (the HF module is kept for its code)."""
+
+    def __init__(self, runtime: ExpertOffload, layer: int, module: nn.Module) -> None:
+        super().__init__()
+        self.runtime = runtime
+        self.layer = layer
+        # A plain attribute, not a submodule: the offloaded graph must not hold the experts.
+        self.__dict__["experts"] = module
+
+    def forward(self, hidden, top_k_index, top_k_weights) -> torch.Tensor:
+        return self.runtime.run(self.layer, self.experts, hidden, top_k_index, top_k_weights)
+
+
+class NextGatePrefetch(nn.Module):
+    """Prefetch for MoE layer ``target``: its router applied to an earlier hidden state.
+
+    ``hidden`` [B, S, H] is the residual stream after the previous MoE layer's attention;
+    ``target``'s post-attention norm and router turn it into the routing ``target`` would pick
+    if the layers between changed nothing (a next-layer gate, as in Pre-gated MoE and
+    mixtral-offloading's speculative loading, untrained).
+    """
+
+    def __init__(self, runtime: ExpertOffload, target: int, norm: nn.Module, router: nn.Module):
+        super().__init__()
+        self.runtime = runtime
+        self.target = target
+        self.norm = norm
+        self.router = router
+
+    def forward(self, hidden: torch.Tensor) -> None:
+        flat = self.norm(hidden).reshape(-1, hidden.shape[-1])
+        logits = F.linear(flat, self.router.weight)  # [T, E]
+        self.runtime.prefetch(self.target, torch.softmax(logits.float(), dim=-1))

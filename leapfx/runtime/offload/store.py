@@ -1,0 +1,158 @@
+"""Slow tiers: where every expert lives while it is not in a fast-tier slot.
+
+An expert of a transformers-5 MoE layer is two contiguous slices, ``gate_up_proj[e]``
+``[2I, H]`` and ``down_proj[e]`` ``[H, I]``; a store copies both into a slot's two views.
+
+- ``DiskStore`` (the CPU's slow tier): every expert of every offloaded layer in one file, one
+  record per expert (gate_up, then down, each padded to 4 KiB), read with ``O_DIRECT`` so that
+  the page cache does not turn the disk into a second RAM tier. Filesystems that refuse
+  ``O_DIRECT`` (tmpfs) fall back to buffered reads with a warning. The file is written to a
+  temporary name, then renamed.
+- ``HostStore``: the experts in host memory; pinned copies when the fast tier is on a GPU (the
+  copy engine reads pinned memory at full speed, pageable at a third), or the model's own
+  tensors on a CPU (a fast store for tests: no copy is made).
+
+``read_into`` runs on the transfer engine (a worker thread on a CPU, a copy stream on CUDA).
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import tempfile
+import threading
+import warnings
+
+import torch
+
+log = logging.getLogger(__name__)
+
+ALIGN = 4096  # O_DIRECT wants offsets, lengths and buffers aligned to the logical block size
+
+
+def _padded(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class HostStore:
+    """Experts in host memory (pinned when ``pin``); ``read_into`` is one copy per slice."""
+
+    kind = "host"
+
+    def __init__(self, layers: dict[int, tuple[torch.Tensor, torch.Tensor]], *, pin: bool):
+        # layers: layer -> (gate_up_proj [E, 2I, H], down_proj [E, H, I])
+        self.layers = {
+            i: tuple(t.detach().cpu().pin_memory() if pin else t.detach() for t in pair)
+            for i, pair in layers.items()
+        }
+        self.pinned = pin
+
+    def read_into(self, layer: int, expert: int, gate_up: torch.Tensor, down: torch.Tensor) -> int:
+        src_gate_up, src_down = self.layers[layer]
+        gate_up.copy_(src_gate_up[expert], non_blocking=self.pinned)
+        down.copy_(src_down[expert], non_blocking=self.pinned)
+        return _nbytes(gate_up) + _nbytes(down)
+
+    def close(self) -> None:
+        self.layers = {}
+
+
+class DiskStore:
+    """Experts in one file on disk, read with O_DIRECT where the filesystem allows it."""
+
+    kind = "disk"
+
+    def __init__(
+        self,
+        layers: dict[int, tuple[torch.Tensor, torch.Tensor]],
+        path: str | os.PathLike | None = None,
+        *,
+        direct_io: bool = True,
+    ) -> None:
+        first_gate_up, first_down = next(iter(layers.values()))
+        self._shapes = (tuple(first_gate_up.shape[1:]), tuple(first_down.shape[1:]))
+        self.dtype = first_gate_up.dtype
+        self._sizes = (_nbytes(first_gate_up[0]), _nbytes(first_down[0]))
+        self.record = _padded(self._sizes[0]) + _padded(self._sizes[1])
+        self._owned = path is None
+        if path is None:
+            fd, path = tempfile.mkstemp(prefix="leapfx-experts-", suffix=".bin")
+            os.close(fd)
+        self.path = os.fspath(path)
+        self._offsets: dict[tuple[int, int], int] = {}
+        self._write(layers)
+        self.direct = False
+        self._fd = self._open(direct_io)
+        self._local = threading.local()  # one aligned bounce buffer per reading thread
+
+    def _write(self, layers: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        tmp = f"{self.path}.tmp-{os.getpid()}"
+        offset = 0
+        with open(tmp, "wb") as f:
+            for i, (gate_up, down) in sorted(layers.items()):
+                for e in range(gate_up.shape[0]):
+                    self._offsets[(i, e)] = offset
+                    for part in (gate_up[e], down[e]):
+                        raw = part.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
+                        f.write(raw + bytes(_padded(len(raw)) - len(raw)))
+                    offset += self.record
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+
+    def _open(self, direct_io: bool) -> int:
+        flag = getattr(os, "O_DIRECT", 0)
+        if direct_io and flag:
+            fd = None
+            try:
+                fd = os.open(self.path, os.O_RDONLY | flag)
+                os.preadv(fd, [mmap.mmap(-1, ALIGN)], 0)  # some filesystems refuse only reads
+                self.direct = True
+                return fd
+            except OSError as err:
+                if fd is not None:
+                    os.close(fd)
+                warnings.warn(
+                    f"offload: O_DIRECT is refused for {self.path} ({err.strerror}); the disk "
+                    "tier reads through the page cache, which may make it as fast as RAM",
+                    stacklevel=3,
+                )
+        elif direct_io:
+            warnings.warn("offload: this platform has no O_DIRECT; buffered reads", stacklevel=3)
+        return os.open(self.path, os.O_RDONLY)
+
+    def _buffer(self) -> mmap.mmap:
+        buf = getattr(self._local, "buf", None)
+        if buf is None:
+            buf = self._local.buf = mmap.mmap(-1, self.record)  # page-aligned
+        return buf
+
+    def read_into(self, layer: int, expert: int, gate_up: torch.Tensor, down: torch.Tensor) -> int:
+        buf = self._buffer()
+        n = os.preadv(self._fd, [buf], self._offsets[(layer, expert)])
+        assert n == self.record, f"short read of expert {expert} of layer {layer}"
+        raw = torch.frombuffer(buf, dtype=torch.uint8)
+        start = 0
+        for dst, size, shape in zip((gate_up, down), self._sizes, self._shapes, strict=True):
+            src = raw[start : start + size].view(self.dtype).view(shape)
+            dst.copy_(src)
+            start += _padded(size)
+        return sum(self._sizes)  # expert bytes moved (the padding is read, not counted)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+            if self._owned and os.path.exists(self.path):
+                os.unlink(self.path)
+
+    def __del__(self) -> None:  # best effort: the temp file must not outlive the model
+        try:
+            self.close()
+        except (OSError, AttributeError):
+            pass

@@ -1,0 +1,230 @@
+"""Mixture-of-Experts models: capture exposes routers and experts, and every recipe is lossless.
+
+Hypothesis draws tiny random MoE configs of every supported family (mixtral, qwen2_moe with its
+gated shared expert, qwen3_moe, olmoe), with and without ``norm_topk_prob``, top-1..3 of 2..6
+experts, and dense ``mlp_only_layers`` in the qwen families. Float ties are detected and
+reported (greedy_check), never assumed.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from leapfx import rewrite
+from leapfx.passes.capture import LAYER, capture, layer_module, nodes_by_role
+from leapfx.runtime.masks import masks_for
+from tests.conftest import MOE_ARCHS, tiny_moe_model
+from tests.greedy_check import assert_greedy_equal, hf_greedy
+
+
+@st.composite
+def moe_specs(draw):
+    arch = draw(st.sampled_from(MOE_ARCHS))
+    layers = draw(st.integers(2, 5))
+    experts = draw(st.integers(2, 6))
+    spec = dict(
+        arch=arch,
+        layers=layers,
+        heads=draw(st.sampled_from([2, 4])),
+        kv_heads=draw(st.sampled_from([1, 2])),
+        head_dim=draw(st.sampled_from([4, 8])),
+        vocab=draw(st.integers(16, 200)),
+        experts=experts,
+        top_k=draw(st.integers(1, min(3, experts))),
+        intermediate=draw(st.sampled_from([8, 16])),
+        norm_topk_prob=draw(st.booleans()),
+        tie=draw(st.booleans()),
+        eos=draw(st.one_of(st.none(), st.integers(0, 15))),
+        seed=draw(st.integers(0, 2**16)),
+    )
+    if arch in ("qwen2_moe", "qwen3_moe"):
+        spec["dense_layers"] = tuple(draw(st.sets(st.integers(0, layers - 1), max_size=1)))
+    if arch in ("mixtral", "qwen3_moe"):
+        spec["sliding_window"] = draw(st.one_of(st.none(), st.integers(2, 12)))
+    return spec
+
+
+def _prompt(data, vocab: int) -> torch.Tensor:
+    ids = data.draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=24), label="prompt")
+    return torch.tensor([ids])
+
+
+def _full_masks(n: int) -> dict:
+    return masks_for("sdpa", ["full_attention"], 0, n, window=None, dtype=torch.float32,
+                     device=torch.device("cpu"), additive=True)  # fmt: skip
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_capture_exposes_router_and_experts_with_shared_weights(arch):
+    dense = (1,) if arch.startswith("qwen") else ()
+    model = tiny_moe_model(arch, layers=3, dense_layers=dense)
+    gm = capture(model)
+    moe_layers = [i for i in range(3) if i not in dense]
+    routers, experts = nodes_by_role(gm, "router"), nodes_by_role(gm, "experts")
+    assert [n.meta[LAYER] for n in routers] == moe_layers
+    assert [n.meta[LAYER] for n in experts] == moe_layers
+    assert [n.meta[LAYER] for n in nodes_by_role(gm, "layer")] == [0, 1, 2]
+    for node in experts:
+        # experts(hidden [T, H], top_k_index, top_k_weights): the ids come from the router.
+        index, weights = node.args[1], node.args[2]
+        assert index.args[1] == 2 and weights.args[1] == 1
+        assert index.args[0].meta["leapfx.role"] == "router" == weights.args[0].meta["leapfx.role"]
+        module = gm.get_submodule(node.target)
+        hf = model.model.layers[node.meta[LAYER]].mlp.experts
+        assert module is hf and module.gate_up_proj is hf.gate_up_proj  # by reference
+    if arch == "qwen2_moe":
+        assert len(nodes_by_role(gm, "shared_expert")) == 5 * len(moe_layers)
+    # The layer's own modules stay reachable for passes that copy them (Kangaroo).
+    assert layer_module(gm, 0).self_attn is model.model.layers[0].self_attn
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2]])
+    ours = gm(ids, torch.arange(7)[None], _full_masks(7), None)["logits"]
+    assert torch.equal(ours, model(ids, use_cache=False).logits)  # bitwise the HF forward
+
+
+def test_stages_split_moe_layers_at_the_exit():
+    model = tiny_moe_model("olmoe", layers=4)
+    sm = rewrite.apply(model, "layerskip", exit_layer=2)
+    draft_layers = {n.meta[LAYER] for n in sm.stages["draft"].graph.nodes if LAYER in n.meta}
+    verify_experts = nodes_by_role(sm.stages["verify"], "experts")
+    assert draft_layers == {0, 1}
+    # verify runs the lower layers for the last draft token and the upper ones for all.
+    assert sorted(n.meta[LAYER] for n in verify_experts) == [0, 1, 2, 3]
+
+
+@settings(max_examples=30)
+@given(spec=moe_specs(), data=st.data())
+def test_autoregressive_identical_to_hf_on_moe(spec, data):
+    model = tiny_moe_model(**spec)
+    prompt = _prompt(data, spec["vocab"])
+    max_new = data.draw(st.integers(1, 16), label="max_new_tokens")
+    fuse = data.draw(st.booleans(), label="fuse_layers")
+    sm = rewrite.apply(model, "autoregressive", fuse_layers=fuse)
+    ours = sm.generate(prompt, max_new_tokens=max_new)
+    ref = hf_greedy(model, prompt, max_new)
+    # The same kernels in the same order as HF (prefill, then one token a step): no ties.
+    assert torch.equal(ours, ref), f"ours {ours.tolist()}\nHF   {ref.tolist()}"
+
+
+@settings(max_examples=30)
+@given(spec=moe_specs(), data=st.data())
+def test_speculative_recipes_lossless_on_moe(spec, data):
+    model = tiny_moe_model(**spec)
+    prompt = _prompt(data, spec["vocab"])
+    max_new = data.draw(st.integers(1, 16), label="max_new_tokens")
+    e = data.draw(st.integers(1, spec["layers"] - 1), label="exit_layer")
+    recipe = data.draw(st.sampled_from(["layerskip", "kangaroo"]), label="recipe")
+    if recipe == "layerskip":
+        d = data.draw(st.integers(1, 6), label="num_speculations")
+        sm = rewrite.apply(model, recipe, exit_layer=e, num_speculations=d)
+    else:
+        sm = rewrite.apply(model, recipe, exit_layer=e, confidence_threshold=0.0)
+    ours = sm.generate(prompt, max_new_tokens=max_new)
+    assert_greedy_equal(model, ours, hf_greedy(model, prompt, max_new), prompt.shape[1])
+
+
+@settings(max_examples=15)
+@given(spec=moe_specs(), data=st.data())
+def test_early_exit_on_moe_is_the_truncated_model(spec, data):
+    model = tiny_moe_model(**spec)
+    prompt = _prompt(data, spec["vocab"])
+    e = data.draw(st.integers(1, spec["layers"] - 1), label="exit_layer")
+    max_new = data.draw(st.integers(1, 10), label="max_new_tokens")
+    ours = rewrite.apply(model, "early_exit", exit_layer=e).generate(prompt, max_new_tokens=max_new)
+    short = copy.deepcopy(model)
+    short.model.layers = short.model.layers[:e]
+    short.config.num_hidden_layers = e
+    assert_greedy_equal(short, ours, hf_greedy(short, prompt, max_new), prompt.shape[1])
+
+
+def test_unsupported_moe_family_is_refused_with_the_list():
+    model = tiny_moe_model("olmoe", layers=2)
+    model.config.model_type = "deepseek_v3"
+    with pytest.raises(ValueError, match="olmoe.*qwen3_moe|mixtral"):
+        rewrite.apply(model, "autoregressive")
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_moe_attention_is_fused_bitwise(arch):
+    model = tiny_moe_model(arch, layers=3, seed=2)
+    if arch == "olmoe":
+        model.config.clip_qkv = 0.05  # small enough to clamp: the in-place clamp path runs
+    sm = rewrite.apply(model, "autoregressive")
+    targets = [n.target for n in nodes_by_role(sm.graph_module, "attention")]
+    assert targets == [f"leapfx_fused.attention_{i}" for i in range(3)]
+    prompt = torch.tensor([[5, 3, 8, 1, 9, 2]])
+    ours = sm.generate(prompt, max_new_tokens=12)
+    assert torch.equal(ours, hf_greedy(model, prompt, 12))
+    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    logits = sm.stages["full"](ids, torch.arange(5)[None], _full_masks(5), None)["logits"]
+    assert torch.equal(logits, model(ids, use_cache=False).logits)
+
+
+def test_routing_stats_report_entropy_load_and_predictability():
+    from leapfx.bench.routing import routing_stats
+
+    model = tiny_moe_model("qwen3_moe", layers=4, experts=6, top_k=2, dense_layers=(1,))
+    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(0))
+    stats = routing_stats(model, [ids])
+    assert sorted(stats["layers"]) == ["0", "2", "3"] and stats["tokens"] == 40
+    first = stats["layers"]["0"]
+    assert 0 < first["entropy_bits"] <= first["entropy_max_bits"] + 1e-6
+    assert abs(sum(first["load"]) - 1) < 1e-3 and first["load_max_over_mean"] >= 1
+    assert first["next_gate"]["1"]["target_layer"] == 2  # the next MoE layer, past the dense
+    assert first["next_gate"]["2"]["target_layer"] == 3
+    assert 0 <= first["next_gate"]["1"]["precision"] <= 1
+    assert "1" not in stats["layers"]["3"]["next_gate"]
+
+
+def test_moe_reference_trainer_runs_and_reports_routing(tmp_path):
+    """A few steps of the MoE reference recipe on a tiny shape: the load-balancing term is in
+    the loss, the model saves, and the report holds exits and routing; a second call resumes."""
+    import json
+
+    from leapfx.train.moe_reference import MoEReferenceSpec, train_moe_reference
+
+    spec = MoEReferenceSpec(num_layers=2, hidden_size=32, intermediate_size=16, num_experts=4,
+                            num_heads=2, num_kv_heads=1)  # fmt: skip
+    kwargs = dict(minutes=2.0, spec=spec, batch_size=2, seq_len=32, eval_tokens=256,
+                  progress=False)  # fmt: skip
+    report = train_moe_reference(tmp_path, steps=2, **kwargs)
+    assert report["training"]["steps"] == 2 and report["training"]["finished"]
+    records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["aux_loss"] > 0 for r in records)
+    assert set(report["exits"]) == {"1", "2"}
+    layer = report["routing"]["layers"]["0"]
+    assert abs(sum(layer["load"]) - 1) < 1e-3 and "1" in layer["next_gate"]
+    assert (tmp_path / "model" / "moe_reference_report.json").exists()
+    # The saved model captures and runs with offload.
+    from transformers import AutoModelForCausalLM
+
+    from leapfx.runtime.offload import OffloadOptions
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "model", dtype=torch.float32).eval()
+    sm = rewrite.apply(model, "layerskip", exit_layer=1, offload=OffloadOptions(slots=2))
+    prompt = torch.tensor([[70, 71, 72]])
+    assert torch.equal(sm.generate(prompt, max_new_tokens=6),
+                       rewrite.apply(model, "layerskip", exit_layer=1).generate(
+                           prompt, max_new_tokens=6))  # fmt: skip
+    sm.offload.close()
+    again = train_moe_reference(tmp_path, steps=2, **kwargs)  # resumes: nothing left to run
+    assert again["training"]["steps"] == 2
+
+
+def test_golden_moe_stage_text():
+    """The stages of an MoE model: its parts, with qwen2_moe's shared expert and a dense layer,
+    and the offloaded experts with next-gate prefetch nodes."""
+    from leapfx.runtime.offload import OffloadOptions
+    from tests.test_partition import _check_golden
+
+    model = tiny_moe_model("qwen2_moe", layers=3, dense_layers=(1,))
+    sm = rewrite.apply(model, "layerskip", exit_layer=1)
+    _check_golden("layerskip_qwen2_moe", sm.stages.code())
+    options = OffloadOptions(slots=2, prefetch="next_gate", tier="host")
+    sm = rewrite.apply(model, "layerskip", exit_layer=1, offload=options)
+    _check_golden("layerskip_qwen2_moe_offload_next_gate", sm.stages.code())
+    sm.offload.close()

@@ -1,0 +1,403 @@
+"""The expert-offload runtime: cache rules against a pure-Python model, and offloaded decoding
+token-identical to resident decoding for every recipe, eviction and prefetch policy.
+
+Slots are poisoned (NaN) whenever they are reassigned and transfers are delayed in most cases
+here, so a compute that does not wait for its load reads NaN and fails deterministically.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from leapfx import rewrite
+from leapfx.passes.capture import nodes_by_role
+from leapfx.runtime.offload import DiskStore, OffloadOptions, SlotCache
+from tests.conftest import MOE_ARCHS, tiny_moe_model
+from tests.greedy_check import assert_greedy_equal, hf_greedy
+
+# ---- the cache against a pure-Python model ----------------------------------------------------
+
+
+class ModelCache:
+    """LRU/LFU of a fixed number of slots, written as plainly as possible (the reference)."""
+
+    def __init__(self, slots: int, policy: str) -> None:
+        self.slots, self.policy = slots, policy
+        self.where: dict[int, int] = {}  # expert -> slot
+        self.recency: OrderedDict[int, None] = OrderedDict()  # least recent first
+        self.uses: dict[int, int] = {}
+        self.pinned: set[int] = set()
+        self.speculative: set[int] = set()
+        self.hits = self.misses = self.evictions = self.wasted = self.prefetch_hits = 0
+
+    def _touch(self, e: int) -> None:
+        self.recency.pop(e, None)
+        self.recency[e] = None
+
+    def _slot(self) -> tuple[int, int | None] | None:
+        free = sorted(set(range(self.slots)) - set(self.where.values()))
+        if free:
+            return free[0], None
+        order = [e for e in self.recency if e not in self.pinned]  # least recent first
+        if not order:
+            return None
+        if self.policy == "lfu":
+            victim = min(order, key=lambda e: self.uses.get(e, 0))  # min keeps the first (LRU)
+        else:
+            victim = order[0]
+        return self.where[victim], victim
+
+    def _put(self, e: int) -> tuple[int, int | None]:
+        slot, victim = self._slot()
+        if victim is not None:
+            del self.where[victim]
+            self.recency.pop(victim)
+            self.uses.pop(victim, None)
+            self.evictions += 1
+            if victim in self.speculative:
+                self.speculative.discard(victim)
+                self.wasted += 1
+        self.where[e] = slot
+        return slot, victim
+
+    def demand(self, experts: list[int]) -> list[tuple[int, int, bool, int | None]]:
+        out = []
+        for e in experts:
+            if e in self.where:
+                self.hits += 1
+                if e in self.speculative:
+                    self.speculative.discard(e)
+                    self.prefetch_hits += 1
+                out.append((e, self.where[e], False, None))
+            else:
+                self.misses += 1
+                slot, victim = self._put(e)
+                out.append((e, slot, True, victim))
+            self.pinned.add(e)
+            self.uses[e] = self.uses.get(e, 0) + 1
+            self._touch(e)
+        return out
+
+    def release(self, experts: list[int]) -> None:
+        self.pinned -= set(experts)
+
+    def prefetch(self, e: int):
+        if e in self.where:
+            self._touch(e)
+            return None
+        if self._slot() is None:
+            return None
+        slot, victim = self._put(e)
+        self.speculative.add(e)
+        self._touch(e)
+        return (e, slot, True, victim)
+
+
+@st.composite
+def cache_programs(draw):
+    experts = draw(st.integers(2, 10))
+    slots = draw(st.integers(1, experts))
+    ops = draw(
+        st.lists(
+            st.one_of(
+                st.tuples(st.just("demand"), st.lists(st.integers(0, experts - 1), min_size=1,
+                                                      max_size=slots, unique=True)),
+                st.tuples(st.just("prefetch"), st.integers(0, experts - 1)),
+            ),
+            max_size=60,
+        )
+    )  # fmt: skip
+    return slots, draw(st.sampled_from(["lru", "lfu"])), ops
+
+
+@settings(max_examples=300)
+@given(program=cache_programs())
+def test_slot_cache_matches_the_pure_python_model(program):
+    slots, policy, ops = program
+    cache, model = SlotCache(slots, policy), ModelCache(slots, policy)
+    for op, arg in ops:
+        if op == "demand":
+            got = [(p.expert, p.slot, p.load, p.evicted) for p in cache.demand(arg)]
+            assert got == model.demand(arg)
+            # pinned: in a slot, and the slot holds it (no slot overwritten while in use)
+            assert all(cache.expert_of[cache.slot_of[e]] == e for e in arg)
+            cache.release(arg)
+            model.release(arg)
+        else:
+            p = cache.prefetch(arg)
+            want = model.prefetch(arg)
+            assert (None if p is None else (p.expert, p.slot, p.load, p.evicted)) == want
+        assert len(cache.slot_of) <= slots and len(cache.expert_of) == slots  # never exceeded
+        assert cache.slot_of == model.where
+    s = cache.stats
+    assert (s.hits, s.misses, s.evictions) == (model.hits, model.misses, model.evictions)
+    assert (s.wasted_prefetches, s.prefetch_hits) == (model.wasted, model.prefetch_hits)
+
+
+def test_pinned_and_busy_slots_are_never_victims():
+    cache = SlotCache(2, "lru")
+    cache.demand([0, 1])  # both pinned
+    assert cache.prefetch(2) is None and cache.demand_one(2) is None
+    cache.release([0, 1])
+    p = cache.prefetch(2)  # evicts 0 (least recent); its slot is now loading
+    cache.begin_load(p.slot)
+    cache.demand([1])
+    assert cache.demand_one(3) is None  # 1 pinned, 2's slot busy: wait for the load
+    cache.end_load(p.slot)
+    assert cache.demand_one(3).evicted == 2
+    assert cache.stats.wasted_prefetches == 1
+
+
+# ---- offloaded decoding ----------------------------------------------------------------------
+
+
+def _offload(**kw) -> OffloadOptions:
+    return OffloadOptions(poison=True, **kw)
+
+
+def _generate(model, recipe, prompt, max_new, offload=None, **opts):
+    sm = rewrite.apply(model, recipe, offload=offload, **opts)
+    try:
+        return sm.generate(prompt, max_new_tokens=max_new), sm
+    finally:
+        if sm.offload is not None:
+            sm.offload.close()
+
+
+RECIPES = {
+    "autoregressive": {},
+    "early_exit": {"exit_layer": 1},
+    "layerskip": {"exit_layer": 1, "num_speculations": 3},
+    "kangaroo": {"exit_layer": 1, "confidence_threshold": 0.0},
+}
+
+
+@settings(max_examples=40)
+@given(data=st.data())
+def test_offloaded_decoding_is_token_identical_to_resident(data):
+    arch = data.draw(st.sampled_from(MOE_ARCHS), label="arch")
+    experts = data.draw(st.integers(2, 8), label="experts")
+    top_k = data.draw(st.integers(1, min(2, experts)), label="top_k")
+    model = tiny_moe_model(
+        arch, layers=3, experts=experts, top_k=top_k, vocab=64,
+        norm_topk_prob=data.draw(st.booleans(), label="norm_topk_prob"),
+        dense_layers=(1,) if arch.startswith("qwen") and data.draw(st.booleans()) else (),
+        seed=data.draw(st.integers(0, 999), label="seed"),
+    )  # fmt: skip
+    recipe = data.draw(st.sampled_from(sorted(RECIPES)), label="recipe")
+    options = _offload(
+        slots=data.draw(st.integers(1, experts), label="slots"),
+        policy=data.draw(st.sampled_from(["lru", "lfu"]), label="policy"),
+        prefetch=data.draw(st.sampled_from(["none", "next_gate"]), label="prefetch"),
+        prefetch_budget=data.draw(st.sampled_from([None, 0, 1000, 10**9]), label="budget"),
+        tier=data.draw(st.sampled_from(["disk", "host"]), label="tier"),
+        transfer_delay_s=data.draw(st.sampled_from([0.0, 0.002]), label="delay"),
+    )  # fmt: skip
+    ids = data.draw(st.lists(st.integers(0, 63), min_size=1, max_size=12), label="prompt")
+    prompt = torch.tensor([ids])
+    max_new = data.draw(st.integers(1, 10), label="max_new_tokens")
+    resident, _ = _generate(model, recipe, prompt, max_new, **RECIPES[recipe])
+    ours, sm = _generate(model, recipe, prompt, max_new, offload=options, **RECIPES[recipe])
+    # top_k <= 2: exact even when a call needs more experts than slots (see runtime's docstring)
+    assert torch.equal(ours, resident), f"offloaded {ours.tolist()}\nresident  {resident.tolist()}"
+    report = sm.last_offload_report
+    assert 0.0 <= report.hit_rate <= 1.0 and report.new_tokens == ours.shape[1] - len(ids)
+    for moved, allowed in sm.offload.counters.prefetch_calls:  # the budget, per call
+        assert moved <= allowed
+    for cache in sm.offload.caches.values():
+        assert len(cache.slot_of) <= sm.offload.num_slots and not any(cache.pins)
+
+
+def test_top3_waves_agree_with_hf_greedy():
+    # top_k = 3 with 2 slots: every call runs in waves (partial sums, equal up to rounding).
+    model = tiny_moe_model("qwen3_moe", layers=3, experts=6, top_k=3, norm_topk_prob=True, seed=4)
+    prompt = torch.tensor([[5, 9, 2, 6, 5, 3]])
+    ours, sm = _generate(model, "layerskip", prompt, 16, offload=_offload(slots=2),
+                         exit_layer=1, num_speculations=3)  # fmt: skip
+    assert_greedy_equal(model, ours, hf_greedy(model, prompt, 16), prompt.shape[1])
+
+
+def test_a_missing_wait_reads_poison():
+    """The poisoning catches a compute that does not wait for its transfer."""
+    model = tiny_moe_model("olmoe", layers=2, experts=4, top_k=2)
+    prompt = torch.tensor([[1, 2, 3]])
+    sm = rewrite.apply(model, "autoregressive",
+                       offload=_offload(slots=2, transfer_delay_s=0.05, tier="host"))  # fmt: skip
+    runtime = sm.offload
+    runtime.engine.wait = lambda ticket: 0.0  # the bug: compute does not wait for its copy
+    logits = sm.stages["full"](prompt, torch.arange(3)[None], {"full_attention": None}, None)
+    runtime.close()
+    assert torch.isnan(logits["logits"]).any()
+
+
+def test_next_gate_prefetch_raises_the_hit_rate_and_reports_precision():
+    model = tiny_moe_model("olmoe", layers=4, experts=8, top_k=2, seed=1)
+    prompt = torch.tensor([[7, 3, 9, 1, 4]])
+    _, none = _generate(model, "autoregressive", prompt, 24, offload=_offload(slots=3))
+    _, gate = _generate(model, "autoregressive", prompt, 24,
+                        offload=_offload(slots=3, prefetch="next_gate"))  # fmt: skip
+    a, b = none.last_offload_report, gate.last_offload_report
+    assert b.hit_rate > a.hit_rate and b.prefetch_hit_rate > 0
+    assert a.prefetch_precision is None and 0 < b.prefetch_precision <= 1
+    assert 0 < b.prefetch_recall <= 1 and b.prefetch_bytes_per_token > 0
+    assert set(b.hit_rate_per_layer) == {0, 1, 2, 3}
+    # Layer 0 has no earlier layer to predict it from.
+    assert b.hit_rate_per_layer[0] == pytest.approx(a.hit_rate_per_layer[0])
+
+
+def test_prefetch_budget_zero_moves_nothing_ahead():
+    model = tiny_moe_model("mixtral", layers=3, experts=6, top_k=2)
+    prompt = torch.tensor([[1, 2, 3, 4]])
+    options = _offload(slots=2, prefetch="next_gate", prefetch_budget=0)
+    _, sm = _generate(model, "autoregressive", prompt, 8, offload=options)
+    assert sm.last_offload_report.prefetch_bytes_per_token == 0
+    assert sm.last_offload_report.prefetch_precision is not None  # still predicted and scored
+
+
+def test_offload_graph_nodes():
+    model = tiny_moe_model("qwen2_moe", layers=3, dense_layers=(1,))
+    sm = rewrite.apply(model, "layerskip", exit_layer=1,
+                       offload=_offload(slots=2, prefetch="next_gate"))  # fmt: skip
+    gm = sm.graph_module
+    assert [n.target for n in nodes_by_role(gm, "experts")] == [
+        "leapfx_offload.experts_0", "leapfx_offload.experts_2"]  # fmt: skip
+    prefetch = nodes_by_role(gm, "prefetch")
+    assert [n.meta["leapfx.prefetch_layer"] for n in prefetch] == [2]
+    # The draft (layer 0) keeps the prefetch of layer 2 although nothing reads its output.
+    assert nodes_by_role(sm.stages["draft"], "prefetch")
+    # The offloaded stages do not hold the expert weights.
+    names = {n for n, _ in sm.stages["full"].named_parameters()}
+    assert not any("experts" in n for n in names)
+    sm.offload.close()
+
+
+def test_disk_store_falls_back_where_o_direct_is_refused(tmp_path, monkeypatch):
+    if not hasattr(os, "O_DIRECT"):
+        pytest.skip("no O_DIRECT on this platform")
+    gate_up, down = torch.randn(3, 8, 4), torch.randn(3, 4, 4)
+    disk = DiskStore({0: (gate_up, down)}, path=tmp_path / "experts.bin")
+    a, b = torch.empty(8, 4), torch.empty(4, 4)
+    disk.read_into(0, 1, a, b)
+    assert torch.equal(a, gate_up[1]) and torch.equal(b, down[1])
+    disk.close()
+    assert (tmp_path / "experts.bin").exists()  # a path the caller gave is kept
+    real_open = os.open
+
+    def refusing_open(path, flags, *args):  # what tmpfs on older kernels does
+        if flags & os.O_DIRECT:
+            raise OSError(22, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", refusing_open)
+    with pytest.warns(UserWarning, match="O_DIRECT is refused"):
+        store = DiskStore({0: (gate_up, down)})
+    assert not store.direct
+    store.read_into(0, 2, a, b)
+    assert torch.equal(a, gate_up[2]) and torch.equal(b, down[2])
+    path = store.path
+    store.close()
+    assert not os.path.exists(path)  # a temporary file is removed
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"slots": 0}, "slots"),
+        ({"slots": 1.5}, "slots"),
+        ({"policy": "fifo"}, "policy"),
+        ({"prefetch": "m3"}, "prefetch"),
+        ({"prefetch_budget": -1}, "prefetch_budget"),
+        ({"tier": "nvme"}, "tier"),
+    ],
+)
+def test_offload_options_are_validated(kwargs, match):
+    model = tiny_moe_model("olmoe", layers=2)
+    with pytest.raises(ValueError, match=match):
+        rewrite.apply(model, "autoregressive", offload=OffloadOptions(**kwargs))
+
+
+def test_offload_refuses_dense_models_and_compiled_backends():
+    from tests.conftest import tiny_model
+
+    with pytest.raises(ValueError, match="no MoE layers"):
+        rewrite.apply(tiny_model("llama", layers=2), "autoregressive", offload=OffloadOptions())
+    with pytest.raises(ValueError, match="eager"):
+        rewrite.apply(tiny_moe_model("olmoe", layers=2), "autoregressive", backend="inductor",
+                      offload=OffloadOptions())  # fmt: skip
+    with pytest.raises(ValueError, match="slots"):
+        rewrite.apply(tiny_moe_model("olmoe", layers=2, experts=4), "autoregressive",
+                      offload=OffloadOptions(slots=5))  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("prefetch", ["none", "next_gate"])
+def test_cuda_engine_offload_is_token_identical(prefetch):
+    model = tiny_moe_model("olmoe", layers=4, experts=8, top_k=2).cuda()
+    prompt = torch.tensor([[3, 1, 4, 1, 5]], device="cuda")
+    resident, _ = _generate(model, "layerskip", prompt, 24, exit_layer=1)
+    options = _offload(slots=3, prefetch=prefetch)
+    ours, sm = _generate(model, "layerskip", prompt, 24, offload=options, exit_layer=1)
+    assert type(sm.offload.engine).__name__ == "CudaEngine"
+    assert sm.offload.store.pinned
+    assert torch.equal(ours, resident)
+    assert sm.last_offload_report.hit_rate > 0
+
+
+def test_offloaded_moe_layerskip_sampling_matches_target_distribution():
+    """Rejection sampling over an offloaded MoE model: the target's distribution (chi-square)."""
+    import numpy as np
+    from scipy.stats import chisquare
+
+    from tests.test_sampling_e2e import TEMPERATURE, TOP_K, TOP_P, _exact_distribution
+
+    model = tiny_moe_model("qwen2_moe", layers=3, vocab=6, heads=2, kv_heads=1, experts=4,
+                           seed=11)  # fmt: skip
+    with torch.no_grad():
+        model.lm_head.weight.mul_(0.25)
+    prompt = torch.tensor([[1, 4, 2]])
+    exact = _exact_distribution(model, prompt, 3)
+    options = OffloadOptions(slots=2, tier="host", prefetch="next_gate")
+    sm = rewrite.apply(model, "layerskip", exit_layer=1, num_speculations=4, offload=options)
+    g = torch.Generator().manual_seed(99)
+    n = 3000
+    counts = dict.fromkeys(exact, 0)
+    for _ in range(n):
+        out = sm.generate(prompt, do_sample=True, temperature=TEMPERATURE, top_k=TOP_K,
+                          top_p=TOP_P, max_new_tokens=3, generator=g)  # fmt: skip
+        counts[tuple(out[0, 3:].tolist())] += 1
+    sm.offload.close()
+    keys = sorted(exact, key=lambda k: -exact[k])
+    expected = np.array([exact[k] * n for k in keys])
+    observed = np.array([counts[k] for k in keys])
+    assert observed[expected == 0].sum() == 0
+    big = expected >= 5
+    tail = (expected > 0) & ~big
+    exp_b, obs_b = expected[big], observed[big]
+    if tail.any():
+        exp_b = np.append(exp_b, expected[tail].sum())
+        obs_b = np.append(obs_b, observed[tail].sum())
+    stat, pvalue = chisquare(obs_b, exp_b * obs_b.sum() / exp_b.sum())
+    assert pvalue > 1e-3, f"chi-square {stat:.1f} over {len(exp_b)} bins, p={pvalue:.2e}"
+
+
+def test_trace_and_timeline_plot(tmp_path):
+    from leapfx.bench.offload import plot_offload
+
+    model = tiny_moe_model("olmoe", layers=3, experts=6, top_k=2)
+    sm = rewrite.apply(model, "autoregressive",
+                       offload=OffloadOptions(slots=2, prefetch="next_gate"))  # fmt: skip
+    sm.offload.trace = []
+    sm.generate(torch.tensor([[1, 2, 3, 4]]), max_new_tokens=6)
+    trace = sm.offload.trace
+    lanes = {span[0] for span in trace}
+    assert {"compute", "demand"} <= lanes and all(span[3] <= span[4] for span in trace)
+    assert sum(1 for span in trace if span[0] == "compute") == 3 * 6  # 3 layers x 6 calls
+    path = plot_offload(trace, sm.last_offload_report.hit_rate_per_layer, tmp_path / "t.png")
+    assert path.stat().st_size > 0
+    sm.offload.close()
