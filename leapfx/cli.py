@@ -467,7 +467,7 @@ def _eagle_parts(args: argparse.Namespace) -> str | None:
     """--eagle-parts, else the reference model's shipped EAGLE head when benchmarking it."""
     from .bench import REFERENCE_EAGLE
 
-    if args.recipe != "eagle":
+    if args.recipe not in ("eagle", "specee"):  # specee runs carry a leapfx_eagle row
         return None
     if args.eagle_parts is not None:
         return args.eagle_parts

@@ -335,7 +335,13 @@ def test_bench_specee_rows_and_threshold_curve(tmp_path, capsys):
     doc = json.loads(out.read_text())
     rows = doc if isinstance(doc, list) else doc["rows"]
     by = {r["system"]: r for r in rows}
-    assert {"leapfx_specee", "leapfx_specee_next", "leapfx_specee_verified"} <= by.keys()
+    assert {
+        "leapfx_specee",
+        "leapfx_specee_next",
+        "leapfx_specee_verified",
+        "leapfx_eagle",
+    } <= by.keys()
+    assert by["leapfx_eagle"]["identical_to_greedy"] is True
     assert by["leapfx_specee_verified"]["identical_to_greedy"] is True
     assert by["leapfx_specee"]["agreement"] is not None
     assert by["leapfx_specee"]["avg_layers"] is not None

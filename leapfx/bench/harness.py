@@ -316,6 +316,9 @@ def build_systems(model: nn.Module, config: BenchConfig, generator_seed: int = 0
             # Rounds end at the first pass that does not exit: no fixed d, no speedup formula.
             system.info["dynamic_draft_length"] = True
             systems.append(system)
+            # EAGLE's head alone as a lossless drafter: SpecEE's candidate source, beside it.
+            eagle = rewrite.apply(model, "eagle", parts=config.eagle_parts)
+            systems.append(ours("leapfx_eagle", eagle))
         if config.recipe == "kangaroo":
             kw = {"max_draft_tokens": d, "adapter": config.adapter}
             if config.kangaroo_exit_layer is not None:
