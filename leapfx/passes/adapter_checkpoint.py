@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -32,6 +30,7 @@ from torch import fx
 
 from .adapter import KangarooAdapter, adapter_of
 from .base import GraphPass, PassResult
+from .parts_io import check_host, read_meta, write_dir_atomic
 
 FORMAT = 1
 WEIGHTS = "adapter.safetensors"
@@ -62,7 +61,6 @@ def write_adapter(
 ) -> Path:
     """Write ``adapter`` and its metadata to the directory ``path`` (replaced if it exists)."""
     final = Path(path)
-    final.parent.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().contiguous().cpu() for k, v in adapter.state_dict().items()}
     meta = {
         "format": FORMAT,
@@ -71,21 +69,12 @@ def write_adapter(
         "host": host,
         "parameters": sum(t.numel() for t in tensors.values()),
     }
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-    try:
+
+    def write(tmp: Path) -> None:
         save_file(tensors, str(tmp / WEIGHTS), metadata={"format": str(FORMAT)})
         (tmp / CONFIG).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
-        if final.exists():
-            old = final.with_name(f".{final.name}.old-{os.getpid()}")
-            final.rename(old)
-            tmp.rename(final)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return final
+
+    return write_dir_atomic(final, write)
 
 
 def read_adapter_config(path: str | os.PathLike, *, recipe: str = "kangaroo") -> dict[str, Any]:
@@ -97,15 +86,7 @@ def read_adapter_config(path: str | os.PathLike, *, recipe: str = "kangaroo") ->
             f"adapter: {str(path)!r} is not an adapter checkpoint (missing {', '.join(missing)}); "
             "pass a directory written by SpeculativeModel.save_adapter, or None"
         )
-    try:
-        meta = json.loads((root / CONFIG).read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"adapter: {root / CONFIG} is not valid JSON ({exc})") from exc
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        found = meta.get("format") if isinstance(meta, dict) else None
-        raise ValueError(
-            f"adapter: {root / CONFIG} has format {found!r}; this leapfx reads format {FORMAT}"
-        )
+    meta = read_meta(root, CONFIG, option="adapter", fmt=FORMAT)
     if meta.get("recipe") != recipe:
         raise ValueError(
             f"adapter: {str(path)!r} was saved by recipe {meta.get('recipe')!r}, not {recipe!r}"
@@ -127,11 +108,7 @@ class LoadKangarooAdapter(GraphPass):
         adapter = adapter_of(gm)
         meta = read_adapter_config(self.path)
         host = host_signature(adapter.attention.config)
-        saved_host = meta.get("host", {})
-        diff = sorted(k for k in host if saved_host.get(k) != host[k])
-        if diff:
-            pairs = ", ".join(f"{k}={saved_host.get(k)!r} (model: {host[k]!r})" for k in diff)
-            raise ValueError(f"adapter: {self.path!r} was trained for another model: {pairs}")
+        check_host("adapter", self.path, host, meta.get("host", {}))
         saved_exit = meta.get("options", {}).get("exit_layer")
         if saved_exit != adapter.exit_layer:
             raise ValueError(

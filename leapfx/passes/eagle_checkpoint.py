@@ -10,8 +10,8 @@ The names are the head's own, so a recipe with more parts (SpecEE's predictors) 
 files beside them in the same directory. ``options`` are the recipe options it was saved with
 (``rewrite.apply(..., parts=path)`` takes any it is not given from there); ``host`` describes
 the model it fits, and loading refuses another. The directory is written under a temporary
-name beside the target and renamed into place (``write_parts``), so a directory with the final
-name is always complete.
+name beside the target and renamed into place (``parts_io.write_dir_atomic``), so a directory
+with the final name is always complete.
 
 Example::
 
@@ -24,9 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -37,30 +34,11 @@ from torch import fx
 from .adapter_checkpoint import host_signature
 from .base import GraphPass, PassResult
 from .eagle_head import EagleHead, eagle_head_of
+from .parts_io import check_host, read_meta, write_dir_atomic
 
 FORMAT = 1
 WEIGHTS = "eagle_head.safetensors"
 CONFIG = "eagle_head.json"
-
-
-def write_parts(path: str | os.PathLike, write: Callable[[Path], None]) -> Path:
-    """Call ``write(tmp_dir)`` and rename ``tmp_dir`` to ``path`` (replacing it) atomically."""
-    final = Path(path)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-    try:
-        write(tmp)
-        if final.exists():
-            old = final.with_name(f".{final.name}.old-{os.getpid()}")
-            final.rename(old)
-            tmp.rename(final)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return final
 
 
 def write_eagle_files(
@@ -89,7 +67,7 @@ def write_eagle_files(
 
 def write_eagle_head(head: EagleHead, path: str | os.PathLike, **meta: Any) -> Path:
     """Write ``head`` and its metadata to the directory ``path`` (replaced if it exists)."""
-    return write_parts(path, lambda tmp: write_eagle_files(head, tmp, **meta))
+    return write_dir_atomic(path, lambda tmp: write_eagle_files(head, tmp, **meta))
 
 
 def read_eagle_config(path: str | os.PathLike, *, option: str = "parts") -> dict[str, Any]:
@@ -101,16 +79,7 @@ def read_eagle_config(path: str | os.PathLike, *, option: str = "parts") -> dict
             f"{option}: {str(path)!r} holds no EAGLE head (missing {', '.join(missing)}); pass "
             "a directory written by SpeculativeModel.save_parts of an 'eagle' model, or None"
         )
-    try:
-        meta = json.loads((root / CONFIG).read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{option}: {root / CONFIG} is not valid JSON ({exc})") from exc
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        found = meta.get("format") if isinstance(meta, dict) else None
-        raise ValueError(
-            f"{option}: {root / CONFIG} has format {found!r}; this leapfx reads format {FORMAT}"
-        )
-    return meta
+    return read_meta(root, CONFIG, option=option, fmt=FORMAT)
 
 
 @dataclass(frozen=True)
@@ -127,11 +96,7 @@ class LoadEagleHead(GraphPass):
         head = eagle_head_of(gm)
         meta = read_eagle_config(self.path)
         host = host_signature(head.layer.self_attn.config)
-        saved_host = meta.get("host", {})
-        diff = sorted(k for k in host if saved_host.get(k) != host[k])
-        if diff:
-            pairs = ", ".join(f"{k}={saved_host.get(k)!r} (model: {host[k]!r})" for k in diff)
-            raise ValueError(f"parts: {self.path!r} was trained for another model: {pairs}")
+        check_host("parts", self.path, host, meta.get("host", {}))
         tensors = load_file(str(Path(self.path) / WEIGHTS))  # safetensors: no unpickling
         own = head.state_dict()
         if set(tensors) != set(own) or any(tensors[k].shape != own[k].shape for k in own):

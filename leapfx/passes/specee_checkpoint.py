@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -28,6 +26,7 @@ from torch import fx
 
 from .adapter_checkpoint import write_adapter
 from .base import GraphPass, PassResult
+from .parts_io import read_meta, write_dir_atomic
 from .predictor import predictors_of
 
 FORMAT = 1
@@ -46,15 +45,12 @@ def write_parts(
     report: dict[str, Any] | None = None,
 ) -> Path:
     """Write the predictors of ``gm`` (and its Kangaroo adapter, if any) to ``path``."""
-    final = Path(path)
-    final.parent.mkdir(parents=True, exist_ok=True)
     bank = predictors_of(gm)
     tensors = {k: v.detach().contiguous().cpu() for k, v in bank.state_dict().items()}
     meta = {"format": FORMAT, "recipe": "specee", "options": options, "host": host,
             "report": report or {}}  # fmt: skip
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-    tmp.chmod(0o755)  # mkdtemp's 0700 would survive the rename
-    try:
+
+    def write(tmp: Path) -> None:
         save_file(tensors, str(tmp / WEIGHTS), metadata={"format": str(FORMAT)})
         (tmp / CONFIG).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
         head = getattr(gm, "eagle_head", None)
@@ -69,17 +65,8 @@ def write_parts(
                 adapter, tmp / ADAPTER_DIR, recipe="kangaroo",
                 options={"exit_layer": options["exit_layer"]}, host=host,
             )  # fmt: skip
-        if final.exists():
-            old = final.with_name(f".{final.name}.old-{os.getpid()}")
-            final.rename(old)
-            tmp.rename(final)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return final
+
+    return write_dir_atomic(path, write)
 
 
 def read_parts_config(path: str | os.PathLike) -> dict[str, Any]:
@@ -91,14 +78,10 @@ def read_parts_config(path: str | os.PathLike) -> dict[str, Any]:
             f"parts: {str(path)!r} is not a SpecEE parts directory (missing "
             f"{', '.join(missing)}); pass a directory written by SpeculativeModel.save_parts"
         )
-    try:
-        meta = json.loads((root / CONFIG).read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"parts: {root / CONFIG} is not valid JSON ({exc})") from exc
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("recipe") != "specee":
+    meta = read_meta(root, CONFIG, option="parts", fmt=FORMAT)
+    if meta.get("recipe") != "specee":
         raise ValueError(
-            f"parts: {root / CONFIG} is not SpecEE parts of format {FORMAT} (found format "
-            f"{meta.get('format') if isinstance(meta, dict) else None!r})"
+            f"parts: {root / CONFIG} holds parts of recipe {meta.get('recipe')!r}, not 'specee'"
         )
     return meta
 
