@@ -343,6 +343,7 @@ def test_bench_specee_rows_and_threshold_curve(tmp_path, capsys):
     } <= by.keys()
     assert by["leapfx_eagle"]["identical_to_greedy"] is True
     assert by["leapfx_specee_verified"]["identical_to_greedy"] is True
+    assert "verify_cost" not in by["leapfx_specee_verified"]["extra"]  # no verify stage timed
     assert by["leapfx_specee"]["agreement"] is not None
     assert by["leapfx_specee"]["avg_layers"] is not None
     printed = capsys.readouterr().out
