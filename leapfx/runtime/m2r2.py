@@ -28,7 +28,7 @@ from ..passes.accelerator import FastScratch
 from .metrics import DecodeMetrics
 from .runner import StageRunner
 from .sampling import probs
-from .schedules import DecodeRequest, Output, _token, accept, choose, teacher_force
+from .schedules import DecodeRequest, Output, _token, choose, speculative_loop, teacher_force
 
 
 def draft_fast(
@@ -76,35 +76,13 @@ def m2r2(
 ) -> list[int]:
     """M2R2 self-speculative decoding: fast-stream drafts, one slow verify pass a round."""
     metrics.num_speculations = num_speculations
-    out = Output(request)
-    logits = runner.full(prompt, 0)  # prefill: [1, n, V]
-    metrics.full_calls += 1
-    pos = prompt.shape[1]  # position of x, the newest token (not yet in the cache)
-    x = choose(logits[:, -1], request)
-    out.extend([_token(x)])
-    while not out.done:
-        g = min(num_speculations, out.remaining - 1)  # drafts past max_new_tokens are waste
-        if g == 0:
-            logits = runner.full(x, pos)
-            metrics.full_calls += 1
-            x = choose(logits[:, -1], request)
-            out.extend([_token(x)])
-            pos += 1
-            continue
+
+    def round_(runner, x, pos, g, request):
         drafts, q = draft_fast(runner, x, pos, g, request, threshold=confidence_threshold)
-        g = drafts.shape[1]
-        metrics.draft_calls += g
         # The slow stream over [x, drafts]: [1, g+1, V]. Counted as a verify call.
-        target_logits = runner.full(torch.cat([x, drafts], dim=1), pos, key="verify")
-        n, nxt = accept(drafts, q, target_logits, request)  # [1], [1] on the device
-        # The round's one host sync: crop takes a Python int; the stop rule reads the tokens.
-        k, next_token, *drafted = torch.cat([n, nxt, drafts[0]]).tolist()
-        runner.cache.crop(pos + k + 1)  # keep x and the k accepted drafts
-        metrics.record_verify(g, k)
-        out.extend([*drafted[:k], next_token])
-        pos += k + 1
-        x = nxt.view(1, 1)
-    return out.tokens
+        return drafts, q, runner.full(torch.cat([x, drafts], dim=1), pos, key="verify")
+
+    return speculative_loop(runner, prompt, request, metrics, num_speculations, round_)
 
 
 def m2r2_exit(

@@ -200,18 +200,24 @@ Drafter = Callable[
 ]
 
 
-def self_speculative(
+# A round: (runner, x [1, 1], start, max drafts, request) -> (drafts [1, d], their draft
+# distributions q [1, d, V] or None (greedy), target logits [1, d + 1, V] over [x, drafts]).
+Round = Callable[
+    [StageRunner, torch.Tensor, int, int, DecodeRequest],
+    tuple[torch.Tensor, torch.Tensor | None, torch.Tensor],
+]
+
+
+def speculative_loop(
     runner: StageRunner,
     prompt: torch.Tensor,
     request: DecodeRequest,
     metrics: DecodeMetrics,
     num_speculations: int,
-    drafter: Drafter = draft,
+    round_: Round,
 ) -> list[int]:
-    """LayerSkip self-speculative decoding: draft with layers < E, verify with the rest.
-
-    ``drafter`` makes the drafts (layers < E and the exit head by default; Kangaroo passes its
-    adapter's dynamic-length drafter)."""
+    """Draft-then-verify decoding: prefill, then rounds of ``round_`` with the acceptance of
+    ``accept``; the cache is cropped to the accepted prefix after each round (O(1))."""
     out = Output(request)
     logits = runner.full(prompt, 0)  # prefill: [1, n, V]
     metrics.full_calls += 1
@@ -227,11 +233,9 @@ def self_speculative(
             out.extend([_token(x)])
             pos += 1
             continue
-        drafts, exit_hidden, q = drafter(runner, x, pos, d, request)
+        drafts, q, target_logits = round_(runner, x, pos, d, request)
         d = drafts.shape[1]
         metrics.draft_calls += d
-        # Lower layers for the last draft, upper layers for x and every draft: [1, d+1, V].
-        target_logits = runner.verify(drafts[:, -1:], exit_hidden, pos)
         n, nxt = accept(drafts, q, target_logits, request)  # [1], [1] on the device
         # The round's one host sync: the cache lengths are Python ints (crop), and the stop
         # rule reads the emitted tokens.
@@ -242,3 +246,24 @@ def self_speculative(
         pos += k + 1
         x = nxt.view(1, 1)  # stays on the device: no host-to-device copy
     return out.tokens
+
+
+def self_speculative(
+    runner: StageRunner,
+    prompt: torch.Tensor,
+    request: DecodeRequest,
+    metrics: DecodeMetrics,
+    num_speculations: int,
+    drafter: Drafter = draft,
+) -> list[int]:
+    """LayerSkip self-speculative decoding: draft with layers < E, verify with the rest.
+
+    ``drafter`` makes the drafts (layers < E and the exit head by default; Kangaroo passes its
+    adapter's dynamic-length drafter)."""
+
+    def round_(runner, x, pos, d, request):
+        drafts, exit_hidden, q = drafter(runner, x, pos, d, request)
+        # Lower layers for the last draft, upper layers for x and every draft: [1, d+1, V].
+        return drafts, q, runner.verify(drafts[:, -1:], exit_hidden, pos)
+
+    return speculative_loop(runner, prompt, request, metrics, num_speculations, round_)
