@@ -39,7 +39,6 @@ import dataclasses
 import json
 import math
 import time
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,6 +53,7 @@ from leapfx.passes.capture import decoder_parts
 from leapfx.passes.eagle_checkpoint import write_eagle_head
 from leapfx.passes.eagle_head import eagle_head_of, previous_hidden
 from leapfx.runtime.masks import masks_for
+from leapfx.train.fit_options import fit_config
 from leapfx.train.kangaroo import kangaroo_loss, sample_windows, token_stream
 
 
@@ -193,20 +193,7 @@ def fit(sm, data: Any, *, tokenizer=None, eval_data: Any = None, **options: Any)
     ``eval_data`` (same forms as ``data``) the result holds the held-out top-1 agreement
     before and after training.
     """
-    fields = {f.name for f in dataclasses.fields(EagleFitConfig)}
-    unknown = sorted(set(options) - fields)
-    if unknown:
-        raise ValueError(
-            f"option {unknown[0]!r} is not an option of fit; its options are: "
-            f"tokenizer, eval_data, {', '.join(sorted(fields))}"
-        )
-    config = EagleFitConfig(**options)
-    if sm.hf_model.training:
-        warnings.warn(
-            "the model is in training mode (dropout active): the targets are noisy; call "
-            "model.eval() first",
-            stacklevel=2,
-        )
+    config = fit_config(EagleFitConfig, options, also=("tokenizer", "eval_data"), model=sm.hf_model)
     stream = token_stream(data, vocab_size=sm.config.vocab_size, tokenizer=tokenizer)
     head = eagle_head_of(sm.graph_module)
     params = list(head.parameters())

@@ -33,7 +33,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +47,7 @@ from leapfx.passes.adapter import adapter_of
 from leapfx.passes.adapter_checkpoint import host_signature, write_adapter
 from leapfx.passes.capture import decoder_parts
 from leapfx.runtime.masks import masks_for
+from leapfx.train.fit_options import fit_config
 
 
 @dataclass(frozen=True)
@@ -196,20 +196,7 @@ def fit(sm, data: Any, *, tokenizer=None, **options: Any) -> FitResult:
     change; the stages share them, so ``sm.generate`` drafts with the trained adapter at once.
     Runs on the model's device (see the module docstring).
     """
-    fields = {f.name for f in dataclasses.fields(KangarooFitConfig)}
-    unknown = sorted(set(options) - fields)
-    if unknown:
-        raise ValueError(
-            f"option {unknown[0]!r} is not an option of fit; its options are: "
-            f"tokenizer, {', '.join(sorted(fields))}"
-        )
-    config = KangarooFitConfig(**options)
-    if sm.hf_model.training:
-        warnings.warn(
-            "the model is in training mode (dropout active): the targets are noisy; call "
-            "model.eval() first",
-            stacklevel=2,
-        )
+    config = fit_config(KangarooFitConfig, options, model=sm.hf_model)
     stream = token_stream(data, vocab_size=sm.config.vocab_size, tokenizer=tokenizer)
     adapter = adapter_of(sm.graph_module)
     params = list(adapter.parameters())

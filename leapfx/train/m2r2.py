@@ -33,7 +33,6 @@ import dataclasses
 import math
 import sys
 import time
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,6 +46,7 @@ from leapfx.passes.adapter_checkpoint import host_signature, write_adapter
 from leapfx.passes.capture import decoder_parts
 from leapfx.runtime.cache import StaticKVCache
 from leapfx.runtime.masks import masks_for
+from leapfx.train.fit_options import fit_config
 from leapfx.train.kangaroo import kangaroo_loss, sample_windows, token_stream
 
 CE_TARGETS = ("labels", "model")
@@ -263,19 +263,7 @@ def fit(sm, data: Any, *, tokenizer=None, **options: Any) -> FitResult:
     ``options`` are the fields of :class:`M2R2FitConfig`. Only the accelerator's parameters
     change; the stages share them, so ``sm.generate`` drafts with them at once.
     """
-    fields = {f.name for f in dataclasses.fields(M2R2FitConfig)}
-    unknown = sorted(set(options) - fields)
-    if unknown:
-        raise ValueError(
-            f"option {unknown[0]!r} is not an option of fit; its options are: "
-            f"tokenizer, {', '.join(sorted(fields))}"
-        )
-    config = M2R2FitConfig(**options)
-    if sm.hf_model.training:
-        warnings.warn(
-            "the model is in training mode (dropout active): call model.eval() first",
-            stacklevel=2,
-        )
+    config = fit_config(M2R2FitConfig, options, model=sm.hf_model)
     stream = token_stream(data, vocab_size=sm.config.vocab_size, tokenizer=tokenizer)
     acc = accelerator_of(sm.graph_module)
     params = list(acc.parameters())

@@ -41,6 +41,7 @@ from ..passes.adapter_checkpoint import host_signature
 from ..passes.capture import decoder_parts
 from ..passes.predictor import NUM_SPECULATIVE_TOKENS, predictors_of
 from ..passes.specee_checkpoint import write_parts
+from .fit_options import fit_config
 from .kangaroo import adapter_and_target_logits, sample_windows, token_stream
 
 log = logging.getLogger(__name__)
@@ -281,14 +282,7 @@ def fit(sm, data: Any, *, tokenizer=None, **options: Any) -> SpecEEFitResult:
     fields of :class:`SpecEEFitConfig`. Sets the predictors, the offline subset and the
     recipe's options (``offline_layers``) in place.
     """
-    fields = {f.name for f in dataclasses.fields(SpecEEFitConfig)}
-    unknown = sorted(set(options) - fields)
-    if unknown:
-        raise ValueError(
-            f"option {unknown[0]!r} is not an option of fit; its options are: "
-            f"tokenizer, {', '.join(sorted(fields))}"
-        )
-    config = SpecEEFitConfig(**options)
+    config = fit_config(SpecEEFitConfig, options)
     begin = time.perf_counter()
     if sm.options.drafter == "eagle" and config.draft_steps > 0:
         from .eagle import fit as fit_eagle  # the draft head first: S comes from it

@@ -1,0 +1,41 @@
+"""The options of a recipe's ``fit``: checked against its config dataclass before training.
+
+Every trainer of inserted parts (Kangaroo's adapter, the EAGLE head, SpecEE's predictors, M2R2's
+accelerators) takes ``sm.fit(data, **options)`` with the fields of its own frozen config; an
+unknown option fails at once and lists the valid ones.
+
+    >>> config = fit_config(KangarooFitConfig, {"steps": 200}, model=sm.hf_model)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+
+def fit_config(
+    config_type: type,
+    options: dict[str, Any],
+    *,
+    also: Sequence[str] = ("tokenizer",),
+    model=None,
+) -> Any:
+    """``config_type(**options)`` after checking every name; ``also``: the keyword arguments
+    ``fit`` takes besides the config's fields (listed in the error). With ``model``: warn when
+    it is in training mode (dropout makes the targets noisy)."""
+    fields = {f.name for f in dataclasses.fields(config_type)}
+    unknown = sorted(set(options) - fields)
+    if unknown:
+        raise ValueError(
+            f"option {unknown[0]!r} is not an option of fit; its options are: "
+            f"{', '.join([*also, *sorted(fields)])}"
+        )
+    if model is not None and model.training:
+        warnings.warn(
+            "the model is in training mode (dropout active): the targets are noisy; call "
+            "model.eval() first",
+            stacklevel=3,
+        )
+    return config_type(**options)
