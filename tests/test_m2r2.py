@@ -14,7 +14,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from scipy.stats import chisquare
 
 from leapfx import rewrite
 from leapfx.passes.accelerator import (
@@ -29,6 +28,7 @@ from leapfx.passes.capture import capture
 from leapfx.runtime.cache import cache_for
 from leapfx.runtime.masks import masks_for
 from tests.conftest import ARCHS, tiny_model
+from tests.distribution_check import assert_sampled_from
 from tests.greedy_check import assert_greedy_equal, hf_greedy
 from tests.test_kangaroo_lossless import TEMPERATURE, TOP_K, TOP_P, _exact_distribution
 from tests.test_lossless import _prompt, model_specs
@@ -274,18 +274,7 @@ def test_m2r2_sampling_matches_target_distribution():
         rejections += m.drafted_tokens - m.accepted_drafts
         drafted += m.drafted_tokens
     assert 0 < rejections < drafted
-    keys = sorted(exact, key=lambda k: -exact[k])
-    expected = np.array([exact[k] * n for k in keys])
-    observed = np.array([counts[k] for k in keys])
-    assert observed[expected == 0].sum() == 0, "sampled a token the target gives zero mass"
-    big = expected >= 5
-    tail = (expected > 0) & ~big
-    exp_b, obs_b = expected[big], observed[big]
-    if tail.any():
-        exp_b = np.append(exp_b, expected[tail].sum())
-        obs_b = np.append(obs_b, observed[tail].sum())
-    stat, pvalue = chisquare(obs_b, exp_b * obs_b.sum() / exp_b.sum())
-    assert pvalue > 1e-3, f"chi-square {stat:.1f} over {len(exp_b)} bins, p={pvalue:.2e}"
+    assert_sampled_from(counts, exact, n)
 
 
 def test_m2r2_runs_eager_only_and_says_so():

@@ -19,6 +19,7 @@ from leapfx import rewrite
 from leapfx.passes.capture import nodes_by_role
 from leapfx.runtime.offload import DiskStore, OffloadOptions, SlotCache
 from tests.conftest import MOE_ARCHS, tiny_moe_model
+from tests.distribution_check import assert_sampled_from
 from tests.greedy_check import assert_greedy_equal, hf_greedy
 
 # ---- the cache against a pure-Python model ----------------------------------------------------
@@ -351,8 +352,6 @@ def test_cuda_engine_offload_is_token_identical(prefetch):
 
 def test_offloaded_moe_layerskip_sampling_matches_target_distribution():
     """Rejection sampling over an offloaded MoE model: the target's distribution (chi-square)."""
-    import numpy as np
-    from scipy.stats import chisquare
 
     from tests.test_sampling_e2e import TEMPERATURE, TOP_K, TOP_P, _exact_distribution
 
@@ -372,18 +371,7 @@ def test_offloaded_moe_layerskip_sampling_matches_target_distribution():
                           top_p=TOP_P, max_new_tokens=3, generator=g)  # fmt: skip
         counts[tuple(out[0, 3:].tolist())] += 1
     sm.offload.close()
-    keys = sorted(exact, key=lambda k: -exact[k])
-    expected = np.array([exact[k] * n for k in keys])
-    observed = np.array([counts[k] for k in keys])
-    assert observed[expected == 0].sum() == 0
-    big = expected >= 5
-    tail = (expected > 0) & ~big
-    exp_b, obs_b = expected[big], observed[big]
-    if tail.any():
-        exp_b = np.append(exp_b, expected[tail].sum())
-        obs_b = np.append(obs_b, observed[tail].sum())
-    stat, pvalue = chisquare(obs_b, exp_b * obs_b.sum() / exp_b.sum())
-    assert pvalue > 1e-3, f"chi-square {stat:.1f} over {len(exp_b)} bins, p={pvalue:.2e}"
+    assert_sampled_from(counts, exact, n)
 
 
 def test_trace_and_timeline_plot(tmp_path):

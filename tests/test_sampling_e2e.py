@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import itertools
 
-import numpy as np
 import pytest
 import torch
-from scipy.stats import chisquare
 from transformers.generation.logits_process import (
     LogitsProcessorList,
     TemperatureLogitsWarper,
@@ -24,6 +22,7 @@ from transformers.generation.logits_process import (
 
 from leapfx import rewrite
 from tests.conftest import tiny_model
+from tests.distribution_check import assert_sampled_from
 
 VOCAB = 6
 TEMPERATURE, TOP_K, TOP_P = 0.9, 5, 0.95
@@ -82,20 +81,7 @@ def test_layerskip_sampling_matches_target_distribution(new_tokens, eta):
         short_rounds += m.drafted_tokens < full
     assert 0 < rejections < n  # both branches of the accept rule ran
     assert (short_rounds > 0) == (eta > 0)  # eta stopped some rounds early, and only eta
-    keys = sorted(exact, key=lambda k: -exact[k])
-    expected = np.array([exact[k] * n for k in keys])
-    observed = np.array([counts[k] for k in keys])
-    assert observed[expected == 0].sum() == 0, "sampled a token the target gives zero mass"
-    # merge the sparse tail (support only) into one bin so expected counts are not tiny
-    support = expected > 0
-    big = expected >= 5
-    tail = support & ~big
-    exp_b, obs_b = expected[big], observed[big]
-    if tail.any():
-        exp_b = np.append(exp_b, expected[tail].sum())
-        obs_b = np.append(obs_b, observed[tail].sum())
-    stat, pvalue = chisquare(obs_b, exp_b * obs_b.sum() / exp_b.sum())
-    assert pvalue > 1e-3, f"chi-square {stat:.1f} over {len(exp_b)} bins, p={pvalue:.2e}"
+    assert_sampled_from(counts, exact, n)
 
 
 def test_sampling_is_reproducible_with_a_generator():

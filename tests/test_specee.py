@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import re
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from scipy.stats import chisquare
 
 from leapfx import rewrite
 from leapfx.passes.predictor import (
@@ -25,6 +23,7 @@ from leapfx.passes.predictor import (
 from leapfx.runtime.specee import LayerScheduler
 from leapfx.train.specee import offline_subset
 from tests.conftest import tiny_model
+from tests.distribution_check import assert_sampled_from
 from tests.greedy_check import assert_greedy_equal, hf_greedy
 from tests.test_kangaroo_lossless import TEMPERATURE, TOP_K, TOP_P, _exact_distribution
 from tests.test_lossless import _prompt, model_specs
@@ -237,18 +236,7 @@ def test_verified_specee_sampling_matches_target_distribution():
         rejections += m.drafted_tokens - m.accepted_drafts
         drafted += m.drafted_tokens
     assert 0 < rejections < drafted
-    keys = sorted(exact, key=lambda k: -exact[k])
-    expected = np.array([exact[k] * n for k in keys])
-    observed = np.array([counts[k] for k in keys])
-    assert observed[expected == 0].sum() == 0
-    big = expected >= 5
-    tail = (expected > 0) & ~big
-    exp_b, obs_b = expected[big], observed[big]
-    if tail.any():
-        exp_b = np.append(exp_b, expected[tail].sum())
-        obs_b = np.append(obs_b, observed[tail].sum())
-    stat, pvalue = chisquare(obs_b, exp_b * obs_b.sum() / exp_b.sum())
-    assert pvalue > 1e-3, f"chi-square {stat:.1f} over {len(exp_b)} bins, p={pvalue:.2e}"
+    assert_sampled_from(counts, exact, n)
 
 
 def test_lossy_teacher_forcing_counts_agreement():
