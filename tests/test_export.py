@@ -231,12 +231,13 @@ def test_stage_signatures_follow_the_optimum_convention(exported):
         "logits", "present.0.key", "present.0.value", "present.1.key", "present.1.value",
     ]  # fmt: skip
     assert outputs["present.0.key"] == ["batch", h_kv, "max_cache_len", d]
-    # Each present is one ScatterElements straight on its past: nothing copies the buffer.
+    # Each present is one scatter straight on its past: nothing copies the buffer (ScatterND of
+    # whole head rows, leapfx.export.onnx_optimize's rewrite of the traced ScatterElements).
     producers = {o: n for n in verify.node for o in n.output}
     for name in outputs:
         if name.startswith("present."):
             node = producers[name]
-            assert node.op_type == "ScatterElements", (name, node.op_type)
+            assert node.op_type == "ScatterND", (name, node.op_type)
             assert node.input[0] == name.replace("present.", "past_key_values.")
     # Attention (opset 23) reads the grouped keys and values as they are (this config has
     # 4 query heads and 1 key/value head): no Expand repeats the buffers per query head.
@@ -244,7 +245,7 @@ def test_stage_signatures_follow_the_optimum_convention(exported):
     attention = [n for n in verify.node if n.op_type == "Attention"]
     assert len(attention) == c.num_hidden_layers
     for node in attention:
-        assert [producers[i].op_type for i in node.input[1:3]] == ["ScatterElements"] * 2
+        assert [producers[i].op_type for i in node.input[1:3]] == ["ScatterND"] * 2
     assert "TRANSFORMERS_SDPA_FORCE_GQA" not in os.environ  # the export's switch, restored
     draft = onnx.load(str(path / "draft.onnx")).graph
     names = [o.name for o in draft.output]
@@ -555,3 +556,52 @@ def test_cuda_provider_keeps_the_cache_on_the_device(exported):
     assert om._cache.device == "cuda"
     assert all(k.device_name() == "cuda" for k in om._cache.keys)
     assert_same_tokens(ours, sm.generate(prompt, max_new_tokens=20), model, prompt)
+
+
+def test_graph_rewrites_keep_the_outputs_with_fewer_nodes(exported, tmp_path):
+    # leapfx.export.onnx_optimize: q|k|v and gate|up as one MatMul each, the cache writes as
+    # ScatterND of rows. The same logits and cache writes as the graph as traced, fewer nodes.
+    model, sm, path = exported("llama", "layerskip")
+    plain = export_onnx(sm, tmp_path / "plain", optimize=False)
+    manifest = read_manifest(path)
+    for name in ("full", "verify"):
+        ours = onnx.load(str(path / f"{name}.onnx"), load_external_data=False).graph
+        traced = onnx.load(str(plain / f"{name}.onnx"), load_external_data=False).graph
+
+        def count(graph, op):
+            return sum(n.op_type == op for n in graph.node)
+
+        layers = model.config.num_hidden_layers
+        assert count(traced, "MatMul") - count(ours, "MatMul") == 3 * layers  # 7 -> 4 a layer
+        assert count(ours, "ScatterElements") == 0
+        assert count(ours, "ScatterND") == count(traced, "ScatterElements") == 2 * layers
+        assert manifest["stages"][name]["rewrites"] == {
+            "fused_matmuls": 2 * layers, "scatter_nd_writes": 2 * layers,
+        }  # fmt: skip
+    assert read_manifest(plain)["stages"]["full"]["rewrites"] == {}
+    prompt = torch.tensor([[5, 9, 2, 7, 1, 3, 4]])
+    a, b = OnnxModel(path, threads=1), OnnxModel(plain, threads=1)
+    assert torch.equal(a.generate(prompt, max_new_tokens=16), b.generate(prompt, max_new_tokens=16))
+    for i in range(a._cache.num_layers):
+        for x, y in zip(a._cache.filled(i), b._cache.filled(i), strict=True):
+            torch.testing.assert_close(torch.from_numpy(x), torch.from_numpy(y))
+    with pytest.raises(ValueError, match="optimize: 1 is invalid"):
+        export_onnx(sm, tmp_path / "bad", optimize=1)
+
+
+def test_stage_outputs_are_not_overwritten_by_the_next_call(exported, onnx_model):
+    # Decode calls write their outputs into buffers kept per input shape (no get_outputs of
+    # every present); what a call returned must survive the next call of the same shape.
+    model, sm, path = exported("llama", "layerskip")
+    om = OnnxModel(path, threads=1)
+    cache = om._cache_for(16)
+    stage = om.stages["full"]
+    outs = []
+    for token in (3, 4, 5):  # the first call learns the shapes, the others reuse the buffers
+        cache.lengths = [0] * cache.num_layers
+        ids, pos = torch.tensor([[token]]), torch.tensor([[0]])
+        outs.append(stage(cache=cache, input_ids=ids, position_ids=pos)["logits"])
+    assert stage._buffers  # the buffered path ran
+    again = stage(cache=cache, input_ids=torch.tensor([[3]]), position_ids=torch.tensor([[0]]))
+    torch.testing.assert_close(outs[0], again["logits"])
+    assert not torch.equal(outs[0], outs[1]) and not torch.equal(outs[1], outs[2])

@@ -9,10 +9,10 @@ and outputs are tensors only. The names follow optimum; the cache is static and 
   ``.value``: the whole preallocated buffer ``[B, H_kv, max_cache_len, D]`` whose slot ``j``
   holds position ``j``, and two outputs ``present.{i}.key`` / ``.value``: the same buffer with
   the stage's new keys/values written at their positions (one ``ScatterElements`` on the input
-  buffer, nothing else reads it). A runtime binds input and output to ONE buffer
-  (onnxruntime IO binding): the call then writes only the new positions and copies nothing
-  else. :class:`SlotWriteKVCache` provides the ``update(k, v, layer_idx)`` call HF attention
-  makes on a cache, so the stage runs unchanged;
+  buffer, nothing else reads it; ``onnx_optimize`` makes it a ``ScatterND`` of rows). A
+  runtime binds input and output to ONE buffer (onnxruntime IO binding): the call then writes
+  only the new positions and copies nothing else. :class:`SlotWriteKVCache` provides the
+  ``update(k, v, layer_idx)`` call HF attention makes on a cache, so the stage runs unchanged;
 - attention masks are computed in the graph from the position ids over all ``max_cache_len``
   slots, so an ONNX consumer feeds token ids, positions and the buffers and needs no HF mask
   logic: query ``q`` sees slot ``k`` iff ``k <= q`` (and ``k > q - window`` under a sliding

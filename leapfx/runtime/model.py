@@ -332,11 +332,15 @@ class SpeculativeModel:
         new = torch.tensor([tokens], dtype=input_ids.dtype, device=input_ids.device)
         return torch.cat([input_ids, new], dim=1)
 
-    def export_onnx(self, path: Any, *, opset: int = 23, overwrite: bool = False) -> Any:
+    def export_onnx(
+        self, path: Any, *, opset: int = 23, overwrite: bool = False, optimize: bool = True
+    ) -> Any:
         """Export every stage as an ONNX model with an explicit KV cache, plus ``manifest.json``.
 
         Run the export with ``leapfx.export.OnnxModel(path).generate(...)``; see
         ``leapfx.export`` for the format. Needs the ``onnx`` extra. Returns the export's path.
+        ``optimize``: leapfx's graph rewrites (``leapfx.export.onnx_optimize``); False keeps
+        the graphs as traced.
 
         >>> sm.export_onnx("layerskip-onnx/", overwrite=True)
         """
@@ -348,7 +352,7 @@ class SpeculativeModel:
         from ..export import export_onnx  # optional dependencies: imported when used
 
         self._check_compiles("export_onnx")
-        return export_onnx(self, path, opset=opset, overwrite=overwrite)
+        return export_onnx(self, path, opset=opset, overwrite=overwrite, optimize=optimize)
 
     def _check_compiles(self, what: str) -> None:
         if not self.recipe.compiles:
