@@ -585,6 +585,31 @@ def test_graph_rewrites_keep_the_outputs_with_fewer_nodes(exported, tmp_path):
     for i in range(a._cache.num_layers):
         for x, y in zip(a._cache.filled(i), b._cache.filled(i), strict=True):
             torch.testing.assert_close(torch.from_numpy(x), torch.from_numpy(y))
+    # The graphs themselves, batch 2, on random buffers: the same logits and presents.
+    import numpy as np
+    import onnxruntime as ort
+
+    rng = np.random.default_rng(0)
+    spec = manifest["stages"]["verify"]
+    feeds = {
+        "input_ids": rng.integers(0, model.config.vocab_size, (2, 1)),
+        "position_ids": np.array([[7], [7]]),
+        "exit_hidden": rng.standard_normal((2, 3, model.config.hidden_size), np.float32),
+        "remainder_position_ids": np.array([[4, 5, 6, 7]] * 2),
+    }
+    for name in spec["inputs"]:
+        if name.startswith("past_key_values."):
+            slot = int(name.split(".")[1])
+            h, d = manifest["cache"]["num_kv_heads"][slot], manifest["cache"]["head_dim"][slot]
+            feeds[name] = rng.standard_normal((2, h, 12, d), np.float32)
+    runs = [
+        ort.InferenceSession(str(p / "verify.onnx"), providers=["CPUExecutionProvider"]).run(
+            None, feeds
+        )
+        for p in (path, plain)
+    ]
+    for x, y in zip(*runs, strict=True):
+        np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match="optimize: 1 is invalid"):
         export_onnx(sm, tmp_path / "bad", optimize=1)
 
