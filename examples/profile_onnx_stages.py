@@ -6,9 +6,9 @@ against leapfx's rewritten ones (``export_onnx(optimize=False / True)``), side b
 For each export: onnxruntime's profiler (one thread) over a one-token full step, a one-token
 draft step and a verify over 4 exit states + 1 draft (``d = 4``), called in turn; per op type,
 the sum over nodes of each node's median kernel time (medians: robust to a loaded machine).
-Then the wall time of the same calls without the profiler, best of ``--calls``: back to back,
-and verify right after 4 draft calls (as in decoding, where the upper layers' weights have
-gone cold).
+Then the wall time of the same calls without the profiler, best of ``--calls`` blocks of one
+model: full steps and verify calls back to back, and verify right after 4 draft calls (as in
+decoding, where the upper layers' weights have gone cold meanwhile).
 """
 
 import argparse
@@ -96,10 +96,10 @@ for label, path in exports.items():
 models = {label: caller(OnnxModel(path, threads=1)) for label, path in exports.items()}
 times = collections.defaultdict(list)
 for _ in range(args.calls):
-    for label, call in models.items():
-        for name in CALLS:
+    for label, call in models.items():  # per model a block: its weights as warm as decoding
+        for name in ("full", "full", "full", "verify", "verify", "verify", "draft"):
             times[label, name].append(call(name))
-        for _ in range(4):
+        for _ in range(3):
             call("draft")
         times[label, "verify after drafts"].append(call("verify"))
 for label in models:
@@ -108,4 +108,4 @@ for label in models:
         f"{name} {1e3 * min(times[label, name]):.3f} ms ({min(times[label, name]) / full:.2f})"
         for name in ("full", "draft", "verify", "verify after drafts")
     ]
-    print(f"{label}: best of {args.calls}: " + ", ".join(cells))
+    print(f"{label}: best of {args.calls}+: " + ", ".join(cells))
