@@ -213,16 +213,20 @@ class AcceleratedLayer(nn.Module):
         ``KernelAcceleratedLayer``'s): p [B, S, H] at positions position_ids [*, S] -> [B, S, H]."""
         x = ops.norm_in(p)
         B, S, _ = x.shape
-        q, k, v = ops.qkv(x)
-        q = q.reshape(B, S, -1, self.head_dim)
-        k = k.reshape(B, S, -1, self.head_dim)
-        if self._qk_norm:
-            attn = self.host.self_attn
-            q, k = attn.q_norm.forward(q), attn.k_norm.forward(k)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, h, S, D]
-        v = v.reshape(B, S, -1, self.head_dim).transpose(1, 2)
+        qkv = ops.qkv(x).reshape(B, S, -1, self.head_dim)  # [B, S, h_q + 2 h_kv, D]
+        nq, nk = self._qkv_split[0] // self.head_dim, self._qkv_split[1] // self.head_dim
+        v = qkv[:, :, nq + nk :].transpose(1, 2)  # [B, h_kv, S, D]
         cos, sin = position_embeddings
-        q, k = self._rope(q, k, cos, sin)
+        if self._qk_norm or cos.shape[-1] != self.head_dim:  # q/k norms, partial rotary
+            q, k = qkv[:, :, :nq], qkv[:, :, nq : nq + nk]
+            if self._qk_norm:
+                attn = self.host.self_attn
+                q, k = attn.q_norm.forward(q), attn.k_norm.forward(k)
+            q, k = self._rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # [B, h, S, D]
+        else:  # HF's rotary on q and k at once: half the operations of a draft's rotary
+            qk = qkv[:, :, : nq + nk]
+            qk = qk * cos.unsqueeze(2) + _rotate_half(qk) * sin.unsqueeze(2)
+            q, k = qk[:, :, :nq].transpose(1, 2), qk[:, :, nq:].transpose(1, 2)
         # Slow keys/values of layer i, read in place (the fast stream writes no cache).
         n = cache.lengths[self.cache_slot]
         slow_k = cache.keys[self.cache_slot][:, self.kv_index, :n]  # [B?, h_kv, n, D]
@@ -300,7 +304,7 @@ class _TrainingOps:
     def qkv(self, x):
         m = self.m
         q = F.linear(x, m.w_q, m.b_q) + F.linear(F.linear(x, m.q_a), m.q_b)
-        return q, F.linear(x, m.w_k, m.b_k), F.linear(x, m.w_v, m.b_v)
+        return torch.cat([q, F.linear(x, m.w_k, m.b_k), F.linear(x, m.w_v, m.b_v)], dim=-1)
 
     def out(self, o):
         m = self.m
@@ -320,7 +324,7 @@ class _MergedOps(_TrainingOps):
         self.w = layer._merged()
 
     def qkv(self, x):
-        return F.linear(x, self.w[0], self.w[1]).split(self.m._qkv_split, dim=-1)
+        return F.linear(x, self.w[0], self.w[1])
 
     def out(self, o):
         return F.linear(o, self.w[2], self.w[3])
@@ -365,8 +369,7 @@ class KernelAcceleratedLayer(nn.Module):
 
     def qkv(self, x):
         out = torch.ops.leapfx_cpu.small_mm(x, self.w_qkv, self._sizes[0])
-        out = out if self.b_qkv is None else out + self.b_qkv
-        return out.split(self.layer._qkv_split, dim=-1)
+        return out if self.b_qkv is None else out + self.b_qkv
 
     def out(self, o):
         out = torch.ops.leapfx_cpu.small_mm(o, self.w_o, self._sizes[1])
@@ -394,6 +397,12 @@ def _rms_norm(norm: nn.Module):
             if torch.allclose(F.rms_norm(probe, shape, w, eps), want, rtol=1e-5, atol=1e-6):
                 return partial(F.rms_norm, normalized_shape=shape, weight=w, eps=eps)
     return norm.forward
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """HF's ``rotate_half`` (every Llama-family model's): [-x2, x1] of the last dim's halves."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def _kaiming(rows: int, cols: int, **kw) -> torch.Tensor:
