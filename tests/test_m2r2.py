@@ -194,6 +194,20 @@ def test_fit_trains_only_the_accelerator_and_parts_round_trip(tmp_path):
         rewrite.apply(tiny_model("llama", layers=4, vocab=80), "m2r2", parts=tmp_path / "parts")
 
 
+def test_parts_carry_their_draft_length_and_confidence_stop(tmp_path):
+    model = tiny_model("llama", layers=4, vocab=64)
+    sm = rewrite.apply(model, "m2r2", fast_layers=2, num_speculations=5, confidence_threshold=0.4)
+    assert (sm.options.num_speculations, sm.options.confidence_threshold) == (5, 0.4)
+    sm.save_parts(tmp_path / "parts")
+    again = rewrite.apply(model, "m2r2", parts=tmp_path / "parts")
+    assert (again.options.num_speculations, again.options.confidence_threshold) == (5, 0.4)
+    mine = rewrite.apply(model, "m2r2", parts=tmp_path / "parts", num_speculations=2,
+                         confidence_threshold=0.0)  # fmt: skip
+    assert (mine.options.num_speculations, mine.options.confidence_threshold) == (2, 0.0)
+    plain = rewrite.apply(model, "m2r2")  # no parts: the paper's g = 3, no stop
+    assert (plain.options.num_speculations, plain.options.confidence_threshold) == (3, 0.0)
+
+
 def test_evaluate_reports_cosine_and_agreement_per_gate():
     from leapfx.train.m2r2 import evaluate
 
