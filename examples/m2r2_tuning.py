@@ -23,13 +23,13 @@ import time
 import torch
 
 from leapfx import rewrite
-from leapfx.bench import REFERENCE_MODEL, bench_prompts, load_model
+from leapfx.bench import REFERENCE_ADAPTER, REFERENCE_M2R2, bench_prompts, load_model
 
 
 def decode_speed(model, prompts, args) -> None:
     systems = {
         "leapfx_autoregressive": rewrite.apply(model, "autoregressive"),
-        "leapfx_kangaroo": rewrite.apply(model, "kangaroo"),
+        "leapfx_kangaroo": rewrite.apply(model, "kangaroo", adapter=str(REFERENCE_ADAPTER)),
     }
     for g in (int(x) for x in args.gammas.split(",")):
         for eta in (float(x) for x in args.etas.split(",")):
@@ -90,7 +90,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--parts", default=str(REFERENCE_MODEL / "m2r2"))
+    ap.add_argument("--parts", default=str(REFERENCE_M2R2))
     ap.add_argument("--gammas", default="3,6")
     ap.add_argument("--etas", default="0,0.5")
     ap.add_argument("--draft-costs", action="store_true")
