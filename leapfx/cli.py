@@ -546,8 +546,9 @@ def _train_m2r2(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     report = train_parts(
         args.out or REFERENCE_M2R2, model_path=args.model, recipe=args.recipe, init=args.init,
-        heads=args.heads, rank=args.rank,
-        corpus_root=args.corpus_root, steps=args.steps, batch_size=args.batch_size,
+        heads=args.heads, rank=args.rank, num_speculations=args.num_speculations,
+        confidence_threshold=args.confidence_threshold, corpus_root=args.corpus_root,
+        steps=args.steps, batch_size=args.batch_size,
         seq_len=args.seq_len, lr=args.lr, ce_target=args.ce_target, seed=args.seed,
         router_steps=args.router_steps, mse_weight=args.mse_weight,
     )  # fmt: skip
@@ -818,6 +819,14 @@ def build_parser() -> argparse.ArgumentParser:
     m2r2.add_argument("--mse-weight", type=float, default=1.0, help="eq. 5's a1 (a0 is 1)")
     m2r2.add_argument("--heads", type=int, default=None, help="fast query heads (sec. 2.5)")
     m2r2.add_argument("--rank", type=int, default=None, help="adapter/LoRA rank (default 8)")
+    m2r2.add_argument(
+        "--num-speculations", type=int, default=None,
+        help="m2r2: drafts a round recorded in the parts (default 3, the paper's g)",
+    )  # fmt: skip
+    m2r2.add_argument(
+        "--confidence-threshold", type=float, default=None,
+        help="m2r2: confidence stop recorded in the parts (default 0: none)",
+    )  # fmt: skip
     m2r2.add_argument("--seed", type=int, default=0)
     m2r2.add_argument("--threads", type=int, default=None)
     m2r2.add_argument(

@@ -19,6 +19,7 @@ from leapfx import rewrite
 from leapfx.passes.accelerator import (
     FastScratch,
     InsertAccelerator,
+    KernelAcceleratedLayer,
     accelerator_of,
     rates,
     target_layers,
@@ -193,6 +194,20 @@ def test_fit_trains_only_the_accelerator_and_parts_round_trip(tmp_path):
         rewrite.apply(tiny_model("llama", layers=4, vocab=80), "m2r2", parts=tmp_path / "parts")
 
 
+def test_parts_carry_their_draft_length_and_confidence_stop(tmp_path):
+    model = tiny_model("llama", layers=4, vocab=64)
+    sm = rewrite.apply(model, "m2r2", fast_layers=2, num_speculations=5, confidence_threshold=0.4)
+    assert (sm.options.num_speculations, sm.options.confidence_threshold) == (5, 0.4)
+    sm.save_parts(tmp_path / "parts")
+    again = rewrite.apply(model, "m2r2", parts=tmp_path / "parts")
+    assert (again.options.num_speculations, again.options.confidence_threshold) == (5, 0.4)
+    mine = rewrite.apply(model, "m2r2", parts=tmp_path / "parts", num_speculations=2,
+                         confidence_threshold=0.0)  # fmt: skip
+    assert (mine.options.num_speculations, mine.options.confidence_threshold) == (2, 0.0)
+    plain = rewrite.apply(model, "m2r2")  # no parts: the paper's g = 3, no stop
+    assert (plain.options.num_speculations, plain.options.confidence_threshold) == (3, 0.0)
+
+
 def test_evaluate_reports_cosine_and_agreement_per_gate():
     from leapfx.train.m2r2 import evaluate
 
@@ -275,6 +290,44 @@ def test_m2r2_sampling_matches_target_distribution():
         drafted += m.drafted_tokens
     assert 0 < rejections < drafted
     assert_sampled_from(counts, exact, n)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma", "qwen3"])
+def test_kernel_fast_layer_computes_the_fast_layer(arch):
+    # qwen2: q/k/v biases; gemma: (1 + weight) norms; qwen3: q/k norms.
+    model = tiny_model(arch, layers=3)
+    sm = rewrite.apply(model, "m2r2", fast_layers=2, fuse_layers=False)
+    _randomize(sm.graph_module)
+    layer = accelerator_of(sm.graph_module).layers["0"]
+    kernel = KernelAcceleratedLayer(layer)
+    assert all(not hasattr(n, "__self__") for n in kernel._norms)  # F.rms_norm, not HF's
+    ids = torch.randint(0, 128, (1, 7), generator=torch.Generator().manual_seed(2))
+    _, cache = _run_full(model, sm.graph_module, ids)
+    x = model.model.embed_tokens(ids)
+    pos = torch.arange(7)[None]
+    rope = model.model.rotary_emb(x, pos)
+    with torch.no_grad():  # the parallel rows (exit gates) and one drafted row
+        torch.testing.assert_close(
+            kernel(x, rope, pos, cache), layer(x, rope, pos, cache), rtol=1e-5, atol=1e-5
+        )
+        cache.crop(6)
+        one = (x[:, 6:], tuple(r[:, 6:] for r in rope), pos[:, 6:], cache)
+        got, want = kernel(*one, FastScratch()), layer(*one, FastScratch())
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_m2r2_with_cpu_kernels_is_token_identical_to_hf_greedy():
+    model = tiny_model("llama", layers=4)
+    sm = rewrite.apply(model, "m2r2", fast_layers=2, cpu_kernels=True)
+    _randomize(sm.graph_module, scale=0.1)
+    sm.use_cpu_kernels()  # packs the randomised weights
+    assert any(isinstance(m, KernelAcceleratedLayer) for m in sm._executors["draft"].modules())
+    g = torch.Generator().manual_seed(1)
+    for length in (1, 9):
+        prompt = torch.randint(1, model.config.vocab_size, (1, length), generator=g)
+        got = sm.generate(prompt, max_new_tokens=40)
+        assert_greedy_equal(model, got, hf_greedy(model, prompt, 40), length)
+    assert sm.last_metrics.verify_calls > 0
 
 
 def test_m2r2_runs_eager_only_and_says_so():

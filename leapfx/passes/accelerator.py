@@ -52,6 +52,7 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import dataclass, field
+from functools import partial
 from typing import ClassVar
 
 import torch
@@ -201,25 +202,31 @@ class AcceleratedLayer(nn.Module):
         cache,
         scratch: FastScratch | None = None,
     ) -> torch.Tensor:
-        # p: [B, S, H], the fast state at positions position_ids [*, S] -> [B, S, H]
-        host = self.host
-        x = host.input_layernorm.forward(p)
+        # Training keeps LoRA and the gate apart, so that they get gradients; inference runs
+        # the merged weights (4 products a layer instead of 8).
+        training = torch.is_grad_enabled() and self.gate.requires_grad
+        ops = _TrainingOps(self) if training else _MergedOps(self)
+        return self.step(p, position_embeddings, position_ids, cache, scratch, ops)
+
+    def step(self, p, position_embeddings, position_ids, cache, scratch, ops) -> torch.Tensor:
+        """Eq. 2 for one layer with ``ops`` doing the products and norms (the eager ones, or
+        ``KernelAcceleratedLayer``'s): p [B, S, H] at positions position_ids [*, S] -> [B, S, H]."""
+        x = ops.norm_in(p)
         B, S, _ = x.shape
-        merged = None if torch.is_grad_enabled() and self.gate.requires_grad else self._merged()
-        if merged is None:  # training: LoRA and the gate apart, so that they get gradients
-            q = F.linear(x, self.w_q, self.b_q) + F.linear(F.linear(x, self.q_a), self.q_b)
-            k = F.linear(x, self.w_k, self.b_k)
-            v = F.linear(x, self.w_v, self.b_v)
-        else:
-            q, k, v = F.linear(x, merged[0], merged[1]).split(self._qkv_split, dim=-1)
-        q = q.reshape(B, S, -1, self.head_dim)
-        k = k.reshape(B, S, -1, self.head_dim)
-        if self._qk_norm:
-            q, k = host.self_attn.q_norm.forward(q), host.self_attn.k_norm.forward(k)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, h, S, D]
-        v = v.reshape(B, S, -1, self.head_dim).transpose(1, 2)
+        qkv = ops.qkv(x).reshape(B, S, -1, self.head_dim)  # [B, S, h_q + 2 h_kv, D]
+        nq, nk = self._qkv_split[0] // self.head_dim, self._qkv_split[1] // self.head_dim
+        v = qkv[:, :, nq + nk :].transpose(1, 2)  # [B, h_kv, S, D]
         cos, sin = position_embeddings
-        q, k = self._rope(q, k, cos, sin)
+        if self._qk_norm or cos.shape[-1] != self.head_dim:  # q/k norms, partial rotary
+            q, k = qkv[:, :, :nq], qkv[:, :, nq : nq + nk]
+            if self._qk_norm:
+                attn = self.host.self_attn
+                q, k = attn.q_norm.forward(q), attn.k_norm.forward(k)
+            q, k = self._rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # [B, h, S, D]
+        else:  # HF's rotary on q and k at once: half the operations of a draft's rotary
+            qk = qkv[:, :, : nq + nk]
+            qk = qk * cos.unsqueeze(2) + _rotate_half(qk) * sin.unsqueeze(2)
+            q, k = qk[:, :, :nq].transpose(1, 2), qk[:, :, nq:].transpose(1, 2)
         # Slow keys/values of layer i, read in place (the fast stream writes no cache).
         n = cache.lengths[self.cache_slot]
         slow_k = cache.keys[self.cache_slot][:, self.kv_index, :n]  # [B?, h_kv, n, D]
@@ -250,14 +257,8 @@ class AcceleratedLayer(nn.Module):
         out = F.scaled_dot_product_attention(
             q, keys, values, attn_mask=mask, scale=self.scaling, enable_gqa=self.gqa
         )
-        out = out.transpose(1, 2).reshape(B, S, -1)  # [B, S, h*D]
-        if merged is None:
-            a = F.linear(out, self.w_o, self.b_o) + F.linear(F.linear(out, self.o_a), self.o_b)
-            p = p + self.gate * a
-        else:
-            p = p + F.linear(out, merged[2], merged[3])
-        m = host.post_attention_layernorm.forward(p)
-        return p + F.linear(F.silu(F.linear(m, self.down)), self.up)
+        p = p + ops.out(out.transpose(1, 2).reshape(B, S, -1))  # [B, S, h*D] -> [B, S, H]
+        return p + ops.adapter(p)
 
     def _merged(self) -> tuple:
         """Inference weights with LoRA and the gate folded in: ``[q + B_q A_q | k | v]`` as one
@@ -289,6 +290,119 @@ class AcceleratedLayer(nn.Module):
             slow &= k_pos > q_pos - self.window  # its own position counts inside the window
         own = torch.eye(S, dtype=torch.bool, device=device)
         return torch.cat([slow, own], dim=1)  # [S, n + S]
+
+
+class _TrainingOps:
+    """The products of one accelerated layer with LoRA and the gate apart (they train)."""
+
+    def __init__(self, layer: AcceleratedLayer) -> None:
+        self.m = layer
+
+    def norm_in(self, p):
+        return self.m.host.input_layernorm.forward(p)
+
+    def qkv(self, x):
+        m = self.m
+        q = F.linear(x, m.w_q, m.b_q) + F.linear(F.linear(x, m.q_a), m.q_b)
+        return torch.cat([q, F.linear(x, m.w_k, m.b_k), F.linear(x, m.w_v, m.b_v)], dim=-1)
+
+    def out(self, o):
+        m = self.m
+        return m.gate * (F.linear(o, m.w_o, m.b_o) + F.linear(F.linear(o, m.o_a), m.o_b))
+
+    def adapter(self, p):
+        m = self.m
+        h = m.host.post_attention_layernorm.forward(p)
+        return F.linear(F.silu(F.linear(h, m.down)), m.up)
+
+
+class _MergedOps(_TrainingOps):
+    """Inference: LoRA and the gate folded into the sliced weights (``_merged``)."""
+
+    def __init__(self, layer: AcceleratedLayer) -> None:
+        super().__init__(layer)
+        self.w = layer._merged()
+
+    def qkv(self, x):
+        return F.linear(x, self.w[0], self.w[1])
+
+    def out(self, o):
+        return F.linear(o, self.w[2], self.w[3])
+
+
+class KernelAcceleratedLayer(nn.Module):
+    """A decoding copy of an AcceleratedLayer whose products run the ``leapfx_cpu`` kernels.
+
+    A draft is a handful of one-row products a layer (the reference model: [1, 192] by
+    [384, 192]), where MKL's per-call cost, not arithmetic, is the price; the slow layers
+    already multiply through the small-M kernels (``KernelDecoderLayer``), so the drafter does
+    too. The merged weights (LoRA and the gate folded in) are packed when it is built, as
+    ``KernelDecoderLayer`` packs the host's: build it again after training. A norm that
+    ``F.rms_norm`` reproduces (checked on a probe when built) runs as that one op instead of
+    HF's seven. The same math as the layer up to summation order: drafts only propose, the
+    slow stream decides, so decoding stays lossless.
+    """
+
+    def __init__(self, layer: AcceleratedLayer) -> None:
+        from ..kernels.cpu import pack_weight
+        from .fuse_layers import _require_kernels
+
+        super().__init__()
+        _require_kernels()
+        self.layer = layer  # the trainable parameters stay shared
+        w_qkv, b_qkv, w_o, b_o = layer._merged()
+        self.register_buffer("w_qkv", pack_weight(w_qkv), persistent=False)
+        self.register_buffer("w_o", pack_weight(w_o), persistent=False)
+        self.register_buffer("w_down", pack_weight(layer.down.detach()), persistent=False)
+        self.register_buffer("w_up", pack_weight(layer.up.detach()), persistent=False)
+        self.b_qkv, self.b_o = b_qkv, b_o
+        self._sizes = (w_qkv.shape[0], w_o.shape[0], layer.down.shape[0], layer.up.shape[0])
+        host = layer.host
+        self._norms = [_rms_norm(host.input_layernorm), _rms_norm(host.post_attention_layernorm)]
+
+    def forward(self, p, position_embeddings, position_ids, cache, scratch=None):
+        return self.layer.step(p, position_embeddings, position_ids, cache, scratch, self)
+
+    # The ops ``AcceleratedLayer.step`` calls.
+    def norm_in(self, p):
+        return self._norms[0](p)
+
+    def qkv(self, x):
+        out = torch.ops.leapfx_cpu.small_mm(x, self.w_qkv, self._sizes[0])
+        return out if self.b_qkv is None else out + self.b_qkv
+
+    def out(self, o):
+        out = torch.ops.leapfx_cpu.small_mm(o, self.w_o, self._sizes[1])
+        return out if self.b_o is None else out + self.b_o
+
+    def adapter(self, p):
+        mm = torch.ops.leapfx_cpu.small_mm
+        h = F.silu(mm(self._norms[1](p), self.w_down, self._sizes[2]))
+        return mm(h, self.w_up, self._sizes[3])
+
+
+def _rms_norm(norm: nn.Module):
+    """``norm.forward``, or one ``F.rms_norm`` where that gives the same values on a probe
+    (Llama's ``weight * x / rms``; Gemma's ``(1 + weight)``), weights taken now."""
+    weight = getattr(norm, "weight", None)
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or not isinstance(eps, float):
+        return norm.forward
+    shape = (weight.shape[0],)
+    probe = torch.randn(3, shape[0], generator=torch.Generator().manual_seed(0))
+    probe = probe.to(weight.device, weight.dtype)
+    with torch.no_grad():
+        want = norm.forward(probe)
+        for w in (weight.detach(), weight.detach() + 1):
+            if torch.allclose(F.rms_norm(probe, shape, w, eps), want, rtol=1e-5, atol=1e-6):
+                return partial(F.rms_norm, normalized_shape=shape, weight=w, eps=eps)
+    return norm.forward
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """HF's ``rotate_half`` (every Llama-family model's): [-x2, x1] of the last dim's halves."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def _kaiming(rows: int, cols: int, **kw) -> torch.Tensor:

@@ -239,21 +239,28 @@ def _parts_meta(parts) -> tuple[str | None, dict]:
     return path, read_parts_config(path).get("options", {})
 
 
+M2R2_NUM_SPECULATIONS = 3  # the paper's g (sec. 3.2)
+
+
 @dataclass(frozen=True)
 class M2R2Options:
     """M2R2 self-speculation (sec. 2.3.2): fast-stream drafts, slow verification (lossless).
 
-    With ``parts`` (a directory written by ``SpeculativeModel.save_parts``) ``heads`` and
-    ``rank`` left as None come from it; its gates must start with ``fast_layers``.
+    With ``parts`` (a directory written by ``SpeculativeModel.save_parts``) every option left
+    as None comes from it (as Kangaroo's from its adapter: a drafter's best draft length
+    depends on how often it is right and what it costs, so the parts carry the setting
+    measured for them); its gates must start with ``fast_layers``.
     """
 
     fast_layers: int | None = None  # k: the gate E_1 = k, rate R = N/k; None: 4 (or N-1)
     heads: int | None = None  # fast query heads; None: the parts', else one per KV group / 8
     rank: int | None = None  # adapter and LoRA rank; None: the parts', else 8 (Fig. 10a)
-    num_speculations: int = 3  # gamma: drafts a round (the paper's g = 3)
+    # gamma: drafts a round; None: the parts', else 3 (the paper's g)
+    num_speculations: int | None = None
     # > 0: a round stops drafting after the first draft whose top-1 probability is <= this
-    # (not in the paper). Lossless either way: only the draft length changes.
-    confidence_threshold: float = 0.0
+    # (not in the paper). Lossless either way: only the draft length changes. None: the
+    # parts', else 0.
+    confidence_threshold: float | None = None
     parts: str | os.PathLike | None = None
     max_cache_len: int | None = None
     fuse_layers: bool = True
@@ -274,13 +281,17 @@ class M2R2Options:
             _check_int("heads", heads, 1)
         rank = saved.get("rank", 8) if self.rank is None else self.rank
         _check_int("rank", rank, 1)
-        _check_int("num_speculations", self.num_speculations, 1)
-        _check_threshold("confidence_threshold", self.confidence_threshold)
+        gamma = self.num_speculations
+        gamma = saved.get("num_speculations", M2R2_NUM_SPECULATIONS) if gamma is None else gamma
+        _check_int("num_speculations", gamma, 1)
+        eta = self.confidence_threshold
+        eta = saved.get("confidence_threshold", 0.0) if eta is None else eta
+        _check_threshold("confidence_threshold", eta)
         _check_cache(self.max_cache_len)
         _check_bool("fuse_layers", self.fuse_layers)
         return dataclasses.replace(
-            self, fast_layers=k, heads=heads, rank=rank, parts=path,
-            confidence_threshold=float(self.confidence_threshold),
+            self, fast_layers=k, heads=heads, rank=rank, parts=path, num_speculations=gamma,
+            confidence_threshold=float(eta),
         )  # fmt: skip
 
 

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
+from ..passes.accelerator import AcceleratedLayer, KernelAcceleratedLayer
 from ..passes.fuse_layers import (
     FusedDecoderLayer,
     KernelDecoderLayer,
@@ -373,7 +374,8 @@ def with_transposed_weights(
     ``shared`` maps original modules to their transposed versions, so that stages cut from
     one model hold one copy of each weight. Other modules (unfused layers, an adapter) stay.
     ``kernels``: multiply through the ``leapfx_cpu`` small-M kernels (KernelDecoderLayer,
-    KernelLinear) instead of ``torch.matmul``.
+    KernelLinear, and KernelAcceleratedLayer for M2R2's fast layers) instead of
+    ``torch.matmul``.
     """
     layer_cls = KernelDecoderLayer if kernels else TransposedDecoderLayer
     linear_cls = KernelLinear if kernels else TransposedLinear
@@ -387,6 +389,8 @@ def with_transposed_weights(
             source = module.layer
         elif type(module) is torch.nn.Linear:
             make, source = linear_cls, module
+        elif kernels and type(module) is AcceleratedLayer:  # M2R2's fast stream
+            make, source = KernelAcceleratedLayer, module
         else:
             continue
         if source not in shared:

@@ -370,6 +370,8 @@ def train_parts(
     init: str | Path | None = None,
     heads: int | None = None,
     rank: int | None = None,
+    num_speculations: int | None = None,
+    confidence_threshold: float | None = None,
     held_out_tokens: int = 16384,
     corpus_root: str | None = None,
     **options: Any,
@@ -378,7 +380,9 @@ def train_parts(
     corpus's training split and write them to ``out`` with ``m2r2_report.json`` (the held-out
     alignment before and after). ``init``: start from parts written earlier (a resumed run;
     the optimizer starts fresh; only the fast layers of the same intervals load, see
-    ``load_compatible``). ``heads``, ``rank``: the recipe's options. ``options``:
+    ``load_compatible``). ``heads``, ``rank``, and for ``m2r2`` ``num_speculations`` and
+    ``confidence_threshold`` (recorded in the parts, the drafting setting they decode with
+    unless ``apply`` is given another): the recipe's options. ``options``:
     :class:`M2R2FitConfig` fields. What ``leapfx train-m2r2`` runs."""
     import json
     import platform
@@ -394,7 +398,9 @@ def train_parts(
     held = encode_documents(tokenizer, corpus.held_out).long()[:held_out_tokens]
     from leapfx.passes.accelerator_checkpoint import load_compatible
 
-    sm = rewrite.apply(model, recipe, heads=heads, rank=rank)
+    drafting = {"num_speculations": num_speculations, "confidence_threshold": confidence_threshold}
+    drafting = {k: v for k, v in drafting.items() if v is not None}
+    sm = rewrite.apply(model, recipe, heads=heads, rank=rank, **drafting)
     initialised = [] if init is None else load_compatible(sm.graph_module, init)
     before = evaluate(sm, held)
     result = fit(sm, train, **options)
