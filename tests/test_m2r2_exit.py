@@ -14,6 +14,7 @@ from leapfx.passes.accelerator import accelerator_of
 from leapfx.rewrite.recipes import default_exit_gates
 from leapfx.runtime.cache import cache_for
 from leapfx.runtime.masks import masks_for
+from leapfx.runtime.runner import StageRunner
 from tests.conftest import tiny_model
 from tests.greedy_check import assert_greedy_equal, hf_greedy
 from tests.test_lossless import _prompt, model_specs
@@ -55,19 +56,39 @@ def test_never_exit_is_token_identical_to_greedy(spec, data):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "phi3"])
-def test_exits_keep_the_cache_complete(arch):
-    """After decoding with exits, every layer's keys of every position but the last two
-    (the newest token, not yet run; the one before, whose skipped layers the next step would
-    fill) equal a full forward pass's over the emitted text."""
+def test_lazy_fill_keeps_every_read_slot_complete(arch, monkeypatch):
+    """The lazy KV fill: whenever a stage reads a layer (a gate's fast stream reads the slow
+    keys of its interval before its position; a slow segment its own layers), the layer holds
+    every earlier position, and after decoding every written slot equals a full forward's.
+    Some fills wait for several tokens (a run of exits) before a deeper pass batches them."""
     model = tiny_model(arch, layers=6, sliding_window=5 if arch == "qwen2" else None)
     sm = rewrite.apply(model, "m2r2_exit", threshold=0.5)
     _randomize(sm.graph_module, scale=0.5)
+    edges = (0, *sm.options.gates, 6)
+    seen = {"lag": 0}
+    real = StageRunner.rows
+
+    def rows(self, name, start, length, **kw):
+        lengths = self.cache.lengths
+        if name.startswith("gate_"):  # reads layers E_{j-1}..E_j - 1 at positions < start
+            j = int(name.split("_")[1])
+            for layer in range(edges[j - 1], edges[j]):
+                assert lengths[layer] >= start, (name, layer, lengths, start)
+            seen["lag"] = max(seen["lag"], start - min(lengths))
+        elif name.startswith("slow_"):  # appends rows start.. to every layer it runs
+            j = int(name.split("_")[1])
+            for layer in range(edges[j], edges[j + 1]):
+                assert lengths[layer] == start, (name, layer, lengths, start)
+        return real(self, name, start, length, **kw)
+
+    monkeypatch.setattr(StageRunner, "rows", rows)
     prompt = torch.tensor([[3, 17, 9, 4]])
     out = sm.generate(prompt, max_new_tokens=24)
     hist = sm.last_metrics.exit_histogram
     assert len(hist) > 1 and min(hist) < 6, hist  # tokens exited at several depths
+    assert seen["lag"] > 1, seen  # a fill waited past the next token
     cache = sm._cache
-    n = out.shape[1] - 2
+    n = out.shape[1] - 1
     ref = cache_for(model, 64)
     masks = masks_for(
         model.config._attn_implementation, ["full_attention", "sliding_attention"], 0, n,
@@ -76,8 +97,10 @@ def test_exits_keep_the_cache_complete(arch):
     with torch.inference_mode():
         sm.stages["full"](out[:, :n], torch.arange(n)[None], masks, ref)
     for layer in range(6):
-        torch.testing.assert_close(cache.keys[layer][:, :, :n], ref.keys[layer][:, :, :n])
-        torch.testing.assert_close(cache.values[layer][:, :, :n], ref.values[layer][:, :, :n])
+        m = cache.lengths[layer]
+        torch.testing.assert_close(cache.keys[layer][:, :, :m], ref.keys[layer][:, :, :m])
+        torch.testing.assert_close(cache.values[layer][:, :, :m], ref.values[layer][:, :, :m])
+    assert cache.lengths[0] == n  # the first segment runs for every token
 
 
 def test_routers_train_after_the_adapters_and_parts_serve_both_recipes(tmp_path):

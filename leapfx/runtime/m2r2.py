@@ -99,14 +99,19 @@ def m2r2_exit(
     Stages (``fast_partition.exit_stages``): ``slow_j`` (layers E_j..E_{j+1}-1), ``gate_j``
     (the fast stream of the interval ending at E_j, its head and its router), ``tail``.
 
-    A token that exits at E_k leaves the keys of layers >= E_k of its position unwritten. The
-    next step fills them (the paper leaves this open): the previous token's h^{E_k} joins the
-    current token's rows from segment k on (two rows at positions p-1, p), or runs those
-    segments alone once the current token has exited, so every layer's cache is complete
-    before any later query reads it. Host syncs: one per gate (the exit decision).
+    A token that exits at E_k leaves the keys of layers >= E_k of its position unwritten (the
+    paper leaves the fill open). The fill is lazy: its h^{E_k} stays pending and joins, as
+    extra rows, the first later pass that reaches segment k, whichever token that is; rows
+    ride along from there and leave where that pass stops (or exit with it as one group). So a
+    skipped layer runs only when a query is about to read it, batched with that query: a run
+    of exits at low gates costs no fill until a token goes deeper. Invariant: at each layer the
+    missing positions are a suffix (a group pending at segment k is older than any pending
+    below k), so a batch writes at the layer's fill length and every slot a query reads is
+    filled. Host syncs: one per gate (the exit decision).
     """
     num_layers = len(runner.layout.kinds)  # every decoder layer of the host
     edges = (0, *gates, num_layers)
+    last = len(edges) - 2  # the last segment's index
     out = Output(request)
     logits = runner.full(prompt, 0)  # prefill: [1, n, V]
     metrics.full_calls += 1
@@ -114,42 +119,44 @@ def m2r2_exit(
     token = teacher_force(choose(logits[:, -1], request), out, request, metrics)
     metrics.record_layers(num_layers)
     out.extend([_token(token)])
-    pending: tuple[int, torch.Tensor] | None = None  # (k, h^{E_k} [1, 1, H]) of token pos-1
+    # (h^{E_k} [1, r, H] of positions start..start+r-1, start, k); k falls along the list.
+    pending: list[tuple[torch.Tensor, int, int]] = []
     while not out.done:
-        exited, gate_logits = None, None
-        cur = reset = None  # the current token's slow state, and its reset state
-        old = pending
-        for j in range(len(edges) - 1):
-            with_old = old is not None and old[0] <= j
-            running = exited is None
-            if not (with_old or running):
-                continue
-            if j == 0:  # the previous token never rejoins before E_1 (k >= 1)
-                o = runner.rows("slow_0", pos, 1, input_ids=token)
-                cur, reset = o["hidden"], o["reset"]  # [1, 1, H] each
-            else:
-                rows = ([old[1]] if with_old else []) + ([cur] if running else [])
-                start = pos - 1 if with_old else pos
-                h = runner.rows(f"slow_{j}", start, len(rows), hidden=torch.cat(rows, dim=1))
-                h = h["hidden"]  # [1, rows, H]
-                if with_old:
-                    old = (old[0], h[:, :1])
-                if running:
-                    reset, cur = cur, h[:, -1:]
-            if running and j + 1 < len(edges) - 1:
-                g = runner.rows(f"gate_{j + 1}", pos, 1, masks=False, hidden=reset)
-                if float(g["score"].reshape(-1)[0]) >= threshold:  # host sync: the decision
-                    exited, gate_logits = j + 1, g["logits"]
+        exited, gate_logits, start = None, None, pos
+        o = runner.rows("slow_0", pos, 1, input_ids=token)  # no group waits below E_1
+        h, reset = o["hidden"], o["reset"]  # [1, rows, H]; the current token's is the last
+        for j in range(1, last + 1):  # gate j (the fast stream from h^{E_{j-1}}), segment j
+            g = runner.rows(f"gate_{j}", pos, 1, masks=False, hidden=reset)
+            if float(g["score"].reshape(-1)[0]) >= threshold:  # host sync: the decision
+                exited, gate_logits = j, g["logits"]
+                break
+            h, start = _join(runner, pending, h, start, j, edges[j])
+            reset = h[:, -1:]  # h^{E_j}
+            h = runner.rows(f"slow_{j}", start, h.shape[1], hidden=h)["hidden"]
         if exited is None:
-            logits, pending = runner.rows("tail", pos, 1, masks=False, hidden=cur), None
-            logits = logits["logits"]
+            logits = runner.rows("tail", pos, 1, masks=False, hidden=h[:, -1:])["logits"]
             metrics.full_calls += 1
             metrics.record_layers(num_layers)
         else:
-            logits, pending = gate_logits, (exited, cur)
+            h, start = _join(runner, pending, h, start, exited, None)
+            pending.append((h, start, exited))
+            logits = gate_logits
             metrics.draft_calls += 1
             metrics.record_layers(edges[exited])
         token = teacher_force(choose(logits[:, -1], request), out, request, metrics)
         out.extend([_token(token)])
         pos += 1
     return out.tokens
+
+
+def _join(runner, pending, h, start: int, segment: int, layer: int | None):
+    """Prepend the pending group waiting at ``segment`` (if any) to rows h from ``start``.
+
+    ``layer`` (the segment's first layer) checks the suffix invariant: the group's first
+    position is that layer's fill length."""
+    if not pending or pending[-1][2] != segment:
+        return h, start
+    rows, first, _ = pending.pop()
+    if layer is not None and runner.cache.lengths[layer] != first:
+        raise AssertionError("m2r2_exit: the missing K/V of a layer must be a suffix")
+    return torch.cat([rows, h], dim=1), first
