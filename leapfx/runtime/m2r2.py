@@ -107,7 +107,8 @@ def m2r2_exit(
     of exits at low gates costs no fill until a token goes deeper. Invariant: at each layer the
     missing positions are a suffix (a group pending at segment k is older than any pending
     below k), so a batch writes at the layer's fill length and every slot a query reads is
-    filled. Host syncs: one per gate (the exit decision).
+    filled. Host syncs: one per gate (the exit decision); none with threshold > 1, where no
+    gate can fire and none runs.
     """
     num_layers = len(runner.layout.kinds)  # every decoder layer of the host
     edges = (0, *gates, num_layers)
@@ -121,15 +122,17 @@ def m2r2_exit(
     out.extend([_token(token)])
     # (h^{E_k} [1, r, H] of positions start..start+r-1, start, k); k falls along the list.
     pending: list[tuple[torch.Tensor, int, int]] = []
+    can_fire = threshold <= 1.0  # a score is a sigmoid: above 1 no gate fires, so none runs
     while not out.done:
         exited, gate_logits, start = None, None, pos
         o = runner.rows("slow_0", pos, 1, input_ids=token)  # no group waits below E_1
         h, reset = o["hidden"], o["reset"]  # [1, rows, H]; the current token's is the last
         for j in range(1, last + 1):  # gate j (the fast stream from h^{E_{j-1}}), segment j
-            g = runner.rows(f"gate_{j}", pos, 1, masks=False, hidden=reset)
-            if float(g["score"].reshape(-1)[0]) >= threshold:  # host sync: the decision
-                exited, gate_logits = j, g["logits"]
-                break
+            if can_fire:
+                g = runner.rows(f"gate_{j}", pos, 1, masks=False, hidden=reset)
+                if float(g["score"].reshape(-1)[0]) >= threshold:  # host sync: the decision
+                    exited, gate_logits = j, g["logits"]
+                    break
             h, start = _join(runner, pending, h, start, j, edges[j])
             reset = h[:, -1:]  # h^{E_j}
             h = runner.rows(f"slow_{j}", start, h.shape[1], hidden=h)["hidden"]
