@@ -63,6 +63,7 @@ from .capture import (
     ATTN_KIND,
     LAYER,
     ROLE,
+    layer_module,
     layer_node,
     nodes_by_role,
     output_dict,
@@ -140,7 +141,9 @@ class AcceleratedLayer(nn.Module):
         self.cache_slot = attn.layer_idx
         self.window = window
         self.scaling = attn.scaling
-        self._rope = sys.modules[type(layer).__module__].apply_rotary_pos_emb
+        # The attention's module, not the layer's: an MoE layer in a captured graph is a plain
+        # container of its parts (see capture.layer_module).
+        self._rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
         nh = config.num_attention_heads
         nkv = getattr(config, "num_key_value_heads", None) or nh
         d = attn.head_dim
@@ -178,6 +181,20 @@ class AcceleratedLayer(nn.Module):
             "b_o", None if o.bias is None else o.bias.detach().clone(), persistent=False
         )
         self._qk_norm = hasattr(attn, "q_norm")
+        # OLMoE normalises q and k over the full projection width (all heads at once), before
+        # the per-head reshape; the fast stream has only its heads' channels, so it normalises
+        # those with their rows of the norm's weight (an approximation the adapters train
+        # around; exact for k when every KV head is kept).
+        self._full_width = self._qk_norm and attn.q_norm.weight.numel() != d
+        if self._full_width:
+            q_cols = torch.tensor([h * d + j for h in q_heads for j in range(d)])
+            k_cols = torch.tensor([h * d + j for h in kv_heads for j in range(d)])
+            self.register_buffer("qn_w", attn.q_norm.weight.detach()[q_cols].clone(),
+                                 persistent=False)  # fmt: skip
+            self.register_buffer("kn_w", attn.k_norm.weight.detach()[k_cols].clone(),
+                                 persistent=False)  # fmt: skip
+            self._norm_eps = attn.q_norm.variance_epsilon
+        self._clip = getattr(config, "clip_qkv", None)
         self._qkv_split = [heads * d, len(kv_heads) * d, len(kv_heads) * d]
         weight = o.weight
         kw = dict(dtype=weight.dtype, device=weight.device)
@@ -212,9 +229,13 @@ class AcceleratedLayer(nn.Module):
             v = F.linear(x, self.w_v, self.b_v)
         else:
             q, k, v = F.linear(x, merged[0], merged[1]).split(self._qkv_split, dim=-1)
+        if self._full_width:
+            q, k = _rms(q, self.qn_w, self._norm_eps), _rms(k, self.kn_w, self._norm_eps)
+        if self._clip is not None:
+            q, k, v = (t.clamp(-self._clip, self._clip) for t in (q, k, v))
         q = q.reshape(B, S, -1, self.head_dim)
         k = k.reshape(B, S, -1, self.head_dim)
-        if self._qk_norm:
+        if self._qk_norm and not self._full_width:
             q, k = host.self_attn.q_norm.forward(q), host.self_attn.k_norm.forward(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, h, S, D]
         v = v.reshape(B, S, -1, self.head_dim).transpose(1, 2)
@@ -289,6 +310,13 @@ class AcceleratedLayer(nn.Module):
             slow &= k_pos > q_pos - self.window  # its own position counts inside the window
         own = torch.eye(S, dtype=torch.bool, device=device)
         return torch.cat([slow, own], dim=1)  # [S, n + S]
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of ``x`` over its last dim with ``weight`` (HF's: in float32, then cast)."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
 
 
 def _kaiming(rows: int, cols: int, **kw) -> torch.Tensor:
@@ -419,7 +447,8 @@ class InsertAccelerator(GraphPass):
         gates = check_gates(self.gates, n)
         if nodes_by_role(gm, "accelerator"):
             raise ValueError("gates: the graph already has an accelerated stream")
-        first = gm.get_submodule(layers[0].target)
+        # layer_module, not the node's target: an MoE layer's node is its residual add.
+        first = layer_module(gm, 0)
         if not hasattr(first, "self_attn") or not hasattr(first, "post_attention_layernorm"):
             raise ValueError(
                 f"layer 0 is a {type(first).__name__}, not a HF decoder layer; run "
@@ -437,7 +466,7 @@ class InsertAccelerator(GraphPass):
         modules = {}
         for i in range(gates[-1]):
             node = layer_node(gm, i)
-            host = gm.get_submodule(node.target)
+            host = layer_module(gm, i)
             w = window if node.meta[ATTN_KIND] == "sliding_attention" else None
             modules[i] = AcceleratedLayer(host, index=i, heads=heads, rank=self.rank, window=w)
             modules[i].train(host.training)

@@ -370,16 +370,18 @@ def train_parts(
     init: str | Path | None = None,
     heads: int | None = None,
     rank: int | None = None,
+    fast_layers: int | None = None,
     held_out_tokens: int = 16384,
     corpus_root: str | None = None,
     **options: Any,
 ) -> dict[str, Any]:
     """Train M2R2 parts for a checkpoint (default: the shipped reference model) on the stdlib
-    corpus's training split and write them to ``out`` with ``m2r2_report.json`` (the held-out
-    alignment before and after). ``init``: start from parts written earlier (a resumed run;
-    the optimizer starts fresh; only the fast layers of the same intervals load, see
-    ``load_compatible``). ``heads``, ``rank``: the recipe's options. ``options``:
-    :class:`M2R2FitConfig` fields. What ``leapfx train-m2r2`` runs."""
+        corpus's training split and write them to ``out`` with ``m2r2_report.json`` (the held-out
+        alignment before and after). ``init``: start from parts written earlier (a resumed run;
+        the optimizer starts fresh; only the fast layers of the same intervals load, see
+        ``load_compatible``). ``heads``, ``rank``, ``fast_layers`` (m2r2's gate; N/2 is the rate-2
+    stream of the MoE offload's ``m2r2`` prefetch policy): the recipe's options. ``options``:
+        :class:`M2R2FitConfig` fields. What ``leapfx train-m2r2`` runs."""
     import json
     import platform
 
@@ -394,7 +396,10 @@ def train_parts(
     held = encode_documents(tokenizer, corpus.held_out).long()[:held_out_tokens]
     from leapfx.passes.accelerator_checkpoint import load_compatible
 
-    sm = rewrite.apply(model, recipe, heads=heads, rank=rank)
+    shape = {"heads": heads, "rank": rank}
+    if fast_layers is not None:  # an m2r2 option only (m2r2_exit takes gates)
+        shape["fast_layers"] = fast_layers
+    sm = rewrite.apply(model, recipe, **shape)
     initialised = [] if init is None else load_compatible(sm.graph_module, init)
     before = evaluate(sm, held)
     result = fit(sm, train, **options)

@@ -46,7 +46,10 @@ from .store import DiskStore, HostStore
 
 log = logging.getLogger(__name__)
 
-PREFETCH_POLICIES = ("none", "next_gate")
+# "m2r2": M2R2's accelerated residual at rate 2 predicts layers 2i+2, 2i+3 during layer i
+# (``predictors.M2R2Prefetch``); "verify_union": for speculative recipes, the union of the
+# upper layers' experts that the drafts' exit states route to (``predictors.UnionPrefetch``).
+PREFETCH_POLICIES = ("none", "next_gate", "m2r2", "verify_union")
 TIERS = ("auto", "disk", "host")
 
 
@@ -63,7 +66,10 @@ class OffloadOptions:
     # layer's experts, rounded up.
     slots: int | float = 0.5
     policy: str = "lru"  # eviction: "lru" or "lfu" (see slots.SlotCache)
-    prefetch: str = "none"  # "none" (on demand only) or "next_gate"
+    prefetch: str = "none"  # "none" (on demand only), "next_gate", "m2r2" or "verify_union"
+    # prefetch="m2r2": the fast stream's trained parts (``leapfx train-m2r2 --fast-layers N/2``,
+    # a rate-2 stream); None: an untrained stream (the identity: it predicts from h^0).
+    m2r2_parts: str | os.PathLike | None = None
     # Prefetch bytes per token over all MoE layers; None: top_k experts per layer and token
     # (as many bytes as the demand of a perfectly predicted token).
     prefetch_budget: int | None = None
@@ -100,6 +106,17 @@ class OffloadOptions:
             raise ValueError(
                 f"prefetch_budget: {b!r} is invalid; allowed: None or an integer >= 0 (bytes "
                 "per token)"
+            )
+        parts = self.m2r2_parts
+        if parts is not None and not isinstance(parts, (str, os.PathLike)):
+            raise ValueError(
+                f"m2r2_parts: {parts!r} is invalid; allowed: None or a directory written by "
+                "SpeculativeModel.save_parts (str or os.PathLike)"
+            )
+        if parts is not None and self.prefetch != "m2r2":
+            raise ValueError(
+                f"m2r2_parts: given with prefetch={self.prefetch!r}; allowed: only with "
+                "prefetch='m2r2'"
             )
         for name in ("direct_io", "poison"):
             if not isinstance(getattr(self, name), bool):
@@ -352,14 +369,22 @@ class ExpertOffload:
             return float(self.top_k * self.expert_bytes * tokens)
         return b / len(self.layers) * tokens
 
-    def prefetch(self, layer: int, probs: torch.Tensor) -> None:
-        """Load the experts ``probs`` [T, E] predicts for ``layer``, most probable first."""
+    def prefetch(self, layer: int, probs: torch.Tensor, *, union: bool = False) -> None:
+        """Load the experts ``probs`` [T, E] predicts for ``layer``, most probable first.
+
+        ``union``: the prediction adds to the ones made since ``layer`` last ran (the verify
+        pass of a speculative round needs the union of its tokens' experts) instead of
+        replacing them; precision and recall score the union.
+        """
         k = min(self.top_k, probs.shape[-1])
         top = torch.topk(probs, k, dim=-1).indices.unique()
         mass = probs.sum(0)[top]
         # Host sync: the prediction decides which transfers to start.
         candidates = top[torch.argsort(mass, descending=True, stable=True)].tolist()
-        self._predicted[layer] = set(candidates)
+        if union and layer in self._predicted:
+            self._predicted[layer].update(candidates)
+        else:
+            self._predicted[layer] = set(candidates)
         allowance = self.budget_per_call(probs.shape[0])
         cache = self.caches[layer]
         self._reap(layer)
@@ -445,20 +470,35 @@ class OffloadedExperts(nn.Module):
 class NextGatePrefetch(nn.Module):
     """Prefetch for MoE layer ``target``: its router applied to an earlier hidden state.
 
-    ``hidden`` [B, S, H] is the residual stream after the previous MoE layer's attention;
-    ``target``'s post-attention norm and router turn it into the routing ``target`` would pick
-    if the layers between changed nothing (a next-layer gate, as in Pre-gated MoE and
-    mixtral-offloading's speculative loading, untrained).
+    ``target``'s post-attention norm and router turn ``hidden`` [B, S, H] into the routing
+    ``target`` would pick if ``hidden`` were its input. Each policy feeds it another state:
+
+    - ``next_gate``: the residual stream after the previous MoE layer's attention (a next-layer
+      gate, as in Pre-gated MoE and mixtral-offloading's speculative loading, untrained);
+    - ``m2r2``: the accelerated residual p^{i+1} ~ h^{2i+2} (M2R2 sec. 2.3.3, as
+      ``leapfx.runtime.expert_prediction.predict_experts``), two layers' worth of lead;
+    - ``verify_union`` (``union=True``): a draft's exit state, for every layer the verify pass
+      runs above the exit; the predictions of a round's drafts add up until the verify pass.
     """
 
-    def __init__(self, runtime: ExpertOffload, target: int, norm: nn.Module, router: nn.Module):
+    def __init__(
+        self,
+        runtime: ExpertOffload,
+        target: int,
+        norm: nn.Module,
+        router: nn.Module,
+        *,
+        union: bool = False,
+    ):
         super().__init__()
         self.runtime = runtime
         self.target = target
         self.norm = norm
         self.router = router
+        self.union = union
 
     def forward(self, hidden: torch.Tensor) -> None:
         flat = self.norm(hidden).reshape(-1, hidden.shape[-1])
         logits = F.linear(flat, self.router.weight)  # [T, E]
-        self.runtime.prefetch(self.target, torch.softmax(logits.float(), dim=-1))
+        probs = torch.softmax(logits.float(), dim=-1)
+        self.runtime.prefetch(self.target, probs, union=self.union)
