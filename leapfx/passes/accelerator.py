@@ -247,7 +247,14 @@ class AcceleratedLayer(nn.Module):
         slow_v = cache.values[self.cache_slot][:, self.kv_index, :n]
         if slow_k.shape[0] != B:
             slow_k, slow_v = slow_k.expand(B, -1, -1, -1), slow_v.expand(B, -1, -1, -1)
-        if scratch is None:
+        if scratch is None and S == 1 and self.window is None:
+            # One parallel row (a decode step beside the slow layers: the offload's m2r2
+            # prefetch): the slow layer has written its key at t = n - 1, so "slow columns < t"
+            # are the first n - 1, and no mask is needed.
+            keys = torch.cat([slow_k[:, :, : n - 1], k], dim=2)
+            values = torch.cat([slow_v[:, :, : n - 1], v], dim=2)
+            mask = None
+        elif scratch is None:
             # Parallel rows (full graph, training): the slow layer has written every row's key;
             # row t sees slow columns < t and its own fast column only.
             keys = torch.cat([slow_k, k], dim=2)

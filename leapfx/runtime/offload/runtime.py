@@ -211,7 +211,11 @@ class ExpertOffload:
         self.engine: TransferEngine = (
             CudaEngine(self.device)
             if self.device.type == "cuda"
-            else ThreadEngine(delay_s=options.transfer_delay_s)
+            # A transfer delay tests the waits, which only the worker's tickets have: demands
+            # go through it too then.
+            else ThreadEngine(
+                delay_s=options.transfer_delay_s, inline_demand=not options.transfer_delay_s
+            )  # fmt: skip
         )
         make = dict(dtype=self.dtype, device=self.device)
         fill = math.nan if options.poison else 0.0
@@ -377,10 +381,13 @@ class ExpertOffload:
         replacing them; precision and recall score the union.
         """
         k = min(self.top_k, probs.shape[-1])
-        top = torch.topk(probs, k, dim=-1).indices.unique()
-        mass = probs.sum(0)[top]
-        # Host sync: the prediction decides which transfers to start.
-        candidates = top[torch.argsort(mass, descending=True, stable=True)].tolist()
+        if probs.shape[0] == 1:  # a decode step: topk's order is already by probability
+            # Host sync: the prediction decides which transfers to start.
+            candidates = torch.topk(probs[0], k).indices.tolist()
+        else:
+            top = torch.topk(probs, k, dim=-1).indices.unique()
+            mass = probs.sum(0)[top]
+            candidates = top[torch.argsort(mass, descending=True, stable=True)].tolist()
         if union and layer in self._predicted:
             self._predicted[layer].update(candidates)
         else:
