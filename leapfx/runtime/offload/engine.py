@@ -1,10 +1,10 @@
 """Transfer engines: run expert copies beside compute, behind one interface.
 
-``submit(job, demand=, after=)`` queues ``job()`` (a copy into a fast-tier slot, returning the
+``submit(job, demand=, after=)`` queues ``job()`` (copies into fast-tier slots, returning the
 bytes it moved) and returns a ticket; ``wait(ticket)`` makes compute wait for it and returns
 the host seconds that took (the stall); ``done(ticket)`` polls; ``record_free()`` marks the
-point in compute after which a slot's old contents are no longer read (``after=`` of the next
-job that overwrites the slot). On-demand jobs go before queued prefetches.
+point in compute after which a slot's old contents are no longer read (``after=``, a list, of
+the next job that overwrites the slot). On-demand jobs go before queued prefetches.
 
 - ``ThreadEngine`` (CPU): a worker thread is the copy engine for prefetches, a
   ``concurrent.futures.Future`` is the ticket. On-demand reads run on the caller's thread by
@@ -38,7 +38,7 @@ Job = Callable[[], int]
 
 
 class TransferEngine(Protocol):
-    def submit(self, job: Job, *, demand: bool, after: Any = None) -> Any: ...
+    def submit(self, job: Job, *, demand: bool, after: list | None = None) -> Any: ...
 
     def wait(self, ticket: Any) -> float: ...
 
@@ -117,7 +117,7 @@ class ThreadEngine:
     def busy_seconds(self) -> float:
         return self._busy.seconds
 
-    def submit(self, job: Job, *, demand: bool, after: Any = None) -> Future:
+    def submit(self, job: Job, *, demand: bool, after: list | None = None) -> Future:
         future: Future = Future()
         if demand and self.inline_demand:
             future.set_running_or_notify_cancel()
@@ -165,11 +165,11 @@ class CudaEngine:
         self.prefetch_stream = torch.cuda.Stream(device, priority=0)
         self.busy_seconds = 0.0  # not measured on CUDA (see the module docstring)
 
-    def submit(self, job: Job, *, demand: bool, after: Any = None) -> torch.cuda.Event:
+    def submit(self, job: Job, *, demand: bool, after: list | None = None) -> torch.cuda.Event:
         stream = self.demand_stream if demand else self.prefetch_stream
         with torch.cuda.stream(stream):
-            if after is not None:
-                stream.wait_event(after)  # the slot's last reader has finished
+            for event in after or ():
+                stream.wait_event(event)  # the slots' last readers have finished
             job()
             ready = torch.cuda.Event()
             ready.record(stream)

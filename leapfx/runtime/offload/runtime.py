@@ -241,35 +241,44 @@ class ExpertOffload:
 
     # ---- transfers -------------------------------------------------------------------------
 
-    def _issue(self, layer: int, p: Placement, *, demand: bool) -> None:
-        key = (layer, p.slot)
-        gate_up, down = self.gate_up[layer][p.slot], self.down[layer][p.slot]
-        after = self._free.pop(key, None)
-        if self.options.poison:
-            # The slot is unpinned and idle: nothing reads it now. A compute that forgot to
-            # wait for the load below reads NaN (with transfer_delay_s, always).
-            gate_up.fill_(math.nan)
-            down.fill_(math.nan)
-            after = self.engine.record_free() or after
-        store = self.store
-        expert = p.expert
-
-        trace = self.trace
+    def _issue(self, layer: int, placements: list[Placement], *, demand: bool) -> None:
+        """One transfer job loading every placement's expert into its slot: a prefetch call's
+        experts go together, so the worker is woken once per call, not once per expert."""
+        after, reads = [], []
+        for p in placements:
+            gate_up, down = self.gate_up[layer][p.slot], self.down[layer][p.slot]
+            free = self._free.pop((layer, p.slot), None)
+            if self.options.poison:
+                # The slot is unpinned and idle: nothing reads it now. A compute that forgot to
+                # wait for the load below reads NaN (with transfer_delay_s, always).
+                gate_up.fill_(math.nan)
+                down.fill_(math.nan)
+                free = self.engine.record_free() or free
+            if free is not None:
+                after.append(free)
+            reads.append((p.expert, gate_up, down))
+        store, trace = self.store, self.trace
         lane = "demand" if demand else "prefetch"
 
         def job() -> int:
-            start = time.perf_counter()
-            moved = store.read_into(layer, expert, gate_up, down)
-            if trace is not None:
-                trace.append((lane, layer, expert, start, time.perf_counter()))
+            moved = 0
+            for expert, gate_up, down in reads:
+                start = time.perf_counter()
+                moved += store.read_into(layer, expert, gate_up, down)
+                if trace is not None:
+                    trace.append((lane, layer, expert, start, time.perf_counter()))
             return moved
 
-        self.caches[layer].begin_load(p.slot)
-        self._pending[key] = self.engine.submit(job, demand=demand, after=after)
+        for p in placements:
+            self.caches[layer].begin_load(p.slot)
+        ticket = self.engine.submit(job, demand=demand, after=after)
+        for p in placements:  # one ticket: waiting for any of these slots waits for all
+            self._pending[(layer, p.slot)] = ticket
+        nbytes = self.expert_bytes * len(placements)
         if demand:
-            self.counters.demand_bytes += self.expert_bytes
+            self.counters.demand_bytes += nbytes
         else:
-            self.counters.prefetch_bytes += self.expert_bytes
+            self.counters.prefetch_bytes += nbytes
 
     def _settle(self, layer: int, slot: int) -> None:
         """Make compute wait for the slot's load, if one is in flight."""
@@ -301,7 +310,7 @@ class ExpertOffload:
                 self._settle(*key)
                 p = cache.demand_one(expert)
             if p.load:
-                self._issue(layer, p, demand=True)
+                self._issue(layer, [p], demand=True)
             placements.append(p)
         for p in placements:  # loaded on demand now, or by a prefetch still in flight
             self._settle(layer, p.slot)
@@ -395,7 +404,7 @@ class ExpertOffload:
         allowance = self.budget_per_call(probs.shape[0])
         cache = self.caches[layer]
         self._reap(layer)
-        moved = 0
+        moved, loads = 0, []
         for expert in candidates:
             if expert in cache.slot_of:
                 cache.prefetch(expert)  # touch: keep it through this call's evictions
@@ -405,8 +414,10 @@ class ExpertOffload:
             p = cache.prefetch(expert)
             if p is None:
                 break
-            self._issue(layer, p, demand=False)
+            loads.append(p)
             moved += self.expert_bytes
+        if loads:
+            self._issue(layer, loads, demand=False)
         self.counters.prefetch_calls.append((moved, allowance))
 
     # ---- metrics ---------------------------------------------------------------------------
