@@ -607,6 +607,7 @@ def _train_m2r2(args: argparse.Namespace) -> int:
         corpus_root=args.corpus_root, steps=args.steps, batch_size=args.batch_size,
         seq_len=args.seq_len, lr=args.lr, ce_target=args.ce_target, seed=args.seed,
         router_steps=args.router_steps, mse_weight=args.mse_weight,
+        route_weight=args.route_weight,
     )  # fmt: skip
     print(json.dumps(report, indent=2, sort_keys=True))
     return 0
@@ -889,6 +890,11 @@ def build_parser() -> argparse.ArgumentParser:
     m2r2.add_argument("--lr", type=float, default=2e-3)
     m2r2.add_argument("--ce-target", default="model", choices=["labels", "model"])
     m2r2.add_argument("--mse-weight", type=float, default=1.0, help="eq. 5's a1 (a0 is 1)")
+    m2r2.add_argument(
+        "--route-weight", type=float, default=0.0,
+        help="MoE hosts: weight of the KL of layers 2i+2, 2i+3's routing predicted from fast "
+        "layer i (the offload's m2r2 prefetch); 0: eq. 5 alone",
+    )  # fmt: skip
     m2r2.add_argument("--heads", type=int, default=None, help="fast query heads (sec. 2.5)")
     m2r2.add_argument("--rank", type=int, default=None, help="adapter/LoRA rank (default 8)")
     m2r2.add_argument(

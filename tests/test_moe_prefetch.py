@@ -224,3 +224,22 @@ def test_moe_reference_name_resolves():
     assert resolve_model("moe-reference") == MOE_REFERENCE_MODEL
     assert resolve_model(None) == REFERENCE_MODEL == resolve_model("reference")
     assert str(resolve_model("some/dir")) == "some/dir"
+
+
+def test_routing_loss_trains_the_fast_stream_and_precision_is_scored(tmp_path):
+    from leapfx.bench.routing import fast_stream_precision
+    from leapfx.train.m2r2 import fit
+
+    model = tiny_moe_model("olmoe", layers=6, experts=6, top_k=2, vocab=64, seed=4)
+    sm = rewrite.apply(model, "m2r2", fast_layers=3)
+    data = torch.randint(0, 64, (4000,), generator=torch.Generator().manual_seed(0))
+    result = fit(sm, data, steps=3, batch_size=2, seq_len=16, route_weight=1.0, progress=False)
+    assert all(torch.isfinite(torch.tensor(result.losses)))
+    sm.save_parts(tmp_path / "parts")
+    scores = fast_stream_precision(model, tmp_path / "parts", [data[:32][None]])
+    # Fast layers 0 and 1 predict layers 2, 3 and 4, 5 (layer 2 would predict 6, 7: none).
+    assert sorted(scores, key=int) == ["2", "3", "4", "5"]
+    assert all(0 <= e["m2r2"] <= 1 and e["from_fast_layer"] == (int(L) - 2) // 2
+               for L, e in scores.items())  # fmt: skip
+    with pytest.raises(ValueError, match="route_weight"):
+        fit(sm, data, steps=1, route_weight=-1.0)

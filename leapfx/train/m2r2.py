@@ -65,6 +65,10 @@ class M2R2FitConfig:
     warmup: float = 0.03  # share of steps with a linear warmup, then cosine to 0
     ce_weight: float = 1.0  # a0
     mse_weight: float = 1.0  # a1
+    # Not in eq. 5: on an MoE host, the KL of the routing of layers 2i+2, 2i+3 predicted from
+    # p^{i+1} (their norms and routers) from their actual routing (sec. 2.3.3's use of the
+    # stream: the offload's m2r2 prefetch policy). 0: off.
+    route_weight: float = 0.0
     ce_target: str = "labels"  # "labels" (eq. 5) or "model" (the full model's distribution)
     grad_clip: float = 1.0
     # ARLA routers (m2r2_exit), trained after the adapters (sec. 2.3.1) with BCE on whether
@@ -80,7 +84,8 @@ class M2R2FitConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name}: {value!r} is invalid; allowed: an integer >= {low}")
-        for name in ("lr", "router_lr", "weight_decay", "ce_weight", "mse_weight", "grad_clip"):
+        for name in ("lr", "router_lr", "weight_decay", "ce_weight", "mse_weight", "grad_clip",
+                     "route_weight"):  # fmt: skip
             value = getattr(self, name)
             positive = name in ("lr", "router_lr")
             ok = isinstance(value, (int, float)) and not isinstance(value, bool)
@@ -200,7 +205,31 @@ def m2r2_loss(
             ce = ce + F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels.flatten())
         else:
             ce = ce + kangaroo_loss(logits, slow.logits)
-    return config.ce_weight * ce + config.mse_weight * mse, ce, mse
+    loss = config.ce_weight * ce + config.mse_weight * mse
+    if config.route_weight:
+        loss = loss + config.route_weight * routing_loss(sm, ids, fast)
+    return loss, ce, mse
+
+
+def routing_loss(sm, ids: torch.Tensor, fast: dict[int, torch.Tensor]) -> torch.Tensor:
+    """Sum over fast layers i and MoE layers L in {2i+2, 2i+3} of KL(actual || predicted): L's
+    norm and router on its own post-attention residual (no grad) vs on p^{i+1}."""
+    from leapfx.bench.routing import moe_layers, post_attention_residuals, route_hidden
+    from leapfx.runtime.expert_prediction import predicted_layers
+
+    model = sm.hf_model
+    moe = moe_layers(model)
+    n = model.config.num_hidden_layers
+    with torch.no_grad():
+        actual = post_attention_residuals(model, moe, [ids.to(next(model.parameters()).device)])
+    loss = torch.zeros((), device=ids.device)
+    for i, p in fast.items():
+        for target in (t for t in predicted_layers(i, n) if t in moe):
+            with torch.no_grad():
+                want = route_hidden(model, target, actual[target])[0]  # [T, E]
+            got = route_hidden(model, target, p.reshape(-1, p.shape[-1]))[0]
+            loss = loss + F.kl_div(got.clamp_min(1e-9).log(), want, reduction="batchmean")
+    return loss
 
 
 def router_loss(sm, ids: torch.Tensor) -> torch.Tensor:
