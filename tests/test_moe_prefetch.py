@@ -21,20 +21,12 @@ from leapfx.runtime.expert_prediction import predicted_layers
 from leapfx.runtime.offload import OffloadOptions
 from tests.conftest import MOE_ARCHS, tiny_moe_model
 from tests.greedy_check import hf_greedy
+from tests.test_offload import _generate as _run
 
 SPECULATIVE = {
     "layerskip": {"exit_layer": 2, "num_speculations": 3},
     "kangaroo": {"exit_layer": 2, "confidence_threshold": 0.0},
 }
-
-
-def _run(model, recipe, prompt, max_new, offload=None, **opts):
-    sm = rewrite.apply(model, recipe, offload=offload, **opts)
-    try:
-        return sm.generate(prompt, max_new_tokens=max_new), sm
-    finally:
-        if sm.offload is not None:
-            sm.offload.close()
 
 
 def _perturb(module: torch.nn.Module, seed: int = 0) -> None:
