@@ -235,3 +235,18 @@ def test_routing_loss_trains_the_fast_stream_and_precision_is_scored(tmp_path):
                for L, e in scores.items())  # fmt: skip
     with pytest.raises(ValueError, match="route_weight"):
         fit(sm, data, steps=1, route_weight=-1.0)
+
+
+def test_golden_stage_text_of_the_new_policies():
+    """The fast-stream and prefetch nodes where the design puts them, as stage text."""
+    from tests.test_partition import _check_golden
+
+    model = tiny_moe_model("olmoe", layers=6, experts=4)
+    sm = rewrite.apply(model, "autoregressive",
+                       offload=OffloadOptions(slots=2, prefetch="m2r2", tier="host"))  # fmt: skip
+    _check_golden("autoregressive_olmoe_offload_m2r2", sm.stages.code())
+    sm.offload.close()
+    options = OffloadOptions(slots=2, prefetch="verify_union", tier="host")
+    sm = rewrite.apply(model, "layerskip", exit_layer=2, offload=options)
+    _check_golden("layerskip_olmoe_offload_verify_union", sm.stages.code())
+    sm.offload.close()
