@@ -250,3 +250,17 @@ def test_golden_stage_text_of_the_new_policies():
     sm = rewrite.apply(model, "layerskip", exit_layer=2, offload=options)
     _check_golden("layerskip_olmoe_offload_verify_union", sm.stages.code())
     sm.offload.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["m2r2", "verify_union"])
+def test_cuda_engine_new_policies_are_token_identical(policy):
+    model = tiny_moe_model("olmoe", layers=6, experts=8, top_k=2).cuda()
+    prompt = torch.tensor([[3, 1, 4, 1, 5]], device="cuda")
+    recipe, opts = ("autoregressive", {}) if policy == "m2r2" else ("layerskip", {"exit_layer": 2})
+    resident, _ = _run(model, recipe, prompt, 24, **opts)
+    ours, sm = _run(model, recipe, prompt, 24, offload=OffloadOptions(slots=3, prefetch=policy),
+                    **opts)  # fmt: skip
+    assert type(sm.offload.engine).__name__ == "CudaEngine"
+    assert torch.equal(ours, resident)
+    assert sm.last_offload_report.prefetch_precision is not None
