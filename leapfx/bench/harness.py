@@ -554,6 +554,9 @@ def run_bench(
                 first.setdefault(system.name, result)
             bar.update()
     bar.close()
+    for system in systems:  # the offload rows' disk tiers are temporary files: remove them
+        if system.offload is not None:
+            system.offload.offload.close()
     rows = _rows(systems, prompts, config, times, first)
     if config.temperature > 0:
         _distribution_checks(model, rows, systems, first, prompts)
