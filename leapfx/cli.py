@@ -594,15 +594,18 @@ def _train_m2r2(args: argparse.Namespace) -> int:
 
     import torch
 
-    from .bench import REFERENCE_M2R2
+    from .bench import MOE_REFERENCE_M2R2, REFERENCE_M2R2
     from .train.m2r2 import train_parts
 
     if args.threads is not None:
         if args.threads < 1:
             raise ValueError(f"--threads: {args.threads} is invalid; allowed: an integer >= 1")
         torch.set_num_threads(args.threads)
+    # Without a folder: the shipped parts of the model trained for (the dense reference's
+    # drafter, or the MoE reference's rate-2 stream), never another model's.
+    shipped = MOE_REFERENCE_M2R2 if args.model == "moe-reference" else REFERENCE_M2R2
     report = train_parts(
-        args.out or REFERENCE_M2R2, model_path=args.model, recipe=args.recipe, init=args.init,
+        args.out or shipped, model_path=args.model, recipe=args.recipe, init=args.init,
         heads=args.heads, rank=args.rank, fast_layers=args.fast_layers,
         corpus_root=args.corpus_root, steps=args.steps, batch_size=args.batch_size,
         seq_len=args.seq_len, lr=args.lr, ce_target=args.ce_target, seed=args.seed,
@@ -874,7 +877,8 @@ def build_parser() -> argparse.ArgumentParser:
     m2r2 = sub.add_parser("train-m2r2", help="train M2R2 accelerator parts (eq. 5)")
     m2r2.add_argument(
         "out", nargs="?", default=None,
-        help="parts directory (default: leapfx/assets/reference/m2r2)",
+        help="parts directory (default: leapfx/assets/reference/m2r2, or with --model "
+        "moe-reference leapfx/assets/moe-reference/m2r2)",
     )  # fmt: skip
     m2r2.add_argument("--model", default=None, help="HF checkpoint dir (default: reference)")
     m2r2.add_argument(
