@@ -89,12 +89,14 @@ def _bench(args: argparse.Namespace) -> int:
     d = DEFAULT_SPECULATIONS if d is None else d
     kernels = CPU_KERNELS[args.cpu_kernels]
     calibration = []
+    offload = _offload_options(args)
     if args.sweep_threshold and args.recipe not in ("specee", "m2r2"):
         raise ValueError(
             "--sweep-threshold: sweeps the exit threshold of SpecEE or of m2r2_exit; allowed "
             f"with --recipe specee or --recipe m2r2 (got --recipe {args.recipe})"
         )
-    if (args.sweep or args.auto or args.plot) and not args.sweep_threshold:
+    offload_plot = args.plot and offload["offload_slots"] is not None  # their timelines
+    if (args.sweep or args.auto or args.plot) and not (args.sweep_threshold or offload_plot):
         exits = _grid(args.sweep_exit_layers, num_layers)
         specs = _speculations(args.sweep_speculations) if args.sweep or args.auto else [d]
         cal_prompts = prompts if args.sweep else prompts[:2]
@@ -121,11 +123,14 @@ def _bench(args: argparse.Namespace) -> int:
         confidence_threshold=threshold, backend=args.backend,
         cpu_kernels=kernels, onnx_threads=onnx_threads, specee_parts=_specee_parts(args),
         specee_threshold=args.specee_threshold, parts=_m2r2_parts(args),
-        exit_parts=_m2r2_parts(args, exits=True),
+        exit_parts=_m2r2_parts(args, exits=True), **offload,
     )  # fmt: skip
     config = dataclasses.replace(config, throughput_only=args.random_model is not None)
     rows = run_bench(model, prompts, config, progress=not quiet)
     print(table(rows))
+    if offload["offload_slots"] is not None:
+        e = exit_layer or max(1, num_layers // 4)  # only traced rows use it: autoregressive
+        _offload_report(model, rows, config, prompts, e, args.plot if offload_plot else None)
     _hf_static_line(rows)
     used = sorted({r.extra["cpu_kernels"] for r in rows if "cpu_kernels" in r.extra})
     if used:
@@ -172,7 +177,7 @@ def _bench(args: argparse.Namespace) -> int:
         "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
         "repeats": args.repeats, "threads": torch.get_num_threads(), "device": args.device,
         "backend": args.backend, "cpu_kernels": args.cpu_kernels,
-        "onnx_threads": args.onnx_threads,
+        "onnx_threads": args.onnx_threads, **offload,
     }  # fmt: skip
     meta["dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
     if args.random_model is not None:
@@ -195,7 +200,7 @@ def _bench(args: argparse.Namespace) -> int:
         from .bench.specee_sweep import write_curve_plot
 
         write_curve_plot(args.plot, curve)
-    elif args.plot and not args.sweep_threshold:  # (m2r2's curve plot is written above)
+    elif args.plot and not (args.sweep_threshold or offload_plot):  # (written above)
         by_exit: dict[int, float] = {}
         for c in calibration:
             by_exit[c.exit_layer] = max(by_exit.get(c.exit_layer, 0.0), c.acceptance_rate)
@@ -239,6 +244,58 @@ def _exit_curve(args, model, prompts, rows, config, num_layers: int) -> list:
     if args.plot:
         write_curve_plot(args.plot, points)
     return points
+
+
+def _offload_options(args: argparse.Namespace) -> dict:
+    """--offload-slots/--offload-parts/--offload-dir as BenchConfig fields; the shipped rate-2
+    M2R2 parts when benchmarking moe-reference without --offload-parts."""
+    from .bench import MOE_REFERENCE_M2R2
+
+    slots = args.offload_slots
+    if slots is not None:
+        if not (slots >= 1 and slots == int(slots)) and not 0 < slots <= 1:
+            raise ValueError(
+                f"--offload-slots: {slots!r} is invalid; allowed: an integer >= 1 (slots per "
+                "MoE layer) or a fraction in (0, 1] of each layer's experts"
+            )
+        slots = int(slots) if slots > 1 else slots
+    parts = args.offload_parts
+    if parts is None and slots is not None and args.model == "moe-reference":
+        parts = str(MOE_REFERENCE_M2R2) if MOE_REFERENCE_M2R2.is_dir() else None
+    if slots is not None and parts is None:
+        print("--offload-parts: none given; leapfx_offload_m2r2 predicts with an untrained stream")
+    return {"offload_slots": slots, "offload_m2r2_parts": parts, "offload_dir": args.offload_dir}
+
+
+def _offload_report(model, rows, config, prompts, exit_layer: int, plot: str | None) -> None:
+    """The offload rows' table; with --plot, one untimed traced call (the last prompt) of each
+    autoregressive offloaded row, drawn as timelines beside every row's hit rate per layer."""
+    from .bench.offload import bench_table, offload_systems, plot_offload, trace_call
+    from .rewrite import apply
+
+    print(bench_table(rows))
+    print(
+        f"offload rows: eager, disk tier, {config.offload_slots} expert slots per MoE layer; "
+        "vs none: tokens/s over leapfx_offload_none; identical: every prompt equal to "
+        "leapfx_resident"
+    )
+    if not plot:
+        return
+    specs = offload_systems(
+        config.offload_slots, exit_layer=exit_layer, num_speculations=config.num_speculations,
+        m2r2_parts=config.offload_m2r2_parts, path=config.offload_dir,
+    )  # fmt: skip
+    traces = {}
+    for name in ("leapfx_offload_none", "leapfx_offload_next_gate", "leapfx_offload_m2r2"):
+        recipe, options, kw = specs[name]
+        sm = apply(model, recipe, offload=options, **kw)
+        sm.generate(prompts[0], max_new_tokens=config.max_new_tokens)  # warm the slots
+        traces[name] = trace_call(sm, prompts[-1], config.max_new_tokens)
+        sm.offload.close()
+    rates = {r.system: r.extra["offload"]["hit_rate_per_layer"] for r in rows
+             if "offload" in r.extra}  # fmt: skip
+    plot_offload(traces, rates, plot)
+    print(f"offload timelines and hit rates per layer: {plot}")
 
 
 def _onnx_threads(value: str) -> int | None:
@@ -537,20 +594,24 @@ def _train_m2r2(args: argparse.Namespace) -> int:
 
     import torch
 
-    from .bench import REFERENCE_M2R2
+    from .bench import MOE_REFERENCE_M2R2, REFERENCE_M2R2
     from .train.m2r2 import train_parts
 
     if args.threads is not None:
         if args.threads < 1:
             raise ValueError(f"--threads: {args.threads} is invalid; allowed: an integer >= 1")
         torch.set_num_threads(args.threads)
+    # Without a folder: the shipped parts of the model trained for (the dense reference's
+    # drafter, or the MoE reference's rate-2 stream), never another model's.
+    shipped = MOE_REFERENCE_M2R2 if args.model == "moe-reference" else REFERENCE_M2R2
     report = train_parts(
-        args.out or REFERENCE_M2R2, model_path=args.model, recipe=args.recipe, init=args.init,
-        heads=args.heads, rank=args.rank, num_speculations=args.num_speculations,
-        confidence_threshold=args.confidence_threshold, corpus_root=args.corpus_root,
-        steps=args.steps, batch_size=args.batch_size,
+        args.out or shipped, model_path=args.model, recipe=args.recipe, init=args.init,
+        heads=args.heads, rank=args.rank, fast_layers=args.fast_layers,
+        num_speculations=args.num_speculations, confidence_threshold=args.confidence_threshold,
+        corpus_root=args.corpus_root, steps=args.steps, batch_size=args.batch_size,
         seq_len=args.seq_len, lr=args.lr, ce_target=args.ce_target, seed=args.seed,
         router_steps=args.router_steps, mse_weight=args.mse_weight,
+        route_weight=args.route_weight,
     )  # fmt: skip
     print(json.dumps(report, indent=2, sort_keys=True))
     return 0
@@ -667,7 +728,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=_demo)
 
     bench = sub.add_parser("bench", help="HF and leapfx systems side by side (the main job)")
-    bench.add_argument("--model", default=None, help="local HF checkpoint dir (default: reference)")
+    bench.add_argument(
+        "--model", default=None,
+        help="local HF checkpoint dir, or a shipped model: reference (the default), moe-reference",
+    )  # fmt: skip
     bench.add_argument("--recipe", default="layerskip")
     bench.add_argument("--exit-layer", type=int, default=None)
     bench.add_argument(
@@ -731,6 +795,19 @@ def build_parser() -> argparse.ArgumentParser:
         "PATH between its <!-- bench:begin --> and <!-- bench:end --> lines (a new PATH: the "
         "block alone); repeatable, e.g. --markdown README.md --markdown docs/benchmarks.md",
     )  # fmt: skip
+    bench.add_argument(
+        "--offload-slots", type=float, default=None, metavar="S",
+        help="MoE models: add the expert-offload rows (leapfx_resident, leapfx_offload_none, "
+        "_next_gate, _m2r2, _layerskip) with S expert slots per layer (a count >= 1, or a "
+        "fraction of each layer's experts, e.g. 0.5); with --plot: their timelines",
+    )  # fmt: skip
+    bench.add_argument(
+        "--offload-parts", default=None,
+        help="rate-2 M2R2 parts for leapfx_offload_m2r2 (default on moe-reference: the shipped)",
+    )  # fmt: skip
+    bench.add_argument(
+        "--offload-dir", default=None, help="folder for the disk tiers' files (default: temp)"
+    )
     bench.add_argument("--sweep", action="store_true", help="grid of exit layer x speculations")
     bench.add_argument("--sweep-exit-layers", default=None, help="e.g. 2,3,4,6")
     bench.add_argument("--sweep-speculations", default="1,2,3,4,6,8")
@@ -801,7 +878,8 @@ def build_parser() -> argparse.ArgumentParser:
     m2r2 = sub.add_parser("train-m2r2", help="train M2R2 accelerator parts (eq. 5)")
     m2r2.add_argument(
         "out", nargs="?", default=None,
-        help="parts directory (default: leapfx/assets/reference/m2r2)",
+        help="parts directory (default: leapfx/assets/reference/m2r2, or with --model "
+        "moe-reference leapfx/assets/moe-reference/m2r2)",
     )  # fmt: skip
     m2r2.add_argument("--model", default=None, help="HF checkpoint dir (default: reference)")
     m2r2.add_argument(
@@ -817,6 +895,11 @@ def build_parser() -> argparse.ArgumentParser:
     m2r2.add_argument("--lr", type=float, default=2e-3)
     m2r2.add_argument("--ce-target", default="model", choices=["labels", "model"])
     m2r2.add_argument("--mse-weight", type=float, default=1.0, help="eq. 5's a1 (a0 is 1)")
+    m2r2.add_argument(
+        "--route-weight", type=float, default=0.0,
+        help="MoE hosts: weight of the KL of layers 2i+2, 2i+3's routing predicted from fast "
+        "layer i (the offload's m2r2 prefetch); 0: eq. 5 alone",
+    )  # fmt: skip
     m2r2.add_argument("--heads", type=int, default=None, help="fast query heads (sec. 2.5)")
     m2r2.add_argument("--rank", type=int, default=None, help="adapter/LoRA rank (default 8)")
     m2r2.add_argument(
@@ -826,6 +909,11 @@ def build_parser() -> argparse.ArgumentParser:
     m2r2.add_argument(
         "--confidence-threshold", type=float, default=None,
         help="m2r2: confidence stop recorded in the parts (default 0: none)",
+    )  # fmt: skip
+    m2r2.add_argument(
+        "--fast-layers", type=int, default=None,
+        help="--recipe m2r2: the gate k (rate N/k; default 4); N/2 for the MoE offload's m2r2 "
+        "prefetch policy",
     )  # fmt: skip
     m2r2.add_argument("--seed", type=int, default=0)
     m2r2.add_argument("--threads", type=int, default=None)

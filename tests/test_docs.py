@@ -13,7 +13,8 @@ from leapfx.bench.report import MARKDOWN_BEGIN, MARKDOWN_END
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
-PAGES = [README, *sorted((ROOT / "docs").glob("*.md")), ROOT / "leapfx/assets/reference/README.md"]
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md")), ROOT / "leapfx/assets/reference/README.md",
+         ROOT / "leapfx/assets/moe-reference/README.md"]  # fmt: skip
 # A work period named by its number (the word "session" and a digit) means nothing to a reader;
 # date it instead.
 WORK_PERIOD = re.compile(r"\bsession [0-9]|session-[0-9]", re.IGNORECASE)

@@ -386,6 +386,7 @@ def test_trace_and_timeline_plot(tmp_path):
     lanes = {span[0] for span in trace}
     assert {"compute", "demand"} <= lanes and all(span[3] <= span[4] for span in trace)
     assert sum(1 for span in trace if span[0] == "compute") == 3 * 6  # 3 layers x 6 calls
-    path = plot_offload(trace, sm.last_offload_report.hit_rate_per_layer, tmp_path / "t.png")
+    rates = sm.last_offload_report.hit_rate_per_layer
+    path = plot_offload({"next_gate": trace}, {"next_gate": rates}, tmp_path / "t.png")
     assert path.stat().st_size > 0
     sm.offload.close()

@@ -2,6 +2,9 @@
 
 The default model is the project's reference model, shipped in ``leapfx/assets/reference``
 (trained by ``leapfx train-reference``; its model card is ``assets/reference/README.md``).
+``--model moe-reference`` is the shipped MoE reference model (``assets/moe-reference``, trained
+by ``leapfx train-moe-reference``), with the rate-2 M2R2 parts the offload rows' ``m2r2``
+prefetch policy uses beside it.
 Prompts are the first tokens of held-out Python standard-library functions. ``--random-model
 SIZE`` times a Llama-shaped model with random weights instead (``leapfx.bench.random_model``).
 """
@@ -17,6 +20,12 @@ REFERENCE_ADAPTER = REFERENCE_MODEL / "kangaroo_adapter"  # trained with sm.fit,
 REFERENCE_M2R2 = REFERENCE_MODEL / "m2r2"  # the self-speculation drafter, `leapfx train-m2r2`
 REFERENCE_M2R2_EXIT = REFERENCE_MODEL / "m2r2_exit"  # exit gates 4, 8, 12 + ARLA routers
 REFERENCE_EAGLE = REFERENCE_MODEL / "eagle"  # EAGLE head parts: `leapfx train-eagle`
+MOE_REFERENCE_MODEL = REFERENCE_MODEL.parent / "moe-reference"  # `leapfx train-moe-reference`
+# Its rate-2 fast stream (`leapfx train-m2r2 --fast-layers 6`): the m2r2 prefetch policy's.
+MOE_REFERENCE_M2R2 = MOE_REFERENCE_MODEL / "m2r2"
+# Names --model takes besides a directory. A name wins over a folder of that name in the working
+# directory (pass ./moe-reference for the folder).
+MODEL_NAMES = {"reference": REFERENCE_MODEL, "moe-reference": MOE_REFERENCE_MODEL}
 
 # --dtype: the model's weights and compute dtype.
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -56,9 +65,10 @@ def load_model(path: str | Path | None = None, *, device: str = "cpu", dtype=Non
 
     from ..passes.capture import check_supported
 
-    path = Path(path) if path is not None else REFERENCE_MODEL
+    path = resolve_model(path)
     if not path.is_dir():
-        hint = " (the reference model is not shipped yet?)" if path == REFERENCE_MODEL else ""
+        shipped = path in MODEL_NAMES.values()
+        hint = " (the reference model is not shipped yet?)" if shipped else ""
         raise ValueError(f"--model: {str(path)!r} is not a directory{hint}")
     if not (path / "config.json").is_file():
         raise ValueError(f"--model: {str(path)!r} has no config.json; expected a HF checkpoint")
@@ -76,6 +86,14 @@ def load_model(path: str | Path | None = None, *, device: str = "cpu", dtype=Non
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ValueError(f"--model: cannot load {str(path)!r}: {first}") from None
     return model.to(dev).eval(), tokenizer
+
+
+def resolve_model(path: str | Path | None) -> Path:
+    """``--model``: None is the reference model, a name of ``MODEL_NAMES`` a shipped model,
+    anything else a directory."""
+    if path is None:
+        return REFERENCE_MODEL
+    return MODEL_NAMES.get(str(path), Path(path))
 
 
 def bench_prompts(tokenizer, *, count: int, num_tokens: int, device="cpu") -> list[torch.Tensor]:

@@ -14,6 +14,10 @@ Every system decodes the same prompts with the same ``max_new_tokens`` and the s
 - ``leapfx_<recipe>``          the recipe under test (``layerskip`` by default); ``specee``
                                gives ``leapfx_specee`` (lossy), ``leapfx_specee_next``
                                (lossy, kv_fill="next") and ``leapfx_specee_verified``
+- ``leapfx_resident``, ``leapfx_offload_*``  with ``offload_slots`` (an MoE model): eager
+                               decoding with every expert in memory, and with the experts
+                               offloaded to disk under each prefetch policy
+                               (``leapfx.bench.offload``); their rows carry ``extra["offload"]``
 
 Timing: one warm-up pass per system, then ``repeats`` timed passes; within a pass the systems
 run in a rotated order so drift on a shared machine spreads over all of them. A system's time is
@@ -99,6 +103,11 @@ class BenchConfig:
     # (None: the parts' own).
     specee_parts: str | None = None
     specee_threshold: float | None = None
+    # MoE models: the offload rows (leapfx.bench.offload) with this many expert slots per
+    # layer (an integer, or a fraction in (0, 1] of each layer's experts); None: no such rows.
+    offload_slots: int | float | None = None
+    offload_m2r2_parts: str | None = None  # leapfx_offload_m2r2's rate-2 fast stream
+    offload_dir: str | None = None  # where the disk tiers' files go (None: temporary files)
 
     def validate(self) -> BenchConfig:
         checks = [
@@ -178,6 +187,7 @@ class SystemRun:
     outputs: list[torch.Tensor]
     seconds: float
     metrics: list[DecodeMetrics]
+    offload: list = field(default_factory=list)  # OffloadReports of an offload row
 
 
 class System:
@@ -191,6 +201,7 @@ class System:
         lossless: bool = True,
         info: dict | None = None,
         model=None,
+        offload=None,
     ) -> None:
         self.name = name
         self.generate = generate
@@ -200,16 +211,20 @@ class System:
         # agreement runs on it.
         self.model = model
         self.info = info or {}  # copied into the row's extra (e.g. cpu_kernels)
+        # An offload row's SpeculativeModel: its last_offload_report is kept per prompt.
+        self.offload = offload
 
     def run(self, prompts: list[torch.Tensor]) -> SystemRun:
-        outputs, metrics = [], []
+        outputs, metrics, reports = [], [], []
         start = time.perf_counter()
         for prompt in prompts:
             outputs.append(self.generate(prompt))
             m = self.metrics()
             if m is not None:
                 metrics.append(m)
-        return SystemRun(outputs, time.perf_counter() - start, metrics)
+            if self.offload is not None:
+                reports.append(self.offload.last_offload_report)
+        return SystemRun(outputs, time.perf_counter() - start, metrics, reports)
 
 
 def _sampling_kwargs(config: BenchConfig) -> dict:
@@ -350,6 +365,30 @@ def build_systems(model: nn.Module, config: BenchConfig, generator_seed: int = 0
             kw = {"confidence_threshold": config.confidence_threshold}
             eagle = rewrite.apply(model, "eagle", parts=config.eagle_parts, **kw)
             systems.append(ours("leapfx_eagle", eagle))
+    if config.offload_slots is not None:
+        systems += _offload_systems(model, config, exit_layer, n, sampling, gen)
+    return systems
+
+
+def _offload_systems(model, config: BenchConfig, exit_layer: int, n: int, sampling, gen):
+    """The offload rows (eager, no CPU kernels: what the offload runtime runs on), the
+    resident one first. Speculative rows draft at the run's E and d."""
+    from .offload import offload_systems
+
+    extra = {"generator": gen} if sampling["do_sample"] else {}
+    specs = offload_systems(
+        config.offload_slots, exit_layer=exit_layer, num_speculations=config.num_speculations,
+        m2r2_parts=config.offload_m2r2_parts, path=config.offload_dir,
+    )  # fmt: skip
+    systems = []
+    for name, (recipe, offload, options) in specs.items():
+        sm = rewrite.apply(model, recipe, offload=offload, **options)
+
+        def run(prompt, sm=sm):
+            return sm.generate(prompt, max_new_tokens=n, **sampling, **extra)
+
+        systems.append(System(name, run, lambda sm=sm: sm.last_metrics,
+                              offload=sm if offload is not None else None))  # fmt: skip
     return systems
 
 
@@ -515,6 +554,9 @@ def run_bench(
                 first.setdefault(system.name, result)
             bar.update()
     bar.close()
+    for system in systems:  # the offload rows' disk tiers are temporary files: remove them
+        if system.offload is not None:
+            system.offload.offload.close()
     rows = _rows(systems, prompts, config, times, first)
     if config.temperature > 0:
         _distribution_checks(model, rows, systems, first, prompts)
@@ -561,6 +603,14 @@ def _rows(systems, prompts, config, times, first) -> list[Row]:
                     row.agreement = teacher_forced_agreement(
                         system.model, prompts, baseline.outputs
                     ).agreement
+        if run.offload:
+            from .offload import summarize
+
+            row.extra["offload"] = summarize(run.offload)
+        resident = first.get("leapfx_resident")
+        if greedy and resident is not None and system.name.startswith("leapfx_offload_"):
+            pairs = zip(run.outputs, resident.outputs, strict=True)
+            row.extra["identical_to_resident"] = all(torch.equal(o, r) for o, r in pairs)
         if system.name == base:
             shares = [
                 repeated_4gram_share(o[0, p.shape[1] :].tolist())

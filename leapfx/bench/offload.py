@@ -5,8 +5,13 @@ Rows (greedy, the same prompts; ``identical``: every output equals the resident 
 - ``leapfx_resident``: the autoregressive recipe, all experts in memory;
 - ``leapfx_offload_none``: the same with ``OffloadOptions(prefetch="none")`` (on demand only);
 - ``leapfx_offload_next_gate``: with ``prefetch="next_gate"``;
+- ``leapfx_offload_m2r2``: with ``prefetch="m2r2"`` (a rate-2 fast stream predicts two layers
+  ahead; its trained parts from ``--m2r2-parts``);
 - ``leapfx_offload_layerskip``: LayerSkip self-speculation over the offloaded model
-  (``prefetch="none"``).
+  (``prefetch="verify_union"``).
+
+``leapfx bench --offload-slots S`` runs the same rows (``offload_systems``) beside its others,
+timed by its harness; this module's command times them alone.
 
 Without a trained MoE model, ``random_moe`` builds an OLMoE-shaped model with random weights
 (routing of a random model is about as unpredictable as it gets, so next-gate precision here is
@@ -56,6 +61,58 @@ def random_moe(
     return model.eval()
 
 
+OFFLOAD_ROWS = (
+    "leapfx_resident", "leapfx_offload_none", "leapfx_offload_next_gate", "leapfx_offload_m2r2",
+    "leapfx_offload_layerskip",
+)  # fmt: skip
+
+
+def offload_systems(
+    slots: float | int, *, exit_layer: int, num_speculations: int | None = None,
+    m2r2_parts=None, policy: str = "lru", path=None,
+) -> dict[str, tuple[str, OffloadOptions | None, dict]]:  # fmt: skip
+    """Row name -> (recipe, offload options or None, recipe options) of the offload rows.
+
+    ``path``: a folder for the disk tiers' files (one per row); None: temporary files.
+    """
+
+    def options(prefetch: str, **kw) -> OffloadOptions:
+        file = None if path is None else os.path.join(path, f"experts-{prefetch}.bin")
+        return OffloadOptions(slots=slots, policy=policy, prefetch=prefetch, path=file, **kw)
+
+    layerskip = {"exit_layer": exit_layer}
+    if num_speculations is not None:
+        layerskip["num_speculations"] = num_speculations
+    return {
+        "leapfx_resident": ("autoregressive", None, {}),
+        "leapfx_offload_none": ("autoregressive", options("none"), {}),
+        "leapfx_offload_next_gate": ("autoregressive", options("next_gate"), {}),
+        "leapfx_offload_m2r2": ("autoregressive", options("m2r2", m2r2_parts=m2r2_parts), {}),
+        # LayerSkip over the offloaded model; its verify pass prefetched from the drafts.
+        "leapfx_offload_layerskip": ("layerskip", options("verify_union"), layerskip),
+    }
+
+
+# What the offload columns average over a row's prompts (per-token quantities of each call).
+_MEANS = ("hit_rate", "prefetch_hit_rate", "stall_ms_per_token", "bytes_per_token",
+          "wasted_bytes_per_token", "copy_busy_share")  # fmt: skip
+
+
+def summarize(reports: list) -> dict:
+    """One row's offload columns: the mean over its ``generate`` calls' OffloadReports
+    (precision and recall over the calls that predicted anything; hit rate per layer too)."""
+    n = len(reports)
+    out = {f: sum(getattr(r, f) for r in reports) / n for f in _MEANS}
+    for f in ("prefetch_precision", "prefetch_recall"):
+        values = [getattr(r, f) for r in reports if getattr(r, f) is not None]
+        out[f] = sum(values) / len(values) if values else None
+    layers = reports[0].hit_rate_per_layer
+    out["hit_rate_per_layer"] = {
+        str(i): sum(r.hit_rate_per_layer[i] for r in reports) / n for i in layers
+    }
+    return out
+
+
 @dataclass
 class OffloadRow:
     system: str
@@ -68,30 +125,26 @@ class OffloadRow:
     wasted_bytes_per_token: float | None = None
     prefetch_precision: float | None = None
     prefetch_recall: float | None = None
+    hit_rate_per_layer: dict | None = None
+    copy_busy_share: float | None = None
 
 
 def offload_rows(
     model, prompts: list[torch.Tensor], *, max_new_tokens: int, slots: float | int,
-    policy: str = "lru", exit_layer: int | None = None, path=None, plot_dir=None,
+    policy: str = "lru", exit_layer: int | None = None, path=None, plot=None,
+    m2r2_parts=None,
 ) -> list[OffloadRow]:  # fmt: skip
     """Time every row on ``prompts`` (after one warm-up prompt per system).
 
-    ``plot_dir``: also trace the last prompt of every offloaded row (not timed) and draw its
-    timeline into ``plot_dir/<system>.png``.
+    ``plot``: also trace the last prompt of every offloaded row (not timed) and draw the
+    timelines and hit rates per layer into that PNG (``plot_offload``).
     """
     exit_layer = exit_layer or max(1, model.config.num_hidden_layers // 4)
-    systems = {
-        "leapfx_resident": ("autoregressive", None, {}),
-        "leapfx_offload_none": ("autoregressive", "none", {}),
-        "leapfx_offload_next_gate": ("autoregressive", "next_gate", {}),
-        "leapfx_offload_layerskip": ("layerskip", "none", {"exit_layer": exit_layer}),
-    }
+    systems = offload_systems(slots, exit_layer=exit_layer, m2r2_parts=m2r2_parts,
+                              policy=policy, path=path)  # fmt: skip
     reference = None
-    rows = []
-    for name, (recipe, prefetch, opts) in systems.items():
-        offload = None
-        if prefetch is not None:
-            offload = OffloadOptions(slots=slots, policy=policy, prefetch=prefetch, path=path)
+    rows, traces = [], {}
+    for name, (recipe, offload, opts) in systems.items():
         sm = apply(model, recipe, offload=offload, **opts)
         sm.generate(prompts[0], max_new_tokens=4)  # warm-up (allocations, first reads)
         outputs, reports, seconds, tokens = [], [], 0.0, 0
@@ -108,28 +161,34 @@ def offload_rows(
             name, tokens / seconds,
             identical=all(torch.equal(a, b) for a, b in zip(outputs, reference, strict=True)),
         )  # fmt: skip
-        if sm.offload is not None and plot_dir is not None:
-            sm.offload.trace = []
-            sm.generate(prompts[-1], max_new_tokens=max_new_tokens)
-            plot_offload(sm.offload.trace, sm.last_offload_report.hit_rate_per_layer,
-                         os.path.join(plot_dir, f"{name}.png"), title=name)  # fmt: skip
-            sm.offload.trace = None
         if sm.offload is not None:
-            n = len(reports)
-            for field in ("hit_rate", "prefetch_hit_rate", "stall_ms_per_token",
-                          "bytes_per_token", "wasted_bytes_per_token"):  # fmt: skip
-                setattr(row, field, sum(getattr(r, field) for r in reports) / n)
-            for field in ("prefetch_precision", "prefetch_recall"):
-                values = [getattr(r, field) for r in reports if getattr(r, field) is not None]
-                setattr(row, field, sum(values) / len(values) if values else None)
+            for field, value in summarize(reports).items():
+                setattr(row, field, value)
+            if plot is not None:
+                traces[name] = trace_call(sm, prompts[-1], max_new_tokens)
             sm.offload.close()
         rows.append(row)
+    if plot is not None:
+        plot_offload(traces, {r.system: r.hit_rate_per_layer for r in rows if r.hit_rate_per_layer},
+                     plot)  # fmt: skip
     return rows
 
 
-def plot_offload(trace: list, hit_rate_per_layer: dict[int, float], path, *, title: str = ""):
-    """The overlap timeline (compute, stall and transfer lanes; cf. M2R2's Fig. 11) and the hit
-    rate per layer of one traced ``generate`` call, as one PNG at ``path``."""
+def trace_call(sm, prompt: torch.Tensor, max_new_tokens: int) -> list:
+    """The spans (``ExpertOffload.trace``) of one untimed ``generate`` call of ``sm``."""
+    sm.offload.trace = []
+    sm.generate(prompt, max_new_tokens=max_new_tokens)
+    trace, sm.offload.trace = sm.offload.trace, None
+    return trace
+
+
+def plot_offload(traces: dict[str, list], hit_rates: dict[str, dict], path, *,
+                 window_tokens: int | None = 3):  # fmt: skip
+    """M2R2's Fig. 11 for the offload runtime, one PNG at ``path``: per traced row (``traces``:
+    name -> ``ExpertOffload.trace`` of one call) a timeline of four lanes -- experts calls
+    (compute), compute waiting for a transfer (stall), on-demand and prefetch transfers on the
+    copy engine -- over the call's last ``window_tokens`` tokens (None: the whole call); beside
+    them the hit rate per MoE layer of every row in ``hit_rates`` (name -> {layer: rate})."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -138,25 +197,90 @@ def plot_offload(trace: list, hit_rate_per_layer: dict[int, float], path, *, tit
     lanes = {"compute": 3, "stall": 2, "demand": 1, "prefetch": 0}
     colors = {"compute": "tab:blue", "stall": "tab:red", "demand": "tab:orange",
               "prefetch": "tab:green"}  # fmt: skip
-    t0 = min(span[3] for span in trace) if trace else 0.0
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 3.2), gridspec_kw={"width_ratios": [4, 1]})
-    for lane, y in lanes.items():
-        spans = [(1e3 * (a - t0), 1e3 * (b - a)) for kind, _, _, a, b in trace if kind == lane]
-        ax.broken_barh(spans, (y - 0.4, 0.8), color=colors[lane])
-    ax.set_yticks(list(lanes.values()), [f"{k}" for k in lanes])
-    ax.set_xlabel("ms")
-    ax.set_title(title or "expert offload: experts calls vs transfers")
-    layers = sorted(hit_rate_per_layer)
-    bx.bar([str(i) for i in layers], [hit_rate_per_layer[i] for i in layers], color="tab:blue")
-    bx.set_ylim(0, 1)
+    n = max(1, len(traces))
+    fig = plt.figure(figsize=(13, 1.0 + 1.7 * n))
+    grid = fig.add_gridspec(n, 2, width_ratios=[3, 1.2])
+    axes = [fig.add_subplot(grid[k, 0]) for k in range(n)]
+    for ax, (name, trace) in zip(axes, traces.items(), strict=False):
+        t0, t1 = _window(trace, window_tokens)
+        for lane, y in lanes.items():
+            spans = [(1e3 * (a - t0), 1e3 * (b - a)) for kind, _, _, a, b in trace
+                     if kind == lane and b >= t0 and a <= t1]  # fmt: skip
+            ax.broken_barh(spans, (y - 0.4, 0.8), color=colors[lane])
+        ax.set_xlim(0, 1e3 * (t1 - t0))
+        ax.set_yticks(list(lanes.values()), list(lanes))
+        ax.set_title(name, fontsize=10, loc="left")
+    if axes:
+        what = (
+            f"{window_tokens} decode steps with the most transfers" if window_tokens else "one call"
+        )
+        axes[-1].set_xlabel(f"ms ({what})")
+    bx = fig.add_subplot(grid[:, 1])
+    width = 0.8 / max(1, len(hit_rates))
+    for k, (name, rates) in enumerate(hit_rates.items()):
+        layers = sorted(rates, key=int)
+        xs = [int(i) + k * width for i in layers]
+        bx.bar(xs, [rates[i] for i in layers], width=width,
+               label=name.removeprefix("leapfx_offload_"))  # fmt: skip
+    bx.set_ylim(0, 1.05)
     bx.set_xlabel("MoE layer")
-    bx.set_title("hit rate")
+    bx.set_title("hit rate per layer", fontsize=10)
+    bx.legend(fontsize=7, loc="lower left")
     fig.tight_layout()
     tmp = f"{path}.tmp.png"
-    fig.savefig(tmp, dpi=110)
+    fig.savefig(tmp, dpi=90)
     plt.close(fig)
     os.replace(tmp, path)  # written whole or not at all
     return path
+
+
+def bench_table(rows) -> str:
+    """The offload columns of ``leapfx bench`` rows (those with ``extra["offload"]``), with
+    tokens/s relative to ``leapfx_offload_none`` and ``identical`` against ``leapfx_resident``."""
+    picked = [r for r in rows if r.system in OFFLOAD_ROWS]
+    none = next((r for r in picked if r.system == "leapfx_offload_none"), None)
+    head = ["system", "tok/s", "vs none", "identical", "hit rate", "prefetch hits",
+            "stall ms/tok", "MiB/tok", "wasted MiB/tok", "precision", "recall"]  # fmt: skip
+    lines = []
+
+    def f(v, scale=1.0, spec=".2f"):
+        return "-" if v is None else format(v / scale, spec)
+
+    for r in picked:
+        o = r.extra.get("offload", {})
+        vs = r.tokens_per_second / none.tokens_per_second if none else None
+        lines.append([
+            r.system, f"{r.tokens_per_second:.1f}", f(vs, spec=".2f") + "x" * (vs is not None),
+            {True: "yes", False: "NO", None: "-"}[r.extra.get("identical_to_resident")],
+            f(o.get("hit_rate")), f(o.get("prefetch_hit_rate")),
+            f(o.get("stall_ms_per_token"), spec=".2f"), f(o.get("bytes_per_token"), 2**20),
+            f(o.get("wasted_bytes_per_token"), 2**20), f(o.get("prefetch_precision")),
+            f(o.get("prefetch_recall")),
+        ])  # fmt: skip
+    from .report import columns  # report imports the harness, which imports this module
+
+    return columns(head, lines)
+
+
+def _window(trace: list, tokens: int | None) -> tuple[float, float]:
+    """(start, end) of the ``tokens`` consecutive decode steps after the prefill with the most
+    transfers (a warm cache moves little: the busiest steps show the overlap); None: all."""
+    compute = sorted(span[3:] for span in trace if span[0] == "compute")
+    if not compute:
+        return 0.0, 0.0
+    end = max(span[4] for span in trace)
+    layers = len({span[1] for span in trace if span[0] == "compute"})
+    starts = [compute[k][0] for k in range(0, len(compute), layers)]  # one call per step
+    if tokens is None or len(starts) <= tokens + 1:
+        return starts[0], end
+    moves = sorted(span[3] for span in trace if span[0] in ("demand", "prefetch"))
+
+    def count(k: int) -> int:
+        stop = starts[k + tokens] if k + tokens < len(starts) else end
+        return sum(starts[k] <= t < stop for t in moves)
+
+    best = max(range(1, len(starts) - tokens + 1), key=count)  # step 0 is the prefill
+    return starts[best], starts[best + tokens] if best + tokens < len(starts) else end
 
 
 def markdown(rows: list[OffloadRow]) -> str:
@@ -188,9 +312,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--policy", default="lru")
     p.add_argument("--prompts", type=int, default=3)
     p.add_argument("--tokens", type=int, default=32)
-    p.add_argument("--path", default=None, help="the disk tier's file (default: a temp file)")
+    p.add_argument("--path", default=None, help="folder for the disk tiers' files (default: temp)")
     p.add_argument("--json", default=None, help="also write the rows here")
-    p.add_argument("--plot", default=None, help="folder for each offloaded row's timeline PNG")
+    p.add_argument("--plot", default=None, help="PNG: timelines and hit rate per layer")
+    p.add_argument("--m2r2-parts", default=None, help="rate-2 M2R2 parts (prefetch m2r2)")
     p.add_argument("--model", default=None, help="a local MoE checkpoint (default: random)")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -209,11 +334,9 @@ def main(argv: list[str] | None = None) -> None:
                            intermediate=a.intermediate)  # fmt: skip
         g = torch.Generator().manual_seed(0)
         prompts = [torch.randint(0, 512, (1, 16), generator=g) for _ in range(a.prompts)]
-    if a.plot:
-        os.makedirs(a.plot, exist_ok=True)
     slots = int(a.slots) if a.slots >= 1 else a.slots
     rows = offload_rows(model, prompts, max_new_tokens=a.tokens, slots=slots, policy=a.policy,
-                        path=a.path, plot_dir=a.plot)  # fmt: skip
+                        path=a.path, plot=a.plot, m2r2_parts=a.m2r2_parts)  # fmt: skip
     print(markdown(rows))  # noqa: T201 - a command's output
     if a.json:
         with open(a.json, "w") as f:

@@ -68,6 +68,11 @@ def table(rows: list[Row]) -> str:
         if static:
             vs = r.speedup_vs_static
             lines[-1].insert(3, "-" if vs is None else f"{vs:.2f}x")
+    return columns(head, lines)
+
+
+def columns(head: list[str], lines: list[list]) -> str:
+    """``head`` and ``lines`` as left-aligned plain-text columns under a rule."""
     widths = [max(len(str(x)) for x in col) for col in zip(head, *lines, strict=True)]
     out = ["  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True))]
     out.append("  ".join("-" * w for w in widths))

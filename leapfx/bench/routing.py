@@ -26,36 +26,30 @@ import torch.nn.functional as F
 from ..passes.capture import decoder_parts, is_moe_layer
 
 
-@torch.no_grad()
-def routing_stats(model, batches: list[torch.Tensor], distances: tuple[int, ...] = (1, 2)) -> dict:
-    """Per-MoE-layer routing entropy, load, token-to-token reuse and next-gate predictability."""
+def moe_layers(model) -> list[int]:
     parts = decoder_parts(model)
     moe = [i for i, layer in enumerate(parts.layers) if is_moe_layer(layer)]
     if not moe:
         raise ValueError("model: has no MoE layers; allowed: an MoE model (olmoe, mixtral, ...)")
-    residuals: dict[int, list[torch.Tensor]] = {i: [] for i in moe}  # post-attention [T, H]
-    hooks = []
-    for i in moe:
-        layer = parts.layers[i]
+    return moe
 
-        def grab(module, args, i=i):
-            residuals[i].append(args[0].reshape(-1, args[0].shape[-1]))
 
-        # post_attention_layernorm's input is the residual stream after the attention
-        hooks.append(layer.post_attention_layernorm.register_forward_pre_hook(grab))
-    try:
-        for ids in batches:
-            model(input_ids=ids, use_cache=False)
-    finally:
-        for h in hooks:
-            h.remove()
-    h = {i: torch.cat(residuals[i]) for i in moe}
+def route_hidden(model, target: int, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer ``target``'s norm and router on ``hidden`` [T, H]: (probs [T, E], top-k [T, k])."""
+    layer = decoder_parts(model).layers[target]
+    x = layer.post_attention_layernorm(hidden)
+    probs = torch.softmax(F.linear(x, layer.mlp.gate.weight).float(), dim=-1)
+    return probs, probs.topk(layer.mlp.gate.top_k, dim=-1).indices
+
+
+@torch.no_grad()
+def routing_stats(model, batches: list[torch.Tensor], distances: tuple[int, ...] = (1, 2)) -> dict:
+    """Per-MoE-layer routing entropy, load, token-to-token reuse and next-gate predictability."""
+    moe = moe_layers(model)
+    h = post_attention_residuals(model, moe, batches)
 
     def route(target: int, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        layer = parts.layers[target]
-        x = layer.post_attention_layernorm(hidden)
-        probs = torch.softmax(F.linear(x, layer.mlp.gate.weight).float(), dim=-1)
-        return probs, probs.topk(layer.mlp.gate.top_k, dim=-1).indices
+        return route_hidden(model, target, hidden)
 
     report: dict = {"layers": {}}
     actual = {i: route(i, h[i]) for i in moe}
@@ -85,6 +79,67 @@ def routing_stats(model, batches: list[torch.Tensor], distances: tuple[int, ...]
         report["layers"][str(i)] = entry
     report["tokens"] = int(sum(b.numel() for b in batches))
     return report
+
+
+def post_attention_residuals(model, moe: list[int], batches) -> dict[int, torch.Tensor]:
+    """Each MoE layer's post-attention residual (its router's input, before the norm) [T, H]."""
+    layers = decoder_parts(model).layers
+    residuals: dict[int, list[torch.Tensor]] = {i: [] for i in moe}
+    hooks = []
+    for i in moe:
+
+        def grab(module, args, i=i):
+            residuals[i].append(args[0].reshape(-1, args[0].shape[-1]))
+
+        # post_attention_layernorm's input is the residual stream after the attention
+        hooks.append(layers[i].post_attention_layernorm.register_forward_pre_hook(grab))
+    try:
+        for ids in batches:
+            model(input_ids=ids, use_cache=False)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return {i: torch.cat(residuals[i]) for i in moe}
+
+
+@torch.no_grad()
+def fast_stream_precision(model, parts, batches: list[torch.Tensor]) -> dict[str, dict]:
+    """What ``OffloadOptions(prefetch="m2r2", m2r2_parts=parts)`` predicts, scored offline:
+    per predicted MoE layer L (2i+2 and 2i+3 from fast layer i), the overlap of L's norm and
+    router on p^{i+1} with L's actual top-k, beside next-gate from the slow state at the same
+    lead (layer i's post-attention residual) and at distance 1.
+
+    >>> fast_stream_precision(moe_model, "assets/moe-reference/m2r2", [ids])["4"]["m2r2"]
+    """
+    from ..rewrite import apply
+    from ..runtime.expert_prediction import predicted_layers
+    from ..train.m2r2 import fast_states, slow_pass
+
+    moe = moe_layers(model)
+    sm = apply(model, "m2r2", parts=str(parts))
+    n = model.config.num_hidden_layers
+    h = post_attention_residuals(model, moe, batches)
+    fast: dict[int, list[torch.Tensor]] = {}
+    for ids in batches:
+        for i, p in fast_states(sm, slow_pass(sm, ids)).items():
+            fast.setdefault(i, []).append(p.reshape(-1, p.shape[-1]))
+    out: dict[str, dict] = {}
+    for i, states in sorted(fast.items()):
+        for target in (t for t in predicted_layers(i, n) if t in moe):
+            actual = route_hidden(model, target, h[target])[1]
+            entry = {
+                "from_fast_layer": i,
+                "m2r2": _overlap(route_hidden(model, target, torch.cat(states))[1], actual),
+            }
+            if i in h:  # next-gate at the same lead: layer i's slow state
+                same = route_hidden(model, target, h[i])[1]
+                entry["next_gate_same_lead"] = _overlap(same, actual)
+            if target - 1 in h:
+                entry["next_gate_distance_1"] = _overlap(
+                    route_hidden(model, target, h[target - 1])[1], actual
+                )
+            out[str(target)] = entry
+    return out
 
 
 def _overlap(predicted: torch.Tensor, actual: torch.Tensor) -> float:

@@ -64,6 +64,7 @@ from .capture import (
     ATTN_KIND,
     LAYER,
     ROLE,
+    layer_module,
     layer_node,
     nodes_by_role,
     output_dict,
@@ -141,7 +142,9 @@ class AcceleratedLayer(nn.Module):
         self.cache_slot = attn.layer_idx
         self.window = window
         self.scaling = attn.scaling
-        self._rope = sys.modules[type(layer).__module__].apply_rotary_pos_emb
+        # The attention's module, not the layer's: an MoE layer in a captured graph is a plain
+        # container of its parts (see capture.layer_module).
+        self._rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
         nh = config.num_attention_heads
         nkv = getattr(config, "num_key_value_heads", None) or nh
         d = attn.head_dim
@@ -179,6 +182,20 @@ class AcceleratedLayer(nn.Module):
             "b_o", None if o.bias is None else o.bias.detach().clone(), persistent=False
         )
         self._qk_norm = hasattr(attn, "q_norm")
+        # OLMoE normalises q and k over the full projection width (all heads at once), before
+        # the per-head reshape; the fast stream has only its heads' channels, so it normalises
+        # those with their rows of the norm's weight (an approximation the adapters train
+        # around; exact for k when every KV head is kept).
+        self._full_width = self._qk_norm and attn.q_norm.weight.numel() != d
+        if self._full_width:
+            q_cols = torch.tensor([h * d + j for h in q_heads for j in range(d)])
+            k_cols = torch.tensor([h * d + j for h in kv_heads for j in range(d)])
+            self.register_buffer("qn_w", attn.q_norm.weight.detach()[q_cols].clone(),
+                                 persistent=False)  # fmt: skip
+            self.register_buffer("kn_w", attn.k_norm.weight.detach()[k_cols].clone(),
+                                 persistent=False)  # fmt: skip
+            self._norm_eps = attn.q_norm.variance_epsilon
+        self._clip = getattr(config, "clip_qkv", None)
         self._qkv_split = [heads * d, len(kv_heads) * d, len(kv_heads) * d]
         weight = o.weight
         kw = dict(dtype=weight.dtype, device=weight.device)
@@ -208,18 +225,30 @@ class AcceleratedLayer(nn.Module):
         ops = _TrainingOps(self) if training else _MergedOps(self)
         return self.step(p, position_embeddings, position_ids, cache, scratch, ops)
 
+    def _olmoe_qkv(self, qkv: torch.Tensor) -> torch.Tensor:
+        """OLMoE's order on the projections: full-width q/k norms, then ``clip_qkv``."""
+        q, k, v = qkv.split(self._qkv_split, dim=-1)
+        if self._full_width:
+            q, k = _rms(q, self.qn_w, self._norm_eps), _rms(k, self.kn_w, self._norm_eps)
+        if self._clip is not None:
+            q, k, v = (t.clamp(-self._clip, self._clip) for t in (q, k, v))
+        return torch.cat([q, k, v], dim=-1)
+
     def step(self, p, position_embeddings, position_ids, cache, scratch, ops) -> torch.Tensor:
         """Eq. 2 for one layer with ``ops`` doing the products and norms (the eager ones, or
         ``KernelAcceleratedLayer``'s): p [B, S, H] at positions position_ids [*, S] -> [B, S, H]."""
         x = ops.norm_in(p)
         B, S, _ = x.shape
-        qkv = ops.qkv(x).reshape(B, S, -1, self.head_dim)  # [B, S, h_q + 2 h_kv, D]
+        qkv = ops.qkv(x)  # [B, S, (h_q + 2 h_kv) D]
+        if self._full_width or self._clip is not None:
+            qkv = self._olmoe_qkv(qkv)
+        qkv = qkv.reshape(B, S, -1, self.head_dim)  # [B, S, h_q + 2 h_kv, D]
         nq, nk = self._qkv_split[0] // self.head_dim, self._qkv_split[1] // self.head_dim
         v = qkv[:, :, nq + nk :].transpose(1, 2)  # [B, h_kv, S, D]
         cos, sin = position_embeddings
         if self._qk_norm or cos.shape[-1] != self.head_dim:  # q/k norms, partial rotary
             q, k = qkv[:, :, :nq], qkv[:, :, nq : nq + nk]
-            if self._qk_norm:
+            if self._qk_norm and not self._full_width:  # per-head norms
                 attn = self.host.self_attn
                 q, k = attn.q_norm.forward(q), attn.k_norm.forward(k)
             q, k = self._rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # [B, h, S, D]
@@ -233,7 +262,14 @@ class AcceleratedLayer(nn.Module):
         slow_v = cache.values[self.cache_slot][:, self.kv_index, :n]
         if slow_k.shape[0] != B:
             slow_k, slow_v = slow_k.expand(B, -1, -1, -1), slow_v.expand(B, -1, -1, -1)
-        if scratch is None:
+        if scratch is None and S == 1 and self.window is None:
+            # One parallel row (a decode step beside the slow layers: the offload's m2r2
+            # prefetch): the slow layer has written its key at t = n - 1, so "slow columns < t"
+            # are the first n - 1, and no mask is needed.
+            keys = torch.cat([slow_k[:, :, : n - 1], k], dim=2)
+            values = torch.cat([slow_v[:, :, : n - 1], v], dim=2)
+            mask = None
+        elif scratch is None:
             # Parallel rows (full graph, training): the slow layer has written every row's key;
             # row t sees slow columns < t and its own fast column only.
             keys = torch.cat([slow_k, k], dim=2)
@@ -405,6 +441,13 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of ``x`` over its last dim with ``weight`` (HF's: in float32, then cast)."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
 def _kaiming(rows: int, cols: int, **kw) -> torch.Tensor:
     w = torch.empty(rows, cols, **kw)
     nn.init.kaiming_uniform_(w, a=math.sqrt(5))  # nn.Linear's (and LoRA's) default
@@ -533,7 +576,8 @@ class InsertAccelerator(GraphPass):
         gates = check_gates(self.gates, n)
         if nodes_by_role(gm, "accelerator"):
             raise ValueError("gates: the graph already has an accelerated stream")
-        first = gm.get_submodule(layers[0].target)
+        # layer_module, not the node's target: an MoE layer's node is its residual add.
+        first = layer_module(gm, 0)
         if not hasattr(first, "self_attn") or not hasattr(first, "post_attention_layernorm"):
             raise ValueError(
                 f"layer 0 is a {type(first).__name__}, not a HF decoder layer; run "
@@ -551,7 +595,7 @@ class InsertAccelerator(GraphPass):
         modules = {}
         for i in range(gates[-1]):
             node = layer_node(gm, i)
-            host = gm.get_submodule(node.target)
+            host = layer_module(gm, i)
             w = window if node.meta[ATTN_KIND] == "sliding_attention" else None
             modules[i] = AcceleratedLayer(host, index=i, heads=heads, rank=self.rank, window=w)
             modules[i].train(host.training)

@@ -10,6 +10,21 @@ prefetch node is marked as a side effect, so every stage that runs layer i keeps
 runtime lands in ``gm.meta["leapfx.offload"]``. Orthogonal to recipes: it runs after their
 passes, on whatever stages they cut.
 
+``prefetch="m2r2"`` (M2R2 sec. 2.3.3) adds a fast residual stream at rate 2: the accelerated
+layers of ``passes.accelerator`` for gate N/2 (trained parts from ``m2r2_parts``). Fast layer i
+runs right after slow layer i's attention has written its keys (it reads them for positions
+< t, as in M2R2's drafting) and its output p^{i+1} ~ h^{2i+2} feeds the prefetch nodes of MoE
+layers 2i+2 and 2i+3 (``expert_prediction.predicted_layers``): the loads start while layers
+i..2i+1 compute. Layers 0 and 1 are never predicted. Only for recipes without draft layers
+(``autoregressive``): a fast stream that crosses a draft/verify cut would have to be carried
+between stages.
+
+``prefetch="verify_union"`` (speculative recipes: an exit layer E) adds, after layer E-1, one
+prefetch node per MoE layer L >= E that routes the exit state h^E through L's norm and router,
+adding to the union of the round: every draft, and the last draft's lower pass inside verify,
+contributes its token, so when the verify pass runs layers >= E over the round's d + 1 tokens
+their experts are (predicted to be) in place.
+
 Example::
 
     >>> gm = OffloadExperts(OffloadOptions(slots=0.5)).run(capture(moe_model)).graph_module
@@ -24,9 +39,13 @@ from typing import ClassVar
 
 from torch import fx
 
+from ..runtime.expert_prediction import predicted_layers
 from ..runtime.offload import ExpertOffload, NextGatePrefetch, OffloadedExperts, OffloadOptions
+from .accelerator import ACCELERATOR_MODULE, AcceleratedLayer, Accelerator, default_heads
+from .accelerator_checkpoint import LoadAccelerator, read_parts_config
 from .base import GraphPass, PassResult
-from .capture import LAYER, ROLE, SIDE_EFFECT, nodes_by_role
+from .capture import ATTN_KIND, LAYER, ROLE, SIDE_EFFECT, layer_module, layer_node, nodes_by_role
+from .exit_head import EXIT_LAYER
 
 OFFLOAD = "leapfx.offload"
 
@@ -62,20 +81,92 @@ class OffloadExperts(GraphPass):
             target = f"leapfx_offload.experts_{i}"
             gm.add_submodule(target, OffloadedExperts(runtime, i, modules[i]))
             node.target = target
-        if self.options.prefetch == "next_gate":
-            residuals, norms = _by_layer(gm, "attn_residual"), _by_layer(gm, "moe_norm")
+        prefetch = self.options.prefetch
+        if prefetch == "next_gate":
+            residuals = _by_layer(gm, "attn_residual")
             layers = sorted(experts)
             for i, j in zip(layers, layers[1:], strict=False):
-                target = f"leapfx_offload.prefetch_{i}"
-                module = NextGatePrefetch(
-                    runtime, j, gm.get_submodule(norms[j].target),
-                    gm.get_submodule(routers[j].target),
-                )  # fmt: skip
-                gm.add_submodule(target, module)
-                with gm.graph.inserting_after(experts[i]):
-                    node = gm.graph.call_module(target, (residuals[i],))
-                node.name = f"layer_{i}_prefetch"
-                node.meta.update({ROLE: "prefetch", LAYER: i, SIDE_EFFECT: True,
-                                  "leapfx.prefetch_layer": j})  # fmt: skip
+                _prefetch_node(gm, runtime, experts[i], residuals[i], i, j)
+        elif prefetch == "m2r2":
+            _m2r2_stream(gm, runtime, self.options.m2r2_parts, set(experts))
+        elif prefetch == "verify_union":
+            if EXIT_LAYER not in gm.meta:
+                raise ValueError(
+                    "prefetch: 'verify_union' prefetches for the verify pass of a speculative "
+                    "recipe; allowed with recipes that draft with layers < E (layerskip, "
+                    "kangaroo), or prefetch='none'/'next_gate'/'m2r2'"
+                )
+            e = gm.meta[EXIT_LAYER]
+            exit_state = after = layer_node(gm, e - 1)
+            for j in sorted(x for x in experts if x >= e):
+                after = _prefetch_node(gm, runtime, after, exit_state, e - 1, j, union=True)
         gm.meta[OFFLOAD] = runtime
         return PassResult(gm, modified=True, matches=len(experts))
+
+
+def _prefetch_node(
+    gm: fx.GraphModule, runtime: ExpertOffload, after: fx.Node, hidden: fx.Node, layer: int,
+    target: int, *, union: bool = False,
+) -> fx.Node:  # fmt: skip
+    """Insert after ``after`` a side-effect node of ``layer`` that routes ``hidden`` through
+    MoE layer ``target``'s norm and router and prefetches what they pick."""
+    name = f"leapfx_offload.prefetch_{layer}_{target}"
+    norm = gm.get_submodule(_by_layer(gm, "moe_norm")[target].target)
+    router = gm.get_submodule(_by_layer(gm, "router")[target].target)
+    gm.add_submodule(name, NextGatePrefetch(runtime, target, norm, router, union=union))
+    with gm.graph.inserting_after(after):
+        node = gm.graph.call_module(name, (hidden,))
+    node.name = f"layer_{layer}_prefetch_{target}"
+    node.meta.update({ROLE: "prefetch", LAYER: layer, SIDE_EFFECT: True,
+                      "leapfx.prefetch_layer": target})  # fmt: skip
+    return node
+
+
+def _m2r2_stream(gm: fx.GraphModule, runtime: ExpertOffload, parts, moe: set[int]) -> None:
+    """The rate-2 fast stream and the prefetch nodes it feeds (see the module docstring)."""
+    if EXIT_LAYER in gm.meta or hasattr(gm, ACCELERATOR_MODULE):
+        raise ValueError(
+            "prefetch: 'm2r2' runs its own fast stream beside the full model; allowed with "
+            "the autoregressive recipe (speculative recipes: prefetch='verify_union')"
+        )
+    n = gm.meta["leapfx.num_layers"]
+    gate = n // 2
+    options = read_parts_config(parts).get("options", {}) if parts is not None else {}
+    if parts is not None and (options.get("gates") or [None])[0] != gate:
+        raise ValueError(
+            f"m2r2_parts: {str(parts)!r} were trained with gates {options.get('gates')}; the "
+            f"m2r2 prefetch policy needs a rate-2 stream, gate N/2 = {gate} (`leapfx train-m2r2 "
+            f"--fast-layers {gate}`)"
+        )
+    config = layer_module(gm, 0).self_attn.config
+    nkv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    heads = options.get("heads") or default_heads(config.num_attention_heads, nkv)
+    window = getattr(config, "sliding_window", None)
+    fast = {}
+    for i in range(gate):
+        w = window if layer_node(gm, i).meta[ATTN_KIND] == "sliding_attention" else None
+        fast[i] = AcceleratedLayer(layer_module(gm, i), index=i, heads=heads,
+                                   rank=options.get("rank", 8), window=w).eval()  # fmt: skip
+    gm.add_submodule(ACCELERATOR_MODULE, Accelerator(fast, gates=(gate,), num_layers=n))
+    if parts is not None:
+        LoadAccelerator(str(parts)).run(gm)
+    g = gm.graph
+    rope = nodes_by_role(gm, "rotary")[0]
+    position_ids, cache = (
+        next(x for x in g.nodes if x.op == "placeholder" and x.name == name)
+        for name in ("position_ids", "cache")
+    )
+    p = nodes_by_role(gm, "embed")[0]  # the reset p^0 = h^0
+    residuals = _by_layer(gm, "attn_residual")
+    targets = {i: [t for t in predicted_layers(i, n) if t in moe] for i in range(gate)}
+    last = max((i for i, t in targets.items() if t), default=-1)
+    for i in range(last + 1):  # every fast layer up to the last that predicts something
+        # Right after layer i's attention wrote its keys: fast layer i reads them (< t).
+        after = residuals.get(i, layer_node(gm, i))
+        with g.inserting_after(after):
+            p = g.call_module(f"{ACCELERATOR_MODULE}.layers.{i}", (p, rope, position_ids, cache))
+        p.name = f"fast_{i}"
+        p.meta.update({ROLE: "fast_stream", LAYER: i})
+        after = p
+        for t in targets[i]:
+            after = _prefetch_node(gm, runtime, after, p, i, t)

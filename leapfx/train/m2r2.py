@@ -65,6 +65,10 @@ class M2R2FitConfig:
     warmup: float = 0.03  # share of steps with a linear warmup, then cosine to 0
     ce_weight: float = 1.0  # a0
     mse_weight: float = 1.0  # a1
+    # Not in eq. 5: on an MoE host, the KL of the routing of layers 2i+2, 2i+3 predicted from
+    # p^{i+1} (their norms and routers) from their actual routing (sec. 2.3.3's use of the
+    # stream: the offload's m2r2 prefetch policy). 0: off.
+    route_weight: float = 0.0
     ce_target: str = "labels"  # "labels" (eq. 5) or "model" (the full model's distribution)
     grad_clip: float = 1.0
     # ARLA routers (m2r2_exit), trained after the adapters (sec. 2.3.1) with BCE on whether
@@ -80,7 +84,8 @@ class M2R2FitConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name}: {value!r} is invalid; allowed: an integer >= {low}")
-        for name in ("lr", "router_lr", "weight_decay", "ce_weight", "mse_weight", "grad_clip"):
+        for name in ("lr", "router_lr", "weight_decay", "ce_weight", "mse_weight", "grad_clip",
+                     "route_weight"):  # fmt: skip
             value = getattr(self, name)
             positive = name in ("lr", "router_lr")
             ok = isinstance(value, (int, float)) and not isinstance(value, bool)
@@ -200,7 +205,31 @@ def m2r2_loss(
             ce = ce + F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels.flatten())
         else:
             ce = ce + kangaroo_loss(logits, slow.logits)
-    return config.ce_weight * ce + config.mse_weight * mse, ce, mse
+    loss = config.ce_weight * ce + config.mse_weight * mse
+    if config.route_weight:
+        loss = loss + config.route_weight * routing_loss(sm, ids, fast)
+    return loss, ce, mse
+
+
+def routing_loss(sm, ids: torch.Tensor, fast: dict[int, torch.Tensor]) -> torch.Tensor:
+    """Sum over fast layers i and MoE layers L in {2i+2, 2i+3} of KL(actual || predicted): L's
+    norm and router on its own post-attention residual (no grad) vs on p^{i+1}."""
+    from leapfx.bench.routing import moe_layers, post_attention_residuals, route_hidden
+    from leapfx.runtime.expert_prediction import predicted_layers
+
+    model = sm.hf_model
+    moe = moe_layers(model)
+    n = model.config.num_hidden_layers
+    with torch.no_grad():
+        actual = post_attention_residuals(model, moe, [ids.to(next(model.parameters()).device)])
+    loss = torch.zeros((), device=ids.device)
+    for i, p in fast.items():
+        for target in (t for t in predicted_layers(i, n) if t in moe):
+            with torch.no_grad():
+                want = route_hidden(model, target, actual[target])[0]  # [T, E]
+            got = route_hidden(model, target, p.reshape(-1, p.shape[-1]))[0]
+            loss = loss + F.kl_div(got.clamp_min(1e-9).log(), want, reduction="batchmean")
+    return loss
 
 
 def router_loss(sm, ids: torch.Tensor) -> torch.Tensor:
@@ -372,6 +401,7 @@ def train_parts(
     rank: int | None = None,
     num_speculations: int | None = None,
     confidence_threshold: float | None = None,
+    fast_layers: int | None = None,
     held_out_tokens: int = 16384,
     corpus_root: str | None = None,
     **options: Any,
@@ -380,10 +410,11 @@ def train_parts(
     corpus's training split and write them to ``out`` with ``m2r2_report.json`` (the held-out
     alignment before and after). ``init``: start from parts written earlier (a resumed run;
     the optimizer starts fresh; only the fast layers of the same intervals load, see
-    ``load_compatible``). ``heads``, ``rank``, and for ``m2r2`` ``num_speculations`` and
-    ``confidence_threshold`` (recorded in the parts, the drafting setting they decode with
-    unless ``apply`` is given another): the recipe's options. ``options``:
-    :class:`M2R2FitConfig` fields. What ``leapfx train-m2r2`` runs."""
+    ``load_compatible``). ``heads``, ``rank``, ``fast_layers`` (m2r2's gate; N/2 is the rate-2
+    stream of the MoE offload's ``m2r2`` prefetch policy), and for ``m2r2``
+    ``num_speculations`` and ``confidence_threshold`` (recorded in the parts, the drafting
+    setting they decode with unless ``apply`` is given another): the recipe's options.
+    ``options``: :class:`M2R2FitConfig` fields. What ``leapfx train-m2r2`` runs."""
     import json
     import platform
 
@@ -398,9 +429,12 @@ def train_parts(
     held = encode_documents(tokenizer, corpus.held_out).long()[:held_out_tokens]
     from leapfx.passes.accelerator_checkpoint import load_compatible
 
+    shape = {"heads": heads, "rank": rank}
+    if fast_layers is not None:  # an m2r2 option only (m2r2_exit takes gates)
+        shape["fast_layers"] = fast_layers
     drafting = {"num_speculations": num_speculations, "confidence_threshold": confidence_threshold}
-    drafting = {k: v for k, v in drafting.items() if v is not None}
-    sm = rewrite.apply(model, recipe, heads=heads, rank=rank, **drafting)
+    shape.update({k: v for k, v in drafting.items() if v is not None})
+    sm = rewrite.apply(model, recipe, **shape)
     initialised = [] if init is None else load_compatible(sm.graph_module, init)
     before = evaluate(sm, held)
     result = fit(sm, train, **options)

@@ -46,7 +46,10 @@ from .store import DiskStore, HostStore
 
 log = logging.getLogger(__name__)
 
-PREFETCH_POLICIES = ("none", "next_gate")
+# "m2r2": M2R2's accelerated residual at rate 2 predicts layers 2i+2, 2i+3 during layer i
+# (``predictors.M2R2Prefetch``); "verify_union": for speculative recipes, the union of the
+# upper layers' experts that the drafts' exit states route to (``predictors.UnionPrefetch``).
+PREFETCH_POLICIES = ("none", "next_gate", "m2r2", "verify_union")
 TIERS = ("auto", "disk", "host")
 
 
@@ -63,7 +66,10 @@ class OffloadOptions:
     # layer's experts, rounded up.
     slots: int | float = 0.5
     policy: str = "lru"  # eviction: "lru" or "lfu" (see slots.SlotCache)
-    prefetch: str = "none"  # "none" (on demand only) or "next_gate"
+    prefetch: str = "none"  # "none" (on demand only), "next_gate", "m2r2" or "verify_union"
+    # prefetch="m2r2": the fast stream's trained parts (``leapfx train-m2r2 --fast-layers N/2``,
+    # a rate-2 stream); None: an untrained stream (the identity: it predicts from h^0).
+    m2r2_parts: str | os.PathLike | None = None
     # Prefetch bytes per token over all MoE layers; None: top_k experts per layer and token
     # (as many bytes as the demand of a perfectly predicted token).
     prefetch_budget: int | None = None
@@ -100,6 +106,17 @@ class OffloadOptions:
             raise ValueError(
                 f"prefetch_budget: {b!r} is invalid; allowed: None or an integer >= 0 (bytes "
                 "per token)"
+            )
+        parts = self.m2r2_parts
+        if parts is not None and not isinstance(parts, (str, os.PathLike)):
+            raise ValueError(
+                f"m2r2_parts: {parts!r} is invalid; allowed: None or a directory written by "
+                "SpeculativeModel.save_parts (str or os.PathLike)"
+            )
+        if parts is not None and self.prefetch != "m2r2":
+            raise ValueError(
+                f"m2r2_parts: given with prefetch={self.prefetch!r}; allowed: only with "
+                "prefetch='m2r2'"
             )
         for name in ("direct_io", "poison"):
             if not isinstance(getattr(self, name), bool):
@@ -194,7 +211,11 @@ class ExpertOffload:
         self.engine: TransferEngine = (
             CudaEngine(self.device)
             if self.device.type == "cuda"
-            else ThreadEngine(delay_s=options.transfer_delay_s)
+            # A transfer delay tests the waits, which only the worker's tickets have: demands
+            # go through it too then.
+            else ThreadEngine(
+                delay_s=options.transfer_delay_s, inline_demand=not options.transfer_delay_s
+            )  # fmt: skip
         )
         make = dict(dtype=self.dtype, device=self.device)
         fill = math.nan if options.poison else 0.0
@@ -220,35 +241,44 @@ class ExpertOffload:
 
     # ---- transfers -------------------------------------------------------------------------
 
-    def _issue(self, layer: int, p: Placement, *, demand: bool) -> None:
-        key = (layer, p.slot)
-        gate_up, down = self.gate_up[layer][p.slot], self.down[layer][p.slot]
-        after = self._free.pop(key, None)
-        if self.options.poison:
-            # The slot is unpinned and idle: nothing reads it now. A compute that forgot to
-            # wait for the load below reads NaN (with transfer_delay_s, always).
-            gate_up.fill_(math.nan)
-            down.fill_(math.nan)
-            after = self.engine.record_free() or after
-        store = self.store
-        expert = p.expert
-
-        trace = self.trace
+    def _issue(self, layer: int, placements: list[Placement], *, demand: bool) -> None:
+        """One transfer job loading every placement's expert into its slot: a prefetch call's
+        experts go together, so the worker is woken once per call, not once per expert."""
+        after, reads = [], []
+        for p in placements:
+            gate_up, down = self.gate_up[layer][p.slot], self.down[layer][p.slot]
+            free = self._free.pop((layer, p.slot), None)
+            if self.options.poison:
+                # The slot is unpinned and idle: nothing reads it now. A compute that forgot to
+                # wait for the load below reads NaN (with transfer_delay_s, always).
+                gate_up.fill_(math.nan)
+                down.fill_(math.nan)
+                free = self.engine.record_free() or free
+            if free is not None:
+                after.append(free)
+            reads.append((p.expert, gate_up, down))
+        store, trace = self.store, self.trace
         lane = "demand" if demand else "prefetch"
 
         def job() -> int:
-            start = time.perf_counter()
-            moved = store.read_into(layer, expert, gate_up, down)
-            if trace is not None:
-                trace.append((lane, layer, expert, start, time.perf_counter()))
+            moved = 0
+            for expert, gate_up, down in reads:
+                start = time.perf_counter()
+                moved += store.read_into(layer, expert, gate_up, down)
+                if trace is not None:
+                    trace.append((lane, layer, expert, start, time.perf_counter()))
             return moved
 
-        self.caches[layer].begin_load(p.slot)
-        self._pending[key] = self.engine.submit(job, demand=demand, after=after)
+        for p in placements:
+            self.caches[layer].begin_load(p.slot)
+        ticket = self.engine.submit(job, demand=demand, after=after)
+        for p in placements:  # one ticket: waiting for any of these slots waits for all
+            self._pending[(layer, p.slot)] = ticket
+        nbytes = self.expert_bytes * len(placements)
         if demand:
-            self.counters.demand_bytes += self.expert_bytes
+            self.counters.demand_bytes += nbytes
         else:
-            self.counters.prefetch_bytes += self.expert_bytes
+            self.counters.prefetch_bytes += nbytes
 
     def _settle(self, layer: int, slot: int) -> None:
         """Make compute wait for the slot's load, if one is in flight."""
@@ -280,7 +310,7 @@ class ExpertOffload:
                 self._settle(*key)
                 p = cache.demand_one(expert)
             if p.load:
-                self._issue(layer, p, demand=True)
+                self._issue(layer, [p], demand=True)
             placements.append(p)
         for p in placements:  # loaded on demand now, or by a prefetch still in flight
             self._settle(layer, p.slot)
@@ -352,18 +382,29 @@ class ExpertOffload:
             return float(self.top_k * self.expert_bytes * tokens)
         return b / len(self.layers) * tokens
 
-    def prefetch(self, layer: int, probs: torch.Tensor) -> None:
-        """Load the experts ``probs`` [T, E] predicts for ``layer``, most probable first."""
+    def prefetch(self, layer: int, probs: torch.Tensor, *, union: bool = False) -> None:
+        """Load the experts ``probs`` [T, E] predicts for ``layer``, most probable first.
+
+        ``union``: the prediction adds to the ones made since ``layer`` last ran (the verify
+        pass of a speculative round needs the union of its tokens' experts) instead of
+        replacing them; precision and recall score the union.
+        """
         k = min(self.top_k, probs.shape[-1])
-        top = torch.topk(probs, k, dim=-1).indices.unique()
-        mass = probs.sum(0)[top]
-        # Host sync: the prediction decides which transfers to start.
-        candidates = top[torch.argsort(mass, descending=True, stable=True)].tolist()
-        self._predicted[layer] = set(candidates)
+        if probs.shape[0] == 1:  # a decode step: topk's order is already by probability
+            # Host sync: the prediction decides which transfers to start.
+            candidates = torch.topk(probs[0], k).indices.tolist()
+        else:
+            top = torch.topk(probs, k, dim=-1).indices.unique()
+            mass = probs.sum(0)[top]
+            candidates = top[torch.argsort(mass, descending=True, stable=True)].tolist()
+        if union and layer in self._predicted:
+            self._predicted[layer].update(candidates)
+        else:
+            self._predicted[layer] = set(candidates)
         allowance = self.budget_per_call(probs.shape[0])
         cache = self.caches[layer]
         self._reap(layer)
-        moved = 0
+        moved, loads = 0, []
         for expert in candidates:
             if expert in cache.slot_of:
                 cache.prefetch(expert)  # touch: keep it through this call's evictions
@@ -373,8 +414,10 @@ class ExpertOffload:
             p = cache.prefetch(expert)
             if p is None:
                 break
-            self._issue(layer, p, demand=False)
+            loads.append(p)
             moved += self.expert_bytes
+        if loads:
+            self._issue(layer, loads, demand=False)
         self.counters.prefetch_calls.append((moved, allowance))
 
     # ---- metrics ---------------------------------------------------------------------------
@@ -445,20 +488,35 @@ class OffloadedExperts(nn.Module):
 class NextGatePrefetch(nn.Module):
     """Prefetch for MoE layer ``target``: its router applied to an earlier hidden state.
 
-    ``hidden`` [B, S, H] is the residual stream after the previous MoE layer's attention;
-    ``target``'s post-attention norm and router turn it into the routing ``target`` would pick
-    if the layers between changed nothing (a next-layer gate, as in Pre-gated MoE and
-    mixtral-offloading's speculative loading, untrained).
+    ``target``'s post-attention norm and router turn ``hidden`` [B, S, H] into the routing
+    ``target`` would pick if ``hidden`` were its input. Each policy feeds it another state:
+
+    - ``next_gate``: the residual stream after the previous MoE layer's attention (a next-layer
+      gate, as in Pre-gated MoE and mixtral-offloading's speculative loading, untrained);
+    - ``m2r2``: the accelerated residual p^{i+1} ~ h^{2i+2} (M2R2 sec. 2.3.3, as
+      ``leapfx.runtime.expert_prediction.predict_experts``), two layers' worth of lead;
+    - ``verify_union`` (``union=True``): a draft's exit state, for every layer the verify pass
+      runs above the exit; the predictions of a round's drafts add up until the verify pass.
     """
 
-    def __init__(self, runtime: ExpertOffload, target: int, norm: nn.Module, router: nn.Module):
+    def __init__(
+        self,
+        runtime: ExpertOffload,
+        target: int,
+        norm: nn.Module,
+        router: nn.Module,
+        *,
+        union: bool = False,
+    ):
         super().__init__()
         self.runtime = runtime
         self.target = target
         self.norm = norm
         self.router = router
+        self.union = union
 
     def forward(self, hidden: torch.Tensor) -> None:
         flat = self.norm(hidden).reshape(-1, hidden.shape[-1])
         logits = F.linear(flat, self.router.weight)  # [T, E]
-        self.runtime.prefetch(self.target, torch.softmax(logits.float(), dim=-1))
+        probs = torch.softmax(logits.float(), dim=-1)
+        self.runtime.prefetch(self.target, probs, union=self.union)
