@@ -214,43 +214,57 @@ class SpecEEDecoder:
     def step(self, x: torch.Tensor, pos: int, request: DecodeRequest) -> Step:
         """Run token x [1, 1] at ``pos`` until its predicted exit (or the last layer)."""
         runner, cfg = self.runner, self.config
+        call, cache = runner._call, runner.cache
         out = runner.chunk("draft", x, pos)
         cands = self._candidates(x, pos, out)  # [k]
         h, rope = out["hidden"], out["rope"]  # [1, 1, H]
         base = self._base_masks(pos, 1)
         active, needed = self.scheduler.active(), self.scheduler.needed()
+        # Only verify reads the per-layer states back (``Step.hidden``): lossy decoding keeps none.
+        keep = cfg.verify
         hidden = {self.first - 1: h}
+        fill_next = cfg.kv_fill == "next"
         p_prev, prev_layer = None, -1
         batch_start = pos  # kv_fill="next": the first position of the rows in flight
+        positions = out.get("position_ids")
+        if positions is None:
+            positions = self._positions(pos, 1)
+        mask = None
+        last = self.num_layers - 1
         for i in range(self.first - 1, self.num_layers):
             if i >= self.first:
-                if cfg.kv_fill == "next":
-                    h, rope, batch_start = self._join(i, h, rope, batch_start, pos)
-                    if h.shape[1] == 1:
-                        mask = base[self._kind(i)]
+                if fill_next:
+                    if self.pending and self.pending[-1][2] == i:
+                        h, rope, batch_start = self._join(i, h, pos)
+                        positions = self._positions(batch_start, pos + 1 - batch_start)
+                    if batch_start == pos:
+                        mask = base[self.kinds[i]]
                     else:
                         mask = self._batch_mask(i, batch_start, pos)
                 else:
                     mask = self._mask(i, pos, 1, base)
-                h = self._layer(i, h, rope, batch_start, mask)
-                hidden[i] = h[:, -1:]
-            if i == self.num_layers - 1 or i not in needed:
+                h = call(
+                    f"layer_{i}", hidden=h, rope=rope, mask=mask, position_ids=positions,
+                    cache=cache,
+                )["hidden"]  # fmt: skip
+                if keep:
+                    hidden[i] = h[:, -1:]
+            if i == last or i not in needed:
                 continue
             t0 = time.perf_counter()
             fired = False
             if i in active:
                 prev = p_prev if prev_layer == i - 1 else None
-                res = runner._call(f"check_{i}", hidden=h, candidates=cands, p_prev=prev)
+                res = call(f"check_{i}", hidden=h, candidates=cands, p_prev=prev)
                 p = res["p"]
                 fired = float(res["prob"]) > cfg.threshold  # host sync: the exit decision
             else:
-                p = runner._call(f"probs_{i}", hidden=h, candidates=cands)["p"]
+                p = call(f"probs_{i}", hidden=h, candidates=cands)["p"]
             p_prev, prev_layer = p, i
             exited = False
             if fired:
                 logits = self._head(h[:, -1:])[:, -1]  # [1, V]: the global check
-                g = logits.argmax(dim=-1)
-                exited = bool((cands == g).any())  # host sync
+                exited = bool((cands == logits.argmax(dim=-1)).any())  # host sync
             self.predictor_seconds += time.perf_counter() - t0
             if exited:
                 self._exit(i, pos, h, batch_start)
@@ -278,10 +292,8 @@ class SpecEEDecoder:
             cache.lengths[j] = pos + 1  # the slot stays empty; the bias hides it
         self.all_valid_below = min(self.all_valid_below, i)
 
-    def _join(self, i: int, h, rope, batch_start: int, pos: int):
+    def _join(self, i: int, h, pos: int):
         """kv_fill="next": prepend the pending rows that stopped below layer i."""
-        if not self.pending or self.pending[-1][2] != i:
-            return h, rope, batch_start
         rows, start, _ = self.pending.pop()
         assert self.runner.cache.lengths[i] == start, "missing K/V must be a suffix"
         h = torch.cat([rows, h], dim=1)
