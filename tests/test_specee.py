@@ -274,6 +274,24 @@ def test_parts_round_trip(tmp_path):
             rewrite.apply(model, "specee", parts=tmp_path / drafter, exit_layer=3)
 
 
+def test_above_early_exit_interpolates_at_equal_speed():
+    """The claim is computed: specee's agreement at each early-exit point's speed."""
+    from leapfx.bench.specee_sweep import CurvePoint, above_early_exit
+
+    points = [
+        CurvePoint("specee", 0.5, 0, 2.0, 0.90, 6.0),
+        CurvePoint("specee", 0.9, 0, 1.0, 0.99, 10.0),
+        CurvePoint("early_exit", 4, 0, 1.5, 0.80, 4.0),  # specee at 1.5x: 0.945
+        CurvePoint("early_exit", 8, 0, 3.0, 0.85, 8.0),  # faster than the whole curve
+    ]
+    found = above_early_exit(points, "specee", "speedup")
+    assert [c.exit_layer for c in found] == [4, 8]
+    assert found[0].specee == pytest.approx(0.945) and found[0].above is True
+    assert found[1].specee is None and found[1].above is None
+    by_layers = above_early_exit(points, "specee", "avg_layers")
+    assert by_layers[0].specee is None and by_layers[1].specee == pytest.approx(0.945)
+
+
 @pytest.mark.parametrize(
     ("options", "match"),
     [
@@ -325,7 +343,7 @@ def test_bench_specee_rows_and_threshold_curve(tmp_path, capsys):
     by = {r["system"]: r for r in rows}
     assert {
         "leapfx_specee",
-        "leapfx_specee_next",
+        "leapfx_specee_mask",
         "leapfx_specee_verified",
         "leapfx_eagle",
     } <= by.keys()
@@ -337,3 +355,5 @@ def test_bench_specee_rows_and_threshold_curve(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert re.search(r"specee +t=1 ", printed) and re.search(r"early_exit +E=3 ", printed)
     assert plot.is_file() and plot.stat().st_size > 0
+    assert re.search(r"specee vs early_exit at equal speed: ", printed)
+    assert set(rows[0]["run"]["specee_vs_early_exit"]) >= {"specee/speedup", "specee_mask/speedup"}

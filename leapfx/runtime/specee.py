@@ -16,10 +16,12 @@ p_{l-1}, so z is also computed at the layer below each active one (spec sec. 9.1
 
 KV of exited layers (``kv_fill``):
 
-- ``"mask"`` (default, the authors' implementations): the layers above the exit write no K/V
-  for the token; their cache length still moves past it (positions stay global for RoPE) and
-  a per-layer validity bias (0 / -inf, ``[L, max_len]``) hides the slot from later queries.
-- ``"next"``: the exited token's hidden state stays pending and its skipped layers run batched
+- ``"mask"`` (the authors' implementations; the default with ``verify=True``): the layers
+  above the exit write no K/V for the token; their cache length still moves past it
+  (positions stay global for RoPE) and a per-layer validity bias (0 / -inf,
+  ``[L, max_len]``) hides the slot from later queries.
+- ``"next"`` (the lossy default: the better agreement per speed, docs/recipes.md): the exited
+  token's hidden state stays pending and its skipped layers run batched
   with the next token's pass (rows join at the layer where they stopped), so every slot a query
   reads is filled exactly. Invariant: at each layer the missing positions are a suffix, so a
   batch writes at that layer's fill length.
@@ -103,7 +105,7 @@ class SpecEEConfig:
     threshold: float
     offline: frozenset[int]
     verify: bool = False
-    kv_fill: str = "mask"
+    kv_fill: str = "next"
     max_draft_tokens: int = 6
     window: int = 2
     history: int = 5
