@@ -212,6 +212,23 @@ def test_verified_specee_float64_exact_with_exits(drafter):
     assert m.verify_calls > 0 and m.drafted_tokens > m.verify_calls
 
 
+def _sampled_counts(sm, prompt, exact, length: int, n: int, seed: int) -> tuple[dict, int, int]:
+    """Continuation counts of ``n`` sampled decodes, and the drafts rejected / drafted."""
+    g = torch.Generator().manual_seed(seed)
+    counts = dict.fromkeys(exact, 0)
+    rejections = drafted = 0
+    for _ in range(n):
+        out = sm.generate(
+            prompt, do_sample=True, temperature=TEMPERATURE, top_k=TOP_K, top_p=TOP_P,
+            max_new_tokens=length, generator=g,
+        )  # fmt: skip
+        counts[tuple(out[0, prompt.shape[1] :].tolist())] += 1
+        m = sm.last_metrics
+        rejections += m.drafted_tokens - m.accepted_drafts
+        drafted += m.drafted_tokens
+    return counts, rejections, drafted
+
+
 def test_verified_specee_sampling_matches_target_distribution():
     vocab, length = 4, 4
     model = tiny_model("llama", layers=3, vocab=vocab, heads=2, kv_heads=1, seed=11)
@@ -222,20 +239,38 @@ def test_verified_specee_sampling_matches_target_distribution():
     # threshold 0: every pass exits at the first predicted layer (S is the whole vocabulary).
     sm = rewrite.apply(model, "specee", exit_layer=1, threshold=0.0, verify=True,
                        max_draft_tokens=2)  # fmt: skip
-    g = torch.Generator().manual_seed(1234)
     n = 3000
-    counts = dict.fromkeys(exact, 0)
-    rejections = drafted = 0
-    for _ in range(n):
-        out = sm.generate(
-            prompt, do_sample=True, temperature=TEMPERATURE, top_k=TOP_K, top_p=TOP_P,
-            max_new_tokens=length, generator=g,
-        )  # fmt: skip
-        counts[tuple(out[0, 3:].tolist())] += 1
-        m = sm.last_metrics
-        rejections += m.drafted_tokens - m.accepted_drafts
-        drafted += m.drafted_tokens
+    counts, rejections, drafted = _sampled_counts(sm, prompt, exact, length, n, 1234)
     assert 0 < rejections < drafted
+    assert_sampled_from(counts, exact, n)
+
+
+@settings(max_examples=3)
+@given(spec=model_specs(), data=st.data())
+def test_verified_specee_sampling_distribution_over_architectures(spec, data):
+    """verify=True samples the target's distribution on every architecture and drafter.
+
+    A 4-token vocabulary (S is all of it, so a fired predictor always passes the global check)
+    and 3-token continuations keep the exact distribution small; threshold 0 or 0.5 makes
+    passes exit (drafts) at the drawn layer or deeper. Thorough profile: more architectures.
+    """
+    vocab, length = 4, 3
+    spec = dict(spec, vocab=vocab, eos=None, layers=min(spec["layers"], 4))
+    model = tiny_model(**spec)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(0.25)  # a flat target: rejections happen
+    prompt = torch.tensor([data.draw(st.lists(st.integers(0, vocab - 1), min_size=1,
+                                              max_size=4), label="prompt")])  # fmt: skip
+    options = dict(
+        drafter=data.draw(st.sampled_from(["eagle", "exit_head", "kangaroo"]), label="drafter"),
+        exit_layer=data.draw(st.integers(1, spec["layers"] - 1), label="exit_layer"),
+        threshold=data.draw(st.sampled_from([0.0, 0.5]), label="threshold"),
+        max_draft_tokens=data.draw(st.integers(1, 3), label="max_draft_tokens"),
+    )
+    sm = rewrite.apply(model, "specee", verify=True, **options)
+    exact = _exact_distribution(model, prompt, vocab, length)
+    n = 1000
+    counts, _, _ = _sampled_counts(sm, prompt, exact, length, n, spec["seed"])
     assert_sampled_from(counts, exact, n)
 
 
