@@ -107,7 +107,7 @@ def _exits(sm) -> list[int]:
 
 def test_validity_mask_hides_exactly_the_skipped_layers():
     model = tiny_model("llama", layers=6, seed=3)
-    sm = rewrite.apply(model, "specee", exit_layer=2, threshold=0.0)
+    sm = rewrite.apply(model, "specee", exit_layer=2, threshold=0.0, kv_fill="mask")
     seen = {}
     from leapfx.runtime import specee as runtime
 

@@ -199,6 +199,7 @@ def specee_schedule(o: SpecEEOptions):
         max_draft_tokens=o.max_draft_tokens,
         window=o.window,
         history=o.history,
+        head_drafts=o.drafter == "exit_head",
     )
     return lambda runner, prompt, request, metrics: specee(runner, prompt, request, metrics, config)
 

@@ -109,6 +109,9 @@ class SpecEEConfig:
     max_draft_tokens: int = 6
     window: int = 2
     history: int = 5
+    # The draft stage's logits are the host's own norm and LM head on h_{E-1} (drafter
+    # "exit_head"): the global check at layer E-1 reuses them instead of a head call.
+    head_drafts: bool = False
 
 
 @dataclass
@@ -265,7 +268,10 @@ class SpecEEDecoder:
             p_prev, prev_layer = p, i
             exited = False
             if fired:
-                logits = self._head(h[:, -1:])[:, -1]  # [1, V]: the global check
+                if cfg.head_drafts and i == self.first - 1:
+                    logits = out["logits"][:, -1]  # N(h_{E-1}) W^T: the draft computed it
+                else:
+                    logits = self._head(h[:, -1:])[:, -1]  # [1, V]: the global check
                 exited = bool((cands == logits.argmax(dim=-1)).any())  # host sync
             self.predictor_seconds += time.perf_counter() - t0
             if exited:
