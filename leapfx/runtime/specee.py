@@ -231,10 +231,7 @@ class SpecEEDecoder:
         fill_next = cfg.kv_fill == "next"
         p_prev, prev_layer = None, -1
         batch_start = pos  # kv_fill="next": the first position of the rows in flight
-        positions = out.get("position_ids")
-        if positions is None:
-            positions = self._positions(pos, 1)
-        mask = None
+        positions = self._positions(pos, 1)  # of the rows in flight: rebuilt where rows join
         last = self.num_layers - 1
         for i in range(self.first - 1, self.num_layers):
             if i >= self.first:
