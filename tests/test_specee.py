@@ -346,12 +346,47 @@ def test_bad_options_name_themselves(options, match):
         rewrite.apply(tiny_model("llama", layers=4), "specee", **options)
 
 
-def test_onnx_export_and_compile_refuse_clearly(tmp_path):
+def test_onnx_export_and_eagle_compile_refuse_clearly(tmp_path):
     sm = rewrite.apply(tiny_model("llama", layers=4), "specee")
     with pytest.raises(ValueError, match="specee"):
         sm.export_onnx(tmp_path / "x")
-    with pytest.raises(ValueError, match="inductor"):
+    with pytest.raises(ValueError, match="inductor.*eagle"):
         sm.compile()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"kv_fill": "next", "threshold": 0.5},
+        {"kv_fill": "mask", "threshold": 0.5},
+        {"verify": True, "threshold": 0.3, "max_draft_tokens": 3},
+    ],
+)
+def test_inductor_specee_matches_eager_and_never_recompiles(options):
+    """Every segment the schedule calls is compiled and warmed up by compile(): decoding then
+    compiles nothing (dynamo would raise), and the tokens are eager's (mixed exits, joins)."""
+    from torch._dynamo.utils import counters
+
+    # float64: lossy exit decisions compare a probability with a threshold, and float32's
+    # different summation order (attention over the whole masked buffer) could flip one.
+    model = tiny_model("qwen2", layers=4, seed=3, sliding_window=5, dtype=torch.float64)
+    options = dict(drafter="exit_head", exit_layer=1, **options)
+    prompts = [torch.tensor([[3, 1, 4, 1, 5, 9]]), torch.tensor([[7]])]
+    torch.manual_seed(0)  # the same untrained predictors in both
+    eager = rewrite.apply(model, "specee", **options)
+    torch.manual_seed(0)
+    sm = rewrite.apply(model, "specee", **options).compile()
+    assert sm.backend == "inductor"
+    graphs = counters["stats"]["unique_graphs"]
+    for prompt in prompts:
+        want = eager.generate(prompt, max_new_tokens=24)
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            got = sm.generate(prompt, max_new_tokens=24)
+        assert torch.equal(got, want)
+        assert sm.last_metrics.layers_per_token == eager.last_metrics.layers_per_token
+    assert counters["stats"]["unique_graphs"] == graphs, "decoding compiled a new graph"
+    assert len(set(eager.last_metrics.layers_per_token)) > 1  # some tokens exited, some not
 
 
 def test_bench_specee_rows_and_threshold_curve(tmp_path, capsys):

@@ -153,6 +153,9 @@ class SpecEEDecoder:
         # EAGLE drafter: the head reads h of the previous position (pre-norm; for an exited
         # token the state at its exit layer, as the authors' code feeds the exit's state).
         self.eagle = "eagle_head" in runner.stages
+        # Compiled layer segments (runtime.specee_compiled) build their masks from positions
+        # and take the validity bias as an input instead of a host-built mask.
+        self.compiled = getattr(runner.stages[f"layer_{self.first}"], "builds_masks", False)
         self.h_prev: torch.Tensor | None = None  # [1, 1, H]
         self.k = 4
 
@@ -182,9 +185,10 @@ class SpecEEDecoder:
 
     def _layer(self, i: int, hidden, rope, start: int, mask) -> torch.Tensor:
         n = hidden.shape[1]
+        extra = {"bias": self.bias[i]} if self.compiled else {}
         out = self.runner._call(
             f"layer_{i}", hidden=hidden, rope=rope, mask=mask,
-            position_ids=self._positions(start, n), cache=self.runner.cache,
+            position_ids=self._positions(start, n), cache=self.runner.cache, **extra,
         )  # fmt: skip
         return out["hidden"]  # [1, n, H]
 
@@ -245,9 +249,10 @@ class SpecEEDecoder:
                         mask = self._batch_mask(i, batch_start, pos)
                 else:
                     mask = self._mask(i, pos, 1, base)
+                extra = {"bias": self.bias[i]} if self.compiled else {}
                 h = call(
                     f"layer_{i}", hidden=h, rope=rope, mask=mask, position_ids=positions,
-                    cache=cache,
+                    cache=cache, **extra,
                 )["hidden"]  # fmt: skip
                 if keep:
                     hidden[i] = h[:, -1:]
