@@ -23,7 +23,7 @@ from leapfx.passes.predictor import (
 from leapfx.runtime.specee import LayerScheduler
 from leapfx.train.specee import offline_subset
 from tests.conftest import tiny_model
-from tests.distribution_check import assert_sampled_from
+from tests.distribution_check import assert_sampled_from, sample_counts
 from tests.greedy_check import assert_greedy_equal, hf_greedy
 from tests.test_kangaroo_lossless import TEMPERATURE, TOP_K, TOP_P, _exact_distribution
 from tests.test_lossless import _prompt, model_specs
@@ -213,20 +213,8 @@ def test_verified_specee_float64_exact_with_exits(drafter):
 
 
 def _sampled_counts(sm, prompt, exact, length: int, n: int, seed: int) -> tuple[dict, int, int]:
-    """Continuation counts of ``n`` sampled decodes, and the drafts rejected / drafted."""
-    g = torch.Generator().manual_seed(seed)
-    counts = dict.fromkeys(exact, 0)
-    rejections = drafted = 0
-    for _ in range(n):
-        out = sm.generate(
-            prompt, do_sample=True, temperature=TEMPERATURE, top_k=TOP_K, top_p=TOP_P,
-            max_new_tokens=length, generator=g,
-        )  # fmt: skip
-        counts[tuple(out[0, prompt.shape[1] :].tolist())] += 1
-        m = sm.last_metrics
-        rejections += m.drafted_tokens - m.accepted_drafts
-        drafted += m.drafted_tokens
-    return counts, rejections, drafted
+    return sample_counts(sm, prompt, exact, length, n, seed=seed, temperature=TEMPERATURE,
+                         top_k=TOP_K, top_p=TOP_P)  # fmt: skip
 
 
 def test_verified_specee_sampling_matches_target_distribution():
