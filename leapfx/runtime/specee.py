@@ -44,6 +44,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import torch
+from torch import fx
 
 from .masks import chunk_mask, masks_for
 from .metrics import DecodeMetrics
@@ -156,6 +157,16 @@ class SpecEEDecoder:
         # Compiled layer segments (runtime.specee_compiled) build their masks from positions
         # and take the validity bias as an input instead of a host-built mask.
         self.compiled = getattr(runner.stages[f"layer_{self.first}"], "builds_masks", False)
+        # Eager: each exit check's stage is one call_module node; calling that module's
+        # forward directly skips the GraphModule wrapper and its output dict, about a third of
+        # a check of this size (the check runs at every active layer of every token).
+        self.checks: dict[int, object] = {}
+        for name, stage in runner.stages.items():
+            if name.startswith("check_") and isinstance(stage, fx.GraphModule):
+                node = next(n for n in stage.graph.nodes if n.op == "call_module")
+                self.checks[int(name.removeprefix("check_"))] = stage.get_submodule(
+                    node.target
+                ).forward
         self.h_prev: torch.Tensor | None = None  # [1, 1, H]
         self.k = 4
 
@@ -262,9 +273,13 @@ class SpecEEDecoder:
             fired = False
             if i in active:
                 prev = p_prev if prev_layer == i - 1 else None
-                res = call(f"check_{i}", hidden=h, candidates=cands, p_prev=prev)
-                p = res["p"]
-                fired = float(res["prob"]) > cfg.threshold  # host sync: the exit decision
+                direct = self.checks.get(i)
+                if direct is not None:
+                    prob, p = direct(h, cands, prev)
+                else:
+                    res = call(f"check_{i}", hidden=h, candidates=cands, p_prev=prev)
+                    prob, p = res["prob"], res["p"]
+                fired = float(prob) > cfg.threshold  # host sync: the exit decision
             else:
                 p = call(f"probs_{i}", hidden=h, candidates=cands)["p"]
             p_prev, prev_layer = p, i
