@@ -186,6 +186,13 @@ def _bench(args: argparse.Namespace) -> int:
     if args.sweep_threshold and args.recipe == "specee":
         curve = _specee_curve(args, model, prompts, rows, config, num_layers, quiet)
         meta["specee_curve"] = [p.as_dict() for p in curve]
+        from .bench.specee_sweep import above_early_exit
+
+        meta["specee_vs_early_exit"] = {
+            f"{system}/{key}": [dataclasses.asdict(c) | {"above": c.above}
+                                for c in above_early_exit(curve, system, key)]
+            for system in ("specee", "specee_mask") for key in ("speedup", "avg_layers")
+        }  # fmt: skip
     elif args.sweep_threshold:  # m2r2: m2r2_exit's curve
         points = _exit_curve(args, model, prompts, rows, config, num_layers)
         meta["m2r2_exit_curve"] = [dataclasses.asdict(p) for p in points]
@@ -464,7 +471,7 @@ def _predictor_share(row) -> float | None:
 def _specee_curve(args, model, prompts, rows, config, num_layers, quiet):
     """--sweep-threshold: specee at each threshold beside early_exit at every E."""
     from .bench.harness import specee_options, use_cpu_kernels
-    from .bench.specee_sweep import sweep_threshold_table, threshold_sweep
+    from .bench.specee_sweep import comparison_summary, sweep_threshold_table, threshold_sweep
     from .rewrite import apply
 
     base = apply(model, "autoregressive")
@@ -485,6 +492,7 @@ def _specee_curve(args, model, prompts, rows, config, num_layers, quiet):
         repeats=args.repeats, cpu_kernels=use_cpu_kernels(config, base),
     )  # fmt: skip
     print(sweep_threshold_table(points))
+    print(comparison_summary(points))
     return points
 
 

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from leapfx import rewrite
 from tests.conftest import tiny_model
-from tests.distribution_check import assert_sampled_from
+from tests.distribution_check import assert_sampled_from, sample_counts
 from tests.greedy_check import assert_greedy_equal, hf_greedy
 from tests.test_kangaroo_lossless import TEMPERATURE, TOP_K, TOP_P, _exact_distribution
 from tests.test_lossless import _prompt, model_specs
@@ -108,19 +108,10 @@ def test_eagle_sampling_matches_target_distribution(trained):
     if trained:
         tokens = torch.randint(0, vocab, (64,), generator=torch.Generator().manual_seed(2))
         sm.fit(tokens, steps=5, batch_size=2, seq_len=16, lr=1e-2, progress=False)
-    g = torch.Generator().manual_seed(1234)
     n = 3000
-    counts = dict.fromkeys(exact, 0)
-    rejections = drafted = 0
-    for _ in range(n):
-        out = sm.generate(
-            prompt, do_sample=True, temperature=TEMPERATURE, top_k=TOP_K, top_p=TOP_P,
-            max_new_tokens=length, generator=g,
-        )  # fmt: skip
-        counts[tuple(out[0, 3:].tolist())] += 1
-        m = sm.last_metrics
-        rejections += m.drafted_tokens - m.accepted_drafts
-        drafted += m.drafted_tokens
+    counts, rejections, drafted = sample_counts(
+        sm, prompt, exact, length, n, temperature=TEMPERATURE, top_k=TOP_K, top_p=TOP_P
+    )
     assert 0 < rejections < drafted  # both branches of the accept rule ran
     assert_sampled_from(counts, exact, n)
 

@@ -23,7 +23,7 @@ from leapfx.passes.predictor import (
 from leapfx.runtime.specee import LayerScheduler
 from leapfx.train.specee import offline_subset
 from tests.conftest import tiny_model
-from tests.distribution_check import assert_sampled_from
+from tests.distribution_check import assert_sampled_from, sample_counts
 from tests.greedy_check import assert_greedy_equal, hf_greedy
 from tests.test_kangaroo_lossless import TEMPERATURE, TOP_K, TOP_P, _exact_distribution
 from tests.test_lossless import _prompt, model_specs
@@ -107,7 +107,7 @@ def _exits(sm) -> list[int]:
 
 def test_validity_mask_hides_exactly_the_skipped_layers():
     model = tiny_model("llama", layers=6, seed=3)
-    sm = rewrite.apply(model, "specee", exit_layer=2, threshold=0.0)
+    sm = rewrite.apply(model, "specee", exit_layer=2, threshold=0.0, kv_fill="mask")
     seen = {}
     from leapfx.runtime import specee as runtime
 
@@ -212,6 +212,11 @@ def test_verified_specee_float64_exact_with_exits(drafter):
     assert m.verify_calls > 0 and m.drafted_tokens > m.verify_calls
 
 
+def _sampled_counts(sm, prompt, exact, length: int, n: int, seed: int) -> tuple[dict, int, int]:
+    return sample_counts(sm, prompt, exact, length, n, seed=seed, temperature=TEMPERATURE,
+                         top_k=TOP_K, top_p=TOP_P)  # fmt: skip
+
+
 def test_verified_specee_sampling_matches_target_distribution():
     vocab, length = 4, 4
     model = tiny_model("llama", layers=3, vocab=vocab, heads=2, kv_heads=1, seed=11)
@@ -222,20 +227,38 @@ def test_verified_specee_sampling_matches_target_distribution():
     # threshold 0: every pass exits at the first predicted layer (S is the whole vocabulary).
     sm = rewrite.apply(model, "specee", exit_layer=1, threshold=0.0, verify=True,
                        max_draft_tokens=2)  # fmt: skip
-    g = torch.Generator().manual_seed(1234)
     n = 3000
-    counts = dict.fromkeys(exact, 0)
-    rejections = drafted = 0
-    for _ in range(n):
-        out = sm.generate(
-            prompt, do_sample=True, temperature=TEMPERATURE, top_k=TOP_K, top_p=TOP_P,
-            max_new_tokens=length, generator=g,
-        )  # fmt: skip
-        counts[tuple(out[0, 3:].tolist())] += 1
-        m = sm.last_metrics
-        rejections += m.drafted_tokens - m.accepted_drafts
-        drafted += m.drafted_tokens
+    counts, rejections, drafted = _sampled_counts(sm, prompt, exact, length, n, 1234)
     assert 0 < rejections < drafted
+    assert_sampled_from(counts, exact, n)
+
+
+@settings(max_examples=3)
+@given(spec=model_specs(), data=st.data())
+def test_verified_specee_sampling_distribution_over_architectures(spec, data):
+    """verify=True samples the target's distribution on every architecture and drafter.
+
+    A 4-token vocabulary (S is all of it, so a fired predictor always passes the global check)
+    and 3-token continuations keep the exact distribution small; threshold 0 or 0.5 makes
+    passes exit (drafts) at the drawn layer or deeper. Thorough profile: more architectures.
+    """
+    vocab, length = 4, 3
+    spec = dict(spec, vocab=vocab, eos=None, layers=min(spec["layers"], 4))
+    model = tiny_model(**spec)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(0.25)  # a flat target: rejections happen
+    prompt = torch.tensor([data.draw(st.lists(st.integers(0, vocab - 1), min_size=1,
+                                              max_size=4), label="prompt")])  # fmt: skip
+    options = dict(
+        drafter=data.draw(st.sampled_from(["eagle", "exit_head", "kangaroo"]), label="drafter"),
+        exit_layer=data.draw(st.integers(1, spec["layers"] - 1), label="exit_layer"),
+        threshold=data.draw(st.sampled_from([0.0, 0.5]), label="threshold"),
+        max_draft_tokens=data.draw(st.integers(1, 3), label="max_draft_tokens"),
+    )
+    sm = rewrite.apply(model, "specee", verify=True, **options)
+    exact = _exact_distribution(model, prompt, vocab, length)
+    n = 1000
+    counts, _, _ = _sampled_counts(sm, prompt, exact, length, n, spec["seed"])
     assert_sampled_from(counts, exact, n)
 
 
@@ -274,6 +297,24 @@ def test_parts_round_trip(tmp_path):
             rewrite.apply(model, "specee", parts=tmp_path / drafter, exit_layer=3)
 
 
+def test_above_early_exit_interpolates_at_equal_speed():
+    """The claim is computed: specee's agreement at each early-exit point's speed."""
+    from leapfx.bench.specee_sweep import CurvePoint, above_early_exit
+
+    points = [
+        CurvePoint("specee", 0.5, 0, 2.0, 0.90, 6.0),
+        CurvePoint("specee", 0.9, 0, 1.0, 0.99, 10.0),
+        CurvePoint("early_exit", 4, 0, 1.5, 0.80, 4.0),  # specee at 1.5x: 0.945
+        CurvePoint("early_exit", 8, 0, 3.0, 0.85, 8.0),  # faster than the whole curve
+    ]
+    found = above_early_exit(points, "specee", "speedup")
+    assert [c.exit_layer for c in found] == [4, 8]
+    assert found[0].specee == pytest.approx(0.945) and found[0].above is True
+    assert found[1].specee is None and found[1].above is None
+    by_layers = above_early_exit(points, "specee", "avg_layers")
+    assert by_layers[0].specee is None and by_layers[1].specee == pytest.approx(0.945)
+
+
 @pytest.mark.parametrize(
     ("options", "match"),
     [
@@ -293,12 +334,47 @@ def test_bad_options_name_themselves(options, match):
         rewrite.apply(tiny_model("llama", layers=4), "specee", **options)
 
 
-def test_onnx_export_and_compile_refuse_clearly(tmp_path):
+def test_onnx_export_and_eagle_compile_refuse_clearly(tmp_path):
     sm = rewrite.apply(tiny_model("llama", layers=4), "specee")
     with pytest.raises(ValueError, match="specee"):
         sm.export_onnx(tmp_path / "x")
-    with pytest.raises(ValueError, match="inductor"):
+    with pytest.raises(ValueError, match="inductor.*eagle"):
         sm.compile()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"kv_fill": "next", "threshold": 0.5},
+        {"kv_fill": "mask", "threshold": 0.5},
+        {"verify": True, "threshold": 0.3, "max_draft_tokens": 3},
+    ],
+)
+def test_inductor_specee_matches_eager_and_never_recompiles(options):
+    """Every segment the schedule calls is compiled and warmed up by compile(): decoding then
+    compiles nothing (dynamo would raise), and the tokens are eager's (mixed exits, joins)."""
+    from torch._dynamo.utils import counters
+
+    # float64: lossy exit decisions compare a probability with a threshold, and float32's
+    # different summation order (attention over the whole masked buffer) could flip one.
+    model = tiny_model("qwen2", layers=4, seed=3, sliding_window=5, dtype=torch.float64)
+    options = dict(drafter="exit_head", exit_layer=1, **options)
+    prompts = [torch.tensor([[3, 1, 4, 1, 5, 9]]), torch.tensor([[7]])]
+    torch.manual_seed(0)  # the same untrained predictors in both
+    eager = rewrite.apply(model, "specee", **options)
+    torch.manual_seed(0)
+    sm = rewrite.apply(model, "specee", **options).compile()
+    assert sm.backend == "inductor"
+    graphs = counters["stats"]["unique_graphs"]
+    for prompt in prompts:
+        want = eager.generate(prompt, max_new_tokens=24)
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            got = sm.generate(prompt, max_new_tokens=24)
+        assert torch.equal(got, want)
+        assert sm.last_metrics.layers_per_token == eager.last_metrics.layers_per_token
+    assert counters["stats"]["unique_graphs"] == graphs, "decoding compiled a new graph"
+    assert len(set(eager.last_metrics.layers_per_token)) > 1  # some tokens exited, some not
 
 
 def test_bench_specee_rows_and_threshold_curve(tmp_path, capsys):
@@ -325,7 +401,7 @@ def test_bench_specee_rows_and_threshold_curve(tmp_path, capsys):
     by = {r["system"]: r for r in rows}
     assert {
         "leapfx_specee",
-        "leapfx_specee_next",
+        "leapfx_specee_mask",
         "leapfx_specee_verified",
         "leapfx_eagle",
     } <= by.keys()
@@ -337,3 +413,5 @@ def test_bench_specee_rows_and_threshold_curve(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert re.search(r"specee +t=1 ", printed) and re.search(r"early_exit +E=3 ", printed)
     assert plot.is_file() and plot.stat().st_size > 0
+    assert re.search(r"specee vs early_exit at equal speed: ", printed)
+    assert set(rows[0]["run"]["specee_vs_early_exit"]) >= {"specee/speedup", "specee_mask/speedup"}

@@ -12,8 +12,9 @@ Every system decodes the same prompts with the same ``max_new_tokens`` and the s
 - ``leapfx_early_exit``        exit after E layers for every token (lossy: ``agreement``, the
                                teacher-forced agreement with greedy, and ``avg_layers``)
 - ``leapfx_<recipe>``          the recipe under test (``layerskip`` by default); ``specee``
-                               gives ``leapfx_specee`` (lossy), ``leapfx_specee_next``
-                               (lossy, kv_fill="next") and ``leapfx_specee_verified``
+                               gives ``leapfx_specee`` (lossy, kv_fill="next", the
+                               default), ``leapfx_specee_mask`` (lossy, kv_fill="mask", the
+                               paper's KV policy) and ``leapfx_specee_verified``
 - ``leapfx_resident``, ``leapfx_offload_*``  with ``offload_slots`` (an MoE model): eager
                                decoding with every expert in memory, and with the experts
                                offloaded to disk under each prefetch policy
@@ -323,9 +324,9 @@ def build_systems(model: nn.Module, config: BenchConfig, generator_seed: int = 0
             kw = specee_options(config)
             lossy = rewrite.apply(model, "specee", **kw)
             systems.append(ours("leapfx_specee", lossy, lossless=False))
-            # The alternative KV policy (skipped layers run with the next token), beside it.
-            fill = rewrite.apply(model, "specee", kv_fill="next", **kw)
-            systems.append(ours("leapfx_specee_next", fill, lossless=False))
+            # The paper's KV policy (exited tokens' skipped layers stay empty), beside it.
+            masked = rewrite.apply(model, "specee", kv_fill="mask", **kw)
+            systems.append(ours("leapfx_specee_mask", masked, lossless=False))
             verified = rewrite.apply(model, "specee", verify=True, max_draft_tokens=d, **kw)
             system = ours("leapfx_specee_verified", verified)
             # Rounds end at the first pass that does not exit: no fixed d, no speedup formula.

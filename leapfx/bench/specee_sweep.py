@@ -5,8 +5,9 @@ over ``leapfx_autoregressive`` on the same prompts (timed, best of ``repeats`` p
 teacher-forced agreement with the full model's greedy tokens (``leapfx.bench.agreement``) and
 its decoder layers per token. SpecEE runs at every threshold of the grid, LayerSkip's fixed early
 exit at every E: SpecEE earns its predictors only if its curve lies above fixed early exit at
-equal speed (the issue's test). SpecEE runs with both KV policies (``kv_fill`` "mask" and
-"next"), which differ most in agreement.
+equal speed (the issue's test, computed by :func:`above_early_exit`, not read off the plot).
+SpecEE runs with both KV policies: ``specee`` (``kv_fill="next"``, the default) and
+``specee_mask`` (``kv_fill="mask"``), which differ most in agreement.
 
     >>> points = threshold_sweep(model, prompts, greedy, thresholds=[0.5, 0.9], exits=[4, 8])
     >>> print(sweep_threshold_table(points))
@@ -27,7 +28,7 @@ from .agreement import teacher_forced_agreement
 
 @dataclass(frozen=True)
 class CurvePoint:
-    system: str  # "specee", "specee_next" (kv_fill="next") or "early_exit"
+    system: str  # "specee" (kv_fill="next"), "specee_mask" (kv_fill="mask") or "early_exit"
     setting: float  # the threshold, or E
     tokens_per_second: float
     speedup: float  # over leapfx_autoregressive on the same prompts
@@ -78,13 +79,13 @@ def threshold_sweep(
     points = []
     options = dict(specee_options or {})
     options.pop("threshold", None)
-    settings = [("specee", t) for t in thresholds] + [("specee_next", t) for t in thresholds]
+    options.pop("kv_fill", None)
+    settings = [("specee", t) for t in thresholds] + [("specee_mask", t) for t in thresholds]
     settings += [("early_exit", e) for e in exits]
     for system, setting in settings:
-        if system == "specee":
-            sm = rewrite.apply(model, "specee", threshold=setting, **options)
-        elif system == "specee_next":
-            sm = rewrite.apply(model, "specee", threshold=setting, kv_fill="next", **options)
+        if system.startswith("specee"):
+            fill = "mask" if system == "specee_mask" else "next"
+            sm = rewrite.apply(model, "specee", threshold=setting, kv_fill=fill, **options)
         else:
             sm = rewrite.apply(model, "early_exit", exit_layer=setting)
         sm = prepare(sm)
@@ -97,6 +98,82 @@ def threshold_sweep(
         points.append(CurvePoint(system, setting, tps, tps / base_tps, a.agreement,
                                  a.avg_layers, share))  # fmt: skip
     return points
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """One early-exit point against a SpecEE curve at the same speed (or the same layers)."""
+
+    exit_layer: int
+    x: float  # the early-exit point's speedup (or layers per token)
+    early_exit: float  # its agreement
+    specee: float | None  # the curve's agreement at x (linear between its points), None: outside
+
+    @property
+    def above(self) -> bool | None:
+        return None if self.specee is None else self.specee >= self.early_exit
+
+
+def _interpolate(xs: list[float], ys: list[float], x: float) -> float | None:
+    """The piecewise-linear curve through (xs, ys) at x; None outside [min xs, max xs].
+
+    Where the curve passes x more than once (a measured speedup need not fall as the threshold
+    rises) the best agreement counts: that setting exists at that speed.
+
+    >>> _interpolate([1.0, 2.0], [0.9, 0.8], 1.5)
+    0.85
+    """
+    best = None
+    for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):  # noqa: B905
+        lo, hi = min(x0, x1), max(x0, x1)
+        if lo <= x <= hi:
+            y = y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+            best = y if best is None else max(best, y)
+    if best is None and len(xs) == 1 and xs[0] == x:
+        best = ys[0]
+    return best
+
+
+def above_early_exit(
+    points: list[CurvePoint], system: str = "specee", key: str = "speedup"
+) -> list[Comparison]:
+    """Each early-exit point against ``system``'s curve at the same ``key`` (``"speedup"`` or
+    ``"avg_layers"``), thresholds in order. The claim holds where every comparison inside the
+    curve's range is ``above``; points outside it compare nothing (``specee`` None)."""
+    curve = sorted(
+        (p for p in points if p.system == system and getattr(p, key) is not None),
+        key=lambda p: p.setting,
+    )
+    xs = [getattr(p, key) for p in curve]
+    ys = [p.agreement for p in curve]
+    out = []
+    for p in points:
+        if p.system != "early_exit" or getattr(p, key) is None:
+            continue
+        x = getattr(p, key)
+        out.append(Comparison(int(p.setting), x, p.agreement, _interpolate(xs, ys, x)))
+    return out
+
+
+def comparison_summary(points: list[CurvePoint]) -> str:
+    """One line per SpecEE curve and axis: where it sits against fixed early exit."""
+    lines = []
+    for system in ("specee", "specee_mask"):
+        for key, axis in (("speedup", "equal speed"), ("avg_layers", "equal layers")):
+            found = [c for c in above_early_exit(points, system, key) if c.specee is not None]
+            if not any(p.system == system for p in points):
+                continue
+            if not found:
+                lines.append(f"{system} vs early_exit at {axis}: no early-exit point in range")
+                continue
+            above = [c for c in found if c.above]
+            margins = ", ".join(f"E={c.exit_layer} {c.specee - c.early_exit:+.1%}" for c in found)
+            verdict = "above" if len(above) == len(found) else "NOT above"
+            lines.append(
+                f"{system} vs early_exit at {axis}: {verdict} at {len(above)}/{len(found)} "
+                f"comparable E ({margins})"
+            )
+    return "\n".join(lines)
 
 
 def sweep_threshold_table(points: list[CurvePoint]) -> str:
@@ -131,7 +208,7 @@ def write_curve_plot(path: str | Path, points: list[CurvePoint]) -> None:
         (axes[0], "speedup", "speedup over leapfx_autoregressive (tokens/s ratio)"),
         (axes[1], "avg_layers", "decoder layers per token (teacher-forced)"),
     ):
-        for system, style in (("specee", "o-"), ("specee_next", "^-"), ("early_exit", "s--")):
+        for system, style in (("specee", "^-"), ("specee_mask", "o-"), ("early_exit", "s--")):
             pts = [p for p in points if p.system == system and getattr(p, key) is not None]
             pts.sort(key=lambda p: getattr(p, key))
             if not pts:

@@ -46,7 +46,8 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from ..kernels.subset import subset_logits
+from ..kernels._triton import implementation
+from ..kernels.subset import subset_logits, subset_logits_reference
 from .base import GraphPass, PassResult
 from .capture import LAYER, ROLE, layer_node, nodes_by_role, output_dict, set_output_dict
 from .exit_head import exit_layer_of
@@ -87,7 +88,13 @@ def exit_features(
     >>> x.tolist(), p.tolist()
     ([[1.0, 0.0, 0.7310585975646973, 0.2689414322376251, 0.7310585975646973, 0.2689414322376251]], [[0.7310585975646973, 0.2689414322376251]])
     """  # noqa: E501
-    z, p = subset_logits(normed, head_weight, candidates)  # [R, k] each, float32
+    if torch.compiler.is_compiling() or implementation(normed) == "triton":
+        z, p = subset_logits(normed, head_weight, candidates)  # [R, k] each, float32
+    else:
+        # Eager without Triton: the op's own torch reference, called directly. The custom-op
+        # dispatch (and the dynamo guard it runs under) costs several times the arithmetic of
+        # k = 4 rows, and the check sits on every active layer of the decode's critical path.
+        z, p = subset_logits_reference(normed, head_weight, candidates)
     d = p if p_prev is None else p - p_prev
     return torch.cat([z, p, d], dim=-1), p
 

@@ -439,13 +439,15 @@ def compile_stages(sm, options: CompileOptions) -> dict[str, CompiledStage]:
     """A CompiledStage for every stage of SpeculativeModel ``sm`` (warmed up if asked)."""
     from ..export.onnx_export import discover  # which cache layers each position input feeds
     from ..kernels import cpu
+    from .specee_compiled import is_segment, specee_segments, warmup_segments
 
-    if sm.recipe.name == "specee":
-        raise ValueError(
-            "backend: 'inductor' is not implemented for recipe 'specee' (missing: compiled "
-            "per-layer segments with the validity mask as an input); allowed: 'eager'"
-        )
     options = options.validate()
+    specee = sm.recipe.name == "specee"
+    if specee and "eagle_head" in sm.stages.modules:
+        raise ValueError(
+            "backend: 'inductor' is not implemented for specee with drafter='eagle' (missing: "
+            "the head's stage signature); allowed: 'eager', or drafter 'exit_head' / 'kangaroo'"
+        )
     lay = sm._layout
     cache_len = sm._compile_cache_len()
     transpose = options.transpose_weights
@@ -455,10 +457,16 @@ def compile_stages(sm, options: CompileOptions) -> dict[str, CompiledStage]:
     transpose = transpose or kernels
     shared: dict = {}
     out: dict[str, CompiledStage] = {}
+    segments: dict = {}
     for name, stage in sm.stages.modules.items():
+        if transpose:
+            stage_t = with_transposed_weights(stage, shared, kernels=kernels)
+        if specee and is_segment(name):  # per-layer segments: runtime.specee_compiled
+            segments[name] = stage_t if transpose else stage
+            continue
         sig = discover(sm, name, stage)
         if transpose:
-            stage = with_transposed_weights(stage, shared, kernels=kernels)
+            stage = stage_t
         pure = _PureStage(stage, sig.tensor_inputs, sig.groups, lay)
         out[name] = CompiledStage(
             name,
@@ -487,4 +495,13 @@ def compile_stages(sm, options: CompileOptions) -> dict[str, CompiledStage]:
                 executor.warmup(cache, shapes)
                 log.info("compiled stage %s in %.1f s", name, time.perf_counter() - start)
             cache.reset()
+    if segments:
+        compiled = specee_segments(sm, segments, options, lay.device)
+        if options.warmup:
+            with torch.inference_mode():
+                start = time.perf_counter()
+                warmup_segments(compiled, sm._cache_for(cache_len), sm.config.hidden_size,
+                                lay.dtype, lay.device)  # fmt: skip
+                log.info("compiled the specee segments in %.1f s", time.perf_counter() - start)
+        out.update(compiled)
     return out

@@ -16,10 +16,12 @@ p_{l-1}, so z is also computed at the layer below each active one (spec sec. 9.1
 
 KV of exited layers (``kv_fill``):
 
-- ``"mask"`` (default, the authors' implementations): the layers above the exit write no K/V
-  for the token; their cache length still moves past it (positions stay global for RoPE) and
-  a per-layer validity bias (0 / -inf, ``[L, max_len]``) hides the slot from later queries.
-- ``"next"``: the exited token's hidden state stays pending and its skipped layers run batched
+- ``"mask"`` (the authors' implementations; the default with ``verify=True``): the layers
+  above the exit write no K/V for the token; their cache length still moves past it
+  (positions stay global for RoPE) and a per-layer validity bias (0 / -inf,
+  ``[L, max_len]``) hides the slot from later queries.
+- ``"next"`` (the lossy default: the better agreement per speed, docs/recipes.md): the exited
+  token's hidden state stays pending and its skipped layers run batched
   with the next token's pass (rows join at the layer where they stopped), so every slot a query
   reads is filled exactly. Invariant: at each layer the missing positions are a suffix, so a
   batch writes at that layer's fill length.
@@ -42,6 +44,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import torch
+from torch import fx
 
 from .masks import chunk_mask, masks_for
 from .metrics import DecodeMetrics
@@ -103,10 +106,13 @@ class SpecEEConfig:
     threshold: float
     offline: frozenset[int]
     verify: bool = False
-    kv_fill: str = "mask"
+    kv_fill: str = "next"
     max_draft_tokens: int = 6
     window: int = 2
     history: int = 5
+    # The draft stage's logits are the host's own norm and LM head on h_{E-1} (drafter
+    # "exit_head"): the global check at layer E-1 reuses them instead of a head call.
+    head_drafts: bool = False
 
 
 @dataclass
@@ -148,6 +154,19 @@ class SpecEEDecoder:
         # EAGLE drafter: the head reads h of the previous position (pre-norm; for an exited
         # token the state at its exit layer, as the authors' code feeds the exit's state).
         self.eagle = "eagle_head" in runner.stages
+        # Compiled layer segments (runtime.specee_compiled) build their masks from positions
+        # and take the validity bias as an input instead of a host-built mask.
+        self.compiled = getattr(runner.stages[f"layer_{self.first}"], "builds_masks", False)
+        # Eager: each exit check's stage is one call_module node; calling that module's
+        # forward directly skips the GraphModule wrapper and its output dict, about a third of
+        # a check of this size (the check runs at every active layer of every token).
+        self.checks: dict[int, object] = {}
+        for name, stage in runner.stages.items():
+            if name.startswith("check_") and isinstance(stage, fx.GraphModule):
+                node = next(n for n in stage.graph.nodes if n.op == "call_module")
+                self.checks[int(name.removeprefix("check_"))] = stage.get_submodule(
+                    node.target
+                ).forward
         self.h_prev: torch.Tensor | None = None  # [1, 1, H]
         self.k = 4
 
@@ -177,9 +196,10 @@ class SpecEEDecoder:
 
     def _layer(self, i: int, hidden, rope, start: int, mask) -> torch.Tensor:
         n = hidden.shape[1]
+        extra = {"bias": self.bias[i]} if self.compiled else {}
         out = self.runner._call(
             f"layer_{i}", hidden=hidden, rope=rope, mask=mask,
-            position_ids=self._positions(start, n), cache=self.runner.cache,
+            position_ids=self._positions(start, n), cache=self.runner.cache, **extra,
         )  # fmt: skip
         return out["hidden"]  # [1, n, H]
 
@@ -214,43 +234,62 @@ class SpecEEDecoder:
     def step(self, x: torch.Tensor, pos: int, request: DecodeRequest) -> Step:
         """Run token x [1, 1] at ``pos`` until its predicted exit (or the last layer)."""
         runner, cfg = self.runner, self.config
+        call, cache = runner._call, runner.cache
         out = runner.chunk("draft", x, pos)
         cands = self._candidates(x, pos, out)  # [k]
         h, rope = out["hidden"], out["rope"]  # [1, 1, H]
         base = self._base_masks(pos, 1)
         active, needed = self.scheduler.active(), self.scheduler.needed()
+        # Only verify reads the per-layer states back (``Step.hidden``): lossy decoding keeps none.
+        keep = cfg.verify
         hidden = {self.first - 1: h}
+        fill_next = cfg.kv_fill == "next"
         p_prev, prev_layer = None, -1
         batch_start = pos  # kv_fill="next": the first position of the rows in flight
+        positions = self._positions(pos, 1)  # of the rows in flight: rebuilt where rows join
+        last = self.num_layers - 1
         for i in range(self.first - 1, self.num_layers):
             if i >= self.first:
-                if cfg.kv_fill == "next":
-                    h, rope, batch_start = self._join(i, h, rope, batch_start, pos)
-                    if h.shape[1] == 1:
-                        mask = base[self._kind(i)]
+                if fill_next:
+                    if self.pending and self.pending[-1][2] == i:
+                        h, rope, batch_start = self._join(i, h, pos)
+                        positions = self._positions(batch_start, pos + 1 - batch_start)
+                    if batch_start == pos:
+                        mask = base[self.kinds[i]]
                     else:
                         mask = self._batch_mask(i, batch_start, pos)
                 else:
                     mask = self._mask(i, pos, 1, base)
-                h = self._layer(i, h, rope, batch_start, mask)
-                hidden[i] = h[:, -1:]
-            if i == self.num_layers - 1 or i not in needed:
+                extra = {"bias": self.bias[i]} if self.compiled else {}
+                h = call(
+                    f"layer_{i}", hidden=h, rope=rope, mask=mask, position_ids=positions,
+                    cache=cache, **extra,
+                )["hidden"]  # fmt: skip
+                if keep:
+                    hidden[i] = h[:, -1:]
+            if i == last or i not in needed:
                 continue
             t0 = time.perf_counter()
             fired = False
             if i in active:
                 prev = p_prev if prev_layer == i - 1 else None
-                res = runner._call(f"check_{i}", hidden=h, candidates=cands, p_prev=prev)
-                p = res["p"]
-                fired = float(res["prob"]) > cfg.threshold  # host sync: the exit decision
+                direct = self.checks.get(i)
+                if direct is not None:
+                    prob, p = direct(h, cands, prev)
+                else:
+                    res = call(f"check_{i}", hidden=h, candidates=cands, p_prev=prev)
+                    prob, p = res["prob"], res["p"]
+                fired = float(prob) > cfg.threshold  # host sync: the exit decision
             else:
-                p = runner._call(f"probs_{i}", hidden=h, candidates=cands)["p"]
+                p = call(f"probs_{i}", hidden=h, candidates=cands)["p"]
             p_prev, prev_layer = p, i
             exited = False
             if fired:
-                logits = self._head(h[:, -1:])[:, -1]  # [1, V]: the global check
-                g = logits.argmax(dim=-1)
-                exited = bool((cands == g).any())  # host sync
+                if cfg.head_drafts and i == self.first - 1:
+                    logits = out["logits"][:, -1]  # N(h_{E-1}) W^T: the draft computed it
+                else:
+                    logits = self._head(h[:, -1:])[:, -1]  # [1, V]: the global check
+                exited = bool((cands == logits.argmax(dim=-1)).any())  # host sync
             self.predictor_seconds += time.perf_counter() - t0
             if exited:
                 self._exit(i, pos, h, batch_start)
@@ -278,10 +317,8 @@ class SpecEEDecoder:
             cache.lengths[j] = pos + 1  # the slot stays empty; the bias hides it
         self.all_valid_below = min(self.all_valid_below, i)
 
-    def _join(self, i: int, h, rope, batch_start: int, pos: int):
+    def _join(self, i: int, h, pos: int):
         """kv_fill="next": prepend the pending rows that stopped below layer i."""
-        if not self.pending or self.pending[-1][2] != i:
-            return h, rope, batch_start
         rows, start, _ = self.pending.pop()
         assert self.runner.cache.lengths[i] == start, "missing K/V must be a suffix"
         h = torch.cat([rows, h], dim=1)
