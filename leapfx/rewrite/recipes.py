@@ -358,12 +358,12 @@ class M2R2ExitOptions:
 def _m2r2_passes(o) -> list[GraphPass]:
     exits = isinstance(o, M2R2ExitOptions)
     gates = tuple(o.gates) if exits else (o.fast_layers,)
+    fast_keys = None if exits else o.fast_keys  # top-k keys: drafting only
     # The fast layers read the HF layers' modules, so the accelerator goes before fusing.
     passes: list[GraphPass] = [
         InsertAccelerator(
-            gates=gates, heads=o.heads, rank=o.rank, routers=exits,
-            fast_keys=getattr(o, "fast_keys", None),
-        )  # fmt: skip
+            gates=gates, heads=o.heads, rank=o.rank, routers=exits, fast_keys=fast_keys
+        )
     ]
     passes += _fuse(o)
     if o.parts is not None:
