@@ -47,6 +47,7 @@ def decode_speed(model, prompts, args) -> None:
     seconds = dict.fromkeys(systems, 0.0)
     tokens = dict.fromkeys(systems, 0)
     accepted = {name: [] for name in systems}
+    drafts = {name: [] for name in systems}  # seconds per draft-stage call
     for r in range(args.repeats + 1):
         for prompt in prompts:
             ref = None
@@ -63,12 +64,15 @@ def decode_speed(model, prompts, args) -> None:
                 m = sm.last_metrics
                 if m.drafted_tokens:
                     accepted[name].append(m.accepted_drafts / m.drafted_tokens)
+                if m.draft_calls and "draft" in m.stage_seconds:
+                    drafts[name].append(m.stage_seconds["draft"] / m.draft_calls)
     base = tokens["leapfx_autoregressive"] / seconds["leapfx_autoregressive"]
-    print(f"{'system':32s} {'tok/s':>7s} {'vs AR':>6s} accept")
+    print(f"{'system':32s} {'tok/s':>7s} {'vs AR':>6s} accept draft_us")
     for name in systems:
         rate = tokens[name] / seconds[name]
         acc = f"{statistics.mean(accepted[name]):.3f}" if accepted[name] else "-"
-        print(f"{name:32s} {rate:7.1f} {rate / base:5.2f}x {acc}")
+        cost = f"{statistics.median(drafts[name]) * 1e6:.0f}" if drafts[name] else "-"
+        print(f"{name:32s} {rate:7.1f} {rate / base:5.2f}x {acc:>6s} {cost:>8s}")
 
 
 def draft_costs(model, prompts, args) -> None:
