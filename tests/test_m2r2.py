@@ -174,9 +174,9 @@ def test_fast_keys_drafts_read_exactly_the_chosen_slow_keys():
     scratch = FastScratch()
     got = draft(chosen, cache, scratch)
     assert sorted(scratch.top) == [0, 1]
-    assert all(t.shape == (1, 1, 3) for t in scratch.top.values())
+    assert all(t[0].shape == (1, 1, 3) for t in scratch.top.values())
     assert not torch.allclose(got, draft(every, cache, FastScratch()))  # it does read fewer
-    for slot, top in scratch.top.items():  # keep only the chosen keys, in order
+    for slot, (top, _, _) in scratch.top.items():  # keep only the chosen keys, in order
         idx = top[0, 0]
         cache.keys[slot][:, :, :3] = cache.keys[slot][:, :, idx].clone()
         cache.values[slot][:, :, :3] = cache.values[slot][:, :, idx].clone()

@@ -107,9 +107,10 @@ class FastScratch:
     written by the fast stream)."""
 
     kv: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
-    # slot -> the slow positions [B, h_kv, k] a ``fast_keys`` layer reads this round, chosen
-    # at the round's first draft (sec. 2.5's top-k keys)
-    top: dict[int, torch.Tensor] = field(default_factory=dict)
+    # slot -> (positions [B, h_kv, k], their keys, their values [B, h_kv, k, D]): the slow keys
+    # a ``fast_keys`` layer reads this round, chosen and gathered once at the round's first
+    # draft (sec. 2.5's top-k keys; the slow cache does not change within a round)
+    top: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return max((len(v) for v in self.kv.values()), default=0)
@@ -292,16 +293,17 @@ class AcceleratedLayer(nn.Module):
             lo = max(0, n + drafted + 1 - self.window)
         if n - lo <= self.fast_keys:
             return slow_k[:, :, lo:], slow_v[:, :, lo:]
-        top = scratch.top.get(self.cache_slot)
-        if top is None:
+        chosen = scratch.top.get(self.cache_slot)
+        if chosen is None:
             keys = slow_k[:, :, lo:][:, self.q_to_kv]  # [B, h_q, n - lo, D]
             w = torch.softmax((q @ keys.transpose(-1, -2)).float() * self.scaling, dim=-1)
             pooled = w.new_zeros(w.shape[0], slow_k.shape[1], w.shape[-1])  # [B, h_kv, n-lo]
             pooled.index_add_(1, self.q_to_kv, w[:, :, 0])
             top = pooled.topk(self.fast_keys, dim=-1).indices.sort(dim=-1).values + lo
-            scratch.top[self.cache_slot] = top
-        idx = top[..., None].expand(-1, -1, -1, slow_k.shape[-1])
-        return slow_k.gather(2, idx), slow_v.gather(2, idx)
+            idx = top[..., None].expand(-1, -1, -1, slow_k.shape[-1])
+            chosen = (top, slow_k.gather(2, idx), slow_v.gather(2, idx))
+            scratch.top[self.cache_slot] = chosen
+        return chosen[1], chosen[2]
 
     def _merged(self) -> tuple:
         """Inference weights with LoRA and the gate folded in: ``[q + B_q A_q | k | v]`` as one
