@@ -28,7 +28,9 @@ after slow layer i has written its keys, so this mask is exactly eq. 2's attenti
 stage (``leapfx.runtime.m2r2``) runs the fast layers alone, one token at a time, with a
 :class:`FastScratch` holding the fast keys/values of the round's earlier drafts: they stand in
 for the slow keys of positions the slow stream has not verified yet and are discarded after
-verification.
+verification. With ``fast_keys`` k a draft reads only k slow keys per layer and KV head (sec.
+2.5), ranked by the round's first draft (``AcceleratedLayer._top_keys`` says why not the slow
+stream's own attention).
 
 Graph after the pass (for gates (2,) on a 4-layer model)::
 
