@@ -289,14 +289,14 @@ class AcceleratedLayer(nn.Module):
         query: one read of every key a round, then g - 1 drafts over k keys. With at most
         ``fast_keys`` visible slow keys all are read. A sliding-window layer ranks the keys in
         its window at the first draft."""
-        n = slow_k.shape[2]
-        lo = 0
-        if self.window is not None:  # visible to the first draft: s >= n + drafted + 1 - w
-            lo = max(0, n + drafted + 1 - self.window)
-        if n - lo <= self.fast_keys:
-            return slow_k[:, :, lo:], slow_v[:, :, lo:]
-        chosen = scratch.top.get(self.cache_slot)
+        chosen = scratch.top.get(self.cache_slot)  # fixed for the round once chosen
         if chosen is None:
+            n = slow_k.shape[2]
+            lo = 0
+            if self.window is not None:  # visible to this draft: s >= n + drafted + 1 - w
+                lo = max(0, n + drafted + 1 - self.window)
+            if n - lo <= self.fast_keys:
+                return slow_k[:, :, lo:], slow_v[:, :, lo:]
             keys = slow_k[:, :, lo:][:, self.q_to_kv]  # [B, h_q, n - lo, D]
             w = torch.softmax((q @ keys.transpose(-1, -2)).float() * self.scaling, dim=-1)
             pooled = w.new_zeros(w.shape[0], slow_k.shape[1], w.shape[-1])  # [B, h_kv, n-lo]
