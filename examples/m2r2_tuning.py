@@ -2,12 +2,14 @@
 
     python examples/m2r2_tuning.py --threads 2                 # decode speed per (g, eta)
     python examples/m2r2_tuning.py --threads 1 --draft-costs   # draft cost per (heads, rank)
+    python examples/m2r2_tuning.py --gammas 3 --etas 0 --fast-keys none,64,16  # sec. 2.5 top-k
 
 Decode speed: ``leapfx_autoregressive``, Kangaroo (its shipped adapter) and ``m2r2`` (the
-shipped parts) at each ``--gammas`` x ``--etas``, all with the CPU kernels, timed interleaved
-(every system on a prompt before the next prompt, ``--repeats`` times after one untimed pass
-that also checks every output is token-identical to autoregressive), so that a shared
-machine's load hits every system alike: compare the ratios, not the tokens/s across runs.
+shipped parts) at each ``--gammas`` x ``--etas`` x ``--fast-keys`` (``none``: every key), all
+with the CPU kernels, timed interleaved (every system on a prompt before the next prompt,
+``--repeats`` times after one untimed pass that also checks every output is token-identical to
+autoregressive), so that a shared machine's load hits every system alike: compare the ratios,
+not the tokens/s across runs.
 
 Draft costs: c, one draft-stage call over one autoregressive decode step (the medians of the
 stage times that ``generate`` records), for untrained accelerators of each ``heads`` x
@@ -33,14 +35,19 @@ def decode_speed(model, prompts, args) -> None:
     }
     for g in (int(x) for x in args.gammas.split(",")):
         for eta in (float(x) for x in args.etas.split(",")):
-            sm = rewrite.apply(
-                model, "m2r2", parts=args.parts, num_speculations=g, confidence_threshold=eta
-            )
-            systems[f"m2r2 g={g} eta={eta}"] = sm
+            for keys in args.fast_keys.split(","):
+                fk = None if keys == "none" else int(keys)
+                sm = rewrite.apply(
+                    model, "m2r2", parts=args.parts, num_speculations=g,
+                    confidence_threshold=eta, fast_keys=fk,
+                )  # fmt: skip
+                name = f"m2r2 g={g} eta={eta}" + ("" if fk is None else f" k={fk}")
+                systems[name] = sm
     systems = {name: sm.use_cpu_kernels() for name, sm in systems.items()}
     seconds = dict.fromkeys(systems, 0.0)
     tokens = dict.fromkeys(systems, 0)
     accepted = {name: [] for name in systems}
+    drafts = {name: [] for name in systems}  # seconds per draft-stage call
     for r in range(args.repeats + 1):
         for prompt in prompts:
             ref = None
@@ -57,12 +64,15 @@ def decode_speed(model, prompts, args) -> None:
                 m = sm.last_metrics
                 if m.drafted_tokens:
                     accepted[name].append(m.accepted_drafts / m.drafted_tokens)
+                if m.draft_calls and "draft" in m.stage_seconds:
+                    drafts[name].append(m.stage_seconds["draft"] / m.draft_calls)
     base = tokens["leapfx_autoregressive"] / seconds["leapfx_autoregressive"]
-    print(f"{'system':26s} {'tok/s':>7s} {'vs AR':>6s} accept")
+    print(f"{'system':32s} {'tok/s':>7s} {'vs AR':>6s} accept draft_us")
     for name in systems:
         rate = tokens[name] / seconds[name]
         acc = f"{statistics.mean(accepted[name]):.3f}" if accepted[name] else "-"
-        print(f"{name:26s} {rate:7.1f} {rate / base:5.2f}x {acc}")
+        cost = f"{statistics.median(drafts[name]) * 1e6:.0f}" if drafts[name] else "-"
+        print(f"{name:32s} {rate:7.1f} {rate / base:5.2f}x {acc:>6s} {cost:>8s}")
 
 
 def draft_costs(model, prompts, args) -> None:
@@ -93,12 +103,14 @@ def main() -> None:
     ap.add_argument("--parts", default=str(REFERENCE_M2R2))
     ap.add_argument("--gammas", default="3,6")
     ap.add_argument("--etas", default="0,0.5")
+    ap.add_argument("--fast-keys", default="none", help="comma list of top-k keys; none: all")
+    ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--draft-costs", action="store_true")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tokenizer = load_model()
-    prompts = bench_prompts(tokenizer, count=args.prompts, num_tokens=64)
+    prompts = bench_prompts(tokenizer, count=args.prompts, num_tokens=args.prompt_tokens)
     (draft_costs if args.draft_costs else decode_speed)(model, prompts, args)
 
 

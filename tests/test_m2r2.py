@@ -151,9 +151,48 @@ def test_fast_attention_uses_the_chosen_heads():
     )
 
 
+def test_fast_keys_drafts_read_exactly_the_chosen_slow_keys():
+    """Sec. 2.5: with ``fast_keys`` k a draft equals a draft without it over a cache that holds
+    only the k slow keys the round's first draft chose (one KV head, two pooled query heads);
+    the choice is fixed for the round, and with at most k cached keys every key is read."""
+    model = tiny_model("llama", layers=3, kv_heads=1)
+    ids = torch.randint(0, 128, (1, 10), generator=torch.Generator().manual_seed(3))
+    drafts = [torch.tensor([[5]]), torch.tensor([[9]])]
+
+    def draft(sm, cache, scratch):
+        outs = []
+        for i, token in enumerate(drafts):
+            outs.append(sm.stages["draft"](token, torch.tensor([[10 + i]]), cache, scratch))
+        return torch.cat([o["hidden"] for o in outs], dim=1)
+
+    chosen = rewrite.apply(model, "m2r2", fast_layers=2, fuse_layers=False, heads=2, fast_keys=3)
+    _randomize(chosen.graph_module)
+    every = rewrite.apply(model, "m2r2", fast_layers=2, fuse_layers=False, heads=2)
+    every.graph_module.m2r2_accelerator.load_state_dict(accelerator_of(chosen.graph_module)
+                                                        .state_dict())  # fmt: skip
+    _, cache = _run_full(model, chosen.graph_module, ids)
+    scratch = FastScratch()
+    got = draft(chosen, cache, scratch)
+    assert sorted(scratch.top) == [0, 1]
+    assert all(t[0].shape == (1, 1, 3) for t in scratch.top.values())
+    assert not torch.allclose(got, draft(every, cache, FastScratch()))  # it does read fewer
+    for slot, (top, _, _) in scratch.top.items():  # keep only the chosen keys, in order
+        idx = top[0, 0]
+        cache.keys[slot][:, :, :3] = cache.keys[slot][:, :, idx].clone()
+        cache.values[slot][:, :, :3] = cache.values[slot][:, :, idx].clone()
+        cache.lengths[slot] = 3
+    torch.testing.assert_close(got, draft(every, cache, FastScratch()), rtol=1e-5, atol=1e-5)
+    # Three cached keys, k = 3: nothing to choose, every key is read.
+    scratch = FastScratch()
+    torch.testing.assert_close(draft(chosen, cache, scratch), draft(every, cache, FastScratch()))
+    assert scratch.top == {}
+
+
 @pytest.mark.parametrize(
     ("options", "match"),
     [
+        ({"fast_keys": 0}, "fast_keys"),
+        ({"fast_keys": True}, "fast_keys"),
         ({"fast_layers": 4}, "fast_layers"),
         ({"fast_layers": 0}, "fast_layers"),
         ({"rank": 0}, "rank"),
@@ -232,6 +271,7 @@ def test_m2r2_greedy_identical_to_hf(spec, data):
         ),
         heads=data.draw(st.one_of(st.none(), st.integers(1, spec["heads"])), label="heads"),
         rank=data.draw(st.integers(1, 8), label="rank"),
+        fast_keys=data.draw(st.one_of(st.none(), st.integers(1, 8)), label="fast_keys"),
     )
     max_new = data.draw(st.integers(1, 24), label="max_new_tokens")
     sm = rewrite.apply(model, "m2r2", **options)

@@ -28,7 +28,9 @@ after slow layer i has written its keys, so this mask is exactly eq. 2's attenti
 stage (``leapfx.runtime.m2r2``) runs the fast layers alone, one token at a time, with a
 :class:`FastScratch` holding the fast keys/values of the round's earlier drafts: they stand in
 for the slow keys of positions the slow stream has not verified yet and are discarded after
-verification.
+verification. With ``fast_keys`` k a draft reads only k slow keys per layer and KV head (sec.
+2.5), ranked by the round's first draft (``AcceleratedLayer._top_keys`` says why not the slow
+stream's own attention).
 
 Graph after the pass (for gates (2,) on a 4-layer model)::
 
@@ -108,6 +110,10 @@ class FastScratch:
     written by the fast stream)."""
 
     kv: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
+    # slot -> (positions [B, h_kv, k], their keys, their values [B, h_kv, k, D]): the slow keys
+    # a ``fast_keys`` layer reads this round, chosen and gathered once at the round's first
+    # draft (sec. 2.5's top-k keys; the slow cache does not change within a round)
+    top: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return max((len(v) for v in self.kv.values()), default=0)
@@ -132,7 +138,14 @@ class AcceleratedLayer(nn.Module):
     """
 
     def __init__(
-        self, layer: nn.Module, *, index: int, heads: int, rank: int, window: int | None
+        self,
+        layer: nn.Module,
+        *,
+        index: int,
+        heads: int,
+        rank: int,
+        window: int | None,
+        fast_keys: int | None = None,
     ) -> None:
         super().__init__()
         attn = layer.self_attn
@@ -141,6 +154,7 @@ class AcceleratedLayer(nn.Module):
         self.index = index
         self.cache_slot = attn.layer_idx
         self.window = window
+        self.fast_keys = fast_keys
         self.scaling = attn.scaling
         # The attention's module, not the layer's: an MoE layer in a captured graph is a plain
         # container of its parts (see capture.layer_module).
@@ -163,6 +177,8 @@ class AcceleratedLayer(nn.Module):
         self.gqa = per > 1 and per_query == [i // per for i in range(heads)]
         if self.gqa:
             self.expand = None
+        # query head -> its KV head among kv_heads: pools a group's attention (top-k keys)
+        self.register_buffer("q_to_kv", torch.tensor(per_query), persistent=False)
         w_q, b_q, w_k, b_k, w_v, b_v = _qkv_weights(attn, nh, nkv, d)
 
         def rows(w, b, sel):
@@ -281,12 +297,14 @@ class AcceleratedLayer(nn.Module):
             if S != 1:
                 raise ValueError(f"drafting runs one token at a time, got {S}")
             earlier = scratch.kv.setdefault(self.cache_slot, [])
+            if self.fast_keys is not None:
+                slow_k, slow_v = self._top_keys(q, slow_k, slow_v, scratch, len(earlier))
             keys = torch.cat([slow_k, *(e[0] for e in earlier), k], dim=2)
             values = torch.cat([slow_v, *(e[1] for e in earlier), v], dim=2)
             earlier.append((k, v))
             mask = None
             length = keys.shape[2]
-            if self.window is not None and length > self.window:
+            if self.window is not None and length > self.window and self.fast_keys is None:
                 mask = (torch.arange(length, device=q.device) >= length - self.window)[None]
         if self.expand is not None:
             keys, values = keys[:, self.expand], values[:, self.expand]
@@ -295,6 +313,35 @@ class AcceleratedLayer(nn.Module):
         )
         p = p + ops.out(out.transpose(1, 2).reshape(B, S, -1))  # [B, S, h*D] -> [B, S, H]
         return p + ops.adapter(p)
+
+    def _top_keys(self, q, slow_k, slow_v, scratch: FastScratch, drafted: int):
+        """Sec. 2.5: the draft reads only ``fast_keys`` slow keys per KV head, those the round's
+        first draft attends to most (softmax weights summed over the group's query heads).
+
+        The paper ranks keys by the slow stream's attention, which the drafting stage does not
+        have: its slow layers run in the verify pass (fused kernels that return no weights),
+        and the slow state of the newest token is not computed until then. The first draft's
+        fast query at that token (p^i ~ h^i, what eq. 4 trains for) stands in for the slow
+        query: one read of every key a round, then g - 1 drafts over k keys. With at most
+        ``fast_keys`` visible slow keys all are read. A sliding-window layer ranks the keys in
+        its window at the first draft."""
+        chosen = scratch.top.get(self.cache_slot)  # fixed for the round once chosen
+        if chosen is None:
+            n = slow_k.shape[2]
+            lo = 0
+            if self.window is not None:  # visible to this draft: s >= n + drafted + 1 - w
+                lo = max(0, n + drafted + 1 - self.window)
+            if n - lo <= self.fast_keys:
+                return slow_k[:, :, lo:], slow_v[:, :, lo:]
+            keys = slow_k[:, :, lo:][:, self.q_to_kv]  # [B, h_q, n - lo, D]
+            w = torch.softmax((q @ keys.transpose(-1, -2)).float() * self.scaling, dim=-1)
+            pooled = w.new_zeros(w.shape[0], slow_k.shape[1], w.shape[-1])  # [B, h_kv, n-lo]
+            pooled.index_add_(1, self.q_to_kv, w[:, :, 0])
+            top = pooled.topk(self.fast_keys, dim=-1).indices.sort(dim=-1).values + lo
+            idx = top[..., None].expand(-1, -1, -1, slow_k.shape[-1])
+            chosen = (top, slow_k.gather(2, idx), slow_v.gather(2, idx))
+            scratch.top[self.cache_slot] = chosen
+        return chosen[1], chosen[2]
 
     def _merged(self) -> tuple:
         """Inference weights with LoRA and the gate folded in: ``[q + B_q A_q | k | v]`` as one
@@ -569,6 +616,8 @@ class InsertAccelerator(GraphPass):
     heads: int | None = None  # query heads of the fast attention; None: default_heads
     rank: int = 8
     routers: bool = False  # an ARLA router per gate (outputs gate_score_{E})
+    # drafting reads only this many slow keys per layer and KV head (sec. 2.5); None: all
+    fast_keys: int | None = None
 
     def run(self, gm: fx.GraphModule) -> PassResult:
         layers = nodes_by_role(gm, "layer")
@@ -591,13 +640,18 @@ class InsertAccelerator(GraphPass):
             raise ValueError(f"heads: {heads!r} is invalid; allowed: an integer 1..{nh}")
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
             raise ValueError(f"rank: {self.rank!r} is invalid; allowed: an integer >= 1")
+        k = self.fast_keys
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+            raise ValueError(f"fast_keys: {k!r} is invalid; allowed: None or an integer >= 1")
         window = getattr(config, "sliding_window", None)
         modules = {}
         for i in range(gates[-1]):
             node = layer_node(gm, i)
             host = layer_module(gm, i)
             w = window if node.meta[ATTN_KIND] == "sliding_attention" else None
-            modules[i] = AcceleratedLayer(host, index=i, heads=heads, rank=self.rank, window=w)
+            modules[i] = AcceleratedLayer(
+                host, index=i, heads=heads, rank=self.rank, window=w, fast_keys=k
+            )
             modules[i].train(host.training)
         routers = None
         if self.routers:

@@ -261,6 +261,10 @@ class M2R2Options:
     # (not in the paper). Lossless either way: only the draft length changes. None: the
     # parts', else 0.
     confidence_threshold: float | None = None
+    # Sec. 2.5: each draft reads only this many slow keys per layer and KV head (those the
+    # round's first draft weights most) plus the round's fast keys; None: every key. Drafting
+    # only, so lossless either way.
+    fast_keys: int | None = None
     parts: str | os.PathLike | None = None
     max_cache_len: int | None = None
     fuse_layers: bool = True
@@ -287,6 +291,8 @@ class M2R2Options:
         eta = self.confidence_threshold
         eta = saved.get("confidence_threshold", 0.0) if eta is None else eta
         _check_threshold("confidence_threshold", eta)
+        if self.fast_keys is not None:
+            _check_int("fast_keys", self.fast_keys, 1)
         _check_cache(self.max_cache_len)
         _check_bool("fuse_layers", self.fuse_layers)
         return dataclasses.replace(
@@ -352,9 +358,12 @@ class M2R2ExitOptions:
 def _m2r2_passes(o) -> list[GraphPass]:
     exits = isinstance(o, M2R2ExitOptions)
     gates = tuple(o.gates) if exits else (o.fast_layers,)
+    fast_keys = None if exits else o.fast_keys  # top-k keys: drafting only
     # The fast layers read the HF layers' modules, so the accelerator goes before fusing.
     passes: list[GraphPass] = [
-        InsertAccelerator(gates=gates, heads=o.heads, rank=o.rank, routers=exits)
+        InsertAccelerator(
+            gates=gates, heads=o.heads, rank=o.rank, routers=exits, fast_keys=fast_keys
+        )
     ]
     passes += _fuse(o)
     if o.parts is not None:
