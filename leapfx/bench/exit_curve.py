@@ -79,14 +79,13 @@ def curve_table(points: list[CurvePoint]) -> str:
 
 def write_curve_plot(path, points: list[CurvePoint]) -> None:
     """Agreement against speedup, one line per system (PNG), written atomically."""
-    import io
 
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .report import write_atomic
+    from .report import write_figure
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for name in dict.fromkeys(p.system for p in points):
@@ -98,7 +97,4 @@ def write_curve_plot(path, points: list[CurvePoint]) -> None:
     ax.set_ylabel("teacher-forced agreement with greedy")
     ax.legend()
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    plt.close(fig)
-    write_atomic(path, buf.getvalue())
+    write_figure(path, fig)

@@ -227,10 +227,9 @@ def plot_offload(traces: dict[str, list], hit_rates: dict[str, dict], path, *,
     bx.set_title("hit rate per layer", fontsize=10)
     bx.legend(fontsize=7, loc="lower left")
     fig.tight_layout()
-    tmp = f"{path}.tmp.png"
-    fig.savefig(tmp, dpi=90)
-    plt.close(fig)
-    os.replace(tmp, path)  # written whole or not at all
+    from .report import write_figure
+
+    write_figure(path, fig, dpi=90)  # written whole or not at all
     return path
 
 

@@ -87,12 +87,31 @@ def write_atomic(path: str | Path, data: bytes) -> None:
         raise ValueError(f"output path {str(path)!r}: its directory does not exist")
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp's 0600 would hide the file from others
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def write_figure(path: str | Path, fig, dpi: int = 110) -> None:
+    """Render a matplotlib figure to PNG bytes, close it, and write it with ``write_atomic``."""
+    import io
+
+    import matplotlib.pyplot as plt
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi)
+    plt.close(fig)
+    write_atomic(path, buf.getvalue())
 
 
 def write_json(path: str | Path, rows: list[Row], meta: dict) -> None:
@@ -122,11 +141,7 @@ def write_plot(path: str | Path, rows: list[Row], acceptance_by_exit: dict[int, 
     b.set_ylim(0, 1)
     b.grid(alpha=0.3)
     fig.tight_layout()
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)
+    write_figure(path, fig)
 
 
 MARKDOWN_BEGIN = "<!-- bench:begin -->"

@@ -15,7 +15,6 @@ SpecEE runs with both KV policies: ``specee`` (``kv_fill="next"``, the default) 
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -224,8 +223,6 @@ def write_curve_plot(path: str | Path, points: list[CurvePoint]) -> None:
     axes[0].set_ylabel("teacher-forced agreement with greedy")
     axes[0].legend()
     fig.tight_layout()
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)
+    from .report import write_figure
+
+    write_figure(path, fig)
