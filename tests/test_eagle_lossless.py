@@ -17,8 +17,14 @@ from hypothesis import strategies as st
 from leapfx import rewrite
 from tests.conftest import tiny_model
 from tests.distribution_check import assert_sampled_from, sample_counts
-from tests.greedy_check import assert_greedy_equal, hf_greedy
-from tests.test_kangaroo_lossless import TEMPERATURE, TOP_K, TOP_P, _exact_distribution
+from tests.greedy_check import hf_greedy
+from tests.test_kangaroo_lossless import (
+    TEMPERATURE,
+    TOP_K,
+    TOP_P,
+    _exact_distribution,
+    check_chain_rounds,
+)
 from tests.test_lossless import _prompt, model_specs
 
 
@@ -50,23 +56,8 @@ def test_eagle_greedy_identical_to_hf(spec, data):
     )
     max_new = data.draw(st.integers(1, 24), label="max_new_tokens")
     sm = rewrite.apply(model, "eagle", **options)
-    rounds = _spy_rounds(sm)
-    if data.draw(st.booleans(), label="trained"):
-        tokens = torch.randint(0, spec["vocab"], (48,), generator=torch.Generator().manual_seed(1))
-        sm.fit(tokens, steps=2, batch_size=2, seq_len=16, lr=1e-2, progress=False)
-    ours = sm.generate(prompt, max_new_tokens=max_new)
-    ref = hf_greedy(model, prompt, max_new)
-    assert_greedy_equal(model, ours, ref, prompt.shape[1])
-    m = sm.last_metrics
-    assert m.new_tokens == ours.shape[1] - prompt.shape[1]
-    d_max = options["max_draft_tokens"]
-    assert all(1 <= s <= d_max + 1 for s in m.accepted_per_verify)
-    assert len(rounds) == m.verify_calls and sum(rounds) == m.drafted_tokens
-    emitted = 1  # the prefill's token
-    for d, s in zip(rounds, m.accepted_per_verify, strict=True):
-        bound = min(d_max, max_new - emitted - 1)  # drafts past max_new_tokens are waste
-        assert d == bound if options["confidence_threshold"] == 0.0 else 1 <= d <= bound
-        emitted += s
+    trained = data.draw(st.booleans(), label="trained")
+    check_chain_rounds(sm, model, prompt, max_new, options, _spy_rounds(sm), trained=trained)
 
 
 def test_eagle_float64_is_exact_with_a_trained_head(tmp_path):
