@@ -42,18 +42,39 @@ FUSABLE = frozenset(
 )
 
 
+def _attention_functions(attn: nn.Module):
+    """The HF module's own rotary and the attention function its config selects."""
+    module = sys.modules[type(attn).__module__]
+    attention = ALL_ATTENTION_FUNCTIONS.get_interface(
+        attn.config._attn_implementation, module.eager_attention_forward
+    )
+    return module.apply_rotary_pos_emb, attention
+
+
+def _attend(owner, attn, q, k, v, position_embeddings, past_key_values, attention_mask, shape):
+    """q, k, v [B, heads, S, D] (normed) -> rotary, cache update, attention: [*shape, heads * D]
+    (``shape``: the input's [B, S]).
+
+    ``owner`` holds ``_rope``, ``_attention`` and ``_attn_kwargs`` (a fused layer or attention).
+    """
+    cos, sin = position_embeddings
+    q, k = owner._rope(q, k, cos, sin)
+    if past_key_values is not None:
+        k, v = past_key_values.update(k, v, attn.layer_idx)
+    out, _ = owner._attention(
+        attn, q, k, v, attention_mask, dropout=0.0, scaling=attn.scaling, **owner._attn_kwargs
+    )
+    return out.reshape(*shape, -1).contiguous()
+
+
 class FusedDecoderLayer(nn.Module):
     """The math of one HF decoder layer with its modules' dispatch stripped (weights shared)."""
 
     def __init__(self, layer: nn.Module) -> None:
         super().__init__()
         self.layer = layer
-        module = sys.modules[type(layer).__module__]
-        self._rope = module.apply_rotary_pos_emb
         attn = layer.self_attn
-        self._attention = ALL_ATTENTION_FUNCTIONS.get_interface(
-            attn.config._attn_implementation, module.eager_attention_forward
-        )
+        self._rope, self._attention = _attention_functions(attn)
         self._qk_norm = hasattr(attn, "q_norm")
         # Mistral reads the window from the config, Qwen2/3 from the module; the mask applies
         # it for sdpa/eager either way, but HF passes it on, and so do we.
@@ -83,14 +104,9 @@ class FusedDecoderLayer(nn.Module):
         if self._qk_norm:
             q, k = attn.q_norm.forward(q), attn.k_norm.forward(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, S, D]
-        cos, sin = position_embeddings
-        q, k = self._rope(q, k, cos, sin)
-        if past_key_values is not None:
-            k, v = past_key_values.update(k, v, attn.layer_idx)
-        out, _ = self._attention(
-            attn, q, k, v, attention_mask, dropout=0.0, scaling=attn.scaling, **self._attn_kwargs
+        out = _attend(
+            self, attn, q, k, v, position_embeddings, past_key_values, attention_mask, input_shape
         )
-        out = out.reshape(*input_shape, -1).contiguous()
         hidden_states = residual + self._linear(out, attn.o_proj, "o")
         residual = hidden_states
         h = layer.post_attention_layernorm.forward(hidden_states)
@@ -118,11 +134,7 @@ class FusedAttention(nn.Module):
     def __init__(self, attn: nn.Module) -> None:
         super().__init__()
         self.attn = attn
-        module = sys.modules[type(attn).__module__]
-        self._rope = module.apply_rotary_pos_emb
-        self._attention = ALL_ATTENTION_FUNCTIONS.get_interface(
-            attn.config._attn_implementation, module.eager_attention_forward
-        )
+        self._rope, self._attention = _attention_functions(attn)
         norm = getattr(attn, "q_norm", None)
         # OLMoE normalises the whole projection before splitting heads; Qwen3-MoE each head.
         self._norm = None if norm is None else (
@@ -156,14 +168,9 @@ class FusedAttention(nn.Module):
         if self._norm == "head":
             q, k = attn.q_norm.forward(q), attn.k_norm.forward(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, S, D]
-        cos, sin = position_embeddings
-        q, k = self._rope(q, k, cos, sin)
-        if past_key_values is not None:
-            k, v = past_key_values.update(k, v, attn.layer_idx)
-        out, _ = self._attention(
-            attn, q, k, v, attention_mask, dropout=0.0, scaling=attn.scaling, **self._attn_kwargs
+        out = _attend(
+            self, attn, q, k, v, position_embeddings, past_key_values, attention_mask, input_shape
         )
-        out = out.reshape(*input_shape, -1).contiguous()
         return F.linear(out, attn.o_proj.weight, attn.o_proj.bias), None
 
 
