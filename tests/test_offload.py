@@ -7,6 +7,7 @@ here, so a compute that does not wait for its load reads NaN and fails determini
 
 from __future__ import annotations
 
+import json
 import os
 from collections import OrderedDict
 
@@ -390,3 +391,21 @@ def test_trace_and_timeline_plot(tmp_path):
     path = plot_offload({"next_gate": trace}, {"next_gate": rates}, tmp_path / "t.png")
     assert path.stat().st_size > 0
     sm.offload.close()
+
+
+def test_offload_command_runs_on_a_device_and_dtype(tmp_path, capsys):
+    """`python -m leapfx.bench.offload --device/--dtype`: rows on a tiny random model, and a
+    clear refusal of CUDA where this torch build has none."""
+    from leapfx.bench.offload import main
+
+    small = ["--layers", "2", "--hidden", "32", "--experts", "4", "--top-k", "2",
+             "--intermediate", "32", "--prompts", "1", "--tokens", "4", "--slots", "2"]  # fmt: skip
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="--device: 'cuda'"):
+            main([*small, "--device", "cuda"])
+    out = tmp_path / "rows.json"
+    main([*small, "--dtype", "bfloat16", "--json", str(out)])
+    rows = json.loads(out.read_text())
+    assert [r["system"] for r in rows][:2] == ["leapfx_resident", "leapfx_offload_none"]
+    assert all(r["identical"] for r in rows)
+    assert "| leapfx_offload_none |" in capsys.readouterr().out

@@ -146,7 +146,9 @@ def offload_rows(
     rows, traces = [], {}
     for name, (recipe, offload, opts) in systems.items():
         sm = apply(model, recipe, offload=offload, **opts)
-        sm.generate(prompts[0], max_new_tokens=4)  # warm-up (allocations, first reads)
+        # Warm-up: allocations, first reads, and on a GPU the kernels' first launches (a few
+        # tokens were not enough there: the first row measured slower than the offloaded ones).
+        sm.generate(prompts[0], max_new_tokens=max_new_tokens)
         outputs, reports, seconds, tokens = [], [], 0.0, 0
         for prompt in prompts:
             start = time.perf_counter()
@@ -316,7 +318,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--plot", default=None, help="PNG: timelines and hit rate per layer")
     p.add_argument("--m2r2-parts", default=None, help="rate-2 M2R2 parts (prefetch m2r2)")
     p.add_argument("--model", default=None, help="a local MoE checkpoint (default: random)")
+    p.add_argument(
+        "--device", default="cpu",
+        help="cpu (slow tier: a file on disk) or cuda, cuda:1, ... (slow tier: pinned host memory)",
+    )  # fmt: skip
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     a = p.parse_args(argv)
+    device = torch.device(a.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device: {a.device!r} asks for CUDA, which this torch build cannot use")
     torch.set_num_threads(1)
     if a.model is not None:
         from transformers import AutoModelForCausalLM
@@ -333,6 +343,8 @@ def main(argv: list[str] | None = None) -> None:
                            intermediate=a.intermediate)  # fmt: skip
         g = torch.Generator().manual_seed(0)
         prompts = [torch.randint(0, 512, (1, 16), generator=g) for _ in range(a.prompts)]
+    model = model.to(device=device, dtype=getattr(torch, a.dtype))
+    prompts = [prompt.to(device) for prompt in prompts]
     slots = int(a.slots) if a.slots >= 1 else a.slots
     rows = offload_rows(model, prompts, max_new_tokens=a.tokens, slots=slots, policy=a.policy,
                         path=a.path, plot=a.plot, m2r2_parts=a.m2r2_parts)  # fmt: skip
