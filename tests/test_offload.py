@@ -338,17 +338,37 @@ def test_offload_refuses_dense_models_and_compiled_backends():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("delay", [0.0, 0.002], ids=["no-delay", "delayed-copies"])
 @pytest.mark.parametrize("prefetch", ["none", "next_gate"])
-def test_cuda_engine_offload_is_token_identical(prefetch):
+def test_cuda_engine_offload_is_token_identical(prefetch, delay):
+    """Poisoned slots, and with ``delay`` every copy starts 2 ms late on its stream: only the
+    compute stream's waits on the copies' events keep the NaN out."""
     model = tiny_moe_model("olmoe", layers=4, experts=8, top_k=2).cuda()
     prompt = torch.tensor([[3, 1, 4, 1, 5]], device="cuda")
     resident, _ = _generate(model, "layerskip", prompt, 24, exit_layer=1)
-    options = _offload(slots=3, prefetch=prefetch)
+    options = _offload(slots=3, prefetch=prefetch, transfer_delay_s=delay)
     ours, sm = _generate(model, "layerskip", prompt, 24, offload=options, exit_layer=1)
     assert type(sm.offload.engine).__name__ == "CudaEngine"
     assert sm.offload.store.pinned
     assert torch.equal(ours, resident)
     assert sm.last_offload_report.hit_rate > 0
+
+
+@pytest.mark.gpu
+def test_cuda_engine_a_missing_wait_reads_poison():
+    """The CUDA engine's poisoning catches a compute stream that does not wait for its copy."""
+    model = tiny_moe_model("olmoe", layers=2, experts=4, top_k=2).cuda()
+    prompt = torch.tensor([[1, 2, 3]], device="cuda")
+    sm = rewrite.apply(model, "autoregressive",
+                       offload=_offload(slots=2, transfer_delay_s=0.05))  # fmt: skip
+    runtime = sm.offload
+    assert type(runtime.engine).__name__ == "CudaEngine"
+    runtime.engine.wait = lambda ticket: 0.0  # the bug: no wait on the copy's event
+    positions = torch.arange(3, device="cuda")[None]
+    logits = sm.stages["full"](prompt, positions, {"full_attention": None}, None)
+    torch.cuda.synchronize()
+    runtime.close()
+    assert torch.isnan(logits["logits"]).any()
 
 
 def test_offloaded_moe_layerskip_sampling_matches_target_distribution():

@@ -161,8 +161,12 @@ class ThreadEngine:
 class CudaEngine:
     """Copy streams + events on one CUDA device."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, *, delay_s: float = 0.0) -> None:
         self.device = device
+        # Tests: a spin kernel of about ``delay_s`` (at <= 2 GHz) before every job on its copy
+        # stream, so that a compute which does not wait for its ticket reads the slot before
+        # the copy lands, every time.
+        self._delay_cycles = int(delay_s * 2e9)
         # Lower numbers are higher priorities; -1 is valid on every CUDA device.
         self.demand_stream = torch.cuda.Stream(device, priority=-1)
         self.prefetch_stream = torch.cuda.Stream(device, priority=0)
@@ -173,6 +177,8 @@ class CudaEngine:
         with torch.cuda.stream(stream):
             for event in after or ():
                 stream.wait_event(event)  # the slots' last readers have finished
+            if self._delay_cycles:
+                torch.cuda._sleep(self._delay_cycles)
             job()
             ready = torch.cuda.Event()
             ready.record(stream)

@@ -209,7 +209,7 @@ class ExpertOffload:
         else:
             self.store = HostStore(pairs, pin=self.device.type == "cuda")
         self.engine: TransferEngine = (
-            CudaEngine(self.device)
+            CudaEngine(self.device, delay_s=options.transfer_delay_s)
             if self.device.type == "cuda"
             # A transfer delay tests the waits, which only the worker's tickets have: demands
             # go through it too then.
