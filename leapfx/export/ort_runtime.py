@@ -120,7 +120,15 @@ class OrtStage:
         self.device = "cuda" if provider == "CUDAExecutionProvider" else "cpu"
         self._binding = None
         self._bound: OrtKVCache | None = None  # the cache whose buffers _binding holds
-        self._buffers: dict[tuple, list[np.ndarray]] = {}  # input shapes -> output buffers
+        # Per input shapes (decode calls: one-token steps, each verify length), host buffers
+        # for the inputs and outputs, bound by pointer. A call of the shapes bound last copies
+        # its inputs in and runs: no binding calls (each costs a few microseconds through
+        # onnxruntime's Python layer; a draft step runs in ~0.2 ms). ``get_outputs()`` is
+        # avoided too: it wraps every bound output, the cache's presents included (34
+        # OrtValues a call on the reference model, 0.1 ms). CPU only: on a GPU the outputs
+        # stay in device memory.
+        self._slots: dict[tuple, tuple[list[np.ndarray], list[np.ndarray]]] = {}
+        self._bound_key: tuple | None = None  # the shapes whose buffers _binding holds
 
     def _bind_cache(self, cache: OrtKVCache):
         """An IO binding with each slot's past input and present output on its one buffer."""
@@ -133,7 +141,7 @@ class OrtStage:
                 ):
                     io.bind_ortvalue_input(past, buf)
                     io.bind_ortvalue_output(present, buf)
-            self._binding, self._bound = io, cache
+            self._binding, self._bound, self._bound_key = io, cache, None
         return self._binding
 
     def __call__(
@@ -152,44 +160,49 @@ class OrtStage:
                 ends[layer] = cache.lengths[layer] + n
         cache.check_room(max(ends.values(), default=0))  # before: ORT does not bounds-check
         io = self._bind_cache(cache)
-        arrays = [_to_numpy(tensors[name]) for name in self.tensor_inputs]
+        values = [tensors[name] for name in self.tensor_inputs]
+        key = tuple((tuple(v.shape), v.dtype) for v in values)
+        slot = self._slots.get(key) if self.device == "cpu" else None
+        if slot is None:
+            results = self._run_unbuffered(io, values)
+        else:
+            inputs, outputs = slot
+            for buf, value in zip(inputs, values, strict=True):
+                np.copyto(buf, _to_numpy(value))
+            if self._bound_key != key:  # the binding holds another shape's buffers
+                for name, buf in zip(self.tensor_inputs, inputs, strict=True):
+                    io.bind_input(name, "cpu", 0, buf.dtype, buf.shape, buf.ctypes.data)
+                for name, buf in zip(self.outputs, outputs, strict=True):
+                    io.bind_output(name, "cpu", 0, buf.dtype, buf.shape, buf.ctypes.data)
+                self._bound_key = key
+            self.session.run_with_iobinding(io)
+            # Copies: the buffers are written again by the next call of this shape, and the
+            # schedules keep outputs across calls (draft probabilities until verify).
+            results = [buf.copy() for buf in outputs]
+        for layer, end in ends.items():
+            cache.lengths[layer] = end
+        if slot is None:
+            small = sum(r.nbytes for r in results) <= _MAX_BUFFER_BYTES  # decode, not prefill
+            if self.device == "cpu" and small and len(self._slots) < _MAX_BUFFERED_SHAPES:
+                self._slots[key] = (
+                    [np.empty_like(_to_numpy(v)) for v in values],
+                    [np.empty_like(r) for r in results],
+                )
+        return {name: torch.from_numpy(r) for name, r in zip(self.outputs, results, strict=True)}
+
+    def _run_unbuffered(self, io, values: list[torch.Tensor]) -> list[np.ndarray]:
+        """A call of input shapes without buffers yet (a prefill, a new verify length, any call
+        on a GPU): inputs bound by pointer, outputs allocated by onnxruntime."""
+        arrays = [_to_numpy(v) for v in values]
         for name, array in zip(self.tensor_inputs, arrays, strict=True):
             # by pointer, no copy: ``arrays`` outlives the run
             io.bind_input(name, "cpu", 0, array.dtype, array.shape, array.ctypes.data)
-        key = tuple(a.shape for a in arrays)
-        buffers = self._output_buffers(key)
-        if buffers is None:  # a new input shape: onnxruntime allocates, and we learn the shapes
-            for name in self.outputs:
-                io.bind_output(name, self.device)
-        else:
-            for name, buf in zip(self.outputs, buffers, strict=True):
-                io.bind_output(name, "cpu", 0, buf.dtype, buf.shape, buf.ctypes.data)
+        for name in self.outputs:
+            io.bind_output(name, self.device)
+        self._bound_key = None  # bound to this call's arrays, which go away
         self.session.run_with_iobinding(io)
-        for layer, end in ends.items():
-            cache.lengths[layer] = end
-        if buffers is not None:
-            # Copies: the buffers are written again by the next call of this shape, and the
-            # schedules keep outputs across calls (draft probabilities until verify).
-            return {
-                name: torch.from_numpy(buf.copy())
-                for name, buf in zip(self.outputs, buffers, strict=True)
-            }
         # get_outputs: in binding order, the cache's presents first (bound once), then ours.
-        results = [v.numpy() for v in io.get_outputs()[-len(self.outputs) :]]
-        small = sum(r.nbytes for r in results) <= _MAX_BUFFER_BYTES  # decode calls, not prefill
-        if self.device == "cpu" and small and len(self._buffers) < _MAX_BUFFERED_SHAPES:
-            self._buffers[key] = [np.empty_like(r) for r in results]
-        return {name: torch.from_numpy(r) for name, r in zip(self.outputs, results, strict=True)}
-
-    def _output_buffers(self, key: tuple) -> list[np.ndarray] | None:
-        """Preallocated host buffers for the outputs of a call whose inputs have shapes ``key``
-        (None until a call of those shapes told their shapes).
-
-        Bound by pointer, they replace ``io.get_outputs()``, which wraps every bound output,
-        the cache's presents included: 34 OrtValues a call on the reference model, 0.1 ms, a
-        tenth of a draft step. CPU only: on a GPU the outputs stay in device memory.
-        """
-        return self._buffers.get(key) if self.device == "cpu" else None
+        return [v.numpy() for v in io.get_outputs()[-len(self.outputs) :]]
 
 
 def _load_errors() -> tuple[type[BaseException], ...]:
@@ -383,6 +396,14 @@ class OnnxModel:
         )  # fmt: skip
         request = with_teacher(request, teacher)
         needed = prompt.shape[1] + request.max_new_tokens + self._lookahead
+        limit = self.manifest["attention"].get("rotary_positions")
+        if limit is not None and needed > limit:
+            raise ValueError(
+                f"max_new_tokens: the prompt plus max_new_tokens (and {self._lookahead} "
+                f"lookahead positions) need {needed} positions but the export's rotary tables "
+                f"cover {limit} (the model's max_position_embeddings); shorten the prompt or "
+                "max_new_tokens"
+            )
         runner = StageRunner(self.stages, self._cache_for(needed), self._layout)
         with torch.inference_mode():
             tokens, self.last_metrics = decode(
