@@ -631,6 +631,53 @@ def test_graph_rewrites_keep_the_outputs_with_fewer_nodes(exported, tmp_path):
         export_onnx(sm, tmp_path / "bad", optimize=1)
 
 
+def test_split_verify_is_the_draft_stage_then_the_upper_part(exported):
+    # OnnxModel runs layerskip's verify as the draft stage on the new tokens, then verify's
+    # graph from the join of the exit states on (the lower layers' weights then live in one
+    # session only). Same logits and cache writes as the one verify graph, same tokens.
+    from leapfx.export.ort_runtime import SplitVerify
+
+    model, sm, path = exported("llama", "layerskip")
+    split, single = OnnxModel(path, threads=1), OnnxModel(path, threads=1, split_verify=False)
+    assert isinstance(split.stages["verify"], SplitVerify)
+    assert not isinstance(single.stages["verify"], SplitVerify)
+    upper = split.stages["verify"].upper.session
+    assert {i.name for i in upper.get_inputs()} >= {"exit_hidden", "remainder_position_ids"}
+    assert not {"input_ids", "position_ids", "past_key_values.0.key"} & {
+        i.name for i in upper.get_inputs()
+    }  # layer 0 is below the exit (exit_layer 1)
+    gen = torch.Generator().manual_seed(0)
+    pasts = None
+    exit_hidden = torch.randn(1, 2, model.config.hidden_size, generator=gen)
+    caches = []
+    for om in (split, single):
+        cache = om._cache_for(16)
+        buffers = [b for kv in zip(cache.keys, cache.values, strict=True) for b in kv]
+        if pasts is None:  # the same random past in both
+            pasts = [torch.randn(b.shape(), generator=gen).numpy() for b in buffers]
+        for buf, past in zip(buffers, pasts, strict=True):
+            buf.numpy()[:] = past
+        cache.lengths = [4] * cache.num_layers
+        cache.lengths[0] = 6  # the drafts wrote their lower layers; verify writes the last
+        out = om.stages["verify"](
+            cache=cache, input_ids=torch.tensor([[7]]), position_ids=torch.tensor([[6]]),
+            exit_hidden=exit_hidden, remainder_position_ids=torch.tensor([[4, 5, 6]]),
+        )  # fmt: skip
+        caches.append((out["logits"], cache))
+    (a, ca), (b, cb) = caches
+    torch.testing.assert_close(a, b)
+    assert ca.lengths == cb.lengths == [7] * ca.num_layers
+    for layer in range(ca.num_layers):
+        for x, y in zip(ca.filled(layer), cb.filled(layer), strict=True):
+            torch.testing.assert_close(torch.from_numpy(x), torch.from_numpy(y))
+    prompt = torch.tensor([[5, 9, 2, 7, 1, 3]])
+    ours = split.generate(prompt, max_new_tokens=20)
+    assert split.last_metrics.rejections > 0  # rollbacks after rejected drafts happened
+    assert torch.equal(ours, single.generate(prompt, max_new_tokens=20))
+    with pytest.raises(ValueError, match="split_verify: 1 is invalid"):
+        OnnxModel(path, split_verify=1)
+
+
 def test_positions_past_the_rotary_tables_are_refused(exported, onnx_model):
     # GroupQueryAttention reads cos/sin from tables of max_position_embeddings rows: a decode
     # that would need more positions is refused up front with the option to change.

@@ -205,6 +205,102 @@ class OrtStage:
         return [v.numpy() for v in io.get_outputs()[-len(self.outputs) :]]
 
 
+class SplitVerify:
+    """Verify as two calls: the draft stage on the new tokens, then verify's upper part.
+
+    A verify call runs the round's new tokens (the last draft) through the layers below the exit
+    and then every row through the layers from the exit up. The draft stage runs exactly those
+    lower layers (same weights, same cache slots, same positions) and returns their exit states
+    as ``hidden``; ``upper`` is the verify graph from the join of the exit states on
+    (``onnx_optimize.remainder_graph``). The outputs and cache writes are verify's.
+
+    Why: onnxruntime prepacks each session's MatMul weights into the session's own buffers,
+    so the lower layers' weights exist twice, once in the draft session and once in the verify
+    session, and a round (d drafts, one verify) reads both copies plus the upper layers'. On
+    the reference model that is 36 MB of float32 weights a round against 26 MB for a full
+    step, more than a 32 MB L3 holds: the verify found its weights evicted by the drafts
+    (1.49 full steps after 4 drafts against 1.26 back to back). Split, a round reads the lower
+    layers from the draft session only (a round of 4 drafts and a verify 3.73 -> 3.20 ms, the
+    same logits); the price is one more session call (~30 us) and the draft head's norm and
+    logits on one row.
+    """
+
+    builds_masks = True
+
+    def __init__(self, draft: OrtStage, upper: OrtStage) -> None:
+        self.draft, self.upper = draft, upper
+        self.device = upper.device
+
+    def __call__(
+        self,
+        *,
+        cache: OrtKVCache,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        exit_hidden: torch.Tensor,
+        remainder_position_ids: torch.Tensor,
+        masks: Any = None,
+        remainder_masks: Any = None,
+    ) -> dict[str, torch.Tensor]:
+        del masks, remainder_masks  # computed in the graphs from the positions
+        hidden = self.draft(cache=cache, input_ids=input_ids, position_ids=position_ids)["hidden"]
+        rows = torch.cat([exit_hidden.to(hidden.dtype), hidden], dim=1)
+        return self.upper(
+            cache=cache, exit_hidden=rows, remainder_position_ids=remainder_position_ids
+        )
+
+
+# Recipes whose draft stage is verify's lower part (its ``hidden``: the exit states verify joins
+# to the cached ones): layerskip's exit-head drafts. (Kangaroo's verify also runs the adapter on
+# the last draft, and its draft returns the adapter's states: not split.)
+_SPLIT_VERIFY_RECIPES = ("layerskip",)
+
+
+def _upper_stage(path: Path, manifest: dict, options, providers) -> OrtStage | None:
+    """verify's upper part as an OrtStage (see :class:`SplitVerify`), or None where the
+    stages do not have the shapes it needs."""
+    import onnx
+    import onnxruntime as ort
+
+    from .onnx_optimize import remainder_graph
+
+    stages = manifest["stages"]
+    if (
+        "draft" not in stages
+        or "verify" not in stages
+        or "hidden" not in stages["draft"]["outputs"]
+    ):
+        return None
+    spec, draft = stages["verify"], stages["draft"]
+    lower = spec["position_groups"].get("position_ids", [])
+    upper_layers = spec["position_groups"].get("remainder_position_ids", [])
+    if (
+        sorted(lower) != sorted(draft["position_groups"].get("position_ids", []))
+        or not upper_layers
+    ):
+        return None
+    upper = remainder_graph(onnx.load(str(path / spec["file"]), load_external_data=False), lower)
+    if upper is None:
+        return None
+    outputs = [o.name for o in upper.graph.output]
+    if [o for o in outputs if not o.startswith("present.")] != [
+        o for o in spec["outputs"] if not o.startswith("present.")
+    ]:
+        return None
+    # from memory: its weights are the export's own weights.bin, found through this folder
+    options.add_session_config_entry(
+        "session.model_external_initializers_file_folder_path", str(path)
+    )
+    session = ort.InferenceSession(upper.SerializeToString(), options, providers=providers)
+    upper_spec = {
+        "cache_reads": upper_layers,
+        "position_groups": {"remainder_position_ids": upper_layers},
+        "inputs": [i.name for i in upper.graph.input],
+        "outputs": outputs,
+    }
+    return OrtStage(session, upper_spec)
+
+
 def _load_errors() -> tuple[type[BaseException], ...]:
     """onnxruntime's exception types for a model it cannot load (an opset it does not know,
     an op it has no kernel for): not subclasses of any builtin error."""
@@ -260,6 +356,9 @@ class OnnxModel:
         recipe: whose schedule to run; None: the exported recipe's. ``"autoregressive"`` runs
             the baseline over the ``full`` stage and ``"early_exit"`` every token from the
             ``draft`` stage, so one export also serves the baselines a benchmark compares.
+        split_verify: run layerskip's verify as the draft stage on the new tokens and then
+            verify's upper part (:class:`SplitVerify`: one copy of the lower layers' packed
+            weights in a round instead of two). False runs the exported verify graph as is.
 
     Attributes:
         manifest: the export's manifest (dict).
@@ -276,6 +375,7 @@ class OnnxModel:
         threads: int | None = None,
         spin: bool = False,
         recipe: str | None = None,
+        split_verify: bool = True,
     ) -> None:
         try:
             import onnxruntime as ort
@@ -291,13 +391,22 @@ class OnnxModel:
         if threads is not None and (not isinstance(threads, int) or threads < 1):
             raise ValueError(f"threads: {threads!r} is invalid; allowed: an integer >= 1 or None")
         self.threads = threads
-        options = ort.SessionOptions()
         if not isinstance(spin, bool):
             raise ValueError(f"spin: {spin!r} is invalid; allowed: True or False")
-        if threads is not None:
-            options.intra_op_num_threads = threads
-            options.inter_op_num_threads = 1
-        options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
+        if not isinstance(split_verify, bool):
+            raise ValueError(f"split_verify: {split_verify!r} is invalid; allowed: True or False")
+
+        def session_options():
+            options = ort.SessionOptions()
+            if threads is not None:
+                options.intra_op_num_threads = threads
+                options.inter_op_num_threads = 1
+            options.add_session_config_entry(
+                "session.intra_op.allow_spinning", "1" if spin else "0"
+            )
+            return options
+
+        options = session_options()
         chosen = list(providers) if providers is not None else default_providers()
         load_errors = _load_errors()
         self.stages: dict[str, OrtStage] = {}
@@ -336,6 +445,10 @@ class OnnxModel:
         fields = {f.name for f in dataclasses.fields(r.options_type)}
         self.options = r.options_type(**{k: v for k, v in m["options"].items() if k in fields})
         self._schedule = r.schedule(self.options)
+        if split_verify and self.recipe in _SPLIT_VERIFY_RECIPES:
+            upper = _upper_stage(self.path, m, session_options(), chosen)
+            if upper is not None:
+                self.stages["verify"] = SplitVerify(self.stages["draft"], upper)
         self._lossless = r.lossless
         self._lookahead = r.lookahead(self.options)
         self._generation_config = _generation_config(m["generation_config"])
