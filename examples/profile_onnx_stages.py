@@ -1,5 +1,7 @@
 """Profile the onnxruntime stage calls of the reference model's layerskip export, traced graphs
-against leapfx's rewritten ones (``export_onnx(optimize=False / True)``), side by side.
+against leapfx's rewritten ones (``export_onnx(optimize=False / True)``), side by side; between
+them ``no_gqa``: rewritten without the GroupQueryAttention rewrite (q|k|v and gate|up fused,
+cache writes as ScatterND), to show what that rewrite alone changes.
 
     python examples/profile_onnx_stages.py [--exit-layer 6] [--calls 150] [--out runs/profile]
 
@@ -8,7 +10,8 @@ draft step and a verify over 4 exit states + 1 draft (``d = 4``), called in turn
 the sum over nodes of each node's median kernel time (medians: robust to a loaded machine).
 Then the wall time of the same calls without the profiler, best of ``--calls`` blocks of one
 model: full steps and verify calls back to back, and verify right after 4 draft calls (as in
-decoding, where the upper layers' weights have gone cold meanwhile).
+decoding, where the upper layers' weights have gone cold meanwhile); last the rewritten export
+as ``OnnxModel`` runs it, verify split into the draft stage and verify's upper part.
 """
 
 import argparse
@@ -16,6 +19,7 @@ import collections
 import json
 import time
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import onnxruntime as ort
@@ -23,7 +27,7 @@ import torch
 
 from leapfx import rewrite
 from leapfx.bench import load_model
-from leapfx.export import OnnxModel
+from leapfx.export import OnnxModel, onnx_export
 from leapfx.export.ort_runtime import OrtStage
 
 parser = argparse.ArgumentParser()
@@ -36,9 +40,13 @@ model, _ = load_model()
 sm = rewrite.apply(model, "layerskip", exit_layer=args.exit_layer, num_speculations=4)
 out = Path(args.out)
 exports = {
-    name: sm.export_onnx(out / name, overwrite=True, optimize=name == "rewritten")
-    for name in ("traced", "rewritten")
+    "traced": sm.export_onnx(out / "traced", overwrite=True, optimize=False),
+    "rewritten": sm.export_onnx(out / "rewritten", overwrite=True),
 }
+# no rotary tables -> no GroupQueryAttention rewrite (onnx_export._rotary_positions says why)
+with mock.patch.object(onnx_export, "_rotary_positions", lambda sm: None):
+    exports["no_gqa"] = sm.export_onnx(out / "no_gqa", overwrite=True)
+exports = {name: exports[name] for name in ("traced", "no_gqa", "rewritten")}
 P, H = 64, model.config.hidden_size
 ONE = {"input_ids": torch.tensor([[5]]), "position_ids": torch.tensor([[P]])}
 VERIFY = {
@@ -63,7 +71,7 @@ def caller(om: OnnxModel):
 
 
 for label, path in exports.items():
-    om = OnnxModel(path, threads=1)
+    om = OnnxModel(path, threads=1, split_verify=False)  # (profiles the verify graph itself)
     options = ort.SessionOptions()
     options.intra_op_num_threads = options.inter_op_num_threads = 1
     options.enable_profiling = True
@@ -93,7 +101,12 @@ for label, path in exports.items():
         print(f"  {name:6s} {sum(by_op.values()):7.0f}  ({top})")
     print(f"  verify / full {sum(sums['verify'].values()) / sum(sums['full'].values()):.2f}")
 
-models = {label: caller(OnnxModel(path, threads=1)) for label, path in exports.items()}
+# the exported verify graph in each; then the rewritten export as OnnxModel runs it by default,
+# verify split into the draft stage and verify's upper part (ort_runtime.SplitVerify)
+models = {
+    label: caller(OnnxModel(path, threads=1, split_verify=False)) for label, path in exports.items()
+}
+models["rewritten, split verify"] = caller(OnnxModel(exports["rewritten"], threads=1))
 times = collections.defaultdict(list)
 for _ in range(args.calls):
     for label, call in models.items():  # per model a block: its weights as warm as decoding

@@ -231,21 +231,27 @@ def test_stage_signatures_follow_the_optimum_convention(exported):
         "logits", "present.0.key", "present.0.value", "present.1.key", "present.1.value",
     ]  # fmt: skip
     assert outputs["present.0.key"] == ["batch", h_kv, "max_cache_len", d]
-    # Each present is one scatter straight on its past: nothing copies the buffer (ScatterND of
-    # whole head rows, leapfx.export.onnx_optimize's rewrite of the traced ScatterElements).
+    # Each present is written straight into its past by the layer's one GroupQueryAttention
+    # (leapfx.export.onnx_optimize's rewrite of the traced rotary + ScatterElements +
+    # Attention): past in, present out, nothing copies the buffer.
     producers = {o: n for n in verify.node for o in n.output}
     for name in outputs:
         if name.startswith("present."):
             node = producers[name]
-            assert node.op_type == "ScatterND", (name, node.op_type)
-            assert node.input[0] == name.replace("present.", "past_key_values.")
-    # Attention (opset 23) reads the grouped keys and values as they are (this config has
-    # 4 query heads and 1 key/value head): no Expand repeats the buffers per query head.
+            assert (node.domain, node.op_type) == ("com.microsoft", "GroupQueryAttention")
+            slot = list(node.output).index(name)  # 1: key, 2: value
+            assert node.input[2 + slot] == name.replace("present.", "past_key_values.")
+    # It reads the grouped keys and values as they are (this config has 4 query heads and 1
+    # key/value head): no Expand repeats the buffers per query head.
     assert c.num_attention_heads > c.num_key_value_heads
-    attention = [n for n in verify.node if n.op_type == "Attention"]
+    attention = [n for n in verify.node if n.op_type == "GroupQueryAttention"]
     assert len(attention) == c.num_hidden_layers
+    assert not any(n.op_type in ("Attention", "Expand", "ScatterND") for n in verify.node)
     for node in attention:
-        assert [producers[i].op_type for i in node.input[1:3]] == ["ScatterND"] * 2
+        heads = {a.name: a.i for a in node.attribute if a.name in ("num_heads", "kv_num_heads")}
+        assert heads == {
+            "num_heads": c.num_attention_heads, "kv_num_heads": c.num_key_value_heads,
+        }  # fmt: skip
     assert "TRANSFORMERS_SDPA_FORCE_GQA" not in os.environ  # the export's switch, restored
     draft = onnx.load(str(path / "draft.onnx")).graph
     names = [o.name for o in draft.output]
@@ -532,6 +538,8 @@ def test_export_shares_one_copy_of_the_weights(exported):
     model, sm, path = exported("llama", "layerskip")
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     manifest = read_manifest(path)
+    # beside them, once: GroupQueryAttention's rotary tables (cos and sin, positions x D/2)
+    weights += 2 * manifest["attention"]["rotary_positions"] * model.config.head_dim // 2 * 4
     assert manifest["weights"]["dtype"] == "float32"
     assert (path / "weights.bin").stat().st_size <= 1.05 * weights
     for spec in manifest["stages"].values():
@@ -559,8 +567,9 @@ def test_cuda_provider_keeps_the_cache_on_the_device(exported):
 
 
 def test_graph_rewrites_keep_the_outputs_with_fewer_nodes(exported, tmp_path):
-    # leapfx.export.onnx_optimize: q|k|v and gate|up as one MatMul each, the cache writes as
-    # ScatterND of rows. The same logits and cache writes as the graph as traced, fewer nodes.
+    # leapfx.export.onnx_optimize: q|k|v and gate|up as one MatMul each, each layer's rotary,
+    # cache writes and attention as one GroupQueryAttention. The same logits and cache writes
+    # as the graph as traced, fewer nodes.
     model, sm, path = exported("llama", "layerskip")
     plain = export_onnx(sm, tmp_path / "plain", optimize=False)
     manifest = read_manifest(path)
@@ -573,10 +582,12 @@ def test_graph_rewrites_keep_the_outputs_with_fewer_nodes(exported, tmp_path):
 
         layers = model.config.num_hidden_layers
         assert count(traced, "MatMul") - count(ours, "MatMul") == 3 * layers  # 7 -> 4 a layer
-        assert count(ours, "ScatterElements") == 0
-        assert count(ours, "ScatterND") == count(traced, "ScatterElements") == 2 * layers
+        assert count(ours, "ScatterElements") == count(ours, "ScatterND") == 0
+        assert count(traced, "ScatterElements") == 2 * layers
+        assert count(ours, "GroupQueryAttention") == count(traced, "Attention") == layers
+        assert count(ours, "RotaryEmbedding") == count(ours, "Transpose") == 0
         assert manifest["stages"][name]["rewrites"] == {
-            "fused_matmuls": 2 * layers, "scatter_nd_writes": 2 * layers,
+            "fused_matmuls": 2 * layers, "group_query_attention": layers, "scatter_nd_writes": 0,
         }  # fmt: skip
     assert read_manifest(plain)["stages"]["full"]["rewrites"] == {}
     prompt = torch.tensor([[5, 9, 2, 7, 1, 3, 4]])
@@ -608,10 +619,74 @@ def test_graph_rewrites_keep_the_outputs_with_fewer_nodes(exported, tmp_path):
         )
         for p in (path, plain)
     ]
-    for x, y in zip(*runs, strict=True):
+    # (Two rows of several tokens over a past: GroupQueryAttention needs its query_seqlens.)
+    # The presents are compared up to the last position written: without one shared buffer
+    # (a plain run, no IO binding) GroupQueryAttention leaves the slots past it unspecified,
+    # which nothing reads before a later call writes them.
+    for name, x, y in zip(spec["outputs"], *runs, strict=True):
+        if name.startswith("present."):
+            x, y = x[:, :, :8], y[:, :, :8]
         np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match="optimize: 1 is invalid"):
         export_onnx(sm, tmp_path / "bad", optimize=1)
+
+
+def test_split_verify_is_the_draft_stage_then_the_upper_part(exported):
+    # OnnxModel runs layerskip's verify as the draft stage on the new tokens, then verify's
+    # graph from the join of the exit states on (the lower layers' weights then live in one
+    # session only). Same logits and cache writes as the one verify graph, same tokens.
+    from leapfx.export.ort_runtime import SplitVerify
+
+    model, sm, path = exported("llama", "layerskip")
+    split, single = OnnxModel(path, threads=1), OnnxModel(path, threads=1, split_verify=False)
+    assert isinstance(split.stages["verify"], SplitVerify)
+    assert not isinstance(single.stages["verify"], SplitVerify)
+    upper = split.stages["verify"].upper.session
+    assert {i.name for i in upper.get_inputs()} >= {"exit_hidden", "remainder_position_ids"}
+    assert not {"input_ids", "position_ids", "past_key_values.0.key"} & {
+        i.name for i in upper.get_inputs()
+    }  # layer 0 is below the exit (exit_layer 1)
+    gen = torch.Generator().manual_seed(0)
+    pasts = None
+    exit_hidden = torch.randn(1, 2, model.config.hidden_size, generator=gen)
+    caches = []
+    for om in (split, single):
+        cache = om._cache_for(16)
+        buffers = [b for kv in zip(cache.keys, cache.values, strict=True) for b in kv]
+        if pasts is None:  # the same random past in both
+            pasts = [torch.randn(b.shape(), generator=gen).numpy() for b in buffers]
+        for buf, past in zip(buffers, pasts, strict=True):
+            buf.numpy()[:] = past
+        cache.lengths = [4] * cache.num_layers
+        cache.lengths[0] = 6  # the drafts wrote their lower layers; verify writes the last
+        out = om.stages["verify"](
+            cache=cache, input_ids=torch.tensor([[7]]), position_ids=torch.tensor([[6]]),
+            exit_hidden=exit_hidden, remainder_position_ids=torch.tensor([[4, 5, 6]]),
+        )  # fmt: skip
+        caches.append((out["logits"], cache))
+    (a, ca), (b, cb) = caches
+    torch.testing.assert_close(a, b)
+    assert ca.lengths == cb.lengths == [7] * ca.num_layers
+    for layer in range(ca.num_layers):
+        for x, y in zip(ca.filled(layer), cb.filled(layer), strict=True):
+            torch.testing.assert_close(torch.from_numpy(x), torch.from_numpy(y))
+    prompt = torch.tensor([[5, 9, 2, 7, 1, 3]])
+    ours = split.generate(prompt, max_new_tokens=20)
+    assert split.last_metrics.rejections > 0  # rollbacks after rejected drafts happened
+    assert torch.equal(ours, single.generate(prompt, max_new_tokens=20))
+    with pytest.raises(ValueError, match="split_verify: 1 is invalid"):
+        OnnxModel(path, split_verify=1)
+
+
+def test_positions_past_the_rotary_tables_are_refused(exported, onnx_model):
+    # GroupQueryAttention reads cos/sin from tables of max_position_embeddings rows: a decode
+    # that would need more positions is refused up front with the option to change.
+    model, sm, path = exported("llama", "layerskip")
+    limit = read_manifest(path)["attention"]["rotary_positions"]
+    assert limit == model.config.max_position_embeddings
+    om = onnx_model("llama", "layerskip")
+    with pytest.raises(ValueError, match=f"max_new_tokens: .* rotary tables cover {limit}"):
+        om.generate(torch.tensor([[5, 9, 2]]), max_new_tokens=limit)
 
 
 def test_stage_outputs_are_not_overwritten_by_the_next_call(exported, onnx_model):
@@ -626,7 +701,19 @@ def test_stage_outputs_are_not_overwritten_by_the_next_call(exported, onnx_model
         cache.lengths = [0] * cache.num_layers
         ids, pos = torch.tensor([[token]]), torch.tensor([[0]])
         outs.append(stage(cache=cache, input_ids=ids, position_ids=pos)["logits"])
-    assert stage._buffers  # the buffered path ran
+    assert stage._slots  # the buffered path ran
     again = stage(cache=cache, input_ids=torch.tensor([[3]]), position_ids=torch.tensor([[0]]))
     torch.testing.assert_close(outs[0], again["logits"])
     assert not torch.equal(outs[0], outs[1]) and not torch.equal(outs[1], outs[2])
+    # Shapes in turn (drafts and verify lengths alternate): each call of a buffered shape
+    # binds its own buffers again when another shape ran in between.
+    two = []
+    for _ in range(2):  # learn the two-token shape, then run it buffered
+        cache.lengths = [0] * cache.num_layers
+        ids, pos = torch.tensor([[3, 4]]), torch.tensor([[0, 1]])
+        two.append(stage(cache=cache, input_ids=ids, position_ids=pos)["logits"])
+        cache.lengths = [0] * cache.num_layers
+        one = stage(cache=cache, input_ids=torch.tensor([[3]]), position_ids=torch.tensor([[0]]))
+        torch.testing.assert_close(one["logits"], outs[0])
+    torch.testing.assert_close(two[0], two[1])
+    torch.testing.assert_close(two[0][:, :1], outs[0])

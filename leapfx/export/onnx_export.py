@@ -288,7 +288,7 @@ def _export_stage(
         ) from exc
     _save(program, path)
     if optimize:
-        rewrites[name] = _optimize(path)
+        rewrites[name] = _optimize(path, _rotary_positions(sm))
     return sig
 
 
@@ -333,7 +333,22 @@ def _save(program, path: Path) -> None:
     program.save(path, external_data=True)
 
 
-def _optimize(path: Path) -> dict[str, int]:
+def _rotary_positions(sm: SpeculativeModel) -> int | None:
+    """The positions the exported rotary tables cover (``onnx_optimize.group_query_attention``):
+    the model's ``max_position_embeddings`` or the recipe's ``max_cache_len``, the larger;
+    None (no table, no rewrite) for a model whose config names neither, or with a sliding
+    window (onnxruntime's window convention is not checked against ours)."""
+    if sm._layout.window is not None:
+        return None
+    limits = [
+        getattr(sm.config, "max_position_embeddings", None),
+        getattr(sm.options, "max_cache_len", None),
+    ]
+    limits = [int(n) for n in limits if isinstance(n, int) and n > 0]
+    return max(limits) if limits else None
+
+
+def _optimize(path: Path, max_positions: int | None = None) -> dict[str, int]:
     """Apply ``onnx_optimize.optimize_model`` to the saved stage, weights included.
 
     The weights stay external (``share_weights`` collects them) and the exporter's small
@@ -351,7 +366,7 @@ def _optimize(path: Path) -> dict[str, int]:
     model = onnx.load(str(path), load_external_data=False)
     external = {t.name for t in model.graph.initializer if uses_external_data(t)}
     load_external_data_for_model(model, str(path.parent))  # the rewrites regroup weights
-    stats = optimize_model(model, external)
+    stats = optimize_model(model, external, max_positions=max_positions)
     data = f"{path.name}.data"
     (path.parent / data).unlink(missing_ok=True)  # written anew below
     for tensor in model.graph.initializer:
@@ -474,6 +489,12 @@ def _manifest(
             "layer_kinds": list(lay.kinds),
             "sliding_window": lay.window,
             "masks": "computed in the graph from position ids and past length",
+            # GroupQueryAttention's rotary tables cover positions below this (absent: none)
+            "rotary_positions": (
+                _rotary_positions(sm)
+                if any(r.get("group_query_attention") for r in rewrites.values())
+                else None
+            ),
         },
         "cache": {
             "slots": len(kv),
@@ -484,7 +505,9 @@ def _manifest(
             "update": (
                 "in place: present.{i}.* is past_key_values.{i}.* with the stage's positions "
                 "written; bind both to one buffer. Slots past a query's position are masked, "
-                "so rolling back is moving a length"
+                "so rolling back is moving a length. The positions of a call are consecutive "
+                "and start at the slot's fill length; without one shared buffer, a present's "
+                "slots past the call's last position are unspecified"
             ),
         },
         "weights": {

@@ -120,7 +120,15 @@ class OrtStage:
         self.device = "cuda" if provider == "CUDAExecutionProvider" else "cpu"
         self._binding = None
         self._bound: OrtKVCache | None = None  # the cache whose buffers _binding holds
-        self._buffers: dict[tuple, list[np.ndarray]] = {}  # input shapes -> output buffers
+        # Per input shapes (decode calls: one-token steps, each verify length), host buffers
+        # for the inputs and outputs, bound by pointer. A call of the shapes bound last copies
+        # its inputs in and runs: no binding calls (each costs a few microseconds through
+        # onnxruntime's Python layer; a draft step runs in ~0.2 ms). ``get_outputs()`` is
+        # avoided too: it wraps every bound output, the cache's presents included (34
+        # OrtValues a call on the reference model, 0.1 ms). CPU only: on a GPU the outputs
+        # stay in device memory.
+        self._slots: dict[tuple, tuple[list[np.ndarray], list[np.ndarray]]] = {}
+        self._bound_key: tuple | None = None  # the shapes whose buffers _binding holds
 
     def _bind_cache(self, cache: OrtKVCache):
         """An IO binding with each slot's past input and present output on its one buffer."""
@@ -133,7 +141,7 @@ class OrtStage:
                 ):
                     io.bind_ortvalue_input(past, buf)
                     io.bind_ortvalue_output(present, buf)
-            self._binding, self._bound = io, cache
+            self._binding, self._bound, self._bound_key = io, cache, None
         return self._binding
 
     def __call__(
@@ -152,44 +160,145 @@ class OrtStage:
                 ends[layer] = cache.lengths[layer] + n
         cache.check_room(max(ends.values(), default=0))  # before: ORT does not bounds-check
         io = self._bind_cache(cache)
-        arrays = [_to_numpy(tensors[name]) for name in self.tensor_inputs]
+        values = [tensors[name] for name in self.tensor_inputs]
+        key = tuple((tuple(v.shape), v.dtype) for v in values)
+        slot = self._slots.get(key) if self.device == "cpu" else None
+        if slot is None:
+            results = self._run_unbuffered(io, values)
+        else:
+            inputs, outputs = slot
+            for buf, value in zip(inputs, values, strict=True):
+                np.copyto(buf, _to_numpy(value))
+            if self._bound_key != key:  # the binding holds another shape's buffers
+                for name, buf in zip(self.tensor_inputs, inputs, strict=True):
+                    io.bind_input(name, "cpu", 0, buf.dtype, buf.shape, buf.ctypes.data)
+                for name, buf in zip(self.outputs, outputs, strict=True):
+                    io.bind_output(name, "cpu", 0, buf.dtype, buf.shape, buf.ctypes.data)
+                self._bound_key = key
+            self.session.run_with_iobinding(io)
+            # Copies: the buffers are written again by the next call of this shape, and the
+            # schedules keep outputs across calls (draft probabilities until verify).
+            results = [buf.copy() for buf in outputs]
+        for layer, end in ends.items():
+            cache.lengths[layer] = end
+        if slot is None:
+            small = sum(r.nbytes for r in results) <= _MAX_BUFFER_BYTES  # decode, not prefill
+            if self.device == "cpu" and small and len(self._slots) < _MAX_BUFFERED_SHAPES:
+                self._slots[key] = (
+                    [np.empty_like(_to_numpy(v)) for v in values],
+                    [np.empty_like(r) for r in results],
+                )
+        return {name: torch.from_numpy(r) for name, r in zip(self.outputs, results, strict=True)}
+
+    def _run_unbuffered(self, io, values: list[torch.Tensor]) -> list[np.ndarray]:
+        """A call of input shapes without buffers yet (a prefill, a new verify length, any call
+        on a GPU): inputs bound by pointer, outputs allocated by onnxruntime."""
+        arrays = [_to_numpy(v) for v in values]
         for name, array in zip(self.tensor_inputs, arrays, strict=True):
             # by pointer, no copy: ``arrays`` outlives the run
             io.bind_input(name, "cpu", 0, array.dtype, array.shape, array.ctypes.data)
-        key = tuple(a.shape for a in arrays)
-        buffers = self._output_buffers(key)
-        if buffers is None:  # a new input shape: onnxruntime allocates, and we learn the shapes
-            for name in self.outputs:
-                io.bind_output(name, self.device)
-        else:
-            for name, buf in zip(self.outputs, buffers, strict=True):
-                io.bind_output(name, "cpu", 0, buf.dtype, buf.shape, buf.ctypes.data)
+        for name in self.outputs:
+            io.bind_output(name, self.device)
+        self._bound_key = None  # bound to this call's arrays, which go away
         self.session.run_with_iobinding(io)
-        for layer, end in ends.items():
-            cache.lengths[layer] = end
-        if buffers is not None:
-            # Copies: the buffers are written again by the next call of this shape, and the
-            # schedules keep outputs across calls (draft probabilities until verify).
-            return {
-                name: torch.from_numpy(buf.copy())
-                for name, buf in zip(self.outputs, buffers, strict=True)
-            }
         # get_outputs: in binding order, the cache's presents first (bound once), then ours.
-        results = [v.numpy() for v in io.get_outputs()[-len(self.outputs) :]]
-        small = sum(r.nbytes for r in results) <= _MAX_BUFFER_BYTES  # decode calls, not prefill
-        if self.device == "cpu" and small and len(self._buffers) < _MAX_BUFFERED_SHAPES:
-            self._buffers[key] = [np.empty_like(r) for r in results]
-        return {name: torch.from_numpy(r) for name, r in zip(self.outputs, results, strict=True)}
+        return [v.numpy() for v in io.get_outputs()[-len(self.outputs) :]]
 
-    def _output_buffers(self, key: tuple) -> list[np.ndarray] | None:
-        """Preallocated host buffers for the outputs of a call whose inputs have shapes ``key``
-        (None until a call of those shapes told their shapes).
 
-        Bound by pointer, they replace ``io.get_outputs()``, which wraps every bound output,
-        the cache's presents included: 34 OrtValues a call on the reference model, 0.1 ms, a
-        tenth of a draft step. CPU only: on a GPU the outputs stay in device memory.
-        """
-        return self._buffers.get(key) if self.device == "cpu" else None
+class SplitVerify:
+    """Verify as two calls: the draft stage on the new tokens, then verify's upper part.
+
+    A verify call runs the round's new tokens (the last draft) through the layers below the exit
+    and then every row through the layers from the exit up. The draft stage runs exactly those
+    lower layers (same weights, same cache slots, same positions) and returns their exit states
+    as ``hidden``; ``upper`` is the verify graph from the join of the exit states on
+    (``onnx_optimize.remainder_graph``). The outputs and cache writes are verify's.
+
+    Why: onnxruntime prepacks each session's MatMul weights into the session's own buffers,
+    so the lower layers' weights exist twice, once in the draft session and once in the verify
+    session, and a round (d drafts, one verify) reads both copies plus the upper layers'. On
+    the reference model that is 36 MB of float32 weights a round against 26 MB for a full
+    step, more than a 32 MB L3 holds: the verify found its weights evicted by the drafts
+    (1.49 full steps after 4 drafts against 1.26 back to back). Split, a round reads the lower
+    layers from the draft session only (a round of 4 drafts and a verify 3.73 -> 3.20 ms, the
+    same logits); the price is one more session call (~30 us) and the draft head's norm and
+    logits on one row.
+    """
+
+    builds_masks = True
+
+    def __init__(self, draft: OrtStage, upper: OrtStage) -> None:
+        self.draft, self.upper = draft, upper
+        self.device = upper.device
+
+    def __call__(
+        self,
+        *,
+        cache: OrtKVCache,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        exit_hidden: torch.Tensor,
+        remainder_position_ids: torch.Tensor,
+        masks: Any = None,
+        remainder_masks: Any = None,
+    ) -> dict[str, torch.Tensor]:
+        del masks, remainder_masks  # computed in the graphs from the positions
+        hidden = self.draft(cache=cache, input_ids=input_ids, position_ids=position_ids)["hidden"]
+        rows = torch.cat([exit_hidden.to(hidden.dtype), hidden], dim=1)
+        return self.upper(
+            cache=cache, exit_hidden=rows, remainder_position_ids=remainder_position_ids
+        )
+
+
+# Recipes whose draft stage is verify's lower part (its ``hidden``: the exit states verify joins
+# to the cached ones): layerskip's exit-head drafts. (Kangaroo's verify also runs the adapter on
+# the last draft, and its draft returns the adapter's states: not split.)
+_SPLIT_VERIFY_RECIPES = ("layerskip",)
+
+
+def _upper_stage(path: Path, manifest: dict, options, providers) -> OrtStage | None:
+    """verify's upper part as an OrtStage (see :class:`SplitVerify`), or None where the
+    stages do not have the shapes it needs."""
+    import onnx
+    import onnxruntime as ort
+
+    from .onnx_optimize import remainder_graph
+
+    stages = manifest["stages"]
+    if (
+        "draft" not in stages
+        or "verify" not in stages
+        or "hidden" not in stages["draft"]["outputs"]
+    ):
+        return None
+    spec, draft = stages["verify"], stages["draft"]
+    lower = spec["position_groups"].get("position_ids", [])
+    upper_layers = spec["position_groups"].get("remainder_position_ids", [])
+    if (
+        sorted(lower) != sorted(draft["position_groups"].get("position_ids", []))
+        or not upper_layers
+    ):
+        return None
+    upper = remainder_graph(onnx.load(str(path / spec["file"]), load_external_data=False), lower)
+    if upper is None:
+        return None
+    outputs = [o.name for o in upper.graph.output]
+    if [o for o in outputs if not o.startswith("present.")] != [
+        o for o in spec["outputs"] if not o.startswith("present.")
+    ]:
+        return None
+    # from memory: its weights are the export's own weights.bin, found through this folder
+    options.add_session_config_entry(
+        "session.model_external_initializers_file_folder_path", str(path)
+    )
+    session = ort.InferenceSession(upper.SerializeToString(), options, providers=providers)
+    upper_spec = {
+        "cache_reads": upper_layers,
+        "position_groups": {"remainder_position_ids": upper_layers},
+        "inputs": [i.name for i in upper.graph.input],
+        "outputs": outputs,
+    }
+    return OrtStage(session, upper_spec)
 
 
 def _load_errors() -> tuple[type[BaseException], ...]:
@@ -247,6 +356,9 @@ class OnnxModel:
         recipe: whose schedule to run; None: the exported recipe's. ``"autoregressive"`` runs
             the baseline over the ``full`` stage and ``"early_exit"`` every token from the
             ``draft`` stage, so one export also serves the baselines a benchmark compares.
+        split_verify: run layerskip's verify as the draft stage on the new tokens and then
+            verify's upper part (:class:`SplitVerify`: one copy of the lower layers' packed
+            weights in a round instead of two). False runs the exported verify graph as is.
 
     Attributes:
         manifest: the export's manifest (dict).
@@ -263,6 +375,7 @@ class OnnxModel:
         threads: int | None = None,
         spin: bool = False,
         recipe: str | None = None,
+        split_verify: bool = True,
     ) -> None:
         try:
             import onnxruntime as ort
@@ -278,13 +391,22 @@ class OnnxModel:
         if threads is not None and (not isinstance(threads, int) or threads < 1):
             raise ValueError(f"threads: {threads!r} is invalid; allowed: an integer >= 1 or None")
         self.threads = threads
-        options = ort.SessionOptions()
         if not isinstance(spin, bool):
             raise ValueError(f"spin: {spin!r} is invalid; allowed: True or False")
-        if threads is not None:
-            options.intra_op_num_threads = threads
-            options.inter_op_num_threads = 1
-        options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
+        if not isinstance(split_verify, bool):
+            raise ValueError(f"split_verify: {split_verify!r} is invalid; allowed: True or False")
+
+        def session_options():
+            options = ort.SessionOptions()
+            if threads is not None:
+                options.intra_op_num_threads = threads
+                options.inter_op_num_threads = 1
+            options.add_session_config_entry(
+                "session.intra_op.allow_spinning", "1" if spin else "0"
+            )
+            return options
+
+        options = session_options()
         chosen = list(providers) if providers is not None else default_providers()
         load_errors = _load_errors()
         self.stages: dict[str, OrtStage] = {}
@@ -323,6 +445,10 @@ class OnnxModel:
         fields = {f.name for f in dataclasses.fields(r.options_type)}
         self.options = r.options_type(**{k: v for k, v in m["options"].items() if k in fields})
         self._schedule = r.schedule(self.options)
+        if split_verify and self.recipe in _SPLIT_VERIFY_RECIPES:
+            upper = _upper_stage(self.path, m, session_options(), chosen)
+            if upper is not None:
+                self.stages["verify"] = SplitVerify(self.stages["draft"], upper)
         self._lossless = r.lossless
         self._lookahead = r.lookahead(self.options)
         self._generation_config = _generation_config(m["generation_config"])
@@ -383,6 +509,14 @@ class OnnxModel:
         )  # fmt: skip
         request = with_teacher(request, teacher)
         needed = prompt.shape[1] + request.max_new_tokens + self._lookahead
+        limit = self.manifest["attention"].get("rotary_positions")
+        if limit is not None and needed > limit:
+            raise ValueError(
+                f"max_new_tokens: the prompt plus max_new_tokens (and {self._lookahead} "
+                f"lookahead positions) need {needed} positions but the export's rotary tables "
+                f"cover {limit} (the model's max_position_embeddings); shorten the prompt or "
+                "max_new_tokens"
+            )
         runner = StageRunner(self.stages, self._cache_for(needed), self._layout)
         with torch.inference_mode():
             tokens, self.last_metrics = decode(
