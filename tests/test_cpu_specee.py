@@ -62,6 +62,14 @@ def test_kernel_check_computes_the_torch_check(arch):
         none, p_only = kernel(h, cands, p_prev, with_mlp=False)
         assert none is None
         torch.testing.assert_close(p_only, ref(h, cands, p_prev, with_mlp=False)[1])
+        # The runtime's check: the probability as a float, and the logits where it fires.
+        row, want_prob = h[:1], float(ref(h[:1], cands, p_prev[:1])[0])
+        prob, p, logits = kernel.check(row, cands, p_prev[:1], threshold=want_prob + 1e-3)
+        assert prob == pytest.approx(want_prob, rel=1e-5) and logits is None
+        prob, p, logits = kernel.check(row, cands, p_prev[:1], threshold=want_prob - 1e-3)
+        head = model.lm_head.weight
+        torch.testing.assert_close(logits, model.model.norm(row[:, -1]) @ head.T)
+        assert ref.check(row, cands, p_prev[:1], threshold=0.0)[2] is None  # the torch path
 
 
 @settings(max_examples=40, deadline=None)
@@ -91,9 +99,14 @@ def test_exit_check_op_matches_torch(hidden, vocab, k, width, rows, offset, prev
     x = torch.cat([z, p, p - p_prev if prev else p], -1)
     want = torch.sigmoid(torch.relu(x @ w1.T + b1) @ w2.T + b2)[:, 0]
     mlp = cpu_specee.pack_mlp(w1, b1, w2, b2)
-    got, got_p = cpu_specee.exit_check(h, (norm_w, eps, offset), head, cands, p_prev, mlp)
+    norm = (norm_w, eps, offset)
+    got, got_p, logits = cpu_specee.exit_check(h, norm, head, cands, p_prev, mlp)
     torch.testing.assert_close(got_p, p, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+    assert logits is None  # threshold 2.0 (the default): never fires
+    threshold = float(want.min()) - 1e-3  # every row fires: the full logits come back
+    *_, logits = cpu_specee.exit_check(h, norm, head, cands, p_prev, mlp, threshold=threshold)
+    torch.testing.assert_close(logits, normed @ head.T, rtol=1e-5, atol=1e-5)
 
 
 def test_packed_mlp_follows_in_place_training():
@@ -129,6 +142,8 @@ def test_bad_inputs_are_refused_with_the_reason():
     mlp = cpu_specee.pack_mlp(torch.randn(4, 12), torch.randn(4), torch.randn(1, 4), torch.randn(1))
     with pytest.raises(RuntimeError, match="candidate 10 is outside"):
         cpu_specee.exit_check(h, norm, head, torch.tensor([1, 2, 3, 10]), None, mlp)
+    with pytest.raises(RuntimeError, match="k=0 speculative tokens"):
+        cpu_specee.exit_check(h, norm, head, torch.tensor([], dtype=torch.long), None, mlp)
     with pytest.raises(RuntimeError, match="float32 CPU tensors only"):
         cpu_specee.exit_check(h.double(), norm, head, torch.tensor([1, 2, 3, 4]), None, mlp)
     with pytest.raises(RuntimeError, match="packed"):

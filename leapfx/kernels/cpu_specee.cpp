@@ -10,6 +10,7 @@
 //   [w1^T (F x W, row f holding the W weights of feature f) | b1 (W) | w2 (W) | b2 (1)]
 // with F = 3k features, so that the hidden layer accumulates as W-wide vector updates.
 
+#include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <torch/torch.h>
 
@@ -20,29 +21,37 @@ namespace {
 
 constexpr int64_t kMaxK = 64;  // speculative tokens at most (k = 4 in the paper)
 
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v8u __attribute__((vector_size(32), aligned(4)));  // unaligned loads
+
+// Eight running sums (one vector), then the tail: vectorised whatever the compiler's
+// floating-point flags (a single running sum may not be reordered).
+float dot(const float* a, const float* b, int64_t n) {
+  v8 acc = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc += *(const v8u*)(a + i) * *(const v8u*)(b + i);
+  float out = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+  for (; i < n; ++i) out += a[i] * b[i];
+  return out;
+}
+
 // out = h * rsqrt(mean(h^2) + eps) * (offset + w): the float32 math of HF's RMSNorm (Llama
 // family: offset 0; Gemma: offset 1).
 void rms_norm(const float* h, const float* w, int64_t H, double eps, double offset, float* out) {
-  float sum = 0.0f;
-  for (int64_t i = 0; i < H; ++i) sum += h[i] * h[i];
+  const float sum = dot(h, h, H);
   const float inv = 1.0f / std::sqrt(sum / static_cast<float>(H) + static_cast<float>(eps));
   const float off = static_cast<float>(offset);
   for (int64_t i = 0; i < H; ++i) out[i] = (off + w[i]) * (h[i] * inv);
 }
 
-float dot(const float* a, const float* b, int64_t n) {
-  float acc = 0.0f;
-  for (int64_t i = 0; i < n; ++i) acc += a[i] * b[i];
-  return acc;
-}
-
-// hidden [B, H] or [B, S, H] (the last position), head_w [V, H] contiguous, cands [k], p_prev [B, k] or null,
-// mlp packed (not read when with_mlp is false) -> prob [B] ([0] without the MLP), p [B, k].
-std::tuple<at::Tensor, at::Tensor> exit_check(const at::Tensor& hidden, const at::Tensor& norm_w,
-                                              const at::Tensor& head_w, const at::Tensor& cands,
-                                              const std::optional<at::Tensor>& p_prev,
-                                              const at::Tensor& mlp, double eps, double offset,
-                                              bool with_mlp) {
+// hidden [B, H] or [B, S, H] (the last position), head_w [V, H] contiguous, cands [k],
+// p_prev [B, k] or null, mlp packed (not read when with_mlp is false) -> prob [B] ([0] without
+// the MLP), p [B, k], and the full logits N(h) head_w^T [B, V] when some row's prob is above
+// `threshold` (the global check, sec. 4.3.3, needs them then; [0, V] otherwise).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> exit_check(
+    const at::Tensor& hidden, const at::Tensor& norm_w, const at::Tensor& head_w,
+    const at::Tensor& cands, const std::optional<at::Tensor>& p_prev, const at::Tensor& mlp,
+    double eps, double offset, bool with_mlp, double threshold) {
   const char* op = "leapfx_cpu::exit_check";
   TORCH_CHECK(hidden.dim() == 2 || hidden.dim() == 3, op,
               ": hidden must be [B, H] or [B, S, H] (its last position is checked), got ",
@@ -84,19 +93,21 @@ std::tuple<at::Tensor, at::Tensor> exit_check(const at::Tensor& hidden, const at
   }
   at::Tensor p = at::empty({B, K}, hidden.options());
   at::Tensor prob = at::empty({with_mlp ? B : 0}, hidden.options());
-  std::vector<float> normed(H), a(W);
+  std::vector<float> normed(B * H), a(W);
+  bool fired = false;
   const float* wn = norm_w.data_ptr<float>();
   const float* wh = head_w.data_ptr<float>();
   for (int64_t b = 0; b < B; ++b) {
     const float* row = hidden.data_ptr<float>() + b * hidden.stride(0) + last;
-    rms_norm(row, wn, H, eps, offset, normed.data());
+    float* nb = normed.data() + b * H;
+    rms_norm(row, wn, H, eps, offset, nb);
     float x[3 * kMaxK];  // [z, p, d]
     float* z = x;
     float* pb = x + K;
     float* d = x + 2 * K;
     float zmax = -INFINITY;
     for (int64_t j = 0; j < K; ++j) {
-      z[j] = dot(normed.data(), wh + ids[j] * H, H);
+      z[j] = dot(nb, wh + ids[j] * H, H);
       zmax = std::max(zmax, z[j]);
     }
     float total = 0.0f;
@@ -120,9 +131,19 @@ std::tuple<at::Tensor, at::Tensor> exit_check(const at::Tensor& hidden, const at
     }
     float out = b2;
     for (int64_t i = 0; i < W; ++i) out += w2[i] * std::max(a[i], 0.0f);
-    prob.data_ptr<float>()[b] = 1.0f / (1.0f + std::exp(-out));
+    const float pr = 1.0f / (1.0f + std::exp(-out));
+    prob.data_ptr<float>()[b] = pr;
+    fired = fired || pr > threshold;
   }
-  return {prob, p};
+  if (!fired) return {prob, p, at::empty({0, V}, hidden.options())};
+  at::Tensor logits = at::empty({B, V}, hidden.options());
+  float* lg = logits.data_ptr<float>();
+  at::parallel_for(0, V, 256, [&](int64_t v0, int64_t v1) {
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t v = v0; v < v1; ++v) lg[b * V + v] = dot(normed.data() + b * H, wh + v * H, H);
+    }
+  });
+  return {prob, p, logits};
 }
 
 }  // namespace
@@ -130,7 +151,8 @@ std::tuple<at::Tensor, at::Tensor> exit_check(const at::Tensor& hidden, const at
 TORCH_LIBRARY_FRAGMENT(leapfx_cpu, m) {
   m.def(
       "exit_check(Tensor hidden, Tensor norm_w, Tensor head_w, Tensor candidates, "
-      "Tensor? p_prev, Tensor mlp, float eps, float offset, bool with_mlp) -> (Tensor, Tensor)");
+      "Tensor? p_prev, Tensor mlp, float eps, float offset, bool with_mlp, float threshold) -> "
+      "(Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(leapfx_cpu, CPU, m) { m.impl("exit_check", &exit_check); }

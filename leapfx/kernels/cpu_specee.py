@@ -11,12 +11,15 @@ the same arithmetic in one call (a few us):
 op                             signature
 =============================  ==================================================================
 ``leapfx_cpu::exit_check``     ``(hidden, norm_w [H], head_w [V, H], candidates [k] int64,
-                               p_prev [B, k] or None, mlp (pack_mlp), eps, offset, with_mlp)
-                               -> (prob [B], p [B, k])`` for the last position of ``hidden``
-                               ([B, H] or [B, S, H]): with ``n = h * rsqrt(mean(h^2) + eps)
-                               * (offset + norm_w)``, ``z = n . head_w[candidates]^T``,
-                               ``p = softmax(z)``, ``prob = MLP(cat([z, p, p - p_prev]))``
-                               (``prob`` is ``[0]`` when ``with_mlp`` is False)
+                               p_prev [B, k] or None, mlp (pack_mlp), eps, offset, with_mlp,
+                               threshold) -> (prob [B], p [B, k], logits)`` for the last
+                               position of ``hidden`` ([B, H] or [B, S, H]): with
+                               ``n = h * rsqrt(mean(h^2) + eps) * (offset + norm_w)``,
+                               ``z = n . head_w[candidates]^T``, ``p = softmax(z)``,
+                               ``prob = MLP(cat([z, p, p - p_prev]))`` (``[0]`` when
+                               ``with_mlp`` is False) and ``logits = n . head_w^T`` [B, V] when
+                               a ``prob`` is above ``threshold`` (else ``[0, V]``): the global
+                               check of sec. 4.3.3 needs them exactly then
 =============================  ==================================================================
 
 float32 only. The numbers equal the torch path's up to summation order (a test holds them to
@@ -45,9 +48,12 @@ def available() -> bool:
         return False
 
     @torch.library.register_fake("leapfx_cpu::exit_check")
-    def _fake(hidden, norm_w, head_w, candidates, p_prev, mlp, eps, offset, with_mlp):
+    def _fake(hidden, norm_w, head_w, candidates, p_prev, mlp, eps, offset, with_mlp, threshold):
         b, k = hidden.shape[0], candidates.shape[0]
-        return hidden.new_empty((b if with_mlp else 0,)), hidden.new_empty((b, k))
+        # The logits' rows (B or 0) depend on the probabilities: a data-dependent size.
+        rows = torch.library.get_ctx().new_dynamic_size()
+        prob = hidden.new_empty((b if with_mlp else 0,))
+        return prob, hidden.new_empty((b, k)), hidden.new_empty((rows, head_w.shape[0]))
 
     return True
 
@@ -80,13 +86,16 @@ def exit_check(
     p_prev: torch.Tensor | None,
     mlp: torch.Tensor,
     with_mlp: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(prob [B], p [B, k])`` for the last position of ``hidden`` ([B, H] or [B, S, H]);
-    ``norm`` is (weight, eps, offset)."""
+    threshold: float = 2.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(prob [B], p [B, k], logits [B, V] or None)`` for the last position of ``hidden``
+    ([B, H] or [B, S, H]); ``norm`` is (weight, eps, offset). The logits come back where a
+    probability is above ``threshold`` (2.0: never)."""
     weight, eps, offset = norm
-    return torch.ops.leapfx_cpu.exit_check(
-        hidden, weight, head_weight, candidates, p_prev, mlp, eps, offset, with_mlp
+    prob, p, logits = torch.ops.leapfx_cpu.exit_check(
+        hidden, weight, head_weight, candidates, p_prev, mlp, eps, offset, with_mlp, threshold
     )
+    return prob, p, logits if logits.shape[0] else None
 
 
 def rms_offset(norm: torch.nn.Module, head_weight: torch.Tensor) -> float | None:
@@ -106,7 +115,7 @@ def rms_offset(norm: torch.nn.Module, head_weight: torch.Tensor) -> float | None
         want = torch.nn.functional.linear(norm.forward(probe), head_weight[cands])
         for offset in (0.0, 1.0):
             norm_args = (weight, eps, offset)
-            _, p = exit_check(probe, norm_args, head_weight, cands, None, probe, with_mlp=False)
+            _, p, _ = exit_check(probe, norm_args, head_weight, cands, None, probe, False)
             if torch.allclose(p, torch.softmax(want, -1), rtol=1e-4, atol=1e-6):
                 return offset
     return None

@@ -133,6 +133,23 @@ class LayerExit(nn.Module):
         a = torch.relu(F.linear(x.to(first.weight.dtype), first.weight, first.bias))  # [B, 512]
         return torch.sigmoid(F.linear(a, last.weight, last.bias))[:, 0], p  # [B], [B, k]
 
+    def check(
+        self,
+        hidden: torch.Tensor,
+        candidates: torch.Tensor,
+        p_prev: torch.Tensor | None,
+        threshold: float,
+    ) -> tuple[float, torch.Tensor, torch.Tensor | None]:
+        """The runtime's exit check of one row (B = 1): ``(probability, p_l [1, k], logits)``.
+
+        The probability is a Python float (the decision's host sync). ``logits`` [1, V] are
+        N(h_l) W^T where the check computed them on the way (it fired: the global check needs
+        them), None where the caller computes them (here always: the torch path leaves them to
+        the head stage).
+        """
+        prob, p = self.forward(hidden, candidates, p_prev)
+        return float(prob), p, None
+
 
 class KernelLayerExit(LayerExit):
     """A LayerExit whose check is one ``leapfx_cpu::exit_check`` call (CPU, float32).
@@ -175,6 +192,14 @@ class KernelLayerExit(LayerExit):
             self._packed = (versions, pack_mlp(*self._params))
         return self._packed[1]
 
+    def _torch_path(self, hidden: torch.Tensor) -> bool:
+        return (
+            self._norm is None
+            or hidden.dtype != torch.float32
+            or torch.compiler.is_compiling()
+            or (torch.is_grad_enabled() and hidden.requires_grad)
+        )
+
     def forward(
         self,
         hidden: torch.Tensor,
@@ -182,20 +207,33 @@ class KernelLayerExit(LayerExit):
         p_prev: torch.Tensor | None,
         with_mlp: bool = True,
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        if (
-            self._norm is None
-            or hidden.dtype != torch.float32
-            or torch.compiler.is_compiling()
-            or (torch.is_grad_enabled() and hidden.requires_grad)
-        ):
+        if self._torch_path(hidden):
             return super().forward(hidden, candidates, p_prev, with_mlp)
         from ..kernels.cpu_specee import exit_check
 
         mlp = self._mlp_packed() if with_mlp else hidden
-        prob, p = exit_check(
+        prob, p, _ = exit_check(
             hidden, self._norm, self._head_weight, candidates, p_prev, mlp, with_mlp
         )
         return (prob if with_mlp else None), p
+
+    def check(
+        self,
+        hidden: torch.Tensor,
+        candidates: torch.Tensor,
+        p_prev: torch.Tensor | None,
+        threshold: float,
+    ) -> tuple[float, torch.Tensor, torch.Tensor | None]:
+        """LayerExit.check in one call, the full logits included where it fires."""
+        if self._torch_path(hidden):
+            return super().check(hidden, candidates, p_prev, threshold)
+        from ..kernels.cpu_specee import exit_check
+
+        prob, p, logits = exit_check(
+            hidden, self._norm, self._head_weight, candidates, p_prev, self._mlp_packed(),
+            threshold=threshold,
+        )  # fmt: skip
+        return float(prob), p, logits
 
 
 class SpecEEPredictors(nn.Module):
