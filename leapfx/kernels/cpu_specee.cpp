@@ -14,6 +14,7 @@
 #include <torch/library.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -138,7 +139,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> exit_check(
   if (!fired) return {prob, p, at::empty({0, V}, hidden.options())};
   at::Tensor logits = at::empty({B, V}, hidden.options());
   float* lg = logits.data_ptr<float>();
-  at::parallel_for(0, V, 256, [&](int64_t v0, int64_t v1) {
+  // Grain: at least ~64k multiply-adds per task, so that a small head stays on one thread
+  // (waking a second costs more than its share of a 259 x 192 product).
+  const int64_t grain = std::max<int64_t>(256, 65536 / std::max<int64_t>(H, 1));
+  at::parallel_for(0, V, grain, [&](int64_t v0, int64_t v1) {
     for (int64_t b = 0; b < B; ++b) {
       for (int64_t v = v0; v < v1; ++v) lg[b * V + v] = dot(normed.data() + b * H, wh + v * H, H);
     }

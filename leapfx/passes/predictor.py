@@ -182,12 +182,13 @@ class KernelLayerExit(LayerExit):
         first, last = source.mlp[0], source.mlp[2]
         self._params = (first.weight, first.bias, last.weight, last.bias)  # not registered
         self._head_weight = weight
-        self._packed: tuple[list[int], torch.Tensor] | None = None
+        self._packed: tuple[tuple[int, ...], torch.Tensor] | None = None
 
     def _mlp_packed(self) -> torch.Tensor:
         from ..kernels.cpu_specee import pack_mlp
 
-        versions = [p._version for p in self._params]
+        w1, b1, w2, b2 = self._params
+        versions = (w1._version, b1._version, w2._version, b2._version)
         if self._packed is None or self._packed[0] != versions:
             self._packed = (versions, pack_mlp(*self._params))
         return self._packed[1]
