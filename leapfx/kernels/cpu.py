@@ -60,24 +60,36 @@ def available() -> bool:
     """True once the ``leapfx_cpu`` ops are built and registered (built on the first call)."""
     if hasattr(torch.ops, "leapfx_cpu") and hasattr(torch.ops.leapfx_cpu, "small_mm"):
         return True
+    if not load_extension("gemm", SOURCE, "using torch.matmul"):
+        return False
+    _register_fakes()
+    return True
+
+
+def load_extension(stem: str, source: Path, fallback: str) -> bool:
+    """Build (first use only) and load ``source`` as the extension ``leapfx_cpu_<stem>``.
+
+    Each source is its own extension, so that a build of one does not invalidate the
+    other's. False (with one warning naming ``fallback``, what callers do instead) when it
+    cannot be built: no compiler, no ninja, a build error.
+    """
     try:
         from torch.utils import cpp_extension
 
-        name = f"leapfx_cpu_gemm_{_cpu_tag()}"
+        name = f"leapfx_cpu_{stem}_{_cpu_tag()}"
         if not _built(name):  # the one slow step: say so (cached afterwards)
             print("leapfx: building the CPU kernels (first use only, ~1 min)...", file=sys.stderr)
         cpp_extension.load(
             name=name,
-            sources=[str(SOURCE)],
+            sources=[str(source)],
             extra_cflags=list(FLAGS),
             is_python_module=False,
             verbose=False,
         )
-    except Exception as exc:  # no compiler, no ninja, a build error: fall back to matmul
+    except Exception as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        log.warning("leapfx CPU kernels unavailable (using torch.matmul): %s", first)
+        log.warning("leapfx CPU kernels (%s) unavailable (%s): %s", source.name, fallback, first)
         return False
-    _register_fakes()
     return True
 
 

@@ -133,6 +133,109 @@ class LayerExit(nn.Module):
         a = torch.relu(F.linear(x.to(first.weight.dtype), first.weight, first.bias))  # [B, 512]
         return torch.sigmoid(F.linear(a, last.weight, last.bias))[:, 0], p  # [B], [B, k]
 
+    def check(
+        self,
+        hidden: torch.Tensor,
+        candidates: torch.Tensor,
+        p_prev: torch.Tensor | None,
+        threshold: float,
+    ) -> tuple[float, torch.Tensor, torch.Tensor | None]:
+        """The runtime's exit check of one row (B = 1): ``(probability, p_l [1, k], logits)``.
+
+        The probability is a Python float (the decision's host sync). ``logits`` [1, V] are
+        N(h_l) W^T where the check computed them on the way (it fired: the global check needs
+        them), None where the caller computes them (here always: the torch path leaves them to
+        the head stage).
+        """
+        prob, p = self.forward(hidden, candidates, p_prev)
+        return float(prob), p, None
+
+
+class KernelLayerExit(LayerExit):
+    """A LayerExit whose check is one ``leapfx_cpu::exit_check`` call (CPU, float32).
+
+    What ``kernel_stages`` (``SpeculativeModel.use_cpu_kernels``) puts in the check stages:
+    the same numbers as :class:`LayerExit` up to summation order, in one dispatch instead of
+    ~15 (see ``leapfx.kernels.cpu_specee``). It shares the MLP, the final norm and the LM
+    head with the LayerExit it wraps; the MLP's packed copy is remade whenever a weight of the
+    MLP changed in place (training), so it is never stale. Where the op does not apply (the
+    norm is not an RMSNorm it reproduces, a dtype other than float32, under torch.compile, or
+    gradients are wanted) it runs the torch path of LayerExit.
+    """
+
+    def __init__(self, source: LayerExit) -> None:
+        from ..kernels import cpu_specee
+
+        super().__init__(source.layer, source.mlp, *source._host)
+        norm, head = source._host
+        weight = head.weight
+        usable = (
+            cpu_specee.available()
+            and weight.device.type == "cpu"
+            and weight.dtype == torch.float32
+            and weight.is_contiguous()
+            and all(p.dtype == torch.float32 for p in source.mlp.parameters())
+        )
+        offset = cpu_specee.rms_offset(norm, weight) if usable else None
+        eps = cpu_specee.norm_epsilon(norm)
+        self._norm = None if offset is None else (norm.weight, eps, offset)
+        first, last = source.mlp[0], source.mlp[2]
+        self._params = (first.weight, first.bias, last.weight, last.bias)  # not registered
+        self._head_weight = weight
+        self._packed: tuple[tuple[int, ...], torch.Tensor] | None = None
+
+    def _mlp_packed(self) -> torch.Tensor:
+        from ..kernels.cpu_specee import pack_mlp
+
+        w1, b1, w2, b2 = self._params
+        versions = (w1._version, b1._version, w2._version, b2._version)
+        if self._packed is None or self._packed[0] != versions:
+            self._packed = (versions, pack_mlp(*self._params))
+        return self._packed[1]
+
+    def _torch_path(self, hidden: torch.Tensor) -> bool:
+        return (
+            self._norm is None
+            or hidden.dtype != torch.float32
+            or torch.compiler.is_compiling()
+            or (torch.is_grad_enabled() and hidden.requires_grad)
+        )
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        candidates: torch.Tensor,
+        p_prev: torch.Tensor | None,
+        with_mlp: bool = True,
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        if self._torch_path(hidden):
+            return super().forward(hidden, candidates, p_prev, with_mlp)
+        from ..kernels.cpu_specee import exit_check
+
+        mlp = self._mlp_packed() if with_mlp else hidden
+        prob, p, _ = exit_check(
+            hidden, self._norm, self._head_weight, candidates, p_prev, mlp, with_mlp
+        )
+        return (prob if with_mlp else None), p
+
+    def check(
+        self,
+        hidden: torch.Tensor,
+        candidates: torch.Tensor,
+        p_prev: torch.Tensor | None,
+        threshold: float,
+    ) -> tuple[float, torch.Tensor, torch.Tensor | None]:
+        """LayerExit.check in one call, the full logits included where it fires."""
+        if self._torch_path(hidden):
+            return super().check(hidden, candidates, p_prev, threshold)
+        from ..kernels.cpu_specee import exit_check
+
+        prob, p, logits = exit_check(
+            hidden, self._norm, self._head_weight, candidates, p_prev, self._mlp_packed(),
+            threshold=threshold,
+        )  # fmt: skip
+        return float(prob), p, logits
+
 
 class SpecEEPredictors(nn.Module):
     """The L - 1 exit MLPs and the offline layer subset of the two-level schedule (sec. 5).

@@ -55,6 +55,7 @@ from ..passes.fuse_layers import (
     TransposedDecoderLayer,
     TransposedLinear,
 )
+from ..passes.predictor import KernelLayerExit, LayerExit
 from .cache import StaticKVCache
 from .masks import position_masks
 from .runner import AttentionLayout
@@ -375,7 +376,7 @@ def with_transposed_weights(
     one model hold one copy of each weight. Other modules (unfused layers, an adapter) stay.
     ``kernels``: multiply through the ``leapfx_cpu`` small-M kernels (KernelDecoderLayer,
     KernelLinear, and KernelAcceleratedLayer for M2R2's fast layers) instead of
-    ``torch.matmul``.
+    ``torch.matmul``, and run SpecEE's exit checks as one op each (KernelLayerExit).
     """
     layer_cls = KernelDecoderLayer if kernels else TransposedDecoderLayer
     linear_cls = KernelLinear if kernels else TransposedLinear
@@ -391,6 +392,8 @@ def with_transposed_weights(
             make, source = linear_cls, module
         elif kernels and type(module) is AcceleratedLayer:  # M2R2's fast stream
             make, source = KernelAcceleratedLayer, module
+        elif kernels and type(module) is LayerExit:  # SpecEE's exit checks: one call each
+            make, source = KernelLayerExit, module
         else:
             continue
         if source not in shared:

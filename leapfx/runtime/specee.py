@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
+from ..passes.predictor import LayerExit
 from .masks import chunk_mask, masks_for
 from .metrics import DecodeMetrics
 from .runner import StageRunner
@@ -148,7 +149,8 @@ class SpecEEDecoder:
         self.neg = float("-inf") if self.impl == "sdpa" else torch.finfo(lay.dtype).min
         # Every layer <= this one holds valid K/V at every cached position (no bias needed).
         self.all_valid_below = self.num_layers - 1
-        self.pending: list[tuple[torch.Tensor, int, int]] = []  # (h [1, r, H], start, next layer)
+        # kv_fill="next": (h [1, r, H], rope of those rows, start, next layer) per group.
+        self.pending: list[tuple[torch.Tensor, tuple, int, int]] = []
         self.predictor_seconds = 0.0
         self._masks: dict = {}  # kv_fill="next": the batch mask of the current rows
         # EAGLE drafter: the head reads h of the previous position (pre-norm; for an exited
@@ -157,16 +159,16 @@ class SpecEEDecoder:
         # Compiled layer segments (runtime.specee_compiled) build their masks from positions
         # and take the validity bias as an input instead of a host-built mask.
         self.compiled = getattr(runner.stages[f"layer_{self.first}"], "builds_masks", False)
-        # Eager: each exit check's stage is one call_module node; calling that module's
-        # forward directly skips the GraphModule wrapper and its output dict, about a third of
-        # a check of this size (the check runs at every active layer of every token).
-        self.checks: dict[int, object] = {}
+        # Eager: each exit check's stage is one call_module node (a LayerExit); the decoder
+        # calls that module's ``check`` directly, which skips the GraphModule wrapper and its
+        # output dict (about a third of a torch check of this size) and, with the CPU kernels
+        # (KernelLayerExit), is one op that also returns the global check's logits where it
+        # fires. The check runs at every active layer of every token.
+        self.checks: dict[int, LayerExit] = {}
         for name, stage in runner.stages.items():
             if name.startswith("check_") and isinstance(stage, fx.GraphModule):
                 node = next(n for n in stage.graph.nodes if n.op == "call_module")
-                self.checks[int(name.removeprefix("check_"))] = stage.get_submodule(
-                    node.target
-                ).forward
+                self.checks[int(name.removeprefix("check_"))] = stage.get_submodule(node.target)
         self.h_prev: torch.Tensor | None = None  # [1, 1, H]
         self.k = 4
 
@@ -251,8 +253,8 @@ class SpecEEDecoder:
         for i in range(self.first - 1, self.num_layers):
             if i >= self.first:
                 if fill_next:
-                    if self.pending and self.pending[-1][2] == i:
-                        h, rope, batch_start = self._join(i, h, pos)
+                    if self.pending and self.pending[-1][3] == i:
+                        h, rope, batch_start = self._join(i, h, rope, pos)
                         positions = self._positions(batch_start, pos + 1 - batch_start)
                     if batch_start == pos:
                         mask = base[self.kinds[i]]
@@ -271,28 +273,33 @@ class SpecEEDecoder:
                 continue
             t0 = time.perf_counter()
             fired = False
+            check = self.checks.get(i)
+            # Exit-head drafter at E-1: the draft stage computed N(h_{E-1}) W^T already.
+            reuse = cfg.head_drafts and i == self.first - 1
+            logits = None
             if i in active:
                 prev = p_prev if prev_layer == i - 1 else None
-                direct = self.checks.get(i)
-                if direct is not None:
-                    prob, p = direct(h, cands, prev)
+                if check is not None:  # 2.0: the op leaves the logits to the reuse below
+                    prob, p, logits = check.check(h, cands, prev, 2.0 if reuse else cfg.threshold)
                 else:
                     res = call(f"check_{i}", hidden=h, candidates=cands, p_prev=prev)
-                    prob, p = res["prob"], res["p"]
-                fired = float(prob) > cfg.threshold  # host sync: the exit decision
+                    prob, p = float(res["prob"]), res["p"]  # host sync: the exit decision
+                fired = prob > cfg.threshold
+            elif check is not None:
+                p = check.forward(h, cands, None, with_mlp=False)[1]
             else:
                 p = call(f"probs_{i}", hidden=h, candidates=cands)["p"]
             p_prev, prev_layer = p, i
             exited = False
             if fired:
-                if cfg.head_drafts and i == self.first - 1:
-                    logits = out["logits"][:, -1]  # N(h_{E-1}) W^T: the draft computed it
-                else:
+                if reuse:
+                    logits = out["logits"][:, -1]
+                elif logits is None:
                     logits = self._head(h[:, -1:])[:, -1]  # [1, V]: the global check
                 exited = bool((cands == logits.argmax(dim=-1)).any())  # host sync
             self.predictor_seconds += time.perf_counter() - t0
             if exited:
-                self._exit(i, pos, h, batch_start)
+                self._exit(i, pos, h, rope, batch_start)
                 self.h_prev = h[:, -1:]
                 return Step(choose(logits, request), i, logits, hidden)
         logits = self._head(h[:, -1:])[:, -1]
@@ -300,29 +307,34 @@ class SpecEEDecoder:
         self.h_prev = h[:, -1:]
         return Step(choose(logits, request), self.num_layers - 1, logits, hidden)
 
-    def _exit(self, i: int, pos: int, h: torch.Tensor, batch_start: int) -> None:
-        """Bookkeeping of a token that exits after layer i."""
+    def _exit(self, i: int, pos: int, h: torch.Tensor, rope, batch_start: int) -> None:
+        """Bookkeeping of a token that exits after layer i (``rope``: of the rows of ``h``)."""
         self.scheduler.record(i)
         cache = self.runner.cache
         if self.config.kv_fill == "next":
             # Groups still pending stopped at or above this exit (those below it joined);
             # one that also waits for layer i + 1 merges: its positions come just before.
-            if self.pending and self.pending[-1][2] == i + 1:
-                rows, start, _ = self.pending.pop()
-                h, batch_start = torch.cat([rows, h], dim=1), start
-            self.pending.append((h, batch_start, i + 1))
+            if self.pending and self.pending[-1][3] == i + 1:
+                rows, rows_rope, start, _ = self.pending.pop()
+                h, rope = torch.cat([rows, h], dim=1), _cat_rope(rows_rope, rope)
+                batch_start = start
+            self.pending.append((h, rope, batch_start, i + 1))
             return
         self.bias[i + 1 :, pos] = self.neg
         for j in range(i + 1, self.num_layers):
             cache.lengths[j] = pos + 1  # the slot stays empty; the bias hides it
         self.all_valid_below = min(self.all_valid_below, i)
 
-    def _join(self, i: int, h, pos: int):
-        """kv_fill="next": prepend the pending rows that stopped below layer i."""
-        rows, start, _ = self.pending.pop()
+    def _join(self, i: int, h, rope, pos: int):
+        """kv_fill="next": prepend the pending rows that stopped below layer i.
+
+        Their rotary pair was computed with their own pass: the join concatenates it instead of
+        calling the rope stage (each position's pair does not depend on the others).
+        """
+        rows, rows_rope, start, _ = self.pending.pop()
         assert self.runner.cache.lengths[i] == start, "missing K/V must be a suffix"
-        h = torch.cat([rows, h], dim=1)
-        return h, self._rope(h, start, pos + 1 - start), start
+        assert rows.shape[1] + h.shape[1] == pos + 1 - start, "rows are positions start..pos"
+        return torch.cat([rows, h], dim=1), _cat_rope(rows_rope, rope), start
 
     def _batch_mask(self, i: int, start: int, pos: int):
         kind = self._kind(i)
@@ -364,6 +376,11 @@ class SpecEEDecoder:
             rows = self._layer(i, rows, rope, c, base[self._kind(i)])
         self.verified = rows  # [1, d+1, H]: h of the last layer, exact
         return self._head(rows)  # [1, d+1, V]
+
+
+def _cat_rope(first, second):
+    """The rotary pair (cos, sin) [1, a + b, D] of two runs of rows, in order."""
+    return tuple(torch.cat([x, y], dim=1) for x, y in zip(first, second, strict=True))
 
 
 def specee(

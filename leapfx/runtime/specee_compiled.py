@@ -10,7 +10,8 @@ compiled segment cannot take those (every new length would be a recompile), so, 
   validity bias of ``kv_fill="mask"`` (0 / -inf per slot, ``SpecEEDecoder.bias``) comes in as
   one more input and hides the slots the exited tokens left empty (``kv_fill="next"`` and
   verified positions pass zeros);
-- exit checks, the head and the rotary stage stay eager (see ``specee_segments``);
+- exit checks, the head and the rotary stage stay eager (see ``specee_segments``; with the
+  CPU kernels each check is one ``leapfx_cpu::exit_check`` call);
 - ``draft`` and ``full`` are ordinary stages (``CompiledStage``).
 
 ``compile()`` warms every shape up, so decoding never compiles (a test runs it under
@@ -112,7 +113,9 @@ class LayerSegment:
 def specee_segments(sm, stages: dict, options, device) -> dict:
     """A compiled executor for every ``layer_i`` of ``stages`` (SpecEE's cut); the cache-free
     stages (exit checks, head, rotary) stay eager: they hold no cache and no mask, so they
-    compile as they are, but that is not measured yet."""
+    compile as they are, but that is not measured yet. The exit checks are ``stages``' own
+    (with the CPU kernels: one ``leapfx_cpu::exit_check`` call each), the head and rotary the
+    model's untransposed ones."""
     opts = inductor_options(options, device)
     lay = sm._layout
     out = {}
@@ -121,6 +124,8 @@ def specee_segments(sm, stages: dict, options, device) -> dict:
             layer = int(name.split("_")[1])
             pure = _PureLayer(stage, layer, lay.kinds[layer], lay)
             out[name] = LayerSegment(name, pure, opts)
+        elif name.startswith(("check_", "probs_")):
+            out[name] = stage  # eager
         else:
             out[name] = sm.stages.modules[name]  # eager, untransposed
     return out
