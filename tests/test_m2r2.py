@@ -298,6 +298,21 @@ def test_chain_accepted_counts_leading_agreements():
     assert chain_accepted(agree) == (4, 3)
 
 
+def test_greedy_continuations_are_prompts_of_the_stream_and_the_models_greedy_tokens():
+    from leapfx.train.evaluate import greedy_continuations
+
+    model = tiny_model("llama", layers=2, vocab=64)
+    stream = torch.randint(0, 64, (100,), generator=torch.Generator().manual_seed(3))
+    out = greedy_continuations(model, stream, count=3, prompt_tokens=5, new_tokens=4,
+                               batch_size=2)  # fmt: skip
+    assert out.shape == (3, 9)
+    text = stream.tolist()
+    for row in out:
+        prompt = row[:5].tolist()
+        assert any(text[i : i + 5] == prompt for i in range(96))
+        assert torch.equal(row, hf_greedy(model, row[None, :5], 4)[0])
+
+
 def test_fit_with_a_draft_chain_trains_and_validates():
     model = tiny_model("llama", layers=3, vocab=64)
     sm = rewrite.apply(model, "m2r2", fast_layers=2, rank=4)

@@ -477,6 +477,7 @@ def train_parts(
     fast_layers: int | None = None,
     held_out_tokens: int = 16384,
     corpus_root: str | None = None,
+    greedy_data: int = 0,
     **options: Any,
 ) -> dict[str, Any]:
     """Train M2R2 parts for a checkpoint (default: the shipped reference model) on the stdlib
@@ -487,7 +488,10 @@ def train_parts(
     stream of the MoE offload's ``m2r2`` prefetch policy), and for ``m2r2``
     ``num_speculations`` and ``confidence_threshold`` (recorded in the parts, the drafting
     setting they decode with unless ``apply`` is given another): the recipe's options.
-    ``options``: :class:`M2R2FitConfig` fields. What ``leapfx train-m2r2`` runs."""
+    ``greedy_data`` > 0: train instead on that many windows of the training split (a quarter
+    of ``seq_len``) each continued by the model's own greedy tokens (the rest): the contexts
+    drafting meets. ``options``: :class:`M2R2FitConfig` fields. What ``leapfx train-m2r2``
+    runs."""
     import json
     import platform
 
@@ -500,6 +504,17 @@ def train_parts(
     model, tokenizer = load_model(model_path)
     train = encode_documents(tokenizer, corpus.train).long()
     held = encode_documents(tokenizer, corpus.held_out).long()[:held_out_tokens]
+    if isinstance(greedy_data, bool) or not isinstance(greedy_data, int) or greedy_data < 0:
+        raise ValueError(f"greedy_data: {greedy_data!r} is invalid; allowed: an integer >= 0")
+    if greedy_data:
+        from leapfx.train.evaluate import greedy_continuations
+
+        seq_len = options.get("seq_len", M2R2FitConfig.seq_len)
+        prompt = max(1, seq_len // 4)
+        train = greedy_continuations(
+            model, train, count=greedy_data, prompt_tokens=prompt, new_tokens=seq_len - prompt,
+            seed=options.get("seed", 0),
+        ).reshape(-1)  # fmt: skip
     from leapfx.passes.accelerator_checkpoint import load_compatible
 
     shape = {"heads": heads, "rank": rank}
@@ -518,6 +533,7 @@ def train_parts(
         "options": parts_options(sm),
         "fit": {**dataclasses.asdict(M2R2FitConfig(**options)), "init": init and str(init),
                 "initialised_layers": initialised},
+        "greedy_data": greedy_data,
         "steps": result.steps,
         "tokens": result.tokens,
         "seconds": round(result.seconds, 1),
