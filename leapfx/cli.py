@@ -619,7 +619,7 @@ def _train_m2r2(args: argparse.Namespace) -> int:
         corpus_root=args.corpus_root, steps=args.steps, batch_size=args.batch_size,
         seq_len=args.seq_len, lr=args.lr, ce_target=args.ce_target, seed=args.seed,
         router_steps=args.router_steps, mse_weight=args.mse_weight,
-        route_weight=args.route_weight,
+        route_weight=args.route_weight, chain=args.chain, greedy_data=args.greedy_data,
     )  # fmt: skip
     print(json.dumps(report, indent=2, sort_keys=True))
     return 0
@@ -903,6 +903,16 @@ def build_parser() -> argparse.ArgumentParser:
     m2r2.add_argument("--lr", type=float, default=2e-3)
     m2r2.add_argument("--ce-target", default="model", choices=["labels", "model"])
     m2r2.add_argument("--mse-weight", type=float, default=1.0, help="eq. 5's a1 (a0 is 1)")
+    m2r2.add_argument(
+        "--greedy-data", type=int, default=0, metavar="N",
+        help="train on N training-split windows (a quarter of --seq-len) continued by the "
+        "model's own greedy tokens instead of the corpus; 0: the corpus",
+    )  # fmt: skip
+    m2r2.add_argument(
+        "--chain", type=int, default=1,
+        help="m2r2: also train drafts 2..N of an unrolled draft chain (each reading the earlier "
+        "drafts' fast keys, as decoding does), CE averaged over the steps; 1: eq. 5 alone",
+    )  # fmt: skip
     m2r2.add_argument(
         "--route-weight", type=float, default=0.0,
         help="MoE hosts: weight of the KL of layers 2i+2, 2i+3's routing predicted from fast "

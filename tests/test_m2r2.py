@@ -251,10 +251,78 @@ def test_evaluate_reports_cosine_and_agreement_per_gate():
     from leapfx.train.m2r2 import evaluate
 
     model = tiny_model("llama", layers=4, vocab=64)
-    sm = rewrite.apply(model, "m2r2", fast_layers=2)
+    sm = rewrite.apply(model, "m2r2", fast_layers=2, num_speculations=3)
     report = evaluate(sm, torch.randint(0, 64, (40,)), seq_len=16)
     assert report["tokens"] == 40
     assert set(report["cosine"]) == {"2"} and 0 <= report["agreement"]["2"] <= 1
+    chain = report["chain"]  # the draft chain: step 1 is the gate itself
+    assert chain["steps"] == 3 and chain["agreement"][0] == report["agreement"]["2"]
+    assert 0 <= chain["accepted"] <= 3
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])  # mistral: a sliding window of 3
+def test_training_chain_step_is_the_draft_that_decoding_runs(arch):
+    """Chain step j + 1 at row t (ChainScratch, all rows at once) is draft j + 1 of the round
+    that starts at t - j: the draft stage over a cache of positions < t - j, after j drafts
+    fed the same tokens -- the drafting that training with teacher-forced slow keys misses."""
+    from leapfx.passes.accelerator import ChainScratch
+    from leapfx.train.m2r2 import draft_chain, fast_states, gate_logits, slow_pass
+
+    model = tiny_model(arch, layers=3, sliding_window=3 if arch == "mistral" else None)
+    sm = rewrite.apply(model, "m2r2", fast_layers=2, fuse_layers=False)
+    _randomize(sm.graph_module)
+    ids = torch.randint(0, 128, (1, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        slow = slow_pass(sm, ids)
+        chain = ChainScratch()
+        first = gate_logits(sm, fast_states(sm, slow, chain)[1])
+        steps = [first, *draft_chain(sm, slow, chain, 4)]
+        cache, full = slow.cache, list(slow.cache.lengths)
+        for s in (0, 2, 5):
+            cache.crop(s)
+            scratch = FastScratch()
+            for j in range(4):
+                t = s + j
+                out = sm.stages["draft"](ids[:, t : t + 1], torch.tensor([[t]]), cache, scratch)
+                torch.testing.assert_close(out["logits"][:, 0], steps[j][:, t], rtol=1e-5,
+                                           atol=1e-5)  # fmt: skip
+            cache.lengths = list(full)
+
+
+def test_chain_accepted_counts_leading_agreements():
+    from leapfx.train.m2r2 import chain_accepted
+
+    t, f = True, False
+    agree = [torch.tensor([[t, t, f, t]]), torch.tensor([[f, t, t, f]])]  # steps 1, 2
+    # round starts 0..2: step 1 at s, step 2 at s + 1 -> accepted 2, 2, 0
+    assert chain_accepted(agree) == (4, 3)
+
+
+def test_greedy_continuations_are_prompts_of_the_stream_and_the_models_greedy_tokens():
+    from leapfx.train.evaluate import greedy_continuations
+
+    model = tiny_model("llama", layers=2, vocab=64)
+    stream = torch.randint(0, 64, (100,), generator=torch.Generator().manual_seed(3))
+    out = greedy_continuations(model, stream, count=3, prompt_tokens=5, new_tokens=4,
+                               batch_size=2)  # fmt: skip
+    assert out.shape == (3, 9)
+    text = stream.tolist()
+    for row in out:
+        prompt = row[:5].tolist()
+        assert any(text[i : i + 5] == prompt for i in range(96))
+        assert torch.equal(row, hf_greedy(model, row[None, :5], 4)[0])
+
+
+def test_fit_with_a_draft_chain_trains_and_validates():
+    model = tiny_model("llama", layers=3, vocab=64)
+    sm = rewrite.apply(model, "m2r2", fast_layers=2, rank=4)
+    tokens = torch.randint(0, 64, (200,), generator=torch.Generator().manual_seed(0))
+    result = sm.fit(tokens, steps=3, batch_size=2, seq_len=12, chain=3, ce_target="model",
+                    progress=False)  # fmt: skip
+    assert len(result.losses) == 3 and all(np.isfinite(result.losses))
+    assert float(accelerator_of(sm.graph_module).layers["0"].gate.abs().sum()) > 0
+    with pytest.raises(ValueError, match="chain"):
+        sm.fit(tokens, steps=1, chain=0)
 
 
 @settings(max_examples=120)

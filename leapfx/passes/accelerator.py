@@ -119,6 +119,25 @@ class FastScratch:
         return max((len(v) for v in self.kv.values()), default=0)
 
 
+@dataclass
+class ChainScratch:
+    """Training's unrolled draft chain (the "training-time test" of EAGLE-3 / HASS): the fast
+    keys/values of every earlier chain step, all positions at once: slot -> [(k, v)]
+    ([B, h_kv, S, D] each, with autograd), one entry per step already run.
+
+    Drafting reads what training with teacher-forced slow keys never shows: draft j of a round
+    that starts at position s sits at s + j and attends to the slow keys of positions < s and
+    the fast keys of the round's earlier drafts at s..s+j-1. Step j of the chain runs every
+    position t as draft j of the round starting at t - j, so row t sees slow columns < t - j,
+    step m's fast column t - j + m (m < j) and its own: the mask drafting has, in one
+    parallel pass per step."""
+
+    kv: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return max((len(v) for v in self.kv.values()), default=0)
+
+
 def _head_index(heads: list[int], total: int) -> slice | torch.Tensor:
     """A view (slice) where ``heads`` are evenly strided, else an index tensor (a copy)."""
     if heads == list(range(total)):
@@ -285,12 +304,16 @@ class AcceleratedLayer(nn.Module):
             keys = torch.cat([slow_k[:, :, : n - 1], k], dim=2)
             values = torch.cat([slow_v[:, :, : n - 1], v], dim=2)
             mask = None
-        elif scratch is None:
+        elif scratch is None or isinstance(scratch, ChainScratch):
             # Parallel rows (full graph, training): the slow layer has written every row's key;
-            # row t sees slow columns < t and its own fast column only.
-            keys = torch.cat([slow_k, k], dim=2)
-            values = torch.cat([slow_v, v], dim=2)
-            mask = self._parallel_mask(position_ids, n, S, q.device)
+            # row t sees slow columns < t and its own fast column only; at step j of a training
+            # chain, slow columns < t - j and the earlier steps' fast columns (ChainScratch).
+            earlier = [] if scratch is None else scratch.kv.setdefault(self.cache_slot, [])
+            keys = torch.cat([slow_k, *(e[0] for e in earlier), k], dim=2)
+            values = torch.cat([slow_v, *(e[1] for e in earlier), v], dim=2)
+            mask = self._parallel_mask(position_ids, n, S, q.device, len(earlier))
+            if scratch is not None:
+                earlier.append((k, v))
         else:
             # Drafting, one row at t = n + len(earlier drafts): slow keys < n (verified), then
             # the round's earlier fast keys, then its own.
@@ -365,14 +388,20 @@ class AcceleratedLayer(nn.Module):
             self._merged_key = key
         return self._merged_weights
 
-    def _parallel_mask(self, position_ids, n: int, S: int, device) -> torch.Tensor:
+    def _parallel_mask(self, position_ids, n: int, S: int, device, step: int = 0) -> torch.Tensor:
+        """[S, n + (step + 1) S]: row t (draft ``step`` of the round starting at t - step) sees
+        slow columns < t - step, then for each chain step m <= step the fast column
+        t - step + m (m = step: its own)."""
         q_pos = position_ids.reshape(-1, S)[0][:, None].to(device)  # [S, 1]
         k_pos = torch.arange(n, device=device)[None]  # [1, n]
-        slow = k_pos < q_pos
+        slow = k_pos < q_pos - step
         if self.window is not None:
             slow &= k_pos > q_pos - self.window  # its own position counts inside the window
-        own = torch.eye(S, dtype=torch.bool, device=device)
-        return torch.cat([slow, own], dim=1)  # [S, n + S]
+        fast = [torch.eye(S, dtype=torch.bool, device=device).roll(m - step, dims=1).tril()
+                for m in range(step + 1)]  # fmt: skip
+        if self.window is not None and step >= self.window:  # columns out of the window
+            fast = [f & (step - m < self.window) for m, f in enumerate(fast)]
+        return torch.cat([slow, *fast], dim=1)
 
 
 class _TrainingOps:

@@ -119,6 +119,40 @@ def is_looping(ids: list[int], *, tail: int = 24, max_period: int = 12) -> bool:
 
 
 @torch.no_grad()
+def greedy_continuations(
+    model: nn.Module,
+    stream: torch.Tensor,
+    *,
+    count: int,
+    prompt_tokens: int,
+    new_tokens: int,
+    seed: int = 0,
+    batch_size: int = 64,
+) -> torch.Tensor:
+    """``count`` windows of ``prompt_tokens`` at random offsets of the 1-D ``stream``, each
+    followed by the model's own ``new_tokens`` greedy tokens: [count, prompt + new] (CPU).
+
+    Training data for a drafter on what decoding shows it: a prompt, then the model's own
+    output (for the reference model much of it repeats earlier text)."""
+    device = next(model.parameters()).device
+    generator = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, stream.numel() - prompt_tokens + 1, (count,), generator=generator)
+    was_training = model.training
+    model.eval()
+    out = []
+    for i in range(0, count, batch_size):
+        ids = torch.stack([stream[s : s + prompt_tokens] for s in starts[i : i + batch_size]])
+        ids = ids.long().to(device)
+        out.append(model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens, do_sample=False,
+            pad_token_id=model.config.pad_token_id or 0,
+        ).cpu())  # fmt: skip
+    model.train(was_training)
+    return torch.cat(out)
+
+
+@torch.no_grad()
 def greedy_loop_stats(model: nn.Module, prompts: list[list[int]], *, new_tokens: int = 64) -> dict:
     """Greedy continuations of ``prompts``: how many end in a loop, and their distinct 4-grams.
 

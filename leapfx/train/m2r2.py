@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from leapfx.passes.accelerator import accelerator_of, target_layers
+from leapfx.passes.accelerator import ChainScratch, accelerator_of, target_layers
 from leapfx.passes.adapter_checkpoint import host_signature, write_adapter
 from leapfx.passes.capture import decoder_parts
 from leapfx.runtime.cache import StaticKVCache
@@ -70,6 +70,10 @@ class M2R2FitConfig:
     # stream: the offload's m2r2 prefetch policy). 0: off.
     route_weight: float = 0.0
     ce_target: str = "labels"  # "labels" (eq. 5) or "model" (the full model's distribution)
+    # Not in the paper: the CE of the first gate (the one m2r2 drafts from) also on draft
+    # steps 2..chain of an unrolled draft chain (ChainScratch: each step reads the earlier
+    # steps' fast keys where drafting has no slow ones), averaged over the steps. 1: eq. 5.
+    chain: int = 1
     grad_clip: float = 1.0
     # ARLA routers (m2r2_exit), trained after the adapters (sec. 2.3.1) with BCE on whether
     # the gate's LM-head argmax equals the full model's; ignored where there are none.
@@ -79,7 +83,8 @@ class M2R2FitConfig:
     progress: bool = True  # a tqdm bar, shown only when stderr is a terminal
 
     def __post_init__(self) -> None:
-        ints = (("steps", 1), ("batch_size", 1), ("seq_len", 2), ("seed", 0), ("router_steps", 0))
+        ints = (("steps", 1), ("batch_size", 1), ("seq_len", 2), ("seed", 0), ("router_steps", 0),
+                ("chain", 1))  # fmt: skip
         for name, low in ints:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -166,16 +171,40 @@ def slow_pass(sm, ids: torch.Tensor) -> SlowPass:
     return SlowPass(hidden, logits, cache, rope, pos)
 
 
-def fast_states(sm, slow: SlowPass) -> dict[int, torch.Tensor]:
-    """Every fast layer's output (with autograd), keyed by the layer index i (state p^{i+1})."""
+def fast_states(sm, slow: SlowPass, chain: ChainScratch | None = None) -> dict[int, torch.Tensor]:
+    """Every fast layer's output (with autograd), keyed by the layer index i (state p^{i+1}).
+    ``chain``: keeps the first interval's fast keys as the chain's step 1 (``draft_chain``)."""
     acc = accelerator_of(sm.graph_module)
     out: dict[int, torch.Tensor] = {}
     for a, b in acc.intervals:
         p = slow.hidden[a].detach()  # the reset p^{E_j} = h^{E_j}: no gradient crosses it
+        scratch = chain if a == 0 else None
         for i in range(a, b):
-            p = acc.layers[str(i)](p, slow.rope, slow.position_ids, slow.cache)
+            p = acc.layers[str(i)](p, slow.rope, slow.position_ids, slow.cache, scratch)
             out[i] = p
     return out
+
+
+def draft_chain(sm, slow: SlowPass, chain: ChainScratch, steps: int) -> list[torch.Tensor]:
+    """Gate logits [B, S, V] of chain steps 2..``steps`` of the first interval (E_0 = 0, the
+    drafting one), after ``fast_states(sm, slow, chain)`` ran step 1. Row t of step j + 1
+    is draft j + 1 of the round starting at t - j: only rows t >= j are such drafts."""
+    acc = accelerator_of(sm.graph_module)
+    b = acc.gates[0]
+    out = []
+    for _ in range(1, steps):
+        p = acc.stream(slow.hidden[0].detach(), 0, b, slow.rope, slow.position_ids, slow.cache,
+                       chain)  # fmt: skip
+        out.append(gate_logits(sm, p))
+    return out
+
+
+def _gate_ce(logits, slow: SlowPass, ids: torch.Tensor, config: M2R2FitConfig, skip: int = 0):
+    """CE of gate logits [B, S, V] on rows >= ``skip`` against the data or the full model."""
+    if config.ce_target == "labels":
+        labels = ids.to(logits.device)[:, skip + 1 :]
+        return F.cross_entropy(logits[:, skip:-1].flatten(0, 1).float(), labels.flatten())
+    return kangaroo_loss(logits[:, skip:], slow.logits[:, skip:])
 
 
 def gate_logits(sm, p: torch.Tensor) -> torch.Tensor:
@@ -190,7 +219,8 @@ def m2r2_loss(
     """Eq. 5 on a batch [B, S]: (loss, CE term, MSE term)."""
     acc = accelerator_of(sm.graph_module)
     slow = slow_pass(sm, ids)
-    fast = fast_states(sm, slow)
+    chain = ChainScratch() if config.chain > 1 else None
+    fast = fast_states(sm, slow, chain)
     targets = target_layers(acc.gates, acc.num_layers)
     mse = torch.zeros((), device=slow.logits.device)
     for i, p in fast.items():
@@ -198,13 +228,13 @@ def m2r2_loss(
         scale = h.float().pow(2).sum(-1).mean()
         mse = mse + (p.float() - h.float()).pow(2).sum(-1).mean() / scale
     ce = torch.zeros((), device=slow.logits.device)
-    labels = ids.to(slow.logits.device)[:, 1:]
-    for _, b in acc.intervals:
-        logits = gate_logits(sm, fast[b - 1])
-        if config.ce_target == "labels":
-            ce = ce + F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels.flatten())
-        else:
-            ce = ce + kangaroo_loss(logits, slow.logits)
+    for a, b in acc.intervals:
+        first = _gate_ce(gate_logits(sm, fast[b - 1]), slow, ids, config)
+        if a == 0 and chain is not None:  # the draft chain: mean over its steps
+            later = draft_chain(sm, slow, chain, config.chain)
+            steps = [_gate_ce(x, slow, ids, config, skip=j) for j, x in enumerate(later, 1)]
+            first = (first + sum(steps)) / config.chain
+        ce = ce + first
     loss = config.ce_weight * ce + config.mse_weight * mse
     if config.route_weight:
         loss = loss + config.route_weight * routing_loss(sm, ids, fast)
@@ -250,21 +280,58 @@ def router_loss(sm, ids: torch.Tensor) -> torch.Tensor:
     return loss
 
 
+def chain_accepted(agree: list[torch.Tensor]) -> tuple[int, int]:
+    """Greedy drafts accepted over every round start of a window: ``agree[j]`` [B, S] says
+    whether chain step j + 1's argmax at row t equals the full model's (row t is draft j + 1
+    of the round starting at t - j); a round accepts drafts while they agree. Returns
+    (accepted drafts, rounds), over the round starts with a whole chain in the window."""
+    g = len(agree)
+    S = agree[0].shape[1]
+    if S < g:
+        return 0, 0
+    alive = torch.ones_like(agree[0][:, : S - g + 1])
+    accepted = 0
+    for j, a in enumerate(agree):
+        alive = alive & a[:, j : j + S - g + 1]
+        accepted += int(alive.sum())
+    return accepted, alive.numel()
+
+
 @torch.no_grad()
-def evaluate(sm, data: Any, *, tokenizer=None, seq_len: int = 256) -> dict[str, Any]:
+def evaluate(
+    sm, data: Any, *, tokenizer=None, seq_len: int = 256, chain: int | None = None
+) -> dict[str, Any]:
     """Held-out alignment per gate: cosine of the gate's fast state with h^N, and top-1
-    agreement of the gate's LM-head argmax with the full model's, over consecutive windows."""
+    agreement of the gate's LM-head argmax with the full model's, over consecutive windows.
+
+    ``chain`` (default: the recipe's ``num_speculations``, if it drafts): also the first
+    gate's unrolled draft chain (``ChainScratch``, teacher-forced): each step's agreement and
+    the greedy drafts a round accepts out of ``chain`` -- what decoding speed follows, where
+    the gate's agreement is only the first draft's."""
     acc = accelerator_of(sm.graph_module)
+    if chain is None:
+        chain = getattr(sm.options, "num_speculations", None) or 0
     stream = token_stream(data, vocab_size=sm.config.vocab_size, tokenizer=tokenizer)
     cos = {b: 0.0 for _, b in acc.intervals}
     agree = {b: 0 for _, b in acc.intervals}
     router_right = {b: 0 for _, b in acc.intervals}
+    step_agree, step_rows, accepted, rounds = [0] * chain, [0] * chain, 0, 0
     count = 0
     for start in range(0, stream.numel() - 1, seq_len):
         window = stream[start : start + seq_len][None]
         slow = slow_pass(sm, window)
-        fast = fast_states(sm, slow)
+        scratch = ChainScratch() if chain else None
+        fast = fast_states(sm, slow, scratch)
         full = slow.logits.argmax(-1)
+        if chain:
+            first = gate_logits(sm, fast[acc.gates[0] - 1])
+            steps = [first, *draft_chain(sm, slow, scratch, chain)]
+            hits = [x.argmax(-1) == full for x in steps]
+            for j, h in enumerate(hits):
+                step_agree[j] += int(h[:, j:].sum())
+                step_rows[j] += h[:, j:].numel()
+            a, r = chain_accepted(hits)
+            accepted, rounds = accepted + a, rounds + r
         final = slow.hidden[-1]
         for a, b in acc.intervals:
             p = fast[b - 1]
@@ -283,6 +350,12 @@ def evaluate(sm, data: Any, *, tokenizer=None, seq_len: int = 256) -> dict[str, 
     }
     if len(acc.routers):  # the router's accuracy at 0.5 on "the gate agrees with the model"
         report["router_accuracy"] = {str(b): router_right[b] / count for b in router_right}
+    if chain:
+        report["chain"] = {
+            "steps": chain,
+            "agreement": [a / max(1, r) for a, r in zip(step_agree, step_rows, strict=True)],
+            "accepted": accepted / max(1, rounds),
+        }
     return report
 
 
@@ -404,6 +477,7 @@ def train_parts(
     fast_layers: int | None = None,
     held_out_tokens: int = 16384,
     corpus_root: str | None = None,
+    greedy_data: int = 0,
     **options: Any,
 ) -> dict[str, Any]:
     """Train M2R2 parts for a checkpoint (default: the shipped reference model) on the stdlib
@@ -414,7 +488,10 @@ def train_parts(
     stream of the MoE offload's ``m2r2`` prefetch policy), and for ``m2r2``
     ``num_speculations`` and ``confidence_threshold`` (recorded in the parts, the drafting
     setting they decode with unless ``apply`` is given another): the recipe's options.
-    ``options``: :class:`M2R2FitConfig` fields. What ``leapfx train-m2r2`` runs."""
+    ``greedy_data`` > 0: train instead on that many windows of the training split (a quarter
+    of ``seq_len``) each continued by the model's own greedy tokens (the rest): the contexts
+    drafting meets. ``options``: :class:`M2R2FitConfig` fields. What ``leapfx train-m2r2``
+    runs."""
     import json
     import platform
 
@@ -427,6 +504,17 @@ def train_parts(
     model, tokenizer = load_model(model_path)
     train = encode_documents(tokenizer, corpus.train).long()
     held = encode_documents(tokenizer, corpus.held_out).long()[:held_out_tokens]
+    if isinstance(greedy_data, bool) or not isinstance(greedy_data, int) or greedy_data < 0:
+        raise ValueError(f"greedy_data: {greedy_data!r} is invalid; allowed: an integer >= 0")
+    if greedy_data:
+        from leapfx.train.evaluate import greedy_continuations
+
+        seq_len = options.get("seq_len", M2R2FitConfig.seq_len)
+        prompt = max(1, seq_len // 4)
+        train = greedy_continuations(
+            model, train, count=greedy_data, prompt_tokens=prompt, new_tokens=seq_len - prompt,
+            seed=options.get("seed", 0),
+        ).reshape(-1)  # fmt: skip
     from leapfx.passes.accelerator_checkpoint import load_compatible
 
     shape = {"heads": heads, "rank": rank}
@@ -445,6 +533,7 @@ def train_parts(
         "options": parts_options(sm),
         "fit": {**dataclasses.asdict(M2R2FitConfig(**options)), "init": init and str(init),
                 "initialised_layers": initialised},
+        "greedy_data": greedy_data,
         "steps": result.steps,
         "tokens": result.tokens,
         "seconds": round(result.seconds, 1),
