@@ -62,3 +62,13 @@ def assert_greedy_equal(model, ours: torch.Tensor, ref: torch.Tensor, prompt_len
             break
         ref = hf_greedy(model, ours[:, : t + 1], remaining)
     return ties
+
+
+def check_random_prompts(model, sm, lengths, max_new_tokens: int, seed: int) -> None:
+    """``sm`` decodes random prompts of each length in ``lengths`` (drawn from ``seed``) equal
+    to HF greedy up to detected ties (``assert_greedy_equal``)."""
+    g = torch.Generator().manual_seed(seed)
+    for length in lengths:
+        prompt = torch.randint(1, model.config.vocab_size, (1, length), generator=g)
+        got = sm.generate(prompt, max_new_tokens=max_new_tokens)
+        assert_greedy_equal(model, got, hf_greedy(model, prompt, max_new_tokens), length)

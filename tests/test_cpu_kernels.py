@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import tiny_model
-from greedy_check import assert_greedy_equal, hf_greedy
+from greedy_check import check_random_prompts
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -118,11 +118,7 @@ def test_eager_layerskip_with_kernels_is_token_identical_to_hf_greedy(arch):
     model = tiny_model(arch, layers=4)
     sm = rewrite.apply(model, "layerskip", exit_layer=2, num_speculations=3, cpu_kernels=True)
     assert sm.cpu_kernels and sm.backend == "eager"
-    g = torch.Generator().manual_seed(1)
-    for length in (1, 6, 13):
-        prompt = torch.randint(1, model.config.vocab_size, (1, length), generator=g)
-        got = sm.generate(prompt, max_new_tokens=48)
-        assert_greedy_equal(model, got, hf_greedy(model, prompt, 48), length)
+    check_random_prompts(model, sm, (1, 6, 13), 48, seed=1)
     assert sm.last_metrics.verify_calls > 0
     assert not sm.use_cpu_kernels(False).cpu_kernels  # back to the plain eager stages
 

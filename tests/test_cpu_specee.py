@@ -16,7 +16,7 @@ from leapfx import rewrite
 from leapfx.kernels import cpu_specee
 from leapfx.passes.predictor import KernelLayerExit, LayerExit, predictors_of
 from tests.conftest import tiny_model
-from tests.greedy_check import assert_greedy_equal, hf_greedy
+from tests.greedy_check import check_random_prompts
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -184,9 +184,5 @@ def test_verified_specee_with_kernel_checks_is_greedy_identical():
     model = tiny_model("llama", layers=4)
     sm = rewrite.apply(model, "specee", drafter="exit_head", exit_layer=2, verify=True)
     sm.use_cpu_kernels()
-    g = torch.Generator().manual_seed(4)
-    for length in (2, 11):
-        prompt = torch.randint(1, model.config.vocab_size, (1, length), generator=g)
-        got = sm.generate(prompt, max_new_tokens=32)
-        assert_greedy_equal(model, got, hf_greedy(model, prompt, 32), length)
+    check_random_prompts(model, sm, (2, 11), 32, seed=4)
     assert sm.last_metrics.verify_calls > 0

@@ -30,7 +30,7 @@ from leapfx.runtime.cache import cache_for
 from leapfx.runtime.masks import masks_for
 from tests.conftest import ARCHS, tiny_model
 from tests.distribution_check import assert_sampled_from
-from tests.greedy_check import assert_greedy_equal, hf_greedy
+from tests.greedy_check import assert_greedy_equal, check_random_prompts, hf_greedy
 from tests.test_kangaroo_lossless import TEMPERATURE, TOP_K, TOP_P, _exact_distribution
 from tests.test_lossless import _prompt, model_specs
 from tests.test_partition import _check_golden
@@ -430,11 +430,7 @@ def test_m2r2_with_cpu_kernels_is_token_identical_to_hf_greedy():
     _randomize(sm.graph_module, scale=0.1)
     sm.use_cpu_kernels()  # packs the randomised weights
     assert any(isinstance(m, KernelAcceleratedLayer) for m in sm._executors["draft"].modules())
-    g = torch.Generator().manual_seed(1)
-    for length in (1, 9):
-        prompt = torch.randint(1, model.config.vocab_size, (1, length), generator=g)
-        got = sm.generate(prompt, max_new_tokens=40)
-        assert_greedy_equal(model, got, hf_greedy(model, prompt, 40), length)
+    check_random_prompts(model, sm, (1, 9), 40, seed=1)
     assert sm.last_metrics.verify_calls > 0
 
 
