@@ -37,7 +37,13 @@ from leapfx.bench.routing import routing_stats
 from leapfx.train.data import byte_tokenizer, encode_documents, token_byte_lengths
 from leapfx.train.evaluate import eval_windows, evaluate_exits
 from leapfx.train.layerskip import LayerSkipTrainConfig
-from leapfx.train.reference import REFERENCE_RECIPE, _run_phase, reference_corpus
+from leapfx.train.reference import (
+    REFERENCE_RECIPE,
+    _run_phase,
+    check_shape,
+    config_kwargs,
+    reference_corpus,
+)
 from leapfx.train.trainer import TrainerConfig, describe_device, resolve_device
 
 log = logging.getLogger(__name__)
@@ -60,17 +66,11 @@ class MoEReferenceSpec:
     max_position_embeddings: int = 2048
 
     def __post_init__(self) -> None:
-        if self.num_layers < 2:
-            raise ValueError(f"num_layers: got {self.num_layers}; allowed range is >= 2")
         if not 1 <= self.top_k <= self.num_experts:
             raise ValueError(
                 f"top_k: got {self.top_k}; allowed range is 1..num_experts ({self.num_experts})"
             )
-        if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_heads/num_kv_heads: {self.num_heads}/{self.num_kv_heads} must divide "
-                f"hidden_size={self.hidden_size} and num_heads"
-            )
+        check_shape(self)
 
 
 def build_moe_model(spec: MoEReferenceSpec, tokenizer, seed: int):
@@ -78,19 +78,9 @@ def build_moe_model(spec: MoEReferenceSpec, tokenizer, seed: int):
     from transformers import OlmoeConfig, OlmoeForCausalLM
 
     config = OlmoeConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_layers,
-        num_attention_heads=spec.num_heads,
-        num_key_value_heads=spec.num_kv_heads,
+        **config_kwargs(spec, tokenizer),
         num_experts=spec.num_experts,
         num_experts_per_tok=spec.top_k,
-        max_position_embeddings=spec.max_position_embeddings,
-        tie_word_embeddings=False,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
     )
     torch.manual_seed(seed)
     model = OlmoeForCausalLM(config)

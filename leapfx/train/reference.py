@@ -145,23 +145,27 @@ class ReferenceModelSpec:
             raise ValueError(
                 f"tokenizer: got {self.tokenizer!r}; allowed values are {', '.join(TOKENIZERS)}"
             )
-        if self.num_layers < 2:
-            raise ValueError(f"num_layers: got {self.num_layers}; allowed range is >= 2")
-        if self.hidden_size % self.num_heads:
-            raise ValueError(
-                f"num_heads: got {self.num_heads}; must divide hidden_size={self.hidden_size}"
-            )
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_kv_heads: got {self.num_kv_heads}; must divide num_heads={self.num_heads}"
-            )
+        check_shape(self)
 
 
-def build_model(spec: ReferenceModelSpec, tokenizer, seed: int):
-    """A freshly initialised ``LlamaForCausalLM`` of ``spec`` (untied LM head)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def check_shape(spec) -> None:
+    """The checks every reference spec shares (``num_layers``, ``num_heads``, ``num_kv_heads``
+    against ``hidden_size``): a ValueError naming the field, else nothing."""
+    if spec.num_layers < 2:
+        raise ValueError(f"num_layers: got {spec.num_layers}; allowed range is >= 2")
+    if spec.hidden_size % spec.num_heads:
+        raise ValueError(
+            f"num_heads: got {spec.num_heads}; must divide hidden_size={spec.hidden_size}"
+        )
+    if spec.num_heads % spec.num_kv_heads:
+        raise ValueError(
+            f"num_kv_heads: got {spec.num_kv_heads}; must divide num_heads={spec.num_heads}"
+        )
 
-    config = LlamaConfig(
+
+def config_kwargs(spec, tokenizer) -> dict:
+    """The transformers config fields every reference model shares, from its spec."""
+    return dict(
         vocab_size=len(tokenizer),
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
@@ -176,6 +180,13 @@ def build_model(spec: ReferenceModelSpec, tokenizer, seed: int):
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
+
+
+def build_model(spec: ReferenceModelSpec, tokenizer, seed: int):
+    """A freshly initialised ``LlamaForCausalLM`` of ``spec`` (untied LM head)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**config_kwargs(spec, tokenizer))
     torch.manual_seed(seed)
     return LlamaForCausalLM(config)
 
