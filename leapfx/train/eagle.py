@@ -53,7 +53,7 @@ from leapfx.passes.capture import decoder_parts
 from leapfx.passes.eagle_checkpoint import write_eagle_head
 from leapfx.passes.eagle_head import eagle_head_of, previous_hidden
 from leapfx.runtime.masks import masks_for
-from leapfx.train.fit_options import fit_config
+from leapfx.train.fit_options import fit_config, optimizer_step
 from leapfx.train.kangaroo import kangaroo_loss, sample_windows, token_stream
 
 
@@ -226,11 +226,7 @@ def fit(sm, data: Any, *, tokenizer=None, eval_data: Any = None, **options: Any)
             g, logits = head_outputs(sm, batch, h, noise)
             reg, cls = eagle_losses(g, logits, h, target)
             loss = config.reg_weight * reg + config.cls_weight * cls
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            if config.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
-            optimizer.step()
+            optimizer_step(optimizer, loss, params, config.grad_clip)
             result.losses.append(float(loss.detach()))
             result.reg_losses.append(float(reg.detach()))
             result.cls_losses.append(float(cls.detach()))

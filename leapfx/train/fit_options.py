@@ -39,3 +39,15 @@ def fit_config(
             stacklevel=3,
         )
     return config_type(**options)
+
+
+def optimizer_step(optimizer, loss, params, grad_clip: float) -> None:
+    """One step of a parts trainer: gradients of ``loss``, clipped to ``grad_clip`` (<= 0: not
+    clipped) over ``params``, then the optimizer's update."""
+    import torch
+
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    if grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    optimizer.step()

@@ -47,7 +47,7 @@ from leapfx.passes.adapter import adapter_of
 from leapfx.passes.adapter_checkpoint import host_signature, write_adapter
 from leapfx.passes.capture import decoder_parts
 from leapfx.runtime.masks import masks_for
-from leapfx.train.fit_options import fit_config
+from leapfx.train.fit_options import fit_config, optimizer_step
 
 
 @dataclass(frozen=True)
@@ -218,11 +218,7 @@ def fit(sm, data: Any, *, tokenizer=None, **options: Any) -> FitResult:
             batch = sample_windows(stream, config.batch_size, config.seq_len, generator)
             draft, target = adapter_and_target_logits(sm, batch)
             loss = kangaroo_loss(draft, target)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            if config.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
-            optimizer.step()
+            optimizer_step(optimizer, loss, params, config.grad_clip)
             result.losses.append(float(loss.detach()))
             result.tokens += batch.numel()
             bar.set_postfix(loss=f"{result.losses[-1]:.4f}")
