@@ -625,6 +625,24 @@ def _train_m2r2(args: argparse.Namespace) -> int:
     return 0
 
 
+def _model_training_args(parser: argparse.ArgumentParser) -> None:
+    """The arguments every reference-model trainer takes (``train-reference``,
+    ``train-moe-reference``); ``_model_training`` turns them into keyword arguments."""
+    parser.add_argument("out", help="output directory (resumes if it holds a checkpoint)")
+    parser.add_argument("--minutes", type=float, default=60.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (float32)")
+    parser.add_argument(
+        "--corpus-root", default=None, help="stdlib folder to train on (default: this Python's)"
+    )
+
+
+def _model_training(args: argparse.Namespace) -> dict:
+    names = ("minutes", "seed", "threads", "device", "corpus_root")
+    return {name: getattr(args, name) for name in names}
+
+
 def _train_reference(args: argparse.Namespace) -> int:
     from .train.reference import REFERENCE_RECIPE, train_reference
 
@@ -632,14 +650,7 @@ def _train_reference(args: argparse.Namespace) -> int:
         REFERENCE_RECIPE, focus_exit=args.focus_exit, focus_share=args.focus_share
     )
     report = train_reference(
-        args.out,
-        minutes=args.minutes,
-        seed=args.seed,
-        recipe=recipe,
-        threads=args.threads,
-        device=args.device,
-        corpus_root=args.corpus_root,
-        distill_minutes=args.distill_minutes,
+        args.out, recipe=recipe, distill_minutes=args.distill_minutes, **_model_training(args)
     )
     print(json.dumps(report, indent=2))
     return 0
@@ -648,15 +659,7 @@ def _train_reference(args: argparse.Namespace) -> int:
 def _train_moe_reference(args: argparse.Namespace) -> int:
     from .train.moe_reference import train_moe_reference
 
-    report = train_moe_reference(
-        args.out,
-        minutes=args.minutes,
-        seed=args.seed,
-        aux_coef=args.aux_coef,
-        threads=args.threads,
-        device=args.device,
-        corpus_root=args.corpus_root,
-    )
+    report = train_moe_reference(args.out, aux_coef=args.aux_coef, **_model_training(args))
     print(json.dumps(report, indent=2))
     return 0
 
@@ -861,14 +864,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.set_defaults(func=_export)
 
     train = sub.add_parser("train-reference", help="train the project's reference model")
-    train.add_argument("out", help="output directory (resumes if it holds a checkpoint)")
-    train.add_argument("--minutes", type=float, default=60.0)
-    train.add_argument("--seed", type=int, default=0)
-    train.add_argument("--threads", type=int, default=None)
-    train.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (float32)")
-    train.add_argument(
-        "--corpus-root", default=None, help="stdlib folder to train on (default: this Python's)"
-    )
+    _model_training_args(train)
     train.add_argument(
         "--focus-exit", type=int, default=None,
         help="E: give the exit after E layers --focus-share of the early-exit loss (not in the "
@@ -944,16 +940,9 @@ def build_parser() -> argparse.ArgumentParser:
         "train-moe-reference", help="train the OLMoE-shaped MoE reference model (LayerSkip + "
         "load balancing)",
     )  # fmt: skip
-    moe.add_argument("out", help="output directory (resumes if it holds a checkpoint)")
-    moe.add_argument("--minutes", type=float, default=60.0)
-    moe.add_argument("--seed", type=int, default=0)
-    moe.add_argument("--threads", type=int, default=None)
-    moe.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (float32)")
+    _model_training_args(moe)
     moe.add_argument(
         "--aux-coef", type=float, default=0.01, help="weight of the load-balancing loss (OLMoE's)"
-    )
-    moe.add_argument(
-        "--corpus-root", default=None, help="stdlib folder to train on (default: this Python's)"
     )
     moe.set_defaults(func=_train_moe_reference)
 
