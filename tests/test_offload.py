@@ -307,6 +307,29 @@ def test_disk_store_falls_back_where_o_direct_is_refused(tmp_path, monkeypatch):
     assert not os.path.exists(path)  # a temporary file is removed
 
 
+def test_disk_store_reads_straight_into_aligned_slots(tmp_path):
+    """Block-sized expert slices land in ``aligned_pool`` slots by one preadv (no bounce
+    buffer); unaligned targets still get the same bytes through the bounce buffer."""
+    from leapfx.runtime.offload.store import ALIGN, aligned_pool
+
+    gate_up, down = torch.randn(3, 32, 64), torch.randn(3, 64, 16)  # 8 KiB and 4 KiB slices
+    store = DiskStore({0: (gate_up, down)}, path=tmp_path / "experts.bin")
+    pool_a = aligned_pool((2, 32, 64), torch.float32, float("nan"))
+    pool_b = aligned_pool((2, 64, 16), torch.float32, float("nan"))
+    assert pool_a.data_ptr() % ALIGN == 0 and pool_a[1].data_ptr() % ALIGN == 0
+    assert torch.isnan(pool_a).all()
+    for expert, slot in ((2, 1), (0, 0), (1, 1)):
+        assert store.read_into(0, expert, pool_a[slot], pool_b[slot]) == 8192 + 4096
+        assert torch.equal(pool_a[slot], gate_up[expert])
+        assert torch.equal(pool_b[slot], down[expert])
+    assert getattr(store._local, "buf", None) is None  # no read went through the bounce buffer
+    unaligned = torch.empty(32 * 64 + 1)[1:].view(32, 64)
+    store.read_into(0, 2, unaligned, pool_b[0])
+    assert torch.equal(unaligned, gate_up[2]) and torch.equal(pool_b[0], down[2])
+    assert store._local.buf is not None
+    store.close()
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [

@@ -42,7 +42,7 @@ from torch import nn
 
 from .engine import CudaEngine, ThreadEngine, TransferEngine
 from .slots import POLICIES, Placement, SlotCache, SlotStats
-from .store import DiskStore, HostStore
+from .store import DiskStore, HostStore, aligned_pool
 
 log = logging.getLogger(__name__)
 
@@ -220,8 +220,16 @@ class ExpertOffload:
         make = dict(dtype=self.dtype, device=self.device)
         fill = math.nan if options.poison else 0.0
         s = self.num_slots
-        self.gate_up = {i: torch.full((s, *gate_up.shape[1:]), fill, **make) for i in self.layers}
-        self.down = {i: torch.full((s, *down.shape[1:]), fill, **make) for i in self.layers}
+        if self.device.type == "cpu":  # block-aligned slots: the disk tier reads into them
+            self.gate_up = {i: aligned_pool((s, *gate_up.shape[1:]), self.dtype, fill)
+                            for i in self.layers}  # fmt: skip
+            self.down = {i: aligned_pool((s, *down.shape[1:]), self.dtype, fill)
+                         for i in self.layers}  # fmt: skip
+        else:
+            self.gate_up = {i: torch.full((s, *gate_up.shape[1:]), fill, **make)
+                            for i in self.layers}  # fmt: skip
+            self.down = {i: torch.full((s, *down.shape[1:]), fill, **make)
+                         for i in self.layers}  # fmt: skip
         self.caches = {i: SlotCache(s, options.policy) for i in self.layers}
         self._pending: dict[tuple[int, int], object] = {}  # (layer, slot) -> ticket
         self._free: dict[tuple[int, int], object] = {}  # (layer, slot) -> free event (CUDA)
