@@ -9,10 +9,9 @@ An expert of a transformers-5 MoE layer is two contiguous slices, ``gate_up_proj
   ``O_DIRECT`` (tmpfs) fall back to buffered reads with a warning. The file is written to a
   temporary name, then renamed. Where a record needs no padding and the slot's two views are
   block-aligned (``aligned_pool`` makes them so), one ``preadv`` reads the record straight into
-  them: no bounce buffer, no copies, one GIL release and reacquire on the reading thread. On
-  the project's 2-core CPU a read through the bounce buffer held the GIL for a dozen short
-  handoffs with the computing thread (each torch call on either thread releases it), and that
-  ping-pong, not the disk, was most of what a prefetch cost compute.
+  them: no bounce buffer, no copies, one GIL release and reacquire on the reading thread (a
+  read through the bounce buffer takes the GIL a dozen times, each a handoff with the computing
+  thread, whose torch calls release it too).
 - ``HostStore``: the experts in host memory; pinned copies when the fast tier is on a GPU (the
   copy engine reads pinned memory at full speed, pageable at a third), or the model's own
   tensors on a CPU (a fast store for tests: no copy is made).
