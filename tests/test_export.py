@@ -689,10 +689,8 @@ def test_verify_threads_run_only_the_upper_part_on_more_threads(exported):
     sessions["upper"] = two.stages["verify"].upper.session
     threads = {n: s.get_session_options().intra_op_num_threads for n, s in sessions.items()}
     assert threads == {"full": 1, "draft": 1, "upper": 2}
-    spin = sessions["upper"].get_session_options().get_session_config_entry(
-        "session.intra_op.allow_spinning"
-    )
-    assert spin == "1"
+    options = sessions["upper"].get_session_options()
+    assert options.get_session_config_entry("session.intra_op.allow_spinning") == "1"
     prompt = torch.tensor([[5, 9, 2, 7, 1, 3]])
     ours = two.generate(prompt, max_new_tokens=20)
     assert two.last_metrics.rejections > 0
