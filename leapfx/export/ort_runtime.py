@@ -363,7 +363,11 @@ class OnnxModel:
             session); None: ``threads``. Its rows are d+1 tokens through the upper layers,
             where a draft or full step is one: more work per weight read, so it can use a core
             the one-token calls cannot. A value above 1 turns spinning on for that session
-            only (handing each op's halves to a sleeping worker costs more than the op).
+            only (handing each op's halves to a sleeping worker costs more than the op). Where
+            verify is not split (``split_verify=False``, other recipes) it has no effect. Only
+            with a core to spare: when another process keeps the second core busy, each op
+            waits for its worker to be scheduled and verify costs 2-3 full steps instead of 1
+            (measured; see docs/export.md), which is why it is not the default.
 
     Attributes:
         manifest: the export's manifest (dict).
