@@ -11,7 +11,8 @@ the sum over nodes of each node's median kernel time (medians: robust to a loade
 Then the wall time of the same calls without the profiler, best of ``--calls`` blocks of one
 model: full steps and verify calls back to back, and verify right after 4 draft calls (as in
 decoding, where the upper layers' weights have gone cold meanwhile); last the rewritten export
-as ``OnnxModel`` runs it, verify split into the draft stage and verify's upper part.
+as ``OnnxModel`` runs it, verify split into the draft stage and verify's upper part, and the
+same with that upper part on two threads (``verify_threads=2``).
 """
 
 import argparse
@@ -107,6 +108,10 @@ models = {
     label: caller(OnnxModel(path, threads=1, split_verify=False)) for label, path in exports.items()
 }
 models["rewritten, split verify"] = caller(OnnxModel(exports["rewritten"], threads=1))
+# and with verify's upper part on two spinning threads (OnnxModel verify_threads; a second core)
+models["rewritten, split verify, upper on 2 threads"] = caller(
+    OnnxModel(exports["rewritten"], threads=1, verify_threads=2)
+)
 times = collections.defaultdict(list)
 for _ in range(args.calls):
     for label, call in models.items():  # per model a block: its weights as warm as decoding

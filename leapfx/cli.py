@@ -121,7 +121,9 @@ def _bench(args: argparse.Namespace) -> int:
         repeats=args.repeats, warmup=args.warmup, adapter=_adapter(args),
         kangaroo_exit_layer=args.kangaroo_exit_layer, eagle_parts=_eagle_parts(args),
         confidence_threshold=threshold, backend=args.backend,
-        cpu_kernels=kernels, onnx_threads=onnx_threads, specee_parts=_specee_parts(args),
+        cpu_kernels=kernels, onnx_threads=onnx_threads,
+        onnx_verify_threads=_onnx_verify_threads(args.onnx_verify_threads),
+        specee_parts=_specee_parts(args),
         specee_threshold=args.specee_threshold, parts=_m2r2_parts(args),
         exit_parts=_m2r2_parts(args, exits=True), **offload,
     )  # fmt: skip
@@ -177,7 +179,8 @@ def _bench(args: argparse.Namespace) -> int:
         "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
         "repeats": args.repeats, "threads": torch.get_num_threads(), "device": args.device,
         "backend": args.backend, "cpu_kernels": args.cpu_kernels,
-        "onnx_threads": args.onnx_threads, **offload,
+        "onnx_threads": args.onnx_threads, "onnx_verify_threads": args.onnx_verify_threads,
+        **offload,
     }  # fmt: skip
     meta["dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
     if args.random_model is not None:
@@ -317,6 +320,18 @@ def _onnx_threads(value: str) -> int | None:
         ) from None
 
 
+def _onnx_verify_threads(value: str) -> int | str | None:
+    """``--onnx-verify-threads``: same (None), auto, or a count."""
+    if value in ("same", "auto"):
+        return None if value == "same" else value
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(
+            f"--onnx-verify-threads: {value!r} is invalid; allowed: same, auto or an integer >= 1"
+        ) from None
+
+
 def _onnx_threads_line(rows, flag: str) -> None:
     row = next((r for r in rows if "onnx_threads" in r.extra), None)
     if row is None:
@@ -327,6 +342,14 @@ def _onnx_threads_line(rows, flag: str) -> None:
         per = ", ".join(f"{t}: {s * 1e3:.2f} ms/token" for t, s in sorted(timing.items()))
         how = f" (the faster on the autoregressive export: {per})"
     print(f"onnxruntime intra-op threads (--onnx-threads {flag}): {row.extra['onnx_threads']}{how}")
+    for row in rows:  # a split verify's upper part timed apart (OnnxModel verify_threads)
+        if "onnx_verify_threads" not in row.extra and "onnx_verify_threads_timing" not in row.extra:
+            continue
+        timing = row.extra.get("onnx_verify_threads_timing") or {}
+        per = ", ".join(f"{t}: {s * 1e3:.2f} ms/token" for t, s in sorted(timing.items()))
+        chosen = row.extra.get("onnx_verify_threads", row.extra["onnx_threads"])
+        how = f" (the faster: {per})" if per else ""
+        print(f"  {row.system}: verify's upper part on {chosen} threads{how}")
 
 
 def _bench_and_report(args: argparse.Namespace) -> int:
@@ -797,6 +820,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--onnx-threads", default="auto", metavar="N|auto",
         help="onnxruntime intra-op threads for the onnxruntime rows (auto: the faster of 1 and "
         "the torch thread count, timed on the autoregressive export first)",
+    )  # fmt: skip
+    bench.add_argument(
+        "--onnx-verify-threads", default="same", metavar="N|auto|same",
+        help="onnxruntime intra-op threads (spinning) of layerskip's split verify, upper part "
+        "only (same: --onnx-threads; auto: the faster of 1 and the torch thread count, timed "
+        "per export); it uses a core the autoregressive row does not",
     )  # fmt: skip
     bench.add_argument("--json", default=None, help="write the rows as JSON to this path")
     bench.add_argument("--plot", default=None, help="write a PNG to this path")

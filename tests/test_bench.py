@@ -240,6 +240,17 @@ def test_fixed_onnx_threads_and_their_errors(checkpoint, tmp_path, monkeypatch):
     assert main(["bench", "--onnx-threads", "two"]) == 2
 
 
+def test_onnx_verify_threads_errors():
+    # --onnx-verify-threads: same (the rows' count), auto (timed per export) or a count.
+    from leapfx.cli import _onnx_verify_threads
+
+    assert [_onnx_verify_threads(v) for v in ("same", "auto", "2")] == [None, "auto", 2]
+    BenchConfig(onnx_verify_threads="auto").validate()
+    with pytest.raises(ValueError, match="--onnx-verify-threads: 0 is invalid; allowed: same"):
+        BenchConfig(onnx_verify_threads=0).validate()
+    assert main(["bench", "--onnx-verify-threads", "two"]) == 2
+
+
 def test_cost_ratios_per_backend(checkpoint, tmp_path):
     # Every backend's speculative row carries its own draft and verify cost ratios, measured
     # against the autoregressive row of the same backend.

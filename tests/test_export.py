@@ -678,6 +678,27 @@ def test_split_verify_is_the_draft_stage_then_the_upper_part(exported):
         OnnxModel(path, split_verify=1)
 
 
+def test_verify_threads_run_only_the_upper_part_on_more_threads(exported):
+    # verify_threads gives verify's upper part (d+1 rows a call) its own thread count, with
+    # spinning, and leaves the one-token stages alone: same tokens as a fresh decode on one
+    # thread, rollbacks after rejected drafts included.
+    model, sm, path = exported("llama", "layerskip")
+    one, two = OnnxModel(path, threads=1), OnnxModel(path, threads=1, verify_threads=2)
+    assert (one.verify_threads, two.verify_threads) == (1, 2)
+    sessions = {name: s.session for name, s in two.stages.items() if name != "verify"}
+    sessions["upper"] = two.stages["verify"].upper.session
+    threads = {n: s.get_session_options().intra_op_num_threads for n, s in sessions.items()}
+    assert threads == {"full": 1, "draft": 1, "upper": 2}
+    options = sessions["upper"].get_session_options()
+    assert options.get_session_config_entry("session.intra_op.allow_spinning") == "1"
+    prompt = torch.tensor([[5, 9, 2, 7, 1, 3]])
+    ours = two.generate(prompt, max_new_tokens=20)
+    assert two.last_metrics.rejections > 0
+    assert torch.equal(ours, one.generate(prompt, max_new_tokens=20))
+    with pytest.raises(ValueError, match="verify_threads: 0 is invalid"):
+        OnnxModel(path, verify_threads=0)
+
+
 def test_positions_past_the_rotary_tables_are_refused(exported, onnx_model):
     # GroupQueryAttention reads cos/sin from tables of max_position_embeddings rows: a decode
     # that would need more positions is refused up front with the option to change.

@@ -91,6 +91,11 @@ class BenchConfig:
     # torch's thread count, timed on the autoregressive export before the run (on a small
     # model one thread can beat several: the work per op is too small to split).
     onnx_threads: int | None = None
+    # intra-op threads of a split verify's upper part (OnnxModel verify_threads), spinning
+    # when above 1: None, the rows' own count; "auto", the faster of 1 and torch's thread count
+    # timed per speculative export. Off by default: it takes a second core that the
+    # autoregressive row does not use, and costs more than it gains when that core is busy.
+    onnx_verify_threads: int | str | None = None
     # eager and inductor leapfx rows: projections through leapfx's small-M CPU kernels
     # (leapfx.kernels.cpu). None: where they apply (a float32 model on a CPU) and build.
     cpu_kernels: bool | None = None
@@ -128,6 +133,11 @@ class BenchConfig:
             raise ValueError(
                 f"--onnx-threads: {self.onnx_threads!r} is invalid; allowed: auto or an "
                 "integer >= 1"
+            )
+        vt = self.onnx_verify_threads
+        if vt is not None and vt != "auto" and (not isinstance(vt, int) or vt < 1):
+            raise ValueError(
+                f"--onnx-verify-threads: {vt!r} is invalid; allowed: same, auto or an integer >= 1"
             )
         if self.cpu_kernels is not None and not isinstance(self.cpu_kernels, bool):
             raise ValueError(
@@ -299,6 +309,10 @@ def build_systems(model: nn.Module, config: BenchConfig, generator_seed: int = 0
             if hasattr(sm, "threads"):  # an OnnxModel
                 info["onnx_threads"] = sm.threads
                 info["onnx_threads_timing"] = getattr(sm, "threads_timing", None)
+                if sm.verify_threads != sm.threads:
+                    info["onnx_verify_threads"] = sm.verify_threads
+                if getattr(sm, "verify_threads_timing", None):
+                    info["onnx_verify_threads_timing"] = sm.verify_threads_timing
             # eta > 0: rounds may stop short of d, which the speedup formula does not model.
             eta = getattr(getattr(sm, "options", None), "confidence_threshold", 0)
             info["dynamic_draft_length"] = bool(eta)
@@ -453,6 +467,7 @@ def _backend(config: BenchConfig, backend: str):
     import tempfile
 
     from ..export import OnnxModel
+    from ..export.ort_runtime import SplitVerify
 
     root = config.export_dir or tempfile.mkdtemp(prefix="leapfx-bench-onnx-")
     chosen: dict = {}  # one thread count for every onnxruntime row of the run
@@ -468,6 +483,15 @@ def _backend(config: BenchConfig, backend: str):
                 chosen.update(zip(("threads", "timing"), fastest_onnx_threads(path), strict=True))
         om = OnnxModel(path, threads=chosen["threads"])
         om.threads_timing = chosen["timing"]
+        vt = config.onnx_verify_threads
+        if vt is not None and isinstance(om.stages.get("verify"), SplitVerify):
+            timing = None
+            if vt == "auto":
+                vt, timing = fastest_verify_threads(path, chosen["threads"])
+            if vt != om.verify_threads:
+                om = OnnxModel(path, threads=chosen["threads"], verify_threads=vt)
+                om.threads_timing = chosen["timing"]
+            om.verify_threads_timing = timing
         return om
 
     return export
@@ -482,10 +506,31 @@ def fastest_onnx_threads(
     turn so drift on a shared machine falls on both)."""
     from ..export import OnnxModel
 
+    return _fastest_count(
+        lambda t: OnnxModel(path, threads=t), "threads", new_tokens=new_tokens, repeats=repeats
+    )
+
+
+def fastest_verify_threads(
+    path: str, threads: int | None, *, new_tokens: int = 32, repeats: int = 3
+) -> tuple[int, dict[int, float]]:
+    """As :func:`fastest_onnx_threads`, for the intra-op threads of verify's upper part alone
+    (``OnnxModel(verify_threads=...)``; the other stages keep ``threads``): a verify call runs
+    d+1 rows through the upper layers, work a second core can share where a one-token step's
+    cannot."""
+    from ..export import OnnxModel
+
+    def make(t: int):
+        return OnnxModel(path, threads=threads, verify_threads=t)
+
+    return _fastest_count(make, "verify threads", new_tokens=new_tokens, repeats=repeats)
+
+
+def _fastest_count(make, what: str, *, new_tokens: int, repeats: int):
     counts = sorted({1, torch.get_num_threads()})
     if len(counts) == 1:
         return counts[0], {}
-    models = {t: OnnxModel(path, threads=t) for t in counts}
+    models = {t: make(t) for t in counts}
     prompt = torch.arange(1, 9).remainder(models[1].manifest["vocab_size"]).view(1, -1)
     times: dict[int, list[float]] = {t: [] for t in counts}
     for r in range(repeats + 1):
@@ -496,7 +541,7 @@ def fastest_onnx_threads(
                 times[t].append((time.perf_counter() - start) / new_tokens)
     per_token = {t: statistics.median(v) for t, v in times.items()}
     best = min(per_token, key=per_token.get)
-    log.info("onnxruntime threads: %d (seconds per token: %s)", best, per_token)
+    log.info("onnxruntime %s: %d (seconds per token: %s)", what, best, per_token)
     return best, per_token
 
 

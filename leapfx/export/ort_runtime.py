@@ -359,6 +359,15 @@ class OnnxModel:
         split_verify: run layerskip's verify as the draft stage on the new tokens and then
             verify's upper part (:class:`SplitVerify`: one copy of the lower layers' packed
             weights in a round instead of two). False runs the exported verify graph as is.
+        verify_threads: intra-op threads of verify's upper part (the split verify's second
+            session); None: ``threads``. Its rows are d+1 tokens through the upper layers,
+            where a draft or full step is one: more work per weight read, so it can use a core
+            the one-token calls cannot. A value above 1 turns spinning on for that session
+            only (handing each op's halves to a sleeping worker costs more than the op). Where
+            verify is not split (``split_verify=False``, other recipes) it has no effect. Only
+            with a core to spare: when another process keeps the second core busy, each op
+            waits for its worker to be scheduled and verify costs 2-3 full steps instead of 1
+            (measured; see docs/export.md), which is why it is not the default.
 
     Attributes:
         manifest: the export's manifest (dict).
@@ -376,6 +385,7 @@ class OnnxModel:
         spin: bool = False,
         recipe: str | None = None,
         split_verify: bool = True,
+        verify_threads: int | None = None,
     ) -> None:
         try:
             import onnxruntime as ort
@@ -388,15 +398,17 @@ class OnnxModel:
         self.path = Path(path)
         self.manifest = read_manifest(self.path)
         m = self.manifest
-        if threads is not None and (not isinstance(threads, int) or threads < 1):
-            raise ValueError(f"threads: {threads!r} is invalid; allowed: an integer >= 1 or None")
+        for name, value in (("threads", threads), ("verify_threads", verify_threads)):
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name}: {value!r} is invalid; allowed: an integer >= 1 or None")
         self.threads = threads
+        self.verify_threads = threads if verify_threads is None else verify_threads
         if not isinstance(spin, bool):
             raise ValueError(f"spin: {spin!r} is invalid; allowed: True or False")
         if not isinstance(split_verify, bool):
             raise ValueError(f"split_verify: {split_verify!r} is invalid; allowed: True or False")
 
-        def session_options():
+        def session_options(threads=threads, spin=spin):
             options = ort.SessionOptions()
             if threads is not None:
                 options.intra_op_num_threads = threads
@@ -446,7 +458,9 @@ class OnnxModel:
         self.options = r.options_type(**{k: v for k, v in m["options"].items() if k in fields})
         self._schedule = r.schedule(self.options)
         if split_verify and self.recipe in _SPLIT_VERIFY_RECIPES:
-            upper = _upper_stage(self.path, m, session_options(), chosen)
+            vt = self.verify_threads
+            upper_options = session_options(vt, spin or (vt is not None and vt > 1))
+            upper = _upper_stage(self.path, m, upper_options, chosen)
             if upper is not None:
                 self.stages["verify"] = SplitVerify(self.stages["draft"], upper)
         self._lossless = r.lossless
