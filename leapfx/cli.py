@@ -186,16 +186,11 @@ def _bench(args: argparse.Namespace) -> int:
     if args.sweep_threshold and args.recipe == "specee":
         curve = _specee_curve(args, model, prompts, rows, config, num_layers, quiet)
         meta["specee_curve"] = [p.as_dict() for p in curve]
-        from .bench.specee_sweep import above_early_exit
-
-        meta["specee_vs_early_exit"] = {
-            f"{system}/{key}": [dataclasses.asdict(c) | {"above": c.above}
-                                for c in above_early_exit(curve, system, key)]
-            for system in ("specee", "specee_mask") for key in ("speedup", "avg_layers")
-        }  # fmt: skip
+        meta["specee_vs_early_exit"] = _vs_early_exit(curve, ("specee", "specee_mask"))
     elif args.sweep_threshold:  # m2r2: m2r2_exit's curve
-        points = _exit_curve(args, model, prompts, rows, config, num_layers)
-        meta["m2r2_exit_curve"] = [dataclasses.asdict(p) for p in points]
+        curve = _exit_curve(args, model, prompts, rows, config, num_layers)
+        meta["m2r2_exit_curve"] = [p.as_dict() for p in curve]
+        meta["m2r2_exit_vs_early_exit"] = _vs_early_exit(curve, ("m2r2_exit",))
     for r in rows:
         share = _predictor_share(r)
         if share is not None:
@@ -215,10 +210,23 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _vs_early_exit(curve, systems: tuple[str, ...]) -> dict:
+    """The sweep's verdict for the JSON: each early-exit point against each curve of
+    ``systems`` at equal speed and at equal layers (``"system/key"``)."""
+    from .bench.specee_sweep import above_early_exit
+
+    return {
+        f"{system}/{key}": [dataclasses.asdict(c) | {"above": c.above}
+                            for c in above_early_exit(curve, system, key)]
+        for system in systems for key in ("speedup", "avg_layers")
+    }  # fmt: skip
+
+
 def _exit_curve(args, model, prompts, rows, config, num_layers: int) -> list:
     """--sweep-threshold with --recipe m2r2: m2r2_exit's agreement-vs-speed curve at each
     --sweep-thresholds beside fixed early exit at --sweep-exit-layers."""
-    from .bench.exit_curve import curve_table, exit_curve, write_curve_plot
+    from .bench.exit_curve import SYSTEM, exit_curve
+    from .bench.specee_sweep import comparison_summary, sweep_threshold_table
 
     try:
         taus = [float(x) for x in args.sweep_thresholds.split(",")]
@@ -245,11 +253,10 @@ def _exit_curve(args, model, prompts, rows, config, num_layers: int) -> list:
     points = exit_curve(
         model, prompts, greedy, thresholds=taus, exit_layers=exits,
         parts=config.exit_parts or config.parts, max_new_tokens=args.max_new_tokens,
-        cpu_kernels=kernels,
+        repeats=args.repeats, cpu_kernels=kernels,
     )  # fmt: skip
-    print(curve_table(points))
-    if args.plot:
-        write_curve_plot(args.plot, points)
+    print(sweep_threshold_table(points))
+    print(comparison_summary(points, (SYSTEM,)))
     return points
 
 

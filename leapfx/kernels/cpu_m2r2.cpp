@@ -38,17 +38,14 @@ float dot(const float* a, const float* b, int64_t n) {
   return out;
 }
 
-// y[N] = W [N, K] x [K] (+ b [N] when given). Four rows at a time: four independent
-// accumulators hide the latency of the multiply-adds (one row's chain of K/8 dependent updates
-// would stall on each); each row's sum is formed exactly as dot() forms it.
-void matvec(const at::Tensor& w, const float* x, const at::Tensor& b, float* y) {
-  const int64_t N = w.size(0), K = w.size(1);
-  const float* wp = w.data_ptr<float>();
-  const float* bp = b.defined() && b.numel() ? b.data_ptr<float>() : nullptr;
+// y[N] = W [N, K] x [K] + b [N]. Four rows at a time: four independent accumulators hide the
+// latency of the multiply-adds (one row's chain of K/8 dependent updates would stall on each);
+// each row's sum is formed exactly as dot() forms it.
+void matvec(const float* w, int64_t N, int64_t K, const float* x, const float* b, float* y) {
   int64_t n = 0;
   if (K % 8 == 0) {
     for (; n + 4 <= N; n += 4) {
-      const float* r0 = wp + n * K;
+      const float* r0 = w + n * K;
       const float* r1 = r0 + K;
       const float* r2 = r1 + K;
       const float* r3 = r2 + K;
@@ -64,11 +61,11 @@ void matvec(const at::Tensor& w, const float* x, const at::Tensor& b, float* y) 
       for (int j = 0; j < 4; ++j) {
         const v8& a = *acc[j];
         const float sum = ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
-        y[n + j] = sum + (bp ? bp[n + j] : 0.0f);
+        y[n + j] = sum + b[n + j];
       }
     }
   }
-  for (; n < N; ++n) y[n] = dot(wp + n * K, x, K) + (bp ? bp[n] : 0.0f);
+  for (; n < N; ++n) y[n] = dot(w + n * K, x, K) + b[n];
 }
 
 void rms_norm(const float* h, const float* w, int64_t H, double eps, double offset, float* out) {
@@ -87,93 +84,97 @@ void softmax(float* s, int64_t n) {
   for (int64_t i = 0; i < n; ++i) s[i] /= total;
 }
 
-constexpr int64_t kPerLayer = 10;  // tensors per layer in `layers`
-
-void check_f32(const at::Tensor& t, const char* what) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(),
-              "leapfx_cpu::m2r2_gate: ", what, " must be a contiguous float32 CPU tensor, got ",
-              t.scalar_type(), " on ", t.device());
-}
-
-// hidden [1, 1, H] (the reset state, one row), position_ids (its position t, int64, last
-// element read), layers: per layer [w_qkv, b_qkv, w_o, b_o, down, up, ln_in, ln_post, keys,
-// values] (biases [0] when absent; keys/values the slow cache's [1, h_kv_all, L, D] buffers),
-// lengths: per layer the slow keys the row reads (n_l), kv_heads: the cache heads read,
-// q_to_kv: query head -> index into kv_heads, inv_freq [D/2] and rope_scale (the rotary),
-// router [final, q_w, q_b, k_w, k_b, v_w, v_b, out_w, out_b], head_w [V, H], head_b ([0]
-// when absent), eps/offset per norm (2 per layer, then the final norm's) -> (score [1, 1],
-// logits [1, 1, V]).
-std::tuple<at::Tensor, at::Tensor> m2r2_gate(
-    const at::Tensor& hidden, const at::Tensor& position_ids, at::TensorList layers,
-    at::IntArrayRef lengths, at::IntArrayRef kv_heads, at::IntArrayRef q_to_kv,
-    const at::Tensor& inv_freq, double rope_scale, double scaling, at::TensorList router,
-    const at::Tensor& head_w, const at::Tensor& head_b, at::ArrayRef<double> eps,
-    at::ArrayRef<double> offsets) {
-  const char* op = "leapfx_cpu::m2r2_gate";
-  check_f32(hidden, "hidden");
-  const int64_t H = hidden.size(-1);
-  TORCH_CHECK(hidden.numel() == H, op, ": one row only, got hidden ", hidden.sizes());
-  const int64_t L = static_cast<int64_t>(lengths.size());
-  TORCH_CHECK(L >= 1 && static_cast<int64_t>(layers.size()) == kPerLayer * L, op, ": ",
-              kPerLayer, " tensors per layer expected for ", L, " layers, got ", layers.size());
-  TORCH_CHECK(static_cast<int64_t>(eps.size()) == 2 * L + 1 && eps.size() == offsets.size(), op,
-              ": eps/offsets need 2 per layer + 1");
-  TORCH_CHECK(router.size() == 9, op, ": the router takes 9 tensors, got ", router.size());
-  const int64_t hq = static_cast<int64_t>(q_to_kv.size());
-  const int64_t hk = static_cast<int64_t>(kv_heads.size());
-  check_f32(inv_freq, "inv_freq");
-  const int64_t D = 2 * inv_freq.numel(), half = D / 2;
-  TORCH_CHECK(position_ids.numel() >= 1 && position_ids.scalar_type() == at::kLong, op,
-              ": position_ids must be int64");
-  const int64_t t = position_ids.reshape(-1)[-1].item<int64_t>();
-  for (int64_t j = 0; j < hq; ++j) {
-    TORCH_CHECK(q_to_kv[j] >= 0 && q_to_kv[j] < hk, op, ": q_to_kv out of range");
+// Sizes of the packed weights (pack_gate in cpu_m2r2.py), read from `dims`.
+struct Dims {
+  int64_t L, H, D, hq, hk, r, dl, V;
+  int64_t qkv() const { return (hq + 2 * hk) * D; }
+  int64_t layer() const {  // w_qkv, b_qkv, w_o, b_o, down, up, ln_in, ln_post
+    return qkv() * H + qkv() + H * hq * D + H + r * H + H * r + 2 * H;
   }
-  for (const at::Tensor& w : layers) check_f32(w, "a layer tensor");
-  for (const at::Tensor& w : router) check_f32(w, "a router tensor");
-  check_f32(head_w, "head_w");
-  check_f32(head_b, "head_b");
-  TORCH_CHECK(head_w.dim() == 2 && head_w.size(1) == H, op, ": head_w must be [V, H=", H, "]");
+  int64_t total() const {  // layers, router (final, q/k/v weights and biases, out), head, rope
+    return L * layer() + H + 3 * (dl * H + dl) + dl + 1 + V * H + V + D / 2;
+  }
+};
 
+// hidden [1, 1, H] (the reset state, one row) at position t (position_ids' last element),
+// weights (pack_gate), dims [L, H, D, h_q, h_kv, r, d_latent, V, kv_heads..., q_to_kv...],
+// params [rope_scale, scaling, eps (2 per layer + the final norm's), offsets (same)], cache
+// (per layer the slow cache's keys and values [B, h_kv_all, max_len, D]), lengths (per layer
+// the slow keys the row reads) -> (score [1, 1], logits [1, 1, V]).
+std::tuple<at::Tensor, at::Tensor> m2r2_gate(const at::Tensor& hidden,
+                                             const at::Tensor& position_ids,
+                                             const at::Tensor& weights, at::IntArrayRef dims,
+                                             at::ArrayRef<double> params, at::TensorList cache,
+                                             at::IntArrayRef lengths) {
+  const char* op = "leapfx_cpu::m2r2_gate";
+  TORCH_CHECK(dims.size() >= 8, op, ": dims must start [L, H, D, h_q, h_kv, r, d, V]");
+  const Dims z{dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], dims[7]};
+  const int64_t L = z.L, H = z.H, D = z.D, hq = z.hq, hk = z.hk, half = D / 2;
+  TORCH_CHECK(L >= 1 && D % 2 == 0 && static_cast<int64_t>(dims.size()) == 8 + hk + hq, op,
+              ": dims must hold h_kv cache heads and h_q query-head groups");
+  const int64_t* kv_heads = dims.data() + 8;
+  const int64_t* q_to_kv = kv_heads + hk;
+  for (const at::Tensor* t : {&hidden, &weights}) {
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->is_contiguous(),
+                op, ": float32 contiguous CPU tensors only, got ", t->scalar_type());
+  }
+  TORCH_CHECK(hidden.numel() == H, op, ": one row of H=", H, " only, got ", hidden.sizes());
+  TORCH_CHECK(weights.numel() == z.total(), op, ": weights hold ", weights.numel(),
+              " floats, dims say ", z.total());
+  TORCH_CHECK(static_cast<int64_t>(params.size()) == 2 + 2 * (2 * L + 1), op,
+              ": params must be [rope_scale, scaling, eps (2L + 1), offsets (2L + 1)]");
+  TORCH_CHECK(static_cast<int64_t>(cache.size()) == 2 * L && static_cast<int64_t>(
+                  lengths.size()) == L, op, ": keys and values and a length per layer");
+  TORCH_CHECK(position_ids.is_contiguous() && position_ids.scalar_type() == at::kLong &&
+                  position_ids.numel() >= 1, op, ": position_ids must be int64");
+  const int64_t t = position_ids.data_ptr<int64_t>()[position_ids.numel() - 1];
+  const double* eps = params.data() + 2;
+  const double* offsets = eps + 2 * L + 1;
+  const float scale = static_cast<float>(params[1]);
+
+  const float* wp = weights.data_ptr<float>();
+  const float* router = wp + L * z.layer();
+  const float* head = router + H + 3 * (z.dl * H + z.dl) + z.dl + 1;
+  const float* inv = head + z.V * H + z.V;
   // cos/sin of position t: HF's default rotary (cat(freqs, freqs), times the scale)
   std::vector<float> cos(D), sin(D);
-  const float* inv = inv_freq.data_ptr<float>();
   for (int64_t i = 0; i < half; ++i) {
     const float f = static_cast<float>(t) * inv[i];
-    cos[i] = cos[i + half] = std::cos(f) * static_cast<float>(rope_scale);
-    sin[i] = sin[i + half] = std::sin(f) * static_cast<float>(rope_scale);
+    cos[i] = cos[i + half] = std::cos(f) * static_cast<float>(params[0]);
+    sin[i] = sin[i + half] = std::sin(f) * static_cast<float>(params[0]);
   }
   // states: the reset, then every layer's output
   std::vector<float> states((L + 1) * H);
   std::copy(hidden.data_ptr<float>(), hidden.data_ptr<float>() + H, states.begin());
-  std::vector<float> x(H), qkv((hq + 2 * hk) * D), o(hq * D), y(H), scores;
-  const float scale = static_cast<float>(scaling);
+  std::vector<float> x(H), qkv(z.qkv()), o(hq * D), y(H), a(z.r), scores;
   for (int64_t l = 0; l < L; ++l) {
-    const at::Tensor* w = layers.data() + kPerLayer * l;
-    const at::Tensor &w_qkv = w[0], &b_qkv = w[1], &w_o = w[2], &b_o = w[3], &down = w[4],
-                     &up = w[5], &ln_in = w[6], &ln_post = w[7], &keys = w[8], &values = w[9];
-    TORCH_CHECK(w_qkv.dim() == 2 && w_qkv.size(0) == (hq + 2 * hk) * D && w_qkv.size(1) == H,
-                op, ": layer ", l, ": w_qkv must be [(h_q + 2 h_kv) D, H]");
-    TORCH_CHECK(w_o.dim() == 2 && w_o.size(0) == H && w_o.size(1) == hq * D, op, ": layer ",
-                l, ": w_o must be [H, h_q D]");
-    TORCH_CHECK(down.dim() == 2 && down.size(1) == H && up.dim() == 2 && up.size(0) == H &&
-                    up.size(1) == down.size(0),
-                op, ": layer ", l, ": adapter must be down [r, H], up [H, r]");
-    TORCH_CHECK(keys.dim() == 4 && keys.size(3) == D && keys.sizes() == values.sizes(), op,
-                ": layer ", l, ": keys/values must be [B, h_kv, L, D=", D, "]");
+    const float* w_qkv = wp + l * z.layer();
+    const float* b_qkv = w_qkv + z.qkv() * H;
+    const float* w_o = b_qkv + z.qkv();
+    const float* b_o = w_o + H * hq * D;
+    const float* down = b_o + H;
+    const float* up = down + z.r * H;
+    const float* ln_in = up + H * z.r;
+    const float* ln_post = ln_in + H;
+    const at::Tensor &keys = cache[2 * l], &values = cache[2 * l + 1];
+    TORCH_CHECK(keys.dim() == 4 && keys.size(3) == D && keys.sizes() == values.sizes() &&
+                    keys.stride(3) == 1 && keys.strides() == values.strides() &&
+                    keys.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat &&
+                    keys.device().is_cpu() && values.device().is_cpu(),
+                op, ": layer ", l, ": keys/values must be float32 [B, h_kv, L, D=", D, "]");
     const int64_t n = lengths[l];
     TORCH_CHECK(n >= 0 && n <= keys.size(2), op, ": layer ", l, ": length ", n,
                 " outside the cache");
     const float* p = states.data() + l * H;
     float* pn = states.data() + (l + 1) * H;
-    rms_norm(p, ln_in.data_ptr<float>(), H, eps[2 * l], offsets[2 * l], x.data());
-    matvec(w_qkv, x.data(), b_qkv, qkv.data());
+    rms_norm(p, ln_in, H, eps[2 * l], offsets[2 * l], x.data());
+    matvec(w_qkv, z.qkv(), H, x.data(), b_qkv, qkv.data());
     for (int64_t h = 0; h < hq + hk; ++h) {  // rotary on the q and k heads
       float* r = qkv.data() + h * D;
       for (int64_t i = 0; i < half; ++i) {
-        const float a = r[i], b = r[i + half];
-        r[i] = a * cos[i] - b * sin[i];
-        r[i + half] = b * cos[i + half] + a * sin[i + half];
+        const float u = r[i], v = r[i + half];
+        r[i] = u * cos[i] - v * sin[i];
+        r[i + half] = v * cos[i + half] + u * sin[i + half];
       }
     }
     const float* kbase = keys.data_ptr<float>();
@@ -182,6 +183,7 @@ std::tuple<at::Tensor, at::Tensor> m2r2_gate(
     scores.resize(n + 1);
     for (int64_t h = 0; h < hq; ++h) {
       const int64_t g = q_to_kv[h];
+      TORCH_CHECK(g >= 0 && g < hk, op, ": q_to_kv out of range");
       const int64_t c = kv_heads[g];
       TORCH_CHECK(c >= 0 && c < keys.size(1), op, ": kv head ", c, " outside the cache");
       const float* q = qkv.data() + h * D;
@@ -200,45 +202,51 @@ std::tuple<at::Tensor, at::Tensor> m2r2_gate(
         for (int64_t d = 0; d < D; ++d) oh[d] += ws * vs[d];
       }
     }
-    matvec(w_o, o.data(), b_o, y.data());
+    matvec(w_o, H, hq * D, o.data(), b_o, y.data());
     for (int64_t i = 0; i < H; ++i) pn[i] = p[i] + y[i];
-    rms_norm(pn, ln_post.data_ptr<float>(), H, eps[2 * l + 1], offsets[2 * l + 1], x.data());
-    const int64_t r = down.size(0);
-    std::vector<float> a(r);
-    matvec(down, x.data(), at::Tensor(), a.data());
-    for (int64_t i = 0; i < r; ++i) a[i] = a[i] / (1.0f + std::exp(-a[i]));
-    matvec(up, a.data(), at::Tensor(), y.data());
-    for (int64_t i = 0; i < H; ++i) pn[i] += y[i];
+    rms_norm(pn, ln_post, H, eps[2 * l + 1], offsets[2 * l + 1], x.data());
+    for (int64_t i = 0; i < z.r; ++i) {
+      const float v = dot(down + i * H, x.data(), H);
+      a[i] = v / (1.0f + std::exp(-v));  // SiLU
+    }
+    for (int64_t i = 0; i < H; ++i) pn[i] += dot(up + i * z.r, a.data(), z.r);
   }
-  // The router: the final norm of every state, one-head attention in the latent space.
-  const at::Tensor &fin = router[0], &q_w = router[1], &q_b = router[2], &k_w = router[3],
-                   &k_b = router[4], &v_w = router[5], &v_b = router[6], &out_w = router[7],
-                   &out_b = router[8];
-  const int64_t dl = q_w.size(0);
-  TORCH_CHECK(q_w.dim() == 2 && q_w.size(1) == H && k_w.sizes() == q_w.sizes() &&
-                  v_w.sizes() == q_w.sizes() && out_w.numel() == dl && out_b.numel() == 1,
-              op, ": router weights must be q/k/v [d, H], out [1, d]");
-  std::vector<float> normed((L + 1) * H), kl((L + 1) * dl), vl((L + 1) * dl), ql(dl), al(dl, 0);
-  std::vector<float> att(L + 1);
+  // The router: q from the last state's final norm, keys/values from every state's, one head
+  // in the latent space. Linear algebra instead of L + 1 key and value products: the score of
+  // state s is (W_k^T q) . x_s + q . b_k, and sum_s w_s (W_v x_s + b_v) = W_v (sum_s w_s x_s)
+  // + b_v (the weights sum to 1): three latent products a gate instead of 2 (L + 1) + 1.
+  const int64_t dl = z.dl;
+  const float* fin = router;
+  const float *q_w = fin + H, *q_b = q_w + dl * H, *k_w = q_b + dl, *k_b = k_w + dl * H;
+  const float *v_w = k_b + dl, *v_b = v_w + dl * H, *out_w = v_b + dl, *out_b = out_w + dl;
+  std::vector<float> normed((L + 1) * H), ql(dl), u(H, 0.0f), xbar(H, 0.0f), al(dl), att(L + 1);
   for (int64_t s = 0; s <= L; ++s) {
-    rms_norm(states.data() + s * H, fin.data_ptr<float>(), H, eps[2 * L], offsets[2 * L],
-             normed.data() + s * H);
-    matvec(k_w, normed.data() + s * H, k_b, kl.data() + s * dl);
-    matvec(v_w, normed.data() + s * H, v_b, vl.data() + s * dl);
+    rms_norm(states.data() + s * H, fin, H, eps[2 * L], offsets[2 * L], normed.data() + s * H);
   }
   const float* last = normed.data() + L * H;
-  matvec(q_w, last, q_b, ql.data());
+  matvec(q_w, dl, H, last, q_b, ql.data());
+  for (int64_t i = 0; i < dl; ++i) {  // u = W_k^T q
+    const float qi = ql[i];
+    const float* row = k_w + i * H;
+    for (int64_t j = 0; j < H; ++j) u[j] += qi * row[j];
+  }
+  const float qb = dot(ql.data(), k_b, dl);
   const float latent_scale = 1.0f / std::sqrt(static_cast<float>(dl));
-  for (int64_t s = 0; s <= L; ++s) att[s] = dot(ql.data(), kl.data() + s * dl, dl) * latent_scale;
+  for (int64_t s = 0; s <= L; ++s) {
+    att[s] = (dot(u.data(), normed.data() + s * H, H) + qb) * latent_scale;
+  }
   softmax(att.data(), L + 1);
   for (int64_t s = 0; s <= L; ++s) {
-    for (int64_t i = 0; i < dl; ++i) al[i] += att[s] * vl[s * dl + i];
+    const float ws = att[s];
+    const float* xs = normed.data() + s * H;
+    for (int64_t j = 0; j < H; ++j) xbar[j] += ws * xs[j];
   }
-  const float z = dot(out_w.data_ptr<float>(), al.data(), dl) + out_b.data_ptr<float>()[0];
+  matvec(v_w, dl, H, xbar.data(), v_b, al.data());
+  const float zs = dot(out_w, al.data(), dl) + out_b[0];
   at::Tensor score = at::empty({1, 1}, hidden.options());
-  score.data_ptr<float>()[0] = 1.0f / (1.0f + std::exp(-z));
-  at::Tensor logits = at::empty({1, 1, head_w.size(0)}, hidden.options());
-  matvec(head_w, last, head_b, logits.data_ptr<float>());
+  score.data_ptr<float>()[0] = 1.0f / (1.0f + std::exp(-zs));
+  at::Tensor logits = at::empty({1, 1, z.V}, hidden.options());
+  matvec(head, z.V, H, last, head + z.V * H, logits.data_ptr<float>());
   return {score, logits};
 }
 
@@ -246,10 +254,8 @@ std::tuple<at::Tensor, at::Tensor> m2r2_gate(
 
 TORCH_LIBRARY_FRAGMENT(leapfx_cpu, m) {
   m.def(
-      "m2r2_gate(Tensor hidden, Tensor position_ids, Tensor[] layers, int[] lengths, "
-      "int[] kv_heads, int[] q_to_kv, Tensor inv_freq, float rope_scale, float scaling, "
-      "Tensor[] router, Tensor head_w, Tensor head_b, float[] eps, float[] offsets) -> "
-      "(Tensor, Tensor)");
+      "m2r2_gate(Tensor hidden, Tensor position_ids, Tensor weights, int[] dims, "
+      "float[] params, Tensor[] cache, int[] lengths) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(leapfx_cpu, CPU, m) { m.impl("m2r2_gate", &m2r2_gate); }

@@ -112,8 +112,8 @@ def _rope_table(rotary: nn.Module, head_dim: int) -> tuple[torch.Tensor, float] 
     return (inv.detach().contiguous(), float(scale)) if ok else None
 
 
-def _f32(t: torch.Tensor | None) -> torch.Tensor:
-    return torch.empty(0) if t is None else t.detach().float().contiguous()
+def _bias(b: torch.Tensor | None, rows: int) -> torch.Tensor:
+    return torch.zeros(rows) if b is None else b
 
 
 class KernelGate(nn.Module):
@@ -123,51 +123,49 @@ class KernelGate(nn.Module):
     decision may flip only for a score within that of the threshold)."""
 
     def __init__(self, rotary, layers, router, norm, head, *, fallback: nn.Module) -> None:
+        from ..kernels.cpu_m2r2 import pack_gate
+
         super().__init__()
         self.fallback = fallback
         self.slots = [m.cache_slot for m in layers]
         first = layers[0]
-        self.kv_heads = list(first.kv_heads)
-        self.q_to_kv = [int(x) for x in first.q_to_kv]
-        self.scaling = float(first.scaling)
-        self.inv_freq, self.rope_scale = _rope_table(rotary, first.head_dim)
-        self.weights, eps, offsets = [], [], []
+        inv_freq, rope_scale = _rope_table(rotary, first.head_dim)
+        packed, eps, offsets = [], [], []
+        hidden = head.weight.shape[1]
         for m in layers:
             w_qkv, b_qkv, w_o, b_o = m._merged()
             ln_in = rms_params(m.host.input_layernorm)
             ln_post = rms_params(m.host.post_attention_layernorm)
-            self.weights.append([
-                _f32(w_qkv), _f32(b_qkv), _f32(w_o), _f32(b_o), _f32(m.down), _f32(m.up),
-                _f32(ln_in[0]), _f32(ln_post[0]),
-            ])  # fmt: skip
+            packed.append([w_qkv, _bias(b_qkv, w_qkv.shape[0]), w_o, _bias(b_o, hidden),
+                           m.down, m.up, ln_in[0], ln_post[0]])  # fmt: skip
             eps += [ln_in[1], ln_post[1]]
             offsets += [ln_in[2], ln_post[2]]
         final = rms_params(norm)
         eps.append(final[1])
         offsets.append(final[2])
-        self.eps, self.offsets = eps, offsets
-        out_b = router.out.bias if router.out.bias is not None else torch.zeros(1)
-        self.router = [_f32(final[0])] + [
-            _f32(t) for lin in (router.q, router.k, router.v) for t in (lin.weight, lin.bias)
-        ] + [_f32(router.out.weight), _f32(out_b)]  # fmt: skip
-        self.head_w, self.head_b = _f32(head.weight), _f32(head.bias)
+        latent = router.q.weight.shape[0]
+        parts = [final[0]]
+        for lin in (router.q, router.k, router.v, router.out):
+            parts += [lin.weight, _bias(lin.bias, lin.weight.shape[0])]
+        self.weights = pack_gate(packed, parts, (head.weight, head.bias), inv_freq)
+        self.dims = [len(layers), hidden, first.head_dim, len(first.q_heads),
+                     len(first.kv_heads), first.down.shape[0], latent, head.weight.shape[0],
+                     *first.kv_heads, *(int(x) for x in first.q_to_kv)]  # fmt: skip
+        self.params = [rope_scale, float(first.scaling), *eps, *offsets]
 
     def forward(self, hidden, position_ids, cache):
         keys = getattr(cache, "keys", None)
         if (
             hidden.dtype != torch.float32
             or hidden.numel() != hidden.shape[-1]
-            or torch.is_grad_enabled() and hidden.requires_grad
+            or (torch.is_grad_enabled() and hidden.requires_grad)
             or not isinstance(keys, list)
         ):
             return self.fallback(hidden=hidden, position_ids=position_ids, cache=cache)
-        tensors = []
-        for slot, w in zip(self.slots, self.weights, strict=True):
-            tensors += [*w, keys[slot], cache.values[slot]]
+        kv = [t for s in self.slots for t in (keys[s], cache.values[s])]
         lengths = [cache.lengths[s] - 1 for s in self.slots]  # slow keys < t (the row's own: t)
-        score, logits = torch.ops.leapfx_cpu.m2r2_gate(
-            hidden.contiguous(), position_ids, tensors, lengths, self.kv_heads, self.q_to_kv,
-            self.inv_freq, self.rope_scale, self.scaling, self.router, self.head_w,
-            self.head_b, self.eps, self.offsets,
+        score, logits = torch.ops.leapfx_cpu.m2r2_gate.default(
+            hidden.contiguous(), position_ids.contiguous(), self.weights, self.dims,
+            self.params, kv, lengths,
         )  # fmt: skip
         return {"logits": logits, "score": score}
