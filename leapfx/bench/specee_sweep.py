@@ -208,7 +208,7 @@ def sweep_threshold_table(points: list[CurvePoint]) -> str:
         "-" * 65,
     ]
     for p in points:
-        setting = f"E={int(p.setting)}" if p.system == "early_exit" else f"t={p.setting:g}"
+        setting = f"{_NAMES.get(p.system, 't')}={p.setting:g}"  # E=10, t=0.9, tau=0.8
         layers = f"{p.avg_layers:.2f}" if p.avg_layers is not None else "-"
         share = f"{p.predictor_share:.1%}" if p.predictor_share is not None else "-"
         lines.append(
@@ -218,6 +218,7 @@ def sweep_threshold_table(points: list[CurvePoint]) -> str:
     return "\n".join(lines)
 
 
+_NAMES = {"early_exit": "E", "m2r2_exit": "tau"}  # the setting's symbol (t: SpecEE's)
 _STYLES = {"specee": "^-", "specee_mask": "o-", "m2r2_exit": "D-", "early_exit": "s--"}
 
 
