@@ -123,7 +123,7 @@ def _bench(args: argparse.Namespace) -> int:
         confidence_threshold=threshold, backend=args.backend,
         cpu_kernels=kernels, onnx_threads=onnx_threads, specee_parts=_specee_parts(args),
         specee_threshold=args.specee_threshold, parts=_m2r2_parts(args),
-        exit_parts=_m2r2_parts(args, exits=True), **offload,
+        exit_parts=_m2r2_parts(args, exits=True), m2r2_exit_gates=_exit_gates(args), **offload,
     )  # fmt: skip
     config = dataclasses.replace(config, throughput_only=args.random_model is not None)
     rows = run_bench(model, prompts, config, progress=not quiet)
@@ -210,6 +210,19 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _exit_gates(args: argparse.Namespace) -> tuple[int, ...] | None:
+    """--exit-gates as a tuple of ints (the recipe checks them against the gates)."""
+    if args.exit_gates is None:
+        return None
+    try:
+        return tuple(int(x) for x in args.exit_gates.split(","))
+    except ValueError:
+        raise ValueError(
+            f"--exit-gates: {args.exit_gates!r} is invalid; allowed: gate layers, "
+            "comma-separated (e.g. 4 or 4,8)"
+        ) from None
+
+
 def _vs_early_exit(curve, systems: tuple[str, ...]) -> dict:
     """The sweep's verdict for the JSON: each early-exit point against each curve of
     ``systems`` at equal speed and at equal layers (``"system/key"``)."""
@@ -252,9 +265,16 @@ def _exit_curve(args, model, prompts, rows, config, num_layers: int) -> list:
                         False))  # fmt: skip
     points = exit_curve(
         model, prompts, greedy, thresholds=taus, exit_layers=exits,
-        parts=config.exit_parts or config.parts, max_new_tokens=args.max_new_tokens,
-        repeats=args.repeats, cpu_kernels=kernels,
+        parts=config.exit_parts or config.parts, exit_gates=config.m2r2_exit_gates,
+        max_new_tokens=args.max_new_tokens, repeats=args.repeats, cpu_kernels=kernels,
     )  # fmt: skip
+    parts = config.exit_parts or config.parts
+    gates = config.m2r2_exit_gates
+    if gates is None and parts is not None:
+        from .passes.accelerator_checkpoint import read_parts_config
+
+        gates = read_parts_config(parts).get("options", {}).get("exit_gates")
+    print(f"m2r2_exit's deciding gates: {'every gate' if gates is None else list(gates)}")
     print(sweep_threshold_table(points))
     print(comparison_summary(points, (SYSTEM,)))
     return points
@@ -767,6 +787,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--exit-parts", default=None,
         help="m2r2_exit parts dir, with routers (default: the reference's, else --parts)",
+    )  # fmt: skip
+    bench.add_argument(
+        "--exit-gates", default=None,
+        help="m2r2_exit: the gates whose ARLA router may exit a token, comma-separated, a "
+        "subset of the parts' gates (default: the parts' choice, else every gate)",
     )  # fmt: skip
     bench.add_argument(
         "--eagle-parts", default=None,

@@ -30,13 +30,15 @@ def exit_curve(
     thresholds: list[float],
     exit_layers: list[int],
     parts: str | None,
+    exit_gates: tuple[int, ...] | None = None,
     max_new_tokens: int,
     repeats: int = 1,
     cpu_kernels: bool = False,
 ) -> list[CurvePoint]:
     """Curve points of ``m2r2_exit`` per threshold and ``early_exit`` per exit layer."""
     apply = partial(rewrite.apply, model)
-    systems = [(SYSTEM, t, partial(apply, SYSTEM, threshold=t, parts=parts)) for t in thresholds]
+    exit_ = partial(apply, SYSTEM, parts=parts, exit_gates=exit_gates)
+    systems = [(SYSTEM, t, partial(exit_, threshold=t)) for t in thresholds]
     systems += [("early_exit", e, partial(apply, "early_exit", exit_layer=e)) for e in exit_layers]
     return measure_points(
         model, prompts, greedy_outputs, systems, max_new_tokens=max_new_tokens,
