@@ -20,23 +20,18 @@
 #include <torch/library.h>
 #include <torch/torch.h>
 
+#include "cpu_vec.h"
+
 #include <algorithm>
 #include <cmath>
 #include <vector>
 
 namespace {
 
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v8u __attribute__((vector_size(32), aligned(4)));  // unaligned loads
-
-float dot(const float* a, const float* b, int64_t n) {
-  v8 acc = {0, 0, 0, 0, 0, 0, 0, 0};
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) acc += *(const v8u*)(a + i) * *(const v8u*)(b + i);
-  float out = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-  for (; i < n; ++i) out += a[i] * b[i];
-  return out;
-}
+using leapfx_vec::dot;
+using leapfx_vec::rms_norm;
+using leapfx_vec::v8;
+using leapfx_vec::v8u;
 
 // y[N] = W [N, K] x [K] + b [N]. Four rows at a time: four independent accumulators hide the
 // latency of the multiply-adds (one row's chain of K/8 dependent updates would stall on each);
@@ -66,13 +61,6 @@ void matvec(const float* w, int64_t N, int64_t K, const float* x, const float* b
     }
   }
   for (; n < N; ++n) y[n] = dot(w + n * K, x, K) + b[n];
-}
-
-void rms_norm(const float* h, const float* w, int64_t H, double eps, double offset, float* out) {
-  const float sum = dot(h, h, H);
-  const float inv = 1.0f / std::sqrt(sum / static_cast<float>(H) + static_cast<float>(eps));
-  const float off = static_cast<float>(offset);
-  for (int64_t i = 0; i < H; ++i) out[i] = (off + w[i]) * (h[i] * inv);
 }
 
 // In place: softmax of s[0..n) (max subtracted).

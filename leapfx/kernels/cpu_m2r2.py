@@ -39,7 +39,7 @@ def available() -> bool:
     """True once ``leapfx_cpu::m2r2_gate`` is built and registered (built on the first call)."""
     if hasattr(torch.ops, "leapfx_cpu") and hasattr(torch.ops.leapfx_cpu, "m2r2_gate"):
         return True
-    if not cpu.load_extension("m2r2", SOURCE, "using the torch gate"):
+    if not cpu.load_extension("m2r2", SOURCE, "using the torch gate", (cpu.VEC_HEADER,)):
         return False
 
     @torch.library.register_fake("leapfx_cpu::m2r2_gate")
