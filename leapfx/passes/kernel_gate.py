@@ -160,6 +160,7 @@ class KernelGate(nn.Module):
             or hidden.numel() != hidden.shape[-1]
             or (torch.is_grad_enabled() and hidden.requires_grad)
             or not isinstance(keys, list)
+            or keys[self.slots[0]].shape[0] != 1  # one sequence: the op reads batch row 0
         ):
             return self.fallback(hidden=hidden, position_ids=position_ids, cache=cache)
         kv = [t for s in self.slots for t in (keys[s], cache.values[s])]
