@@ -118,3 +118,48 @@ def test_bad_inputs_are_refused_with_the_reason():
         op(h, pos, gate.weights, gate.dims, gate.params, cache, [2, 17])
     with pytest.raises(RuntimeError, match="float32"):
         op(h.double(), pos, gate.weights, gate.dims, gate.params, cache, [2, 2])
+
+
+def _draft_model(arch: str, **options):
+    model = tiny_model(arch, layers=4)
+    sm = rewrite.apply(model, "m2r2", fast_layers=2, **options)
+    _randomize(sm.graph_module, seed=6, scale=0.3)
+    return model, sm.use_cpu_kernels()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "phi3", "gemma"])
+def test_draft_op_computes_the_torch_draft(arch):
+    from leapfx.passes.accelerator import FastScratch
+    from leapfx.passes.kernel_gate import KernelDraft
+
+    model, sm = _draft_model(arch)
+    draft = sm._executors["draft"]
+    assert isinstance(draft, KernelDraft), "the op covers " + arch
+    calls = []
+
+    def checked(**inputs):
+        scratch = inputs["scratch"]
+        copy = FastScratch(kv={k: list(v) for k, v in scratch.kv.items()})
+        want = draft.fallback(**{**inputs, "scratch": copy})
+        got = draft(**inputs)
+        for key in ("logits", "hidden"):
+            torch.testing.assert_close(got[key], want[key], rtol=1e-4, atol=1e-5)
+        for slot in draft.slots:  # the draft's own fast keys/values, for the round's next drafts
+            for a, b in zip(scratch.kv[slot][-1], copy.kv[slot][-1], strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        calls.append(len(scratch))
+        return got
+
+    sm._executors = {**sm._executors, "draft": checked}
+    check_random_prompts(model, sm, (2, 9), 16, seed=7)  # lossless: verify decides
+    assert max(calls) >= 3  # later drafts of a round read the earlier drafts' keys
+
+
+def test_draft_op_is_left_out_where_it_does_not_apply():
+    from leapfx.passes.kernel_gate import KernelDraft
+
+    model, sm = _draft_model("llama", fast_keys=4)  # top-k keys: the torch path
+    assert not isinstance(sm._executors["draft"], KernelDraft)
+    check_random_prompts(model, sm, (12,), 8, seed=8)
+    _, sm = _draft_model("qwen3")  # q/k norms
+    assert not isinstance(sm._executors["draft"], KernelDraft)

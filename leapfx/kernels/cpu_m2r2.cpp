@@ -79,22 +79,26 @@ struct Dims {
   int64_t layer() const {  // w_qkv, b_qkv, w_o, b_o, down, up, ln_in, ln_post
     return qkv() * H + qkv() + H * hq * D + H + r * H + H * r + 2 * H;
   }
-  int64_t total() const {  // layers, router (final, q/k/v weights and biases, out), head, rope
-    return L * layer() + H + 3 * (dl * H + dl) + dl + 1 + V * H + V + D / 2;
+  int64_t router() const {  // q/k/v weights and biases, out weight and bias; none when dl = 0
+    return dl > 0 ? 3 * (dl * H + dl) + dl + 1 : 0;
+  }
+  int64_t total() const {  // layers, final norm, router, head (weight, bias), rope's inv_freq
+    return L * layer() + H + router() + V * H + V + D / 2;
   }
 };
 
-// hidden [1, 1, H] (the reset state, one row) at position t (position_ids' last element),
-// weights (pack_gate), dims [L, H, D, h_q, h_kv, r, d_latent, V, kv_heads..., q_to_kv...],
-// params [rope_scale, scaling, eps (2 per layer + the final norm's), offsets (same)], cache
-// (per layer the slow cache's keys and values [B, h_kv_all, max_len, D]), lengths (per layer
-// the slow keys the row reads) -> (score [1, 1], logits [1, 1, V]).
-std::tuple<at::Tensor, at::Tensor> m2r2_gate(const at::Tensor& hidden,
-                                             const at::Tensor& position_ids,
-                                             const at::Tensor& weights, at::IntArrayRef dims,
-                                             at::ArrayRef<double> params, at::TensorList cache,
-                                             at::IntArrayRef lengths) {
-  const char* op = "leapfx_cpu::m2r2_gate";
+// The fast stream of one row (the part both ops share). hidden [1, 1, H] (the reset state, or a
+// draft's embedding) at position t (position_ids' last element), weights (pack_gate), dims
+// [L, H, D, h_q, h_kv, r, d_latent, V, kv_heads..., q_to_kv...], params [rope_scale, scaling,
+// eps (2 per layer + the final norm's), offsets (same)], cache (per layer the slow cache's keys
+// and values [B, h_kv_all, max_len, D]), lengths (per layer the slow keys the row reads),
+// earlier: m fast keys/values of a drafting round's earlier drafts per layer ([L, 2, m, h_kv,
+// D], read after the slow keys), kv_out (when not null): the row's own keys/values [L, 2,
+// h_kv, D]. Fills states [(L + 1) H]: the reset, then every layer's output.
+Dims fast_stream(const char* op, const at::Tensor& hidden, const at::Tensor& position_ids,
+                 const at::Tensor& weights, at::IntArrayRef dims, at::ArrayRef<double> params,
+                 at::TensorList cache, at::IntArrayRef lengths, const float* earlier, int64_t m,
+                 float* kv_out, std::vector<float>& states) {
   TORCH_CHECK(dims.size() >= 8, op, ": dims must start [L, H, D, h_q, h_kv, r, d, V]");
   const Dims z{dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], dims[7]};
   const int64_t L = z.L, H = z.H, D = z.D, hq = z.hq, hk = z.hk, half = D / 2;
@@ -121,9 +125,7 @@ std::tuple<at::Tensor, at::Tensor> m2r2_gate(const at::Tensor& hidden,
   const float scale = static_cast<float>(params[1]);
 
   const float* wp = weights.data_ptr<float>();
-  const float* router = wp + L * z.layer();
-  const float* head = router + H + 3 * (z.dl * H + z.dl) + z.dl + 1;
-  const float* inv = head + z.V * H + z.V;
+  const float* inv = wp + z.total() - half;
   // cos/sin of position t: HF's default rotary (cat(freqs, freqs), times the scale)
   std::vector<float> cos(D), sin(D);
   for (int64_t i = 0; i < half; ++i) {
@@ -131,10 +133,10 @@ std::tuple<at::Tensor, at::Tensor> m2r2_gate(const at::Tensor& hidden,
     cos[i] = cos[i + half] = std::cos(f) * static_cast<float>(params[0]);
     sin[i] = sin[i + half] = std::sin(f) * static_cast<float>(params[0]);
   }
-  // states: the reset, then every layer's output
-  std::vector<float> states((L + 1) * H);
+  states.assign((L + 1) * H, 0.0f);
   std::copy(hidden.data_ptr<float>(), hidden.data_ptr<float>() + H, states.begin());
   std::vector<float> x(H), qkv(z.qkv()), o(hq * D), y(H), a(z.r), scores;
+  const int64_t step = hk * D;  // one key (or value) of every kept KV head
   for (int64_t l = 0; l < L; ++l) {
     const float* w_qkv = wp + l * z.layer();
     const float* b_qkv = w_qkv + z.qkv() * H;
@@ -165,10 +167,15 @@ std::tuple<at::Tensor, at::Tensor> m2r2_gate(const at::Tensor& hidden,
         r[i + half] = v * cos[i + half] + u * sin[i + half];
       }
     }
+    if (kv_out != nullptr) {  // the row's own keys and values (rotated keys, as the cache's)
+      std::copy(qkv.data() + hq * D, qkv.data() + (hq + 2 * hk) * D, kv_out + l * 2 * step);
+    }
     const float* kbase = keys.data_ptr<float>();
     const float* vbase = values.data_ptr<float>();
+    const float* ek = earlier == nullptr ? nullptr : earlier + l * 2 * m * step;
+    const float* ev = ek == nullptr ? nullptr : ek + m * step;
     const int64_t sh = keys.stride(1), ss = keys.stride(2);
-    scores.resize(n + 1);
+    scores.resize(n + m + 1);
     for (int64_t h = 0; h < hq; ++h) {
       const int64_t g = q_to_kv[h];
       TORCH_CHECK(g >= 0 && g < hk, op, ": q_to_kv out of range");
@@ -180,13 +187,19 @@ std::tuple<at::Tensor, at::Tensor> m2r2_gate(const at::Tensor& hidden,
       const float* kh = kbase + c * sh;
       const float* vh = vbase + c * sh;
       for (int64_t s = 0; s < n; ++s) scores[s] = dot(q, kh + s * ss, D) * scale;
-      scores[n] = dot(q, kown, D) * scale;
-      softmax(scores.data(), n + 1);
+      for (int64_t s = 0; s < m; ++s) scores[n + s] = dot(q, ek + s * step + g * D, D) * scale;
+      scores[n + m] = dot(q, kown, D) * scale;
+      softmax(scores.data(), n + m + 1);
       float* oh = o.data() + h * D;
-      for (int64_t d = 0; d < D; ++d) oh[d] = scores[n] * vown[d];
+      for (int64_t d = 0; d < D; ++d) oh[d] = scores[n + m] * vown[d];
       for (int64_t s = 0; s < n; ++s) {
         const float ws = scores[s];
         const float* vs = vh + s * ss;
+        for (int64_t d = 0; d < D; ++d) oh[d] += ws * vs[d];
+      }
+      for (int64_t s = 0; s < m; ++s) {
+        const float ws = scores[n + s];
+        const float* vs = ev + s * step + g * D;
         for (int64_t d = 0; d < D; ++d) oh[d] += ws * vs[d];
       }
     }
@@ -199,19 +212,49 @@ std::tuple<at::Tensor, at::Tensor> m2r2_gate(const at::Tensor& hidden,
     }
     for (int64_t i = 0; i < H; ++i) pn[i] += dot(up + i * z.r, a.data(), z.r);
   }
+  return z;
+}
+
+// The final norm of the last state into `last`, then the LM head: logits [1, 1, V].
+at::Tensor head_logits(const Dims& z, const at::Tensor& weights, at::ArrayRef<double> params,
+                       const float* state, float* last) {
+  const float* fin = weights.data_ptr<float>() + z.L * z.layer();
+  const double* eps = params.data() + 2;
+  const double* offsets = eps + 2 * z.L + 1;
+  rms_norm(state, fin, z.H, eps[2 * z.L], offsets[2 * z.L], last);
+  const float* head = fin + z.H + z.router();
+  at::Tensor logits = at::empty({1, 1, z.V}, weights.options());
+  matvec(head, z.V, z.H, last, head + z.V * z.H, logits.data_ptr<float>());
+  return logits;
+}
+
+// An exit gate: the fast stream from the reset state, the ARLA router over its states, the
+// head on the gate's state -> (score [1, 1], logits [1, 1, V]).
+std::tuple<at::Tensor, at::Tensor> m2r2_gate(const at::Tensor& hidden,
+                                             const at::Tensor& position_ids,
+                                             const at::Tensor& weights, at::IntArrayRef dims,
+                                             at::ArrayRef<double> params, at::TensorList cache,
+                                             at::IntArrayRef lengths) {
+  std::vector<float> states;
+  const Dims z = fast_stream("leapfx_cpu::m2r2_gate", hidden, position_ids, weights, dims,
+                             params, cache, lengths, nullptr, 0, nullptr, states);
+  TORCH_CHECK(z.dl > 0, "leapfx_cpu::m2r2_gate: the router's latent size must be > 0");
+  const int64_t L = z.L, H = z.H, dl = z.dl;
+  const double* eps = params.data() + 2;
+  const double* offsets = eps + 2 * L + 1;
   // The router: q from the last state's final norm, keys/values from every state's, one head
   // in the latent space. Linear algebra instead of L + 1 key and value products: the score of
   // state s is (W_k^T q) . x_s + q . b_k, and sum_s w_s (W_v x_s + b_v) = W_v (sum_s w_s x_s)
   // + b_v (the weights sum to 1): three latent products a gate instead of 2 (L + 1) + 1.
-  const int64_t dl = z.dl;
-  const float* fin = router;
+  const float* fin = weights.data_ptr<float>() + L * z.layer();
   const float *q_w = fin + H, *q_b = q_w + dl * H, *k_w = q_b + dl, *k_b = k_w + dl * H;
   const float *v_w = k_b + dl, *v_b = v_w + dl * H, *out_w = v_b + dl, *out_b = out_w + dl;
   std::vector<float> normed((L + 1) * H), ql(dl), u(H, 0.0f), xbar(H, 0.0f), al(dl), att(L + 1);
-  for (int64_t s = 0; s <= L; ++s) {
+  for (int64_t s = 0; s < L; ++s) {
     rms_norm(states.data() + s * H, fin, H, eps[2 * L], offsets[2 * L], normed.data() + s * H);
   }
-  const float* last = normed.data() + L * H;
+  float* last = normed.data() + L * H;
+  at::Tensor logits = head_logits(z, weights, params, states.data() + L * H, last);
   matvec(q_w, dl, H, last, q_b, ql.data());
   for (int64_t i = 0; i < dl; ++i) {  // u = W_k^T q
     const float qi = ql[i];
@@ -233,9 +276,34 @@ std::tuple<at::Tensor, at::Tensor> m2r2_gate(const at::Tensor& hidden,
   const float zs = dot(out_w, al.data(), dl) + out_b[0];
   at::Tensor score = at::empty({1, 1}, hidden.options());
   score.data_ptr<float>()[0] = 1.0f / (1.0f + std::exp(-zs));
-  at::Tensor logits = at::empty({1, 1, z.V}, hidden.options());
-  matvec(head, z.V, H, last, head + z.V * H, logits.data_ptr<float>());
   return {score, logits};
+}
+
+// A draft of M2R2's self-speculation: the fast stream from the token's embedding, reading the
+// slow keys < n and the round's earlier drafts' fast keys `earlier` [L, 2, m, h_kv, D], then
+// the head -> (logits [1, 1, V], hidden [1, 1, H] (the gate's state), kv [L, 2, h_kv, D]: this
+// draft's own keys and values, for the next drafts of the round).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> m2r2_draft(
+    const at::Tensor& hidden, const at::Tensor& position_ids, const at::Tensor& weights,
+    at::IntArrayRef dims, at::ArrayRef<double> params, at::TensorList cache,
+    at::IntArrayRef lengths, const at::Tensor& earlier) {
+  const char* op = "leapfx_cpu::m2r2_draft";
+  TORCH_CHECK(dims.size() >= 8, op, ": dims must start [L, H, D, h_q, h_kv, r, d, V]");
+  const int64_t L = dims[0], D = dims[2], hk = dims[4];
+  TORCH_CHECK(earlier.device().is_cpu() && earlier.scalar_type() == at::kFloat &&
+                  earlier.is_contiguous() && earlier.dim() == 5 && earlier.size(0) == L &&
+                  earlier.size(1) == 2 && earlier.size(3) == hk && earlier.size(4) == D,
+              op, ": earlier must be a contiguous float32 [L, 2, m, h_kv, D]");
+  at::Tensor kv = at::empty({L, 2, hk, D}, hidden.options());
+  std::vector<float> states;
+  const Dims z = fast_stream(op, hidden, position_ids, weights, dims, params, cache, lengths,
+                             earlier.data_ptr<float>(), earlier.size(2), kv.data_ptr<float>(),
+                             states);
+  at::Tensor out = at::empty({1, 1, z.H}, hidden.options());
+  std::copy(states.data() + L * z.H, states.data() + (L + 1) * z.H, out.data_ptr<float>());
+  std::vector<float> last(z.H);
+  at::Tensor logits = head_logits(z, weights, params, out.data_ptr<float>(), last.data());
+  return {logits, out, kv};
 }
 
 }  // namespace
@@ -244,6 +312,13 @@ TORCH_LIBRARY_FRAGMENT(leapfx_cpu, m) {
   m.def(
       "m2r2_gate(Tensor hidden, Tensor position_ids, Tensor weights, int[] dims, "
       "float[] params, Tensor[] cache, int[] lengths) -> (Tensor, Tensor)");
+  m.def(
+      "m2r2_draft(Tensor hidden, Tensor position_ids, Tensor weights, int[] dims, "
+      "float[] params, Tensor[] cache, int[] lengths, Tensor earlier) -> "
+      "(Tensor, Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(leapfx_cpu, CPU, m) { m.impl("m2r2_gate", &m2r2_gate); }
+TORCH_LIBRARY_IMPL(leapfx_cpu, CPU, m) {
+  m.impl("m2r2_gate", &m2r2_gate);
+  m.impl("m2r2_draft", &m2r2_draft);
+}

@@ -46,6 +46,11 @@ def available() -> bool:
     def _fake(hidden, position_ids, weights, dims, params, cache, lengths):
         return hidden.new_empty((1, 1)), hidden.new_empty((1, 1, dims[7]))
 
+    @torch.library.register_fake("leapfx_cpu::m2r2_draft")
+    def _fake_draft(hidden, position_ids, weights, dims, params, cache, lengths, earlier):
+        out = (hidden.new_empty((1, 1, dims[7])), hidden.new_empty((1, 1, dims[1])))
+        return (*out, hidden.new_empty((dims[0], 2, dims[4], dims[2])))
+
     return True
 
 

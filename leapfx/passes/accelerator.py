@@ -114,6 +114,9 @@ class FastScratch:
     # a ``fast_keys`` layer reads this round, chosen and gathered once at the round's first
     # draft (sec. 2.5's top-k keys; the slow cache does not change within a round)
     top: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # the same fast keys/values packed for ``leapfx_cpu::m2r2_draft`` ([L, 2, m, h_kv, D]; see
+    # ``passes.kernel_gate.KernelDraft``), None until the op drafts
+    packed: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return max((len(v) for v in self.kv.values()), default=0)

@@ -17,58 +17,81 @@ from __future__ import annotations
 import torch
 from torch import fx, nn
 
-from .accelerator import AcceleratedLayer, ARLARouter, rms_params
+from .accelerator import AcceleratedLayer, ARLARouter, FastScratch, rms_params
 from .capture import ROLE
 
 _DYNAMIC_ROPE = ("dynamic", "longrope")  # inv_freq changes with the sequence: not a table
 
 
-def kernel_gate(stage: fx.GraphModule, fallback: nn.Module) -> KernelGate | None:
-    """A KernelGate for the gate stage ``stage``, None when ``stage`` is not a gate stage or the
-    op does not cover it; ``fallback`` runs where the op cannot (gradients, a one-off dtype)."""
-    parts = _gate_parts(stage)
+def kernel_gate(stage: fx.GraphModule, fallback: nn.Module) -> KernelGate | KernelDraft | None:
+    """A KernelGate for an exit gate stage, a KernelDraft for M2R2's draft stage; None when
+    ``stage`` is neither or the op does not cover it. ``fallback`` runs where the op cannot
+    (gradients, a one-off dtype)."""
+    parts = _stage_parts(stage)
     if parts is None:
         return None
     from ..kernels import cpu_m2r2
 
     if not cpu_m2r2.available():
         return None
-    return KernelGate(*parts, fallback=fallback)
+    first, parts = parts
+    if first is None:
+        return KernelGate(*parts, fallback=fallback)
+    return KernelDraft(first, *parts, fallback=fallback)
 
 
-def _gate_parts(stage: fx.GraphModule):
-    """(rotary, fast layers, router, final norm, head) of a gate stage whose graph is exactly
-    ``exit_stages``' gate (a chain of fast layers from ``hidden``), else None."""
+def _stage_parts(stage: fx.GraphModule):
+    """``(None, (rotary, fast layers, router, final norm, head))`` for a stage that is exactly
+    ``exit_stages``' gate (a chain of fast layers from ``hidden``, the router over the chain,
+    the head on its end), ``(embedding, (rotary, layers, None, norm, head))`` for exactly
+    ``fast_stream_stages``' draft (the chain from the token's embedding); else None."""
     nodes = list(stage.graph.nodes)
     by_role: dict[str, list[fx.Node]] = {}
     for n in nodes:
         if n.op == "call_module":
             by_role.setdefault(n.meta.get(ROLE), []).append(n)
-    if set(by_role) != {"rotary", "accelerator", "gate_norm", "gate_head", "router"}:
+    draft = "embed" in by_role
+    single = ("rotary", "gate_norm", "gate_head", "embed" if draft else "router")
+    if set(by_role) != {"accelerator", *single}:
         return None
-    if any(len(by_role[r]) != 1 for r in ("rotary", "gate_norm", "gate_head", "router")):
+    if any(len(by_role[r]) != 1 for r in single):
         return None
-    hidden = next((n for n in nodes if n.op == "placeholder" and n.name == "hidden"), None)
+    placeholders = {n.name: n for n in nodes if n.op == "placeholder"}
+    start = by_role["embed"][0] if draft else placeholders.get("hidden")
+    if draft and by_role["embed"][0].args[0] is not placeholders.get("input_ids"):
+        return None
     fast = by_role["accelerator"]
-    chain = [hidden, *fast]
+    chain = [start, *fast]
     if any(f.args[0] is not prev for prev, f in zip(chain, fast, strict=False)):
         return None
-    (norm,), (head,), (router,) = by_role["gate_norm"], by_role["gate_head"], by_role["router"]
-    if norm.args[0] is not fast[-1] or head.args[0] is not norm or router.args[0] != chain:
+    scratch = placeholders.get("scratch")
+    if any(f.kwargs != ({"scratch": scratch} if draft else {}) for f in fast):
+        return None
+    (norm,), (head,) = by_role["gate_norm"], by_role["gate_head"]
+    if norm.args[0] is not fast[-1] or head.args[0] is not norm:
         return None
     outputs = next(n for n in nodes if n.op == "output").args[0]
-    if outputs != {"logits": head, "score": router}:
+    router = None if draft else by_role["router"][0]
+    if draft and outputs != {"logits": head, "hidden": fast[-1]}:
+        return None
+    if not draft and (router.args[0] != chain or outputs != {"logits": head, "score": router}):
         return None
     get = stage.get_submodule
     layers = [get(f.target) for f in fast]
-    parts = (get(by_role["rotary"][0].target), layers, get(router.target), get(norm.target),
+    parts = (get(by_role["rotary"][0].target), layers,
+             None if router is None else get(router.target), get(norm.target),
              get(head.target))  # fmt: skip
-    return parts if _covered(*parts) else None
+    if not _covered(*parts):
+        return None
+    return (get(by_role["embed"][0].target) if draft else None), parts
 
 
 def _covered(rotary, layers, router, norm, head) -> bool:
-    """Whether the op computes this gate exactly as the torch stage does."""
-    if not all(type(m) is AcceleratedLayer for m in layers) or type(router) is not ARLARouter:
+    """Whether the op computes this stage exactly as the torch stage does (``router`` None: a
+    draft stage)."""
+    if not all(type(m) is AcceleratedLayer for m in layers):
+        return False
+    if router is not None and type(router) is not ARLARouter:
         return False
     first = layers[0]
     same = ("q_heads", "kv_heads", "head_dim", "scaling")
@@ -83,7 +106,7 @@ def _covered(rotary, layers, router, norm, head) -> bool:
             return False
         if rms_params(host.post_attention_layernorm) is None:
             return False
-    linears = (router.q, router.k, router.v, router.out, head)
+    linears = (head,) if router is None else (router.q, router.k, router.v, router.out, head)
     if not all(type(x) is nn.Linear and x.weight.dtype == torch.float32 for x in linears):
         return False
     return rms_params(norm) is not None and _rope_table(rotary, first.head_dim) is not None
@@ -143,9 +166,9 @@ class KernelGate(nn.Module):
         final = rms_params(norm)
         eps.append(final[1])
         offsets.append(final[2])
-        latent = router.q.weight.shape[0]
+        latent = 0 if router is None else router.q.weight.shape[0]
         parts = [final[0]]
-        for lin in (router.q, router.k, router.v, router.out):
+        for lin in () if router is None else (router.q, router.k, router.v, router.out):
             parts += [lin.weight, _bias(lin.bias, lin.weight.shape[0])]
         self.weights = pack_gate(packed, parts, (head.weight, head.bias), inv_freq)
         self.dims = [len(layers), hidden, first.head_dim, len(first.q_heads),
@@ -170,3 +193,63 @@ class KernelGate(nn.Module):
             self.params, kv, lengths,
         )  # fmt: skip
         return {"logits": logits, "score": score}
+
+
+class KernelDraft(KernelGate):
+    """M2R2's draft stage ``{logits, hidden} = draft(input_ids, position_ids, cache, scratch)``
+    as the token's embedding plus one ``leapfx_cpu::m2r2_draft`` call.
+
+    The op reads the slow keys of the verified positions and the round's earlier drafts' fast
+    keys, and returns this draft's, which go into ``scratch`` both as the torch layers keep
+    them (``scratch.kv``, so that any later call may take the torch path) and packed for the
+    op (``scratch.packed``). Drafts only propose (the slow verify decides), so decoding stays
+    lossless; the op's numbers equal the torch stage's up to summation order."""
+
+    def __init__(self, embed, rotary, layers, router, norm, head, *, fallback) -> None:
+        super().__init__(rotary, layers, router, norm, head, fallback=fallback)
+        self.embed = embed
+        self.kv_shape = (len(layers), 2, 0, len(layers[0].kv_heads), layers[0].head_dim)
+
+    def forward(self, input_ids, position_ids, cache, scratch):
+        keys = getattr(cache, "keys", None)
+        if (
+            type(scratch) is not FastScratch
+            or input_ids.numel() != 1
+            or not isinstance(keys, list)
+            or keys[self.slots[0]].shape[0] != 1
+            or (torch.is_grad_enabled() and self.embed.weight.requires_grad)
+        ):
+            return self.fallback(
+                input_ids=input_ids, position_ids=position_ids, cache=cache, scratch=scratch
+            )
+        hidden = self.embed(input_ids)
+        if hidden.dtype != torch.float32:
+            return self.fallback(
+                input_ids=input_ids, position_ids=position_ids, cache=cache, scratch=scratch
+            )
+        earlier = scratch.packed
+        drafted = len(scratch.kv.get(self.slots[0], []))
+        if earlier is None or earlier.shape[2] != drafted:
+            earlier = self._packed(scratch, drafted)
+        kv = [t for s in self.slots for t in (keys[s], cache.values[s])]
+        lengths = [cache.lengths[s] for s in self.slots]  # every verified slow key
+        logits, out, new = torch.ops.leapfx_cpu.m2r2_draft.default(
+            hidden.contiguous(), position_ids.contiguous(), self.weights, self.dims,
+            self.params, kv, lengths, earlier,
+        )  # fmt: skip
+        scratch.packed = torch.cat([earlier, new[:, :, None]], dim=2)
+        for i, s in enumerate(self.slots):
+            scratch.kv.setdefault(s, []).append(
+                (new[i, 0][None, :, None], new[i, 1][None, :, None])
+            )
+        return {"logits": logits, "hidden": out}
+
+    def _packed(self, scratch: FastScratch, drafted: int) -> torch.Tensor:
+        """The round's earlier fast keys/values as the op reads them: [L, 2, m, h_kv, D]."""
+        if drafted == 0:
+            return torch.zeros(self.kv_shape)
+        per_layer = []
+        for s in self.slots:
+            ks, vs = zip(*scratch.kv[s], strict=True)  # each [1, h_kv, 1, D]
+            per_layer.append(torch.stack([torch.cat(ks, 2)[0], torch.cat(vs, 2)[0]]))
+        return torch.stack(per_layer).transpose(2, 3).contiguous()  # [L, 2, m, h_kv, D]
