@@ -6,7 +6,9 @@ accelerated layers, the ARLA router and the final norm + LM head. On the referen
 is ~0.5M multiply-adds spread over ~90 torch dispatches, ~0.5 ms on a 2-core CPU: as much as
 the four slow layers a token skips when it exits, which kept the exit from paying. The op does
 the same arithmetic in one call (``cpu_m2r2.cpp`` says what, step by step);
-``passes.kernel_gate.KernelGate`` puts it in the gate stages.
+``passes.kernel_gate.KernelGate`` puts it in the gate stages. ``m2r2``'s draft stage is the same
+fast stream from a token's embedding, reading the round's earlier drafts' keys too:
+``leapfx_cpu::m2r2_draft`` (``KernelDraft``).
 
 =============================  ==================================================================
 op                             signature
@@ -14,6 +16,11 @@ op                             signature
 ``leapfx_cpu::m2r2_gate``      ``(hidden [1, 1, H], position_ids, weights (pack_gate), dims,
                                params, cache [keys, values per layer], lengths [per layer])
                                -> (score [1, 1], logits [1, 1, V])``
+``leapfx_cpu::m2r2_draft``     ``(embedding [1, 1, H], position_ids, weights (pack_gate, no
+                               router), dims, params, cache, lengths, earlier [L, 2, m, h_kv,
+                               D]) -> (logits [1, 1, V], hidden [1, 1, H], kv [L, 2, h_kv,
+                               D])``: a draft of ``m2r2`` (sec. 2.3.2), reading the round's
+                               earlier drafts' fast keys after the slow ones, returning its own
 =============================  ==================================================================
 
 float32 only, one row. The numbers equal the torch gate's up to summation order (tests hold

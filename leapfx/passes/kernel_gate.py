@@ -1,4 +1,9 @@
-"""KernelGate: an ARLA exit gate stage of ``m2r2_exit`` as one ``leapfx_cpu::m2r2_gate`` call.
+"""KernelGate / KernelDraft: M2R2's fast-stream stages as one ``leapfx_cpu`` call each.
+
+``KernelGate``: an ARLA exit gate stage of ``m2r2_exit`` as one ``leapfx_cpu::m2r2_gate`` call;
+``KernelDraft``: ``m2r2``'s draft stage as the token's embedding and one
+``leapfx_cpu::m2r2_draft`` call (the same fast stream, reading the round's earlier drafts'
+fast keys, without the router).
 
 ``exit_stages`` cuts a gate stage ``gate_j`` out of the rewritten graph: the rotary, the
 interval's accelerated layers (one row, reading the slow cache), the final norm + LM head on the
