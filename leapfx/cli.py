@@ -125,7 +125,7 @@ def _bench(args: argparse.Namespace) -> int:
         onnx_verify_threads=_onnx_verify_threads(args.onnx_verify_threads),
         specee_parts=_specee_parts(args),
         specee_threshold=args.specee_threshold, parts=_m2r2_parts(args),
-        exit_parts=_m2r2_parts(args, exits=True), **offload,
+        exit_parts=_m2r2_parts(args, exits=True), m2r2_exit_gates=_exit_gates(args), **offload,
     )  # fmt: skip
     config = dataclasses.replace(config, throughput_only=args.random_model is not None)
     rows = run_bench(model, prompts, config, progress=not quiet)
@@ -189,16 +189,11 @@ def _bench(args: argparse.Namespace) -> int:
     if args.sweep_threshold and args.recipe == "specee":
         curve = _specee_curve(args, model, prompts, rows, config, num_layers, quiet)
         meta["specee_curve"] = [p.as_dict() for p in curve]
-        from .bench.specee_sweep import above_early_exit
-
-        meta["specee_vs_early_exit"] = {
-            f"{system}/{key}": [dataclasses.asdict(c) | {"above": c.above}
-                                for c in above_early_exit(curve, system, key)]
-            for system in ("specee", "specee_mask") for key in ("speedup", "avg_layers")
-        }  # fmt: skip
+        meta["specee_vs_early_exit"] = _vs_early_exit(curve, ("specee", "specee_mask"))
     elif args.sweep_threshold:  # m2r2: m2r2_exit's curve
-        points = _exit_curve(args, model, prompts, rows, config, num_layers)
-        meta["m2r2_exit_curve"] = [dataclasses.asdict(p) for p in points]
+        curve = _exit_curve(args, model, prompts, rows, config, num_layers)
+        meta["m2r2_exit_curve"] = [p.as_dict() for p in curve]
+        meta["m2r2_exit_vs_early_exit"] = _vs_early_exit(curve, ("m2r2_exit",))
     for r in rows:
         share = _predictor_share(r)
         if share is not None:
@@ -218,10 +213,36 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _exit_gates(args: argparse.Namespace) -> tuple[int, ...] | None:
+    """--exit-gates as a tuple of ints (the recipe checks them against the gates)."""
+    if args.exit_gates is None:
+        return None
+    try:
+        return tuple(int(x) for x in args.exit_gates.split(","))
+    except ValueError:
+        raise ValueError(
+            f"--exit-gates: {args.exit_gates!r} is invalid; allowed: gate layers, "
+            "comma-separated (e.g. 4 or 4,8)"
+        ) from None
+
+
+def _vs_early_exit(curve, systems: tuple[str, ...]) -> dict:
+    """The sweep's verdict for the JSON: each early-exit point against each curve of
+    ``systems`` at equal speed and at equal layers (``"system/key"``)."""
+    from .bench.specee_sweep import above_early_exit
+
+    return {
+        f"{system}/{key}": [dataclasses.asdict(c) | {"above": c.above}
+                            for c in above_early_exit(curve, system, key)]
+        for system in systems for key in ("speedup", "avg_layers")
+    }  # fmt: skip
+
+
 def _exit_curve(args, model, prompts, rows, config, num_layers: int) -> list:
     """--sweep-threshold with --recipe m2r2: m2r2_exit's agreement-vs-speed curve at each
     --sweep-thresholds beside fixed early exit at --sweep-exit-layers."""
-    from .bench.exit_curve import curve_table, exit_curve, write_curve_plot
+    from .bench.exit_curve import SYSTEM, exit_curve
+    from .bench.specee_sweep import comparison_summary, sweep_threshold_table
 
     try:
         taus = [float(x) for x in args.sweep_thresholds.split(",")]
@@ -247,12 +268,18 @@ def _exit_curve(args, model, prompts, rows, config, num_layers: int) -> list:
                         False))  # fmt: skip
     points = exit_curve(
         model, prompts, greedy, thresholds=taus, exit_layers=exits,
-        parts=config.exit_parts or config.parts, max_new_tokens=args.max_new_tokens,
-        cpu_kernels=kernels,
+        parts=config.exit_parts or config.parts, exit_gates=config.m2r2_exit_gates,
+        max_new_tokens=args.max_new_tokens, repeats=args.repeats, cpu_kernels=kernels,
     )  # fmt: skip
-    print(curve_table(points))
-    if args.plot:
-        write_curve_plot(args.plot, points)
+    parts = config.exit_parts or config.parts
+    gates = config.m2r2_exit_gates
+    if gates is None and parts is not None:
+        from .passes.accelerator_checkpoint import read_parts_config
+
+        gates = read_parts_config(parts).get("options", {}).get("exit_gates")
+    print(f"m2r2_exit's deciding gates: {'every gate' if gates is None else list(gates)}")
+    print(sweep_threshold_table(points))
+    print(comparison_summary(points, (SYSTEM,)))
     return points
 
 
@@ -786,6 +813,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--exit-parts", default=None,
         help="m2r2_exit parts dir, with routers (default: the reference's, else --parts)",
+    )  # fmt: skip
+    bench.add_argument(
+        "--exit-gates", default=None,
+        help="m2r2_exit: the gates whose ARLA router may exit a token, comma-separated, a "
+        "subset of the parts' gates (default: the parts' choice, else every gate)",
     )  # fmt: skip
     bench.add_argument(
         "--eagle-parts", default=None,

@@ -158,3 +158,26 @@ def test_bench_m2r2_rows_and_threshold_curve(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "tau=2" in out and "E=1" in out
     assert (tmp_path / "curve.png").stat().st_size > 1000
+
+
+def test_exit_gates_run_only_the_deciding_gates(monkeypatch):
+    model = tiny_model("llama", layers=4)
+    for bad in [(5,), (2, 1), (), (1, 1)]:
+        with pytest.raises(ValueError, match="exit_gates"):
+            rewrite.apply(model, "m2r2_exit", exit_gates=bad)
+    sm = rewrite.apply(model, "m2r2_exit", threshold=0.5, exit_gates=(2,))
+    assert sm.options.gates == (1, 2, 3) and sm.options.exit_gates == (2,)
+    _randomize(sm.graph_module, scale=0.5)
+    called = []
+    real = StageRunner.rows
+
+    def rows(self, name, *args, **kw):
+        called.append(name)
+        return real(self, name, *args, **kw)
+
+    monkeypatch.setattr(StageRunner, "rows", rows)
+    sm.generate(torch.arange(1, 7)[None], max_new_tokens=12)
+    gates = {n for n in called if n.startswith("gate_")}
+    assert gates == {"gate_2"}  # gate_j ends at E_j: only E = 2 decides
+    exits = sm.last_metrics.draft_calls
+    assert 0 < exits and sm.last_metrics.avg_layers < 4  # it exited, at layer 2

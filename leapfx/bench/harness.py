@@ -77,6 +77,7 @@ class BenchConfig:
     parts: str | None = None
     m2r2_speculations: int | None = None
     m2r2_threshold: float | None = None  # leapfx_m2r2_exit's tau (None: the recipe's 0.8)
+    m2r2_exit_gates: tuple[int, ...] | None = None  # its deciding gates (None: the parts')
     exit_parts: str | None = None  # leapfx_m2r2_exit's parts (None: ``parts`` if they serve it)
     # eagle runs: the EAGLE head's parts (None: untrained, copied from the last layer). The
     # leapfx_eagle row drafts with the parts' options (d, threshold) unless
@@ -369,6 +370,8 @@ def build_systems(model: nn.Module, config: BenchConfig, generator_seed: int = 0
             kw = {"parts": config.exit_parts or config.parts}
             if config.m2r2_threshold is not None:
                 kw["threshold"] = config.m2r2_threshold
+            if config.m2r2_exit_gates is not None:
+                kw["exit_gates"] = config.m2r2_exit_gates
             if _has_routers(kw["parts"]):
                 exits = rewrite.apply(model, "m2r2_exit", **kw)
                 systems.append(ours("leapfx_m2r2_exit", exits, lossless=False))

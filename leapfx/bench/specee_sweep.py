@@ -16,7 +16,9 @@ SpecEE runs with both KV policies: ``specee`` (``kv_fill="next"``, the default) 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -68,6 +70,37 @@ def threshold_sweep(
     cpu_kernels: bool = False,
 ) -> list[CurvePoint]:
     """Tokens/s, agreement and layers of specee at each threshold and early_exit at each E."""
+    options = dict(specee_options or {})
+    options.pop("threshold", None)
+    options.pop("kv_fill", None)
+    systems = [
+        (system, t, partial(rewrite.apply, model, "specee", threshold=t, kv_fill=fill, **options))
+        for system, fill in (("specee", "next"), ("specee_mask", "mask"))
+        for t in thresholds
+    ]
+    systems += [(_EARLY, e, partial(rewrite.apply, model, _EARLY, exit_layer=e)) for e in exits]
+    return measure_points(
+        model, prompts, greedy_outputs, systems, max_new_tokens=max_new_tokens,
+        repeats=repeats, cpu_kernels=cpu_kernels,
+    )  # fmt: skip
+
+
+_EARLY = "early_exit"
+
+
+def measure_points(
+    model,
+    prompts: list[torch.Tensor],
+    greedy_outputs: list[torch.Tensor],
+    systems: list[tuple[str, float, Callable]],
+    *,
+    max_new_tokens: int,
+    repeats: int = 1,
+    cpu_kernels: bool = False,
+) -> list[CurvePoint]:
+    """One CurvePoint per ``(system, setting, make)`` (``make()`` builds the model): its best
+    tokens/s of ``repeats`` passes over ``leapfx_autoregressive``'s timed right before it, its
+    teacher-forced agreement and layers per token."""
 
     def prepare(sm):
         sm = sm.use_cpu_kernels() if cpu_kernels else sm
@@ -76,18 +109,8 @@ def threshold_sweep(
 
     base = prepare(rewrite.apply(model, "autoregressive"))
     points = []
-    options = dict(specee_options or {})
-    options.pop("threshold", None)
-    options.pop("kv_fill", None)
-    settings = [("specee", t) for t in thresholds] + [("specee_mask", t) for t in thresholds]
-    settings += [("early_exit", e) for e in exits]
-    for system, setting in settings:
-        if system.startswith("specee"):
-            fill = "mask" if system == "specee_mask" else "next"
-            sm = rewrite.apply(model, "specee", threshold=setting, kv_fill=fill, **options)
-        else:
-            sm = rewrite.apply(model, "early_exit", exit_layer=setting)
-        sm = prepare(sm)
+    for system, setting, make in systems:
+        sm = prepare(make())
         # The baseline is timed right before each point: on a shared machine the load drifts
         # over a sweep, and a ratio of neighbouring measurements drifts least.
         base_tps, _ = _tokens_per_second(base, prompts, max_new_tokens, repeats)
@@ -154,10 +177,12 @@ def above_early_exit(
     return out
 
 
-def comparison_summary(points: list[CurvePoint]) -> str:
-    """One line per SpecEE curve and axis: where it sits against fixed early exit."""
+def comparison_summary(
+    points: list[CurvePoint], systems: tuple[str, ...] = ("specee", "specee_mask")
+) -> str:
+    """One line per curve of ``systems`` and axis: where it sits against fixed early exit."""
     lines = []
-    for system in ("specee", "specee_mask"):
+    for system in systems:
         for key, axis in (("speedup", "equal speed"), ("avg_layers", "equal layers")):
             found = [c for c in above_early_exit(points, system, key) if c.specee is not None]
             if not any(p.system == system for p in points):
@@ -183,7 +208,7 @@ def sweep_threshold_table(points: list[CurvePoint]) -> str:
         "-" * 65,
     ]
     for p in points:
-        setting = f"E={int(p.setting)}" if p.system == "early_exit" else f"t={p.setting:g}"
+        setting = f"{_NAMES.get(p.system, 't')}={p.setting:g}"  # E=10, t=0.9, tau=0.8
         layers = f"{p.avg_layers:.2f}" if p.avg_layers is not None else "-"
         share = f"{p.predictor_share:.1%}" if p.predictor_share is not None else "-"
         lines.append(
@@ -191,6 +216,10 @@ def sweep_threshold_table(points: list[CurvePoint]) -> str:
             f"{p.agreement:>9.1%} {layers:>6} {share:>9}"
         )
     return "\n".join(lines)
+
+
+_NAMES = {"early_exit": "E", "m2r2_exit": "tau"}  # the setting's symbol (t: SpecEE's)
+_STYLES = {"specee": "^-", "specee_mask": "o-", "m2r2_exit": "D-", "early_exit": "s--"}
 
 
 def write_curve_plot(path: str | Path, points: list[CurvePoint]) -> None:
@@ -207,7 +236,8 @@ def write_curve_plot(path: str | Path, points: list[CurvePoint]) -> None:
         (axes[0], "speedup", "speedup over leapfx_autoregressive (tokens/s ratio)"),
         (axes[1], "avg_layers", "decoder layers per token (teacher-forced)"),
     ):
-        for system, style in (("specee", "^-"), ("specee_mask", "o-"), ("early_exit", "s--")):
+        for system in dict.fromkeys(p.system for p in points):
+            style = _STYLES.get(system, "^-")
             pts = [p for p in points if p.system == system and getattr(p, key) is not None]
             pts.sort(key=lambda p: getattr(p, key))
             if not pts:

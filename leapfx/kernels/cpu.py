@@ -41,6 +41,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_gemm.cpp")
+VEC_HEADER = Path(__file__).with_name("cpu_vec.h")  # dot and RMSNorm of the one-call ops
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast")
 
 
@@ -66,17 +67,22 @@ def available() -> bool:
     return True
 
 
-def load_extension(stem: str, source: Path, fallback: str) -> bool:
+def load_extension(stem: str, source: Path, fallback: str, headers: tuple[Path, ...] = ()) -> bool:
     """Build (first use only) and load ``source`` as the extension ``leapfx_cpu_<stem>``.
 
     Each source is its own extension, so that a build of one does not invalidate the
-    other's. False (with one warning naming ``fallback``, what callers do instead) when it
-    cannot be built: no compiler, no ninja, a build error.
+    other's. ``headers``: the local headers ``source`` includes; torch rebuilds when a source
+    changes but does not look at headers, so their contents go into the extension's name.
+    False (with one warning naming ``fallback``, what callers do instead) when it cannot be
+    built: no compiler, no ninja, a build error.
     """
     try:
         from torch.utils import cpp_extension
 
         name = f"leapfx_cpu_{stem}_{_cpu_tag()}"
+        if headers:
+            digest = hashlib.sha256(b"".join(h.read_bytes() for h in headers)).hexdigest()
+            name += f"_{digest[:8]}"
         if not _built(name):  # the one slow step: say so (cached afterwards)
             print("leapfx: building the CPU kernels (first use only, ~1 min)...", file=sys.stderr)
         cpp_extension.load(

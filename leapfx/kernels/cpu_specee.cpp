@@ -14,6 +14,8 @@
 #include <torch/library.h>
 #include <torch/torch.h>
 
+#include "cpu_vec.h"
+
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -22,28 +24,8 @@ namespace {
 
 constexpr int64_t kMaxK = 64;  // speculative tokens at most (k = 4 in the paper)
 
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v8u __attribute__((vector_size(32), aligned(4)));  // unaligned loads
-
-// Eight running sums (one vector), then the tail: vectorised whatever the compiler's
-// floating-point flags (a single running sum may not be reordered).
-float dot(const float* a, const float* b, int64_t n) {
-  v8 acc = {0, 0, 0, 0, 0, 0, 0, 0};
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) acc += *(const v8u*)(a + i) * *(const v8u*)(b + i);
-  float out = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-  for (; i < n; ++i) out += a[i] * b[i];
-  return out;
-}
-
-// out = h * rsqrt(mean(h^2) + eps) * (offset + w): the float32 math of HF's RMSNorm (Llama
-// family: offset 0; Gemma: offset 1).
-void rms_norm(const float* h, const float* w, int64_t H, double eps, double offset, float* out) {
-  const float sum = dot(h, h, H);
-  const float inv = 1.0f / std::sqrt(sum / static_cast<float>(H) + static_cast<float>(eps));
-  const float off = static_cast<float>(offset);
-  for (int64_t i = 0; i < H; ++i) out[i] = (off + w[i]) * (h[i] * inv);
-}
+using leapfx_vec::dot;
+using leapfx_vec::rms_norm;
 
 // hidden [B, H] or [B, S, H] (the last position), head_w [V, H] contiguous, cands [k],
 // p_prev [B, k] or null, mlp packed (not read when with_mlp is false) -> prob [B] ([0] without

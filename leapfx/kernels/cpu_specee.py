@@ -44,7 +44,7 @@ def available() -> bool:
     """True once ``leapfx_cpu::exit_check`` is built and registered (built on the first call)."""
     if hasattr(torch.ops, "leapfx_cpu") and hasattr(torch.ops.leapfx_cpu, "exit_check"):
         return True
-    if not cpu.load_extension("specee", SOURCE, "using the torch exit check"):
+    if not cpu.load_extension("specee", SOURCE, "using the torch exit check", (cpu.VEC_HEADER,)):
         return False
 
     @torch.library.register_fake("leapfx_cpu::exit_check")

@@ -114,6 +114,9 @@ class FastScratch:
     # a ``fast_keys`` layer reads this round, chosen and gathered once at the round's first
     # draft (sec. 2.5's top-k keys; the slow cache does not change within a round)
     top: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # the same fast keys/values packed for ``leapfx_cpu::m2r2_draft`` ([L, 2, m, h_kv, D]; see
+    # ``passes.kernel_gate.KernelDraft``), None until the op drafts
+    packed: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return max((len(v) for v in self.kv.values()), default=0)
@@ -493,22 +496,35 @@ class KernelAcceleratedLayer(nn.Module):
         return mm(h, self.w_up, self._sizes[3])
 
 
-def _rms_norm(norm: nn.Module):
-    """``norm.forward``, or one ``F.rms_norm`` where that gives the same values on a probe
-    (Llama's ``weight * x / rms``; Gemma's ``(1 + weight)``), weights taken now."""
+def rms_params(norm: nn.Module) -> tuple[torch.Tensor, float, float] | None:
+    """``(weight, eps, offset)`` where ``norm.forward(x)`` equals ``F.rms_norm(x, (H,), weight +
+    offset, eps)`` on a probe (Llama's ``weight * x / rms``: offset 0; Gemma's ``(1 + weight)``:
+    offset 1), else None: what a fused op may compute instead of HF's seven ops."""
     weight = getattr(norm, "weight", None)
     eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
     if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or not isinstance(eps, float):
-        return norm.forward
+        return None
     shape = (weight.shape[0],)
     probe = torch.randn(3, shape[0], generator=torch.Generator().manual_seed(0))
     probe = probe.to(weight.device, weight.dtype)
     with torch.no_grad():
         want = norm.forward(probe)
-        for w in (weight.detach(), weight.detach() + 1):
+        for offset in (0.0, 1.0):
+            w = weight.detach() + offset if offset else weight.detach()
             if torch.allclose(F.rms_norm(probe, shape, w, eps), want, rtol=1e-5, atol=1e-6):
-                return partial(F.rms_norm, normalized_shape=shape, weight=w, eps=eps)
-    return norm.forward
+                return weight, eps, offset
+    return None
+
+
+def _rms_norm(norm: nn.Module):
+    """``norm.forward``, or one ``F.rms_norm`` where that gives the same values on a probe
+    (:func:`rms_params`), weights taken now."""
+    found = rms_params(norm)
+    if found is None:
+        return norm.forward
+    weight, eps, offset = found
+    w = weight.detach() + offset if offset else weight.detach()
+    return partial(F.rms_norm, normalized_shape=(weight.shape[0],), weight=w, eps=eps)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

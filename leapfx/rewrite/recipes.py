@@ -318,6 +318,10 @@ class M2R2ExitOptions:
 
     gates: tuple[int, ...] | None = None  # E_1..E_J; None: the parts', else N/4, N/2, 3N/4
     threshold: float = 0.8  # tau: exit when the gate's ARLA score >= tau (swept in Fig. 7)
+    # The gates whose router may exit a token, a subset of ``gates``; the others do not run
+    # (no fast stream, router or head): a gate whose exits are rare or often wrong costs more
+    # than it saves. None: the parts' choice, else every gate.
+    exit_gates: tuple[int, ...] | None = None
     heads: int | None = None
     rank: int | None = None
     parts: str | os.PathLike | None = None
@@ -343,6 +347,19 @@ class M2R2ExitOptions:
                 f"threshold: {self.threshold!r} is invalid; allowed: a number >= 0 (above 1: "
                 "never exit)"
             )
+        exit_gates = self.exit_gates
+        if exit_gates is None:
+            exit_gates = saved.get("exit_gates") or gates
+        if isinstance(exit_gates, list):
+            exit_gates = tuple(exit_gates)
+        if not (
+            isinstance(exit_gates, tuple) and exit_gates and set(exit_gates) <= set(gates)
+            and list(exit_gates) == sorted(set(exit_gates))
+        ):  # fmt: skip
+            raise ValueError(
+                f"exit_gates: {exit_gates!r} is invalid; allowed: None or a non-empty increasing "
+                f"subset of the gates {list(gates)}"
+            )
         heads = saved.get("heads") if self.heads is None else self.heads
         if heads is not None:
             _check_int("heads", heads, 1)
@@ -351,8 +368,9 @@ class M2R2ExitOptions:
         _check_cache(self.max_cache_len)
         _check_bool("fuse_layers", self.fuse_layers)
         return dataclasses.replace(
-            self, gates=gates, threshold=float(self.threshold), heads=heads, rank=rank, parts=path
-        )
+            self, gates=gates, threshold=float(self.threshold), exit_gates=exit_gates,
+            heads=heads, rank=rank, parts=path,
+        )  # fmt: skip
 
 
 def _m2r2_passes(o) -> list[GraphPass]:
@@ -573,7 +591,10 @@ RECIPES: dict[str, Recipe] = {
             passes=_m2r2_passes,
             cut=exit_stages,
             schedule=lambda o: partial(
-                m2r2.m2r2_exit, gates=tuple(o.gates), threshold=o.threshold
+                m2r2.m2r2_exit,
+                gates=tuple(o.gates),
+                threshold=o.threshold,
+                exit_gates=tuple(o.exit_gates),
             ),  # fmt: skip
             lookahead=lambda o: 1,
             lossless=False,

@@ -413,13 +413,16 @@ def kernel_stages(sm) -> dict[str, fx.GraphModule]:
     Raises ValueError when the model is not a float32 CPU model or the kernels did not build.
     """
     from ..kernels import cpu
+    from ..passes.kernel_gate import kernel_gate
 
     cpu.resolve(True, sm._layout.device, sm._layout.dtype)  # raises where they cannot run
     shared: dict = {}
-    return {
-        name: with_transposed_weights(stage, shared, kernels=True)
-        for name, stage in sm.stages.modules.items()
-    }
+    out = {}
+    for name, stage in sm.stages.modules.items():
+        converted = with_transposed_weights(stage, shared, kernels=True)
+        # M2R2's exit gates: the whole stage as one op where it covers the model
+        out[name] = kernel_gate(stage, converted) or converted
+    return out
 
 
 # The EAGLE stages: Inductor compiles them (their state inputs in the warm-up); the ONNX export

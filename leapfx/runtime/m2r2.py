@@ -92,9 +92,11 @@ def m2r2_exit(
     metrics: DecodeMetrics,
     gates: tuple[int, ...],
     threshold: float,
+    exit_gates: tuple[int, ...] | None = None,
 ) -> list[int]:
     """M2R2 dynamic early exit (sec. 2.3.1; lossy): exit at the first gate whose ARLA score is
-    >= ``threshold`` with the token of the gate's fast state; else reset and go on.
+    >= ``threshold`` with the token of the gate's fast state; else reset and go on. Only the
+    gates in ``exit_gates`` (None: all) run; the slow stream passes the others.
 
     Stages (``fast_partition.exit_stages``): ``slow_j`` (layers E_j..E_{j+1}-1), ``gate_j``
     (the fast stream of the interval ending at E_j, its head and its router), ``tail``.
@@ -123,12 +125,13 @@ def m2r2_exit(
     # (h^{E_k} [1, r, H] of positions start..start+r-1, start, k); k falls along the list.
     pending: list[tuple[torch.Tensor, int, int]] = []
     can_fire = threshold <= 1.0  # a score is a sigmoid: above 1 no gate fires, so none runs
+    deciding = set(gates if exit_gates is None else exit_gates)
     while not out.done:
         exited, gate_logits, start = None, None, pos
         o = runner.rows("slow_0", pos, 1, input_ids=token)  # no group waits below E_1
         h, reset = o["hidden"], o["reset"]  # [1, rows, H]; the current token's is the last
         for j in range(1, last + 1):  # gate j (the fast stream from h^{E_{j-1}}), segment j
-            if can_fire:
+            if can_fire and edges[j] in deciding:
                 g = runner.rows(f"gate_{j}", pos, 1, masks=False, hidden=reset)
                 if float(g["score"].reshape(-1)[0]) >= threshold:  # host sync: the decision
                     exited, gate_logits = j, g["logits"]

@@ -1,0 +1,78 @@
+"""M2R2's ARLA exit gate as one C++ custom op for CPU decoding: ``leapfx_cpu::m2r2_gate``.
+
+A gate of ``m2r2_exit`` (``passes.fast_partition.exit_stages``' ``gate_j``) runs for every
+decoded token at every gate it reaches: the fast stream of one row through the interval's
+accelerated layers, the ARLA router and the final norm + LM head. On the reference model that
+is ~0.5M multiply-adds spread over ~90 torch dispatches, ~0.5 ms on a 2-core CPU: as much as
+the four slow layers a token skips when it exits, which kept the exit from paying. The op does
+the same arithmetic in one call (``cpu_m2r2.cpp`` says what, step by step);
+``passes.kernel_gate.KernelGate`` puts it in the gate stages. ``m2r2``'s draft stage is the same
+fast stream from a token's embedding, reading the round's earlier drafts' keys too:
+``leapfx_cpu::m2r2_draft`` (``KernelDraft``).
+
+=============================  ==================================================================
+op                             signature
+=============================  ==================================================================
+``leapfx_cpu::m2r2_gate``      ``(hidden [1, 1, H], position_ids, weights (pack_gate), dims,
+                               params, cache [keys, values per layer], lengths [per layer])
+                               -> (score [1, 1], logits [1, 1, V])``
+``leapfx_cpu::m2r2_draft``     ``(embedding [1, 1, H], position_ids, weights (pack_gate, no
+                               router), dims, params, cache, lengths, earlier [L, 2, m, h_kv,
+                               D]) -> (logits [1, 1, V], hidden [1, 1, H], kv [L, 2, h_kv,
+                               D])``: a draft of ``m2r2`` (sec. 2.3.2), reading the round's
+                               earlier drafts' fast keys after the slow ones, returning its own
+=============================  ==================================================================
+
+float32 only, one row. The numbers equal the torch gate's up to summation order (tests hold
+them to 1e-5). Every weight travels in one packed tensor (:func:`pack_gate`): a list of ~45
+tensors costs the dispatcher ~5 us a call, a tenth of the op. Built like
+:mod:`leapfx.kernels.cpu`'s kernels (its own extension, first use).
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+
+from . import cpu
+
+SOURCE = Path(__file__).with_name("cpu_m2r2.cpp")
+
+
+@functools.cache
+def available() -> bool:
+    """True once ``leapfx_cpu::m2r2_gate`` is built and registered (built on the first call)."""
+    if hasattr(torch.ops, "leapfx_cpu") and hasattr(torch.ops.leapfx_cpu, "m2r2_gate"):
+        return True
+    if not cpu.load_extension("m2r2", SOURCE, "using the torch gate", (cpu.VEC_HEADER,)):
+        return False
+
+    @torch.library.register_fake("leapfx_cpu::m2r2_gate")
+    def _fake(hidden, position_ids, weights, dims, params, cache, lengths):
+        return hidden.new_empty((1, 1)), hidden.new_empty((1, 1, dims[7]))
+
+    @torch.library.register_fake("leapfx_cpu::m2r2_draft")
+    def _fake_draft(hidden, position_ids, weights, dims, params, cache, lengths, earlier):
+        out = (hidden.new_empty((1, 1, dims[7])), hidden.new_empty((1, 1, dims[1])))
+        return (*out, hidden.new_empty((dims[0], 2, dims[4], dims[2])))
+
+    return True
+
+
+def pack_gate(
+    layers: list[list], router: list, head: tuple, inv_freq: torch.Tensor
+) -> torch.Tensor:
+    """The op's weights as one float32 tensor: per layer ``[w_qkv, b_qkv, w_o, b_o, down, up,
+    ln_in, ln_post]``, then the router's ``[final norm, q_w, q_b, k_w, k_b, v_w, v_b, out_w,
+    out_b]``, the head's ``[weight, bias]`` and the rotary's ``inv_freq``; an absent bias as
+    zeros (adding 0 changes no value).
+
+    >>> pack_gate([], [torch.ones(2)], (torch.ones(3, 2), None), torch.ones(1)).shape
+    torch.Size([12])
+    """
+    w, b = head
+    parts = [*(t for layer in layers for t in layer), *router, w,
+             torch.zeros(w.shape[0]) if b is None else b, inv_freq]  # fmt: skip
+    return torch.cat([t.detach().reshape(-1).float() for t in parts]).contiguous()
