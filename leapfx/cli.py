@@ -666,9 +666,9 @@ def _train_m2r2(args: argparse.Namespace) -> int:
         args.out or shipped, model_path=args.model, recipe=args.recipe, init=args.init,
         heads=args.heads, rank=args.rank, fast_layers=args.fast_layers,
         num_speculations=args.num_speculations, confidence_threshold=args.confidence_threshold,
-        corpus_root=args.corpus_root, steps=args.steps, batch_size=args.batch_size,
-        seq_len=args.seq_len, lr=args.lr, ce_target=args.ce_target, seed=args.seed,
-        router_steps=args.router_steps, mse_weight=args.mse_weight,
+        exit_gates=_exit_gates(args), corpus_root=args.corpus_root, steps=args.steps,
+        batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr, ce_target=args.ce_target,
+        seed=args.seed, router_steps=args.router_steps, mse_weight=args.mse_weight,
         route_weight=args.route_weight, chain=args.chain, greedy_data=args.greedy_data,
     )  # fmt: skip
     print(json.dumps(report, indent=2, sort_keys=True))
@@ -989,6 +989,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--fast-layers", type=int, default=None,
         help="--recipe m2r2: the gate k (rate N/k; default 4); N/2 for the MoE offload's m2r2 "
         "prefetch policy",
+    )  # fmt: skip
+    m2r2.add_argument(
+        "--exit-gates", default=None,
+        help="--recipe m2r2_exit: the gates whose ARLA routers decide, e.g. 4 (recorded in the "
+        "parts; default: every gate)",
     )  # fmt: skip
     m2r2.add_argument("--seed", type=int, default=0)
     m2r2.add_argument("--threads", type=int, default=None)

@@ -181,3 +181,16 @@ def test_exit_gates_run_only_the_deciding_gates(monkeypatch):
     assert gates == {"gate_2"}  # gate_j ends at E_j: only E = 2 decides
     exits = sm.last_metrics.draft_calls
     assert 0 < exits and sm.last_metrics.avg_layers < 4  # it exited, at layer 2
+
+
+def test_exit_gates_are_recorded_in_the_parts(tmp_path):
+    """Parts saved with ``exit_gates`` decode with them (what ``train-m2r2 --exit-gates``
+    records); ``apply(..., exit_gates=)`` overrides, and parts without the entry decide at every
+    gate."""
+    model = tiny_model("llama", layers=4)
+    rewrite.apply(model, "m2r2_exit", exit_gates=(2,)).save_parts(tmp_path / "two")
+    rewrite.apply(model, "m2r2_exit").save_parts(tmp_path / "all")
+    assert rewrite.apply(model, "m2r2_exit", parts=tmp_path / "two").options.exit_gates == (2,)
+    again = rewrite.apply(model, "m2r2_exit", parts=tmp_path / "two", exit_gates=(1, 3))
+    assert again.options.exit_gates == (1, 3)
+    assert rewrite.apply(model, "m2r2_exit", parts=tmp_path / "all").options.exit_gates == (1, 2, 3)

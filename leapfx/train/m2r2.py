@@ -475,6 +475,7 @@ def train_parts(
     num_speculations: int | None = None,
     confidence_threshold: float | None = None,
     fast_layers: int | None = None,
+    exit_gates: tuple[int, ...] | None = None,
     held_out_tokens: int = 16384,
     corpus_root: str | None = None,
     greedy_data: int = 0,
@@ -487,7 +488,9 @@ def train_parts(
     ``load_compatible``). ``heads``, ``rank``, ``fast_layers`` (m2r2's gate; N/2 is the rate-2
     stream of the MoE offload's ``m2r2`` prefetch policy), and for ``m2r2``
     ``num_speculations`` and ``confidence_threshold`` (recorded in the parts, the drafting
-    setting they decode with unless ``apply`` is given another): the recipe's options.
+    setting they decode with unless ``apply`` is given another), for ``m2r2_exit``
+    ``exit_gates`` (the gates whose routers decide, recorded in the parts the same way): the
+    recipe's options.
     ``greedy_data`` > 0: train instead on that many windows of the training split (a quarter
     of ``seq_len``) each continued by the model's own greedy tokens (the rest): the contexts
     drafting meets. ``options``: :class:`M2R2FitConfig` fields. What ``leapfx train-m2r2``
@@ -522,6 +525,8 @@ def train_parts(
         shape["fast_layers"] = fast_layers
     drafting = {"num_speculations": num_speculations, "confidence_threshold": confidence_threshold}
     shape.update({k: v for k, v in drafting.items() if v is not None})
+    if exit_gates is not None:  # an m2r2_exit option only: the recipe refuses it elsewhere
+        shape["exit_gates"] = tuple(exit_gates)
     sm = rewrite.apply(model, recipe, **shape)
     initialised = [] if init is None else load_compatible(sm.graph_module, init)
     before = evaluate(sm, held)
