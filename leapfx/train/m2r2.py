@@ -46,7 +46,7 @@ from leapfx.passes.adapter_checkpoint import host_signature, write_adapter
 from leapfx.passes.capture import decoder_parts
 from leapfx.runtime.cache import StaticKVCache
 from leapfx.runtime.masks import masks_for
-from leapfx.train.fit_options import fit_config
+from leapfx.train.fit_options import fit_config, optimizer_step
 from leapfx.train.kangaroo import kangaroo_loss, sample_windows, token_stream
 
 CE_TARGETS = ("labels", "model")
@@ -391,11 +391,7 @@ def fit(sm, data: Any, *, tokenizer=None, **options: Any) -> FitResult:
         for _ in bar:
             batch = sample_windows(stream, config.batch_size, config.seq_len, generator)
             loss, ce, mse = m2r2_loss(sm, batch, config)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            if config.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
-            optimizer.step()
+            optimizer_step(optimizer, loss, params, config.grad_clip)
             lr.step()
             result.losses.append(float(loss.detach()))
             result.ce.append(float(ce.detach()))
