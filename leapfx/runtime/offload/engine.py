@@ -1,10 +1,11 @@
 """Transfer engines: run expert copies beside compute, behind one interface.
 
-``submit(job, demand=, after=)`` queues ``job()`` (copies into fast-tier slots, returning the
-bytes it moved) and returns a ticket; ``wait(ticket)`` makes compute wait for it and returns
-the host seconds that took (the stall); ``done(ticket)`` polls; ``record_free()`` marks the
-point in compute after which a slot's old contents are no longer read (``after=``, a list, of
-the next job that overwrites the slot). On-demand jobs go before queued prefetches.
+``submit(job, demand=, after=)`` queues ``job`` (a ``ReadJob``: copies into fast-tier slots;
+calling it runs them and returns the bytes moved) and returns a ticket; ``wait(ticket)`` makes
+compute wait for it and returns the host seconds that took (the stall); ``done(ticket)``
+polls; ``record_free()`` marks the point in compute after which a slot's old contents are no
+longer read (``after=``, a list, of the next job that overwrites the slot). On-demand jobs go
+before queued prefetches.
 
 - ``ThreadEngine`` (CPU): a worker thread is the copy engine for prefetches, a
   ``concurrent.futures.Future`` is the ticket. On-demand reads run on the caller's thread by
