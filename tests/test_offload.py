@@ -191,6 +191,9 @@ def test_offloaded_decoding_is_token_identical_to_resident(data):
         norm_topk_prob=data.draw(st.booleans(), label="norm_topk_prob"),
         dense_layers=(1,) if arch.startswith("qwen") and data.draw(st.booleans()) else (),
         seed=data.draw(st.integers(0, 999), label="seed"),
+        # 32: whole 4 KiB expert slices, which the disk tier's native engine reads (16: padded
+        # records, ThreadEngine)
+        intermediate=data.draw(st.sampled_from([16, 32]), label="intermediate"),
     )  # fmt: skip
     recipe = data.draw(st.sampled_from(sorted(RECIPES)), label="recipe")
     options = _offload(

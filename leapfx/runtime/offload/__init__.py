@@ -5,8 +5,9 @@ offloaded model (see ``runtime`` for the design, ``slots`` for the cache rules, 
 the transfer engines, ``store`` for the slow tiers).
 """
 
-from .engine import CudaEngine, ThreadEngine, TransferEngine
+from .engine import CudaEngine, NativeEngine, ReadJob, ThreadEngine, TransferEngine
 from .runtime import (
+    ENGINES,
     PREFETCH_POLICIES,
     ExpertOffload,
     NextGatePrefetch,
@@ -18,17 +19,20 @@ from .slots import POLICIES, Placement, SlotCache, SlotStats
 from .store import DiskStore, HostStore
 
 __all__ = [
+    "ENGINES",
     "POLICIES",
     "PREFETCH_POLICIES",
     "CudaEngine",
     "DiskStore",
     "ExpertOffload",
     "HostStore",
+    "NativeEngine",
     "NextGatePrefetch",
     "OffloadOptions",
     "OffloadReport",
     "OffloadedExperts",
     "Placement",
+    "ReadJob",
     "SlotCache",
     "SlotStats",
     "ThreadEngine",

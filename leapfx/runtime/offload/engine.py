@@ -1,10 +1,11 @@
 """Transfer engines: run expert copies beside compute, behind one interface.
 
-``submit(job, demand=, after=)`` queues ``job()`` (copies into fast-tier slots, returning the
-bytes it moved) and returns a ticket; ``wait(ticket)`` makes compute wait for it and returns
-the host seconds that took (the stall); ``done(ticket)`` polls; ``record_free()`` marks the
-point in compute after which a slot's old contents are no longer read (``after=``, a list, of
-the next job that overwrites the slot). On-demand jobs go before queued prefetches.
+``submit(job, demand=, after=)`` queues ``job`` (a ``ReadJob``: copies into fast-tier slots;
+calling it runs them and returns the bytes moved) and returns a ticket; ``wait(ticket)`` makes
+compute wait for it and returns the host seconds that took (the stall); ``done(ticket)``
+polls; ``record_free()`` marks the point in compute after which a slot's old contents are no
+longer read (``after=``, a list, of the next job that overwrites the slot). On-demand jobs go
+before queued prefetches.
 
 - ``ThreadEngine`` (CPU): a worker thread is the copy engine for prefetches, a
   ``concurrent.futures.Future`` is the ticket. On-demand reads run on the caller's thread by
@@ -14,6 +15,14 @@ the next job that overwrites the slot). On-demand jobs go before queued prefetch
   same). Compute runs on the caller's thread and is synchronous, so a slot is free once
   ``release`` returns: ``record_free`` has nothing to record. Disk reads and tensor copies
   release the GIL, so the worker's reads overlap the caller's matmuls.
+- ``NativeEngine`` (CPU, disk tier): the same two lanes on C++ threads
+  (``leapfx.kernels.cpu_reader``) that never take the GIL. A Python worker takes the GIL back
+  after every read and the computing thread's torch calls hand it over, a context switch each
+  (measured: every torch call of a decode step ~1.5x slower while a prefetch ran, so prefetch
+  cost more than it saved). Its jobs are data, not code: a ``ReadJob``'s reads as ``DiskStore``
+  describes them (fd, offset, slot addresses; ``direct_read``), one ``preadv`` each. The
+  ticket keeps the job's slot views alive until the job is taken; per-read start and end times
+  (CLOCK_MONOTONIC, ``time.perf_counter``'s clock on Linux) reach the trace when it is.
 - ``CudaEngine``: copies on side streams (a high-priority stream for demand, a low-priority one
   for prefetch), a ``torch.cuda.Event`` per job as the ticket (the slot's ready event), waited
   on by the compute stream without a host sync. ``record_free`` records an event on the compute
@@ -30,11 +39,58 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
+from ...kernels import cpu_reader
+
 Job = Callable[[], int]
+
+
+@dataclass
+class ReadJob:
+    """One transfer job: load ``reads`` (expert, gate_up slot view, down slot view) of ``layer``
+    from ``store``. Python engines call it; ``NativeEngine`` takes its reads as data.
+    ``trace``: where the reads' (lane, layer, expert, start s, end s) spans go, if anywhere."""
+
+    store: Any  # a DiskStore or HostStore
+    layer: int
+    reads: list[tuple[int, torch.Tensor, torch.Tensor]]
+    lane: str  # "demand" or "prefetch"
+    trace: list | None = None
+
+    def __call__(self) -> int:
+        moved = 0
+        for expert, gate_up, down in self.reads:
+            start = time.perf_counter()
+            moved += self.store.read_into(self.layer, expert, gate_up, down)
+            if self.trace is not None:
+                self.trace.append((self.lane, self.layer, expert, start, time.perf_counter()))
+        return moved
+
+    def spec(self) -> list[int] | None:
+        """The reads flattened for ``leapfx_cpu.Reader`` (``cpu_reader.cpp`` spells it out),
+        or None if one of them cannot go straight into its slot."""
+        out: list[int] = []
+        for expert, gate_up, down in self.reads:
+            read = self.store.direct_read(self.layer, expert, gate_up, down)
+            if read is None:
+                return None
+            out += [self.layer, expert, read.fd, read.offset, read.nbytes, len(read.buffers)]
+            for address, nbytes in read.buffers:
+                out += [address, nbytes]
+        return out
+
+    def record(self, times_ns: list[int]) -> None:
+        """Trace the reads that ran, from their [start, end, ...] monotonic nanoseconds."""
+        if self.trace is None:
+            return
+        # A failed job timed the reads up to the failing one: strict=False.
+        ran = zip(self.reads, times_ns[::2], times_ns[1::2], strict=False)
+        for (expert, _, _), start, end in ran:
+            self.trace.append((self.lane, self.layer, expert, start * 1e-9, end * 1e-9))
 
 
 class TransferEngine(Protocol):
@@ -156,6 +212,93 @@ class ThreadEngine:
 
     def __del__(self) -> None:
         self._stop()
+
+
+class _Ticket:
+    """A NativeEngine job: the reader's ticket, the job (its views keep the slots' memory
+    alive) until taken, then the outcome."""
+
+    __slots__ = ("error", "id", "inline_s", "job")
+
+    def __init__(self, ticket: int, job: ReadJob, inline_s: float = 0.0) -> None:
+        self.id, self.job, self.inline_s, self.error = ticket, job, inline_s, ""
+
+
+class NativeEngine:
+    """``leapfx_cpu.Reader``'s C++ workers as copy engines (``ThreadEngine``'s two lanes and
+    ``inline_demand``, without the GIL). Runs ``ReadJob``s whose every read goes straight into
+    its slot (``DiskStore.direct_read``); ``delay_s`` sleeps before every job on the worker."""
+
+    def __init__(self, *, delay_s: float = 0.0, inline_demand: bool = True) -> None:
+        if not cpu_reader.available():
+            raise RuntimeError("NativeEngine: the leapfx_cpu reader did not build (see above)")
+        self.inline_demand = inline_demand
+        self._reader = cpu_reader.reader(delay_s)
+        self._inflight: dict[int, _Ticket] = {}  # not taken yet: their views must stay alive
+
+    @property
+    def busy_seconds(self) -> float:
+        return self._reader.busy_seconds()
+
+    def submit(self, job: Job, *, demand: bool, after: list | None = None) -> _Ticket:
+        spec = job.spec() if isinstance(job, ReadJob) else None
+        if spec is None:
+            raise TypeError(
+                "NativeEngine runs ReadJobs whose reads go straight into their slots (a "
+                "DiskStore with aligned, unpadded slots); use ThreadEngine for other jobs"
+            )
+        if demand and self.inline_demand:
+            start = time.perf_counter()
+            ticket = _Ticket(self._reader.run(spec), job)
+            # Compute waited for this read as it ran: the first ``wait`` reports it as stall.
+            ticket.inline_s = time.perf_counter() - start
+        else:
+            ticket = _Ticket(self._reader.submit(demand, spec), job)
+        self._inflight[ticket.id] = ticket
+        return ticket
+
+    def _take(self, ticket: _Ticket) -> None:
+        moved, ticket.error, times = self._reader.take(ticket.id)
+        ticket.job.record(times)
+        ticket.job = None
+        del self._inflight[ticket.id]
+
+    def wait(self, ticket: _Ticket) -> float:
+        stalled, ticket.inline_s = ticket.inline_s, 0.0
+        if ticket.job is not None:
+            if not self._reader.done(ticket.id):
+                start = time.perf_counter()
+                self._reader.wait(ticket.id)  # the GIL is released while it blocks
+                stalled = time.perf_counter() - start
+            self._take(ticket)
+        if ticket.error:
+            raise OSError(f"offload: transfer failed: {ticket.error}")
+        return stalled
+
+    def done(self, ticket: _Ticket) -> bool:
+        return ticket.job is None or self._reader.done(ticket.id)
+
+    def record_free(self) -> None:
+        return None  # compute is synchronous on the caller's thread (as with ThreadEngine)
+
+    def close(self) -> None:
+        """Stop the workers after the jobs already queued."""
+        self._reader.close()
+        for ticket in list(self._inflight.values()):
+            self._take(ticket)
+
+    def __del__(self) -> None:
+        # Join the workers before the jobs' views (the slots' memory) can be freed.
+        reader = getattr(self, "_reader", None)
+        if reader is None:
+            return
+        try:
+            reader.close()
+        except ImportError:
+            # Interpreter shutdown: torch can no longer call methods. The Reader's destructor
+            # joins the workers instead; it runs first, as ``_reader`` was set before
+            # ``_inflight``, and an instance's attributes are released in that order.
+            pass
 
 
 class CudaEngine:

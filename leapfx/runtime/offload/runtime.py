@@ -30,6 +30,7 @@ next demand of that layer (precision, recall).
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -40,7 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .engine import CudaEngine, ThreadEngine, TransferEngine
+from ...kernels import cpu_reader
+from .engine import CudaEngine, NativeEngine, ReadJob, ThreadEngine, TransferEngine
 from .slots import POLICIES, Placement, SlotCache, SlotStats
 from .store import DiskStore, HostStore, aligned_pool
 
@@ -51,6 +53,10 @@ log = logging.getLogger(__name__)
 # upper layers' experts that the drafts' exit states route to (``predictors.UnionPrefetch``).
 PREFETCH_POLICIES = ("none", "next_gate", "m2r2", "verify_union")
 TIERS = ("auto", "disk", "host")
+# CPU transfer engines: "native" (C++ reader threads, no GIL; the disk tier with direct reads
+# into the slots), "thread" (Python worker threads, any slow tier); "auto": native where it
+# applies and builds, else thread. A model on CUDA always uses CudaEngine ("auto" only).
+ENGINES = ("auto", "native", "thread")
 
 
 @dataclass(frozen=True)
@@ -82,6 +88,7 @@ class OffloadOptions:
     # not wait for its load then reads NaN), and delay every transfer.
     poison: bool = False
     transfer_delay_s: float = 0.0
+    engine: str = "auto"  # the CPU transfer engine: "auto", "native" or "thread" (ENGINES)
 
     def validate(self) -> OffloadOptions:
         s = self.slots
@@ -96,6 +103,7 @@ class OffloadOptions:
             ("policy", self.policy, POLICIES),
             ("prefetch", self.prefetch, PREFETCH_POLICIES),
             ("tier", self.tier, TIERS),
+            ("engine", self.engine, ENGINES),
         ):
             if value not in allowed:
                 raise ValueError(
@@ -208,15 +216,6 @@ class ExpertOffload:
             self.store = DiskStore(pairs, options.path, direct_io=options.direct_io)
         else:
             self.store = HostStore(pairs, pin=self.device.type == "cuda")
-        self.engine: TransferEngine = (
-            CudaEngine(self.device, delay_s=options.transfer_delay_s)
-            if self.device.type == "cuda"
-            # A transfer delay tests the waits, which only the worker's tickets have: demands
-            # go through it too then.
-            else ThreadEngine(
-                delay_s=options.transfer_delay_s, inline_demand=not options.transfer_delay_s
-            )  # fmt: skip
-        )
         make = dict(dtype=self.dtype, device=self.device)
         fill = math.nan if options.poison else 0.0
         s = self.num_slots
@@ -230,6 +229,7 @@ class ExpertOffload:
                             for i in self.layers}  # fmt: skip
             self.down = {i: torch.full((s, *down.shape[1:]), fill, **make)
                          for i in self.layers}  # fmt: skip
+        self.engine: TransferEngine = self._engine(options)
         self.caches = {i: SlotCache(s, options.policy) for i in self.layers}
         self._pending: dict[tuple[int, int], object] = {}  # (layer, slot) -> ticket
         self._free: dict[tuple[int, int], object] = {}  # (layer, slot) -> free event (CUDA)
@@ -241,11 +241,50 @@ class ExpertOffload:
         # (transfers, timed on the copy engine's thread; CPU engine only).
         self.trace: list[tuple[str, int, int | None, float, float]] | None = None
         log.info(
-            "offload: %d MoE layers, %d of %d experts resident per layer (%s, %s tier%s), "
+            "offload: %d MoE layers, %d of %d experts resident per layer (%s, %s tier%s, %s), "
             "%.1f KiB per expert",
             len(self.layers), s, self.num_experts, options.policy, tier,
-            " O_DIRECT" if getattr(self.store, "direct", False) else "", self.expert_bytes / 1024,
+            " O_DIRECT" if getattr(self.store, "direct", False) else "",
+            type(self.engine).__name__, self.expert_bytes / 1024,
         )  # fmt: skip
+
+    def _engine(self, options: OffloadOptions) -> TransferEngine:
+        """The transfer engine ``options.engine`` asks for on this device and slow tier."""
+        if self.device.type == "cuda":
+            if options.engine != "auto":
+                raise ValueError(
+                    f"engine: {options.engine!r} is a CPU transfer engine and this model is on "
+                    f"{self.device}; allowed there: 'auto' (CUDA streams)"
+                )
+            return CudaEngine(self.device, delay_s=options.transfer_delay_s)
+        # A transfer delay tests the waits, which only the workers' tickets have: demands go
+        # through a worker too then.
+        kwargs = dict(delay_s=options.transfer_delay_s,
+                      inline_demand=not options.transfer_delay_s)  # fmt: skip
+        if options.engine == "thread":
+            return ThreadEngine(**kwargs)
+        refusal = self._native_refusal()
+        if refusal is None:
+            return NativeEngine(**kwargs)
+        if options.engine == "native":
+            raise ValueError(
+                f"engine: 'native' cannot run here: {refusal}; allowed: 'auto' (falls back to "
+                "'thread') or 'thread'"
+            )
+        _note_fallback(refusal)
+        return ThreadEngine(**kwargs)
+
+    def _native_refusal(self) -> str | None:
+        """Why the native reader cannot load this model's slots; None if it can."""
+        if self.store.kind != "disk":
+            return f"the slow tier is {self.store.kind!r}, and the native reader reads the disk"
+        first = self.layers[0]
+        refusal = self.store.direct_refusal(self.gate_up[first][0], self.down[first][0])
+        if refusal is not None:
+            return refusal
+        if not cpu_reader.available():
+            return "the leapfx_cpu reader extension did not build (see the warning above)"
+        return None
 
     # ---- transfers -------------------------------------------------------------------------
 
@@ -265,18 +304,8 @@ class ExpertOffload:
             if free is not None:
                 after.append(free)
             reads.append((p.expert, gate_up, down))
-        store, trace = self.store, self.trace
-        lane = "demand" if demand else "prefetch"
-
-        def job() -> int:
-            moved = 0
-            for expert, gate_up, down in reads:
-                start = time.perf_counter()
-                moved += store.read_into(layer, expert, gate_up, down)
-                if trace is not None:
-                    trace.append((lane, layer, expert, start, time.perf_counter()))
-            return moved
-
+        # Data, not a closure: the native engine hands the reads to C++ threads.
+        job = ReadJob(self.store, layer, reads, "demand" if demand else "prefetch", self.trace)
         for p in placements:
             self.caches[layer].begin_load(p.slot)
         ticket = self.engine.submit(job, demand=demand, after=after)
@@ -477,6 +506,12 @@ class ExpertOffload:
         self.synchronize()
         self.engine.close()
         self.store.close()
+
+
+@functools.cache
+def _note_fallback(reason: str) -> None:
+    """Log once per reason why ``engine='auto'`` fell back to ThreadEngine."""
+    log.info("offload: transfers on Python worker threads (ThreadEngine): %s", reason)
 
 
 class OffloadedExperts(nn.Module):

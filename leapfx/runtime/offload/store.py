@@ -17,6 +17,9 @@ An expert of a transformers-5 MoE layer is two contiguous slices, ``gate_up_proj
   tensors on a CPU (a fast store for tests: no copy is made).
 
 ``read_into`` runs on the transfer engine (a worker thread on a CPU, a copy stream on CUDA).
+``direct_read`` describes the same direct read as data (file descriptor, offset, destination
+addresses) for a reader that runs outside Python (``NativeEngine``); None where the read needs
+the bounce buffer or there is no file (``HostStore``).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import os
 import tempfile
 import threading
 import warnings
+from typing import NamedTuple
 
 import torch
 
@@ -59,6 +63,17 @@ def _aligned(t: torch.Tensor) -> bool:
     return t.is_contiguous() and t.data_ptr() % ALIGN == 0 and _nbytes(t) % ALIGN == 0
 
 
+class DirectRead(NamedTuple):
+    """One expert's record read straight into a slot: ``preadv(fd, buffers, offset)`` must
+    return ``nbytes``. ``buffers``: (address, bytes) of the slot's gate_up and down views,
+    valid while those tensors live."""
+
+    fd: int
+    offset: int
+    nbytes: int
+    buffers: tuple[tuple[int, int], ...]
+
+
 class HostStore:
     """Experts in host memory (pinned when ``pin``); ``read_into`` is one copy per slice."""
 
@@ -77,6 +92,9 @@ class HostStore:
         gate_up.copy_(src_gate_up[expert], non_blocking=self.pinned)
         down.copy_(src_down[expert], non_blocking=self.pinned)
         return _nbytes(gate_up) + _nbytes(down)
+
+    def direct_read(self, layer: int, expert: int, gate_up, down) -> DirectRead | None:
+        return None  # host memory: nothing to read from a file
 
     def close(self) -> None:
         self.layers = {}
@@ -155,26 +173,43 @@ class DiskStore:
             buf = self._local.buf = mmap.mmap(-1, self.record)  # page-aligned
         return buf
 
+    def direct_refusal(self, gate_up: torch.Tensor, down: torch.Tensor) -> str | None:
+        """Why a direct read cannot fill the slot views ``gate_up``, ``down``; None if it can."""
+        if not self._unpadded:
+            return (
+                f"the expert slices ({self._sizes[0]} and {self._sizes[1]} bytes) are not "
+                f"multiples of {ALIGN} bytes, so records are padded and read through a buffer"
+            )
+        if not all(t.device.type == "cpu" and t.dtype == self.dtype for t in (gate_up, down)):
+            return f"the slots are not CPU tensors of the file's dtype {self.dtype}"
+        if not (_aligned(gate_up) and _aligned(down)):
+            return f"the slots are not contiguous and {ALIGN}-byte aligned"
+        if (_nbytes(gate_up), _nbytes(down)) != self._sizes:
+            return "the slots' sizes differ from the file's expert slices"
+        return None
+
     def _targets(self, gate_up: torch.Tensor, down: torch.Tensor) -> list[memoryview] | None:
         """The slot's two views as ``preadv`` buffers, or None where a direct read cannot fill
         them (padded records, unaligned or non-CPU views, a dtype other than the file's)."""
         key = (gate_up.data_ptr(), down.data_ptr())
         views = self._iovecs.get(key)
         if views is None:
-            ok = (
-                self._unpadded
-                and all(t.device.type == "cpu" and t.dtype == self.dtype for t in (gate_up, down))
-                and _aligned(gate_up)
-                and _aligned(down)
-                and (_nbytes(gate_up), _nbytes(down)) == self._sizes
-            )
-            if not ok:
+            if self.direct_refusal(gate_up, down) is not None:
                 return None
             # Byte views of the tensors' memory (they stay valid while the pool lives: the
             # runtime's pools outlive the store's reads).
             views = [memoryview(t.view(torch.uint8).numpy()) for t in (gate_up, down)]
             self._iovecs[key] = views
         return views
+
+    def direct_read(
+        self, layer: int, expert: int, gate_up: torch.Tensor, down: torch.Tensor
+    ) -> DirectRead | None:
+        """``read_into``'s direct read as data, or None where it would use the bounce buffer."""
+        if self._targets(gate_up, down) is None:
+            return None
+        buffers = ((gate_up.data_ptr(), self._sizes[0]), (down.data_ptr(), self._sizes[1]))
+        return DirectRead(self._fd, self._offsets[(layer, expert)], self.record, buffers)
 
     def read_into(self, layer: int, expert: int, gate_up: torch.Tensor, down: torch.Tensor) -> int:
         offset = self._offsets[(layer, expert)]

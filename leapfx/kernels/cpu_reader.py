@@ -1,0 +1,60 @@
+"""The disk tier's reader as a C++ extension: expert reads on threads that never take the GIL.
+
+``torch.classes.leapfx_cpu.Reader(delay_ns)`` owns two ``std::thread`` workers (demand and
+prefetch, like ``ThreadEngine``'s) with a job queue each. A job is data, a list of reads, each
+``(layer, expert, fd, file offset, expected bytes, [(destination pointer, bytes), ...])``, and
+each read is one ``preadv`` straight into the slot's memory (``cpu_reader.cpp`` says how a job
+is spelled and what each method does). The offload runtime's ``NativeEngine`` drives it.
+
+Why: a Python worker thread doing the same reads made every torch call of the computing thread
+~1.5x slower while it prefetched (each torch op releases the GIL and hands it to the waiting
+worker, a context switch each time), so prefetching cost more than it saved.
+
+=================================  ==============================================================
+call                               what
+=================================  ==============================================================
+``reader.submit(demand, spec)``    queue a job, return its ticket (an int)
+``reader.run(spec)``               the job on the calling thread now; a done ticket
+``reader.done(ticket)``            a poll
+``reader.wait(ticket)``            block until done
+``reader.take(ticket)``            ``(bytes, error or "", [start, end] ns per read)``, once
+=================================  ==============================================================
+
+torch releases the GIL around a custom-class method called from Python, so ``wait`` and
+``run`` block only their own thread, and the workers never touch a Python object. Built like
+:mod:`leapfx.kernels.cpu`'s kernels (its own extension, first use).
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+
+from . import cpu
+
+SOURCE = Path(__file__).with_name("cpu_reader.cpp")
+
+
+@functools.cache
+def available() -> bool:
+    """True once ``torch.classes.leapfx_cpu.Reader`` is built and registered (built on the
+    first call); False, with one warning, where it cannot be built."""
+    try:
+        torch.classes.leapfx_cpu.Reader  # noqa: B018 (registered already: nothing to build)
+        return True
+    except (AttributeError, RuntimeError):
+        pass
+    return cpu.load_extension("reader", SOURCE, "the offload runtime reads on a Python thread")
+
+
+def reader(delay_s: float = 0.0):
+    """A new ``leapfx_cpu.Reader`` (``delay_s``: a sleep before every job, for tests).
+
+    >>> r = reader(); t = r.submit(False, []); r.wait(t)
+    >>> r.take(t)
+    (0, '', [])
+    """
+    assert available(), "cpu_reader.available() is False"
+    return torch.classes.leapfx_cpu.Reader(int(delay_s * 1e9))
