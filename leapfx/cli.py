@@ -301,7 +301,8 @@ def _offload_options(args: argparse.Namespace) -> dict:
         parts = str(MOE_REFERENCE_M2R2) if MOE_REFERENCE_M2R2.is_dir() else None
     if slots is not None and parts is None:
         print("--offload-parts: none given; leapfx_offload_m2r2 predicts with an untrained stream")
-    return {"offload_slots": slots, "offload_m2r2_parts": parts, "offload_dir": args.offload_dir}
+    return {"offload_slots": slots, "offload_m2r2_parts": parts, "offload_dir": args.offload_dir,
+            "offload_engine": args.offload_engine}  # fmt: skip
 
 
 def _offload_report(model, rows, config, prompts, exit_layer: int, plot: str | None) -> None:
@@ -311,8 +312,10 @@ def _offload_report(model, rows, config, prompts, exit_layer: int, plot: str | N
     from .rewrite import apply
 
     print(bench_table(rows))
+    engines = sorted({r.extra["offload"]["engine"] for r in rows if "offload" in r.extra})
     print(
-        f"offload rows: eager, disk tier, {config.offload_slots} expert slots per MoE layer; "
+        f"offload rows: eager, disk tier, {config.offload_slots} expert slots per MoE layer, "
+        f"transfer engine {', '.join(engines)} (--offload-engine {config.offload_engine}); "
         "vs none: tokens/s over leapfx_offload_none; identical: every prompt equal to "
         "leapfx_resident"
     )
@@ -321,6 +324,7 @@ def _offload_report(model, rows, config, prompts, exit_layer: int, plot: str | N
     specs = offload_systems(
         config.offload_slots, exit_layer=exit_layer, num_speculations=config.num_speculations,
         m2r2_parts=config.offload_m2r2_parts, path=config.offload_dir,
+        engine=config.offload_engine,
     )  # fmt: skip
     traces = {}
     for name in ("leapfx_offload_none", "leapfx_offload_next_gate", "leapfx_offload_m2r2"):
@@ -368,7 +372,9 @@ def _onnx_threads_line(rows, flag: str) -> None:
     if timing:
         per = ", ".join(f"{t}: {s * 1e3:.2f} ms/token" for t, s in sorted(timing.items()))
         how = f" (the faster on the autoregressive export: {per})"
-    print(f"onnxruntime intra-op threads (--onnx-threads {flag}): {row.extra['onnx_threads']}{how}")
+    n = row.extra["onnx_threads"]
+    spin = " (spinning within a call)" if n is not None and n > 1 else ""
+    print(f"onnxruntime intra-op threads (--onnx-threads {flag}): {n}{spin}{how}")
     for row in rows:  # a split verify's upper part timed apart (OnnxModel verify_threads)
         if "onnx_verify_threads" not in row.extra and "onnx_verify_threads_timing" not in row.extra:
             continue
@@ -850,8 +856,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     bench.add_argument(
         "--onnx-threads", default="auto", metavar="N|auto",
-        help="onnxruntime intra-op threads for the onnxruntime rows (auto: the faster of 1 and "
-        "the torch thread count, timed on the autoregressive export first)",
+        help="onnxruntime intra-op threads for the onnxruntime rows, spinning within a call when "
+        "more than one (auto: the faster of 1 and the torch thread count, timed on the "
+        "autoregressive export first)",
     )  # fmt: skip
     bench.add_argument(
         "--onnx-verify-threads", default="same", metavar="N|auto|same",
@@ -880,6 +887,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--offload-dir", default=None, help="folder for the disk tiers' files (default: temp)"
     )
+    bench.add_argument(
+        "--offload-engine", default="auto", choices=("auto", "native", "thread"),
+        help="CPU transfer engine of the offload rows: native (C++ reader threads, no GIL), "
+        "thread (a Python worker) or auto (native where the disk tier reads straight into the "
+        "slots and the reader builds)",
+    )  # fmt: skip
     bench.add_argument("--sweep", action="store_true", help="grid of exit layer x speculations")
     bench.add_argument("--sweep-exit-layers", default=None, help="e.g. 2,3,4,6")
     bench.add_argument("--sweep-speculations", default="1,2,3,4,6,8")

@@ -115,6 +115,7 @@ class BenchConfig:
     offload_slots: int | float | None = None
     offload_m2r2_parts: str | None = None  # leapfx_offload_m2r2's rate-2 fast stream
     offload_dir: str | None = None  # where the disk tiers' files go (None: temporary files)
+    offload_engine: str = "auto"  # OffloadOptions.engine: auto | native | thread
 
     def validate(self) -> BenchConfig:
         checks = [
@@ -397,6 +398,7 @@ def _offload_systems(model, config: BenchConfig, exit_layer: int, n: int, sampli
     specs = offload_systems(
         config.offload_slots, exit_layer=exit_layer, num_speculations=config.num_speculations,
         m2r2_parts=config.offload_m2r2_parts, path=config.offload_dir,
+        engine=config.offload_engine,
     )  # fmt: skip
     systems = []
     for name, (recipe, offload, options) in specs.items():
@@ -469,7 +471,6 @@ def _backend(config: BenchConfig, backend: str):
         return compile_
     import tempfile
 
-    from ..export import OnnxModel
     from ..export.ort_runtime import SplitVerify
 
     root = config.export_dir or tempfile.mkdtemp(prefix="leapfx-bench-onnx-")
@@ -484,7 +485,7 @@ def _backend(config: BenchConfig, backend: str):
                 chosen.update(threads=config.onnx_threads, timing=None)
             else:
                 chosen.update(zip(("threads", "timing"), fastest_onnx_threads(path), strict=True))
-        om = OnnxModel(path, threads=chosen["threads"])
+        om = _onnx_model(path, chosen["threads"])
         om.threads_timing = chosen["timing"]
         vt = config.onnx_verify_threads
         if vt is not None and isinstance(om.stages.get("verify"), SplitVerify):
@@ -492,7 +493,7 @@ def _backend(config: BenchConfig, backend: str):
             if vt == "auto":
                 vt, timing = fastest_verify_threads(path, chosen["threads"])
             if vt != om.verify_threads:
-                om = OnnxModel(path, threads=chosen["threads"], verify_threads=vt)
+                om = _onnx_model(path, chosen["threads"], verify_threads=vt)
                 om.threads_timing = chosen["timing"]
             om.verify_threads_timing = timing
         return om
@@ -507,11 +508,18 @@ def fastest_onnx_threads(
     export at ``path``, and each count's median seconds per token of its own schedule (a
     ``new_tokens`` greedy decode of a fixed prompt, one untimed call first, the counts timed in
     turn so drift on a shared machine falls on both)."""
-    from ..export import OnnxModel
 
     return _fastest_count(
-        lambda t: OnnxModel(path, threads=t), "threads", new_tokens=new_tokens, repeats=repeats
+        lambda t: _onnx_model(path, t), "threads", new_tokens=new_tokens, repeats=repeats
     )
+
+
+def _onnx_model(path: str, threads: int | None, **kw):
+    """The bench's OnnxModel: more than one thread spins within a call (``spin``: handing
+    each small op to a sleeping worker costs more than the op)."""
+    from ..export import OnnxModel
+
+    return OnnxModel(path, threads=threads, spin=threads is not None and threads > 1, **kw)
 
 
 def fastest_verify_threads(
@@ -521,10 +529,9 @@ def fastest_verify_threads(
     (``OnnxModel(verify_threads=...)``; the other stages keep ``threads``): a verify call runs
     d+1 rows through the upper layers, work a second core can share where a one-token step's
     cannot."""
-    from ..export import OnnxModel
 
     def make(t: int):
-        return OnnxModel(path, threads=threads, verify_threads=t)
+        return _onnx_model(path, threads, verify_threads=t)
 
     return _fastest_count(make, "verify threads", new_tokens=new_tokens, repeats=repeats)
 

@@ -69,16 +69,19 @@ OFFLOAD_ROWS = (
 
 def offload_systems(
     slots: float | int, *, exit_layer: int, num_speculations: int | None = None,
-    m2r2_parts=None, policy: str = "lru", path=None,
+    m2r2_parts=None, policy: str = "lru", path=None, engine: str = "auto",
 ) -> dict[str, tuple[str, OffloadOptions | None, dict]]:  # fmt: skip
     """Row name -> (recipe, offload options or None, recipe options) of the offload rows.
 
     ``path``: a folder for the disk tiers' files (one per row); None: temporary files.
+    ``engine``: the transfer engine (``OffloadOptions.engine``: auto, native or thread).
     """
 
     def options(prefetch: str, **kw) -> OffloadOptions:
         file = None if path is None else os.path.join(path, f"experts-{prefetch}.bin")
-        return OffloadOptions(slots=slots, policy=policy, prefetch=prefetch, path=file, **kw)
+        return OffloadOptions(
+            slots=slots, policy=policy, prefetch=prefetch, path=file, engine=engine, **kw
+        )
 
     layerskip = {"exit_layer": exit_layer}
     if num_speculations is not None:
@@ -107,6 +110,7 @@ def summarize(reports: list) -> dict:
         values = [getattr(r, f) for r in reports if getattr(r, f) is not None]
         out[f] = sum(values) / len(values) if values else None
     layers = reports[0].hit_rate_per_layer
+    out["engine"] = reports[0].engine
     out["hit_rate_per_layer"] = {
         str(i): sum(r.hit_rate_per_layer[i] for r in reports) / n for i in layers
     }

@@ -347,12 +347,16 @@ class OnnxModel:
         path: the export directory (``SpeculativeModel.export_onnx`` / ``leapfx export``).
         providers: onnxruntime execution providers; None picks :func:`default_providers`.
         threads: onnxruntime intra-op threads per session; None lets onnxruntime decide.
-        spin: whether onnxruntime's worker threads busy-wait for work after a call. Off by
-            default: a decode loop runs torch and Python work (sampling, acceptance, the
-            schedule) between calls, and spinning workers take the cores it needs (reference
-            model, 2 threads on 2 cores: with spinning a draft call cost 0.70 of an
-            autoregressive token and layerskip ran 0.74x autoregressive; without, 0.35 and
-            1.36x). True suits back-to-back calls on otherwise idle cores.
+        spin: whether onnxruntime's worker threads busy-wait for the next op within a call
+            (they stop at the end of each call: ``session.force_spinning_stop``). With more
+            than one thread, handing each small op to a sleeping worker costs more than the op:
+            on a 2-core Xeon the reference model's autoregressive step ran 1.3x faster on two
+            spinning threads than on one, and slower on two sleeping ones. The stop at the end
+            of a call matters as much: a schedule alternates sessions (draft, verify) and runs
+            torch and Python work between calls, and workers left spinning after a call took
+            the cores it needed (2 threads on 2 cores: layerskip 0.77x autoregressive with
+            spinning workers left running, 1.16x with the stop, same machine). Off by default
+            (``threads=None`` leaves the count to onnxruntime).
         recipe: whose schedule to run; None: the exported recipe's. ``"autoregressive"`` runs
             the baseline over the ``full`` stage and ``"early_exit"`` every token from the
             ``draft`` stage, so one export also serves the baselines a benchmark compares.
@@ -416,6 +420,8 @@ class OnnxModel:
             options.add_session_config_entry(
                 "session.intra_op.allow_spinning", "1" if spin else "0"
             )
+            if spin:  # between a call's ops only: an idle session's workers leave the cores
+                options.add_session_config_entry("session.force_spinning_stop", "1")
             return options
 
         options = session_options()

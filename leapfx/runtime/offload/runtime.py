@@ -162,6 +162,7 @@ class OffloadReport:
     prefetch_precision: float | None  # predicted experts that were then demanded / predicted
     prefetch_recall: float | None  # demanded experts that had been predicted / demanded
     seconds: float = 0.0
+    engine: str = ""  # the transfer engine's class (NativeEngine, ThreadEngine, CudaEngine)
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -492,6 +493,7 @@ class ExpertOffload:
             prefetch_precision=c.true_positives / c.predicted if c.predicted else None,
             prefetch_recall=c.true_positives / c.demanded_scored if c.demanded_scored else None,
             seconds=seconds,
+            engine=type(self.engine).__name__,
         )
 
     def slot_stats(self) -> dict[int, SlotStats]:
