@@ -691,12 +691,37 @@ def test_verify_threads_run_only_the_upper_part_on_more_threads(exported):
     assert threads == {"full": 1, "draft": 1, "upper": 2}
     options = sessions["upper"].get_session_options()
     assert options.get_session_config_entry("session.intra_op.allow_spinning") == "1"
+    # ... within a call only: its workers must not keep spinning through the draft calls
+    assert options.get_session_config_entry("session.force_spinning_stop") == "1"
     prompt = torch.tensor([[5, 9, 2, 7, 1, 3]])
     ours = two.generate(prompt, max_new_tokens=20)
     assert two.last_metrics.rejections > 0
     assert torch.equal(ours, one.generate(prompt, max_new_tokens=20))
     with pytest.raises(ValueError, match="verify_threads: 0 is invalid"):
         OnnxModel(path, verify_threads=0)
+
+
+def test_spinning_workers_stop_at_the_end_of_each_call(exported):
+    # spin=True: workers busy-wait between a call's ops and stop when it returns, so that an
+    # idle session (the draft's during verify, and back) leaves the cores to the others; spin
+    # off sets neither, except on a split verify's upper part of more than one thread, which
+    # always spins (and stops). Same tokens either way.
+    model, sm, path = exported("llama", "layerskip")
+    spinning, plain = OnnxModel(path, threads=2, spin=True), OnnxModel(path, threads=2)
+    for om, want in ((spinning, "1"), (plain, "0")):
+        sessions = {n: s.session for n, s in om.stages.items() if n != "verify"}
+        sessions["upper"] = om.stages["verify"].upper.session
+        assert sorted(sessions) == ["draft", "full", "upper"]
+        for name, session in sessions.items():
+            options = session.get_session_options()
+            spins = "1" if name == "upper" else want
+            assert options.get_session_config_entry("session.intra_op.allow_spinning") == spins
+            if spins == "1":
+                assert options.get_session_config_entry("session.force_spinning_stop") == "1"
+    prompt = torch.tensor([[5, 9, 2, 7, 1, 3]])
+    assert torch.equal(
+        spinning.generate(prompt, max_new_tokens=20), plain.generate(prompt, max_new_tokens=20)
+    )
 
 
 def test_positions_past_the_rotary_tables_are_refused(exported, onnx_model):

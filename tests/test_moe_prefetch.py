@@ -183,6 +183,7 @@ def test_bench_offload_rows(tmp_path):
     config = BenchConfig(
         recipe="autoregressive", exit_layer=1, num_speculations=2, max_new_tokens=6,
         repeats=1, warmup=0, hf_baselines=False, offload_slots=0.5, offload_dir=str(tmp_path),
+        offload_engine="thread",
     )  # fmt: skip
     rows = {r.system: r for r in run_bench(model, prompts, config, progress=False)}
     assert set(OFFLOAD_ROWS) <= set(rows)
@@ -193,6 +194,7 @@ def test_bench_offload_rows(tmp_path):
         for key in ("hit_rate", "stall_ms_per_token", "bytes_per_token"):
             assert o[key] >= 0
         assert set(o["hit_rate_per_layer"]) == {"0", "1", "2", "3"}
+        assert o["engine"] == "ThreadEngine"  # --offload-engine reaches every row's runtime
     assert rows["leapfx_offload_none"].extra["offload"]["prefetch_precision"] is None
     assert rows["leapfx_offload_m2r2"].extra["offload"]["prefetch_precision"] is not None
     json.dumps([r.as_dict() for r in rows.values()])  # the --json rows serialise
