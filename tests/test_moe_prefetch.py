@@ -266,3 +266,39 @@ def test_cuda_engine_new_policies_are_token_identical(policy):
     assert type(sm.offload.engine).__name__ == "CudaEngine"
     assert torch.equal(ours, resident)
     assert sm.last_offload_report.prefetch_precision is not None
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_one_token_prediction_ranks_like_the_norm_and_softmax(arch):
+    # A decode step's next-gate prediction skips the RMSNorm's reduction and the softmax (the
+    # router over norm-weight * hidden ranks the experts the same way); several tokens, and a
+    # norm that is not an RMSNorm, take the full path. Both hand prefetch the same ranking.
+    from leapfx.runtime.offload.runtime import NextGatePrefetch
+
+    class Record:
+        def prefetch(self, target, scores, *, union=False):
+            self.scores = scores
+
+    model = tiny_moe_model(arch, seed=3)
+    layer = model.model.layers[1]
+    router = layer.mlp.gate
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        layer.post_attention_layernorm.weight.uniform_(0.5, 1.5, generator=g)
+    fast, full = Record(), Record()
+    pred = NextGatePrefetch(fast, 1, layer.post_attention_layernorm, router)
+    assert pred._router_over_norm_weight() is not None
+    plain = NextGatePrefetch(full, 1, torch.nn.LayerNorm(router.weight.shape[1]), router)
+    assert plain._router_over_norm_weight() is None
+    with torch.no_grad():
+        for _ in range(20):
+            hidden = 3 * torch.randn(1, 1, router.weight.shape[1], generator=g)
+            pred(hidden)
+            normed = layer.post_attention_layernorm(hidden).reshape(1, -1)
+            probs = torch.softmax(torch.nn.functional.linear(normed, router.weight), -1)
+            k = min(4, probs.shape[-1])
+            assert torch.equal(
+                torch.topk(fast.scores[0], k).indices, torch.topk(probs[0], k).indices
+            )
+            pred(hidden.expand(1, 3, -1))  # several tokens: the probabilities themselves
+            torch.testing.assert_close(fast.scores, probs.expand(3, -1))

@@ -421,7 +421,8 @@ class ExpertOffload:
         return b / len(self.layers) * tokens
 
     def prefetch(self, layer: int, probs: torch.Tensor, *, union: bool = False) -> None:
-        """Load the experts ``probs`` [T, E] predicts for ``layer``, most probable first.
+        """Load the experts ``probs`` [T, E] predicts for ``layer``, most probable first (for
+        one token any scores with the same ranking do: only their order is used).
 
         ``union``: the prediction adds to the ones made since ``layer`` last ran (the verify
         pass of a speculative round needs the union of its tokens' experts) instead of
@@ -559,9 +560,37 @@ class NextGatePrefetch(nn.Module):
         self.norm = norm
         self.router = router
         self.union = union
+        self._folded: tuple[tuple, torch.Tensor] | None = None  # (weights' versions, W * g)
+
+    def _router_over_norm_weight(self) -> torch.Tensor | None:
+        """The router's weight times the RMSNorm's (``W * g``), or None for another norm.
+
+        RMSNorm scales a row by a positive number and then by ``g``: for one token the
+        router's ranking of ``norm(h)`` is its ranking of ``g * h``, which needs neither the
+        norm's reduction nor a softmax (a decode step's prediction: ~40 us less per MoE layer
+        on the reference MoE model)."""
+        g = getattr(self.norm, "weight", None)
+        w = self.router.weight
+        if (
+            not type(self.norm).__name__.endswith("RMSNorm")
+            or "Gemma" in type(self.norm).__name__  # scales by 1 + g
+            or g is None
+            or g.shape != w.shape[-1:]
+        ):
+            return None
+        key = (w._version, g._version, w.data_ptr(), g.data_ptr())
+        if self._folded is None or self._folded[0] != key:
+            with torch.no_grad():
+                self._folded = (key, w * g.to(w.dtype))
+        return self._folded[1]
 
     def forward(self, hidden: torch.Tensor) -> None:
-        flat = self.norm(hidden).reshape(-1, hidden.shape[-1])
-        logits = F.linear(flat, self.router.weight)  # [T, E]
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        folded = self._router_over_norm_weight() if flat.shape[0] == 1 else None
+        if folded is not None:  # one token: scores with the ranking of the router's softmax
+            self.runtime.prefetch(self.target, F.linear(flat.to(folded.dtype), folded),
+                                  union=self.union)  # fmt: skip
+            return
+        logits = F.linear(self.norm(hidden).reshape(flat.shape), self.router.weight)  # [T, E]
         probs = torch.softmax(logits.float(), dim=-1)
         self.runtime.prefetch(self.target, probs, union=self.union)
