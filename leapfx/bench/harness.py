@@ -508,7 +508,6 @@ def fastest_onnx_threads(
     export at ``path``, and each count's median seconds per token of its own schedule (a
     ``new_tokens`` greedy decode of a fixed prompt, one untimed call first, the counts timed in
     turn so drift on a shared machine falls on both)."""
-
     return _fastest_count(
         lambda t: _onnx_model(path, t), "threads", new_tokens=new_tokens, repeats=repeats
     )

@@ -354,9 +354,9 @@ class OnnxModel:
             spinning threads than on one, and slower on two sleeping ones. The stop at the end
             of a call matters as much: a schedule alternates sessions (draft, verify) and runs
             torch and Python work between calls, and workers left spinning after a call took
-            the cores it needed (2 threads on 2 cores: layerskip 0.77x autoregressive with
-            spinning workers left running, 1.16x with the stop, same machine). Off by default
-            (``threads=None`` leaves the count to onnxruntime).
+            the cores it needed (2 threads on 2 cores: layerskip 0.57x the two-thread
+            autoregressive schedule with workers left spinning, 1.16x with the stop, same
+            machine). Off by default (``threads=None`` leaves the count to onnxruntime).
         recipe: whose schedule to run; None: the exported recipe's. ``"autoregressive"`` runs
             the baseline over the ``full`` stage and ``"early_exit"`` every token from the
             ``draft`` stage, so one export also serves the baselines a benchmark compares.
