@@ -149,3 +149,29 @@ def test_without_kernels_auto_falls_back_and_true_refuses(monkeypatch):
     assert not use_cpu_kernels(BenchConfig(), rewrite.apply(model, "autoregressive"))
     with pytest.raises(ValueError, match="did not build here"):
         rewrite.apply(model, "layerskip", exit_layer=1, cpu_kernels=True)
+
+
+def test_a_compiler_without_openmp_builds_the_kernels_single_threaded(monkeypatch):
+    # The kernels build with -fopenmp (ATen's parallel_for is inline OpenMP); where the
+    # compiler refuses it they build without, and a machine where that happened goes straight
+    # to that build next time instead of failing the OpenMP one again.
+    from torch.utils import cpp_extension
+
+    calls = []
+
+    def load(name, sources, extra_cflags, extra_ldflags, **kw):
+        openmp = "-fopenmp" in extra_cflags
+        assert openmp == ("-fopenmp" in extra_ldflags)
+        calls.append((name, openmp))
+        if openmp:
+            raise RuntimeError("g++: error: unsupported option '-fopenmp'")
+
+    monkeypatch.setattr(cpp_extension, "load", load)
+    monkeypatch.setattr(cpu, "_built", lambda name: False)
+    assert cpu.load_extension("probe", cpu.SOURCE, "using torch.matmul")
+    name = calls[0][0]
+    assert calls == [(name, True), (f"{name}_serial", False)]
+    calls.clear()
+    monkeypatch.setattr(cpu, "_built", lambda name: name.endswith("_serial"))
+    assert cpu.load_extension("probe", cpu.SOURCE, "using torch.matmul")
+    assert calls == [(f"{name}_serial", False)]

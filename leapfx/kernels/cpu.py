@@ -46,10 +46,12 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_gemm.cpp")
 VEC_HEADER = Path(__file__).with_name("cpu_vec.h")  # dot and RMSNorm of the one-call ops
-# -fopenmp: at::parallel_for is inline OpenMP code in ATen's headers (torch's CPU build uses
-# OpenMP); compiled without it, every parallel_for of the kernels runs on one thread. Linked
-# against libgomp.so.1, which is torch's own already-loaded copy: one OpenMP runtime.
-FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp")
+FLAGS = ("-O3", "-march=native", "-ffp-contract=fast")
+# at::parallel_for is inline OpenMP code in ATen's headers (torch's CPU build uses OpenMP);
+# compiled without -fopenmp, every parallel_for of the kernels runs on one thread. Linked
+# against libgomp.so.1, which is torch's own already-loaded copy: one OpenMP runtime. A
+# compiler without OpenMP builds the kernels without it (single-threaded, still correct).
+OPENMP = "-fopenmp"
 
 
 def _cpu_tag() -> str:
@@ -92,14 +94,15 @@ def load_extension(stem: str, source: Path, fallback: str, headers: tuple[Path, 
             name += f"_{digest[:8]}"
         if not _built(name):  # the one slow step: say so (cached afterwards)
             print("leapfx: building the CPU kernels (first use only, ~1 min)...", file=sys.stderr)
-        cpp_extension.load(
-            name=name,
-            sources=[str(source)],
-            extra_cflags=list(FLAGS),
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-            verbose=False,
-        )
+        serial = f"{name}_serial"
+        if _built(serial) and not _built(name):  # OpenMP failed on this machine before
+            _build(cpp_extension, serial, source, openmp=False)
+        else:
+            try:
+                _build(cpp_extension, name, source, openmp=True)
+            except Exception as exc:
+                log.info("leapfx CPU kernels (%s) without OpenMP: %s", source.name, exc)
+                _build(cpp_extension, serial, source, openmp=False)
     except Exception as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         log.warning("leapfx CPU kernels (%s) unavailable (%s): %s", source.name, fallback, first)
@@ -137,6 +140,17 @@ def resolve(
             f"above; allowed: {allowed}, which fall back to torch.matmul)"
         )
     return True
+
+
+def _build(cpp_extension, name: str, source: Path, *, openmp: bool) -> None:
+    cpp_extension.load(
+        name=name,
+        sources=[str(source)],
+        extra_cflags=[*FLAGS, OPENMP] if openmp else list(FLAGS),
+        extra_ldflags=[OPENMP] if openmp else [],
+        is_python_module=False,
+        verbose=False,
+    )
 
 
 def _built(name: str) -> bool:
