@@ -123,6 +123,7 @@ def _bench(args: argparse.Namespace) -> int:
         confidence_threshold=threshold, backend=args.backend,
         cpu_kernels=kernels, onnx_threads=onnx_threads,
         onnx_verify_threads=_onnx_verify_threads(args.onnx_verify_threads),
+        onnx_split_verify=args.onnx_split_verify,
         specee_parts=_specee_parts(args),
         specee_threshold=args.specee_threshold, parts=_m2r2_parts(args),
         exit_parts=_m2r2_parts(args, exits=True), m2r2_exit_gates=_exit_gates(args), **offload,
@@ -180,7 +181,7 @@ def _bench(args: argparse.Namespace) -> int:
         "repeats": args.repeats, "threads": torch.get_num_threads(), "device": args.device,
         "backend": args.backend, "cpu_kernels": args.cpu_kernels,
         "onnx_threads": args.onnx_threads, "onnx_verify_threads": args.onnx_verify_threads,
-        **offload,
+        "onnx_split_verify": args.onnx_split_verify, **offload,
     }  # fmt: skip
     meta["dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
     if args.random_model is not None:
@@ -375,6 +376,15 @@ def _onnx_threads_line(rows, flag: str) -> None:
     n = row.extra["onnx_threads"]
     spin = " (spinning within a call)" if n is not None and n > 1 else ""
     print(f"onnxruntime intra-op threads (--onnx-threads {flag}): {n}{spin}{how}")
+    for row in rows:  # verify split or whole (OnnxModel split_verify), timed per export
+        if "onnx_split_verify" not in row.extra:
+            continue
+        timing = row.extra.get("onnx_split_verify_timing") or {}
+        per = ", ".join(f"{k}: {s * 1e3:.2f} ms/token" for k, s in sorted(timing.items()))
+        how = f" (the faster: {per})" if per else ""
+        kind = "split (the draft stage, then its upper part)" if row.extra["onnx_split_verify"] \
+            else "whole (the exported verify graph)"
+        print(f"  {row.system}: verify {kind}{how}")
     for row in rows:  # a split verify's upper part timed apart (OnnxModel verify_threads)
         if "onnx_verify_threads" not in row.extra and "onnx_verify_threads_timing" not in row.extra:
             continue
@@ -865,6 +875,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="onnxruntime intra-op threads (spinning) of layerskip's split verify, upper part "
         "only (same: --onnx-threads; auto: the faster of 1 and the torch thread count, timed "
         "per export); it uses a core the autoregressive row does not",
+    )  # fmt: skip
+    bench.add_argument(
+        "--onnx-split-verify", default="auto", choices=("auto", "on", "off"),  # harness.SPLIT_VERIFY
+        help="layerskip's verify on onnxruntime as the draft stage then verify's upper part "
+        "(on), or as the one exported verify graph (off); auto: the faster, timed per export",
     )  # fmt: skip
     bench.add_argument("--json", default=None, help="write the rows as JSON to this path")
     bench.add_argument("--plot", default=None, help="write a PNG to this path")

@@ -251,6 +251,34 @@ def test_onnx_verify_threads_errors():
     assert main(["bench", "--onnx-verify-threads", "two"]) == 2
 
 
+def test_onnx_split_verify_timed_or_fixed(tmp_path):
+    # auto: split and whole verify timed on each layerskip export, the faster runs the row;
+    # on / off: as asked, timing nothing. Either way the rows stay identical to greedy.
+    # (head_dim 16: the export's attention fuses, which the split needs)
+    tok = byte_tokenizer()
+    model = tiny_model("llama", layers=4, head_dim=16, vocab=len(tok), eos=tok.eos_token_id)
+    prompts = [torch.tensor([tok("for i in range(")["input_ids"]])]
+    base = dict(exit_layer=2, num_speculations=3, max_new_tokens=8, repeats=1, warmup=0,
+                backend="onnxruntime", onnx_threads=1, hf_baselines=False)  # fmt: skip
+    for mode in ("auto", "on", "off"):
+        config = BenchConfig(**base, export_dir=str(tmp_path / mode), onnx_split_verify=mode)
+        by = {r.system: r for r in run_bench(model, prompts, config, progress=False)}
+        x = by["leapfx_layerskip"].extra
+        assert by["leapfx_layerskip"].identical_to_greedy is True
+        timing = x["onnx_split_verify_timing"]
+        if mode == "auto":
+            assert sorted(timing) == ["split", "whole"]
+            assert x["onnx_split_verify"] == (min(timing, key=timing.get) == "split")
+        else:
+            assert timing is None and x["onnx_split_verify"] == (mode == "on")
+        assert "onnx_split_verify" not in by["leapfx_autoregressive"].extra  # nothing to split
+    with pytest.raises(ValueError, match="--onnx-split-verify: 'yes' is invalid; allowed: auto"):
+        BenchConfig(onnx_split_verify="yes").validate()
+    with pytest.raises(SystemExit) as exit_:  # argparse: invalid choice, usage, status 2
+        main(["bench", "--onnx-split-verify", "yes"])
+    assert exit_.value.code == 2
+
+
 def test_cost_ratios_per_backend(checkpoint, tmp_path):
     # Every backend's speculative row carries its own draft and verify cost ratios, measured
     # against the autoregressive row of the same backend.

@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 
 
 BACKENDS = ("eager", "inductor", "onnxruntime")
+SPLIT_VERIFY = ("auto", "on", "off")  # --onnx-split-verify
 BENCHED_RECIPES = (
     "autoregressive", "early_exit", "layerskip", "kangaroo", "eagle", "specee", "m2r2",
 )  # fmt: skip
@@ -97,6 +98,11 @@ class BenchConfig:
     # timed per speculative export. Off by default: it takes a second core that the
     # autoregressive row does not use, and costs more than it gains when that core is busy.
     onnx_verify_threads: int | str | None = None
+    # layerskip's verify on onnxruntime as two calls (OnnxModel split_verify: the draft stage,
+    # then verify's upper part: one copy of the lower layers' weights in a round) or as the one
+    # exported verify graph. "auto": the faster of the two, timed per export (which wins
+    # depends on whether both copies fit the CPU's cache); "on" / "off": fixed.
+    onnx_split_verify: str = "auto"
     # eager and inductor leapfx rows: projections through leapfx's small-M CPU kernels
     # (leapfx.kernels.cpu). None: where they apply (a float32 model on a CPU) and build.
     cpu_kernels: bool | None = None
@@ -140,6 +146,11 @@ class BenchConfig:
         if vt is not None and vt != "auto" and (not isinstance(vt, int) or vt < 1):
             raise ValueError(
                 f"--onnx-verify-threads: {vt!r} is invalid; allowed: same, auto or an integer >= 1"
+            )
+        if self.onnx_split_verify not in SPLIT_VERIFY:
+            raise ValueError(
+                f"--onnx-split-verify: {self.onnx_split_verify!r} is invalid; allowed: "
+                f"{', '.join(SPLIT_VERIFY)}"
             )
         if self.cpu_kernels is not None and not isinstance(self.cpu_kernels, bool):
             raise ValueError(
@@ -311,6 +322,10 @@ def build_systems(model: nn.Module, config: BenchConfig, generator_seed: int = 0
             if hasattr(sm, "threads"):  # an OnnxModel
                 info["onnx_threads"] = sm.threads
                 info["onnx_threads_timing"] = getattr(sm, "threads_timing", None)
+                timed = sm.split_verify_timing is not None
+                if "verify" in sm.stages and (timed or config.onnx_split_verify != "auto"):
+                    info["onnx_split_verify"] = sm.split_verify
+                    info["onnx_split_verify_timing"] = sm.split_verify_timing
                 if sm.verify_threads != sm.threads:
                     info["onnx_verify_threads"] = sm.verify_threads
                 if getattr(sm, "verify_threads_timing", None):
@@ -485,16 +500,26 @@ def _backend(config: BenchConfig, backend: str):
                 chosen.update(threads=config.onnx_threads, timing=None)
             else:
                 chosen.update(zip(("threads", "timing"), fastest_onnx_threads(path), strict=True))
-        om = _onnx_model(path, chosen["threads"])
+        threads = chosen["threads"]
+        split = config.onnx_split_verify != "off"
+        om = _onnx_model(path, threads, split_verify=split)
         om.threads_timing = chosen["timing"]
+        om.split_verify_timing = None
+        if config.onnx_split_verify == "auto" and om.split_verify:
+            split, timing = fastest_split_verify(path, threads)
+            if not split:
+                om = _onnx_model(path, threads, split_verify=False)
+                om.threads_timing = chosen["timing"]
+            om.split_verify_timing = timing
         vt = config.onnx_verify_threads
-        if vt is not None and isinstance(om.stages.get("verify"), SplitVerify):
+        if vt is not None and om.split_verify:
             timing = None
             if vt == "auto":
-                vt, timing = fastest_verify_threads(path, chosen["threads"])
+                vt, timing = fastest_verify_threads(path, threads)
             if vt != om.verify_threads:
-                om = _onnx_model(path, chosen["threads"], verify_threads=vt)
-                om.threads_timing = chosen["timing"]
+                kept = om.threads_timing, om.split_verify_timing
+                om = _onnx_model(path, threads, verify_threads=vt)
+                om.threads_timing, om.split_verify_timing = kept
             om.verify_threads_timing = timing
         return om
 
@@ -535,22 +560,49 @@ def fastest_verify_threads(
     return _fastest_count(make, "verify threads", new_tokens=new_tokens, repeats=repeats)
 
 
+def fastest_split_verify(
+    path: str, threads: int | None, *, new_tokens: int = 64, repeats: int = 5
+) -> tuple[bool, dict[str, float]]:
+    """Whether layerskip's verify runs faster split (``OnnxModel(split_verify=True)``: the
+    draft stage on the last draft, then verify's upper part) than as the one exported verify
+    graph, on the export at ``path``, timed as :func:`fastest_onnx_threads` times thread
+    counts; and each one's median seconds per token ({"split": s, "whole": s}).
+
+    Splitting keeps one copy of the lower layers' packed weights in a round, where the whole
+    graph reads its own copy besides the draft session's: it wins where both copies do not fit
+    the CPU's cache (a 32 MB L3: 3.73 -> 3.20 ms a round on the reference model), and loses a
+    session call where they do."""
+    models = {
+        "split": _onnx_model(path, threads, split_verify=True),
+        "whole": _onnx_model(path, threads, split_verify=False),
+    }
+    best, per_token = _fastest(models, "verify", new_tokens=new_tokens, repeats=repeats)
+    return best == "split", per_token
+
+
 def _fastest_count(make, what: str, *, new_tokens: int, repeats: int):
     counts = sorted({1, torch.get_num_threads()})
     if len(counts) == 1:
         return counts[0], {}
-    models = {t: make(t) for t in counts}
-    prompt = torch.arange(1, 9).remainder(models[1].manifest["vocab_size"]).view(1, -1)
-    times: dict[int, list[float]] = {t: [] for t in counts}
+    return _fastest({t: make(t) for t in counts}, what, new_tokens=new_tokens, repeats=repeats)
+
+
+def _fastest(models: dict, what: str, *, new_tokens: int, repeats: int):
+    """The key of the fastest of ``models`` (OnnxModels) and each one's median seconds per
+    token: a ``new_tokens`` greedy decode of a fixed prompt, one untimed call of each first,
+    the models timed in turn so that drift on a shared machine falls on all of them."""
+    first = next(iter(models.values()))
+    prompt = torch.arange(1, 9).remainder(first.manifest["vocab_size"]).view(1, -1)
+    times: dict = {k: [] for k in models}
     for r in range(repeats + 1):
-        for t, om in models.items():
+        for k, om in models.items():
             start = time.perf_counter()
             om.generate(prompt, max_new_tokens=new_tokens, do_sample=False, eos_token_id=[])
             if r:  # the first call of each is a warm-up
-                times[t].append((time.perf_counter() - start) / new_tokens)
-    per_token = {t: statistics.median(v) for t, v in times.items()}
+                times[k].append((time.perf_counter() - start) / new_tokens)
+    per_token = {k: statistics.median(v) for k, v in times.items()}
     best = min(per_token, key=per_token.get)
-    log.info("onnxruntime %s: %d (seconds per token: %s)", what, best, per_token)
+    log.info("onnxruntime %s: %s (seconds per token: %s)", what, best, per_token)
     return best, per_token
 
 

@@ -363,6 +363,9 @@ class OnnxModel:
         split_verify: run layerskip's verify as the draft stage on the new tokens and then
             verify's upper part (:class:`SplitVerify`: one copy of the lower layers' packed
             weights in a round instead of two). False runs the exported verify graph as is.
+            Which is faster depends on the CPU's cache: split won where the two copies did not
+            fit a 32 MB L3 (AMD EPYC), the one graph won by ~3% on a Xeon with a large L3
+            (`leapfx bench --onnx-split-verify auto` times both per export).
         verify_threads: intra-op threads of verify's upper part (the split verify's second
             session); None: ``threads``. Its rows are d+1 tokens through the upper layers,
             where a draft or full step is one: more work per weight read, so it can use a core
@@ -376,6 +379,7 @@ class OnnxModel:
     Attributes:
         manifest: the export's manifest (dict).
         recipe: the recipe whose schedule ``generate`` runs.
+        split_verify: whether verify runs split (asked for, and possible for this export).
         providers: the providers each session actually uses.
         last_metrics: ``DecodeMetrics`` of the latest ``generate`` call (None before one).
     """
@@ -469,6 +473,8 @@ class OnnxModel:
             upper = _upper_stage(self.path, m, upper_options, chosen)
             if upper is not None:
                 self.stages["verify"] = SplitVerify(self.stages["draft"], upper)
+        # whether verify runs split (asked for, and the recipe's export has an upper part)
+        self.split_verify = isinstance(self.stages.get("verify"), SplitVerify)
         self._lossless = r.lossless
         self._lookahead = r.lookahead(self.options)
         self._generation_config = _generation_config(m["generation_config"])
