@@ -51,16 +51,24 @@ def _attention_functions(attn: nn.Module):
     return module.apply_rotary_pos_emb, attention
 
 
-def _attend(owner, attn, q, k, v, position_embeddings, past_key_values, attention_mask, shape):
+def _attend(
+    owner, attn, q, k, v, position_embeddings, past_key_values, attention_mask, shape,
+    position_ids=None,
+):  # fmt: skip
     """q, k, v [B, heads, S, D] (normed) -> rotary, cache update, attention: [*shape, heads * D]
     (``shape``: the input's [B, S]).
 
-    ``owner`` holds ``_rope``, ``_attention`` and ``_attn_kwargs`` (a fused layer or attention).
+    ``owner`` holds ``_rope``, ``_attention`` and ``_attn_kwargs`` (a fused layer or attention),
+    and ``_kernel_attention``: attend with ``leapfx_cpu::attention`` at ``position_ids`` (one
+    sequence) over the cache, instead of the mask.
     """
     cos, sin = position_embeddings
     q, k = owner._rope(q, k, cos, sin)
     if past_key_values is not None:
         k, v = past_key_values.update(k, v, attn.layer_idx)
+        if owner._kernel_attention and position_ids is not None and position_ids.shape[0] == 1:
+            out = torch.ops.leapfx_cpu.attention(q, k, v, position_ids[0], attn.scaling)
+            return out.reshape(*shape, -1)  # [B, S, heads, D], contiguous
     out, _ = owner._attention(
         attn, q, k, v, attention_mask, dropout=0.0, scaling=attn.scaling, **owner._attn_kwargs
     )
@@ -69,6 +77,8 @@ def _attend(owner, attn, q, k, v, position_embeddings, past_key_values, attentio
 
 class FusedDecoderLayer(nn.Module):
     """The math of one HF decoder layer with its modules' dispatch stripped (weights shared)."""
+
+    _kernel_attention = False  # see _attend
 
     def __init__(self, layer: nn.Module) -> None:
         super().__init__()
@@ -105,8 +115,9 @@ class FusedDecoderLayer(nn.Module):
             q, k = attn.q_norm.forward(q), attn.k_norm.forward(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, S, D]
         out = _attend(
-            self, attn, q, k, v, position_embeddings, past_key_values, attention_mask, input_shape
-        )
+            self, attn, q, k, v, position_embeddings, past_key_values, attention_mask,
+            input_shape, position_ids,
+        )  # fmt: skip
         hidden_states = residual + self._linear(out, attn.o_proj, "o")
         residual = hidden_states
         h = layer.post_attention_layernorm.forward(hidden_states)
@@ -123,6 +134,8 @@ class FusedDecoderLayer(nn.Module):
 
 
 class FusedAttention(nn.Module):
+    _kernel_attention = False  # see _attend
+
     """An MoE layer's ``attention`` node: HF's self-attention math without module dispatch.
 
     Capture splits an MoE decoder layer into parts (see capture.py), so the layer cannot be
@@ -296,6 +309,7 @@ class KernelDecoderLayer(FusedDecoderLayer):
         )
         if attn.config._attn_implementation == "sdpa":
             self._attention = _sdpa_gqa
+        self._kernel_attention = _plain_causal(attn, self._attn_kwargs) and _attention_kernel()
         gate_up = torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()])
         self._gate_up_out = gate_up.shape[0]
         self._down_out = mlp.down_proj.out_features
@@ -322,6 +336,25 @@ class KernelDecoderLayer(FusedDecoderLayer):
         up = up if mlp.up_proj.bias is None else up + mlp.up_proj.bias
         out = ops.small_mm(gate * up, self.w_down, self._down_out)
         return out if mlp.down_proj.bias is None else out + mlp.down_proj.bias
+
+
+def _plain_causal(attn: nn.Module, attn_kwargs: dict) -> bool:
+    """Whether ``attn`` is causal attention that ``leapfx_cpu::attention`` computes: HF's sdpa
+    or eager implementation, no sliding window, no logit soft-capping, no attention sinks."""
+    config = attn.config
+    return (
+        config._attn_implementation in ("sdpa", "eager")
+        and attn_kwargs.get("sliding_window") is None
+        and getattr(config, "sliding_window", None) is None
+        and getattr(config, "attn_logit_softcapping", None) is None
+        and not hasattr(attn, "sinks")
+    )
+
+
+def _attention_kernel() -> bool:
+    from ..kernels import cpu_attention
+
+    return cpu_attention.available()
 
 
 def _sdpa_gqa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):

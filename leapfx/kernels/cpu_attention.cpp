@@ -1,0 +1,259 @@
+// Causal attention for decode and verify calls on a CPU: leapfx_cpu::attention (see
+// leapfx/kernels/cpu_attention.py).
+//
+// q [B, Hq, S, D] at positions [S] over k, v [B, Hkv, L, D] (slot j holds position j; L may be
+// the filled prefix of a cache or its whole buffer) -> [B, S, Hq, D]. Query head h reads kv head
+// h / (Hq / Hkv) in place (no repeated copies). Query s reads slots 0 .. positions[s] only, so
+// slots past it (stale ones left by rejected drafts, unwritten ones) are never read and the cost
+// follows the filled length, not the buffer's. Scores, softmax and the weighted sum of a query
+// row run in one order fixed by its own position, whatever S and the other rows: a row's result
+// does not depend on how many rows came with it.
+
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+#if defined(__AVX512F__)
+typedef float vec __attribute__((vector_size(64)));
+typedef float vecu __attribute__((vector_size(64), aligned(4)));
+constexpr int kLanes = 16;
+#else
+typedef float vec __attribute__((vector_size(32)));
+typedef float vecu __attribute__((vector_size(32), aligned(4)));
+constexpr int kLanes = 8;
+#endif
+typedef int32_t veci __attribute__((vector_size(sizeof(vec))));
+
+// Sum of a vector's lanes, halving: the same order for every call.
+inline float lanes_sum(vec v) {
+  float out[kLanes];
+  __builtin_memcpy(out, &v, sizeof(vec));
+  for (int w = kLanes / 2; w > 0; w /= 2)
+    for (int i = 0; i < w; ++i) out[i] += out[i + w];
+  return out[0];
+}
+
+#if defined(__AVX512F__)
+constexpr int kRev[kLanes] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+
+// a[i] holds the per-lane partial sums of key kRev[i]'s dot product; returns one vector
+// whose lane j is key j's sum. Halving shuffles: each level folds every vector in two and
+// packs two vectors' halves into one (log2(kLanes) levels, no horizontal sums).
+inline vec reduce_keys(vec* a) {
+  {
+    const veci lo = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+    const veci hi = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+    for (int i = 0; i < 8; ++i)
+      a[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], lo) +
+             __builtin_shuffle(a[2 * i], a[2 * i + 1], hi);
+  }
+  {
+    const veci lo = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
+    const veci hi = {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31};
+    for (int i = 0; i < 4; ++i)
+      a[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], lo) +
+             __builtin_shuffle(a[2 * i], a[2 * i + 1], hi);
+  }
+  {
+    const veci lo = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
+    const veci hi = {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31};
+    for (int i = 0; i < 2; ++i)
+      a[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], lo) +
+             __builtin_shuffle(a[2 * i], a[2 * i + 1], hi);
+  }
+  {
+    const veci lo = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
+    const veci hi = {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31};
+    for (int i = 0; i < 1; ++i)
+      a[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], lo) +
+             __builtin_shuffle(a[2 * i], a[2 * i + 1], hi);
+  }
+  return a[0];
+}
+#else
+constexpr int kRev[kLanes] = {0, 4, 2, 6, 1, 5, 3, 7};
+
+// a[i] holds the per-lane partial sums of key kRev[i]'s dot product; returns one vector
+// whose lane j is key j's sum. Halving shuffles: each level folds every vector in two and
+// packs two vectors' halves into one (log2(kLanes) levels, no horizontal sums).
+inline vec reduce_keys(vec* a) {
+  {
+    const veci lo = {0, 1, 2, 3, 8, 9, 10, 11};
+    const veci hi = {4, 5, 6, 7, 12, 13, 14, 15};
+    for (int i = 0; i < 4; ++i)
+      a[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], lo) +
+             __builtin_shuffle(a[2 * i], a[2 * i + 1], hi);
+  }
+  {
+    const veci lo = {0, 1, 8, 9, 4, 5, 12, 13};
+    const veci hi = {2, 3, 10, 11, 6, 7, 14, 15};
+    for (int i = 0; i < 2; ++i)
+      a[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], lo) +
+             __builtin_shuffle(a[2 * i], a[2 * i + 1], hi);
+  }
+  {
+    const veci lo = {0, 8, 2, 10, 4, 12, 6, 14};
+    const veci hi = {1, 9, 3, 11, 5, 13, 7, 15};
+    for (int i = 0; i < 1; ++i)
+      a[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], lo) +
+             __builtin_shuffle(a[2 * i], a[2 * i + 1], hi);
+  }
+  return a[0];
+}
+#endif
+
+// exp(x) for x <= 0 (softmax weights after subtracting the row maximum), lane by lane:
+// 2^k * p(r) with x = k ln2 + r, |r| <= ln2 / 2 and p Cephes' expf polynomial (relative error
+// ~2e-7, like expf); 0 below -87 (and for -inf).
+inline vec exp_nonpositive(vec x) {
+  const veci low = x < -87.0f;
+  x = low ? vec{} - 87.0f : x;
+  const vec kf = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
+  const vec r = x - kf * 0.693359375f + kf * 2.12194440e-4f;
+  vec p = vec{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const veci bits = (__builtin_convertvector(kf, veci) + 127) << 23;
+  vec scale;
+  __builtin_memcpy(&scale, &bits, sizeof(vec));
+  return low ? vec{} : p * scale;
+}
+
+// One query row: scores over keys 0..n-1 (kLanes at a time), softmax, weighted sum of the
+// values into o[0..D). ND: whole vectors in D known when compiled (0: D at run time); the rest
+// of D (D % kLanes) runs scalar.
+template <int ND>
+void attend_row(const float* qr, const float* kb, int64_t kl, const float* vb, int64_t vl,
+                int64_t n, int64_t D, float sc, float* scores, float* o) {
+  const int64_t nd = ND > 0 ? ND : D / kLanes, dv = nd * kLanes;
+  const int64_t nv = (n + kLanes - 1) / kLanes * kLanes;
+  for (int64_t j0 = 0; j0 < n; j0 += kLanes) {  // kLanes keys' scores at a time
+    vec a[kLanes];
+    for (int i = 0; i < kLanes; ++i) {
+      const int64_t j = j0 + kRev[i];
+      vec acc = vec{};
+      if (j < n) {
+        const float* kr = kb + j * kl;
+        for (int64_t c = 0; c < nd; ++c)
+          acc += *(const vecu*)(qr + c * kLanes) * *(const vecu*)(kr + c * kLanes);
+        float tail = 0.0f;
+        for (int64_t d = dv; d < D; ++d) tail += qr[d] * kr[d];
+        acc[0] += tail;
+      }
+      a[i] = acc;
+    }
+    *(vecu*)(scores + j0) = reduce_keys(a) * sc;
+  }
+  float m = -INFINITY;
+  for (int64_t j = 0; j < n; ++j) m = std::max(m, scores[j]);
+  for (int64_t j = n; j < nv; ++j) scores[j] = -INFINITY;  // weight 0
+  vec sums = vec{};
+  for (int64_t j = 0; j < nv; j += kLanes) {
+    const vec w = exp_nonpositive(*(vecu*)(scores + j) - m);
+    *(vecu*)(scores + j) = w;
+    sums += w;
+  }
+  const float inv = 1.0f / lanes_sum(sums);
+  constexpr int kAcc = ND > 0 ? ND : 1;
+  if (ND > 0) {  // the accumulators stay in registers
+    vec acc[kAcc];
+    for (int c = 0; c < kAcc; ++c) acc[c] = vec{};
+    float tail[kLanes] = {};
+    for (int64_t j = 0; j < n; ++j) {
+      const float w = scores[j];
+      const float* vr = vb + j * vl;
+      for (int c = 0; c < kAcc; ++c) acc[c] += w * *(const vecu*)(vr + c * kLanes);
+      for (int64_t d = dv; d < D; ++d) tail[d - dv] += w * vr[d];
+    }
+    for (int c = 0; c < kAcc; ++c) *(vecu*)(o + c * kLanes) = acc[c] * inv;
+    for (int64_t d = dv; d < D; ++d) o[d] = tail[d - dv] * inv;
+    return;
+  }
+  for (int64_t d = 0; d < D; ++d) o[d] = 0.0f;
+  for (int64_t j = 0; j < n; ++j) {
+    const float w = scores[j];
+    const float* vr = vb + j * vl;
+    for (int64_t d = 0; d < D; ++d) o[d] += w * vr[d];
+  }
+  for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+}
+
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     const at::Tensor& positions, double scale) {
+  const char* op = "leapfx_cpu::attention";
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu() &&
+                  positions.device().is_cpu(), op, ": CPU tensors only");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat &&
+                  v.scalar_type() == at::kFloat, op, ": float32 only");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, op,
+              ": q, k, v must be [B, heads, S or L, D]");
+  const int64_t B = q.size(0), Hq = q.size(1), S = q.size(2), D = q.size(3);
+  const int64_t Hkv = k.size(1), L = k.size(2);
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == B && k.size(3) == D && Hkv > 0 &&
+                  Hq % Hkv == 0, op, ": k/v ", k.sizes(), " do not match q ", q.sizes());
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.numel() == S, op,
+              ": positions must be ", S, " int64 values, got ", positions.sizes());
+  const at::Tensor qc = q.stride(3) == 1 ? q : q.contiguous();
+  const at::Tensor kc = k.stride(3) == 1 ? k : k.contiguous();
+  const at::Tensor vc = v.stride(3) == 1 ? v : v.contiguous();
+  const at::Tensor pc = positions.contiguous();
+  const int64_t* pos = pc.data_ptr<int64_t>();
+  int64_t n_max = 0;
+  for (int64_t s = 0; s < S; ++s) {
+    TORCH_CHECK(pos[s] >= 0 && pos[s] < L, op, ": position ", pos[s], " outside the ", L,
+                " key slots");
+    n_max = std::max(n_max, pos[s] + 1);
+  }
+  at::Tensor out = at::empty({B, S, Hq, D}, q.options());
+  const float* qp = qc.data_ptr<float>();
+  const float* kp = kc.data_ptr<float>();
+  const float* vp = vc.data_ptr<float>();
+  float* outp = out.data_ptr<float>();
+  const int64_t group = Hq / Hkv, rows = B * Hq * S;
+  const int64_t padded = (n_max + kLanes - 1) / kLanes * kLanes;
+  const float sc = static_cast<float>(scale);
+  // A decode step's few rows over a short prefix stay on one thread (handing them out costs
+  // more than they do); a verify pass over a long cache splits its rows.
+  const int64_t grain = rows * n_max * D >= (1 << 17) ? 1 : rows;
+  at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
+    std::vector<float> scores(padded);
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t s = r % S, h = (r / S) % Hq, b = r / (S * Hq), hk = h / group;
+      const float* qr = qp + b * qc.stride(0) + h * qc.stride(1) + s * qc.stride(2);
+      const float* kb = kp + b * kc.stride(0) + hk * kc.stride(1);
+      const float* vb = vp + b * vc.stride(0) + hk * vc.stride(1);
+      const int64_t kl = kc.stride(2), vl = vc.stride(2), n = pos[s] + 1;
+      float* o = outp + ((b * S + s) * Hq + h) * D;
+      float* sp = scores.data();
+      switch (D / kLanes) {
+        case 1: attend_row<1>(qr, kb, kl, vb, vl, n, D, sc, sp, o); break;
+        case 2: attend_row<2>(qr, kb, kl, vb, vl, n, D, sc, sp, o); break;
+        case 3: attend_row<3>(qr, kb, kl, vb, vl, n, D, sc, sp, o); break;
+        case 4: attend_row<4>(qr, kb, kl, vb, vl, n, D, sc, sp, o); break;
+        case 6: attend_row<6>(qr, kb, kl, vb, vl, n, D, sc, sp, o); break;
+        case 8: attend_row<8>(qr, kb, kl, vb, vl, n, D, sc, sp, o); break;
+        default: attend_row<0>(qr, kb, kl, vb, vl, n, D, sc, sp, o); break;
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(leapfx_cpu, m) {
+  m.def("attention(Tensor q, Tensor k, Tensor v, Tensor positions, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(leapfx_cpu, CPU, m) { m.impl("attention", &attention); }

@@ -1,0 +1,63 @@
+"""Causal attention for CPU decode and verify calls as one C++ op: ``leapfx_cpu::attention``.
+
+A decode step attends one query row (a verify pass d + 1) per head to the cache. Through SDPA
+that is ~15 us a layer on a 2-core CPU for the reference model whatever the work, and a
+compiled stage (static shapes) attends over the whole cache buffer behind a mask, so its cost
+grows with the buffer rather than with the filled prefix. ``cpu_attention.cpp`` reads only the
+slots each query may see, grouped heads in place:
+
+=============================  ==================================================================
+op                             signature
+=============================  ==================================================================
+``leapfx_cpu::attention``      ``(q [B, Hq, S, D], k [B, Hkv, L, D], v [B, Hkv, L, D],
+                               positions [S] int64, scale) -> [B, S, Hq, D]``: query ``s``
+                               attends to slots ``0 .. positions[s]`` (slot ``j`` holds
+                               position ``j``), head ``h`` to kv head ``h // (Hq // Hkv)``
+=============================  ==================================================================
+
+float32 only; causal attention without a sliding window, soft-capping or sinks (the layers that
+use it check). The numbers equal SDPA's up to summation order, and each query row's do not
+depend on how many rows came with it. Built like :mod:`leapfx.kernels.cpu`'s kernels (its own
+extension, on first use).
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+
+from . import cpu
+
+SOURCE = Path(__file__).with_name("cpu_attention.cpp")
+
+
+@functools.cache
+def available() -> bool:
+    """True once ``leapfx_cpu::attention`` is built and registered (built on the first call)."""
+    if hasattr(torch.ops, "leapfx_cpu") and hasattr(torch.ops.leapfx_cpu, "attention"):
+        return True
+    if not cpu.load_extension("attention", SOURCE, "using SDPA"):
+        return False
+
+    @torch.library.register_fake("leapfx_cpu::attention")
+    def _fake(q, k, v, positions, scale):
+        b, h, s, d = q.shape
+        return q.new_empty((b, s, h, d))
+
+    return True
+
+
+def attention_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """The op's contract in torch: SDPA with a boolean mask over the slots, [B, S, Hq, D]."""
+    group = q.shape[1] // k.shape[1]
+    slots = torch.arange(k.shape[2], device=q.device)
+    mask = slots[None, :] <= positions[:, None]  # [S, L]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), attn_mask=mask,
+        scale=scale,
+    )  # fmt: skip
+    return out.transpose(1, 2).contiguous()

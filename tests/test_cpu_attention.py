@@ -1,0 +1,116 @@
+"""``leapfx_cpu::attention``: causal attention over a cache for CPU decode and verify calls."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_model
+from greedy_check import check_random_prompts
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from leapfx import rewrite
+from leapfx.kernels import cpu_attention
+from leapfx.passes.fuse_layers import FusedDecoderLayer, KernelDecoderLayer
+from leapfx.runtime.cache import StaticKVCache
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    assert cpu_attention.available(), "leapfx_cpu::attention did not build (see the warning)"
+
+
+def _inputs(b, hq, hkv, s, length, d, seed):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, s, hq, d, generator=gen).transpose(1, 2)  # strided, as after rotary
+    k = torch.randn(b, hkv, length, d, generator=gen)
+    v = torch.randn(b, hkv, length, d, generator=gen)
+    return q, k, v
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    b=st.integers(1, 2), hkv=st.sampled_from([1, 2, 4]), group=st.sampled_from([1, 2, 3]),
+    s=st.integers(1, 9), extra=st.integers(0, 70), d=st.sampled_from([4, 16, 33, 48, 64]),
+    seed=st.integers(0, 2**16), shuffle=st.booleans(),
+)  # fmt: skip
+def test_attention_matches_sdpa_with_the_causal_mask(b, hkv, group, s, extra, d, seed, shuffle):
+    length = s + extra
+    q, k, v = _inputs(b, hkv * group, hkv, s, length, d, seed)
+    pos = torch.arange(length - s, length)
+    if shuffle:  # padded verify rows are not in order
+        pos = pos[torch.randperm(s, generator=torch.Generator().manual_seed(seed))]
+    got = torch.ops.leapfx_cpu.attention(q, k, v, pos, d**-0.5)
+    want = cpu_attention.attention_reference(q, k, v, pos, d**-0.5)
+    assert got.shape == (b, s, hkv * group, d)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_slots_past_a_query_are_never_read():
+    # stale keys past the positions (rejected drafts, unwritten slots): NaN there changes nothing
+    q, k, v = _inputs(1, 4, 2, 3, 40, 16, 0)
+    pos = torch.tensor([20, 21, 22])
+    clean = torch.ops.leapfx_cpu.attention(q, k, v, pos, 0.25)
+    k[:, :, 23:], v[:, :, 23:] = float("nan"), float("nan")
+    assert torch.equal(torch.ops.leapfx_cpu.attention(q, k, v, pos, 0.25), clean)
+    prefix = torch.ops.leapfx_cpu.attention(q, k[:, :, :23], v[:, :, :23], pos, 0.25)
+    assert torch.equal(prefix, clean)  # the filled prefix or the whole buffer: same numbers
+
+
+def test_a_rows_result_does_not_depend_on_the_other_rows():
+    # a verify pass's row equals the one-token step at the same position, bit for bit
+    q, k, v = _inputs(1, 4, 2, 5, 90, 48, 3)
+    pos = torch.arange(85, 90)
+    together = torch.ops.leapfx_cpu.attention(q, k, v, pos, 0.144)
+    for i in range(5):
+        alone = torch.ops.leapfx_cpu.attention(q[:, :, i : i + 1], k, v, pos[i : i + 1], 0.144)
+        assert torch.equal(alone[:, 0], together[:, i])
+
+
+def test_bad_inputs_are_refused_with_the_reason():
+    q, k, v = _inputs(1, 4, 2, 2, 10, 8, 0)
+    with pytest.raises(RuntimeError, match="position 10 outside the 10 key slots"):
+        torch.ops.leapfx_cpu.attention(q, k, v, torch.tensor([9, 10]), 1.0)
+    with pytest.raises(RuntimeError, match="positions must be 2 int64 values"):
+        torch.ops.leapfx_cpu.attention(q, k, v, torch.tensor([9]), 1.0)
+    with pytest.raises(RuntimeError, match="float32 only"):
+        torch.ops.leapfx_cpu.attention(q.double(), k, v, torch.tensor([8, 9]), 1.0)
+    with pytest.raises(RuntimeError, match="do not match q"):
+        torch.ops.leapfx_cpu.attention(q, k[:, :1].expand(1, 3, 10, 8), v[:, :1].expand(1, 3, 10, 8),
+                                       torch.tensor([8, 9]), 1.0)  # fmt: skip
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma"])
+def test_kernel_layer_attends_through_it_over_the_cache(arch):
+    model = tiny_model(arch, layers=2)
+    layer = model.model.layers[0]
+    fused, kernel = FusedDecoderLayer(layer), KernelDecoderLayer(layer)
+    assert kernel._kernel_attention and not fused._kernel_attention
+    cfg = model.config
+    outs = []
+    for module in (fused, kernel):
+        cache = StaticKVCache(2, cfg.num_key_value_heads, cfg.head_dim, max_len=16)
+        x = torch.randn(1, 9, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+        for start, n in ((0, 6), (6, 3)):  # a prefill, then a three-row call
+            pos = torch.arange(start, start + n)[None]
+            rope = model.model.rotary_emb(x, pos)
+            mask = torch.full((n, start + n), float("-inf")).triu(start + 1)[None, None]
+            with torch.no_grad():
+                out = module(x[:, start : start + n], attention_mask=mask,
+                             position_embeddings=rope, position_ids=pos,
+                             past_key_values=cache)  # fmt: skip
+        outs.append(out)
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+
+
+def test_sliding_window_layers_keep_the_mask():
+    model = tiny_model("mistral", layers=2, sliding_window=4)
+    assert not KernelDecoderLayer(model.model.layers[0])._kernel_attention
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_layerskip_through_it_is_token_identical_to_hf_greedy(arch):
+    model = tiny_model(arch, layers=4)
+    sm = rewrite.apply(model, "layerskip", exit_layer=2, num_speculations=3, cpu_kernels=True)
+    check_random_prompts(model, sm, (1, 6, 13), 48, seed=2)
+    assert sm.last_metrics.verify_calls > 0
