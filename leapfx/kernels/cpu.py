@@ -45,7 +45,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_gemm.cpp")
-VEC_HEADER = Path(__file__).with_name("cpu_vec.h")  # dot and RMSNorm of the one-call ops
+VEC_HEADER = Path(__file__).with_name("cpu_vec.h")  # register types, dot, RMSNorm
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast")
 # at::parallel_for is inline OpenMP code in ATen's headers (torch's CPU build uses OpenMP);
 # compiled without -fopenmp, every parallel_for of the kernels runs on one thread. Linked
@@ -70,7 +70,7 @@ def available() -> bool:
     """True once the ``leapfx_cpu`` ops are built and registered (built on the first call)."""
     if hasattr(torch.ops, "leapfx_cpu") and hasattr(torch.ops.leapfx_cpu, "small_mm"):
         return True
-    if not load_extension("gemm", SOURCE, "using torch.matmul"):
+    if not load_extension("gemm", SOURCE, "using torch.matmul", (VEC_HEADER,)):
         return False
     _register_fakes()
     return True

@@ -18,17 +18,13 @@
 #include <cstdint>
 #include <vector>
 
+#include "cpu_vec.h"
+
 namespace {
 
-#if defined(__AVX512F__)
-typedef float vec __attribute__((vector_size(64)));
-typedef float vecu __attribute__((vector_size(64), aligned(4)));
-constexpr int kLanes = 16;
-#else
-typedef float vec __attribute__((vector_size(32)));
-typedef float vecu __attribute__((vector_size(32), aligned(4)));
-constexpr int kLanes = 8;
-#endif
+using leapfx_vec::kLanes;
+using leapfx_vec::vec;
+using leapfx_vec::vecu;
 typedef int32_t veci __attribute__((vector_size(sizeof(vec))));
 
 // Sum of a vector's lanes, halving: the same order for every call.
@@ -40,74 +36,48 @@ inline float lanes_sum(vec v) {
   return out[0];
 }
 
-#if defined(__AVX512F__)
-constexpr int kRev[kLanes] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+// Key j's lane in reduce_keys' input: j with its log2(kLanes) bits reversed.
+constexpr int bit_reversed(int j) {
+  int out = 0;
+  for (int w = kLanes / 2, b = 1; w >= 1; w /= 2, b *= 2)
+    if (j & b) out += w;
+  return out;
+}
 
-// a[i] holds the per-lane partial sums of key kRev[i]'s dot product; returns one vector
-// whose lane j is key j's sum. Halving shuffles: each level folds every vector in two and
-// packs two vectors' halves into one (log2(kLanes) levels, no horizontal sums).
+// The shuffles of one halving level (w lanes per half-block): lo takes the first halves of
+// each 2w-lane block of two vectors, hi the second halves.
+inline veci fold_mask(int w, bool high) {
+  veci m;
+  for (int i = 0; i < kLanes; ++i) {
+    const int t = i / (2 * w), r = i % (2 * w);
+    m[i] = (r < w ? 2 * w * t + r : kLanes + 2 * w * t + r - w) + (high ? w : 0);
+  }
+  return m;
+}
+
+struct FoldMasks {
+  veci lo[8], hi[8];
+  FoldMasks() {
+    int level = 0;
+    for (int w = kLanes / 2; w >= 1; w /= 2, ++level) {
+      lo[level] = fold_mask(w, false);
+      hi[level] = fold_mask(w, true);
+    }
+  }
+};
+
+// a[bit_reversed(j)] holds the per-lane partial sums of key j's dot product; returns one vector
+// whose lane j is key j's sum. Each level folds every vector in two and packs two vectors'
+// halves into one (log2(kLanes) levels of shuffles, no horizontal sums).
 inline vec reduce_keys(vec* a) {
-  {
-    const veci lo = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
-    const veci hi = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
-    for (int i = 0; i < 8; ++i)
-      a[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], lo) +
-             __builtin_shuffle(a[2 * i], a[2 * i + 1], hi);
-  }
-  {
-    const veci lo = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
-    const veci hi = {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31};
-    for (int i = 0; i < 4; ++i)
-      a[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], lo) +
-             __builtin_shuffle(a[2 * i], a[2 * i + 1], hi);
-  }
-  {
-    const veci lo = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
-    const veci hi = {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31};
-    for (int i = 0; i < 2; ++i)
-      a[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], lo) +
-             __builtin_shuffle(a[2 * i], a[2 * i + 1], hi);
-  }
-  {
-    const veci lo = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
-    const veci hi = {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31};
-    for (int i = 0; i < 1; ++i)
-      a[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], lo) +
-             __builtin_shuffle(a[2 * i], a[2 * i + 1], hi);
-  }
+  static const FoldMasks masks;
+  int level = 0;
+  for (int n = kLanes / 2; n >= 1; n /= 2, ++level)
+    for (int i = 0; i < n; ++i)
+      a[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], masks.lo[level]) +
+             __builtin_shuffle(a[2 * i], a[2 * i + 1], masks.hi[level]);
   return a[0];
 }
-#else
-constexpr int kRev[kLanes] = {0, 4, 2, 6, 1, 5, 3, 7};
-
-// a[i] holds the per-lane partial sums of key kRev[i]'s dot product; returns one vector
-// whose lane j is key j's sum. Halving shuffles: each level folds every vector in two and
-// packs two vectors' halves into one (log2(kLanes) levels, no horizontal sums).
-inline vec reduce_keys(vec* a) {
-  {
-    const veci lo = {0, 1, 2, 3, 8, 9, 10, 11};
-    const veci hi = {4, 5, 6, 7, 12, 13, 14, 15};
-    for (int i = 0; i < 4; ++i)
-      a[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], lo) +
-             __builtin_shuffle(a[2 * i], a[2 * i + 1], hi);
-  }
-  {
-    const veci lo = {0, 1, 8, 9, 4, 5, 12, 13};
-    const veci hi = {2, 3, 10, 11, 6, 7, 14, 15};
-    for (int i = 0; i < 2; ++i)
-      a[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], lo) +
-             __builtin_shuffle(a[2 * i], a[2 * i + 1], hi);
-  }
-  {
-    const veci lo = {0, 8, 2, 10, 4, 12, 6, 14};
-    const veci hi = {1, 9, 3, 11, 5, 13, 7, 15};
-    for (int i = 0; i < 1; ++i)
-      a[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], lo) +
-             __builtin_shuffle(a[2 * i], a[2 * i + 1], hi);
-  }
-  return a[0];
-}
-#endif
 
 // exp(x) for x <= 0 (softmax weights after subtracting the row maximum), lane by lane:
 // 2^k * p(r) with x = k ln2 + r, |r| <= ln2 / 2 and p Cephes' expf polynomial (relative error
@@ -141,7 +111,7 @@ void attend_row(const float* qr, const float* kb, int64_t kl, const float* vb, i
   for (int64_t j0 = 0; j0 < n; j0 += kLanes) {  // kLanes keys' scores at a time
     vec a[kLanes];
     for (int i = 0; i < kLanes; ++i) {
-      const int64_t j = j0 + kRev[i];
+      const int64_t j = j0 + bit_reversed(i);
       vec acc = vec{};
       if (j < n) {
         const float* kr = kb + j * kl;

@@ -38,7 +38,7 @@ def available() -> bool:
     """True once ``leapfx_cpu::attention`` is built and registered (built on the first call)."""
     if hasattr(torch.ops, "leapfx_cpu") and hasattr(torch.ops.leapfx_cpu, "attention"):
         return True
-    if not cpu.load_extension("attention", SOURCE, "using SDPA"):
+    if not cpu.load_extension("attention", SOURCE, "using SDPA", (cpu.VEC_HEADER,)):
         return False
 
     @torch.library.register_fake("leapfx_cpu::attention")

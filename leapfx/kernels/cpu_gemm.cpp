@@ -20,20 +20,14 @@
 #include <algorithm>
 #include <cmath>
 
+#include "cpu_vec.h"
+
 namespace {
 
-// One register's worth of floats: a 16-float block is one AVX-512 register or two AVX ones.
-// Both give every column the same fused multiply-adds in the same order, so results do not
-// depend on which one the build used.
-#if defined(__AVX512F__)
-typedef float vec __attribute__((vector_size(64)));
-typedef float vecu __attribute__((vector_size(64), aligned(4)));  // unaligned loads and stores
-constexpr int kLanes = 16;
-#else
-typedef float vec __attribute__((vector_size(32)));
-typedef float vecu __attribute__((vector_size(32), aligned(4)));
-constexpr int kLanes = 8;
-#endif
+// One register's worth of floats (cpu_vec.h): results do not depend on which one the build used.
+using leapfx_vec::kLanes;
+using leapfx_vec::vec;
+using leapfx_vec::vecu;
 
 constexpr int64_t kBlock = 16;  // output columns per register block
 constexpr int kParts = kBlock / kLanes;  // registers per block row

@@ -1,4 +1,5 @@
-// Vector helpers shared by leapfx's one-call CPU ops (cpu_specee.cpp, cpu_m2r2.cpp). Each op is
+// Vector helpers shared by leapfx's CPU ops (cpu_gemm.cpp, cpu_attention.cpp, cpu_specee.cpp,
+// cpu_m2r2.cpp). Each op is
 // its own extension; this header is compiled into each (load_extension names the build after
 // the headers' contents too, so that a change here rebuilds them).
 #pragma once
@@ -7,6 +8,19 @@
 #include <cstdint>
 
 namespace leapfx_vec {
+
+// One register's worth of floats (cpu_gemm.cpp, cpu_attention.cpp): one AVX-512 register, or
+// one AVX register where the build has no AVX-512. A 16-float block is one AVX-512 register or
+// two AVX ones; both give every column the same fused multiply-adds in the same order.
+#if defined(__AVX512F__)
+typedef float vec __attribute__((vector_size(64)));
+typedef float vecu __attribute__((vector_size(64), aligned(4)));  // unaligned loads and stores
+constexpr int kLanes = 16;
+#else
+typedef float vec __attribute__((vector_size(32)));
+typedef float vecu __attribute__((vector_size(32), aligned(4)));
+constexpr int kLanes = 8;
+#endif
 
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v8u __attribute__((vector_size(32), aligned(4)));  // unaligned loads
