@@ -382,8 +382,11 @@ def _onnx_threads_line(rows, flag: str) -> None:
         timing = row.extra.get("onnx_split_verify_timing") or {}
         per = ", ".join(f"{k}: {s * 1e3:.2f} ms/token" for k, s in sorted(timing.items()))
         how = f" (the faster: {per})" if per else ""
-        kind = "split (the draft stage, then its upper part)" if row.extra["onnx_split_verify"] \
+        kind = (
+            "split (the draft stage, then its upper part)"
+            if row.extra["onnx_split_verify"]
             else "whole (the exported verify graph)"
+        )
         print(f"  {row.system}: verify {kind}{how}")
     for row in rows:  # a split verify's upper part timed apart (OnnxModel verify_threads)
         if "onnx_verify_threads" not in row.extra and "onnx_verify_threads_timing" not in row.extra:
@@ -877,7 +880,8 @@ def build_parser() -> argparse.ArgumentParser:
         "per export); it uses a core the autoregressive row does not",
     )  # fmt: skip
     bench.add_argument(
-        "--onnx-split-verify", default="auto", choices=("auto", "on", "off"),  # harness.SPLIT_VERIFY
+        # the choices are harness.SPLIT_VERIFY (not imported here: the parser stays light)
+        "--onnx-split-verify", default="auto", choices=("auto", "on", "off"),
         help="layerskip's verify on onnxruntime as the draft stage then verify's upper part "
         "(on), or as the one exported verify graph (off); auto: the faster, timed per export",
     )  # fmt: skip

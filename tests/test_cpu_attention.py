@@ -76,8 +76,8 @@ def test_bad_inputs_are_refused_with_the_reason():
     with pytest.raises(RuntimeError, match="float32 only"):
         torch.ops.leapfx_cpu.attention(q.double(), k, v, torch.tensor([8, 9]), 1.0)
     with pytest.raises(RuntimeError, match="do not match q"):
-        torch.ops.leapfx_cpu.attention(q, k[:, :1].expand(1, 3, 10, 8), v[:, :1].expand(1, 3, 10, 8),
-                                       torch.tensor([8, 9]), 1.0)  # fmt: skip
+        three = k[:, :1].expand(1, 3, 10, 8)  # 3 kv heads for 4 query heads
+        torch.ops.leapfx_cpu.attention(q, three, three, torch.tensor([8, 9]), 1.0)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma"])

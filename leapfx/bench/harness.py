@@ -486,8 +486,6 @@ def _backend(config: BenchConfig, backend: str):
         return compile_
     import tempfile
 
-    from ..export.ort_runtime import SplitVerify
-
     root = config.export_dir or tempfile.mkdtemp(prefix="leapfx-bench-onnx-")
     chosen: dict = {}  # one thread count for every onnxruntime row of the run
 
