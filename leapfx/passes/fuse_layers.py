@@ -283,8 +283,10 @@ class KernelDecoderLayer(FusedDecoderLayer):
     Three kernel calls per layer: q, k and v as one product (their weights packed side by
     side), the output projection, and the gated MLP as one call (``gated_mlp``) when the
     activation is SiLU without biases (otherwise gate and up are one product, then the
-    activation, then down). Each weight is read once for all the rows of a verify pass (see
-    ``leapfx.kernels.cpu``). The packed weights are copies made when the module is built, as
+    activation, then down). Plain causal attention (no sliding window, soft-capping or sinks)
+    runs ``leapfx_cpu::attention`` over the cache at the layer's positions
+    (``leapfx.kernels.cpu_attention``) where it builds, instead of SDPA behind a mask. Each
+    weight is read once for all the rows of a verify pass (see ``leapfx.kernels.cpu``). The packed weights are copies made when the module is built, as
     in ``TransposedDecoderLayer``: the same math up to summation order.
     """
 

@@ -11,7 +11,9 @@ so every call has new shapes. A compiled stage cannot: each new shape would be a
   ``j`` holds position ``j``, and query ``q`` sees it iff ``j <= q`` (and ``j > q - window``
   under a sliding window). Slots past a query, including stale ones left by rejected drafts,
   are masked; every slot ``<= q`` was written by a real token before any query reads it, since
-  the schedules write positions in order and roll back only by lengths.
+  the schedules write positions in order and roll back only by lengths. (Layers with the CPU
+  kernels attend through ``leapfx_cpu::attention`` instead, which reads each query's slots up
+  to its position only: the same rule without reading the masked slots.)
 
 So a stage has one shape per token count: the draft step and an autoregressive step always see
 one token; prefill sees the prompt length (compiled once with a dynamic length) and verify sees
