@@ -286,8 +286,9 @@ class KernelDecoderLayer(FusedDecoderLayer):
     activation, then down). Plain causal attention (no sliding window, soft-capping or sinks)
     runs ``leapfx_cpu::attention`` over the cache at the layer's positions
     (``leapfx.kernels.cpu_attention``) where it builds, instead of SDPA behind a mask. Each
-    weight is read once for all the rows of a verify pass (see ``leapfx.kernels.cpu``). The packed weights are copies made when the module is built, as
-    in ``TransposedDecoderLayer``: the same math up to summation order.
+    weight is read once for all the rows of a verify pass (see ``leapfx.kernels.cpu``). The
+    packed weights are copies made when the module is built, as in ``TransposedDecoderLayer``:
+    the same math up to summation order.
     """
 
     def __init__(self, layer: nn.Module) -> None:
