@@ -91,7 +91,7 @@ def test_kernel_layer_attends_through_it_over_the_cache(arch):
     for module in (fused, kernel):
         cache = StaticKVCache(2, cfg.num_key_value_heads, cfg.head_dim, max_len=16)
         x = torch.randn(1, 9, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
-        for start, n in ((0, 6), (6, 3)):  # a prefill, then a three-row call
+        for start, n in ((0, 6), (6, 1), (7, 1)):  # a prefill, then one-token steps
             pos = torch.arange(start, start + n)[None]
             rope = model.model.rotary_emb(x, pos)
             mask = torch.full((n, start + n), float("-inf")).triu(start + 1)[None, None]
@@ -101,6 +101,33 @@ def test_kernel_layer_attends_through_it_over_the_cache(arch):
                              past_key_values=cache)  # fmt: skip
         outs.append(out)
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+
+
+def test_eager_layers_send_one_row_through_it_and_verify_rows_to_sdpa(monkeypatch):
+    # over the filled prefix of an eager cache several rows stay with SDPA (faster there)
+    from leapfx.passes import fuse_layers
+
+    model = tiny_model("llama", layers=2)
+    kernel = KernelDecoderLayer(model.model.layers[0])
+    cfg = model.config
+    calls = []
+    real = torch.ops.leapfx_cpu.attention
+
+    def spy(*args):
+        calls.append(args[0].shape[2])  # query rows
+        return real(*args)
+
+    monkeypatch.setattr(fuse_layers.torch.ops.leapfx_cpu, "attention", spy, raising=False)
+    cache = StaticKVCache(2, cfg.num_key_value_heads, cfg.head_dim, max_len=16)
+    x = torch.randn(1, 5, cfg.hidden_size)
+    for start, n in ((0, 4), (4, 1)):
+        pos = torch.arange(start, start + n)[None]
+        mask = torch.full((n, start + n), float("-inf")).triu(start + 1)[None, None]
+        with torch.no_grad():
+            kernel(x[:, start : start + n], attention_mask=mask,
+                   position_embeddings=model.model.rotary_emb(x, pos), position_ids=pos,
+                   past_key_values=cache)  # fmt: skip
+    assert calls == [1]
 
 
 def test_sliding_window_layers_keep_the_mask():

@@ -44,6 +44,15 @@ constexpr int bit_reversed(int j) {
   return out;
 }
 
+struct BitReversed {
+  int at[kLanes];
+  constexpr BitReversed() : at() {
+    for (int i = 0; i < kLanes; ++i) at[i] = bit_reversed(i);
+  }
+};
+constexpr BitReversed kRevTable;
+constexpr const int* kRev = kRevTable.at;
+
 // The shuffles of one halving level (w lanes per half-block): lo takes the first halves of
 // each 2w-lane block of two vectors, hi the second halves.
 inline veci fold_mask(int w, bool high) {
@@ -111,15 +120,17 @@ void attend_row(const float* qr, const float* kb, int64_t kl, const float* vb, i
   for (int64_t j0 = 0; j0 < n; j0 += kLanes) {  // kLanes keys' scores at a time
     vec a[kLanes];
     for (int i = 0; i < kLanes; ++i) {
-      const int64_t j = j0 + bit_reversed(i);
+      const int64_t j = j0 + kRev[i];
       vec acc = vec{};
       if (j < n) {
         const float* kr = kb + j * kl;
         for (int64_t c = 0; c < nd; ++c)
           acc += *(const vecu*)(qr + c * kLanes) * *(const vecu*)(kr + c * kLanes);
-        float tail = 0.0f;
-        for (int64_t d = dv; d < D; ++d) tail += qr[d] * kr[d];
-        acc[0] += tail;
+        if (dv < D) {  // a lane insert per key: only where D has a tail
+          float tail = 0.0f;
+          for (int64_t d = dv; d < D; ++d) tail += qr[d] * kr[d];
+          acc[0] += tail;
+        }
       }
       a[i] = acc;
     }

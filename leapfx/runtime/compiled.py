@@ -77,6 +77,7 @@ class SlotKVCache:
     """
 
     is_compileable = True
+    whole_buffer = True  # update() returns every slot, not the filled prefix
 
     def __init__(
         self,
