@@ -103,10 +103,15 @@ def test_kernel_layer_attends_through_it_over_the_cache(arch):
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
 
 
-def test_eager_layers_send_one_row_through_it_and_verify_rows_to_sdpa(monkeypatch):
-    # over the filled prefix of an eager cache several rows stay with SDPA (faster there)
+@pytest.mark.parametrize("max_keys, expected", [(256, [4, 1]), (3, [1])])
+def test_eager_layers_send_verify_rows_to_sdpa_past_the_key_threshold(
+    monkeypatch, max_keys, expected
+):
+    # one row always goes through the kernel; several rows only up to KERNEL_ROWS_MAX_KEYS
+    # keys (past it SDPA's blocked products are faster)
     from leapfx.passes import fuse_layers
 
+    monkeypatch.setattr(fuse_layers, "KERNEL_ROWS_MAX_KEYS", max_keys)
     model = tiny_model("llama", layers=2)
     kernel = KernelDecoderLayer(model.model.layers[0])
     cfg = model.config
@@ -127,7 +132,7 @@ def test_eager_layers_send_one_row_through_it_and_verify_rows_to_sdpa(monkeypatc
             kernel(x[:, start : start + n], attention_mask=mask,
                    position_embeddings=model.model.rotary_emb(x, pos), position_ids=pos,
                    past_key_values=cache)  # fmt: skip
-    assert calls == [1]
+    assert calls == expected
 
 
 def test_sliding_window_layers_keep_the_mask():

@@ -16,7 +16,13 @@ from hypothesis import strategies as st
 from leapfx import rewrite
 from leapfx.bench.harness import BenchConfig, use_cpu_kernels
 from leapfx.kernels import cpu
-from leapfx.passes.fuse_layers import FusedDecoderLayer, KernelDecoderLayer, KernelLinear
+from leapfx.passes.fuse_layers import (
+    FusedDecoderLayer,
+    KernelDecoderLayer,
+    KernelLinear,
+    KernelRMSNorm,
+    RotaryTable,
+)
 from leapfx.runtime.compiled import CompileOptions
 
 
@@ -88,6 +94,76 @@ def test_bad_inputs_are_refused_with_the_reason():
         torch.ops.leapfx_cpu.small_mm(torch.randn(2, 8), wp, 40)
     with pytest.raises(RuntimeError, match="must be packed"):
         torch.ops.leapfx_cpu.small_mm(torch.randn(2, 8), torch.randn(8, 20), 20)
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 9), h=st.integers(1, 70), offset=st.sampled_from([0.0, 1.0]),
+       seed=st.integers(0, 2**16))  # fmt: skip
+def test_rms_norm_op_matches_torch_and_rows_are_independent(rows, h, offset, seed):
+    g = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(1, rows, h, generator=g), torch.randn(h, generator=g)
+    got = torch.ops.leapfx_cpu.rms_norm(x, w, 1e-6, offset)
+    want = torch.nn.functional.rms_norm(x, (h,), w + offset, 1e-6)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for r in range(rows):  # a row alone gives the same bits as among the others
+        assert torch.equal(torch.ops.leapfx_cpu.rms_norm(x[:, r], w, 1e-6, offset), got[:, r])
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_rope_op_gives_hf_rotary_bit_for_bit(arch):
+    # q and k as the layers pass them: views of one projection, transposed (strided)
+    model = tiny_model(arch, layers=1)
+    cfg = model.config
+    hq, hk, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    apply_rope = type(model.model.layers[0].self_attn).__module__
+    apply_rope = __import__(apply_rope, fromlist=["x"]).apply_rotary_pos_emb
+    for s in (1, 5):
+        qkv = torch.randn(1, s, (hq + 2 * hk) * d)
+        q = qkv[..., : hq * d].view(1, s, hq, d).transpose(1, 2)
+        k = qkv[..., hq * d : (hq + hk) * d].view(1, s, hk, d).transpose(1, 2)
+        cos, sin = model.model.rotary_emb(qkv, torch.arange(60, 60 + s)[None])
+        want, got = apply_rope(q, k, cos, sin), torch.ops.leapfx_cpu.rope(q, k, cos, sin)
+        assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+
+
+def test_rms_norm_and_rope_ops_refuse_bad_inputs_with_the_reason():
+    with pytest.raises(RuntimeError, match=r"weight \[8\] expected"):
+        torch.ops.leapfx_cpu.rms_norm(torch.randn(2, 8), torch.randn(7), 1e-6, 0.0)
+    with pytest.raises(RuntimeError, match="float32 CPU tensors only"):
+        torch.ops.leapfx_cpu.rms_norm(torch.randn(2, 8).double(), torch.randn(8), 1e-6, 0.0)
+    q, k, cs = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 3, 8), torch.randn(1, 3, 8)
+    with pytest.raises(RuntimeError, match="even D"):
+        torch.ops.leapfx_cpu.rope(q[..., :7], k[..., :7], cs[..., :7], cs[..., :7])
+    with pytest.raises(RuntimeError, match="cos, sin"):
+        torch.ops.leapfx_cpu.rope(q, k, cs[:, :2], cs[:, :2])
+    with pytest.raises(RuntimeError, match="differ in B or S"):
+        torch.ops.leapfx_cpu.rope(q, k[:, :, :2], cs, cs)
+
+
+def test_rotary_table_gives_the_modules_values_and_falls_back_past_its_end():
+    model = tiny_model("llama", layers=1)
+    rotary = model.model.rotary_emb
+    table = RotaryTable.of(rotary, 64, torch.float32, torch.device("cpu"))
+    assert table is not None
+    x = torch.zeros(1, 1, 1)
+    ends = (torch.tensor([[0]]), torch.tensor([[63]]))
+    for ids in (*ends, torch.arange(30, 35)[None], torch.arange(60, 70)[None]):  # 60..69: past it
+        want, got = rotary(x, ids), table(x, ids)
+        assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+    rotary.rope_type = "dynamic"  # an inv_freq that moves with the length: no table
+    assert RotaryTable.of(rotary, 64, torch.float32, torch.device("cpu")) is None
+
+
+def test_eager_kernel_stages_use_the_norm_rope_and_rotary_ops():
+    model = tiny_model("llama", layers=4)
+    sm = rewrite.apply(model, "layerskip", exit_layer=2, num_speculations=3, cpu_kernels=True)
+    mods = [m for st in sm._executors.values() for m in st.modules()]
+    assert any(isinstance(m, KernelRMSNorm) for m in mods)
+    assert any(isinstance(m, RotaryTable) for m in mods)
+    layer = next(m for m in mods if isinstance(m, KernelDecoderLayer))
+    assert layer._rope.__qualname__.startswith("_kernel_rope")
+    assert layer._norm_in.__qualname__.startswith("_rms_norm")
+    check_random_prompts(model, sm, (1, 6), 32, seed=2)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma", "qwen3"])

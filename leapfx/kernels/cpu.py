@@ -173,6 +173,14 @@ def _register_fakes() -> None:
     def _gated_mlp_fake(x, w_gate_up, i2: int, w_down, k_out: int) -> torch.Tensor:
         return x.new_empty((*x.shape[:-1], k_out))
 
+    @torch.library.register_fake("leapfx_cpu::rms_norm")
+    def _rms_norm_fake(x, w, eps: float, offset: float) -> torch.Tensor:
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+    @torch.library.register_fake("leapfx_cpu::rope")
+    def _rope_fake(q, k, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        return q.new_empty(q.shape), k.new_empty(k.shape)
+
 
 BLOCK = 16  # output columns per block of a packed weight
 

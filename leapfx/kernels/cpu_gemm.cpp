@@ -173,14 +173,80 @@ at::Tensor gated_mlp(const at::Tensor& x, const at::Tensor& w_gate_up, int64_t i
   matmul_rows(xc.data_ptr<float>(), K, M, w_gate_up.data_ptr<float>(), K, i2, g, i2);
   for (int64_t m = 0; m < M; ++m) {  // silu(gate) * up, into the gate half
     float* row = g + m * i2;
-    for (int64_t i = 0; i < I; ++i) {
-      const float a = row[i];
-      row[i] = a / (1.0f + std::exp(-a)) * row[I + i];
-    }
+    leapfx_vec::silu_mul(row, row + I, I);
   }
   at::Tensor y = at::empty(out_shape(x, k_out), x.options());
   matmul_rows(g, i2, M, w_down.data_ptr<float>(), I, k_out, y.data_ptr<float>(), k_out);
   return y;
+}
+
+// RMSNorm over the last dim (leapfx_vec::rms_norm: HF's float32 math, one row at a time).
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, double offset) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat,
+              "leapfx_cpu::rms_norm: float32 CPU tensors only, got ", x.scalar_type(), " and ",
+              w.scalar_type());
+  const int64_t H = x.size(-1);
+  TORCH_CHECK(w.dim() == 1 && w.size(0) == H, "leapfx_cpu::rms_norm: weight [", H,
+              "] expected, got ", w.sizes());
+  const at::Tensor xc = x.contiguous(), wc = w.contiguous();
+  at::Tensor y = at::empty_like(xc);
+  const float *xp = xc.data_ptr<float>(), *wp = wc.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  for (int64_t r = 0, rows = H ? xc.numel() / H : 0; r < rows; ++r)
+    leapfx_vec::rms_norm(xp + r * H, wp, H, eps, offset, yp + r * H);
+  return y;
+}
+
+// HF's rotary: t * cos + rotate_half(t) * sin, rotate_half(t) = [-t2, t1] over the halves of
+// the last dim, for t [B, heads, S, D] (any strides but the last dim's) and cos, sin [B, S, D].
+// The products are rounded before the sum, as in torch's two multiplies and one add (no fused
+// multiply-add, whatever the build's flags): the same values as HF's six ops.
+__attribute__((optimize("fp-contract=off"))) void rope_into(const at::Tensor& t,
+                                                            const at::Tensor& cos,
+                                                            const at::Tensor& sin,
+                                                            at::Tensor& out) {
+  const int64_t B = t.size(0), Hn = t.size(1), S = t.size(2), D = t.size(3), half = D / 2;
+  const float* tp = t.data_ptr<float>();
+  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < Hn; ++h)
+      for (int64_t s = 0; s < S; ++s) {
+        const float* x = tp + b * t.stride(0) + h * t.stride(1) + s * t.stride(2);
+        const float* c = cp + (b * S + s) * D;
+        const float* n = sp + (b * S + s) * D;
+        float* o = op + ((b * Hn + h) * S + s) * D;
+        for (int64_t d = 0; d < half; ++d) {
+          const float a = x[d] * c[d], r = (-x[d + half]) * n[d];
+          o[d] = a + r;
+        }
+        for (int64_t d = half; d < D; ++d) {
+          const float a = x[d] * c[d], r = x[d - half] * n[d];
+          o[d] = a + r;
+        }
+      }
+}
+
+std::tuple<at::Tensor, at::Tensor> rope(const at::Tensor& q, const at::Tensor& k,
+                                        const at::Tensor& cos, const at::Tensor& sin) {
+  for (const at::Tensor* t : {&q, &k, &cos, &sin})
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat,
+                "leapfx_cpu::rope: float32 CPU tensors only, got ", t->scalar_type());
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && q.size(3) == k.size(3) && q.size(3) % 2 == 0 &&
+                  q.size(3) > 0 && q.stride(3) == 1 && k.stride(3) == 1,
+              "leapfx_cpu::rope: q, k [B, heads, S, D] with an even D and a contiguous last "
+              "dim expected, got ", q.sizes(), " and ", k.sizes());
+  TORCH_CHECK(q.size(0) == k.size(0) && q.size(2) == k.size(2), "leapfx_cpu::rope: q ",
+              q.sizes(), " and k ", k.sizes(), " differ in B or S");
+  const std::vector<int64_t> cs = {q.size(0), q.size(2), q.size(3)};
+  TORCH_CHECK(cos.sizes() == at::IntArrayRef(cs) && sin.sizes() == at::IntArrayRef(cs),
+              "leapfx_cpu::rope: cos, sin ", at::IntArrayRef(cs), " expected, got ", cos.sizes(),
+              " and ", sin.sizes());
+  const at::Tensor c = cos.contiguous(), n = sin.contiguous();
+  at::Tensor qo = at::empty(q.sizes(), q.options()), ko = at::empty(k.sizes(), k.options());
+  rope_into(q, c, n, qo);
+  rope_into(k, c, n, ko);
+  return {qo, ko};
 }
 
 }  // namespace
@@ -188,9 +254,13 @@ at::Tensor gated_mlp(const at::Tensor& x, const at::Tensor& w_gate_up, int64_t i
 TORCH_LIBRARY(leapfx_cpu, m) {
   m.def("small_mm(Tensor x, Tensor wp, int n) -> Tensor");
   m.def("gated_mlp(Tensor x, Tensor w_gate_up, int i2, Tensor w_down, int k_out) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor w, float eps, float offset) -> Tensor");
+  m.def("rope(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(leapfx_cpu, CPU, m) {
   m.impl("small_mm", &small_mm);
   m.impl("gated_mlp", &gated_mlp);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("rope", &rope);
 }

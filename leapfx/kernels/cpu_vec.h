@@ -22,6 +22,48 @@ typedef float vecu __attribute__((vector_size(32), aligned(4)));
 constexpr int kLanes = 8;
 #endif
 
+typedef int32_t veci __attribute__((vector_size(sizeof(vec))));  // lane masks and bits
+
+// exp(x) lane by lane: 2^k * p(r) with x = k ln2 + r, |r| <= ln2 / 2 and p Cephes' expf
+// polynomial (relative error ~2e-7, like expf); 0 below -87 (and for -inf), +inf above 88.
+// Each lane's result depends on that lane's x only.
+inline vec exp(vec x) {
+  const veci low = x < -87.0f, high = x > 88.0f;
+  x = low ? vec{} - 87.0f : x;
+  x = high ? vec{} + 88.0f : x;
+  const vec kf = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
+  const vec r = x - kf * 0.693359375f + kf * 2.12194440e-4f;
+  vec p = vec{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const veci bits = (__builtin_convertvector(kf, veci) + 127) << 23;
+  vec scale;
+  __builtin_memcpy(&scale, &bits, sizeof(vec));
+  const vec out = low ? vec{} : p * scale;
+  return high ? vec{} + __builtin_inff() : out;
+}
+
+// silu(g) * u over n floats, in place into g: g / (1 + exp(-g)) * u, vectorised (the tail
+// through one padded vector), each element from its own g and u only.
+inline void silu_mul(float* g, const float* u, int64_t n) {
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    const vec a = *(const vecu*)(g + i);
+    *(vecu*)(g + i) = a / (1.0f + exp(vec{} - a)) * *(const vecu*)(u + i);
+  }
+  if (i < n) {
+    float ga[kLanes] = {}, ua[kLanes] = {};
+    for (int64_t j = i; j < n; ++j) ga[j - i] = g[j], ua[j - i] = u[j];
+    const vec a = *(const vecu*)ga;
+    *(vecu*)ga = a / (1.0f + exp(vec{} - a)) * *(const vecu*)ua;
+    for (int64_t j = i; j < n; ++j) g[j] = ga[j - i];
+  }
+}
+
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v8u __attribute__((vector_size(32), aligned(4)));  // unaligned loads
 

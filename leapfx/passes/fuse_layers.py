@@ -51,6 +51,11 @@ def _attention_functions(attn: nn.Module):
     return module.apply_rotary_pos_emb, attention
 
 
+# Eager stages: up to this many keys, several query rows (a verify pass) attend through
+# leapfx_cpu::attention too; past it through SDPA (see _attend).
+KERNEL_ROWS_MAX_KEYS = 256
+
+
 def _attend(
     owner, attn, q, k, v, position_embeddings, past_key_values, attention_mask, shape,
     position_ids=None,
@@ -70,11 +75,16 @@ def _attend(
             owner._kernel_attention
             and position_ids is not None
             and position_ids.shape[0] == 1
-            and (q.shape[2] == 1 or getattr(past_key_values, "whole_buffer", False))
+            and (
+                q.shape[2] == 1
+                or k.shape[2] <= KERNEL_ROWS_MAX_KEYS
+                or getattr(past_key_values, "whole_buffer", False)
+            )
         ):
-            # One query row; or a compiled stage's rows over the whole buffer (the other choice
-            # there is masked attention over every slot). Several rows over a filled prefix stay
-            # with SDPA, whose blocked products are ~2x faster at 5 rows over 1024 keys.
+            # One query row; several over a short prefix; or a compiled stage's rows over the
+            # whole buffer (the other choice there is masked attention over every slot). Several
+            # rows over a long prefix stay with SDPA, whose blocked products are ~2x faster at 5
+            # rows over 1024 keys.
             out = torch.ops.leapfx_cpu.attention(q, k, v, position_ids[0], attn.scaling)
             return out.reshape(*shape, -1)  # [B, S, heads, D], contiguous
     out, _ = owner._attention(
@@ -100,6 +110,8 @@ class FusedDecoderLayer(nn.Module):
         self._attn_kwargs = {} if type(layer).__name__ == "LlamaDecoderLayer" else {
             "sliding_window": window
         }  # fmt: skip
+        self._norm_in = layer.input_layernorm.forward
+        self._norm_post = layer.post_attention_layernorm.forward
 
     def _linear(self, x: torch.Tensor, module: nn.Linear, name: str) -> torch.Tensor:
         return F.linear(x, module.weight, module.bias)
@@ -115,7 +127,7 @@ class FusedDecoderLayer(nn.Module):
         layer = self.layer
         attn = layer.self_attn
         residual = hidden_states
-        h = layer.input_layernorm.forward(hidden_states)
+        h = self._norm_in(hidden_states)
         input_shape = h.shape[:-1]
         hidden_shape = (*input_shape, -1, attn.head_dim)  # [B, S, heads, D]
         q, k, v = (t.view(hidden_shape) for t in self._qkv(h, attn))
@@ -128,7 +140,7 @@ class FusedDecoderLayer(nn.Module):
         )  # fmt: skip
         hidden_states = residual + self._linear(out, attn.o_proj, "o")
         residual = hidden_states
-        h = layer.post_attention_layernorm.forward(hidden_states)
+        h = self._norm_post(hidden_states)
         return residual + self._mlp(h, layer.mlp)
 
     def _qkv(self, h: torch.Tensor, attn: nn.Module) -> tuple[torch.Tensor, ...]:
@@ -321,6 +333,10 @@ class KernelDecoderLayer(FusedDecoderLayer):
         if attn.config._attn_implementation == "sdpa":
             self._attention = _sdpa_gqa
         self._kernel_attention = _plain_causal(attn, self._attn_kwargs) and _attention_kernel()
+        # RMSNorms and the rotary as one op each where they cover the model (see _rms_norm)
+        self._norm_in = _rms_norm(layer.input_layernorm)
+        self._norm_post = _rms_norm(layer.post_attention_layernorm)
+        self._rope = _kernel_rope(self._rope)
         gate_up = torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()])
         self._gate_up_out = gate_up.shape[0]
         self._down_out = mlp.down_proj.out_features
@@ -398,6 +414,121 @@ class KernelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.ops.leapfx_cpu.small_mm(x, self.weight_packed, self.out_features)
         return out if self.bias is None else out + self.bias
+
+
+def _rms_norm(norm: nn.Module):
+    """``norm.forward``, or where :func:`leapfx.passes.accelerator.rms_params` finds it an
+    RMSNorm: one ``leapfx_cpu::rms_norm`` call on float32 CPU inputs in eager code (HF's math up
+    to summation order; seven ATen ops otherwise), one ``F.rms_norm`` (HF's values) when
+    compiling or on other inputs."""
+    from .accelerator import rms_params  # accelerator imports this module
+
+    found = rms_params(norm)
+    if found is None:
+        return norm.forward
+    weight, eps, offset = found
+    w = weight.detach() + offset if offset else weight.detach()
+    shape = (weight.shape[0],)
+    raw = weight.detach()
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling() or x.dtype != torch.float32 or not x.device.type == "cpu":
+            return F.rms_norm(x, shape, w, eps)
+        return torch.ops.leapfx_cpu.rms_norm(x, raw, eps, offset)
+
+    return forward
+
+
+def _kernel_rope(rope):
+    """HF's ``apply_rotary_pos_emb`` as one ``leapfx_cpu::rope`` call in eager code, where the
+    op gives exactly its values on a probe (six ATen ops a call otherwise); ``rope`` itself
+    when compiling, on other inputs, or where the probe differs (partial or interleaved
+    rotary)."""
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, 4, 3, 16, generator=gen), torch.randn(1, 2, 3, 16, generator=gen)
+    cos, sin = torch.randn(1, 3, 16, generator=gen), torch.randn(1, 3, 16, generator=gen)
+    try:
+        want = rope(q, k, cos, sin)
+        got = torch.ops.leapfx_cpu.rope(q, k, cos, sin)
+        same = all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+    except Exception:  # another signature or shape rule: keep HF's
+        same = False
+    if not same:
+        return rope
+
+    def forward(q, k, cos, sin, *args, **kwargs):
+        if (
+            args or kwargs or torch.compiler.is_compiling() or cos.dim() != 3
+            or q.dtype != torch.float32 or q.device.type != "cpu"
+        ):  # fmt: skip
+            return rope(q, k, cos, sin, *args, **kwargs)
+        return torch.ops.leapfx_cpu.rope(q, k, cos, sin)
+
+    return forward
+
+
+class KernelRMSNorm(nn.Module):
+    """An RMSNorm module as one op (:func:`_rms_norm`): built only where
+    :func:`leapfx.passes.accelerator.rms_params` finds it an RMSNorm on a probe."""
+
+    def __init__(self, norm: nn.Module) -> None:
+        super().__init__()
+        self.norm = norm
+        self._forward = _rms_norm(norm)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._forward(x)
+
+    @staticmethod
+    def covers(norm: nn.Module) -> bool:
+        from .accelerator import rms_params
+
+        return type(norm).__name__.endswith("RMSNorm") and rms_params(norm) is not None
+
+
+class RotaryTable(nn.Module):
+    """A rotary embedding module's (cos, sin) read from a table of every position below
+    ``max_positions`` instead of computed per call (HF: ~10 ops, ~20 us a call on a CPU).
+
+    Build with :meth:`of`, which returns None unless the table gives exactly the module's own
+    values (checked at single positions and windows) and the rotary is static (no dynamic or
+    long-rope scaling). A position at or past the table's end, or another dtype or device,
+    falls back to the module. Eager stages only: a compiled graph computes its rotary inline.
+    """
+
+    def __init__(self, rotary: nn.Module, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        super().__init__()
+        self.rotary = rotary
+        self.register_buffer("cos", cos, persistent=False)  # [max_positions, D]
+        self.register_buffer("sin", sin, persistent=False)
+
+    @classmethod
+    def of(cls, rotary: nn.Module, max_positions: int, dtype, device) -> RotaryTable | None:
+        if getattr(rotary, "rope_type", "default") != "default" or max_positions < 1:
+            return None
+        with torch.no_grad():
+            probe = torch.zeros(1, 1, 1, dtype=dtype, device=device)
+            positions = torch.arange(max_positions, device=device)[None]
+            cos, sin = rotary(probe, positions)
+            cos, sin = cos[0].contiguous(), sin[0].contiguous()
+            table = cls(rotary, cos, sin)
+            step = max(1, max_positions // 64)
+            for start, length in [(p, 1) for p in range(0, max_positions, step)] + [
+                (p, min(5, max_positions - p)) for p in range(0, max_positions, 4 * step)
+            ]:
+                ids = positions[:, start : start + length]
+                want, got = rotary(probe, ids), table(probe, ids)
+                if not all(torch.equal(w, g) for w, g in zip(want, got, strict=True)):
+                    return None
+        return table
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor):
+        if x.dtype != self.cos.dtype or x.device != self.cos.device:
+            return self.rotary(x, position_ids)
+        try:  # F.embedding raises on a position outside [0, max_positions)
+            return F.embedding(position_ids, self.cos), F.embedding(position_ids, self.sin)
+        except IndexError:
+            return self.rotary(x, position_ids)
 
 
 def _require_kernels() -> None:

@@ -54,6 +54,8 @@ from ..passes.fuse_layers import (
     FusedDecoderLayer,
     KernelDecoderLayer,
     KernelLinear,
+    KernelRMSNorm,
+    RotaryTable,
     TransposedDecoderLayer,
     TransposedLinear,
 )
@@ -423,9 +425,46 @@ def kernel_stages(sm) -> dict[str, fx.GraphModule]:
     out = {}
     for name, stage in sm.stages.modules.items():
         converted = with_transposed_weights(stage, shared, kernels=True)
+        converted = _eager_norms_and_rotary(converted, shared, sm)
         # M2R2's exit gates: the whole stage as one op where it covers the model
         out[name] = kernel_gate(stage, converted) or converted
     return out
+
+
+ROTARY_TABLE_MAX = 4096  # positions a rotary table holds at most (2 x 4096 x head_dim floats)
+
+
+def _eager_norms_and_rotary(gm: fx.GraphModule, shared: dict, sm) -> fx.GraphModule:
+    """``gm`` (a kernel stage, edited in place) with its RMSNorm modules as one ATen op each
+    (KernelRMSNorm) and its rotary embedding read from a table (RotaryTable), where each gives
+    the HF module's own values; per-call ops that cost a one-token step as much as a layer's
+    worth of products on a CPU. ``shared``: one replacement per original module."""
+    lay = sm._layout
+    config = getattr(sm._hf_model, "config", None)
+    max_positions = min(getattr(config, "max_position_embeddings", 0) or 0, ROTARY_TABLE_MAX)
+    changed = False
+    for node in gm.graph.nodes:
+        if node.op != "call_module":
+            continue
+        module = gm.get_submodule(node.target)
+        key = ("eager", module)
+        if key not in shared:
+            if KernelRMSNorm.covers(module):
+                shared[key] = KernelRMSNorm(module)
+            elif type(module).__name__.endswith("RotaryEmbedding"):
+                shared[key] = RotaryTable.of(module, max_positions, lay.dtype, lay.device)
+            else:
+                shared[key] = None
+        if shared[key] is None:
+            continue
+        target = f"leapfx_eager.{node.target.replace('.', '_')}"
+        gm.add_submodule(target, shared[key])
+        node.target = target
+        changed = True
+    if changed:
+        gm.graph.lint()
+        gm.recompile()
+    return gm
 
 
 # The EAGLE stages: Inductor compiles them (their state inputs in the warm-up); the ONNX export
