@@ -24,6 +24,19 @@ from leapfx.runtime.verify import (
 # ---------------------------------------------------------------- greedy
 
 
+@settings(max_examples=80, deadline=None)
+@given(d=st.integers(1, 8), V=st.integers(1, 6), seed=st.integers(0, 2**16))
+def test_greedy_accept_host_is_the_device_rule(d, V, seed):
+    # small V: the drafts often match, and the logits often tie (argmax takes the first)
+    from leapfx.runtime.schedules import greedy_accept_host
+
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randint(0, 3, (1, d + 1, V), generator=g).float()
+    drafts = torch.randint(0, V, (1, d), generator=g)
+    n, nxt = greedy_accept(drafts, logits)
+    assert greedy_accept_host(drafts, logits) == (int(n), int(nxt), drafts[0].tolist())
+
+
 def one_hot_logits(tokens: list[list[int]], V: int = 8) -> torch.Tensor:
     """[B, d+1, V] logits whose argmax is ``tokens``, with noise so argmax is not trivial."""
     g = torch.Generator().manual_seed(0)

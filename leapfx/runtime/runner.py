@@ -45,6 +45,7 @@ class StageRunner:
         # call (the prompt, at position 0) counts as "prefill", whichever stage runs it, so
         # that "full" / "draft" / "verify" time decode steps only.
         self.seconds: defaultdict[str, float] = defaultdict(float)
+        self._arange = torch.arange(getattr(cache, "max_len", 0), device=layout.device)
 
     def _call(self, name: str, key: str | None = None, **inputs) -> dict[str, torch.Tensor]:
         start = time.perf_counter()
@@ -53,8 +54,12 @@ class StageRunner:
         return out
 
     def _positions(self, start: int, length: int) -> torch.Tensor:
-        # position_ids: [1, S]
-        return torch.arange(start, start + length, device=self.layout.device)[None]
+        # position_ids: [1, S], a view of one arange over the cache (a fresh arange costs
+        # several times a slice in a decode loop); a fresh one past its end
+        end = start + length
+        if end > self._arange.shape[0]:
+            return torch.arange(start, end, device=self.layout.device)[None]
+        return self._arange[None, start:end]
 
     def _masks(self, name: str, start: int, length: int) -> dict[str, torch.Tensor | None] | None:
         if getattr(self.stages[name], "builds_masks", False):
