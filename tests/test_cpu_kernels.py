@@ -153,16 +153,26 @@ def test_rotary_table_gives_the_modules_values_and_falls_back_past_its_end():
     rotary.rope_type = "dynamic"  # an inv_freq that moves with the length: no table
     assert RotaryTable.of(rotary, 64, torch.float32, torch.device("cpu")) is None
 
+    class PerLayerType(torch.nn.Module):  # another signature: the probe fails, no table
+        def forward(self, x, position_ids, layer_type):
+            return rotary(x, position_ids)
 
-def test_eager_kernel_stages_use_the_norm_rope_and_rotary_ops():
-    model = tiny_model("llama", layers=4)
+    assert RotaryTable.of(PerLayerType(), 64, torch.float32, torch.device("cpu")) is None
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma", "phi3"])
+def test_eager_kernel_stages_use_the_norm_rope_and_rotary_ops(arch):
+    # gemma: (1 + weight) norms; phi3: layers that stay unfused (its packed qkv)
+    model = tiny_model(arch, layers=4)
     sm = rewrite.apply(model, "layerskip", exit_layer=2, num_speculations=3, cpu_kernels=True)
     mods = [m for st in sm._executors.values() for m in st.modules()]
     assert any(isinstance(m, KernelRMSNorm) for m in mods)
     assert any(isinstance(m, RotaryTable) for m in mods)
-    layer = next(m for m in mods if isinstance(m, KernelDecoderLayer))
-    assert layer._rope.__qualname__.startswith("_kernel_rope")
-    assert layer._norm_in.__qualname__.startswith("_rms_norm")
+    layers = [m for m in mods if isinstance(m, KernelDecoderLayer)]
+    assert bool(layers) == (arch != "phi3")
+    for layer in layers:
+        assert layer._rope.__qualname__.startswith("_kernel_rope")
+        assert layer._norm_in.__qualname__.startswith("_rms_norm")
     check_random_prompts(model, sm, (1, 6), 32, seed=2)
 
 

@@ -506,25 +506,27 @@ class RotaryTable(nn.Module):
     def of(cls, rotary: nn.Module, max_positions: int, dtype, device) -> RotaryTable | None:
         if getattr(rotary, "rope_type", "default") != "default" or max_positions < 1:
             return None
-        with torch.no_grad():
-            probe = torch.zeros(1, 1, 1, dtype=dtype, device=device)
-            positions = torch.arange(max_positions, device=device)[None]
-            cos, sin = rotary(probe, positions)
-            cos, sin = cos[0].contiguous(), sin[0].contiguous()
-            table = cls(rotary, cos, sin)
-            step = max(1, max_positions // 64)
-            for start, length in [(p, 1) for p in range(0, max_positions, step)] + [
-                (p, min(5, max_positions - p)) for p in range(0, max_positions, 4 * step)
-            ]:
-                ids = positions[:, start : start + length]
-                want, got = rotary(probe, ids), table(probe, ids)
-                if not all(torch.equal(w, g) for w, g in zip(want, got, strict=True)):
-                    return None
+        try:
+            with torch.no_grad():
+                probe = torch.zeros(1, 1, 1, dtype=dtype, device=device)
+                positions = torch.arange(max_positions, device=device)[None]
+                cos, sin = rotary(probe, positions)
+                table = cls(rotary, cos[0].contiguous(), sin[0].contiguous())
+                step = max(1, max_positions // 64)
+                for start, length in [(p, 1) for p in range(0, max_positions, step)] + [
+                    (p, min(5, max_positions - p)) for p in range(0, max_positions, 4 * step)
+                ]:
+                    ids = positions[:, start : start + length]
+                    want, got = rotary(probe, ids), table(probe, ids)
+                    if not all(torch.equal(w, g) for w, g in zip(want, got, strict=True)):
+                        return None
+        except (TypeError, ValueError, RuntimeError, IndexError):
+            return None  # another signature (e.g. a layer type argument) or output layout
         return table
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor):
-        if x.dtype != self.cos.dtype or x.device != self.cos.device:
-            return self.rotary(x, position_ids)
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, *args, **kwargs):
+        if args or kwargs or x.dtype != self.cos.dtype or x.device != self.cos.device:
+            return self.rotary(x, position_ids, *args, **kwargs)
         try:  # F.embedding raises on a position outside [0, max_positions)
             return F.embedding(position_ids, self.cos), F.embedding(position_ids, self.sin)
         except IndexError:
