@@ -432,7 +432,7 @@ def _rms_norm(norm: nn.Module):
     raw = weight.detach()
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling() or x.dtype != torch.float32 or not x.device.type == "cpu":
+        if torch.compiler.is_compiling() or x.dtype != torch.float32 or x.device.type != "cpu":
             return F.rms_norm(x, shape, w, eps)
         return torch.ops.leapfx_cpu.rms_norm(x, raw, eps, offset)
 
