@@ -195,6 +195,8 @@ def test_bench_offload_rows(tmp_path):
             assert o[key] >= 0
         assert set(o["hit_rate_per_layer"]) == {"0", "1", "2", "3"}
         assert o["engine"] == "ThreadEngine"  # --offload-engine reaches every row's runtime
+    # every row on the same compute: the CPU kernels (auto, float32 on a CPU) or none
+    assert all(rows[name].extra["cpu_kernels"] for name in OFFLOAD_ROWS)
     assert rows["leapfx_offload_none"].extra["offload"]["prefetch_precision"] is None
     assert rows["leapfx_offload_m2r2"].extra["offload"]["prefetch_precision"] is not None
     json.dumps([r.as_dict() for r in rows.values()])  # the --json rows serialise

@@ -207,8 +207,12 @@ def test_offloaded_decoding_is_token_identical_to_resident(data):
     ids = data.draw(st.lists(st.integers(0, 63), min_size=1, max_size=12), label="prompt")
     prompt = torch.tensor([ids])
     max_new = data.draw(st.integers(1, 10), label="max_new_tokens")
-    resident, _ = _generate(model, recipe, prompt, max_new, **RECIPES[recipe])
-    ours, sm = _generate(model, recipe, prompt, max_new, offload=options, **RECIPES[recipe])
+    # With the CPU kernels both sides run leapfx_cpu::moe_experts (over the weights, over
+    # the slots); without, HF's experts code.
+    opts = {**RECIPES[recipe], "cpu_kernels": data.draw(st.booleans(), label="cpu_kernels")}
+    resident, _ = _generate(model, recipe, prompt, max_new, **opts)
+    ours, sm = _generate(model, recipe, prompt, max_new, offload=options, **opts)
+    assert sm.offload.kernels == opts["cpu_kernels"]
     # top_k <= 2: exact even when a call needs more experts than slots (see runtime's docstring)
     assert torch.equal(ours, resident), f"offloaded {ours.tolist()}\nresident  {resident.tolist()}"
     report = sm.last_offload_report

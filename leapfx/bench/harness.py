@@ -16,7 +16,8 @@ Every system decodes the same prompts with the same ``max_new_tokens`` and the s
                                default), ``leapfx_specee_mask`` (lossy, kv_fill="mask", the
                                paper's KV policy) and ``leapfx_specee_verified``
 - ``leapfx_resident``, ``leapfx_offload_*``  with ``offload_slots`` (an MoE model): eager
-                               decoding with every expert in memory, and with the experts
+                               decoding (with the CPU kernels where they apply, like the
+                               other eager rows) with every expert in memory, and with the experts
                                offloaded to disk under each prefetch policy
                                (``leapfx.bench.offload``); their rows carry ``extra["offload"]``
 
@@ -405,7 +406,8 @@ def build_systems(model: nn.Module, config: BenchConfig, generator_seed: int = 0
 
 
 def _offload_systems(model, config: BenchConfig, exit_layer: int, n: int, sampling, gen):
-    """The offload rows (eager, no CPU kernels: what the offload runtime runs on), the
+    """The offload rows (eager; all of them with the CPU kernels or none, as ``--cpu-kernels``
+    says: the experts then run ``leapfx_cpu::moe_experts`` over the weights or the slots), the
     resident one first. Speculative rows draft at the run's E and d."""
     from .offload import offload_systems
 
@@ -418,12 +420,15 @@ def _offload_systems(model, config: BenchConfig, exit_layer: int, n: int, sampli
     systems = []
     for name, (recipe, offload, options) in specs.items():
         sm = rewrite.apply(model, recipe, offload=offload, **options)
+        if use_cpu_kernels(config, sm):
+            sm.use_cpu_kernels()
 
         def run(prompt, sm=sm):
             return sm.generate(prompt, max_new_tokens=n, **sampling, **extra)
 
         systems.append(System(name, run, lambda sm=sm: sm.last_metrics,
-                              offload=sm if offload is not None else None))  # fmt: skip
+                              offload=sm if offload is not None else None,
+                              info={"cpu_kernels": sm.cpu_kernels}))  # fmt: skip
     return systems
 
 

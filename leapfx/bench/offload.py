@@ -136,9 +136,13 @@ class OffloadRow:
 def offload_rows(
     model, prompts: list[torch.Tensor], *, max_new_tokens: int, slots: float | int,
     policy: str = "lru", exit_layer: int | None = None, path=None, plot=None,
-    m2r2_parts=None,
+    m2r2_parts=None, cpu_kernels: bool | None = None,
 ) -> list[OffloadRow]:  # fmt: skip
     """Time every row on ``prompts`` (after one warm-up prompt per system).
+
+    ``cpu_kernels``: every row with leapfx's CPU kernels (``leapfx_cpu::moe_experts`` over the
+    weights or the slots; ``SpeculativeModel.use_cpu_kernels``) or none; None: where they
+    apply (a float32 model on a CPU) and build.
 
     ``plot``: also trace the last prompt of every offloaded row (not timed) and draw the
     timelines and hit rates per layer into that PNG (``plot_offload``).
@@ -146,10 +150,16 @@ def offload_rows(
     exit_layer = exit_layer or max(1, model.config.num_hidden_layers // 4)
     systems = offload_systems(slots, exit_layer=exit_layer, m2r2_parts=m2r2_parts,
                               policy=policy, path=path)  # fmt: skip
+    from ..kernels import cpu
+
+    param = next(model.parameters())
+    kernels = cpu.resolve(cpu_kernels, param.device, param.dtype)
     reference = None
     rows, traces = [], {}
     for name, (recipe, offload, opts) in systems.items():
         sm = apply(model, recipe, offload=offload, **opts)
+        if kernels:
+            sm.use_cpu_kernels()
         # Warm-up: allocations, first reads, and on a GPU the kernels' first launches (a few
         # tokens were not enough there: the first row measured slower than the offloaded ones).
         sm.generate(prompts[0], max_new_tokens=max_new_tokens)
@@ -327,6 +337,12 @@ def main(argv: list[str] | None = None) -> None:
         help="cpu (slow tier: a file on disk) or cuda, cuda:1, ... (slow tier: pinned host memory)",
     )  # fmt: skip
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument(
+        "--cpu-kernels",
+        default="auto",
+        choices=("auto", "on", "off"),
+        help="leapfx's CPU kernels for every row (auto: a float32 model on a CPU)",
+    )
     a = p.parse_args(argv)
     device = torch.device(a.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -351,7 +367,9 @@ def main(argv: list[str] | None = None) -> None:
     prompts = [prompt.to(device) for prompt in prompts]
     slots = int(a.slots) if a.slots >= 1 else a.slots
     rows = offload_rows(model, prompts, max_new_tokens=a.tokens, slots=slots, policy=a.policy,
-                        path=a.path, plot=a.plot, m2r2_parts=a.m2r2_parts)  # fmt: skip
+                        path=a.path, plot=a.plot, m2r2_parts=a.m2r2_parts,
+                        cpu_kernels={"auto": None, "on": True, "off": False}[a.cpu_kernels],
+                        )  # fmt: skip
     print(markdown(rows))  # noqa: T201 - a command's output
     if a.json:
         with open(a.json, "w") as f:

@@ -181,6 +181,10 @@ def _register_fakes() -> None:
     def _rope_fake(q, k, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
         return q.new_empty(q.shape), k.new_empty(k.shape)
 
+    @torch.library.register_fake("leapfx_cpu::moe_experts")
+    def _moe_experts_fake(x, index, weights, gate_up, down) -> torch.Tensor:
+        return x.new_empty(x.shape)
+
 
 BLOCK = 16  # output columns per block of a packed weight
 

@@ -19,6 +19,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <vector>
 
 #include "cpu_vec.h"
 
@@ -249,6 +250,96 @@ std::tuple<at::Tensor, at::Tensor> rope(const at::Tensor& q, const at::Tensor& k
   return {qo, ko};
 }
 
+
+// ---- Mixture-of-Experts experts (HF's <X>Experts layout) -----------------------------------
+
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v8u __attribute__((vector_size(32), aligned(4)));  // unaligned loads
+
+inline float sum8(v8 a) {
+  return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
+}
+
+// y[n] = W[n, :] . x for the R rows n0 .. n0 + R - 1 of W [N, K] (row-major): R independent
+// eight-lane sums sharing the loads of x, each row's arithmetic the same whatever R.
+template <int R>
+inline void dot_rows(const float* W, const float* x, int64_t K, float* y) {
+  v8 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = v8{};
+  int64_t i = 0;
+  for (; i + 8 <= K; i += 8) {
+    const v8 xv = *(const v8u*)(x + i);
+    for (int r = 0; r < R; ++r) acc[r] += *(const v8u*)(W + r * K + i) * xv;
+  }
+  for (int r = 0; r < R; ++r) {
+    float out = sum8(acc[r]);
+    for (int64_t j = i; j < K; ++j) out += W[r * K + j] * x[j];
+    y[r] = out;
+  }
+}
+
+// y [N] = W [N, K] @ x [K]: a weight row is read once, in order.
+inline void gemv(const float* W, const float* x, int64_t N, int64_t K, float* y) {
+  int64_t n = 0;
+  for (; n + 4 <= N; n += 4) dot_rows<4>(W + n * K, x, K, y + n);
+  for (; n < N; ++n) dot_rows<1>(W + n * K, x, K, y + n);
+}
+
+// out += y * w, each product rounded before the sum (HF weights each expert's output, then
+// sums over the top-k).
+__attribute__((optimize("fp-contract=off"))) void add_weighted(float* out, const float* y,
+                                                                float w, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = out[i] + y[i] * w;
+}
+
+// HF's experts(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) over gate_up [S, 2I, H]
+// ([gate | up] rows) and down [S, H, I]: out[t] = sum_j w[t, j] * down[e] @ (silu(gate[e] @
+// x[t]) * (up[e] @ x[t])), e = index[t, j], the sum in j order. An index outside 0 .. S - 1 (an
+// offload wave's sentinel) adds nothing. Each token's row is computed alone: its result does
+// not depend on the other tokens or on how the experts are grouped.
+at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& index, const at::Tensor& weights,
+                       const at::Tensor& gate_up, const at::Tensor& down) {
+  const char* op = "leapfx_cpu::moe_experts";
+  for (const at::Tensor* t : {&x, &weights, &gate_up, &down})
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat, op,
+                ": float32 CPU tensors expected, got ", t->scalar_type(), " on ", t->device());
+  TORCH_CHECK(index.device().is_cpu() && index.scalar_type() == at::kLong, op,
+              ": top_k_index must be int64 on the CPU, got ", index.scalar_type());
+  TORCH_CHECK(x.dim() == 2 && index.dim() == 2 && weights.sizes() == index.sizes() &&
+                  index.size(0) == x.size(0),
+              op, ": hidden [T, H], top_k_index and top_k_weights [T, k] expected, got ",
+              x.sizes(), ", ", index.sizes(), " and ", weights.sizes());
+  const int64_t T = x.size(0), H = x.size(1), k = index.size(1);
+  TORCH_CHECK(gate_up.dim() == 3 && gate_up.size(2) == H && gate_up.size(1) % 2 == 0, op,
+              ": gate_up [S, 2I, H=", H, "] expected, got ", gate_up.sizes());
+  const int64_t S = gate_up.size(0), I2 = gate_up.size(1), I = I2 / 2;
+  TORCH_CHECK(down.dim() == 3 && down.size(0) == S && down.size(1) == H && down.size(2) == I, op,
+              ": down [S=", S, ", H=", H, ", I=", I, "] expected, got ", down.sizes());
+  const at::Tensor xc = x.contiguous(), ic = index.contiguous(), wc = weights.contiguous();
+  const at::Tensor gc = gate_up.contiguous(), dc = down.contiguous();
+  at::Tensor out = at::zeros({T, H}, x.options());
+  const float *xp = xc.data_ptr<float>(), *wp = wc.data_ptr<float>();
+  const float *gp = gc.data_ptr<float>(), *dp = dc.data_ptr<float>();
+  const int64_t* ip = ic.data_ptr<int64_t>();
+  float* op_ = out.data_ptr<float>();
+  // Tokens over threads only when there is work enough to pay for waking them (prefill).
+  const int64_t grain = T * k * I2 * H >= (int64_t{1} << 20) ? 1 : T;
+  at::parallel_for(0, T, grain, [&](int64_t t0, int64_t t1) {
+    std::vector<float> gu(I2), y(H);
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t j = 0; j < k; ++j) {
+        const int64_t e = ip[t * k + j];
+        if (e < 0 || e >= S) continue;
+        gemv(gp + e * I2 * H, xp + t * H, I2, H, gu.data());
+        leapfx_vec::silu_mul(gu.data(), gu.data() + I, I);
+        gemv(dp + e * H * I, gu.data(), H, I, y.data());
+        add_weighted(op_ + t * H, y.data(), wp[t * k + j], H);
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(leapfx_cpu, m) {
@@ -256,6 +347,9 @@ TORCH_LIBRARY(leapfx_cpu, m) {
   m.def("gated_mlp(Tensor x, Tensor w_gate_up, int i2, Tensor w_down, int k_out) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor w, float eps, float offset) -> Tensor");
   m.def("rope(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)");
+  m.def(
+      "moe_experts(Tensor x, Tensor index, Tensor weights, Tensor gate_up, Tensor down) -> "
+      "Tensor");
 }
 
 TORCH_LIBRARY_IMPL(leapfx_cpu, CPU, m) {
@@ -263,4 +357,5 @@ TORCH_LIBRARY_IMPL(leapfx_cpu, CPU, m) {
   m.impl("gated_mlp", &gated_mlp);
   m.impl("rms_norm", &rms_norm);
   m.impl("rope", &rope);
+  m.impl("moe_experts", &moe_experts);
 }

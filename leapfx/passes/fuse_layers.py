@@ -416,6 +416,113 @@ class KernelLinear(nn.Module):
         return out if self.bias is None else out + self.bias
 
 
+class KernelAttention(FusedAttention):
+    """An MoE layer's attention (``FusedAttention``) on ``KernelDecoderLayer``'s kernels: q, k
+    and v as one ``small_mm`` over their packed weights, the output projection, the q/k
+    RMSNorms and the rotary as one op each where they cover the model (``_rms_norm``,
+    ``_kernel_rope``), and ``leapfx_cpu::attention`` over the cache for plain causal attention.
+    The same math as HF's module up to summation order."""
+
+    def __init__(self, fused: FusedAttention) -> None:
+        from ..kernels.cpu import pack_weight
+
+        super().__init__(fused.attn)
+        _require_kernels()
+        attn = self.attn
+        qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
+        self._split = [p.out_features for p in qkv]
+        self.register_buffer("w_qkv", pack_weight(torch.cat([p.weight.detach() for p in qkv])))
+        biases = [p.bias for p in qkv]
+        self.register_buffer("b_qkv", None if all(b is None for b in biases) else torch.cat(
+            [b.detach() if b is not None else p.weight.new_zeros(p.out_features)
+             for b, p in zip(biases, qkv, strict=True)]
+        ))  # fmt: skip
+        self._o_out = attn.o_proj.out_features
+        self.register_buffer("w_o", pack_weight(attn.o_proj.weight))
+        if attn.config._attn_implementation == "sdpa":
+            self._attention = _sdpa_gqa
+        self._kernel_attention = _plain_causal(attn, self._attn_kwargs) and _attention_kernel()
+        self._rope = _kernel_rope(self._rope)
+        if self._norm is not None:
+            self._q_norm, self._k_norm = _rms_norm(attn.q_norm), _rms_norm(attn.k_norm)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        position_ids: torch.Tensor | None = None,
+        past_key_values=None,
+    ) -> tuple[torch.Tensor, None]:
+        attn = self.attn
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, attn.head_dim)  # [B, S, heads, D]
+        qkv = torch.ops.leapfx_cpu.small_mm(hidden_states, self.w_qkv, sum(self._split))
+        if self.b_qkv is not None:
+            qkv = qkv + self.b_qkv
+        q, k, v = qkv.split(self._split, dim=-1)
+        if self._norm == "full":
+            q, k = self._q_norm(q), self._k_norm(k)
+        if self._clip is not None:
+            q, k, v = (t.clamp(min=-self._clip, max=self._clip) for t in (q, k, v))
+        q, k, v = q.reshape(hidden_shape), k.reshape(hidden_shape), v.reshape(hidden_shape)
+        if self._norm == "head":
+            q, k = self._q_norm(q), self._k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, S, D]
+        out = _attend(
+            self, attn, q, k, v, position_embeddings, past_key_values, attention_mask,
+            input_shape, position_ids,
+        )  # fmt: skip
+        out = torch.ops.leapfx_cpu.small_mm(out, self.w_o, self._o_out)
+        return (out if attn.o_proj.bias is None else out + attn.o_proj.bias), None
+
+
+def experts_kernel_covers(module: nn.Module) -> bool:
+    """Whether ``leapfx_cpu::moe_experts`` computes ``module`` (an HF ``<X>Experts``): fused
+    ``gate_up_proj [E, 2I, H]`` ([gate | up] rows) and ``down_proj [E, H, I]`` in float32 on a
+    CPU, no biases, SiLU gating, HF's default gate and no post-expert norm. Others run HF's."""
+    from transformers.activations import SiLUActivation
+
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)):
+        return False
+    if gate_up.dim() != 3 or down.dim() != 3:
+        return False
+    e, i2, h = gate_up.shape
+    if i2 % 2 or tuple(down.shape) != (e, h, i2 // 2):
+        return False
+    if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in (gate_up, down)):
+        return False
+    flags = {"has_gate": True, "has_bias": False, "is_transposed": False,
+             "is_concatenated": True, "has_post_expert_norm": False}  # fmt: skip
+    if any(getattr(module, k, v) != v for k, v in flags.items()):
+        return False
+    from transformers.integrations import moe
+
+    gate = getattr(type(module), "_apply_gate", moe._default_apply_gate)
+    return gate is moe._default_apply_gate and isinstance(
+        getattr(module, "act_fn", None), (nn.SiLU, SiLUActivation)
+    )
+
+
+class KernelExperts(nn.Module):
+    """An MoE layer's experts (HF ``<X>Experts``, see :func:`experts_kernel_covers`) as one
+    ``leapfx_cpu::moe_experts`` call on the module's own weights: HF's math up to summation
+    order, without HF's sort, histogram and grouped products (~230 us against ~12 us for one
+    token's two experts of the MoE reference model)."""
+
+    def __init__(self, experts: nn.Module) -> None:
+        super().__init__()
+        _require_kernels()
+        self.experts = experts
+
+    def forward(self, hidden, top_k_index, top_k_weights) -> torch.Tensor:
+        e = self.experts
+        return torch.ops.leapfx_cpu.moe_experts(
+            hidden, top_k_index, top_k_weights.to(hidden.dtype), e.gate_up_proj, e.down_proj
+        )
+
+
 def _rms_norm(norm: nn.Module):
     """``norm.forward``, or where :func:`leapfx.passes.accelerator.rms_params` finds it an
     RMSNorm: one ``leapfx_cpu::rms_norm`` call on float32 CPU inputs in eager code (HF's math up

@@ -93,7 +93,8 @@ def apply(
     they were trained with); every recipe with trained parts takes it. ``offload``: run an
     MoE model's experts from a fast tier of expert slots per layer over a slow tier (disk on a
     CPU, pinned host memory on a GPU); any recipe, same tokens (see
-    ``leapfx.runtime.offload.OffloadOptions``; the eager backend only).
+    ``leapfx.runtime.offload.OffloadOptions``; the eager backend only, with or without
+    ``cpu_kernels``).
 
     >>> sm = apply(moe_model, "layerskip", offload=OffloadOptions(slots=0.5, prefetch="next_gate"))
     """
@@ -113,10 +114,10 @@ def apply(
                 "leapfx.runtime.offload.OffloadOptions"
             )
         offload.validate()
-        if backend != "eager" or cpu_kernels:
+        if backend != "eager":
             raise ValueError(
-                f"offload: runs on the eager backend without cpu_kernels; got backend="
-                f"{backend!r}, cpu_kernels={cpu_kernels!r} (allowed: backend='eager')"
+                f"offload: runs on the eager backend; got backend={backend!r} (allowed: "
+                "backend='eager', with or without cpu_kernels)"
             )
     r = get_recipe(recipe)
     if not isinstance(model, nn.Module):

@@ -51,13 +51,17 @@ from torch import fx
 
 from ..passes.accelerator import AcceleratedLayer, KernelAcceleratedLayer
 from ..passes.fuse_layers import (
+    FusedAttention,
     FusedDecoderLayer,
+    KernelAttention,
     KernelDecoderLayer,
+    KernelExperts,
     KernelLinear,
     KernelRMSNorm,
     RotaryTable,
     TransposedDecoderLayer,
     TransposedLinear,
+    experts_kernel_covers,
 )
 from ..passes.predictor import KernelLayerExit, LayerExit
 from .cache import StaticKVCache
@@ -399,6 +403,10 @@ def with_transposed_weights(
             make, source = KernelAcceleratedLayer, module
         elif kernels and type(module) is LayerExit:  # SpecEE's exit checks: one call each
             make, source = KernelLayerExit, module
+        elif kernels and type(module) is FusedAttention:  # an MoE layer's attention
+            make, source = KernelAttention, module
+        elif kernels and experts_kernel_covers(module):  # an MoE layer's experts (resident)
+            make, source = KernelExperts, module
         else:
             continue
         if source not in shared:

@@ -159,7 +159,9 @@ class SpeculativeModel:
         in place); the math is the same up to summation order, so outputs are the same tokens
         except where two logits tie to rounding. Needs a float32 model on a CPU (ValueError
         otherwise). ``enabled=False`` returns to the plain eager stages. For compiled stages
-        pass ``cpu_kernels`` to ``compile()`` (there they are on by default).
+        pass ``cpu_kernels`` to ``compile()`` (there they are on by default). MoE layers run
+        their attention (``KernelAttention``) and experts (``KernelExperts``:
+        ``leapfx_cpu::moe_experts``) on them too, offloaded experts over the slot pools.
 
         >>> sm = rewrite.apply(hf_model, "layerskip", exit_layer=4).use_cpu_kernels()
         """
@@ -173,17 +175,20 @@ class SpeculativeModel:
         from .compiled import kernel_stages
 
         self._executors = kernel_stages(self) if enabled else None
+        if self.offload is not None:  # an MoE model's offloaded experts: over the slots
+            self.offload.kernels = enabled
         return self
 
     @property
     def cpu_kernels(self) -> bool:
         """Whether the stages that ``generate`` runs use the ``leapfx_cpu`` kernels."""
-        from ..passes.fuse_layers import KernelDecoderLayer
+        from ..passes.fuse_layers import KernelDecoderLayer, KernelExperts, KernelLinear
 
+        kinds = (KernelDecoderLayer, KernelExperts, KernelLinear)
         for stage in (self._executors or {}).values():
             module = getattr(getattr(stage, "pure", None), "stage", stage)
             if isinstance(module, torch.nn.Module) and any(
-                isinstance(m, KernelDecoderLayer) for m in module.modules()
+                isinstance(m, kinds) for m in module.modules()
             ):
                 return True
         return False
