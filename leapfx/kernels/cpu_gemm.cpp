@@ -260,29 +260,51 @@ inline float sum8(v8 a) {
   return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
 }
 
-// y[n] = W[n, :] . x for the R rows n0 .. n0 + R - 1 of W [N, K] (row-major): R independent
-// eight-lane sums sharing the loads of x, each row's arithmetic the same whatever R.
-template <int R>
-inline void dot_rows(const float* W, const float* x, int64_t K, float* y) {
-  v8 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = v8{};
+// y[r, w] = W[w, :] . x[r, :] for NW weight rows of W [., K] (row-major) and R vectors x
+// (row stride ldx), into y (row stride ldy): NW * R eight-lane sums sharing every load. Each
+// sum's arithmetic is the same whatever NW and R: a result does not depend on what it was
+// computed with.
+template <int NW, int R>
+inline void dots(const float* W, int64_t K, const float* x, int64_t ldx, float* y, int64_t ldy) {
+  v8 acc[NW][R];
+  for (int w = 0; w < NW; ++w)
+    for (int r = 0; r < R; ++r) acc[w][r] = v8{};
   int64_t i = 0;
   for (; i + 8 <= K; i += 8) {
-    const v8 xv = *(const v8u*)(x + i);
-    for (int r = 0; r < R; ++r) acc[r] += *(const v8u*)(W + r * K + i) * xv;
+    v8 xv[R];
+    for (int r = 0; r < R; ++r) xv[r] = *(const v8u*)(x + r * ldx + i);
+    for (int w = 0; w < NW; ++w) {
+      const v8 wv = *(const v8u*)(W + w * K + i);
+      for (int r = 0; r < R; ++r) acc[w][r] += wv * xv[r];
+    }
   }
-  for (int r = 0; r < R; ++r) {
-    float out = sum8(acc[r]);
-    for (int64_t j = i; j < K; ++j) out += W[r * K + j] * x[j];
-    y[r] = out;
-  }
+  for (int w = 0; w < NW; ++w)
+    for (int r = 0; r < R; ++r) {
+      float out = sum8(acc[w][r]);
+      for (int64_t j = i; j < K; ++j) out += W[w * K + j] * x[r * ldx + j];
+      y[r * ldy + w] = out;
+    }
 }
 
-// y [N] = W [N, K] @ x [K]: a weight row is read once, in order.
-inline void gemv(const float* W, const float* x, int64_t N, int64_t K, float* y) {
+// y [R, N] (row stride ldy) = x [R, K] (row stride ldx) @ W [N, K]^T: each weight row is read
+// once for the R vectors (R <= 4), in order.
+template <int R>
+void gemv_rows(const float* W, int64_t N, int64_t K, const float* x, int64_t ldx, float* y,
+               int64_t ldy) {
+  constexpr int NW = R == 1 ? 4 : 2;  // independent sums enough to hide the FMA latency
   int64_t n = 0;
-  for (; n + 4 <= N; n += 4) dot_rows<4>(W + n * K, x, K, y + n);
-  for (; n < N; ++n) dot_rows<1>(W + n * K, x, K, y + n);
+  for (; n + NW <= N; n += NW) dots<NW, R>(W + n * K, K, x, ldx, y + n, ldy);
+  for (; n < N; ++n) dots<1, R>(W + n * K, K, x, ldx, y + n, ldy);
+}
+
+void gemv_any(int R, const float* W, int64_t N, int64_t K, const float* x, int64_t ldx, float* y,
+              int64_t ldy) {
+  switch (R) {
+    case 4: gemv_rows<4>(W, N, K, x, ldx, y, ldy); break;
+    case 3: gemv_rows<3>(W, N, K, x, ldx, y, ldy); break;
+    case 2: gemv_rows<2>(W, N, K, x, ldx, y, ldy); break;
+    default: gemv_rows<1>(W, N, K, x, ldx, y, ldy); break;
+  }
 }
 
 // out += y * w, each product rounded before the sum (HF weights each expert's output, then
@@ -295,8 +317,10 @@ __attribute__((optimize("fp-contract=off"))) void add_weighted(float* out, const
 // HF's experts(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) over gate_up [S, 2I, H]
 // ([gate | up] rows) and down [S, H, I]: out[t] = sum_j w[t, j] * down[e] @ (silu(gate[e] @
 // x[t]) * (up[e] @ x[t])), e = index[t, j], the sum in j order. An index outside 0 .. S - 1 (an
-// offload wave's sentinel) adds nothing. Each token's row is computed alone: its result does
-// not depend on the other tokens or on how the experts are grouped.
+// offload wave's sentinel) adds nothing. The (token, expert) pairs are grouped by expert, so
+// that an expert's weights are read once for up to four of its tokens (a verify pass, a
+// prefill); a pair's result does not depend on the grouping (see dots): each token's row is
+// the same whatever the other tokens.
 at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& index, const at::Tensor& weights,
                        const at::Tensor& gate_up, const at::Tensor& down) {
   const char* op = "leapfx_cpu::moe_experts";
@@ -322,21 +346,37 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& index, const at::T
   const float *gp = gc.data_ptr<float>(), *dp = dc.data_ptr<float>();
   const int64_t* ip = ic.data_ptr<int64_t>();
   float* op_ = out.data_ptr<float>();
-  // Tokens over threads only when there is work enough to pay for waking them (prefill).
-  const int64_t grain = T * k * I2 * H >= (int64_t{1} << 20) ? 1 : T;
-  at::parallel_for(0, T, grain, [&](int64_t t0, int64_t t1) {
-    std::vector<float> gu(I2), y(H);
-    for (int64_t t = t0; t < t1; ++t) {
-      for (int64_t j = 0; j < k; ++j) {
-        const int64_t e = ip[t * k + j];
-        if (e < 0 || e >= S) continue;
-        gemv(gp + e * I2 * H, xp + t * H, I2, H, gu.data());
-        leapfx_vec::silu_mul(gu.data(), gu.data() + I, I);
-        gemv(dp + e * H * I, gu.data(), H, I, y.data());
-        add_weighted(op_ + t * H, y.data(), wp[t * k + j], H);
+  // Pairs p = t * k + j by expert, in token order.
+  std::vector<std::vector<int64_t>> pairs(S);
+  int64_t used = 0;
+  for (int64_t p = 0; p < T * k; ++p) {
+    const int64_t e = ip[p];
+    if (e >= 0 && e < S) pairs[e].push_back(p), ++used;
+  }
+  std::vector<float> ys(used ? T * k * H : 0);  // each pair's expert output, unweighted
+  // Experts over threads only when there is work enough to pay for waking them (prefill).
+  const int64_t grain = used * I2 * H >= (int64_t{1} << 20) ? 1 : S;
+  at::parallel_for(0, S, grain, [&](int64_t e0, int64_t e1) {
+    std::vector<float> xg(4 * H), gu(4 * I2);
+    for (int64_t e = e0; e < e1; ++e) {
+      const std::vector<int64_t>& ps = pairs[e];
+      for (size_t g = 0; g < ps.size(); g += 4) {
+        const int R = static_cast<int>(std::min<size_t>(4, ps.size() - g));
+        for (int r = 0; r < R; ++r)
+          std::copy_n(xp + (ps[g + r] / k) * H, H, xg.data() + r * H);
+        gemv_any(R, gp + e * I2 * H, I2, H, xg.data(), H, gu.data(), I2);
+        for (int r = 0; r < R; ++r) leapfx_vec::silu_mul(gu.data() + r * I2, gu.data() + r * I2 + I, I);
+        // reuse xg for the outputs, then scatter them to their pairs
+        gemv_any(R, dp + e * H * I, H, I, gu.data(), I2, xg.data(), H);
+        for (int r = 0; r < R; ++r) std::copy_n(xg.data() + r * H, H, ys.data() + ps[g + r] * H);
       }
     }
   });
+  for (int64_t t = 0; t < T; ++t)  // the weighted sum over the top-k, in j order
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t e = ip[t * k + j];
+      if (e >= 0 && e < S) add_weighted(op_ + t * H, ys.data() + (t * k + j) * H, wp[t * k + j], H);
+    }
   return out;
 }
 
