@@ -263,11 +263,13 @@ class AcceleratedLayer(nn.Module):
         ops = _TrainingOps(self) if training else _MergedOps(self)
         return self.step(p, position_embeddings, position_ids, cache, scratch, ops)
 
-    def _olmoe_qkv(self, qkv: torch.Tensor) -> torch.Tensor:
-        """OLMoE's order on the projections: full-width q/k norms, then ``clip_qkv``."""
+    def _olmoe_qkv(self, qkv: torch.Tensor, rms=None) -> torch.Tensor:
+        """OLMoE's order on the projections: full-width q/k norms (``rms``, default
+        :func:`_rms`), then ``clip_qkv``."""
+        rms = rms or _rms
         q, k, v = qkv.split(self._qkv_split, dim=-1)
         if self._full_width:
-            q, k = _rms(q, self.qn_w, self._norm_eps), _rms(k, self.kn_w, self._norm_eps)
+            q, k = rms(q, self.qn_w, self._norm_eps), rms(k, self.kn_w, self._norm_eps)
         if self._clip is not None:
             q, k, v = (t.clamp(-self._clip, self._clip) for t in (q, k, v))
         return torch.cat([q, k, v], dim=-1)
@@ -279,7 +281,7 @@ class AcceleratedLayer(nn.Module):
         B, S, _ = x.shape
         qkv = ops.qkv(x)  # [B, S, (h_q + 2 h_kv) D]
         if self._full_width or self._clip is not None:
-            qkv = self._olmoe_qkv(qkv)
+            qkv = self._olmoe_qkv(qkv, getattr(ops, "rms", None))
         qkv = qkv.reshape(B, S, -1, self.head_dim)  # [B, S, h_q + 2 h_kv, D]
         nq, nk = self._qkv_split[0] // self.head_dim, self._qkv_split[1] // self.head_dim
         v = qkv[:, :, nq + nk :].transpose(1, 2)  # [B, h_kv, S, D]
@@ -289,7 +291,8 @@ class AcceleratedLayer(nn.Module):
             if self._qk_norm and not self._full_width:  # per-head norms
                 attn = self.host.self_attn
                 q, k = attn.q_norm.forward(q), attn.k_norm.forward(k)
-            q, k = self._rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # [B, h, S, D]
+            rope = getattr(ops, "rope", self._rope)
+            q, k = rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # [B, h, S, D]
         else:  # HF's rotary on q and k at once: half the operations of a draft's rotary
             qk = qkv[:, :, : nq + nk]
             qk = qk * cos.unsqueeze(2) + _rotate_half(qk) * sin.unsqueeze(2)
@@ -460,7 +463,7 @@ class KernelAcceleratedLayer(nn.Module):
 
     def __init__(self, layer: AcceleratedLayer) -> None:
         from ..kernels.cpu import pack_weight
-        from .fuse_layers import _require_kernels
+        from .fuse_layers import _kernel_rope, _require_kernels
 
         super().__init__()
         _require_kernels()
@@ -474,6 +477,7 @@ class KernelAcceleratedLayer(nn.Module):
         self._sizes = (w_qkv.shape[0], w_o.shape[0], layer.down.shape[0], layer.up.shape[0])
         host = layer.host
         self._norms = [_rms_norm(host.input_layernorm), _rms_norm(host.post_attention_layernorm)]
+        self.rope = _kernel_rope(layer._rope)  # HF's rotary as one op where it gives its values
 
     def forward(self, p, position_embeddings, position_ids, cache, scratch=None):
         return self.layer.step(p, position_embeddings, position_ids, cache, scratch, self)
@@ -489,6 +493,13 @@ class KernelAcceleratedLayer(nn.Module):
     def out(self, o):
         out = torch.ops.leapfx_cpu.small_mm(o, self.w_o, self._sizes[1])
         return out if self.b_o is None else out + self.b_o
+
+    def rms(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """:func:`_rms` (OLMoE's full-width q/k norms) as one ``leapfx_cpu::rms_norm`` call on
+        float32 CPU inputs in eager code: the same float32 math up to summation order."""
+        if torch.compiler.is_compiling() or x.dtype != torch.float32 or x.device.type != "cpu":
+            return _rms(x, weight, eps)
+        return torch.ops.leapfx_cpu.rms_norm(x, weight, eps, 0.0)
 
     def adapter(self, p):
         mm = torch.ops.leapfx_cpu.small_mm
