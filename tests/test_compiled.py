@@ -152,8 +152,8 @@ def test_every_compiled_graph_skips_the_guards_on_the_stage_modules(monkeypatch)
     # torch.compile pops "guard_filter_fn" from the options dict it is given: a dict shared by
     # a stage's two compiled callables left the second one guarding every parameter and module
     # attribute on every call (0.25 ms of a verify call on the reference model). Each graph the
-    # warm-up compiles (full, draft and verify: a one-token step and a multi-token chunk) must
-    # pass through the filter.
+    # warm-up compiles (full, draft and verify: a one-token step and a multi-token chunk, and
+    # verify's full-round static graph) must pass through the filter.
     real = torch.compiler.skip_guard_on_all_nn_modules_unsafe
     filtered = []
 
@@ -166,8 +166,31 @@ def test_every_compiled_graph_skips_the_guards_on_the_stage_modules(monkeypatch)
     model = tiny_model("llama", layers=2)
     graphs = _graphs()
     rewrite.apply(model, "layerskip", exit_layer=1, num_speculations=3).compile()
-    assert _graphs() - graphs == 6
-    assert len(filtered) == 6
+    assert _graphs() - graphs == 7
+    assert len(filtered) == 7
+
+
+def test_a_full_rounds_verify_runs_its_static_graph_and_shorter_ones_the_dynamic_graph():
+    model = tiny_model("llama", layers=3)
+    sm = rewrite.apply(model, "layerskip", exit_layer=1, num_speculations=3).compile()
+    verify = sm._executors["verify"]
+    calls = {"round": [], "chunk": []}
+    for name in calls:
+        real = getattr(verify, f"_{name}")
+
+        def spy(keys, values, *args, real=real, name=name):
+            calls[name].append(args[verify.tensor_inputs.index("exit_hidden")].shape[1])
+            return real(keys, values, *args)
+
+        setattr(verify, f"_{name}", spy)
+    graphs = _graphs()
+    prompt = torch.tensor([[3, 1, 4, 1, 5, 9]])
+    # 14 new tokens: full rounds of 3 drafts, and near the end rounds cut short of 3
+    ours = sm.generate(prompt, max_new_tokens=14)
+    assert_greedy_equal(model, ours, hf_greedy(model, prompt, 14), prompt.shape[1])
+    assert calls["round"] and set(calls["round"]) == {3}  # c = max_hidden
+    assert calls["chunk"] and set(calls["chunk"]) == {2}  # a round cut to 2 drafts
+    assert _graphs() == graphs  # the warm-up compiled both: generate compiles nothing
 
 
 def test_warm_up_runs_on_the_cache_generate_reuses():

@@ -117,7 +117,8 @@ class CompileOptions:
     ``mode``: None picks ``reduce-overhead`` (CUDA graphs) on CUDA and ``default`` elsewhere.
     ``verify_shapes``: how verify takes a varying number ``c`` of cached exit states:
     ``"dynamic"`` compiles it once with ``c`` symbolic (plus the ``c = 1`` case, which dynamo
-    always specialises); ``"padded"`` pads ``c`` to the recipe's maximum draft count with dummy
+    always specialises, and ``c`` = the maximum, a full round's verify, as a static graph of its
+    own); ``"padded"`` pads ``c`` to the recipe's maximum draft count with dummy
     rows at positions past the real ones (masked for every real query, overwritten before any
     real query reads their slots) and compiles one static shape.
     ``warmup``: compile every shape a decode uses when ``compile()`` is called, so that
@@ -280,6 +281,16 @@ class CompiledStage:
             dynamic=False if self._padded else None,
             options=dict(opts),
         )
+        # Dynamic verify: a full round's verify (c = max_hidden, nearly every LayerSkip round)
+        # runs a static graph of its own, without the dynamic graph's per-call symbolic sizes
+        # (on a CPU its wrapper turns ~30 of them into tensors every call); shorter rounds run
+        # the dynamic one.
+        self._round = None
+        if name == "verify" and not self._padded and max_hidden > 1:
+            self._round = torch.compile(
+                _own_code(self.pure, f"{name}_round"), fullgraph=True, dynamic=False,
+                options=dict(opts),
+            )  # fmt: skip
 
     def __call__(
         self, *, cache: StaticKVCache, masks=None, remainder_masks=None, **tensors: torch.Tensor
@@ -312,6 +323,12 @@ class CompiledStage:
         )
         if one_token:
             return self._step(keys, values, *(tensors[n] for n in self.tensor_inputs))
+        if (
+            self._round is not None
+            and tensors["exit_hidden"].shape[1] == self.max_hidden
+            and tensors["input_ids"].shape[1] == 1
+        ):
+            return self._round(keys, values, *(tensors[n] for n in self.tensor_inputs))
         for n in self.tensor_inputs:
             if tensors[n].shape[1] > 1:
                 torch._dynamo.maybe_mark_dynamic(tensors[n], 1)
@@ -362,9 +379,9 @@ class CompiledStage:
                     ]
             return calls
         # verify: one last draft over c = 1 and c = 2 cached exit states (c >= 2 is one
-        # dynamic graph, or the padded one).
+        # dynamic graph, or the padded one), and over c = max_hidden (a full round's graph).
         calls = []
-        for c in sorted({1, min(2, self.max_hidden)}):
+        for c in sorted({1, min(2, self.max_hidden), self.max_hidden}):
             calls.append(
                 {
                     "input_ids": ids[:, :1],
@@ -541,8 +558,9 @@ def compile_stages(sm, options: CompileOptions) -> dict[str, CompiledStage]:
             example = {
                 "input_ids": torch.zeros(1, 3, dtype=torch.long, device=lay.device),
                 "exit_hidden": torch.zeros(
-                    1, 2, sm.config.hidden_size, dtype=lay.dtype, device=lay.device
-                ),
+                    1, max(2, sm.recipe.lookahead - 1), sm.config.hidden_size,
+                    dtype=lay.dtype, device=lay.device,
+                ),  # fmt: skip
             }
             for name, executor in out.items():
                 start = time.perf_counter()
