@@ -557,10 +557,11 @@ def compile_stages(sm, options: CompileOptions) -> dict[str, CompiledStage]:
             cache = sm._cache_for(cache_len)
             example = {
                 "input_ids": torch.zeros(1, 3, dtype=torch.long, device=lay.device),
-                "exit_hidden": torch.zeros(
-                    1, max(2, sm.recipe.lookahead - 1), sm.config.hidden_size,
-                    dtype=lay.dtype, device=lay.device,
-                ),  # fmt: skip
+                "exit_hidden": torch.zeros(  # up to a full round's cached exit states
+                    (1, max(2, sm.recipe.lookahead - 1), sm.config.hidden_size),
+                    dtype=lay.dtype,
+                    device=lay.device,
+                ),
             }
             for name, executor in out.items():
                 start = time.perf_counter()
