@@ -123,7 +123,7 @@ def _bench(args: argparse.Namespace) -> int:
         confidence_threshold=threshold, backend=args.backend,
         cpu_kernels=kernels, onnx_threads=onnx_threads,
         onnx_verify_threads=_onnx_verify_threads(args.onnx_verify_threads),
-        onnx_split_verify=args.onnx_split_verify,
+        onnx_split_verify=args.onnx_split_verify, onnx_thread_pool=args.onnx_thread_pool,
         specee_parts=_specee_parts(args),
         specee_threshold=args.specee_threshold, parts=_m2r2_parts(args),
         exit_parts=_m2r2_parts(args, exits=True), m2r2_exit_gates=_exit_gates(args), **offload,
@@ -181,7 +181,8 @@ def _bench(args: argparse.Namespace) -> int:
         "repeats": args.repeats, "threads": torch.get_num_threads(), "device": args.device,
         "backend": args.backend, "cpu_kernels": args.cpu_kernels,
         "onnx_threads": args.onnx_threads, "onnx_verify_threads": args.onnx_verify_threads,
-        "onnx_split_verify": args.onnx_split_verify, **offload,
+        "onnx_split_verify": args.onnx_split_verify, "onnx_thread_pool": args.onnx_thread_pool,
+        **offload,
     }  # fmt: skip
     meta["dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
     if args.random_model is not None:
@@ -375,6 +376,8 @@ def _onnx_threads_line(rows, flag: str) -> None:
         how = f" (the faster on the autoregressive export: {per})"
     n = row.extra["onnx_threads"]
     spin = " (spinning within a call)" if n is not None and n > 1 else ""
+    if row.extra.get("onnx_shared_pool"):
+        spin = " (one pool shared by every stage)"
     print(f"onnxruntime intra-op threads (--onnx-threads {flag}): {n}{spin}{how}")
     for row in rows:  # verify split or whole (OnnxModel split_verify), timed per export
         if "onnx_split_verify" not in row.extra:
@@ -869,9 +872,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     bench.add_argument(
         "--onnx-threads", default="auto", metavar="N|auto",
-        help="onnxruntime intra-op threads for the onnxruntime rows, spinning within a call when "
-        "more than one (auto: the faster of 1 and the torch thread count, timed on the "
-        "autoregressive export first)",
+        help="onnxruntime intra-op threads for the onnxruntime rows, one pool shared by every "
+        "stage (auto: the faster of 1 and the torch thread count, timed on the autoregressive "
+        "export first)",
     )  # fmt: skip
     bench.add_argument(
         "--onnx-verify-threads", default="same", metavar="N|auto|same",
@@ -884,6 +887,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--onnx-split-verify", default="auto", choices=("auto", "on", "off"),
         help="layerskip's verify on onnxruntime as the draft stage then verify's upper part "
         "(on), or as the one exported verify graph (off); auto: the faster, timed per export",
+    )  # fmt: skip
+    bench.add_argument(
+        # the choices are harness.THREAD_POOLS
+        "--onnx-thread-pool", default="shared", choices=("shared", "session"),
+        help="where the onnxruntime rows' intra-op threads live: one process-wide pool shared "
+        "by every stage (shared: no stage wakes workers that slept through another's calls), "
+        "or a pool per session",
     )  # fmt: skip
     bench.add_argument("--json", default=None, help="write the rows as JSON to this path")
     bench.add_argument("--plot", default=None, help="write a PNG to this path")

@@ -279,6 +279,19 @@ def test_onnx_split_verify_timed_or_fixed(tmp_path):
     assert exit_.value.code == 2
 
 
+def test_onnx_thread_pool_option():
+    # `leapfx bench` puts its onnxruntime rows on one process-wide pool by default (its process
+    # decodes with leapfx only); run_bench, a library call, keeps a pool per session.
+    from leapfx.cli import build_parser
+
+    assert build_parser().parse_args(["bench"]).onnx_thread_pool == "shared"
+    assert BenchConfig().onnx_thread_pool == "session"
+    with pytest.raises(ValueError, match="--onnx-thread-pool: 'x' is invalid; allowed: shared"):
+        BenchConfig(onnx_thread_pool="x").validate()
+    with pytest.raises(ValueError, match="--onnx-verify-threads: 'auto' gives verify's upper"):
+        BenchConfig(onnx_thread_pool="shared", onnx_verify_threads="auto").validate()
+
+
 def test_cost_ratios_per_backend(checkpoint, tmp_path):
     # Every backend's speculative row carries its own draft and verify cost ratios, measured
     # against the autoregressive row of the same backend.

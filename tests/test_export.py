@@ -683,7 +683,8 @@ def test_verify_threads_run_only_the_upper_part_on_more_threads(exported):
     # spinning, and leaves the one-token stages alone: same tokens as a fresh decode on one
     # thread, rollbacks after rejected drafts included.
     model, sm, path = exported("llama", "layerskip")
-    one, two = OnnxModel(path, threads=1), OnnxModel(path, threads=1, verify_threads=2)
+    one = OnnxModel(path, threads=1)
+    two = OnnxModel(path, threads=1, verify_threads=2, thread_pool="session")
     assert (one.verify_threads, two.verify_threads) == (1, 2)
     sessions = {name: s.session for name, s in two.stages.items() if name != "verify"}
     sessions["upper"] = two.stages["verify"].upper.session
@@ -707,7 +708,8 @@ def test_spinning_workers_stop_at_the_end_of_each_call(exported):
     # off sets neither, except on a split verify's upper part of more than one thread, which
     # always spins (and stops). Same tokens either way.
     model, sm, path = exported("llama", "layerskip")
-    spinning, plain = OnnxModel(path, threads=2, spin=True), OnnxModel(path, threads=2)
+    spinning = OnnxModel(path, threads=2, spin=True, thread_pool="session")
+    plain = OnnxModel(path, threads=2, thread_pool="session")
     for om, want in ((spinning, "1"), (plain, "0")):
         sessions = {n: s.session for n, s in om.stages.items() if n != "verify"}
         sessions["upper"] = om.stages["verify"].upper.session
@@ -722,6 +724,62 @@ def test_spinning_workers_stop_at_the_end_of_each_call(exported):
     assert torch.equal(
         spinning.generate(prompt, max_new_tokens=20), plain.generate(prompt, max_new_tokens=20)
     )
+
+
+_SHARED_POOL_SCRIPT = """
+import sys, torch
+from leapfx.export import OnnxModel, ort_runtime
+path = sys.argv[1]
+own = OnnxModel(path, threads=2, thread_pool="session")  # before the switch: a pool per session
+assert not own.shared_threads and ort_runtime.shared_pool_threads() is None
+shared = OnnxModel(path, threads=2, thread_pool="shared")  # switches this process to the pool
+assert shared.shared_threads and ort_runtime.shared_pool_threads() == 2
+for stage in (*shared.stages.values(), shared.stages["verify"].upper):
+    session = getattr(stage, "session", None)
+    if session is not None:
+        assert not session.get_session_options().use_per_session_threads
+later = OnnxModel(path)  # every later OnnxModel shares it
+assert later.shared_threads and later.threads == 2
+for kw, match in (({"threads": 1}, "threads: 1 on this process's shared onnxruntime pool of 2"),
+                  ({"thread_pool": "session"}, "thread_pool: 'session', but"),
+                  ({"verify_threads": 1}, "verify_threads: 1 needs a pool of its own")):
+    try:
+        OnnxModel(path, **kw)
+    except ValueError as exc:
+        assert match in str(exc), str(exc)
+    else:
+        raise AssertionError(kw)
+prompt = torch.tensor([[5, 9, 2, 7, 1, 3]])
+want = own.generate(prompt, max_new_tokens=20)
+assert torch.equal(shared.generate(prompt, max_new_tokens=20), want)
+assert shared.last_metrics.rejections > 0
+assert torch.equal(later.generate(prompt, max_new_tokens=20), want)
+print("ok")
+"""
+
+
+def test_stages_share_the_process_thread_pool(exported):
+    # thread_pool="shared" switches the process's onnxruntime to one pool for good, so it runs
+    # in a process of its own; checks that do not switch run here.
+    import subprocess
+    import sys
+
+    from leapfx.export import ort_runtime
+
+    model, sm, path = exported("llama", "layerskip")
+    before = ort_runtime.shared_pool_threads()
+    with pytest.raises(ValueError, match="thread_pool: 'x' is invalid; allowed: None, 'shared'"):
+        OnnxModel(path, threads=1, thread_pool="x")
+    with pytest.raises(ValueError, match="'shared' needs threads"):
+        OnnxModel(path, thread_pool="shared")
+    with pytest.raises(ValueError, match="verify_threads: 2 needs a pool of its own"):
+        OnnxModel(path, threads=1, verify_threads=2, thread_pool="shared")
+    assert ort_runtime.shared_pool_threads() == before  # refused before switching anything
+    done = subprocess.run(
+        [sys.executable, "-c", _SHARED_POOL_SCRIPT, str(path)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 
 
 def test_positions_past_the_rotary_tables_are_refused(exported, onnx_model):

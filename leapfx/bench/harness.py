@@ -54,6 +54,7 @@ log = logging.getLogger(__name__)
 
 BACKENDS = ("eager", "inductor", "onnxruntime")
 SPLIT_VERIFY = ("auto", "on", "off")  # --onnx-split-verify
+THREAD_POOLS = ("shared", "session")  # --onnx-thread-pool
 BENCHED_RECIPES = (
     "autoregressive", "early_exit", "layerskip", "kangaroo", "eagle", "specee", "m2r2",
 )  # fmt: skip
@@ -104,6 +105,11 @@ class BenchConfig:
     # exported verify graph. "auto": the faster of the two, timed per export (which wins
     # depends on whether both copies fit the CPU's cache); "on" / "off": fixed.
     onnx_split_verify: str = "auto"
+    # Where the onnxruntime rows' intra-op threads live (OnnxModel thread_pool): "shared" switches
+    # this process's onnxruntime to one process-wide pool that every stage shares (the
+    # `leapfx bench` command's default: its process decodes with leapfx only); "session", a
+    # pool per session (the default here: a library call must not switch its caller's process).
+    onnx_thread_pool: str = "session"
     # eager and inductor leapfx rows: projections through leapfx's small-M CPU kernels
     # (leapfx.kernels.cpu). None: where they apply (a float32 model on a CPU) and build.
     cpu_kernels: bool | None = None
@@ -152,6 +158,17 @@ class BenchConfig:
             raise ValueError(
                 f"--onnx-split-verify: {self.onnx_split_verify!r} is invalid; allowed: "
                 f"{', '.join(SPLIT_VERIFY)}"
+            )
+        if self.onnx_thread_pool not in THREAD_POOLS:
+            raise ValueError(
+                f"--onnx-thread-pool: {self.onnx_thread_pool!r} is invalid; allowed: "
+                f"{', '.join(THREAD_POOLS)}"
+            )
+        if self.onnx_thread_pool == "shared" and self.onnx_verify_threads is not None:
+            raise ValueError(
+                f"--onnx-verify-threads: {self.onnx_verify_threads!r} gives verify's upper part a "
+                "pool of its own; allowed with --onnx-thread-pool shared: same (or pass "
+                "--onnx-thread-pool session)"
             )
         if self.cpu_kernels is not None and not isinstance(self.cpu_kernels, bool):
             raise ValueError(
@@ -322,6 +339,7 @@ def build_systems(model: nn.Module, config: BenchConfig, generator_seed: int = 0
             info = {"cpu_kernels": sm.cpu_kernels} if hasattr(sm, "cpu_kernels") else {}
             if hasattr(sm, "threads"):  # an OnnxModel
                 info["onnx_threads"] = sm.threads
+                info["onnx_shared_pool"] = sm.shared_threads
                 info["onnx_threads_timing"] = getattr(sm, "threads_timing", None)
                 timed = sm.split_verify_timing is not None
                 if "verify" in sm.stages and (timed or config.onnx_split_verify != "auto"):
@@ -494,18 +512,25 @@ def _backend(config: BenchConfig, backend: str):
     root = config.export_dir or tempfile.mkdtemp(prefix="leapfx-bench-onnx-")
     chosen: dict = {}  # one thread count for every onnxruntime row of the run
 
+    from ..export.ort_runtime import shared_pool_threads
+
+    # A process already on onnxruntime's shared pool (an earlier run in it) keeps it and its size.
+    pool = None if shared_pool_threads() is not None else config.onnx_thread_pool
+
     def export(name: str, sm):
         path = f"{root}/{name.replace('@', '-')}"
         log.info("exporting %s to %s", name, path)
         sm.export_onnx(path, overwrite=True)
         if not chosen:
-            if config.onnx_threads is not None:
+            if shared_pool_threads() is not None:
+                chosen.update(threads=shared_pool_threads(), timing=None)
+            elif config.onnx_threads is not None:
                 chosen.update(threads=config.onnx_threads, timing=None)
             else:
                 chosen.update(zip(("threads", "timing"), fastest_onnx_threads(path), strict=True))
         threads = chosen["threads"]
         split = config.onnx_split_verify != "off"
-        om = _onnx_model(path, threads, split_verify=split)
+        om = _onnx_model(path, threads, split_verify=split, thread_pool=pool)
         om.threads_timing = chosen["timing"]
         om.split_verify_timing = None
         if config.onnx_split_verify == "auto" and om.split_verify:
@@ -536,14 +561,18 @@ def fastest_onnx_threads(
     export at ``path``, and each count's median seconds per token of its own schedule (a
     ``new_tokens`` greedy decode of a fixed prompt, one untimed call first, the counts timed in
     turn so drift on a shared machine falls on both)."""
+    # Each count on pools of its own: onnxruntime's shared pool is sized once per process, for
+    # the count this chooses (``_onnx_model``).
     return _fastest_count(
-        lambda t: _onnx_model(path, t), "threads", new_tokens=new_tokens, repeats=repeats
-    )
+        lambda t: _onnx_model(path, t, thread_pool="session"), "threads",
+        new_tokens=new_tokens, repeats=repeats,
+    )  # fmt: skip
 
 
 def _onnx_model(path: str, threads: int | None, **kw):
-    """The bench's OnnxModel: more than one thread spins within a call (``spin``: handing
-    each small op to a sleeping worker costs more than the op)."""
+    """The bench's OnnxModel: its stages on onnxruntime's process-wide pool of ``threads``
+    (``thread_pool="auto"``); on pools of their own, more than one thread spins within a call
+    (``spin``: handing each small op to a sleeping worker costs more than the op)."""
     from ..export import OnnxModel
 
     return OnnxModel(path, threads=threads, spin=threads is not None and threads > 1, **kw)

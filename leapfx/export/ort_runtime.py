@@ -59,6 +59,56 @@ _MAX_BUFFERED_SHAPES = 64
 _MAX_BUFFER_BYTES = 4 << 20
 # Baseline schedules any export can run, and the stage each needs.
 _BASELINE_STAGES = {"autoregressive": "full", "early_exit": "draft"}
+THREAD_POOLS = ("shared", "session")
+# The intra-op size of onnxruntime's process-wide thread pool once an OnnxModel switched this
+# process to it (``thread_pool="shared"``). onnxruntime creates that pool once; from then on
+# it refuses new sessions with pools of their own, so every later OnnxModel shares it.
+_shared_pool_threads: int | None = None
+
+
+def shared_pool_threads() -> int | None:
+    """The size of onnxruntime's process-wide pool if an OnnxModel switched this process to it
+    (``thread_pool="shared"``), else None."""
+    return _shared_pool_threads
+
+
+def _thread_pool(thread_pool: str | None, threads: int | None, *, switch: bool = True) -> bool:
+    """Whether an OnnxModel's sessions run on the process-wide pool (switching the process to
+    it on the first ``"shared"``, unless ``switch`` is False); ValueError for what cannot be."""
+    global _shared_pool_threads
+    if thread_pool is not None and thread_pool not in THREAD_POOLS:
+        raise ValueError(
+            f"thread_pool: {thread_pool!r} is invalid; allowed: None, "
+            f"{', '.join(map(repr, THREAD_POOLS))}"
+        )
+    size = _shared_pool_threads
+    if size is None:
+        if thread_pool != "shared":
+            return False
+        if threads is None:
+            raise ValueError(
+                "thread_pool: 'shared' needs threads (the shared pool's size); allowed with "
+                "threads=None: thread_pool=None or 'session'"
+            )
+        if switch:
+            from onnxruntime.capi import _pybind_state
+
+            _pybind_state.set_global_thread_pool_sizes(threads, 1)
+            _shared_pool_threads = threads
+        return True
+    if thread_pool == "session":
+        raise ValueError(
+            f"thread_pool: 'session', but this process's onnxruntime runs every new session on "
+            f"its shared pool of {size} threads (an earlier OnnxModel asked for "
+            "thread_pool='shared'); allowed: thread_pool=None or 'shared'"
+        )
+    if threads is not None and threads != size:
+        raise ValueError(
+            f"threads: {threads} on this process's shared onnxruntime pool of {size} threads "
+            f"(sized once, by the first OnnxModel with thread_pool='shared'); allowed: "
+            f"threads={size} or None"
+        )
+    return True
 
 
 class OrtKVCache(SlotLengths):
@@ -366,6 +416,19 @@ class OnnxModel:
             Which is faster depends on the CPU's cache: split won where the two copies did not
             fit a 32 MB L3 (AMD EPYC), the one graph won by ~3% on a Xeon with a large L3
             (`leapfx bench --onnx-split-verify auto` times both per export).
+        thread_pool: where the sessions' intra-op threads live. ``"shared"``: switch this
+            process's onnxruntime to one process-wide pool of ``threads`` threads, one set of
+            workers for every stage (a decode alternates the draft and verify sessions: with a
+            pool per session each call woke workers that had slept through the other
+            session's calls; on a 2-core Xeon, interleaved in one process, layerskip's decode
+            ran 1.12x faster and the autoregressive one 1.07x). onnxruntime sizes that pool
+            once and from then on refuses sessions with pools of their own, in this process,
+            leapfx's or not: every later OnnxModel shares it (``threads`` must then be its size
+            or None), and ``spin`` and a different ``verify_threads`` do not apply (its workers
+            spin as onnxruntime's defaults say). For a process that decodes with leapfx only,
+            e.g. ``leapfx bench``. ``"session"``: a pool per session, as ``threads`` and
+            ``spin`` say. None (default): ``"session"``, or the shared pool once this process
+            has switched to it.
         verify_threads: intra-op threads of verify's upper part (the split verify's second
             session); None: ``threads``. Its rows are d+1 tokens through the upper layers,
             where a draft or full step is one: more work per weight read, so it can use a core
@@ -394,6 +457,7 @@ class OnnxModel:
         recipe: str | None = None,
         split_verify: bool = True,
         verify_threads: int | None = None,
+        thread_pool: str | None = None,
     ) -> None:
         try:
             import onnxruntime as ort
@@ -415,9 +479,25 @@ class OnnxModel:
             raise ValueError(f"spin: {spin!r} is invalid; allowed: True or False")
         if not isinstance(split_verify, bool):
             raise ValueError(f"split_verify: {split_verify!r} is invalid; allowed: True or False")
+        # whether the sessions run on onnxruntime's process-wide pool (see ``thread_pool``);
+        # everything checked before the process is switched to it
+        if _thread_pool(thread_pool, threads, switch=False):
+            size = _shared_pool_threads or threads
+            if verify_threads is not None and verify_threads != size:
+                raise ValueError(
+                    f"verify_threads: {verify_threads} needs a pool of its own; on onnxruntime's "
+                    f"shared pool of {size} threads every session has those (allowed: None or "
+                    f"{size}, or thread_pool='session' in a process not switched to it)"
+                )
+        self.shared_threads = _thread_pool(thread_pool, threads)
+        if self.shared_threads:
+            self.threads = self.verify_threads = _shared_pool_threads
 
-        def session_options(threads=threads, spin=spin):
+        def session_options(threads=threads, spin=spin, shared=self.shared_threads):
             options = ort.SessionOptions()
+            if shared:  # the process's pool, its workers spinning as onnxruntime's defaults say
+                options.use_per_session_threads = False
+                return options
             if threads is not None:
                 options.intra_op_num_threads = threads
                 options.inter_op_num_threads = 1
