@@ -176,6 +176,17 @@ class FusedAttention(nn.Module):
         self._clip = getattr(attn.config, "clip_qkv", None)
         window = getattr(attn, "sliding_window", getattr(attn.config, "sliding_window", None))
         self._attn_kwargs = {"sliding_window": window}
+        if norm is not None:
+            self._q_norm, self._k_norm = attn.q_norm.forward, attn.k_norm.forward
+
+    def _qkv(self, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        attn = self.attn
+        q = F.linear(h, attn.q_proj.weight, attn.q_proj.bias)
+        k = F.linear(h, attn.k_proj.weight, attn.k_proj.bias)
+        return q, k, F.linear(h, attn.v_proj.weight, attn.v_proj.bias)
+
+    def _out(self, o: torch.Tensor) -> torch.Tensor:
+        return F.linear(o, self.attn.o_proj.weight, self.attn.o_proj.bias)
 
     def forward(
         self,
@@ -186,25 +197,22 @@ class FusedAttention(nn.Module):
         past_key_values=None,
     ) -> tuple[torch.Tensor, None]:
         attn = self.attn
-        h = hidden_states
-        input_shape = h.shape[:-1]
+        input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, attn.head_dim)  # [B, S, heads, D]
-        q = F.linear(h, attn.q_proj.weight, attn.q_proj.bias)
-        k = F.linear(h, attn.k_proj.weight, attn.k_proj.bias)
-        v = F.linear(h, attn.v_proj.weight, attn.v_proj.bias)
+        q, k, v = self._qkv(hidden_states)
         if self._norm == "full":
-            q, k = attn.q_norm.forward(q), attn.k_norm.forward(k)
+            q, k = self._q_norm(q), self._k_norm(k)
         if self._clip is not None:
-            for t in (q, k, v):
-                t.clamp_(min=-self._clip, max=self._clip)
-        q, k, v = q.view(hidden_shape), k.view(hidden_shape), v.view(hidden_shape)
+            q, k, v = (t.clamp(min=-self._clip, max=self._clip) for t in (q, k, v))
+        q, k, v = q.reshape(hidden_shape), k.reshape(hidden_shape), v.reshape(hidden_shape)
         if self._norm == "head":
-            q, k = attn.q_norm.forward(q), attn.k_norm.forward(k)
+            q, k = self._q_norm(q), self._k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, S, D]
         out = _attend(
-            self, attn, q, k, v, position_embeddings, past_key_values, attention_mask, input_shape
-        )
-        return F.linear(out, attn.o_proj.weight, attn.o_proj.bias), None
+            self, attn, q, k, v, position_embeddings, past_key_values, attention_mask,
+            input_shape, position_ids,
+        )  # fmt: skip
+        return self._out(out), None
 
 
 FUSABLE_ATTENTION = frozenset(
@@ -297,6 +305,38 @@ class FuseDecoderLayers(GraphPass):
 SILU = frozenset({"SiLU", "SiLUActivation"})  # torch's and transformers' SiLU modules
 
 
+def _kernel_attention_parts(owner: nn.Module, attn: nn.Module) -> None:
+    """What ``KernelDecoderLayer`` and ``KernelAttention`` share: q, k and v packed side by side
+    and the output projection packed (``leapfx_cpu::small_mm``), SDPA without ``repeat_kv``,
+    ``leapfx_cpu::attention`` for plain causal attention where it builds, and the rotary as one
+    op where it gives HF's values. ``owner`` is a FusedDecoderLayer or a FusedAttention."""
+    from ..kernels.cpu import pack_weight
+
+    _require_kernels()
+    qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
+    owner._split = [p.out_features for p in qkv]
+    owner.register_buffer("w_qkv", pack_weight(torch.cat([p.weight.detach() for p in qkv])))
+    biases = [p.bias for p in qkv]
+    owner.register_buffer("b_qkv", None if all(b is None for b in biases) else torch.cat(
+        [b.detach() if b is not None else p.weight.new_zeros(p.out_features)
+         for b, p in zip(biases, qkv, strict=True)]
+    ))  # fmt: skip
+    owner._o_out = attn.o_proj.out_features
+    owner.register_buffer("w_o", pack_weight(attn.o_proj.weight))
+    if attn.config._attn_implementation == "sdpa":
+        owner._attention = _sdpa_gqa
+    owner._kernel_attention = _plain_causal(attn, owner._attn_kwargs) and _attention_kernel()
+    owner._rope = _kernel_rope(owner._rope)
+
+
+def _kernel_qkv(owner: nn.Module, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """q, k and v of ``h`` as one product over ``owner``'s packed weights (see above)."""
+    out = torch.ops.leapfx_cpu.small_mm(h, owner.w_qkv, sum(owner._split))
+    if owner.b_qkv is not None:
+        out = out + owner.b_qkv
+    return out.split(owner._split, dim=-1)
+
+
 class KernelDecoderLayer(FusedDecoderLayer):
     """A fused layer whose projections run the ``leapfx_cpu`` small-M kernels (CPU, float32).
 
@@ -315,28 +355,14 @@ class KernelDecoderLayer(FusedDecoderLayer):
         from ..kernels.cpu import pack_weight
 
         super().__init__(layer)
-        _require_kernels()
-        attn, mlp = layer.self_attn, layer.mlp
-        qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
-        self._split = [p.out_features for p in qkv]
-        self.register_buffer("w_qkv", pack_weight(torch.cat([p.weight.detach() for p in qkv])))
-        biases = [p.bias for p in qkv]
-        self.register_buffer("b_qkv", None if all(b is None for b in biases) else torch.cat(
-            [b.detach() if b is not None else p.weight.new_zeros(p.out_features)
-             for b, p in zip(biases, qkv, strict=True)]
-        ))  # fmt: skip
-        self._o_out = attn.o_proj.out_features
-        self.register_buffer("w_o", pack_weight(attn.o_proj.weight))
+        mlp = layer.mlp
+        _kernel_attention_parts(self, layer.self_attn)
         self._silu = type(mlp.act_fn).__name__ in SILU and all(
             getattr(mlp, p).bias is None for p in ("gate_proj", "up_proj", "down_proj")
         )
-        if attn.config._attn_implementation == "sdpa":
-            self._attention = _sdpa_gqa
-        self._kernel_attention = _plain_causal(attn, self._attn_kwargs) and _attention_kernel()
-        # RMSNorms and the rotary as one op each where they cover the model (see _rms_norm)
+        # RMSNorms as one op each where they cover the model (see _rms_norm)
         self._norm_in = _rms_norm(layer.input_layernorm)
         self._norm_post = _rms_norm(layer.post_attention_layernorm)
-        self._rope = _kernel_rope(self._rope)
         gate_up = torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()])
         self._gate_up_out = gate_up.shape[0]
         self._down_out = mlp.down_proj.out_features
@@ -349,10 +375,7 @@ class KernelDecoderLayer(FusedDecoderLayer):
         return out if module.bias is None else out + module.bias
 
     def _qkv(self, h: torch.Tensor, attn: nn.Module) -> tuple[torch.Tensor, ...]:
-        out = torch.ops.leapfx_cpu.small_mm(h, self.w_qkv, sum(self._split))
-        if self.b_qkv is not None:
-            out = out + self.b_qkv
-        return out.split(self._split, dim=-1)
+        return _kernel_qkv(self, h)
 
     def _mlp(self, h: torch.Tensor, mlp: nn.Module) -> torch.Tensor:
         ops = torch.ops.leapfx_cpu
@@ -424,57 +447,19 @@ class KernelAttention(FusedAttention):
     The same math as HF's module up to summation order."""
 
     def __init__(self, fused: FusedAttention) -> None:
-        from ..kernels.cpu import pack_weight
-
         super().__init__(fused.attn)
-        _require_kernels()
         attn = self.attn
-        qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
-        self._split = [p.out_features for p in qkv]
-        self.register_buffer("w_qkv", pack_weight(torch.cat([p.weight.detach() for p in qkv])))
-        biases = [p.bias for p in qkv]
-        self.register_buffer("b_qkv", None if all(b is None for b in biases) else torch.cat(
-            [b.detach() if b is not None else p.weight.new_zeros(p.out_features)
-             for b, p in zip(biases, qkv, strict=True)]
-        ))  # fmt: skip
-        self._o_out = attn.o_proj.out_features
-        self.register_buffer("w_o", pack_weight(attn.o_proj.weight))
-        if attn.config._attn_implementation == "sdpa":
-            self._attention = _sdpa_gqa
-        self._kernel_attention = _plain_causal(attn, self._attn_kwargs) and _attention_kernel()
-        self._rope = _kernel_rope(self._rope)
+        _kernel_attention_parts(self, attn)
         if self._norm is not None:
             self._q_norm, self._k_norm = _rms_norm(attn.q_norm), _rms_norm(attn.k_norm)
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        position_ids: torch.Tensor | None = None,
-        past_key_values=None,
-    ) -> tuple[torch.Tensor, None]:
-        attn = self.attn
-        input_shape = hidden_states.shape[:-1]
-        hidden_shape = (*input_shape, -1, attn.head_dim)  # [B, S, heads, D]
-        qkv = torch.ops.leapfx_cpu.small_mm(hidden_states, self.w_qkv, sum(self._split))
-        if self.b_qkv is not None:
-            qkv = qkv + self.b_qkv
-        q, k, v = qkv.split(self._split, dim=-1)
-        if self._norm == "full":
-            q, k = self._q_norm(q), self._k_norm(k)
-        if self._clip is not None:
-            q, k, v = (t.clamp(min=-self._clip, max=self._clip) for t in (q, k, v))
-        q, k, v = q.reshape(hidden_shape), k.reshape(hidden_shape), v.reshape(hidden_shape)
-        if self._norm == "head":
-            q, k = self._q_norm(q), self._k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, S, D]
-        out = _attend(
-            self, attn, q, k, v, position_embeddings, past_key_values, attention_mask,
-            input_shape, position_ids,
-        )  # fmt: skip
-        out = torch.ops.leapfx_cpu.small_mm(out, self.w_o, self._o_out)
-        return (out if attn.o_proj.bias is None else out + attn.o_proj.bias), None
+    def _qkv(self, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return _kernel_qkv(self, h)
+
+    def _out(self, o: torch.Tensor) -> torch.Tensor:
+        out = torch.ops.leapfx_cpu.small_mm(o, self.w_o, self._o_out)
+        bias = self.attn.o_proj.bias
+        return out if bias is None else out + bias
 
 
 def experts_kernel_covers(module: nn.Module) -> bool:
