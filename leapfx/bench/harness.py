@@ -570,9 +570,10 @@ def fastest_onnx_threads(
 
 
 def _onnx_model(path: str, threads: int | None, **kw):
-    """The bench's OnnxModel: its stages on onnxruntime's process-wide pool of ``threads``
-    (``thread_pool="auto"``); on pools of their own, more than one thread spins within a call
-    (``spin``: handing each small op to a sleeping worker costs more than the op)."""
+    """The bench's OnnxModel. On pools of their own (``thread_pool="session"``, or None in a
+    process not switched to the shared pool) more than one thread spins within a call
+    (``spin``: handing each small op to a sleeping worker costs more than the op); on
+    onnxruntime's process-wide pool (``"shared"``) its workers spin as onnxruntime says."""
     from ..export import OnnxModel
 
     return OnnxModel(path, threads=threads, spin=threads is not None and threads > 1, **kw)
