@@ -140,6 +140,28 @@ def test_sliding_window_layers_keep_the_mask():
     assert not KernelDecoderLayer(model.model.layers[0])._kernel_attention
 
 
+def test_kernel_stages_skip_the_masks_their_layers_would_not_read(monkeypatch):
+    # Every mask reader of a kernel stage attends through the kernel: the runner builds no
+    # mask for one row or rows over at most KERNEL_ROWS_MAX_KEYS keys, and builds them past
+    # that (where the layers go to SDPA). A sliding window keeps the masks everywhere.
+    from leapfx.passes import fuse_layers
+    from leapfx.runtime.runner import StageRunner
+
+    model = tiny_model("llama", layers=4)
+    sm = rewrite.apply(model, "layerskip", exit_layer=2, num_speculations=3, cpu_kernels=True)
+    assert all(stage.mask_free is not None for stage in sm._executors.values())
+    runner = StageRunner(sm._executors, sm._cache_for(64), sm._layout)
+    assert runner._masks("verify", 10, 4) == {"full_attention": None}
+    assert runner._masks("verify", 251, 6)["full_attention"] is not None  # 257 keys
+    monkeypatch.setattr(fuse_layers, "KERNEL_ROWS_MAX_KEYS", 3)  # read at each call
+    assert runner._masks("verify", 10, 4)["full_attention"] is not None
+    assert runner._masks("draft", 10, 1) == {"full_attention": None}
+    check_random_prompts(model, sm, (1, 6), 24, seed=4)  # over the threshold, through SDPA
+    window = tiny_model("mistral", layers=2, sliding_window=4)
+    plain = rewrite.apply(window, "layerskip", exit_layer=1, num_speculations=2, cpu_kernels=True)
+    assert not any(hasattr(stage, "mask_free") for stage in plain._executors.values())
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_layerskip_through_it_is_token_identical_to_hf_greedy(arch):
     model = tiny_model(arch, layers=4)

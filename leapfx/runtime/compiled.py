@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import operator
 import time
 import types
 from collections.abc import Mapping
@@ -49,6 +50,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
+from ..passes import fuse_layers
 from ..passes.accelerator import AcceleratedLayer, KernelAcceleratedLayer
 from ..passes.fuse_layers import (
     FusedAttention,
@@ -451,9 +453,37 @@ def kernel_stages(sm) -> dict[str, fx.GraphModule]:
     for name, stage in sm.stages.modules.items():
         converted = with_transposed_weights(stage, shared, kernels=True)
         converted = _eager_norms_and_rotary(converted, shared, sm)
+        if _masks_read_by_kernels_only(converted):
+            converted.mask_free = _mask_free
         # M2R2's exit gates: the whole stage as one op where it covers the model
         out[name] = kernel_gate(stage, converted) or converted
     return out
+
+
+def _masks_read_by_kernels_only(gm: fx.GraphModule) -> bool:
+    """Whether every node that reads ``gm``'s masks is a kernel layer or attention that attends
+    through ``leapfx_cpu::attention`` (plain causal attention): for rows where that kernel runs,
+    the masks go unread, and the StageRunner need not build them (``_mask_free``)."""
+    for node in gm.graph.nodes:
+        if node.op != "placeholder" or node.name not in POSITION_MASKS.values():
+            continue
+        for item in node.users:
+            if item.op != "call_function" or item.target is not operator.getitem:
+                return False  # the masks go somewhere whole
+            for user in item.users:
+                module = gm.get_submodule(user.target) if user.op == "call_module" else None
+                if not isinstance(module, KernelDecoderLayer | KernelAttention):
+                    return False
+                if not module._kernel_attention:
+                    return False
+    return True
+
+
+def _mask_free(start: int, length: int) -> bool:
+    """Whether kernel layers attend to rows start..start+length-1 of one sequence through
+    ``leapfx_cpu::attention`` (one row, or rows over at most ``KERNEL_ROWS_MAX_KEYS`` keys:
+    ``fuse_layers._attend``), reading no mask. A kernel stage's ``mask_free``."""
+    return length == 1 or start + length <= fuse_layers.KERNEL_ROWS_MAX_KEYS
 
 
 ROTARY_TABLE_MAX = 4096  # positions a rotary table holds at most (2 x 4096 x head_dim floats)

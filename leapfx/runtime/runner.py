@@ -62,9 +62,15 @@ class StageRunner:
         return self._arange[None, start:end]
 
     def _masks(self, name: str, start: int, length: int) -> dict[str, torch.Tensor | None] | None:
-        if getattr(self.stages[name], "builds_masks", False):
+        stage = self.stages[name]
+        if getattr(stage, "builds_masks", False):
             return None  # a compiled graph or ONNX session computes its masks from positions
         lay = self.layout
+        free = getattr(stage, "mask_free", None)
+        if free is not None and free(start, length):
+            # every mask reader of the stage attends these rows without one (kernel stages:
+            # compiled._mask_free); a verify pass's two masks cost ~30 us to build
+            return dict.fromkeys(lay.kinds)
         # additive: one mask serves every layer of the stage, so SDPA's per-call conversion of
         # a boolean mask is done once here (same values, same results).
         return masks_for(
