@@ -263,10 +263,9 @@ class AcceleratedLayer(nn.Module):
         ops = _TrainingOps(self) if training else _MergedOps(self)
         return self.step(p, position_embeddings, position_ids, cache, scratch, ops)
 
-    def _olmoe_qkv(self, qkv: torch.Tensor, rms=None) -> torch.Tensor:
-        """OLMoE's order on the projections: full-width q/k norms (``rms``, default
-        :func:`_rms`), then ``clip_qkv``."""
-        rms = rms or _rms
+    def _olmoe_qkv(self, qkv: torch.Tensor, rms) -> torch.Tensor:
+        """OLMoE's order on the projections: full-width q/k norms (``rms``: the ops'), then
+        ``clip_qkv``."""
         q, k, v = qkv.split(self._qkv_split, dim=-1)
         if self._full_width:
             q, k = rms(q, self.qn_w, self._norm_eps), rms(k, self.kn_w, self._norm_eps)
@@ -281,7 +280,7 @@ class AcceleratedLayer(nn.Module):
         B, S, _ = x.shape
         qkv = ops.qkv(x)  # [B, S, (h_q + 2 h_kv) D]
         if self._full_width or self._clip is not None:
-            qkv = self._olmoe_qkv(qkv, getattr(ops, "rms", None))
+            qkv = self._olmoe_qkv(qkv, ops.rms)
         qkv = qkv.reshape(B, S, -1, self.head_dim)  # [B, S, h_q + 2 h_kv, D]
         nq, nk = self._qkv_split[0] // self.head_dim, self._qkv_split[1] // self.head_dim
         v = qkv[:, :, nq + nk :].transpose(1, 2)  # [B, h_kv, S, D]
@@ -291,8 +290,7 @@ class AcceleratedLayer(nn.Module):
             if self._qk_norm and not self._full_width:  # per-head norms
                 attn = self.host.self_attn
                 q, k = attn.q_norm.forward(q), attn.k_norm.forward(k)
-            rope = getattr(ops, "rope", self._rope)
-            q, k = rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # [B, h, S, D]
+            q, k = ops.rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # [B, h, S, D]
         else:  # HF's rotary on q and k at once: half the operations of a draft's rotary
             qk = qkv[:, :, : nq + nk]
             qk = qk * cos.unsqueeze(2) + _rotate_half(qk) * sin.unsqueeze(2)
@@ -415,6 +413,10 @@ class _TrainingOps:
 
     def __init__(self, layer: AcceleratedLayer) -> None:
         self.m = layer
+        self.rope = layer._rope  # HF's apply_rotary_pos_emb
+
+    def rms(self, x, weight, eps):  # OLMoE's full-width q/k norms
+        return _rms(x, weight, eps)
 
     def norm_in(self, p):
         return self.m.host.input_layernorm.forward(p)
