@@ -16,8 +16,9 @@ from torch._dynamo.utils import counters
 
 from leapfx import rewrite
 from leapfx.bench.harness import BenchConfig
-from leapfx.runtime.compiled import CompileOptions, SlotKVCache
+from leapfx.runtime.compiled import CompileOptions, SlotKVCache, chain_length
 from leapfx.runtime.masks import chunk_mask, position_mask
+from leapfx.runtime.runner import StageRunner
 
 
 def _prompts(vocab: int, lengths=(5, 1, 12, 3)) -> list[torch.Tensor]:
@@ -86,6 +87,7 @@ def test_slot_cache_writes_at_positions_and_returns_whole_buffers():
         ("mode", "fast", "mode: 'fast' is invalid"),
         ("verify_shapes", "ragged", "verify_shapes: 'ragged' is invalid"),
         ("warmup", "yes", "warmup: 'yes' is invalid"),
+        ("draft_chain", 1, "draft_chain: 1 is invalid; allowed: True or False"),
     ],
 )
 def test_compile_options_are_validated(field, value, message):
@@ -152,8 +154,8 @@ def test_every_compiled_graph_skips_the_guards_on_the_stage_modules(monkeypatch)
     # torch.compile pops "guard_filter_fn" from the options dict it is given: a dict shared by
     # a stage's two compiled callables left the second one guarding every parameter and module
     # attribute on every call (0.25 ms of a verify call on the reference model). Each graph the
-    # warm-up compiles (full, draft and verify: a one-token step and a multi-token chunk, and
-    # verify's full-round static graph) must pass through the filter.
+    # warm-up compiles (full, draft and verify: a one-token step and a multi-token chunk,
+    # verify's full-round static graph, and the draft chain) must pass through the filter.
     real = torch.compiler.skip_guard_on_all_nn_modules_unsafe
     filtered = []
 
@@ -166,8 +168,8 @@ def test_every_compiled_graph_skips_the_guards_on_the_stage_modules(monkeypatch)
     model = tiny_model("llama", layers=2)
     graphs = _graphs()
     rewrite.apply(model, "layerskip", exit_layer=1, num_speculations=3).compile()
-    assert _graphs() - graphs == 7
-    assert len(filtered) == 7
+    assert _graphs() - graphs == 8
+    assert len(filtered) == 8
 
 
 def test_a_full_rounds_verify_runs_its_static_graph_and_shorter_ones_the_dynamic_graph():
@@ -191,6 +193,65 @@ def test_a_full_rounds_verify_runs_its_static_graph_and_shorter_ones_the_dynamic
     assert calls["round"] and set(calls["round"]) == {3}  # c = max_hidden
     assert calls["chunk"] and set(calls["chunk"]) == {2}  # a round cut to 2 drafts
     assert _graphs() == graphs  # the warm-up compiled both: generate compiles nothing
+
+
+def test_a_greedy_layerskip_round_drafts_through_one_chain_call():
+    model = tiny_model("llama", layers=3)
+    sm = rewrite.apply(model, "layerskip", exit_layer=1, num_speculations=3).compile()
+    chain = sm._executors["draft_chain"]
+    assert chain.chain_length == 3
+    prompt = torch.tensor([[3, 1, 4, 1, 5, 9]])
+    n = prompt.shape[1]
+    with torch.inference_mode():
+        # The chain against three draft calls from the same cache state: the same tokens, exit
+        # states and cache slots, bit for bit.
+        runner = StageRunner(sm._executors, sm._cache_for(64), sm._layout)
+        runner.full(prompt, 0)
+        x = torch.tensor([[7]])
+        tokens, hidden = runner.draft_chain(x, n)
+        lengths = list(runner.cache.lengths)
+        chained = [t[:, :, n : n + 3].clone() for t in runner.cache.keys + runner.cache.values]
+        runner.cache.crop(n)
+        steps, states, token = [], [], x
+        for i in range(3):
+            logits, h = runner.draft(token, n + i)
+            token = logits[:, -1].argmax(dim=-1, keepdim=True)
+            steps.append(token)
+            states.append(h)
+        assert torch.equal(tokens, torch.cat(steps, dim=1))
+        assert torch.equal(hidden, torch.cat(states, dim=1))
+        assert runner.cache.lengths == lengths == [n + 3, n, n]  # the lower layer only
+        stepped = [t[:, :, n : n + 3] for t in runner.cache.keys + runner.cache.values]
+        assert all(torch.equal(a, b) for a, b in zip(chained, stepped, strict=True))
+    calls = []
+    real = chain._fn
+
+    def spy(*args):
+        calls.append(args[2].shape)
+        return real(*args)
+
+    chain._fn = spy
+    graphs = _graphs()
+    # 14 new tokens: rounds of 3 drafts through the chain, rounds cut short near the end
+    # through single draft calls; greedy decoding identical to HF's either way
+    ours = sm.generate(prompt, max_new_tokens=14)
+    assert_greedy_equal(model, ours, hf_greedy(model, prompt, 14), n)
+    assert calls and sm.last_metrics.draft_calls > 3 * len(calls)  # some rounds were short
+    assert _graphs() == graphs  # the warm-up compiled the chain
+    count = len(calls)
+    sm.generate(prompt, max_new_tokens=8, do_sample=True, generator=torch.manual_seed(0))
+    assert len(calls) == count  # sampling drafts step by step (the chain is greedy)
+    assert sm.last_metrics.draft_calls > 0
+
+
+def test_only_fixed_greedy_rounds_get_a_draft_chain(llama):
+    assert chain_length(rewrite.apply(llama, "layerskip", exit_layer=1, num_speculations=4)) == 4
+    dynamic = rewrite.apply(
+        llama, "layerskip", exit_layer=1, num_speculations=4, confidence_threshold=0.5
+    )
+    assert chain_length(dynamic) == 0  # rounds stop at an unsure draft
+    assert chain_length(rewrite.apply(llama, "layerskip", exit_layer=1, num_speculations=1)) == 0
+    assert chain_length(rewrite.apply(llama, "kangaroo", exit_layer=1)) == 0
 
 
 def test_warm_up_runs_on_the_cache_generate_reuses():

@@ -137,6 +137,9 @@ class CompileOptions:
     # once for all the rows of a verify pass). None: on a CPU with float32 weights when the
     # kernels build; True: require them; False: never. Implies transposed weight copies.
     cpu_kernels: bool | None = None
+    # LayerSkip's greedy rounds draft their d tokens through one compiled call of d unrolled
+    # draft steps (``CompiledChain``) instead of d calls: the same tokens, one call's overhead.
+    draft_chain: bool = True
 
     def validate(self) -> CompileOptions:
         if self.mode is not None and self.mode not in MODES:
@@ -159,6 +162,10 @@ class CompileOptions:
             raise ValueError(
                 f"cpu_kernels: {self.cpu_kernels!r} is invalid; allowed: True, False or None "
                 "(on a CPU with float32 weights when they build)"
+            )
+        if not isinstance(self.draft_chain, bool):
+            raise ValueError(
+                f"draft_chain: {self.draft_chain!r} is invalid; allowed: True or False"
             )
         return self
 
@@ -395,6 +402,89 @@ class CompiledStage:
         return calls
 
 
+class _ChainStage(torch.nn.Module):
+    """``length`` greedy steps of the draft stage ``draft`` (a ``_PureStage``) as one function:
+    each step feeds the argmax of the one before at the next position. Returns the draft
+    tokens [1, length] and the exit hidden states of the tokens fed [1, length, H]."""
+
+    def __init__(self, draft: _PureStage, length: int) -> None:
+        super().__init__()
+        self.draft = draft
+        self.length = length
+
+    def forward(self, keys, values, input_ids: torch.Tensor, position_ids: torch.Tensor):
+        tokens, hidden = [], []
+        ids = input_ids
+        for i in range(self.length):
+            named = {"input_ids": ids, "position_ids": position_ids + i}
+            out = self.draft(keys, values, *(named[n] for n in self.draft.tensor_inputs))
+            ids = out["logits"][:, -1].argmax(dim=-1, keepdim=True)  # as schedules.draft
+            tokens.append(ids)
+            hidden.append(out["hidden"])
+        return {"tokens": torch.cat(tokens, dim=1), "hidden": torch.cat(hidden, dim=1)}
+
+
+class CompiledChain:
+    """LayerSkip's d greedy draft steps as one compiled call (the runner's ``draft_chain``).
+
+    Each draft call pays a fixed cost that does not depend on the layers it runs: dynamo's
+    frame and guard checks, the C++ wrapper taking every weight and cache buffer as an input,
+    the argmax and the runner around it. A chain of the d steps in one graph pays it once a
+    round. The steps are the draft stage's own code, so the tokens, exit states and cache
+    writes are those of d ``draft`` calls (tested bitwise); the schedule falls back to single
+    steps where a round drafts fewer (the end of a generation) or samples.
+    """
+
+    builds_masks = True
+
+    def __init__(self, draft: CompiledStage, length: int) -> None:
+        if set(draft.tensor_inputs) != {"input_ids", "position_ids"}:
+            raise ValueError(
+                f"draft_chain: the draft stage takes {draft.tensor_inputs}; a chain feeds "
+                "input_ids and position_ids only"
+            )
+        self.name = "draft_chain"
+        self.chain_length = length
+        self.groups = draft.groups
+        self.pure = _ChainStage(draft.pure, length)
+        self._fn = torch.compile(
+            _own_code(self.pure, "draft_chain"), fullgraph=True, dynamic=False,
+            options=dict(draft.compile_options),
+        )  # fmt: skip
+
+    def __call__(
+        self, *, cache: StaticKVCache, input_ids: torch.Tensor, position_ids: torch.Tensor,
+        masks=None,
+    ) -> dict[str, torch.Tensor]:  # fmt: skip
+        del masks
+        layers = [layer for group in self.groups.values() for layer in group]
+        ends = {layer: cache.lengths[layer] + self.chain_length for layer in layers}
+        cache.check_room(max(ends.values(), default=0))
+        contiguous = torch.contiguous_format  # one graph for every caller (CompiledStage._run)
+        out = self._fn(
+            cache.keys, cache.values, input_ids.clone(memory_format=contiguous),
+            position_ids.clone(memory_format=contiguous),
+        )  # fmt: skip
+        for layer, end in ends.items():
+            cache.lengths[layer] = end
+        return out
+
+    def warmup(self, cache: StaticKVCache, example: dict[str, torch.Tensor]) -> None:
+        ids = example["input_ids"][:, :1].clone(memory_format=torch.contiguous_format)
+        self._fn(cache.keys, cache.values, ids, torch.zeros_like(ids))  # as __call__ passes them
+
+
+def chain_length(sm) -> int:
+    """The drafts of a ``draft_chain`` for ``sm``: LayerSkip's d where every round drafts d
+    greedy tokens through the draft stage (no confidence threshold), else 0."""
+    if sm.recipe.name != "layerskip" or "draft" not in sm.stages.modules:
+        return 0
+    if getattr(sm.options, "confidence_threshold", 0) > 0:
+        return 0
+    d = getattr(sm.options, "num_speculations", 0)
+    return d if d >= 2 else 0
+
+
 def with_transposed_weights(
     stage: fx.GraphModule, shared: dict, *, kernels: bool = False
 ) -> fx.GraphModule:
@@ -578,6 +668,9 @@ def compile_stages(sm, options: CompileOptions) -> dict[str, CompiledStage]:
             device=lay.device,
             max_hidden=max(1, sm.recipe.lookahead - 1),
         )
+    length = chain_length(sm) if options.draft_chain else 0
+    if length:
+        out["draft_chain"] = CompiledChain(out["draft"], length)
     if options.warmup:
         # Under inference mode, as generate() runs: dynamo guards on it (inference tensors).
         # On the model's own cache, which generate() reuses: graphs recorded on its buffers'

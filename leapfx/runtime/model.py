@@ -209,6 +209,7 @@ class SpeculativeModel:
         warmup: bool = True,
         transpose_weights: bool | None = None,
         cpu_kernels: bool | None = None,
+        draft_chain: bool = True,
     ) -> SpeculativeModel:
         """Lower every stage through ``torch.compile(fullgraph=True)`` (Inductor); returns self.
 
@@ -220,7 +221,9 @@ class SpeculativeModel:
         ``verify_shapes``, ``transpose_weights`` and ``cpu_kernels`` (on a CPU the compiled
         stages keep a transposed copy of the projection weights, taken here: call
         ``compile()`` again after training the model in place; with float32 weights they
-        multiply through leapfx's small-M C++ kernels, built on first use).
+        multiply through leapfx's small-M C++ kernels, built on first use). ``draft_chain``:
+        LayerSkip's greedy rounds draft their d tokens in one compiled call of d unrolled draft
+        steps (``CompiledChain``) instead of d calls; same tokens.
 
         >>> sm = rewrite.apply(hf_model, "layerskip", exit_layer=4).compile()
         """
@@ -238,6 +241,7 @@ class SpeculativeModel:
             warmup=warmup,
             transpose_weights=transpose_weights,
             cpu_kernels=cpu_kernels,
+            draft_chain=draft_chain,
         )
         self._executors = compile_stages(self, options)
         self.backend = "inductor"

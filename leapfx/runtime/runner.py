@@ -145,6 +145,21 @@ class StageRunner:
         out = self.chunk("draft", input_ids, start)
         return out["logits"], out["hidden"]
 
+    def chain_length(self) -> int:
+        """Greedy drafts one ``draft_chain`` call makes (0: the stages have no chain)."""
+        return getattr(self.stages.get("draft_chain"), "chain_length", 0)
+
+    def draft_chain(self, input_ids: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``chain_length()`` greedy draft steps in one call, from token ``input_ids`` [1, 1] at
+        ``start``: what as many ``draft`` calls would give, each fed the argmax of the one
+        before. Returns (draft tokens [1, D], their exit hidden states [1, D, H]); the cache's
+        lower layers are written at start..start+D-1. Timed as "draft"."""
+        out = self._call(
+            "draft_chain", key="draft", input_ids=input_ids,
+            position_ids=self._positions(start, 1), masks=None, cache=self.cache,
+        )  # fmt: skip
+        return out["tokens"], out["hidden"]
+
     def verify(
         self, input_ids: torch.Tensor, exit_hidden: torch.Tensor, hidden_start: int
     ) -> torch.Tensor:

@@ -147,6 +147,11 @@ def draft(
     the loop. With ``threshold`` > 0 (Kangaroo eq. 4) drafting stops after the first token whose
     top-1 probability is <= threshold (that token is kept), one host sync per draft step.
     """
+    if threshold <= 0 and not request.sampling.do_sample and runner.chain_length() == d:
+        # a backend that runs the d greedy steps as one call (compiled / ONNX ``draft_chain``:
+        # one call's overhead a round instead of d); the same tokens and hidden states
+        tokens, hidden = runner.draft_chain(x, start)
+        return tokens, hidden, None
     tokens, hidden, qs = [], [], []
     token = x
     for i in range(d):
