@@ -175,7 +175,7 @@ def test_manifest_files_and_checker(exported):
     assert manifest["opset"] == 23
     assert manifest["attention"]["masks"].startswith("computed in the graph")
     stages = manifest["stages"]
-    assert sorted(stages) == ["draft", "full", "verify"]
+    assert sorted(stages) == ["draft", "draft_chain", "full", "verify"]  # chain: d=3 drafts
     assert stages["full"]["layer_ranges"] == [[0, 2]]
     assert stages["draft"]["layer_ranges"] == [[0, 1]]
     assert stages["verify"]["layer_ranges"] == [[0, 2]]

@@ -13,11 +13,14 @@ Steps, per stage (``full``, ``draft``, ``verify``, whichever the recipe cut):
 3. :func:`~leapfx.export.onnx_optimize.optimize_model` rewrites the stage graph where
    onnxruntime does not (q|k|v and gate|up as one MatMul each, the cache writes as ScatterND of
    whole head rows): fewer and cheaper nodes per decoder layer, the same outputs;
-4. once every stage is written, :func:`share_weights` moves the weights of all stages into one
+4. for a fixed-length greedy draft (layerskip, no confidence threshold, ``num_speculations``
+   d >= 2), ``draft_chain``: the optimized draft graph copied d times, each copy fed the
+   argmax of the one before (:mod:`~leapfx.export.chain`): one session call drafts a round;
+5. once every stage is written, :func:`share_weights` moves the weights of all stages into one
    external data file, ``weights.bin``, each distinct tensor stored once: the stages cut from one
    model share its layers, so an export is about as large as the model's weights (in the
    model's dtype), not once per stage;
-5. ``onnx.checker.check_model`` on every stage file.
+6. ``onnx.checker.check_model`` on every stage file.
 
 Everything is written into a temporary directory beside the target and renamed into place at
 the end, ``manifest.json`` last, so a failed or interrupted export never looks complete. An
@@ -376,6 +379,59 @@ def _optimize(path: Path, max_positions: int | None = None) -> dict[str, int]:
     return stats
 
 
+# The stage of D greedy draft steps in one graph (``leapfx.export.chain``), and the recipes whose
+# schedule can use it: those drafting a fixed number of tokens from the ``draft`` stage alone
+# (layerskip without a confidence threshold; Kangaroo's rounds stop on confidence).
+CHAIN_STAGE = "draft_chain"
+_CHAIN_RECIPES = ("layerskip",)
+
+
+def chain_length(sm: SpeculativeModel) -> int:
+    """The draft steps of ``sm``'s ``draft_chain`` stage: its fixed ``num_speculations`` for a
+    layerskip model without a confidence threshold, else 0 (no chain: a round's draft length
+    varies, or a round drafts one token)."""
+    o = sm.options
+    if sm.recipe.name not in _CHAIN_RECIPES or "draft" not in sm.stages.modules:
+        return 0
+    if getattr(o, "confidence_threshold", 0) or o.num_speculations < 2:
+        return 0
+    return int(o.num_speculations)
+
+
+def _export_chain(directory: Path, length: int, rewrites: dict[str, dict[str, int]]) -> None:
+    """Write ``draft_chain.onnx`` beside ``draft.onnx``: ``length`` copies of the draft graph
+    as exported and optimized (``chain.unroll_draft``), referring to the draft's weights file,
+    which ``share_weights`` then collects with the others."""
+    import onnx
+
+    from .chain import unroll_draft
+
+    draft = onnx.load(str(directory / "draft.onnx"), load_external_data=False)
+    onnx.save(unroll_draft(draft, length), str(directory / f"{CHAIN_STAGE}.onnx"))
+    # every step is the draft graph, rewrites included
+    rewrites[CHAIN_STAGE] = {k: length * v for k, v in rewrites.get("draft", {}).items()}
+
+
+def _chain_spec(draft: dict, length: int, rewrites: dict[str, dict[str, int]]) -> dict:
+    """The manifest entry of ``draft_chain``: the draft's layers, cache slots and position
+    group, one token in, ``tokens`` and ``hidden`` out."""
+    presents = [n for n in draft["outputs"] if n.startswith("present.")]
+    return {
+        **draft,
+        "file": f"{CHAIN_STAGE}.onnx",
+        "outputs": ["tokens", "hidden", *presents],
+        "rewrites": rewrites.get(CHAIN_STAGE, {}),
+        # input_ids [batch, 1] at position_ids [batch, 1]: tokens [batch, length] (greedy:
+        # each the argmax of the draft logits after the one before), hidden [batch, length, H]
+        # (the draft's hidden of each token fed); the cache slots written at length positions
+        "chain": {
+            "stage": "draft",
+            "length": length,
+            "selection": "greedy",
+        },
+    }
+
+
 WEIGHTS = "weights.bin"
 _ALIGN = 64  # byte alignment of each tensor in weights.bin (lets a reader map it directly)
 
@@ -445,6 +501,7 @@ def _manifest(
     signatures: dict[str, StageSignature],
     weights: dict,
     rewrites: dict[str, dict[str, int]],
+    chain: int = 0,
 ) -> dict:
     config = sm.config
     gen = sm.hf_model.generation_config
@@ -468,6 +525,8 @@ def _manifest(
             # leapfx.export.onnx_optimize's rewrites, counted (absent: exported as traced)
             "rewrites": rewrites.get(name, {}),
         }
+    if chain:
+        stages[CHAIN_STAGE] = _chain_spec(stages["draft"], chain, rewrites)
     return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -665,10 +724,15 @@ def export_onnx(
             log.info("exporting stage %s", name)
             file = tmp / f"{name}.onnx"
             signatures[name] = _export_stage(sm, name, stage, file, opset, rewrites, optimize)
-        weights = share_weights(tmp, list(signatures))
-        for name in signatures:
+        chain = chain_length(sm)
+        if chain:
+            log.info("composing stage %s (%d draft steps)", CHAIN_STAGE, chain)
+            _export_chain(tmp, chain, rewrites)
+        files = [*signatures, CHAIN_STAGE] if chain else list(signatures)
+        weights = share_weights(tmp, files)
+        for name in files:
             _check(tmp / f"{name}.onnx", name)
-        manifest = _manifest(sm, opset, signatures, weights, rewrites)
+        manifest = _manifest(sm, opset, signatures, weights, rewrites, chain)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         _replace(tmp, target, overwrite)
     except OSError as exc:

@@ -205,7 +205,7 @@ class OrtStage:
         del masks, remainder_masks  # computed in the graph from the positions
         ends = {}
         for positions, layers in self.groups.items():
-            n = tensors[positions].shape[1]
+            n = self._written(tensors[positions])
             for layer in layers:
                 ends[layer] = cache.lengths[layer] + n
         cache.check_room(max(ends.values(), default=0))  # before: ORT does not bounds-check
@@ -240,6 +240,10 @@ class OrtStage:
                 )
         return {name: torch.from_numpy(r) for name, r in zip(self.outputs, results, strict=True)}
 
+    def _written(self, positions: torch.Tensor) -> int:
+        """Positions a call writes into each cache slot of the group that ``positions`` feeds."""
+        return positions.shape[1]
+
     def _run_unbuffered(self, io, values: list[torch.Tensor]) -> list[np.ndarray]:
         """A call of input shapes without buffers yet (a prefill, a new verify length, any call
         on a GPU): inputs bound by pointer, outputs allocated by onnxruntime."""
@@ -253,6 +257,30 @@ class OrtStage:
         self.session.run_with_iobinding(io)
         # get_outputs: in binding order, the cache's presents first (bound once), then ours.
         return [v.numpy() for v in io.get_outputs()[-len(self.outputs) :]]
+
+
+class OrtChainStage(OrtStage):
+    """The ``draft_chain`` stage: ``chain_length`` greedy draft steps in one call
+    (``leapfx.export.chain``).
+
+    Called like the draft stage on one token (``input_ids`` and ``position_ids`` [1, 1]); returns
+    ``tokens`` [1, D] int64 (each the argmax of the draft logits after the one before) and
+    ``hidden`` [1, D, H] (the draft's exit states of the D tokens fed: the first input and all
+    tokens but the last), and writes the draft's cache slots at the D positions from
+    ``position_ids``: what D draft calls do, in one session call.
+    """
+
+    def __init__(self, session, spec: dict[str, Any]) -> None:
+        super().__init__(session, spec)
+        self.chain_length: int = int(spec["chain"]["length"])
+
+    def _written(self, positions: torch.Tensor) -> int:
+        if positions.shape[1] != 1:
+            raise ValueError(
+                f"position_ids: shape {list(positions.shape)} is invalid for draft_chain; "
+                "allowed: one token a row, [batch, 1]"
+            )
+        return self.chain_length
 
 
 class SplitVerify:
@@ -511,8 +539,11 @@ class OnnxModel:
         options = session_options()
         chosen = list(providers) if providers is not None else default_providers()
         load_errors = _load_errors()
+        self.recipe = m["recipe"] if recipe is None else recipe
         self.stages: dict[str, OrtStage] = {}
         for name, spec in m["stages"].items():
+            if "chain" in spec and self.recipe != m["recipe"]:
+                continue  # drafts for the exported recipe's schedule only (not the baselines')
             file = self.path / spec["file"]
             if not file.is_file():
                 raise ValueError(f"path: {str(file)!r} is missing; the export is incomplete")
@@ -524,12 +555,12 @@ class OnnxModel:
                     f"{m.get('opset')}): {str(exc).splitlines()[0]}; upgrade onnxruntime or "
                     "export again with a lower opset (export_onnx(..., opset=18))"
                 ) from exc
-            self.stages[name] = OrtStage(session, spec)
+            stage_type = OrtChainStage if "chain" in spec else OrtStage
+            self.stages[name] = stage_type(session, spec)
         first = next(iter(self.stages.values()))
         self.providers: list[str] = first.session.get_providers()
         log.info("onnxruntime providers: %s", self.providers)
 
-        self.recipe = m["recipe"] if recipe is None else recipe
         r = get_recipe(self.recipe)
         if self.recipe != m["recipe"]:
             needs = _BASELINE_STAGES.get(self.recipe)
