@@ -689,7 +689,7 @@ def test_verify_threads_run_only_the_upper_part_on_more_threads(exported):
     sessions = {name: s.session for name, s in two.stages.items() if name != "verify"}
     sessions["upper"] = two.stages["verify"].upper.session
     threads = {n: s.get_session_options().intra_op_num_threads for n, s in sessions.items()}
-    assert threads == {"full": 1, "draft": 1, "upper": 2}
+    assert threads == {"full": 1, "draft": 1, "draft_chain": 1, "upper": 2}
     options = sessions["upper"].get_session_options()
     assert options.get_session_config_entry("session.intra_op.allow_spinning") == "1"
     # ... within a call only: its workers must not keep spinning through the draft calls
@@ -713,7 +713,7 @@ def test_spinning_workers_stop_at_the_end_of_each_call(exported):
     for om, want in ((spinning, "1"), (plain, "0")):
         sessions = {n: s.session for n, s in om.stages.items() if n != "verify"}
         sessions["upper"] = om.stages["verify"].upper.session
-        assert sorted(sessions) == ["draft", "full", "upper"]
+        assert sorted(sessions) == ["draft", "draft_chain", "full", "upper"]
         for name, session in sessions.items():
             options = session.get_session_options()
             spins = "1" if name == "upper" else want

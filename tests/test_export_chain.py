@@ -123,11 +123,15 @@ def test_manifest_records_the_chain(exported):
     manifest = read_manifest(path)
     spec, draft = manifest["stages"]["draft_chain"], manifest["stages"]["draft"]
     assert spec["file"] == "draft_chain.onnx" and (path / spec["file"]).is_file()
-    assert spec["chain"] == {"stage": "draft", "length": D, "selection": "greedy"}
+    chain = spec["chain"]
+    assert (chain["stage"], chain["length"], chain["selection"]) == ("draft", D, "greedy")
+    assert chain["cache"].startswith("every step reads past_key_values")
     for key in ("layers", "layer_ranges", "cache_reads", "cache_writes", "position_groups"):
         assert spec[key] == draft[key], key
     assert spec["inputs"] == draft["inputs"]
-    assert spec["outputs"] == ["tokens", "hidden"] + draft["outputs"][2:]
+    presents = draft["outputs"][2:]
+    steps = [f"{p}.step{i}" for i in range(D - 1) for p in presents]
+    assert spec["outputs"] == ["tokens", "hidden", *presents, *steps]
     graph = onnx.load(str(path / spec["file"]), load_external_data=False).graph
     onnx.checker.check_model(str(path / spec["file"]))
     assert [i.name for i in graph.input] == spec["inputs"]
@@ -143,6 +147,12 @@ def test_manifest_records_the_chain(exported):
     assert gqa == D * exit_layers == spec["rewrites"]["group_query_attention"]
     assert spec["rewrites"] == {k: D * v for k, v in draft["rewrites"].items()}
     assert not any(n.op_type in ("Attention", "ScatterElements") for n in graph.node)
+    # ... each reading the cache input and writing the step's own present (one buffer, bound)
+    for node in graph.node:
+        if node.op_type == "GroupQueryAttention":
+            past, present = node.input[3], node.output[1]
+            assert past.startswith("past_key_values.") and present.startswith("present.")
+            assert present.split(".step")[0] == past.replace("past_key_values.", "present.")
     # the weights once: the chain's initializers are the draft's, in weights.bin
     draft_graph = onnx.load(str(path / draft["file"]), load_external_data=False).graph
     weights = {t.name for t in draft_graph.initializer if t.external_data}

@@ -415,11 +415,13 @@ def _export_chain(directory: Path, length: int, rewrites: dict[str, dict[str, in
 def _chain_spec(draft: dict, length: int, rewrites: dict[str, dict[str, int]]) -> dict:
     """The manifest entry of ``draft_chain``: the draft's layers, cache slots and position
     group, one token in, ``tokens`` and ``hidden`` out."""
+    from .chain import chain_outputs
+
     presents = [n for n in draft["outputs"] if n.startswith("present.")]
     return {
         **draft,
         "file": f"{CHAIN_STAGE}.onnx",
-        "outputs": ["tokens", "hidden", *presents],
+        "outputs": chain_outputs(presents, length),
         "rewrites": rewrites.get(CHAIN_STAGE, {}),
         # input_ids [batch, 1] at position_ids [batch, 1]: tokens [batch, length] (greedy:
         # each the argmax of the draft logits after the one before), hidden [batch, length, H]
@@ -428,6 +430,12 @@ def _chain_spec(draft: dict, length: int, rewrites: dict[str, dict[str, int]]) -
             "stage": "draft",
             "length": length,
             "selection": "greedy",
+            "cache": (
+                "every step reads past_key_values.{i}.* and writes its position into "
+                "present.{i}.*.step{s} (steps s < length - 1) or present.{i}.* (the last); "
+                "bind the past and all presents of a slot to its one buffer: each step reads "
+                "the positions the steps before it wrote there"
+            ),
         },
     }
 

@@ -47,6 +47,7 @@ from ..runtime.decode import (
 )
 from ..runtime.metrics import DecodeMetrics
 from ..runtime.runner import AttentionLayout, StageRunner
+from .chain import step_present
 from .manifest import read_manifest
 from .stage_module import past_names, present_names
 
@@ -190,7 +191,8 @@ class OrtStage:
                     past_names(layer), present_names(layer), buffers, strict=True
                 ):
                     io.bind_ortvalue_input(past, buf)
-                    io.bind_ortvalue_output(present, buf)
+                    for name in self._presents(present):
+                        io.bind_ortvalue_output(name, buf)
             self._binding, self._bound, self._bound_key = io, cache, None
         return self._binding
 
@@ -240,6 +242,10 @@ class OrtStage:
                 )
         return {name: torch.from_numpy(r) for name, r in zip(self.outputs, results, strict=True)}
 
+    def _presents(self, present: str) -> list[str]:
+        """The outputs bound, with the past input, to the buffer of ``present``'s slot."""
+        return [present]
+
     def _written(self, positions: torch.Tensor) -> int:
         """Positions a call writes into each cache slot of the group that ``positions`` feeds."""
         return positions.shape[1]
@@ -267,12 +273,18 @@ class OrtChainStage(OrtStage):
     ``tokens`` [1, D] int64 (each the argmax of the draft logits after the one before) and
     ``hidden`` [1, D, H] (the draft's exit states of the D tokens fed: the first input and all
     tokens but the last), and writes the draft's cache slots at the D positions from
-    ``position_ids``: what D draft calls do, in one session call.
+    ``position_ids``: what D draft calls do, in one session call. Each step's presents are
+    outputs of their own (``present.{l}.key.step{i}``), bound with the slot's past and present
+    to its one buffer: the steps write the cache in place, one after the other.
     """
 
     def __init__(self, session, spec: dict[str, Any]) -> None:
         super().__init__(session, spec)
         self.chain_length: int = int(spec["chain"]["length"])
+
+    def _presents(self, present: str) -> list[str]:
+        # every step writes its position into the slot's one buffer, where the next reads it
+        return [*(step_present(present, i) for i in range(self.chain_length - 1)), present]
 
     def _written(self, positions: torch.Tensor) -> int:
         if positions.shape[1] != 1:
