@@ -14,7 +14,9 @@ The export format (per stage; optimum's naming, KV cache explicit):
   touches (verify's upper layers: ``remainder_past_sequence``);
 - outputs the stage's own (``logits`` [batch, ., vocab]; ``draft`` also ``hidden``), then
   ``present.{i}.key`` / ``.value`` = past and new concatenated;
-- attention masks are built inside each graph from the position ids and the past length.
+- attention masks are built inside each graph from the position ids and the past length;
+- a layerskip export with a fixed draft length d also has ``draft_chain``: d greedy draft steps
+  in one graph (``chain``), one token in, ``tokens`` [batch, d] and ``hidden`` out.
 
 See ``stage_module`` (graph side), ``onnx_export`` (writer), ``manifest`` and ``ort_runtime``.
 onnx, onnxruntime and onnxscript come with the ``onnx`` extra: ``pip install 'leapfx[onnx]'``.
@@ -24,12 +26,13 @@ from __future__ import annotations
 
 from .manifest import FORMAT, MANIFEST, read_manifest
 from .onnx_export import export_onnx
-from .ort_runtime import OnnxModel, OrtKVCache, OrtStage, default_providers
+from .ort_runtime import OnnxModel, OrtChainStage, OrtKVCache, OrtStage, default_providers
 
 __all__ = [
     "FORMAT",
     "MANIFEST",
     "OnnxModel",
+    "OrtChainStage",
     "OrtKVCache",
     "OrtStage",
     "default_providers",

@@ -12,7 +12,9 @@ and ``runner.cache.crop(n)``. This module puts onnxruntime behind exactly that i
   buffer, so a call writes only its new positions in place (the export's ScatterND) and
   moves nothing else; the token ids and positions are bound per call, and the stage's own
   outputs (logits, hidden states: small) come back as torch tensors. Masks are computed inside
-  the ONNX graphs from the positions, so it ignores the runner's ``masks``.
+  the ONNX graphs from the positions, so it ignores the runner's ``masks``;
+- :class:`OrtChainStage` runs an export's ``draft_chain`` (d greedy draft steps in one graph):
+  the schedule calls it for a round of d greedy drafts instead of d draft calls.
 
 The schedule (autoregressive, early exit, self-speculative, Kangaroo) is the one the recipe
 registry gives for the manifest's recipe and options: the decode loops are not re-implemented.
