@@ -664,7 +664,10 @@ def _export(args: argparse.Namespace) -> int:
     model = model.to(getattr(torch, args.dtype))
     sm = rewrite.apply(model, args.recipe, **options)
     path = sm.export_onnx(args.out, opset=args.opset, overwrite=args.overwrite)
-    stages = ", ".join(f"{name}.onnx" for name in sm.stages.modules)
+    from .export.onnx_export import chain_length
+
+    names = [*sm.stages.modules, *(["draft_chain"] if chain_length(sm) else [])]
+    stages = ", ".join(f"{name}.onnx" for name in names)
     print(f"leapfx export: {args.recipe} {sm.options} -> {path} ({stages}, manifest.json)")
     return 0
 

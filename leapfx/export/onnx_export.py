@@ -54,6 +54,7 @@ from torch import fx
 from .. import __version__
 from ..passes.capture import LAYER, ROLE
 from ..runtime.cache import cache_for
+from ..runtime.compiled import chain_length
 from ..runtime.masks import position_masks
 from .manifest import FORMAT, FORMAT_VERSION, MANIFEST, is_export_dir, layer_ranges
 from .stage_module import ExportableStage, FunctionalKVCache, past_names, present_names
@@ -379,23 +380,10 @@ def _optimize(path: Path, max_positions: int | None = None) -> dict[str, int]:
     return stats
 
 
-# The stage of D greedy draft steps in one graph (``leapfx.export.chain``), and the recipes whose
-# schedule can use it: those drafting a fixed number of tokens from the ``draft`` stage alone
-# (layerskip without a confidence threshold; Kangaroo's rounds stop on confidence).
+# The stage of D greedy draft steps in one graph (``leapfx.export.chain``), exported where the
+# schedule drafts a fixed number of tokens from the ``draft`` stage alone (``chain_length``:
+# layerskip without a confidence threshold, as the compiled backend's ``CompiledChain``).
 CHAIN_STAGE = "draft_chain"
-_CHAIN_RECIPES = ("layerskip",)
-
-
-def chain_length(sm: SpeculativeModel) -> int:
-    """The draft steps of ``sm``'s ``draft_chain`` stage: its fixed ``num_speculations`` for a
-    layerskip model without a confidence threshold, else 0 (no chain: a round's draft length
-    varies, or a round drafts one token)."""
-    o = sm.options
-    if sm.recipe.name not in _CHAIN_RECIPES or "draft" not in sm.stages.modules:
-        return 0
-    if getattr(o, "confidence_threshold", 0) or o.num_speculations < 2:
-        return 0
-    return int(o.num_speculations)
 
 
 def _export_chain(directory: Path, length: int, rewrites: dict[str, dict[str, int]]) -> None:
