@@ -149,7 +149,8 @@ def test_kernel_stages_skip_the_masks_their_layers_would_not_read(monkeypatch):
 
     model = tiny_model("llama", layers=4)
     sm = rewrite.apply(model, "layerskip", exit_layer=2, num_speculations=3, cpu_kernels=True)
-    assert all(stage.mask_free is not None for stage in sm._executors.values())
+    stages = {name: stage for name, stage in sm._executors.items() if name != "draft_chain"}
+    assert all(stage.mask_free is not None for stage in stages.values())  # (the chain: below)
     runner = StageRunner(sm._executors, sm._cache_for(64), sm._layout)
     assert runner._masks("verify", 10, 4) == {"full_attention": None}
     assert runner._masks("verify", 251, 6)["full_attention"] is not None  # 257 keys
@@ -160,6 +161,52 @@ def test_kernel_stages_skip_the_masks_their_layers_would_not_read(monkeypatch):
     window = tiny_model("mistral", layers=2, sliding_window=4)
     plain = rewrite.apply(window, "layerskip", exit_layer=1, num_speculations=2, cpu_kernels=True)
     assert not any(hasattr(stage, "mask_free") for stage in plain._executors.values())
+    assert "draft_chain" not in plain._executors  # its steps would need masks
+
+
+def test_eager_kernel_stages_draft_a_greedy_round_in_one_chain_call():
+    from leapfx.runtime.compiled import EagerChain
+    from leapfx.runtime.runner import StageRunner
+
+    model = tiny_model("llama", layers=4)
+    sm = rewrite.apply(model, "layerskip", exit_layer=2, num_speculations=3, cpu_kernels=True)
+    chain = sm._executors["draft_chain"]
+    assert isinstance(chain, EagerChain) and chain.chain_length == 3
+    prompt = torch.tensor([[3, 1, 4, 1, 5, 9, 2]])
+    n = prompt.shape[1]
+    with torch.inference_mode():
+        # the chain against three runner.draft calls from the same cache state: bit for bit
+        runner = StageRunner(sm._executors, sm._cache_for(64), sm._layout)
+        runner.full(prompt, 0)
+        x = torch.tensor([[7]])
+        tokens, hidden = runner.draft_chain(x, n)
+        lengths = list(runner.cache.lengths)
+        chained = [t[:, :, n : n + 3].clone() for t in runner.cache.keys + runner.cache.values]
+        runner.cache.crop(n)
+        steps, states, token = [], [], x
+        for i in range(3):
+            logits, h = runner.draft(token, n + i)
+            token = logits[:, -1].argmax(dim=-1, keepdim=True)
+            steps.append(token)
+            states.append(h)
+        assert torch.equal(tokens, torch.cat(steps, dim=1))
+        assert torch.equal(hidden, torch.cat(states, dim=1))
+        assert runner.cache.lengths == lengths == [n + 3, n + 3, n, n]
+        stepped = [t[:, :, n : n + 3] for t in runner.cache.keys + runner.cache.values]
+        assert all(torch.equal(a, b) for a, b in zip(chained, stepped, strict=True))
+    calls = []
+
+    def counted(**inputs):
+        calls.append(inputs["position_ids"].item())
+        return chain(**inputs)
+
+    counted.chain_length = chain.chain_length
+    sm._executors["draft_chain"] = counted
+    check_random_prompts(model, sm, (1, 6, 13), 40, seed=5)  # HF greedy's tokens
+    assert calls, "the schedule never called draft_chain"
+    count = len(calls)
+    sm.generate(prompt, max_new_tokens=8, do_sample=True, generator=torch.manual_seed(0))
+    assert len(calls) == count  # sampling drafts step by step (the chain is greedy)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
