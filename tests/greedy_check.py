@@ -72,3 +72,33 @@ def check_random_prompts(model, sm, lengths, max_new_tokens: int, seed: int) -> 
         prompt = torch.randint(1, model.config.vocab_size, (1, length), generator=g)
         got = sm.generate(prompt, max_new_tokens=max_new_tokens)
         assert_greedy_equal(model, got, hf_greedy(model, prompt, max_new_tokens), length)
+
+
+def assert_chain_is_draft_calls(sm, prompt: torch.Tensor, lower: int) -> None:
+    """``sm``'s ``draft_chain`` executor against as many ``draft`` calls from the same cache
+    state (after ``prompt``): the same tokens, exit states and cache slots, bit for bit, with
+    only the ``lower`` layers below the exit advanced."""
+    from leapfx.runtime.runner import StageRunner
+
+    d = sm._executors["draft_chain"].chain_length
+    n = prompt.shape[1]
+    with torch.inference_mode():
+        runner = StageRunner(sm._executors, sm._cache_for(n + 2 * d), sm._layout)
+        runner.full(prompt, 0)
+        x = torch.tensor([[7]])
+        tokens, hidden = runner.draft_chain(x, n)
+        lengths = list(runner.cache.lengths)
+        chained = [t[:, :, n : n + d].clone() for t in runner.cache.keys + runner.cache.values]
+        runner.cache.crop(n)
+        steps, states, token = [], [], x
+        for i in range(d):
+            logits, h = runner.draft(token, n + i)
+            token = logits[:, -1].argmax(dim=-1, keepdim=True)
+            steps.append(token)
+            states.append(h)
+        assert torch.equal(tokens, torch.cat(steps, dim=1))
+        assert torch.equal(hidden, torch.cat(states, dim=1))
+        layers = runner.cache.num_layers
+        assert runner.cache.lengths == lengths == [n + d] * lower + [n] * (layers - lower)
+        stepped = [t[:, :, n : n + d] for t in runner.cache.keys + runner.cache.values]
+        assert all(torch.equal(a, b) for a, b in zip(chained, stepped, strict=True))

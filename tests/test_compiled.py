@@ -11,14 +11,13 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import tiny_model
-from greedy_check import assert_greedy_equal, hf_greedy
+from greedy_check import assert_chain_is_draft_calls, assert_greedy_equal, hf_greedy
 from torch._dynamo.utils import counters
 
 from leapfx import rewrite
 from leapfx.bench.harness import BenchConfig
 from leapfx.runtime.compiled import CompileOptions, SlotKVCache, chain_length
 from leapfx.runtime.masks import chunk_mask, position_mask
-from leapfx.runtime.runner import StageRunner
 
 
 def _prompts(vocab: int, lengths=(5, 1, 12, 3)) -> list[torch.Tensor]:
@@ -202,27 +201,7 @@ def test_a_greedy_layerskip_round_drafts_through_one_chain_call():
     assert chain.chain_length == 3
     prompt = torch.tensor([[3, 1, 4, 1, 5, 9]])
     n = prompt.shape[1]
-    with torch.inference_mode():
-        # The chain against three draft calls from the same cache state: the same tokens, exit
-        # states and cache slots, bit for bit.
-        runner = StageRunner(sm._executors, sm._cache_for(64), sm._layout)
-        runner.full(prompt, 0)
-        x = torch.tensor([[7]])
-        tokens, hidden = runner.draft_chain(x, n)
-        lengths = list(runner.cache.lengths)
-        chained = [t[:, :, n : n + 3].clone() for t in runner.cache.keys + runner.cache.values]
-        runner.cache.crop(n)
-        steps, states, token = [], [], x
-        for i in range(3):
-            logits, h = runner.draft(token, n + i)
-            token = logits[:, -1].argmax(dim=-1, keepdim=True)
-            steps.append(token)
-            states.append(h)
-        assert torch.equal(tokens, torch.cat(steps, dim=1))
-        assert torch.equal(hidden, torch.cat(states, dim=1))
-        assert runner.cache.lengths == lengths == [n + 3, n, n]  # the lower layer only
-        stepped = [t[:, :, n : n + 3] for t in runner.cache.keys + runner.cache.values]
-        assert all(torch.equal(a, b) for a, b in zip(chained, stepped, strict=True))
+    assert_chain_is_draft_calls(sm, prompt, lower=1)  # bitwise: the three draft calls'
     calls = []
     real = chain._fn
 

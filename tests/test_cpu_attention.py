@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import tiny_model
-from greedy_check import check_random_prompts
+from greedy_check import assert_chain_is_draft_calls, check_random_prompts
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -166,34 +166,13 @@ def test_kernel_stages_skip_the_masks_their_layers_would_not_read(monkeypatch):
 
 def test_eager_kernel_stages_draft_a_greedy_round_in_one_chain_call():
     from leapfx.runtime.compiled import EagerChain
-    from leapfx.runtime.runner import StageRunner
 
     model = tiny_model("llama", layers=4)
     sm = rewrite.apply(model, "layerskip", exit_layer=2, num_speculations=3, cpu_kernels=True)
     chain = sm._executors["draft_chain"]
     assert isinstance(chain, EagerChain) and chain.chain_length == 3
     prompt = torch.tensor([[3, 1, 4, 1, 5, 9, 2]])
-    n = prompt.shape[1]
-    with torch.inference_mode():
-        # the chain against three runner.draft calls from the same cache state: bit for bit
-        runner = StageRunner(sm._executors, sm._cache_for(64), sm._layout)
-        runner.full(prompt, 0)
-        x = torch.tensor([[7]])
-        tokens, hidden = runner.draft_chain(x, n)
-        lengths = list(runner.cache.lengths)
-        chained = [t[:, :, n : n + 3].clone() for t in runner.cache.keys + runner.cache.values]
-        runner.cache.crop(n)
-        steps, states, token = [], [], x
-        for i in range(3):
-            logits, h = runner.draft(token, n + i)
-            token = logits[:, -1].argmax(dim=-1, keepdim=True)
-            steps.append(token)
-            states.append(h)
-        assert torch.equal(tokens, torch.cat(steps, dim=1))
-        assert torch.equal(hidden, torch.cat(states, dim=1))
-        assert runner.cache.lengths == lengths == [n + 3, n + 3, n, n]
-        stepped = [t[:, :, n : n + 3] for t in runner.cache.keys + runner.cache.values]
-        assert all(torch.equal(a, b) for a, b in zip(chained, stepped, strict=True))
+    assert_chain_is_draft_calls(sm, prompt, lower=2)  # bitwise: the three draft calls'
     calls = []
 
     def counted(**inputs):
