@@ -276,6 +276,9 @@ class _FakeRunner:
         self.vocab = vocab
         self.calls = 0
 
+    def chain_length(self):
+        return 0  # no draft_chain stage (StageRunner.chain_length): drafts step by step
+
     def draft(self, token, start):
         c = self.confidences[self.calls]
         self.calls += 1
