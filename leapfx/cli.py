@@ -664,7 +664,7 @@ def _export(args: argparse.Namespace) -> int:
     model = model.to(getattr(torch, args.dtype))
     sm = rewrite.apply(model, args.recipe, **options)
     path = sm.export_onnx(args.out, opset=args.opset, overwrite=args.overwrite)
-    from .export.onnx_export import chain_length
+    from .runtime.compiled import chain_length  # the stages with a draft_chain.onnx
 
     names = [*sm.stages.modules, *(["draft_chain"] if chain_length(sm) else [])]
     stages = ", ".join(f"{name}.onnx" for name in names)

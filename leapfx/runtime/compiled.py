@@ -402,6 +402,21 @@ class CompiledStage:
         return calls
 
 
+def greedy_chain(step, input_ids: torch.Tensor, position_ids: torch.Tensor, length: int):
+    """``length`` greedy draft steps: ``step(ids, positions)`` (a draft stage's outputs) fed
+    ``input_ids`` at ``position_ids``, then each step the argmax of the one before at the next
+    position (as ``schedules.draft``). Returns the draft tokens [1, length] and the exit hidden
+    states of the tokens fed [1, length, H]: the chain executors' outputs."""
+    tokens, hidden = [], []
+    ids = input_ids
+    for i in range(length):
+        out = step(ids, position_ids + i)
+        ids = out["logits"][:, -1].argmax(dim=-1, keepdim=True)
+        tokens.append(ids)
+        hidden.append(out["hidden"])
+    return {"tokens": torch.cat(tokens, dim=1), "hidden": torch.cat(hidden, dim=1)}
+
+
 class _ChainStage(torch.nn.Module):
     """``length`` greedy steps of the draft stage ``draft`` (a ``_PureStage``) as one function:
     each step feeds the argmax of the one before at the next position. Returns the draft
@@ -413,15 +428,11 @@ class _ChainStage(torch.nn.Module):
         self.length = length
 
     def forward(self, keys, values, input_ids: torch.Tensor, position_ids: torch.Tensor):
-        tokens, hidden = [], []
-        ids = input_ids
-        for i in range(self.length):
-            named = {"input_ids": ids, "position_ids": position_ids + i}
-            out = self.draft(keys, values, *(named[n] for n in self.draft.tensor_inputs))
-            ids = out["logits"][:, -1].argmax(dim=-1, keepdim=True)  # as schedules.draft
-            tokens.append(ids)
-            hidden.append(out["hidden"])
-        return {"tokens": torch.cat(tokens, dim=1), "hidden": torch.cat(hidden, dim=1)}
+        def step(ids, positions):
+            named = {"input_ids": ids, "position_ids": positions}
+            return self.draft(keys, values, *(named[n] for n in self.draft.tensor_inputs))
+
+        return greedy_chain(step, input_ids, position_ids, self.length)
 
 
 class CompiledChain:
@@ -577,15 +588,11 @@ class EagerChain(torch.nn.Module):
         masks=None,
     ) -> dict[str, torch.Tensor]:  # fmt: skip
         del masks
-        tokens, hidden = [], []
-        ids = input_ids
         forward = self.draft.forward  # a GraphModule has no hooks to run
-        for i in range(self.chain_length):
-            out = forward(ids, position_ids + i, self._masks, cache)
-            ids = out["logits"][:, -1].argmax(dim=-1, keepdim=True)  # as schedules.draft
-            tokens.append(ids)
-            hidden.append(out["hidden"])
-        return {"tokens": torch.cat(tokens, dim=1), "hidden": torch.cat(hidden, dim=1)}
+        return greedy_chain(
+            lambda ids, positions: forward(ids, positions, self._masks, cache),
+            input_ids, position_ids, self.chain_length,
+        )  # fmt: skip
 
 
 def _masks_read_by_kernels_only(gm: fx.GraphModule) -> bool:

@@ -148,8 +148,9 @@ def draft(
     top-1 probability is <= threshold (that token is kept), one host sync per draft step.
     """
     if threshold <= 0 and not request.sampling.do_sample and runner.chain_length() == d:
-        # a backend that runs the d greedy steps as one call (compiled / ONNX ``draft_chain``:
-        # one call's overhead a round instead of d); the same tokens and hidden states
+        # stages that run the d greedy steps as one call (a ``draft_chain``: compiled, ONNX or
+        # eager kernel stages; one call's overhead a round instead of d); the same tokens and
+        # hidden states
         tokens, hidden = runner.draft_chain(x, start)
         return tokens, hidden, None
     tokens, hidden, qs = [], [], []
