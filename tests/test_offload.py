@@ -260,6 +260,24 @@ def test_next_gate_prefetch_raises_the_hit_rate_and_reports_precision():
     assert b.hit_rate_per_layer[0] == pytest.approx(a.hit_rate_per_layer[0])
 
 
+def test_a_prefetch_call_never_loads_two_experts_into_one_slot():
+    """With one idle slot, a call's second candidate must not evict the first (the reads of a
+    job run side by side, so two reads into one slot would land in no set order)."""
+    model = tiny_moe_model("olmoe", layers=2, experts=6, top_k=2)
+    sm = rewrite.apply(model, "autoregressive", offload=OffloadOptions(slots=2, tier="host"))
+    runtime = sm.offload
+    layer = runtime.layers[0]
+    cache = runtime.caches[layer]
+    cache.demand([0, 1])
+    cache.release([0, 1])
+    cache.begin_load(cache.slot_of[0])  # slot of expert 0 receiving a load: not a victim
+    runtime.prefetch_experts(layer, [4, 5])
+    assert 4 in cache.slot_of and 5 not in cache.slot_of
+    assert runtime.counters.prefetch_calls[-1][0] == runtime.expert_bytes
+    runtime.synchronize()
+    runtime.close()
+
+
 def test_prefetch_budget_zero_moves_nothing_ahead():
     model = tiny_moe_model("mixtral", layers=3, experts=6, top_k=2)
     prompt = torch.tensor([[1, 2, 3, 4]])

@@ -160,6 +160,35 @@ def test_native_engine_reads_into_slots(disk):
     engine.close()
 
 
+def test_native_reads_of_a_job_run_side_by_side(disk):
+    """A job's reads take about one read's time with several workers, and the inline caller
+    reads with them; the slots still receive their own experts."""
+    store, (gate_up, down), (pool_a, pool_b) = disk
+    for inline in (False, True):
+        engine = NativeEngine(delay_s=0.2, inline_demand=inline, workers=2)
+        job = ReadJob(store, 0, [(2, pool_a[0], pool_b[0]), (1, pool_a[1], pool_b[1])], "demand")
+        start = time.perf_counter()
+        engine.wait(engine.submit(job, demand=True))
+        elapsed = time.perf_counter() - start
+        assert 0.2 <= elapsed < 0.35, f"inline={inline}: two reads took {elapsed:.3f} s"
+        assert torch.equal(pool_a[0], gate_up[2]) and torch.equal(pool_b[0], down[2])
+        assert torch.equal(pool_a[1], gate_up[1]) and torch.equal(pool_b[1], down[1])
+        engine.close()
+        pool_a.fill_(float("nan"))
+        pool_b.fill_(float("nan"))
+    one = NativeEngine(delay_s=0.1, inline_demand=False, workers=1)
+    job = ReadJob(store, 0, [(2, pool_a[0], pool_b[0]), (1, pool_a[1], pool_b[1])], "prefetch")
+    start = time.perf_counter()
+    one.wait(one.submit(job, demand=False))
+    assert time.perf_counter() - start >= 0.2  # one worker: one read after the other
+    one.close()
+
+
+def test_native_reader_refuses_a_bad_worker_count():
+    with pytest.raises(RuntimeError, match="workers: 0 is invalid; allowed: 1..64"):
+        cpu_reader.reader(workers=0)
+
+
 def test_native_engine_refuses_jobs_that_are_not_direct_reads(disk):
     store, _, (pool_a, pool_b) = disk
     engine = NativeEngine()

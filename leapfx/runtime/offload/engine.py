@@ -15,14 +15,16 @@ before queued prefetches.
   same). Compute runs on the caller's thread and is synchronous, so a slot is free once
   ``release`` returns: ``record_free`` has nothing to record. Disk reads and tensor copies
   release the GIL, so the worker's reads overlap the caller's matmuls.
-- ``NativeEngine`` (CPU, disk tier): the same two lanes on C++ threads
-  (``leapfx.kernels.cpu_reader``) that never take the GIL. A Python worker takes the GIL back
-  after every read and the computing thread's torch calls hand it over, a context switch each
-  (measured: every torch call of a decode step ~1.5x slower while a prefetch ran, so prefetch
-  cost more than it saved). Its jobs are data, not code: a ``ReadJob``'s reads as ``DiskStore``
-  describes them (fd, offset, slot addresses; ``direct_read``), one ``preadv`` each. The
-  ticket keeps the job's slot views alive until the job is taken; per-read start and end times
-  (CLOCK_MONOTONIC, ``time.perf_counter``'s clock on Linux) reach the trace when it is.
+- ``NativeEngine`` (CPU, disk tier): C++ reader threads (``leapfx.kernels.cpu_reader``) that
+  never take the GIL, several reads in flight (demand reads ahead of prefetch reads; an inline
+  demand job's reads load side by side, the caller reading one of them). A Python worker takes
+  the GIL back after every read and the computing thread's torch calls hand it over, a context
+  switch each (measured: every torch call of a decode step ~1.5x slower while a prefetch ran, so
+  prefetch cost more than it saved). Its jobs are data, not code: a ``ReadJob``'s reads as
+  ``DiskStore`` describes them (fd, offset, slot addresses; ``direct_read``), one ``preadv``
+  each. The ticket keeps the job's slot views alive until the job is taken; per-read start and
+  end times (CLOCK_MONOTONIC, ``time.perf_counter``'s clock on Linux) reach the trace when it
+  is.
 - ``CudaEngine``: copies on side streams (a high-priority stream for demand, a low-priority one
   for prefetch), a ``torch.cuda.Event`` per job as the ticket (the slot's ready event), waited
   on by the compute stream without a host sync. ``record_free`` records an event on the compute
@@ -225,15 +227,19 @@ class _Ticket:
 
 
 class NativeEngine:
-    """``leapfx_cpu.Reader``'s C++ workers as copy engines (``ThreadEngine``'s two lanes and
-    ``inline_demand``, without the GIL). Runs ``ReadJob``s whose every read goes straight into
-    its slot (``DiskStore.direct_read``); ``delay_s`` sleeps before every job on the worker."""
+    """``leapfx_cpu.Reader``'s C++ workers as copy engines (``ThreadEngine``'s demand-first
+    order and ``inline_demand``, without the GIL): ``workers`` reads in flight at most, a
+    job's reads side by side. Runs ``ReadJob``s whose every read goes straight into its slot
+    (``DiskStore.direct_read``); ``delay_s`` sleeps before every read."""
 
-    def __init__(self, *, delay_s: float = 0.0, inline_demand: bool = True) -> None:
+    def __init__(
+        self, *, delay_s: float = 0.0, inline_demand: bool = True,
+        workers: int = cpu_reader.WORKERS,
+    ) -> None:  # fmt: skip
         if not cpu_reader.available():
             raise RuntimeError("NativeEngine: the leapfx_cpu reader did not build (see above)")
         self.inline_demand = inline_demand
-        self._reader = cpu_reader.reader(delay_s)
+        self._reader = cpu_reader.reader(delay_s, workers)
         self._inflight: dict[int, _Ticket] = {}  # not taken yet: their views must stay alive
 
     @property

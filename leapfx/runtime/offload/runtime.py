@@ -299,6 +299,7 @@ class ExpertOffload:
         """One transfer job loading every placement's expert into its slot: a prefetch call's
         experts go together, so the worker is woken once per call, not once per expert."""
         after, reads = [], []
+        assert len({p.slot for p in placements}) == len(placements), "one read per slot a job"
         for p in placements:
             gate_up, down = self.gate_up[layer][p.slot], self.down[layer][p.slot]
             free = self._free.pop((layer, p.slot), None)
@@ -353,9 +354,10 @@ class ExpertOffload:
                 key = next(k for k in self._pending if k[0] == layer and cache.pins[k[1]] == 0)
                 self._settle(*key)
                 p = cache.demand_one(expert)
-            if p.load:
-                self._issue(layer, [p], demand=True)
             placements.append(p)
+        misses = [p for p in placements if p.load]
+        if misses:  # one job: the native engine reads a layer's missing experts side by side
+            self._issue(layer, misses, demand=True)
         for p in placements:  # loaded on demand now, or by a prefetch still in flight
             self._settle(layer, p.slot)
         return placements
@@ -452,11 +454,19 @@ class ExpertOffload:
             top = torch.topk(probs, k, dim=-1).indices.unique()
             mass = probs.sum(0)[top]
             candidates = top[torch.argsort(mass, descending=True, stable=True)].tolist()
+        self.prefetch_experts(layer, candidates, tokens=probs.shape[0], union=union)
+
+    def prefetch_experts(
+        self, layer: int, candidates: list[int], *, tokens: int = 1, union: bool = False
+    ) -> None:
+        """Load ``candidates`` (expert ids of ``layer``, most probable first) ahead of use,
+        within the byte budget of a call for ``tokens`` tokens (``prefetch``'s second half, for
+        a predictor that ranks the experts itself)."""
         if union and layer in self._predicted:
             self._predicted[layer].update(candidates)
         else:
             self._predicted[layer] = set(candidates)
-        allowance = self.budget_per_call(probs.shape[0])
+        allowance = self.budget_per_call(tokens)
         cache = self.caches[layer]
         self._reap(layer)
         moved, loads = 0, []
@@ -469,6 +479,9 @@ class ExpertOffload:
             p = cache.prefetch(expert)
             if p is None:
                 break
+            # Busy from now on: a later candidate of this call must not take the same slot (the
+            # reads of one job run side by side, in no set order).
+            cache.begin_load(p.slot)
             loads.append(p)
             moved += self.expert_bytes
         if loads:
