@@ -78,18 +78,16 @@ def test_m2r2_stream_predicts_layers_2i_plus_2_and_3():
     model = tiny_moe_model("olmoe", layers=8, experts=8, top_k=2, seed=3)
     sm = rewrite.apply(model, "autoregressive", offload=OffloadOptions(slots=3, prefetch="m2r2"))
     gm = sm.graph_module
-    fast = nodes_by_role(gm, "fast_stream")
-    # Fast layers 0..2 (layer 3 would predict 8, 9: beyond the model); each right after its
-    # slow layer's attention, reading the previous fast state (p^0 = the embedding).
-    assert [n.meta[LAYER] for n in fast] == [0, 1, 2]
-    assert fast[0].args[0].meta["leapfx.role"] == "embed"
-    assert [n.args[0] for n in fast[1:]] == fast[:-1]
-    for node in fast:
-        assert node.prev.meta["leapfx.role"] == "attn_residual"
-    targets = {n.meta[LAYER]: [] for n in fast}
-    for n in nodes_by_role(gm, "prefetch"):
-        targets[n.meta[LAYER]].append(n.meta["leapfx.prefetch_layer"])
-        assert n.args[0] in fast
+    # One node before slow layer 0 runs fast layers 0..2 from p^0 = the embedding (layer 3
+    # would predict 8, 9: beyond the model); fast layer i's output predicts 2i+2 and 2i+3.
+    (node,) = nodes_by_role(gm, "prefetch")
+    assert node.args[0].meta["leapfx.role"] == "embed"
+    stream = gm.get_submodule(node.target)
+    assert [m.index for m in stream.layers] == [0, 1, 2]
+    assert stream.layers == [gm.m2r2_accelerator.layers[str(i)] for i in range(3)]
+    targets = {i: [] for i in range(3)}
+    for i, t in zip(stream.sources, stream.targets, strict=True):
+        targets[i].append(t)
     assert targets == {i: predicted_layers(i, 8) for i in (0, 1, 2)}
     sm.generate(torch.tensor([[3, 1, 4, 1, 5]]), max_new_tokens=12)
     report = sm.last_offload_report

@@ -16,6 +16,10 @@
 // Router: s_i = rms(state_i) * (off + final) for the reset and each layer's output; one-head
 // attention in the latent space with the query from the last state; sigmoid(out(.)).
 // Logits: head(s_last) (+ bias).
+//
+// m2r2_predict (the expert-offload runtime's m2r2 prefetch, passes/offload.py) runs the same
+// fast stream from a decode step's embedding before any slow layer (q/k norms and clip_qkv
+// included: OLMoE), and ranks the experts of the MoE layers it predicts with their routers.
 
 #include <torch/library.h>
 #include <torch/torch.h>
@@ -87,18 +91,50 @@ struct Dims {
   }
 };
 
-// The fast stream of one row (the part both ops share). hidden [1, 1, H] (the reset state, or a
+// The q/k RMSNorms of the fast layers and clip_qkv, applied to the projections before rotary
+// (m2r2_predict only; the other ops leave such models to the torch path). Each norm scales
+// groups of gq (gk) consecutive channels of q (k): OLMoE's full width (gq = h_q D, all of the
+// layer's kept query channels at once, before the head split), or per head (gq = D, Qwen3).
+struct QkNorm {
+  const float* weights;  // per layer: q's [h_q D], k's [h_kv D] (offsets folded in)
+  int64_t gq, gk;        // group widths; 0: no norms
+  const double* eps;     // per layer: q's, k's
+  float clip;            // then q, k and v clamped to [-clip, clip]; inf: none
+};
+
+// In place on qkv [(h_q + 2 h_kv) D] of layer l: OLMoE's order (norms, then the clamp).
+void qk_norm(const QkNorm& z, int64_t l, int64_t hq, int64_t hk, int64_t D, float* qkv) {
+  if (z.gq > 0) {
+    const float* wq = z.weights + l * (hq + hk) * D;
+    const float* wk = wq + hq * D;
+    for (int64_t i = 0; i < hq * D; i += z.gq) {  // rms_norm reads a group before writing it
+      leapfx_vec::rms_norm(qkv + i, wq + i, z.gq, z.eps[2 * l], 0.0, qkv + i);
+    }
+    for (int64_t i = 0; i < hk * D; i += z.gk) {
+      leapfx_vec::rms_norm(qkv + hq * D + i, wk + i, z.gk, z.eps[2 * l + 1], 0.0,
+                           qkv + hq * D + i);
+    }
+  }
+  if (std::isfinite(z.clip)) {
+    for (int64_t i = 0; i < (hq + 2 * hk) * D; ++i) qkv[i] = std::clamp(qkv[i], -z.clip, z.clip);
+  }
+}
+
+// The fast stream of one row (the part the ops share). hidden [1, 1, H] (the reset state, or a
 // draft's embedding) at position t (position_ids' last element), weights (pack_gate), dims
 // [L, H, D, h_q, h_kv, r, d_latent, V, kv_heads..., q_to_kv...], params [rope_scale, scaling,
 // eps (2 per layer + the final norm's), offsets (same)], cache (per layer the slow cache's keys
 // and values [B, h_kv_all, max_len, D]), lengths (per layer the slow keys the row reads),
 // earlier: m fast keys/values of a drafting round's earlier drafts per layer ([L, 2, m, h_kv,
 // D], read after the slow keys), kv_out (when not null): the row's own keys/values [L, 2,
-// h_kv, D]. Fills states [(L + 1) H]: the reset, then every layer's output.
+// h_kv, D], qk (when not null): q/k norms and clip_qkv, extra: floats `weights` holds after
+// pack_gate's part (m2r2_predict's). Fills states [(L + 1) H]: the reset, then every layer's
+// output.
 Dims fast_stream(const char* op, const at::Tensor& hidden, const at::Tensor& position_ids,
                  const at::Tensor& weights, at::IntArrayRef dims, at::ArrayRef<double> params,
                  at::TensorList cache, at::IntArrayRef lengths, const float* earlier, int64_t m,
-                 float* kv_out, std::vector<float>& states) {
+                 float* kv_out, std::vector<float>& states, const QkNorm* qk = nullptr,
+                 int64_t extra = 0) {
   TORCH_CHECK(dims.size() >= 8, op, ": dims must start [L, H, D, h_q, h_kv, r, d, V]");
   const Dims z{dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], dims[7]};
   const int64_t L = z.L, H = z.H, D = z.D, hq = z.hq, hk = z.hk, half = D / 2;
@@ -111,8 +147,8 @@ Dims fast_stream(const char* op, const at::Tensor& hidden, const at::Tensor& pos
                 op, ": float32 contiguous CPU tensors only, got ", t->scalar_type());
   }
   TORCH_CHECK(hidden.numel() == H, op, ": one row of H=", H, " only, got ", hidden.sizes());
-  TORCH_CHECK(weights.numel() == z.total(), op, ": weights hold ", weights.numel(),
-              " floats, dims say ", z.total());
+  TORCH_CHECK(weights.numel() == z.total() + extra, op, ": weights hold ", weights.numel(),
+              " floats, dims say ", z.total() + extra);
   TORCH_CHECK(static_cast<int64_t>(params.size()) == 2 + 2 * (2 * L + 1), op,
               ": params must be [rope_scale, scaling, eps (2L + 1), offsets (2L + 1)]");
   TORCH_CHECK(static_cast<int64_t>(cache.size()) == 2 * L && static_cast<int64_t>(
@@ -159,6 +195,7 @@ Dims fast_stream(const char* op, const at::Tensor& hidden, const at::Tensor& pos
     float* pn = states.data() + (l + 1) * H;
     rms_norm(p, ln_in, H, eps[2 * l], offsets[2 * l], x.data());
     matvec(w_qkv, z.qkv(), H, x.data(), b_qkv, qkv.data());
+    if (qk != nullptr) qk_norm(*qk, l, hq, hk, D, qkv.data());
     for (int64_t h = 0; h < hq + hk; ++h) {  // rotary on the q and k heads
       float* r = qkv.data() + h * D;
       for (int64_t i = 0; i < half; ++i) {
@@ -306,6 +343,73 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> m2r2_draft(
   return {logits, out, kv};
 }
 
+// The m2r2 prefetch policy's prediction for one decode step (offload, passes/offload.py): the
+// fast stream from the token's embedding p^0 = h^0 through fast layers 0..L-1, run before the
+// slow pass (fast layer i reads slow layer i's keys 0..lengths[i] - 1, all of positions < t,
+// plus the row's own), then per target j the experts of MoE layer 2i + 2 or 2i + 3 (i =
+// sources[j]): scores_j = R_j p^{i+1} with R_j [E, H] the layer's router weight times its
+// post-attention RMSNorm's weight (for one row the ranking of softmax(router(norm(p)))), and
+// their top_k. weights: pack_gate's layout with no router and no head (d = V = 0; the final
+// norm's slot unused), then, when qk[0] > 0, the q/k norm weights per layer (QkNorm), then
+// the R_j [T, E, H]. qk: [gq, gk] (QkNorm's groups; 0, 0: none), qk_params: [clip (inf:
+// none), then per layer the q and k norms' eps]. -> (ids [T, top_k] int64, most probable
+// first; scores [T, E]; states [L + 1, H]: p^0, then every fast layer's output). Order: NaN
+// first (as torch.topk), then by score, exact ties to the lower expert id (torch.topk's order
+// among ties is unspecified: on CPU it changes with E), so only an exact tie of scores can
+// pick other experts than torch.topk does on the same scores.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> m2r2_predict(
+    const at::Tensor& hidden, const at::Tensor& position_ids, const at::Tensor& weights,
+    at::IntArrayRef dims, at::ArrayRef<double> params, at::TensorList cache,
+    at::IntArrayRef lengths, at::IntArrayRef qk, at::ArrayRef<double> qk_params,
+    at::IntArrayRef sources, int64_t experts, int64_t top_k) {
+  const char* op = "leapfx_cpu::m2r2_predict";
+  TORCH_CHECK(dims.size() >= 8 && dims[6] == 0 && dims[7] == 0, op,
+              ": dims must be [L, H, D, h_q, h_kv, r, 0, 0, ...] (no router, no head)");
+  const int64_t L = dims[0], H = dims[1], D = dims[2], hq = dims[3], hk = dims[4];
+  const int64_t T = static_cast<int64_t>(sources.size()), E = experts;
+  TORCH_CHECK(qk.size() == 2 && (qk[0] > 0) == (qk[1] > 0), op, ": qk must be [gq, gk]");
+  const bool norms = qk[0] > 0;
+  TORCH_CHECK(!norms || ((hq * D) % qk[0] == 0 && (hk * D) % qk[1] == 0), op,
+              ": q/k norm groups must divide h_q D and h_kv D");
+  TORCH_CHECK(static_cast<int64_t>(qk_params.size()) == 1 + 2 * L, op,
+              ": qk_params must be [clip, eps_q, eps_k per layer]");
+  TORCH_CHECK(E >= 1 && top_k >= 1 && top_k <= E, op, ": top_k must be in 1..experts");
+  for (int64_t s : sources) TORCH_CHECK(s >= 0 && s < L, op, ": source layer outside 0..L-1");
+  std::vector<double> eps(qk_params.begin() + 1, qk_params.end());
+  const int64_t norm_floats = norms ? L * (hq + hk) * D : 0;
+  const int64_t extra = norm_floats + T * E * H;
+  TORCH_CHECK(weights.scalar_type() == at::kFloat && weights.is_contiguous() &&
+                  weights.numel() >= extra, op, ": weights must be pack_predict's float32");
+  const int64_t base = weights.numel() - extra;  // pack_gate's part (fast_stream checks it)
+  const QkNorm z_qk{weights.data_ptr<float>() + base, qk[0], qk[1], eps.data(),
+                    static_cast<float>(qk_params[0])};
+  std::vector<float> states;
+  fast_stream(op, hidden, position_ids, weights, dims, params, cache, lengths, nullptr, 0,
+              nullptr, states, &z_qk, extra);
+  const float* routers = weights.data_ptr<float>() + base + norm_floats;
+  at::Tensor scores = at::empty({T, E}, hidden.options());
+  at::Tensor ids = at::empty({T, top_k}, hidden.options().dtype(at::kLong));
+  at::Tensor out = at::empty({L + 1, H}, hidden.options());
+  std::copy(states.begin(), states.end(), out.data_ptr<float>());
+  const std::vector<float> zeros(E, 0.0f);
+  std::vector<int64_t> order(E);
+  for (int64_t j = 0; j < T; ++j) {
+    float* s = scores.data_ptr<float>() + j * E;
+    matvec(routers + j * E * H, E, H, states.data() + (sources[j] + 1) * H, zeros.data(), s);
+    for (int64_t e = 0; e < E; ++e) order[e] = e;
+    std::partial_sort(order.begin(), order.begin() + top_k, order.end(),
+                      [s](int64_t a, int64_t b) {
+                        const float x = s[a], y = s[b];
+                        const bool nx = std::isnan(x), ny = std::isnan(y);
+                        if (nx != ny) return nx;  // torch.topk ranks NaN above every number
+                        if (!nx && x != y) return x > y;
+                        return a < b;
+                      });
+    std::copy(order.begin(), order.begin() + top_k, ids.data_ptr<int64_t>() + j * top_k);
+  }
+  return {ids, scores, out};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(leapfx_cpu, m) {
@@ -316,9 +420,14 @@ TORCH_LIBRARY_FRAGMENT(leapfx_cpu, m) {
       "m2r2_draft(Tensor hidden, Tensor position_ids, Tensor weights, int[] dims, "
       "float[] params, Tensor[] cache, int[] lengths, Tensor earlier) -> "
       "(Tensor, Tensor, Tensor)");
+  m.def(
+      "m2r2_predict(Tensor hidden, Tensor position_ids, Tensor weights, int[] dims, "
+      "float[] params, Tensor[] cache, int[] lengths, int[] qk, float[] qk_params, "
+      "int[] sources, int experts, int top_k) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(leapfx_cpu, CPU, m) {
   m.impl("m2r2_gate", &m2r2_gate);
   m.impl("m2r2_draft", &m2r2_draft);
+  m.impl("m2r2_predict", &m2r2_predict);
 }

@@ -256,12 +256,14 @@ class AcceleratedLayer(nn.Module):
         position_ids: torch.Tensor,
         cache,
         scratch: FastScratch | None = None,
+        *,
+        ahead: bool = False,
     ) -> torch.Tensor:
         # Training keeps LoRA and the gate apart, so that they get gradients; inference runs
         # the merged weights (4 products a layer instead of 8).
         training = torch.is_grad_enabled() and self.gate.requires_grad
         ops = _TrainingOps(self) if training else _MergedOps(self)
-        return self.step(p, position_embeddings, position_ids, cache, scratch, ops)
+        return self.step(p, position_embeddings, position_ids, cache, scratch, ops, ahead=ahead)
 
     def _olmoe_qkv(self, qkv: torch.Tensor, rms) -> torch.Tensor:
         """OLMoE's order on the projections: full-width q/k norms (``rms``: the ops'), then
@@ -273,9 +275,16 @@ class AcceleratedLayer(nn.Module):
             q, k, v = (t.clamp(-self._clip, self._clip) for t in (q, k, v))
         return torch.cat([q, k, v], dim=-1)
 
-    def step(self, p, position_embeddings, position_ids, cache, scratch, ops) -> torch.Tensor:
+    def step(
+        self, p, position_embeddings, position_ids, cache, scratch, ops, *, ahead: bool = False
+    ) -> torch.Tensor:
         """Eq. 2 for one layer with ``ops`` doing the products and norms (the eager ones, or
-        ``KernelAcceleratedLayer``'s): p [B, S, H] at positions position_ids [*, S] -> [B, S, H]."""
+        ``KernelAcceleratedLayer``'s): p [B, S, H] at positions position_ids [*, S] -> [B, S, H].
+
+        ``ahead`` (one row per sequence, no scratch): the layer runs before slow layer i has
+        written position t (the offload's m2r2 prefetch runs the whole stream up front), so
+        every cached slow key is one of positions < t; by default a one-row call runs after it
+        and skips the cache's last key (its own position's)."""
         x = ops.norm_in(p)
         B, S, _ = x.shape
         qkv = ops.qkv(x)  # [B, S, (h_q + 2 h_kv) D]
@@ -301,13 +310,17 @@ class AcceleratedLayer(nn.Module):
         slow_v = cache.values[self.cache_slot][:, self.kv_index, :n]
         if slow_k.shape[0] != B:
             slow_k, slow_v = slow_k.expand(B, -1, -1, -1), slow_v.expand(B, -1, -1, -1)
-        if scratch is None and S == 1 and self.window is None:
-            # One parallel row (a decode step beside the slow layers: the offload's m2r2
-            # prefetch): the slow layer has written its key at t = n - 1, so "slow columns < t"
-            # are the first n - 1, and no mask is needed.
-            keys = torch.cat([slow_k[:, :, : n - 1], k], dim=2)
-            values = torch.cat([slow_v[:, :, : n - 1], v], dim=2)
+        assert not ahead or (scratch is None and S == 1), "ahead: one row, no scratch"
+        if scratch is None and S == 1 and (ahead or self.window is None):
+            # One row (a decode step: the offload's m2r2 prefetch): beside the slow layers, the
+            # slow layer has written its key at t = n - 1, so "slow columns < t" are the first
+            # n - 1; ahead of them, all n. No mask but a sliding window's.
+            seen = n if ahead else n - 1
+            keys = torch.cat([slow_k[:, :, :seen], k], dim=2)
+            values = torch.cat([slow_v[:, :, :seen], v], dim=2)
             mask = None
+            if self.window is not None and seen + 1 > self.window:  # t - w < s <= t
+                mask = (torch.arange(seen + 1, device=q.device) > seen - self.window)[None]
         elif scratch is None or isinstance(scratch, ChainScratch):
             # Parallel rows (full graph, training): the slow layer has written every row's key;
             # row t sees slow columns < t and its own fast column only; at step j of a training
@@ -481,8 +494,10 @@ class KernelAcceleratedLayer(nn.Module):
         self._norms = [_rms_norm(host.input_layernorm), _rms_norm(host.post_attention_layernorm)]
         self.rope = _kernel_rope(layer._rope)  # HF's rotary as one op where it gives its values
 
-    def forward(self, p, position_embeddings, position_ids, cache, scratch=None):
-        return self.layer.step(p, position_embeddings, position_ids, cache, scratch, self)
+    def forward(self, p, position_embeddings, position_ids, cache, scratch=None, *, ahead=False):
+        return self.layer.step(
+            p, position_embeddings, position_ids, cache, scratch, self, ahead=ahead
+        )
 
     # The ops ``AcceleratedLayer.step`` calls.
     def norm_in(self, p):

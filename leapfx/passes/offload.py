@@ -11,13 +11,17 @@ runtime lands in ``gm.meta["leapfx.offload"]``. Orthogonal to recipes: it runs a
 passes, on whatever stages they cut.
 
 ``prefetch="m2r2"`` (M2R2 sec. 2.3.3) adds a fast residual stream at rate 2: the accelerated
-layers of ``passes.accelerator`` for gate N/2 (trained parts from ``m2r2_parts``). Fast layer i
-runs right after slow layer i's attention has written its keys (it reads them for positions
-< t, as in M2R2's drafting) and its output p^{i+1} ~ h^{2i+2} feeds the prefetch nodes of MoE
-layers 2i+2 and 2i+3 (``expert_prediction.predicted_layers``): the loads start while layers
-i..2i+1 compute. Layers 0 and 1 are never predicted. Only for recipes without draft layers
-(``autoregressive``): a fast stream that crosses a draft/verify cut would have to be carried
-between stages.
+layers of ``passes.accelerator`` for gate N/2 (trained parts from ``m2r2_parts``), whose state
+p^{i+1} ~ h^{2i+2} after fast layer i predicts MoE layers 2i+2 and 2i+3
+(``expert_prediction.predicted_layers``; layers 0 and 1 are never predicted). Fast layer i of
+token t reads slow layer i's keys of positions < t only, all cached before the slow pass of t
+starts, so one node right after the embedding and the rotary (before slow layer 0) runs the
+whole stream up front and issues every prefetch at once, the earliest-needed layer first:
+``runtime.offload.m2r2_stream.M2R2Prefetcher`` (with the CPU kernels on, one
+``leapfx_cpu::m2r2_predict`` call a decode step). The loads of layer L start when the step
+does, instead of ~1-2 layers before L. A prefill predicts nothing. Only for recipes without
+draft layers (``autoregressive``): a fast stream that crosses a draft/verify cut would have to
+be carried between stages.
 
 ``prefetch="verify_union"`` (speculative recipes: an exit layer E) adds, after layer E-1, one
 prefetch node per MoE layer L >= E that routes the exit state h^E through L's norm and router,
@@ -41,6 +45,7 @@ from torch import fx
 
 from ..runtime.expert_prediction import predicted_layers
 from ..runtime.offload import ExpertOffload, NextGatePrefetch, OffloadedExperts, OffloadOptions
+from ..runtime.offload.m2r2_stream import M2R2Prefetcher
 from .accelerator import ACCELERATOR_MODULE, AcceleratedLayer, Accelerator, default_heads
 from .accelerator_checkpoint import LoadAccelerator, read_parts_config
 from .base import GraphPass, PassResult
@@ -48,6 +53,8 @@ from .capture import ATTN_KIND, LAYER, ROLE, SIDE_EFFECT, layer_module, layer_no
 from .exit_head import EXIT_LAYER
 
 OFFLOAD = "leapfx.offload"
+M2R2_STREAM = "leapfx_offload.m2r2_stream"  # the m2r2 policy's M2R2Prefetcher
+PREFETCH_LAYERS = "leapfx.prefetch_layers"  # node.meta of its node: the MoE layers it predicts
 
 
 def _by_layer(gm: fx.GraphModule, role: str) -> dict[int, fx.Node]:
@@ -123,7 +130,8 @@ def _prefetch_node(
 
 
 def _m2r2_stream(gm: fx.GraphModule, runtime: ExpertOffload, parts, moe: set[int]) -> None:
-    """The rate-2 fast stream and the prefetch nodes it feeds (see the module docstring)."""
+    """The rate-2 fast stream and its predictions as one prefetch node before slow layer 0 (see
+    the module docstring)."""
     if EXIT_LAYER in gm.meta or hasattr(gm, ACCELERATOR_MODULE):
         raise ValueError(
             "prefetch: 'm2r2' runs its own fast stream beside the full model; allowed with "
@@ -150,23 +158,27 @@ def _m2r2_stream(gm: fx.GraphModule, runtime: ExpertOffload, parts, moe: set[int
     gm.add_submodule(ACCELERATOR_MODULE, Accelerator(fast, gates=(gate,), num_layers=n))
     if parts is not None:
         LoadAccelerator(str(parts)).run(gm)
-    g = gm.graph
     rope = nodes_by_role(gm, "rotary")[0]
-    position_ids, cache = (
-        next(x for x in g.nodes if x.op == "placeholder" and x.name == name)
-        for name in ("position_ids", "cache")
-    )
-    p = nodes_by_role(gm, "embed")[0]  # the reset p^0 = h^0
-    residuals = _by_layer(gm, "attn_residual")
     targets = {i: [t for t in predicted_layers(i, n) if t in moe] for i in range(gate)}
     last = max((i for i, t in targets.items() if t), default=-1)
-    for i in range(last + 1):  # every fast layer up to the last that predicts something
-        # Right after layer i's attention wrote its keys: fast layer i reads them (< t).
-        after = residuals.get(i, layer_node(gm, i))
-        with g.inserting_after(after):
-            p = g.call_module(f"{ACCELERATOR_MODULE}.layers.{i}", (p, rope, position_ids, cache))
-        p.name = f"fast_{i}"
-        p.meta.update({ROLE: "fast_stream", LAYER: i})
-        after = p
+    predictors = []  # (fast layer, its prediction for MoE layer t), t = 2, 3, 4, ...
+    for i in range(last + 1):
         for t in targets[i]:
-            after = _prefetch_node(gm, runtime, after, p, i, t)
+            norm = gm.get_submodule(_by_layer(gm, "moe_norm")[t].target)
+            router = gm.get_submodule(_by_layer(gm, "router")[t].target)
+            predictors.append((i, NextGatePrefetch(runtime, t, norm, router)))
+    acc = gm.get_submodule(ACCELERATOR_MODULE)  # every fast layer up to the last predicting
+    layers = [acc.layers[str(i)] for i in range(last + 1)]
+    stream = M2R2Prefetcher(runtime, layers, predictors, gm.get_submodule(rope.target))
+    gm.add_submodule(M2R2_STREAM, stream)
+    g = gm.graph
+    position_ids, cache = (
+        next(x for x in g.nodes if x.op == "placeholder" and x.name == placeholder)
+        for placeholder in ("position_ids", "cache")
+    )
+    embed = nodes_by_role(gm, "embed")[0]  # the reset p^0 = h^0
+    # Before slow layer 0: fast layer i reads slow layer i's keys < t, all cached by then.
+    with g.inserting_after(rope):
+        node = g.call_module(M2R2_STREAM, (embed, rope, position_ids, cache))
+    node.name = "m2r2_prefetch"
+    node.meta.update({ROLE: "prefetch", SIDE_EFFECT: True, PREFETCH_LAYERS: stream.targets})

@@ -48,9 +48,10 @@ from .store import DiskStore, HostStore, aligned_pool
 
 log = logging.getLogger(__name__)
 
-# "m2r2": M2R2's accelerated residual at rate 2 predicts layers 2i+2, 2i+3 during layer i
-# (``predictors.M2R2Prefetch``); "verify_union": for speculative recipes, the union of the
-# upper layers' experts that the drafts' exit states route to (``predictors.UnionPrefetch``).
+# "m2r2": M2R2's accelerated residual at rate 2, fast layer i predicting layers 2i+2, 2i+3,
+# the whole stream run before the slow pass (``m2r2_stream.M2R2Prefetcher``); "verify_union":
+# for speculative recipes, the union of the upper layers' experts that the drafts' exit states
+# route to (``NextGatePrefetch(union=True)``).
 PREFETCH_POLICIES = ("none", "next_gate", "m2r2", "verify_union")
 TIERS = ("auto", "disk", "host")
 # CPU transfer engines: "native" (C++ reader threads, no GIL; the disk tier with direct reads
@@ -569,7 +570,8 @@ class NextGatePrefetch(nn.Module):
     - ``next_gate``: the residual stream after the previous MoE layer's attention (a next-layer
       gate, as in Pre-gated MoE and mixtral-offloading's speculative loading, untrained);
     - ``m2r2``: the accelerated residual p^{i+1} ~ h^{2i+2} (M2R2 sec. 2.3.3, as
-      ``leapfx.runtime.expert_prediction.predict_experts``), two layers' worth of lead;
+      ``leapfx.runtime.expert_prediction.predict_experts``), run before the slow pass by
+      ``m2r2_stream.M2R2Prefetcher`` (which calls it where the fused op does not apply);
     - ``verify_union`` (``union=True``): a draft's exit state, for every layer the verify pass
       runs above the exit; the predictions of a round's drafts add up until the verify pass.
     """
