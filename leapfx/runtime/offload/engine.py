@@ -234,12 +234,12 @@ class NativeEngine:
 
     def __init__(
         self, *, delay_s: float = 0.0, inline_demand: bool = True,
-        workers: int = cpu_reader.WORKERS,
+        workers: int = cpu_reader.WORKERS, spin_s: float = cpu_reader.SPIN_S,
     ) -> None:  # fmt: skip
         if not cpu_reader.available():
             raise RuntimeError("NativeEngine: the leapfx_cpu reader did not build (see above)")
         self.inline_demand = inline_demand
-        self._reader = cpu_reader.reader(delay_s, workers)
+        self._reader = cpu_reader.reader(delay_s, workers, spin_s)
         self._inflight: dict[int, _Ticket] = {}  # not taken yet: their views must stay alive
 
     @property
