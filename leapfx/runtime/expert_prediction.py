@@ -5,7 +5,8 @@ With a fast stream at twice the slow rate (R = 2: gate N/2, so the fast state af
 2i+3 can be identified while still computing in layer i": apply layer L's own post-attention
 norm and router to ``p^{i+1}`` and take its top-k (``num_experts_per_tok``), for
 L in {2i+2, 2i+3}. Layers 0 and 1 are never predicted. The MoE offload runtime issues the loads
-of these experts while layer i computes, then checks residency before layer L's experts run.
+of these experts ahead of use (it runs the whole fast stream before a step's slow pass:
+``leapfx.runtime.offload.m2r2_stream``), then checks residency before layer L's experts run.
 
 This module works on the HF MoE modules directly (Mixtral, OLMoE, Qwen2-MoE in transformers 5:
 ``layer.post_attention_layernorm`` and the router ``layer.mlp.gate``, which returns
