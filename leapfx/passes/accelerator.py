@@ -524,6 +524,25 @@ class KernelAcceleratedLayer(nn.Module):
         return mm(h, self.w_up, self._sizes[3])
 
 
+def fused_op_layers(layers: list, same: tuple[str, ...]) -> bool:
+    """Whether a fused CPU op (``leapfx.kernels.cpu_m2r2``) can run ``layers`` as the torch
+    code does, as far as they all need: plain ``AcceleratedLayer`` modules in float32 on a
+    CPU, equal in the attributes ``same``, whose host norms are RMSNorms (``rms_params``).
+    Each op's caller checks what only it covers (q/k norms, clip, windows)."""
+    first = layers[0]
+    for m in layers:
+        if type(m) is not AcceleratedLayer or any(getattr(m, a) != getattr(first, a) for a in same):
+            return False
+        if m.w_o.dtype != torch.float32 or m.w_o.device.type != "cpu":
+            return False
+        host = m.host
+        if rms_params(host.input_layernorm) is None:
+            return False
+        if rms_params(host.post_attention_layernorm) is None:
+            return False
+    return True
+
+
 def rms_params(norm: nn.Module) -> tuple[torch.Tensor, float, float] | None:
     """``(weight, eps, offset)`` where ``norm.forward(x)`` equals ``F.rms_norm(x, (H,), weight +
     offset, eps)`` on a probe (Llama's ``weight * x / rms``: offset 0; Gemma's ``(1 + weight)``:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import fx, nn
 
-from .accelerator import AcceleratedLayer, ARLARouter, FastScratch, rms_params
+from .accelerator import ARLARouter, FastScratch, fused_op_layers, rms_params
 from .capture import ROLE
 
 _DYNAMIC_ROPE = ("dynamic", "longrope")  # inv_freq changes with the sequence: not a table
@@ -94,23 +94,14 @@ def _stage_parts(stage: fx.GraphModule):
 def _covered(rotary, layers, router, norm, head) -> bool:
     """Whether the op computes this stage exactly as the torch stage does (``router`` None: a
     draft stage)."""
-    if not all(type(m) is AcceleratedLayer for m in layers):
-        return False
     if router is not None and type(router) is not ARLARouter:
         return False
-    first = layers[0]
-    same = ("q_heads", "kv_heads", "head_dim", "scaling")
+    if not fused_op_layers(layers, ("q_heads", "kv_heads", "head_dim", "scaling")):
+        return False
     for m in layers:
-        plain = not m._qk_norm and m._clip is None and m.window is None and m.fast_keys is None
-        if not plain or any(getattr(m, a) != getattr(first, a) for a in same):
+        if m._qk_norm or m._clip is not None or m.window is not None or m.fast_keys is not None:
             return False
-        if m.w_o.dtype != torch.float32 or m.w_o.device.type != "cpu":
-            return False
-        host = m.host
-        if rms_params(host.input_layernorm) is None:
-            return False
-        if rms_params(host.post_attention_layernorm) is None:
-            return False
+    first = layers[0]
     linears = (head,) if router is None else (router.q, router.k, router.v, router.out, head)
     if not all(type(x) is nn.Linear and x.weight.dtype == torch.float32 for x in linears):
         return False

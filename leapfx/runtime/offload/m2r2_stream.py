@@ -38,7 +38,7 @@ import math
 import torch
 from torch import nn
 
-from ...passes.accelerator import AcceleratedLayer, rms_params
+from ...passes.accelerator import AcceleratedLayer, fused_op_layers, rms_params
 from .runtime import ExpertOffload, NextGatePrefetch
 
 
@@ -224,22 +224,15 @@ def _covered(owner: M2R2Prefetcher) -> bool:
     layers = owner.layers
     first = layers[0]
     same = ("q_heads", "kv_heads", "head_dim", "scaling", "_qk_norm", "_full_width", "_clip")
+    if not fused_op_layers(layers, same):
+        return False
     for m in layers:
-        if type(m) is not AcceleratedLayer or m.window is not None or m.fast_keys is not None:
-            return False
-        if any(getattr(m, a) != getattr(first, a) for a in same):
-            return False
-        if m.w_o.dtype != torch.float32 or m.w_o.device.type != "cpu":
-            return False
-        host = m.host
-        if rms_params(host.input_layernorm) is None:
-            return False
-        if rms_params(host.post_attention_layernorm) is None:
+        if m.window is not None or m.fast_keys is not None:
             return False
         if m._full_width and m._norm_eps != first._norm_eps:
             return False
         if m._qk_norm and not m._full_width:
-            attn = host.self_attn
+            attn = m.host.self_attn
             if m._clip is not None:  # the op clamps after the norms; per-head: before
                 return False
             if rms_params(attn.q_norm) is None or rms_params(attn.k_norm) is None:
