@@ -105,10 +105,10 @@ def _covered(rotary, layers, router, norm, head) -> bool:
     linears = (head,) if router is None else (router.q, router.k, router.v, router.out, head)
     if not all(type(x) is nn.Linear and x.weight.dtype == torch.float32 for x in linears):
         return False
-    return rms_params(norm) is not None and _rope_table(rotary, first.head_dim) is not None
+    return rms_params(norm) is not None and rope_table(rotary, first.head_dim) is not None
 
 
-def _rope_table(rotary: nn.Module, head_dim: int) -> tuple[torch.Tensor, float] | None:
+def rope_table(rotary: nn.Module, head_dim: int) -> tuple[torch.Tensor, float] | None:
     """(inv_freq, attention_scaling) where ``rotary(x, t)`` is HF's default form
     ``cat(t * inv_freq, t * inv_freq).cos() * scaling`` (and sin) over the whole head, checked
     on probe positions; None otherwise (partial or dynamic rotary)."""
@@ -135,6 +135,31 @@ def _bias(b: torch.Tensor | None, rows: int) -> torch.Tensor:
     return torch.zeros(rows) if b is None else b
 
 
+def pack_fast_layers(layers, hidden: int) -> tuple[list[list], list[float], list[float]]:
+    """The fast layers' part of a ``leapfx_cpu.m2r2_*`` op's inputs: per layer the merged
+    ``[w_qkv, b_qkv, w_o, b_o, down, up, ln_in, ln_post]`` (:func:`cpu_m2r2.pack_gate`'s
+    layout, absent biases as zeros), and the two RMSNorms' eps and weight offsets, in order."""
+    packed, eps, offsets = [], [], []
+    for m in layers:
+        w_qkv, b_qkv, w_o, b_o = m._merged()
+        ln_in = rms_params(m.host.input_layernorm)
+        ln_post = rms_params(m.host.post_attention_layernorm)
+        packed.append([w_qkv, _bias(b_qkv, w_qkv.shape[0]), w_o, _bias(b_o, hidden),
+                       m.down, m.up, ln_in[0], ln_post[0]])  # fmt: skip
+        eps += [ln_in[1], ln_post[1]]
+        offsets += [ln_in[2], ln_post[2]]
+    return packed, eps, offsets
+
+
+def op_dims(layers, hidden: int, latent: int = 0, vocab: int = 0) -> list[int]:
+    """A ``leapfx_cpu.m2r2_*`` op's ``dims``: layers, hidden, head dim, query and KV heads,
+    adapter rank, router latent, vocabulary, then the kept KV heads and each query head's."""
+    first = layers[0]
+    return [len(layers), hidden, first.head_dim, len(first.q_heads), len(first.kv_heads),
+            first.down.shape[0], latent, vocab, *first.kv_heads,
+            *(int(x) for x in first.q_to_kv)]  # fmt: skip
+
+
 class KernelGate(nn.Module):
     """The gate stage ``{logits, score} = gate(hidden, position_ids, cache)`` in one op call.
 
@@ -148,17 +173,9 @@ class KernelGate(nn.Module):
         self.fallback = fallback
         self.slots = [m.cache_slot for m in layers]
         first = layers[0]
-        inv_freq, rope_scale = _rope_table(rotary, first.head_dim)
-        packed, eps, offsets = [], [], []
+        inv_freq, rope_scale = rope_table(rotary, first.head_dim)
         hidden = head.weight.shape[1]
-        for m in layers:
-            w_qkv, b_qkv, w_o, b_o = m._merged()
-            ln_in = rms_params(m.host.input_layernorm)
-            ln_post = rms_params(m.host.post_attention_layernorm)
-            packed.append([w_qkv, _bias(b_qkv, w_qkv.shape[0]), w_o, _bias(b_o, hidden),
-                           m.down, m.up, ln_in[0], ln_post[0]])  # fmt: skip
-            eps += [ln_in[1], ln_post[1]]
-            offsets += [ln_in[2], ln_post[2]]
+        packed, eps, offsets = pack_fast_layers(layers, hidden)
         final = rms_params(norm)
         eps.append(final[1])
         offsets.append(final[2])
@@ -167,9 +184,7 @@ class KernelGate(nn.Module):
         for lin in () if router is None else (router.q, router.k, router.v, router.out):
             parts += [lin.weight, _bias(lin.bias, lin.weight.shape[0])]
         self.weights = pack_gate(packed, parts, (head.weight, head.bias), inv_freq)
-        self.dims = [len(layers), hidden, first.head_dim, len(first.q_heads),
-                     len(first.kv_heads), first.down.shape[0], latent, head.weight.shape[0],
-                     *first.kv_heads, *(int(x) for x in first.q_to_kv)]  # fmt: skip
+        self.dims = op_dims(layers, hidden, latent, head.weight.shape[0])
         self.params = [rope_scale, float(first.scaling), *eps, *offsets]
 
     def forward(self, hidden, position_ids, cache):

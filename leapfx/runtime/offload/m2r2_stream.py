@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from ...passes.accelerator import AcceleratedLayer, fused_op_layers, rms_params
+from ...passes.kernel_gate import op_dims, pack_fast_layers, rope_table
 from .runtime import ExpertOffload, NextGatePrefetch
 
 
@@ -104,10 +105,6 @@ class M2R2Prefetcher(nn.Module):
         return self._kernel
 
 
-def _bias(b: torch.Tensor | None, rows: int) -> torch.Tensor:
-    return torch.zeros(rows) if b is None else b
-
-
 class _KernelPredict:
     """``leapfx_cpu::m2r2_predict`` over a prefetcher's layers and routers: ``(embedding,
     position_ids, cache) -> ids [targets, top_k]``. The weights are packed again whenever a
@@ -118,7 +115,7 @@ class _KernelPredict:
         layers = owner.layers
         first = layers[0]
         self.slots = [m.cache_slot for m in layers]
-        self.inv_freq, self.rope_scale = _rope_of(owner.rotary, first.head_dim)
+        self.inv_freq, self.rope_scale = rope_table(owner.rotary, first.head_dim)
         self.hidden = first.w_o.shape[0]
         self.qk = [0, 0]
         if first._full_width:  # OLMoE: each over the layer's kept q (k) channels at once
@@ -159,15 +156,9 @@ class _KernelPredict:
         from ...kernels.cpu_m2r2 import pack_predict
 
         layers = self.owner.layers
-        packed, eps, offsets, norms, qk_eps = [], [], [], [], []
+        packed, eps, offsets = pack_fast_layers(layers, self.hidden)
+        norms, qk_eps = [], []
         for m in layers:
-            w_qkv, b_qkv, w_o, b_o = m._merged()
-            ln_in = rms_params(m.host.input_layernorm)
-            ln_post = rms_params(m.host.post_attention_layernorm)
-            packed.append([w_qkv, _bias(b_qkv, w_qkv.shape[0]), w_o, _bias(b_o, self.hidden),
-                           m.down, m.up, ln_in[0], ln_post[0]])  # fmt: skip
-            eps += [ln_in[1], ln_post[1]]
-            offsets += [ln_in[2], ln_post[2]]
             if m._full_width:
                 norms += [m.qn_w, m.kn_w]
                 qk_eps += [m._norm_eps, m._norm_eps]
@@ -184,11 +175,8 @@ class _KernelPredict:
         routers = [p._router_over_norm_weight() for p in self.owner.predictors]
         with torch.no_grad():
             self.weights = pack_predict(packed, self.inv_freq, norms, routers)
-        first = layers[0]
-        self.dims = [len(layers), self.hidden, first.head_dim, len(first.q_heads),
-                     len(first.kv_heads), first.down.shape[0], 0, 0, *first.kv_heads,
-                     *(int(x) for x in first.q_to_kv)]  # fmt: skip
-        self.params = [self.rope_scale, float(first.scaling), *eps, *offsets]
+        self.dims = op_dims(layers, self.hidden)
+        self.params = [self.rope_scale, float(layers[0].scaling), *eps, *offsets]
         self.qk_params = [self.clip, *qk_eps]
 
     def predict(self, embedding, position_ids, cache) -> tuple[torch.Tensor, ...]:
@@ -208,12 +196,6 @@ class _KernelPredict:
 
     def __call__(self, embedding, position_ids, cache) -> torch.Tensor:
         return self.predict(embedding, position_ids, cache)[0]
-
-
-def _rope_of(rotary: nn.Module, head_dim: int):
-    from ...passes.kernel_gate import _rope_table
-
-    return _rope_table(rotary, head_dim)
 
 
 def _covered(owner: M2R2Prefetcher) -> bool:
@@ -242,4 +224,4 @@ def _covered(owner: M2R2Prefetcher) -> bool:
         return False
     if len({r.shape for r in routers}) != 1:
         return False
-    return _rope_of(owner.rotary, first.head_dim) is not None
+    return rope_table(owner.rotary, first.head_dim) is not None
