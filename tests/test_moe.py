@@ -215,6 +215,33 @@ def test_moe_reference_trainer_runs_and_reports_routing(tmp_path):
     assert again["training"]["steps"] == 2
 
 
+def test_balance_loss_balances_each_layer_not_their_aggregate():
+    """Two layers that each send every token to their own favourite expert: their aggregate
+    load is even, so HF's loss over both at once is at its minimum, but each layer on its own
+    is as unbalanced as it can be, and the reference trainer's term says so."""
+    from types import SimpleNamespace
+
+    from transformers.models.olmoe.modeling_olmoe import load_balancing_loss_func
+
+    from leapfx.train.moe_reference import RouterLogits
+
+    favourite = torch.full((8, 2), -20.0)
+    first, second = favourite.clone(), favourite.clone()
+    first[:, 0] = second[:, 1] = 20.0
+    layers = [SimpleNamespace(mlp=SimpleNamespace(gate=torch.nn.Linear(1, 1))) for _ in range(2)]
+    model = SimpleNamespace(config=SimpleNamespace(num_experts=2, num_experts_per_tok=1),
+                            model=SimpleNamespace(layers=layers))  # fmt: skip
+    routers = RouterLogits(model, coef=0.5)
+    aggregate = load_balancing_loss_func((first, second), 2, 1)
+    assert aggregate == pytest.approx(1.0, abs=1e-6)  # E * sum_e f_e P_e at its minimum, 1
+    routers.logits += [first, second]
+    assert routers.balance_loss().item() == pytest.approx(0.5 * 2.0, abs=1e-6)  # each: 2, the max
+    assert routers.logits == []  # read and cleared
+    routers.logits += [first, first.roll(1, dims=1) * 0]  # a layer at the max, one uniform: 1
+    assert routers.balance_loss().item() == pytest.approx(0.5 * (2.0 + 1.0) / 2, abs=1e-6)
+    routers.remove()
+
+
 def test_golden_moe_stage_text():
     """The stages of an MoE model: its parts, with qwen2_moe's shared expert and a dense layer,
     and the offloaded experts with next-gate prefetch nodes."""
