@@ -1,0 +1,145 @@
+"""How fast could any prefetch policy make expert offload? A perfect predictor, side by side.
+
+    OMP_NUM_THREADS=1 python examples/offload_ceiling.py --slots 0.5
+    OMP_NUM_THREADS=1 python examples/offload_ceiling.py --slots 0.25 --prompts 8 --repeats 5
+
+On the shipped MoE reference model (``--model``: another MoE checkpoint), with the disk tier and
+the CPU kernels, this times four systems interleaved (every system on a prompt before the next
+prompt, ``--repeats`` times after an untimed pass), so that a shared machine's load hits them
+alike:
+
+- ``resident``: every expert in memory (no offload);
+- ``none``: on-demand loading only;
+- ``m2r2``: the shipped rate-2 fast stream's prefetch (``OffloadOptions(prefetch="m2r2")``);
+- ``oracle``: on-demand loading plus, at the first MoE layer of every decode step, a prefetch of
+  exactly the experts each later layer will use in that step, replayed from the untimed pass
+  (decoding is deterministic, so the steps repeat). No predictor can know more, and this one
+  costs nothing to run: its speed bounds what prefetching can reach with these slots on this
+  machine. (M2R2's prefetches start a little earlier, before layer 0's attention, and never
+  cover layers 0 and 1.)
+
+It prints ms per new token (median over the repeats), each system's ratio over ``none``, the
+hit rate and the stall per token, and checks that every output equals the resident model's.
+Only public calls are used: ``ExpertOffload.run`` is wrapped to record and replay the routing,
+``ExpertOffload.prefetch_experts`` issues the replayed prefetches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from leapfx import rewrite
+from leapfx.bench import MOE_REFERENCE_M2R2, bench_prompts, load_model
+from leapfx.runtime.offload import OffloadOptions
+
+
+class Oracle:
+    """Wraps an offloaded model's ``offload.run``: records each decode step's routing while
+    ``recording``, and replays it as prefetches at the first MoE layer of the same step later.
+    ``select(prompt_index)`` picks which recorded generation the next decode replays."""
+
+    def __init__(self, runtime) -> None:
+        self.runtime = runtime
+        self.first = runtime.layers[0]
+        self.steps: dict[int, list[dict[int, list[int]]]] = {}
+        self.recording = True
+        self.prompt, self.step = 0, -1
+        self._run = runtime.run
+        runtime.run = self.run  # an instance attribute: the graph's nodes call runtime.run
+
+    def select(self, prompt: int) -> None:
+        self.prompt, self.step = prompt, -1
+
+    def run(self, layer, module, hidden, top_k_index, top_k_weights):
+        decode = hidden.shape[0] == 1  # [T, H]: one token, a decode step
+        if decode and layer == self.first:
+            self.step += 1
+            if self.recording:
+                self.steps.setdefault(self.prompt, []).append({})
+            else:
+                for target, experts in self.steps[self.prompt][self.step].items():
+                    if target != self.first:
+                        self.runtime.prefetch_experts(target, experts)
+        if decode and self.recording:
+            self.steps[self.prompt][self.step][layer] = top_k_index[0].tolist()
+        return self._run(layer, module, hidden, top_k_index, top_k_weights)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="moe-reference")
+    parser.add_argument("--m2r2-parts", default=str(MOE_REFERENCE_M2R2))
+    parser.add_argument("--slots", type=float, default=0.5, help="expert slots per MoE layer")
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(f"--repeats: {args.repeats} is invalid; allowed: an integer >= 1")
+    torch.set_num_threads(args.threads)
+    model, tokenizer = load_model(args.model)
+    prompts = bench_prompts(tokenizer, count=args.prompts, num_tokens=args.prompt_tokens)
+
+    def offloaded(**kw):
+        options = OffloadOptions(slots=args.slots, **kw)
+        return rewrite.apply(model, "autoregressive", cpu_kernels=True, offload=options)
+
+    systems = {
+        "resident": rewrite.apply(model, "autoregressive", cpu_kernels=True),
+        "none": offloaded(prefetch="none"),
+        "m2r2": offloaded(prefetch="m2r2", m2r2_parts=args.m2r2_parts),
+        "oracle": offloaded(prefetch="none"),
+    }
+    oracle = Oracle(systems["oracle"].offload)
+    seconds = {name: [0.0] * args.repeats for name in systems}
+    reports: dict[str, list] = {name: [] for name in systems if name != "resident"}
+    with torch.inference_mode():
+        reference = []
+        for i, prompt in enumerate(prompts):  # untimed: checks outputs, records the routing
+            oracle.select(i)
+            outs = {name: sm.generate(prompt, max_new_tokens=args.max_new_tokens)
+                    for name, sm in systems.items()}  # fmt: skip
+            reference.append(outs["resident"])
+            for name, out in outs.items():
+                if not torch.equal(out, outs["resident"]):
+                    raise SystemExit(f"{name}: prompt {i} differs from the resident model")
+        oracle.recording = False
+        pairs = zip(reference, prompts, strict=True)
+        new_tokens = sum(out.shape[1] - p.shape[1] for out, p in pairs)
+        for r in range(args.repeats):
+            for i, prompt in enumerate(prompts):
+                oracle.select(i)
+                for name, sm in systems.items():
+                    start = time.perf_counter()
+                    out = sm.generate(prompt, max_new_tokens=args.max_new_tokens)
+                    seconds[name][r] += time.perf_counter() - start
+                    if not torch.equal(out, reference[i]):
+                        raise SystemExit(f"{name}: prompt {i} differs from the resident model")
+                    if name in reports and r == args.repeats - 1:
+                        reports[name].append(sm.last_offload_report)
+    ms = {name: statistics.median(s) / new_tokens * 1e3 for name, s in seconds.items()}
+    print(
+        f"{args.prompts} prompts x {args.max_new_tokens} new tokens, {args.slots} expert slots "
+        f"per MoE layer, median of {args.repeats}; every output equal to resident"
+    )
+    print(f"{'system':9s} {'ms/token':>9s} {'vs none':>8s} {'hit rate':>9s} {'stall ms':>9s}")
+    for name, value in ms.items():
+        hit = stall = "-"
+        if name in reports:
+            rs = reports[name]
+            hit = f"{sum(x.hit_rate for x in rs) / len(rs):.3f}"
+            stall = f"{sum(x.stall_ms_per_token for x in rs) / len(rs):.2f}"
+        print(f"{name:9s} {value:9.2f} {ms['none'] / value:7.2f}x {hit:>9s} {stall:>9s}")
+    for sm in systems.values():
+        if sm.offload is not None:
+            sm.offload.close()
+
+
+if __name__ == "__main__":
+    main()
