@@ -50,7 +50,7 @@ def _decode(model, recipe, prompt, max_new, options, **opts):
         sm.offload.close()
 
 
-@pytest.mark.parametrize("delay", [0.0, 0.002], ids=["inline-demand", "delayed"])
+@pytest.mark.parametrize("delay", [0.0, 0.002], ids=["no-delay", "delayed"])
 @pytest.mark.parametrize(
     ("recipe", "prefetch"),
     [
@@ -189,6 +189,37 @@ def test_native_reader_refuses_a_bad_worker_count():
         cpu_reader.reader(workers=0)
 
 
+def test_native_reader_refuses_a_bad_cpu():
+    with pytest.raises(RuntimeError, match="cpu: -2 is invalid; allowed: -1"):
+        cpu_reader.reader(cpu=-2)
+
+
+def _thread_cpus() -> dict[int, set[int]]:
+    return {int(t): os.sched_getaffinity(int(t)) for t in os.listdir("/proc/self/task")}
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="no CPU affinity here")
+def test_polling_reader_on_a_cpu_reads_every_job(disk):
+    """Workers pinned to ``cpu``, one polling between jobs: jobs submitted while it polls, and
+    after it gave up and slept, all land in their slots."""
+    store, (gate_up, down), (pool_a, pool_b) = disk
+    cpu = max(os.sched_getaffinity(0))
+    before = set(_thread_cpus())
+    engine = NativeEngine(cpu=cpu, idle_spin_s=0.005, workers=2)
+    time.sleep(0.05)  # the workers have started and pinned themselves
+    new = {t: cpus for t, cpus in _thread_cpus().items() if t not in before}
+    assert len(new) == 2 and all(cpus == {cpu} for cpus in new.values()), new
+    for pause in (0.0, 0.001, 0.02, 0.0):  # 0.02: past the poll, the workers sleep
+        time.sleep(pause)
+        for expert in (2, 1, 0):
+            pool_a.fill_(float("nan"))
+            pool_b.fill_(float("nan"))
+            job = ReadJob(store, 0, [(expert, pool_a[0], pool_b[0])], "demand")
+            engine.wait(engine.submit(job, demand=True))
+            assert torch.equal(pool_a[0], gate_up[expert]) and torch.equal(pool_b[0], down[expert])
+    engine.close()
+
+
 def test_native_engine_refuses_jobs_that_are_not_direct_reads(disk):
     store, _, (pool_a, pool_b) = disk
     engine = NativeEngine()
@@ -292,6 +323,34 @@ def test_auto_falls_back_where_the_reader_does_not_build(monkeypatch):
     sm.offload.close()
     with pytest.raises(ValueError, match="engine: 'native' cannot run here: .*did not build"):
         rewrite.apply(model, "autoregressive", offload=OffloadOptions(slots=2, engine="native"))
+
+
+def test_reader_cpu_auto_takes_a_cpu_torch_leaves_free(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 3, 5})
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert offload_runtime.reader_cpu("auto") == 5
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)  # every CPU computes: none free
+    assert offload_runtime.reader_cpu("auto") is None
+    assert offload_runtime.reader_cpu(None) is None and offload_runtime.reader_cpu(3) == 3
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="no CPU affinity here")
+def test_offload_on_a_reader_cpu_decodes_like_resident():
+    model = tiny_moe_model("olmoe", layers=4, experts=8, top_k=2, intermediate=ALIGNED, seed=3)
+    prompt = torch.tensor([[2, 7, 1, 8, 2, 8]])
+    resident, _ = _generate(model, "autoregressive", prompt, 16)
+    cpu = max(os.sched_getaffinity(0))
+    for setting in (cpu, None):
+        options = _native(slots=3, prefetch="next_gate", reader_cpu=setting)
+        ours, _ = _decode(model, "autoregressive", prompt, 16, options)
+        assert torch.equal(ours, resident), f"reader_cpu={setting}"
+
+
+@pytest.mark.parametrize("setting", [-1, "last", 1.0, True, 10**6])
+def test_reader_cpu_option_is_validated(setting):
+    model = tiny_moe_model("olmoe", layers=2)
+    with pytest.raises(ValueError, match=r"reader_cpu: .* is invalid; allowed: 'auto', None"):
+        rewrite.apply(model, "autoregressive", offload=OffloadOptions(reader_cpu=setting))
 
 
 @pytest.mark.parametrize("engine", ["gil-free", "", None, "Native"])

@@ -1,13 +1,15 @@
 """The disk tier's reader as a C++ extension: expert reads on threads that never take the GIL.
 
-``torch.classes.leapfx_cpu.Reader(delay_ns, workers, spin_ns)`` owns ``workers`` threads
-(``std::thread``) and two queues of reads, demand ahead of prefetch. A job is data, a list of
-reads, each ``(layer, expert, fd, file offset, expected bytes, [(destination pointer, bytes),
-...])``, and each read is one ``preadv`` straight into the slot's memory; the reads of a job
-run side by side, up to ``workers`` in flight (the local disk reads a 192 KiB expert with
-``O_DIRECT`` at ~0.7 GB/s one at a time and ~1.9 GB/s four at a time). A ``wait`` spins up to
-``spin_ns`` before it sleeps. ``cpu_reader.cpp`` says how a job is spelled and what each
-method does. The offload runtime's ``NativeEngine`` drives it.
+``torch.classes.leapfx_cpu.Reader(delay_ns, workers, spin_ns, idle_spin_ns, cpu)`` owns
+``workers`` threads (``std::thread``, on CPU ``cpu`` unless it is -1) and two queues of reads,
+demand ahead of prefetch. A job is data, a list of reads, each ``(layer, expert, fd, file
+offset, expected bytes, [(destination pointer, bytes), ...])``, and each read is one
+``preadv`` straight into the slot's memory; the reads of a job run side by side, up to
+``workers`` in flight (the local disk reads a 192 KiB expert with ``O_DIRECT`` at ~0.7 GB/s
+one at a time and ~1.9 GB/s four at a time). A ``wait`` spins up to ``spin_ns`` before it
+sleeps; an idle worker polls for reads up to ``idle_spin_ns`` before it sleeps.
+``cpu_reader.cpp`` says how a job is spelled and what each method does. The offload
+runtime's ``NativeEngine`` drives it.
 
 Why: a Python worker thread doing the same reads made every torch call of the computing thread
 ~1.5x slower while it prefetched (each torch op releases the GIL and hands it to the waiting
@@ -59,13 +61,23 @@ WORKERS = 4  # reads in flight: the local disk's throughput barely grows past 4 
 SPIN_S = 5e-3  # how long ``wait`` spins before it sleeps (a read takes ~0.1-0.3 ms)
 
 
-def reader(delay_s: float = 0.0, workers: int = WORKERS, spin_s: float = SPIN_S):
+def reader(
+    delay_s: float = 0.0,
+    workers: int = WORKERS,
+    spin_s: float = SPIN_S,
+    idle_spin_s: float = 0.0,
+    cpu: int = -1,
+):
     """A new ``leapfx_cpu.Reader`` with ``workers`` reading threads whose ``wait`` spins up to
-    ``spin_s`` before it sleeps (``delay_s``: a sleep before every read, for tests).
+    ``spin_s`` before it sleeps (``delay_s``: a sleep before every read, for tests). One idle
+    worker at a time polls for reads up to ``idle_spin_s`` before it sleeps; ``cpu`` >= 0 runs
+    the workers on that CPU (``cpu_reader.cpp`` says why both).
 
     >>> r = reader(); t = r.submit(False, []); r.wait(t)
     >>> r.take(t)
     (0, '', [])
     """
     assert available(), "cpu_reader.available() is False"
-    return torch.classes.leapfx_cpu.Reader(int(delay_s * 1e9), int(workers), int(spin_s * 1e9))
+    return torch.classes.leapfx_cpu.Reader(
+        int(delay_s * 1e9), int(workers), int(spin_s * 1e9), int(idle_spin_s * 1e9), int(cpu)
+    )

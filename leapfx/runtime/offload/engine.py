@@ -16,8 +16,13 @@ before queued prefetches.
   ``release`` returns: ``record_free`` has nothing to record. Disk reads and tensor copies
   release the GIL, so the worker's reads overlap the caller's matmuls.
 - ``NativeEngine`` (CPU, disk tier): C++ reader threads (``leapfx.kernels.cpu_reader``) that
-  never take the GIL, several reads in flight (demand reads ahead of prefetch reads; an inline
-  demand job's reads load side by side, the caller reading one of them). A Python worker takes
+  never take the GIL, several reads in flight (demand reads ahead of prefetch reads). On-demand
+  reads go to the workers too, and compute spins until they land: a computing thread that
+  blocks in a read of its own sleeps, and on the project's 2-core KVM guest it woke late
+  (on-demand decoding of the MoE reference model at half the slots, interleaved, median of 5:
+  4.88 -> 4.65 ms a token; 4.20 with ``OffloadOptions.reader_cpu``'s polling worker on the
+  other core, against 5.20 reading inline). ``inline_demand=True`` reads them on the caller's
+  thread instead (the caller reads one, idle workers the others). A Python worker takes
   the GIL back after every read and the computing thread's torch calls hand it over, a context
   switch each (measured: every torch call of a decode step ~1.5x slower while a prefetch ran, so
   prefetch cost more than it saved). Its jobs are data, not code: a ``ReadJob``'s reads as
@@ -228,18 +233,20 @@ class _Ticket:
 
 class NativeEngine:
     """``leapfx_cpu.Reader``'s C++ workers as copy engines (``ThreadEngine``'s demand-first
-    order and ``inline_demand``, without the GIL): ``workers`` reads in flight at most, a
-    job's reads side by side. Runs ``ReadJob``s whose every read goes straight into its slot
-    (``DiskStore.direct_read``); ``delay_s`` sleeps before every read."""
+    order, without the GIL): ``workers`` reads in flight at most, a job's reads side by side.
+    Runs ``ReadJob``s whose every read goes straight into its slot (``DiskStore.direct_read``);
+    ``delay_s`` sleeps before every read. ``cpu`` >= 0 runs the workers on that CPU, where one
+    idle worker polls for reads up to ``idle_spin_s`` before it sleeps."""
 
     def __init__(
-        self, *, delay_s: float = 0.0, inline_demand: bool = True,
+        self, *, delay_s: float = 0.0, inline_demand: bool = False,
         workers: int = cpu_reader.WORKERS, spin_s: float = cpu_reader.SPIN_S,
+        idle_spin_s: float = 0.0, cpu: int = -1,
     ) -> None:  # fmt: skip
         if not cpu_reader.available():
             raise RuntimeError("NativeEngine: the leapfx_cpu reader did not build (see above)")
         self.inline_demand = inline_demand
-        self._reader = cpu_reader.reader(delay_s, workers, spin_s)
+        self._reader = cpu_reader.reader(delay_s, workers, spin_s, idle_spin_s, cpu)
         self._inflight: dict[int, _Ticket] = {}  # not taken yet: their views must stay alive
 
     @property

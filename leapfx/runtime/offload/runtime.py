@@ -90,6 +90,12 @@ class OffloadOptions:
     poison: bool = False
     transfer_delay_s: float = 0.0
     engine: str = "auto"  # the CPU transfer engine: "auto", "native" or "thread" (ENGINES)
+    # The native engine's reading threads: "auto" runs them on a CPU that torch's threads leave
+    # free (the last CPU this process may use, when it may use more than
+    # ``torch.get_num_threads()`` at ``rewrite.apply``), where one of them polls for work
+    # between reads instead of sleeping; where no CPU is free, they run anywhere and sleep. An
+    # int: that CPU, polling. None: anywhere, sleeping (a process that needs every CPU).
+    reader_cpu: int | str | None = "auto"
 
     def validate(self) -> OffloadOptions:
         s = self.slots
@@ -130,6 +136,14 @@ class OffloadOptions:
         for name in ("direct_io", "poison"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: {getattr(self, name)!r} is invalid; allowed: bool")
+        c = self.reader_cpu
+        allowed_cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        if not (c is None or c == "auto" or (isinstance(c, int) and not isinstance(c, bool)
+                                             and c in allowed_cpus)):  # fmt: skip
+            raise ValueError(
+                f"reader_cpu: {c!r} is invalid; allowed: 'auto', None, or one of the CPUs this "
+                f"process may run on ({', '.join(map(str, allowed_cpus)) or 'none known'})"
+            )
         d = self.transfer_delay_s
         if not (isinstance(d, (int, float)) and not isinstance(d, bool) and d >= 0):
             raise ValueError(f"transfer_delay_s: {d!r} is invalid; allowed: a number >= 0")
@@ -265,22 +279,23 @@ class ExpertOffload:
                     f"{self.device}; allowed there: 'auto' (CUDA streams)"
                 )
             return CudaEngine(self.device, delay_s=options.transfer_delay_s)
-        # A transfer delay tests the waits, which only the workers' tickets have: demands go
-        # through a worker too then.
-        kwargs = dict(delay_s=options.transfer_delay_s,
-                      inline_demand=not options.transfer_delay_s)  # fmt: skip
+        delay = options.transfer_delay_s
         if options.engine == "thread":
-            return ThreadEngine(**kwargs)
+            # A transfer delay tests the waits, which only the workers' tickets have: demands
+            # go through a worker too then.
+            return ThreadEngine(delay_s=delay, inline_demand=not delay)
         refusal = self._native_refusal()
         if refusal is None:
-            return NativeEngine(**kwargs)
+            cpu = reader_cpu(options.reader_cpu)
+            return NativeEngine(delay_s=delay, cpu=-1 if cpu is None else cpu,
+                                idle_spin_s=0.0 if cpu is None else IDLE_SPIN_S)  # fmt: skip
         if options.engine == "native":
             raise ValueError(
                 f"engine: 'native' cannot run here: {refusal}; allowed: 'auto' (falls back to "
                 "'thread') or 'thread'"
             )
         _note_fallback(refusal)
-        return ThreadEngine(**kwargs)
+        return ThreadEngine(delay_s=delay, inline_demand=not delay)
 
     def _native_refusal(self) -> str | None:
         """Why the native reader cannot load this model's slots; None if it can."""
@@ -539,6 +554,21 @@ class ExpertOffload:
         self.synchronize()
         self.engine.close()
         self.store.close()
+
+
+IDLE_SPIN_S = 2e-3  # how long an idle reading thread polls for work (a decode step: ~4 ms)
+
+
+def reader_cpu(setting: int | str | None) -> int | None:
+    """The CPU ``OffloadOptions.reader_cpu`` puts the native engine's reading threads on, or
+    None (anywhere, no polling). "auto": the last CPU this process may run on, when it may run
+    on more CPUs than torch's intra-op threads (one is then free for the readers)."""
+    if setting != "auto":
+        return setting
+    if not hasattr(os, "sched_getaffinity"):
+        return None
+    cpus = sorted(os.sched_getaffinity(0))
+    return cpus[-1] if len(cpus) > torch.get_num_threads() else None
 
 
 @functools.cache
