@@ -9,6 +9,8 @@ reported (greedy_check), never assumed.
 from __future__ import annotations
 
 import copy
+import itertools
+import math
 
 import pytest
 import torch
@@ -178,6 +180,52 @@ def test_routing_stats_report_entropy_load_and_predictability():
     assert first["next_gate"]["2"]["target_layer"] == 3
     assert 0 <= first["next_gate"]["1"]["precision"] <= 1
     assert "1" not in stats["layers"]["3"]["next_gate"]
+    cache = first["cache"]["0.5"]  # 3 of 6 experts
+    assert cache["slots"] == 3 and 0 <= cache["lru_hit_rate"] <= cache["optimal_hit_rate"] <= 1
+
+
+def test_cache_hit_rates_lru_and_optimal_by_hand():
+    from leapfx.bench.routing import cache_hit_rates
+
+    cycle = torch.tensor([[0], [1], [2], [0], [1], [2]])
+    # LRU with 2 slots always evicts what comes next: no hit. Optimal: t2 evicts 1 (next use 4,
+    # 0's is 3), t3 hits 0, t4 evicts 0 (never used again, 2's next use is 5), t5 hits 2.
+    assert cache_hit_rates(cycle, 2) == (0.0, 2 / 6)
+    pair = torch.tensor([[0, 1], [1, 0], [2, 0]])  # a token's two experts both stay resident
+    assert cache_hit_rates(pair, 2) == (3 / 6, 3 / 6)
+    assert all(math.isnan(x) for x in cache_hit_rates(pair, 1))  # 2 experts, 1 slot
+
+
+def _most_hits(rows: list[list[int]], slots: int, resident: frozenset = frozenset()) -> int:
+    """Exhaustive search: the most hits any demand-only eviction gets."""
+    if not rows:
+        return 0
+    row, rest = rows[0], rows[1:]
+    hits = sum(e in resident for e in row)
+    missing = [e for e in row if e not in resident]
+    evictable = sorted(resident - set(row))
+    need = max(0, len(resident) + len(missing) - slots)
+    return hits + max(
+        _most_hits(rest, slots, (resident - set(out)) | set(missing))
+        for out in itertools.combinations(evictable, need)
+    )
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.lists(
+        st.lists(st.integers(0, 4), min_size=1, max_size=2, unique=True), min_size=1, max_size=8
+    ),
+    slots=st.integers(2, 3),
+)
+def test_cache_hit_rates_optimal_matches_exhaustive_search(rows, slots):
+    from leapfx.bench.routing import cache_hit_rates
+
+    top = torch.tensor([row * 2 if len(row) == 1 else row for row in rows])  # [T, 2]
+    lru, optimal = cache_hit_rates(top, slots)
+    total = sum(len(row) for row in rows)
+    assert optimal == _most_hits(rows, slots) / total
+    assert lru <= optimal
 
 
 def test_moe_reference_trainer_runs_and_reports_routing(tmp_path):

@@ -10,7 +10,13 @@ MoE layer:
   layer l's post-attention residual through layer l+d's norm and router (what
   ``OffloadOptions(prefetch="next_gate")`` does at d = 1), against layer l+d's actual top-k;
 - ``reuse``: the share of a token's top-k experts that the previous token also used in that
-  layer (what an LRU cache of recent experts benefits from).
+  layer (what an LRU cache of recent experts benefits from);
+- ``cache``: for ``slots`` experts resident per layer (fractions of its experts, rounded up like
+  ``OffloadOptions.slots``), the hit rate of on-demand loading into an LRU cache (what
+  ``OffloadOptions(policy="lru", prefetch="none")`` gets, the tokens in order) and under the
+  optimal eviction (Belady's: evict the expert used again last, knowing the whole future). A
+  prefetcher only moves loads earlier; how many loads a token costs is the eviction's doing,
+  and the optimal rate bounds every policy that loads only demanded experts.
 
 >>> stats = routing_stats(moe_model, [ids])   # ids: [1, S] token ids
 >>> stats["layers"]["3"]["next_gate"]["1"]["precision"]
@@ -43,8 +49,14 @@ def route_hidden(model, target: int, hidden: torch.Tensor) -> tuple[torch.Tensor
 
 
 @torch.no_grad()
-def routing_stats(model, batches: list[torch.Tensor], distances: tuple[int, ...] = (1, 2)) -> dict:
-    """Per-MoE-layer routing entropy, load, token-to-token reuse and next-gate predictability."""
+def routing_stats(
+    model,
+    batches: list[torch.Tensor],
+    distances: tuple[int, ...] = (1, 2),
+    slots: tuple[float, ...] = (0.5, 0.25),
+) -> dict:
+    """Per-MoE-layer routing entropy, load, token-to-token reuse, next-gate predictability and
+    expert-cache hit rates (LRU and optimal) at ``slots``."""
     moe = moe_layers(model)
     h = post_attention_residuals(model, moe, batches)
 
@@ -67,7 +79,13 @@ def routing_stats(model, batches: list[torch.Tensor], distances: tuple[int, ...]
             "load_max_over_mean": (load.max() * e).item(),
             "reuse_previous_token": reuse,
             "next_gate": {},
+            "cache": {},
         }
+        for fraction in slots:
+            count = max(1, math.ceil(fraction * e))
+            lru, optimal = cache_hit_rates(top, count)
+            entry["cache"][str(fraction)] = {"slots": count, "lru_hit_rate": lru,
+                                             "optimal_hit_rate": optimal}  # fmt: skip
         for d in distances:
             if n + d >= len(moe):
                 continue
@@ -79,6 +97,41 @@ def routing_stats(model, batches: list[torch.Tensor], distances: tuple[int, ...]
         report["layers"][str(i)] = entry
     report["tokens"] = int(sum(b.numel() for b in batches))
     return report
+
+
+def cache_hit_rates(top: torch.Tensor, slots: int) -> tuple[float, float]:
+    """Hit rates of one layer's expert cache of ``slots`` experts, loading on demand only, for
+    the routing ``top`` [T, k] in token order: (LRU, optimal). A token's experts are all
+    resident while it computes (they are never each other's victims); the optimal eviction
+    (Belady's) evicts the resident expert whose next use is latest (never: latest of all).
+    NaN where ``slots`` is below the distinct experts of one token."""
+    rows = [sorted(set(r)) for r in top.tolist()]
+    if not rows or max(len(r) for r in rows) > slots:
+        return float("nan"), float("nan")
+    never = len(rows)
+    next_use: list[dict[int, int]] = [{} for _ in rows]  # token t, expert -> its next use
+    seen: dict[int, int] = {}
+    for t in range(len(rows) - 1, -1, -1):
+        for expert in rows[t]:
+            next_use[t][expert] = seen.get(expert, never)
+            seen[expert] = t
+
+    def hit_rate(key, evict) -> float:
+        resident: dict[int, int] = {}  # expert -> key(t, expert) at its last use
+        hits = total = 0
+        for t, row in enumerate(rows):
+            total += len(row)
+            hits += sum(expert in resident for expert in row)
+            for expert in row:
+                if expert not in resident and len(resident) >= slots:
+                    others = {k: v for k, v in resident.items() if k not in row}
+                    del resident[evict(others)]
+                resident[expert] = key(t, expert)
+        return hits / total
+
+    lru = hit_rate(lambda t, e: t, lambda keys: min(keys, key=lambda k: (keys[k], k)))
+    optimal = hit_rate(lambda t, e: next_use[t][e], lambda keys: max(keys, key=keys.__getitem__))
+    return lru, optimal
 
 
 def post_attention_residuals(model, moe: list[int], batches) -> dict[int, torch.Tensor]:
