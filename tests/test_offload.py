@@ -278,6 +278,23 @@ def test_a_prefetch_call_never_loads_two_experts_into_one_slot():
     runtime.close()
 
 
+def test_a_prefetch_call_never_evicts_its_own_resident_candidates():
+    """Candidates [2, 0] with 0 resident and least recently used: loading 2 evicts 1, not 0 (a
+    candidate later in the list is touched before any load of the call)."""
+    model = tiny_moe_model("olmoe", layers=2, experts=6, top_k=2)
+    sm = rewrite.apply(model, "autoregressive", offload=OffloadOptions(slots=2, tier="host"))
+    runtime = sm.offload
+    layer = runtime.layers[0]
+    cache = runtime.caches[layer]
+    for expert in (0, 1):  # 0 first: the least recently used
+        cache.release([cache.demand([expert])[0].expert])
+    runtime.prefetch_experts(layer, [2, 0])
+    runtime.synchronize()
+    assert set(cache.slot_of) == {0, 2}
+    assert runtime.counters.prefetch_calls[-1][0] == runtime.expert_bytes  # 0 was not reloaded
+    runtime.close()
+
+
 def test_prefetch_budget_zero_moves_nothing_ahead():
     model = tiny_moe_model("mixtral", layers=3, experts=6, top_k=2)
     prompt = torch.tensor([[1, 2, 3, 4]])

@@ -486,9 +486,11 @@ class ExpertOffload:
         cache = self.caches[layer]
         self._reap(layer)
         moved, loads = 0, []
+        for expert in candidates:  # touch the resident ones first: no load below evicts them
+            if expert in cache.slot_of:
+                cache.prefetch(expert)
         for expert in candidates:
             if expert in cache.slot_of:
-                cache.prefetch(expert)  # touch: keep it through this call's evictions
                 continue
             if moved + self.expert_bytes > allowance:
                 break
