@@ -20,8 +20,8 @@ alike:
 
 It prints ms per new token (median over the repeats), each system's ratio over ``none``, the
 hit rate and the stall per token, and checks that every output equals the resident model's.
-Only public calls are used: ``ExpertOffload.run`` is wrapped to record and replay the routing,
-``ExpertOffload.prefetch_experts`` issues the replayed prefetches.
+``leapfx.bench.offload.RoutingOracle`` records and replays the routing (``leapfx bench
+--offload-slots`` has the same row, ``leapfx_offload_oracle``, timed by its harness).
 """
 
 from __future__ import annotations
@@ -34,39 +34,8 @@ import torch
 
 from leapfx import rewrite
 from leapfx.bench import MOE_REFERENCE_M2R2, bench_prompts, load_model
+from leapfx.bench.offload import RoutingOracle
 from leapfx.runtime.offload import OffloadOptions
-
-
-class Oracle:
-    """Wraps an offloaded model's ``offload.run``: records each decode step's routing while
-    ``recording``, and replays it as prefetches at the first MoE layer of the same step later.
-    ``select(prompt_index)`` picks which recorded generation the next decode replays."""
-
-    def __init__(self, runtime) -> None:
-        self.runtime = runtime
-        self.first = runtime.layers[0]
-        self.steps: dict[int, list[dict[int, list[int]]]] = {}
-        self.recording = True
-        self.prompt, self.step = 0, -1
-        self._run = runtime.run
-        runtime.run = self.run  # an instance attribute: the graph's nodes call runtime.run
-
-    def select(self, prompt: int) -> None:
-        self.prompt, self.step = prompt, -1
-
-    def run(self, layer, module, hidden, top_k_index, top_k_weights):
-        decode = hidden.shape[0] == 1  # [T, H]: one token, a decode step
-        if decode and layer == self.first:
-            self.step += 1
-            if self.recording:
-                self.steps.setdefault(self.prompt, []).append({})
-            else:
-                for target, experts in self.steps[self.prompt][self.step].items():
-                    if target != self.first:
-                        self.runtime.prefetch_experts(target, experts)
-        if decode and self.recording:
-            self.steps[self.prompt][self.step][layer] = top_k_index[0].tolist()
-        return self._run(layer, module, hidden, top_k_index, top_k_weights)
 
 
 def main() -> None:
@@ -96,33 +65,31 @@ def main() -> None:
         "m2r2": offloaded(prefetch="m2r2", m2r2_parts=args.m2r2_parts),
         "oracle": offloaded(prefetch="none"),
     }
-    oracle = Oracle(systems["oracle"].offload)
+    oracle = RoutingOracle(systems["oracle"])
+    generate = {name: sm.generate for name, sm in systems.items()} | {"oracle": oracle.generate}
     seconds = {name: [0.0] * args.repeats for name in systems}
     reports: dict[str, list] = {name: [] for name in systems if name != "resident"}
     with torch.inference_mode():
         reference = []
         for i, prompt in enumerate(prompts):  # untimed: checks outputs, records the routing
-            oracle.select(i)
-            outs = {name: sm.generate(prompt, max_new_tokens=args.max_new_tokens)
-                    for name, sm in systems.items()}  # fmt: skip
+            outs = {name: run(prompt, max_new_tokens=args.max_new_tokens)
+                    for name, run in generate.items()}  # fmt: skip
             reference.append(outs["resident"])
             for name, out in outs.items():
                 if not torch.equal(out, outs["resident"]):
                     raise SystemExit(f"{name}: prompt {i} differs from the resident model")
-        oracle.recording = False
         pairs = zip(reference, prompts, strict=True)
         new_tokens = sum(out.shape[1] - p.shape[1] for out, p in pairs)
         for r in range(args.repeats):
             for i, prompt in enumerate(prompts):
-                oracle.select(i)
-                for name, sm in systems.items():
+                for name, run in generate.items():
                     start = time.perf_counter()
-                    out = sm.generate(prompt, max_new_tokens=args.max_new_tokens)
+                    out = run(prompt, max_new_tokens=args.max_new_tokens)
                     seconds[name][r] += time.perf_counter() - start
                     if not torch.equal(out, reference[i]):
                         raise SystemExit(f"{name}: prompt {i} differs from the resident model")
                     if name in reports and r == args.repeats - 1:
-                        reports[name].append(sm.last_offload_report)
+                        reports[name].append(systems[name].last_offload_report)
     ms = {name: statistics.median(s) / new_tokens * 1e3 for name, s in seconds.items()}
     print(
         f"{args.prompts} prompts x {args.max_new_tokens} new tokens, {args.slots} expert slots "

@@ -310,7 +310,7 @@ def _offload_options(args: argparse.Namespace) -> dict:
 def _offload_report(model, rows, config, prompts, exit_layer: int, plot: str | None) -> None:
     """The offload rows' table; with --plot, one untimed traced call (the last prompt) of each
     autoregressive offloaded row, drawn as timelines beside every row's hit rate per layer."""
-    from .bench.offload import bench_table, offload_systems, plot_offload, trace_call
+    from .bench.offload import ORACLE_ROW, bench_table, offload_systems, plot_offload, trace_call
     from .rewrite import apply
 
     print(bench_table(rows))
@@ -321,6 +321,12 @@ def _offload_report(model, rows, config, prompts, exit_layer: int, plot: str | N
         "vs none: tokens/s over leapfx_offload_none; identical: every prompt equal to "
         "leapfx_resident"
     )
+    if any(r.system == ORACLE_ROW for r in rows):
+        print(
+            f"{ORACLE_ROW}: not a system, the ceiling of prefetching with these slots: on-demand "
+            "loading plus, at the first MoE layer of each step, a prefetch of exactly the experts "
+            "the later layers use, replayed from the warm-up pass"
+        )
     if not plot:
         return
     specs = offload_systems(

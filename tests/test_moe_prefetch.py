@@ -8,6 +8,7 @@ trained parts, score their predictions, and refuse the recipes they cannot serve
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -174,18 +175,24 @@ def test_policies_refuse_the_recipes_they_cannot_serve(tmp_path):
 
 def test_bench_offload_rows(tmp_path):
     from leapfx.bench.harness import BenchConfig, run_bench
-    from leapfx.bench.offload import OFFLOAD_ROWS, bench_table, plot_offload, summarize
+    from leapfx.bench.offload import (
+        OFFLOAD_ROWS,
+        ORACLE_ROW,
+        bench_table,
+        plot_offload,
+        summarize,
+    )
 
     model = tiny_moe_model("olmoe", layers=4, experts=6, top_k=2, vocab=64, seed=1)
     prompts = [torch.tensor([[1, 2, 3, 4]]), torch.tensor([[9, 8, 7]])]
     config = BenchConfig(
         recipe="autoregressive", exit_layer=1, num_speculations=2, max_new_tokens=6,
-        repeats=1, warmup=0, hf_baselines=False, offload_slots=0.5, offload_dir=str(tmp_path),
+        repeats=1, warmup=1, hf_baselines=False, offload_slots=0.5, offload_dir=str(tmp_path),
         offload_engine="thread",
     )  # fmt: skip
     rows = {r.system: r for r in run_bench(model, prompts, config, progress=False)}
-    assert set(OFFLOAD_ROWS) <= set(rows)
-    for name in OFFLOAD_ROWS[1:]:
+    assert set(OFFLOAD_ROWS) | {ORACLE_ROW} <= set(rows)
+    for name in (*OFFLOAD_ROWS[1:], ORACLE_ROW):
         row = rows[name]
         assert row.identical_to_greedy and row.extra["identical_to_resident"]
         o = row.extra["offload"]
@@ -197,6 +204,12 @@ def test_bench_offload_rows(tmp_path):
     assert all(rows[name].extra["cpu_kernels"] for name in OFFLOAD_ROWS)
     assert rows["leapfx_offload_none"].extra["offload"]["prefetch_precision"] is None
     assert rows["leapfx_offload_m2r2"].extra["offload"]["prefetch_precision"] is not None
+    oracle = rows[ORACLE_ROW].extra["offload"]  # replays the warm-up's routing: never wrong
+    assert oracle["prefetch_precision"] == 1.0
+    assert oracle["hit_rate"] >= rows["leapfx_offload_none"].extra["offload"]["hit_rate"]
+    without_warmup = dataclasses.replace(config, warmup=0, offload_dir=None)
+    assert ORACLE_ROW not in {r.system for r in run_bench(model, prompts, without_warmup,
+                                                          progress=False)}  # fmt: skip
     json.dumps([r.as_dict() for r in rows.values()])  # the --json rows serialise
     text = bench_table(list(rows.values()))
     assert "leapfx_offload_m2r2" in text and "vs none" in text

@@ -19,7 +19,9 @@ Every system decodes the same prompts with the same ``max_new_tokens`` and the s
                                decoding (with the CPU kernels where they apply, like the
                                other eager rows) with every expert in memory, and with the experts
                                offloaded to disk under each prefetch policy
-                               (``leapfx.bench.offload``); their rows carry ``extra["offload"]``
+                               (``leapfx.bench.offload``); their rows carry ``extra["offload"]``.
+                               Greedy runs with a warm-up pass add ``leapfx_offload_oracle``,
+                               the ceiling of prefetching (it replays the warm-up's routing)
 
 Timing: one warm-up pass per system, then ``repeats`` timed passes; within a pass the systems
 run in a rotated order so drift on a shared machine spreads over all of them. A system's time is
@@ -433,7 +435,7 @@ def _offload_systems(model, config: BenchConfig, exit_layer: int, n: int, sampli
     """The offload rows (eager; all of them with the CPU kernels or none, as ``--cpu-kernels``
     says: the experts then run ``leapfx_cpu::moe_experts`` over the weights or the slots), the
     resident one first. Speculative rows draft at the run's E and d."""
-    from .offload import offload_systems
+    from .offload import ORACLE_ROW, RoutingOracle, offload_systems
 
     extra = {"generator": gen} if sampling["do_sample"] else {}
     specs = offload_systems(
@@ -441,14 +443,18 @@ def _offload_systems(model, config: BenchConfig, exit_layer: int, n: int, sampli
         m2r2_parts=config.offload_m2r2_parts, path=config.offload_dir,
         engine=config.offload_engine,
     )  # fmt: skip
+    if sampling["do_sample"] or config.warmup < 1:
+        # The oracle replays each prompt's routing, recorded in the warm-up pass: greedy only.
+        del specs[ORACLE_ROW]
     systems = []
     for name, (recipe, offload, options) in specs.items():
         sm = rewrite.apply(model, recipe, offload=offload, **options)
         if use_cpu_kernels(config, sm):
             sm.use_cpu_kernels()
+        generate = RoutingOracle(sm).generate if name == ORACLE_ROW else sm.generate
 
-        def run(prompt, sm=sm):
-            return sm.generate(prompt, max_new_tokens=n, **sampling, **extra)
+        def run(prompt, generate=generate):
+            return generate(prompt, max_new_tokens=n, **sampling, **extra)
 
         systems.append(System(name, run, lambda sm=sm: sm.last_metrics,
                               offload=sm if offload is not None else None,

@@ -8,7 +8,13 @@ Rows (greedy, the same prompts; ``identical``: every output equals the resident 
 - ``leapfx_offload_m2r2``: with ``prefetch="m2r2"`` (a rate-2 fast stream predicts two layers
   ahead; its trained parts from ``--m2r2-parts``);
 - ``leapfx_offload_layerskip``: LayerSkip self-speculation over the offloaded model
-  (``prefetch="verify_union"``).
+  (``prefetch="verify_union"``);
+- ``leapfx_offload_oracle``: not a system but the ceiling of prefetching with these slots. On
+  demand loading (``prefetch="none"``, the same eviction) plus, at the first MoE layer of every
+  decode step, a prefetch of exactly the experts each later layer uses in that step, recorded
+  on an earlier decode of the same prompt and replayed (``RoutingOracle``; greedy decoding
+  repeats itself). No predictor knows more, and this one costs nothing to run. (Layer 0 is not
+  prefetched, and the loads are as many as ``none``'s: only earlier.)
 
 ``leapfx bench --offload-slots S`` runs the same rows (``offload_systems``) beside its others,
 timed by its harness; this module's command times them alone.
@@ -65,6 +71,53 @@ OFFLOAD_ROWS = (
     "leapfx_resident", "leapfx_offload_none", "leapfx_offload_next_gate", "leapfx_offload_m2r2",
     "leapfx_offload_layerskip",
 )  # fmt: skip
+ORACLE_ROW = "leapfx_offload_oracle"  # needs a recorded decode of each prompt (RoutingOracle)
+
+
+class RoutingOracle:
+    """A perfect prefetcher over an offloaded ``SpeculativeModel`` (``OffloadOptions(prefetch=
+    "none")``), for measuring what prefetching can reach: ``generate(prompt, **kw)`` decodes
+    with ``sm``; the first decode of a prompt records which experts every MoE layer uses at each
+    decode step, and every later decode of that prompt prefetches, at the first MoE layer of each
+    step, exactly the experts each later layer will use in that step
+    (``ExpertOffload.prefetch_experts``). Greedy decoding repeats itself, so the replay is exact;
+    sampled decoding does not (don't). It wraps ``sm.offload.run``, which the graph calls.
+    """
+
+    def __init__(self, sm) -> None:
+        self.sm = sm
+        self.runtime = sm.offload
+        self.first = self.runtime.layers[0]
+        self.steps: dict[tuple, list[dict[int, list[int]]]] = {}  # prompt -> per step routing
+        self._steps: list[dict[int, list[int]]] = []
+        self._recording = False
+        self._step = -1
+        self._run = self.runtime.run
+        self.runtime.run = self._wrapped  # an instance attribute: the graph's nodes call it
+
+    def recorded(self, prompt: torch.Tensor) -> bool:
+        return tuple(prompt.flatten().tolist()) in self.steps
+
+    def generate(self, prompt: torch.Tensor, **kw) -> torch.Tensor:
+        key = tuple(prompt.flatten().tolist())
+        self._recording = key not in self.steps
+        self._steps = self.steps.setdefault(key, [])
+        self._step = -1
+        return self.sm.generate(prompt, **kw)
+
+    def _wrapped(self, layer, module, hidden, top_k_index, top_k_weights):
+        decode = hidden.shape[0] == 1  # [T, H]: one token, a decode step
+        if decode and layer == self.first:
+            self._step += 1
+            if self._recording:
+                self._steps.append({})
+            elif self._step < len(self._steps):
+                for target, experts in self._steps[self._step].items():
+                    if target != self.first:
+                        self.runtime.prefetch_experts(target, experts)
+        if decode and self._recording:
+            self._steps[self._step][layer] = top_k_index[0].tolist()
+        return self._run(layer, module, hidden, top_k_index, top_k_weights)
 
 
 def offload_systems(
@@ -77,8 +130,9 @@ def offload_systems(
     ``engine``: the transfer engine (``OffloadOptions.engine``: auto, native or thread).
     """
 
-    def options(prefetch: str, **kw) -> OffloadOptions:
-        file = None if path is None else os.path.join(path, f"experts-{prefetch}.bin")
+    def options(prefetch: str, file_tag: str | None = None, **kw) -> OffloadOptions:
+        name = f"experts-{file_tag or prefetch}.bin"
+        file = None if path is None else os.path.join(path, name)
         return OffloadOptions(
             slots=slots, policy=policy, prefetch=prefetch, path=file, engine=engine, **kw
         )
@@ -93,6 +147,8 @@ def offload_systems(
         "leapfx_offload_m2r2": ("autoregressive", options("m2r2", m2r2_parts=m2r2_parts), {}),
         # LayerSkip over the offloaded model; its verify pass prefetched from the drafts.
         "leapfx_offload_layerskip": ("layerskip", options("verify_union"), layerskip),
+        # Wrapped in a RoutingOracle by whoever times it (it needs a recorded decode first).
+        ORACLE_ROW: ("autoregressive", options("none", file_tag="oracle"), {}),
     }
 
 
@@ -163,10 +219,15 @@ def offload_rows(
         # Warm-up: allocations, first reads, and on a GPU the kernels' first launches (a few
         # tokens were not enough there: the first row measured slower than the offloaded ones).
         sm.generate(prompts[0], max_new_tokens=max_new_tokens)
+        generate = sm.generate
+        if name == ORACLE_ROW:  # record every prompt's routing, untimed
+            generate = RoutingOracle(sm).generate
+            for prompt in prompts:
+                generate(prompt, max_new_tokens=max_new_tokens)
         outputs, reports, seconds, tokens = [], [], 0.0, 0
         for prompt in prompts:
             start = time.perf_counter()
-            out = sm.generate(prompt, max_new_tokens=max_new_tokens)
+            out = generate(prompt, max_new_tokens=max_new_tokens)
             seconds += time.perf_counter() - start
             tokens += out.shape[1] - prompt.shape[1]
             outputs.append(out)
@@ -252,7 +313,7 @@ def plot_offload(traces: dict[str, list], hit_rates: dict[str, dict], path, *,
 def bench_table(rows) -> str:
     """The offload columns of ``leapfx bench`` rows (those with ``extra["offload"]``), with
     tokens/s relative to ``leapfx_offload_none`` and ``identical`` against ``leapfx_resident``."""
-    picked = [r for r in rows if r.system in OFFLOAD_ROWS]
+    picked = [r for r in rows if r.system in (*OFFLOAD_ROWS, ORACLE_ROW)]
     none = next((r for r in picked if r.system == "leapfx_offload_none"), None)
     head = ["system", "tok/s", "vs none", "identical", "hit rate", "prefetch hits",
             "stall ms/tok", "MiB/tok", "wasted MiB/tok", "precision", "recall"]  # fmt: skip
