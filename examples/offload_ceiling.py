@@ -4,7 +4,7 @@
     OMP_NUM_THREADS=1 python examples/offload_ceiling.py --slots 0.25 --prompts 8 --repeats 5
 
 On the shipped MoE reference model (``--model``: another MoE checkpoint), with the disk tier and
-the CPU kernels, this times four systems interleaved (every system on a prompt before the next
+the CPU kernels, this times six systems interleaved (every system on a prompt before the next
 prompt, ``--repeats`` times after an untimed pass), so that a shared machine's load hits them
 alike:
 
@@ -17,11 +17,15 @@ alike:
   costs nothing to run: its speed bounds what prefetching can reach with these slots on this
   machine. (M2R2's prefetches start a little earlier, before layer 0's attention, and never
   cover layers 0 and 1.)
+- ``opt_evict``: on-demand loading with the optimal eviction instead of LRU (the expert used
+  again last goes first, known from the untimed pass): what eviction alone can save;
+- ``oracle_opt``: both, the ceiling of any predictor that also steered eviction.
 
 It prints ms per new token (median over the repeats), each system's ratio over ``none``, the
-hit rate and the stall per token, and checks that every output equals the resident model's.
-``leapfx.bench.offload.RoutingOracle`` records and replays the routing (``leapfx bench
---offload-slots`` has the same row, ``leapfx_offload_oracle``, timed by its harness).
+hit rate, the stall and the MiB moved per token, and checks that every output equals the
+resident model's. ``leapfx.bench.offload.RoutingOracle`` records and replays the routing
+(``leapfx bench --offload-slots`` has the ``oracle`` row, ``leapfx_offload_oracle``, timed by
+its harness).
 """
 
 from __future__ import annotations
@@ -63,10 +67,16 @@ def main() -> None:
         "resident": rewrite.apply(model, "autoregressive", cpu_kernels=True),
         "none": offloaded(prefetch="none"),
         "m2r2": offloaded(prefetch="m2r2", m2r2_parts=args.m2r2_parts),
-        "oracle": offloaded(prefetch="none"),
     }
-    oracle = RoutingOracle(systems["oracle"])
-    generate = {name: sm.generate for name, sm in systems.items()} | {"oracle": oracle.generate}
+    generate = {name: sm.generate for name, sm in systems.items()}
+    oracles = {  # name -> (prefetch, eviction) of a RoutingOracle over on-demand loading
+        "oracle": (True, "policy"),
+        "opt_evict": (False, "optimal"),
+        "oracle_opt": (True, "optimal"),
+    }
+    for name, (prefetch, evict) in oracles.items():
+        systems[name] = offloaded(prefetch="none")
+        generate[name] = RoutingOracle(systems[name], prefetch=prefetch, evict=evict).generate
     seconds = {name: [0.0] * args.repeats for name in systems}
     reports: dict[str, list] = {name: [] for name in systems if name != "resident"}
     with torch.inference_mode():
@@ -95,14 +105,17 @@ def main() -> None:
         f"{args.prompts} prompts x {args.max_new_tokens} new tokens, {args.slots} expert slots "
         f"per MoE layer, median of {args.repeats}; every output equal to resident"
     )
-    print(f"{'system':9s} {'ms/token':>9s} {'vs none':>8s} {'hit rate':>9s} {'stall ms':>9s}")
+    head = ("system", "ms/token", "vs none", "hit rate", "stall ms", "MiB/token")
+    print(f"{head[0]:10s}" + "".join(f"{h:>10s}" for h in head[1:]))
     for name, value in ms.items():
-        hit = stall = "-"
+        hit = stall = moved = "-"
         if name in reports:
             rs = reports[name]
             hit = f"{sum(x.hit_rate for x in rs) / len(rs):.3f}"
             stall = f"{sum(x.stall_ms_per_token for x in rs) / len(rs):.2f}"
-        print(f"{name:9s} {value:9.2f} {ms['none'] / value:7.2f}x {hit:>9s} {stall:>9s}")
+            moved = f"{sum(x.bytes_per_token for x in rs) / len(rs) / 2**20:.2f}"
+        ratio = f"{ms['none'] / value:.2f}x"
+        print(f"{name:10s}{value:10.2f}{ratio:>10s}{hit:>10s}{stall:>10s}{moved:>10s}")
     for sm in systems.values():
         if sm.offload is not None:
             sm.offload.close()

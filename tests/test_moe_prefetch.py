@@ -225,6 +225,35 @@ def test_bench_offload_rows(tmp_path):
     sm.offload.close()
 
 
+def test_routing_oracle_replays_exact_prefetches_and_the_optimal_eviction():
+    """Replays decode like resident; the prefetches are never wrong; the optimal eviction hits
+    at least as often as LRU on the same decode (and more, on this one)."""
+    from leapfx.bench.offload import RoutingOracle
+
+    model = tiny_moe_model("olmoe", layers=3, experts=8, top_k=2, vocab=64, seed=4)
+    prompt = torch.tensor([[5, 3, 9, 1]])
+    resident = rewrite.apply(model, "autoregressive").generate(prompt, max_new_tokens=24)
+    rates = {}
+    for prefetch, evict in ((False, "policy"), (False, "optimal"), (True, "policy")):
+        sm = rewrite.apply(model, "autoregressive",
+                           offload=OffloadOptions(slots=3, tier="host", poison=True))  # fmt: skip
+        oracle = RoutingOracle(sm, prefetch=prefetch, evict=evict)
+        assert not oracle.recorded(prompt)
+        for _ in range(2):  # record, then replay
+            assert torch.equal(oracle.generate(prompt, max_new_tokens=24), resident)
+        assert oracle.recorded(prompt)
+        assert all(cache.victim_key is None for cache in sm.offload.caches.values())
+        report = sm.last_offload_report
+        rates[prefetch, evict] = report.hit_rate
+        if prefetch:
+            assert report.prefetch_precision == 1.0
+        sm.offload.close()
+    assert rates[False, "optimal"] > rates[False, "policy"]
+    assert rates[True, "policy"] > rates[False, "policy"]
+    with pytest.raises(ValueError, match="evict: 'belady' is invalid; allowed: 'policy'"):
+        RoutingOracle(sm, evict="belady")
+
+
 def test_moe_reference_name_resolves():
     from leapfx.bench import MOE_REFERENCE_MODEL, REFERENCE_MODEL, resolve_model
 

@@ -156,6 +156,17 @@ def test_pinned_and_busy_slots_are_never_victims():
     assert cache.stats.wasted_prefetches == 1
 
 
+def test_victim_key_replaces_the_policy_but_not_the_pins():
+    cache = SlotCache(3, "lru")
+    for expert in (0, 1, 2):  # 0 least recent
+        cache.release([cache.demand_one(expert).expert])
+    cache.victim_key = lambda expert: -expert  # the highest id goes first
+    cache.demand([2])  # pinned: never a victim, whatever the key says
+    assert cache.demand_one(3).evicted == 1
+    cache.victim_key = None  # back to LRU: 0
+    assert cache.prefetch(4).evicted == 0
+
+
 # ---- offloaded decoding ----------------------------------------------------------------------
 
 

@@ -29,6 +29,8 @@ a floor, not a claim).
 from __future__ import annotations
 
 import argparse
+import bisect
+import functools
 import json
 import os
 import time
@@ -82,14 +84,29 @@ class RoutingOracle:
     step, exactly the experts each later layer will use in that step
     (``ExpertOffload.prefetch_experts``). Greedy decoding repeats itself, so the replay is exact;
     sampled decoding does not (don't). It wraps ``sm.offload.run``, which the graph calls.
+
+    ``prefetch=False``: no prefetches. ``evict="optimal"``: on replays every layer's cache
+    evicts the resident expert whose next use is latest (Belady's eviction, through
+    ``SlotCache.victim_key``; never used again: first), instead of its policy. Together they
+    bound what any predictor could make of these slots; ``evict="optimal", prefetch=False``
+    bounds eviction alone (``routing_stats``' ``optimal_hit_rate``, in decoding).
     """
 
-    def __init__(self, sm) -> None:
+    EVICTIONS = ("policy", "optimal")
+
+    def __init__(self, sm, *, prefetch: bool = True, evict: str = "policy") -> None:
+        if evict not in self.EVICTIONS:
+            raise ValueError(
+                f"evict: {evict!r} is invalid; allowed: {', '.join(map(repr, self.EVICTIONS))}"
+            )
         self.sm = sm
         self.runtime = sm.offload
+        self.prefetch = prefetch
+        self.evict = evict
         self.first = self.runtime.layers[0]
         self.steps: dict[tuple, list[dict[int, list[int]]]] = {}  # prompt -> per step routing
         self._steps: list[dict[int, list[int]]] = []
+        self._uses: dict[tuple[int, int], list[int]] = {}  # (layer, expert) -> its steps
         self._recording = False
         self._step = -1
         self._run = self.runtime.run
@@ -103,7 +120,27 @@ class RoutingOracle:
         self._recording = key not in self.steps
         self._steps = self.steps.setdefault(key, [])
         self._step = -1
-        return self.sm.generate(prompt, **kw)
+        if self._recording or self.evict == "policy":
+            return self.sm.generate(prompt, **kw)
+        self._uses = {}
+        for t, step in enumerate(self._steps):
+            for layer, experts in step.items():
+                for expert in experts:
+                    self._uses.setdefault((layer, expert), []).append(t)
+        caches = self.runtime.caches
+        for layer, cache in caches.items():
+            cache.victim_key = functools.partial(self._next_use_key, layer)
+        try:
+            return self.sm.generate(prompt, **kw)
+        finally:
+            for cache in caches.values():
+                cache.victim_key = None
+
+    def _next_use_key(self, layer: int, expert: int) -> tuple[int, int]:
+        """Evicted first: the latest next use (at this step or later; the prefill is step -1)."""
+        uses = self._uses.get((layer, expert), ())
+        k = bisect.bisect_left(uses, max(self._step, 0))
+        return (-(uses[k] if k < len(uses) else len(self._steps)), expert)
 
     def _wrapped(self, layer, module, hidden, top_k_index, top_k_weights):
         decode = hidden.shape[0] == 1  # [T, H]: one token, a decode step
@@ -111,7 +148,7 @@ class RoutingOracle:
             self._step += 1
             if self._recording:
                 self._steps.append({})
-            elif self._step < len(self._steps):
+            elif self.prefetch and self._step < len(self._steps):
                 for target, experts in self._steps[self._step].items():
                     if target != self.first:
                         self.runtime.prefetch_experts(target, experts)

@@ -20,11 +20,16 @@ Rules (a pure-Python LRU/LFU model in tests/test_offload.py replays them exactly
 - Policies. ``lru``: evict the least recently used (demand or prefetch). ``lfu``: evict the
   least frequently demanded (counts survive only while resident), ties to the least recent.
   A clock that ticks on every event orders recency; it is exact, not wall time.
+  ``victim_key`` (None: the policy) replaces the policy's order: a function of an expert, the
+  smallest key evicted first (``leapfx.bench.offload.RoutingOracle`` sets one that knows the
+  future, to measure the optimal eviction).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 POLICIES = ("lru", "lfu")
 
@@ -70,6 +75,8 @@ class SlotCache:
     _speculative: set[int] = field(init=False, default_factory=set)
     busy: set[int] = field(init=False, default_factory=set)  # slots with a load in flight
     _clock: int = field(init=False, default=0)
+    # expert -> key, the smallest evicted first, in place of the policy's order (None: policy)
+    victim_key: Callable[[int], Any] | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -98,7 +105,7 @@ class SlotCache:
         ]
         if not candidates:
             return None
-        victim = min(candidates, key=self._victim_key)
+        victim = min(candidates, key=self.victim_key or self._victim_key)
         return self.slot_of[victim], victim
 
     def _place(self, expert: int, slot: int, evicted: int | None) -> None:
