@@ -33,7 +33,8 @@
 // a submit seldom has to wake a sleeping thread. On the project's 2-core KVM guest a wake-up
 // costs the submitting thread ~50 us (a futex wake, an IPI to a halted vCPU), and the reads'
 // completions reach a halted vCPU late; with a worker polling on the other core, on-demand
-// decoding of the MoE reference model at half the slots went from 5.20 to 4.20 ms a token.
+// decoding of the MoE reference model at half the slots went from 5.48 to 4.40 ms a token
+// (docs/benchmarks.md, 2026-11-24 13:50).
 // cpu: the CPU the workers run on (-1: any), so that the poller does not share the computing
 // thread's core.
 // torch releases the GIL around a custom-class method called from Python (its script-method

@@ -18,11 +18,12 @@ before queued prefetches.
 - ``NativeEngine`` (CPU, disk tier): C++ reader threads (``leapfx.kernels.cpu_reader``) that
   never take the GIL, several reads in flight (demand reads ahead of prefetch reads). On-demand
   reads go to the workers too, and compute spins until they land: a computing thread that
-  blocks in a read of its own sleeps, and on the project's 2-core KVM guest it woke late
-  (on-demand decoding of the MoE reference model at half the slots, interleaved, median of 5:
-  4.88 -> 4.65 ms a token; 4.20 with ``OffloadOptions.reader_cpu``'s polling worker on the
-  other core, against 5.20 reading inline). ``inline_demand=True`` reads them on the caller's
-  thread instead (the caller reads one, idle workers the others). A Python worker takes
+  blocks in a read of its own sleeps, and on the project's 2-core KVM guest it woke late. The
+  gain needs ``OffloadOptions.reader_cpu``'s polling worker on the other core (on-demand
+  decoding of the MoE reference model at half the slots, interleaved, median of 5: 5.48 ms a
+  token reading inline, 5.42 on sleeping workers, 4.40 on a polling one; docs/benchmarks.md).
+  ``inline_demand=True`` reads them on the caller's thread instead (the caller reads one, idle
+  workers the others). A Python worker takes
   the GIL back after every read and the computing thread's torch calls hand it over, a context
   switch each (measured: every torch call of a decode step ~1.5x slower while a prefetch ran, so
   prefetch cost more than it saved). Its jobs are data, not code: a ``ReadJob``'s reads as
