@@ -219,13 +219,20 @@ def _most_hits(rows: list[list[int]], slots: int, resident: frozenset = frozense
     slots=st.integers(2, 3),
 )
 def test_cache_hit_rates_optimal_matches_exhaustive_search(rows, slots):
-    from leapfx.bench.routing import cache_hit_rates
+    from leapfx.bench.routing import cache_hit_rates, scored_hit_rate
 
     top = torch.tensor([row * 2 if len(row) == 1 else row for row in rows])  # [T, 2]
     lru, optimal = cache_hit_rates(top, slots)
     total = sum(len(row) for row in rows)
     assert optimal == _most_hits(rows, slots) / total
     assert lru <= optimal
+    # Scored eviction: constant scores are LRU; minus each expert's next use after t is optimal.
+    assert scored_hit_rate(top, slots, torch.zeros(len(rows), 5)) == lru
+    later = torch.full((len(rows), 5), float(len(rows)))
+    for t in range(len(rows) - 2, -1, -1):
+        later[t] = later[t + 1]
+        later[t, rows[t + 1]] = t + 1
+    assert scored_hit_rate(top, slots, -later) == optimal
 
 
 def test_moe_reference_trainer_runs_and_reports_routing(tmp_path):

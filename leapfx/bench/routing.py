@@ -105,8 +105,8 @@ def cache_hit_rates(top: torch.Tensor, slots: int) -> tuple[float, float]:
     resident while it computes (they are never each other's victims); the optimal eviction
     (Belady's) evicts the resident expert whose next use is latest (never: latest of all).
     NaN where ``slots`` is below the distinct experts of one token."""
-    rows = [sorted(set(r)) for r in top.tolist()]
-    if not rows or max(len(r) for r in rows) > slots:
+    rows = _rows(top, slots)
+    if rows is None:
         return float("nan"), float("nan")
     never = len(rows)
     next_use: list[dict[int, int]] = [{} for _ in rows]  # token t, expert -> its next use
@@ -115,23 +115,45 @@ def cache_hit_rates(top: torch.Tensor, slots: int) -> tuple[float, float]:
         for expert in rows[t]:
             next_use[t][expert] = seen.get(expert, never)
             seen[expert] = t
-
-    def hit_rate(key, evict) -> float:
-        resident: dict[int, int] = {}  # expert -> key(t, expert) at its last use
-        hits = total = 0
-        for t, row in enumerate(rows):
-            total += len(row)
-            hits += sum(expert in resident for expert in row)
-            for expert in row:
-                if expert not in resident and len(resident) >= slots:
-                    others = {k: v for k, v in resident.items() if k not in row}
-                    del resident[evict(others)]
-                resident[expert] = key(t, expert)
-        return hits / total
-
-    lru = hit_rate(lambda t, e: t, lambda keys: min(keys, key=lambda k: (keys[k], k)))
-    optimal = hit_rate(lambda t, e: next_use[t][e], lambda keys: max(keys, key=keys.__getitem__))
+    lru = _replay(
+        rows, slots, lambda t, e: t, lambda t, keys: min(keys, key=lambda k: (keys[k], k))
+    )
+    optimal = _replay(rows, slots, lambda t, e: next_use[t][e],
+                      lambda t, keys: max(keys, key=keys.__getitem__))  # fmt: skip
     return lru, optimal
+
+
+def scored_hit_rate(top: torch.Tensor, slots: int, scores: torch.Tensor) -> float:
+    """The hit rate of the same cache evicting, at token t, the resident expert with the lowest
+    ``scores[t]`` [T, E] (ties: the least recently used): an eviction order computed from what
+    is known at token t, e.g. a predictor of the experts the next tokens will use."""
+    rows = _rows(top, slots)
+    if rows is None:
+        return float("nan")
+    table = scores.tolist()
+    return _replay(rows, slots, lambda t, e: t,
+                   lambda t, keys: min(keys, key=lambda k: (table[t][k], keys[k], k)))  # fmt: skip
+
+
+def _rows(top: torch.Tensor, slots: int) -> list[list[int]] | None:
+    rows = [sorted(set(r)) for r in top.tolist()]
+    return rows if rows and max(len(r) for r in rows) <= slots else None
+
+
+def _replay(rows: list[list[int]], slots: int, key, evict) -> float:
+    """Demand-only caching of ``rows``: ``key(t, expert)`` is stored at each use, ``evict(t,
+    {expert: key})`` picks the victim among the residents the token does not use."""
+    resident: dict[int, int] = {}
+    hits = total = 0
+    for t, row in enumerate(rows):
+        total += len(row)
+        hits += sum(expert in resident for expert in row)
+        for expert in row:
+            if expert not in resident and len(resident) >= slots:
+                others = {k: v for k, v in resident.items() if k not in row}
+                del resident[evict(t, others)]
+            resident[expert] = key(t, expert)
+    return hits / total
 
 
 def post_attention_residuals(model, moe: list[int], batches) -> dict[int, torch.Tensor]:
