@@ -112,11 +112,15 @@ class RoutingOracle:
         self._run = self.runtime.run
         self.runtime.run = self._wrapped  # an instance attribute: the graph's nodes call it
 
+    @staticmethod
+    def _key(prompt: torch.Tensor) -> tuple:
+        return tuple(prompt.flatten().tolist())
+
     def recorded(self, prompt: torch.Tensor) -> bool:
-        return tuple(prompt.flatten().tolist()) in self.steps
+        return self._key(prompt) in self.steps
 
     def generate(self, prompt: torch.Tensor, **kw) -> torch.Tensor:
-        key = tuple(prompt.flatten().tolist())
+        key = self._key(prompt)
         self._recording = key not in self.steps
         self._steps = self.steps.setdefault(key, [])
         self._step = -1

@@ -262,7 +262,6 @@ class Reader : public torch::CustomClassHolder {
       std::lock_guard<std::mutex> lock(mu_);
       if (stopping_) return;
       stopping_ = true;
-      stop_flag_.store(true);
       work_cv_.notify_all();
     }
     for (auto& t : workers_) {
@@ -346,7 +345,7 @@ class Reader : public torch::CustomClassHolder {
     bool expected = false;
     if (!spinning_.compare_exchange_strong(expected, true)) return;
     const int64_t deadline = now_ns() + idle_spin_ns_;
-    while (queued_.load(std::memory_order_acquire) == 0 && !stop_flag_.load() &&
+    while (queued_.load(std::memory_order_acquire) == 0 && !stopping_.load() &&
            now_ns() < deadline) {
       sched_yield();
     }
@@ -357,13 +356,13 @@ class Reader : public torch::CustomClassHolder {
   const int64_t idle_spin_ns_;  // how long an idle worker polls for reads before it sleeps
   const int64_t cpu_;  // the workers' CPU, or -1
   std::atomic<int64_t> queued_{0};  // reads in the queues
-  std::atomic<bool> spinning_{false}, stop_flag_{false};
+  std::atomic<bool> spinning_{false};
   std::mutex mu_;
   std::condition_variable work_cv_, done_cv_;
   std::deque<Task> queues_[2];  // 0: demand, 1: prefetch; one entry per read
   std::unordered_map<int64_t, std::shared_ptr<Job>> jobs_;
   int64_t next_ = 0;
-  bool stopping_ = false;
+  std::atomic<bool> stopping_{false};  // written under mu_; the idle poller reads it without
   std::atomic<int64_t> busy_ns_{0};
   std::vector<std::thread> workers_;
 };
