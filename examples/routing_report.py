@@ -13,10 +13,11 @@ knows the whole future). A prefetcher only makes loads earlier; the loads a toke
 eviction's doing, and the optimal hit rate bounds every eviction policy.
 
 ``--probe K`` also fits, per layer, a linear probe from what the layer sees at token t (its
-router's input and probabilities) to which experts tokens t+1..t+K will use (logistic
-regression on ``--probe-tokens`` training tokens), and replays its scores as the eviction order
-on the held-out tokens (``routing.scored_hit_rate``: the lowest score at token t goes first):
-how much of the gap to the optimal eviction a learned one could close.
+experts' input) to which experts tokens t+1..t+K will use (logistic regression on
+``--probe-tokens`` training tokens; ``leapfx.runtime.offload.fit_reuse_probe``, what
+``leapfx train-reuse-probe`` ships as ``OffloadOptions(policy="reuse")``), and replays its
+scores as the eviction order on the held-out tokens (``routing.scored_hit_rate``: the lowest
+score at token t goes first): how much of the gap to the optimal eviction it closes.
 """
 
 from __future__ import annotations
@@ -27,16 +28,12 @@ import math
 import torch
 
 from leapfx.bench import load_model
-from leapfx.bench.routing import (
-    moe_layers,
-    post_attention_residuals,
-    route_hidden,
-    routing_stats,
-    scored_hit_rate,
-)
+from leapfx.bench.routing import routing_stats
+from leapfx.runtime.offload import fit_reuse_probe
 from leapfx.train.data import encode_documents
 from leapfx.train.evaluate import eval_windows
 from leapfx.train.reference import reference_corpus
+from leapfx.train.reuse_probe import evaluate_reuse_probe
 
 
 def main() -> None:
@@ -88,50 +85,10 @@ def main() -> None:
     if args.probe:
         train = encode_documents(tokenizer, reference_corpus(None).train)
         fit = eval_windows(train, args.window, args.probe_tokens)
-        rates = probe_hit_rates(model, fit, windows, args.probe, slots)
-        for s, rate in rates.items():
-            print(f"reuse probe, next {args.probe} tokens, {s} slots: hit rate {rate:.3f}")
-
-
-def _features(model, windows) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """Per MoE layer: (router input and probabilities [T, H + E], top-k [T, k])."""
-    h = post_attention_residuals(model, moe_layers(model), [w[None] for w in windows])
-    out = {}
-    for i, hidden in h.items():
-        probs, top = route_hidden(model, i, hidden)
-        out[i] = (torch.cat([hidden, probs], 1), top)
-    return out
-
-
-@torch.no_grad()
-def probe_hit_rates(model, fit, held, horizon: int, slots) -> dict[float, float]:
-    """Mean over layers of ``scored_hit_rate`` with a logistic probe's scores (fit on ``fit``)
-    of "expert e is used within the next ``horizon`` tokens" as the eviction order."""
-    train, test = _features(model, fit), _features(model, held)
-    rates = {s: 0.0 for s in slots}
-    for i, (x, top) in train.items():
-        experts = x.shape[1] - model.config.hidden_size
-        used = torch.zeros(len(top), experts).scatter_(1, top, 1.0)
-        soon = torch.zeros_like(used)
-        for d in range(1, horizon + 1):
-            soon[:-d] = torch.maximum(soon[:-d], used[d:])
-        mean, std = x.mean(0), x.std(0) + 1e-6
-        weight = torch.zeros(x.shape[1], experts, requires_grad=True)
-        bias = torch.zeros(experts, requires_grad=True)
-        optimizer = torch.optim.Adam([weight, bias], lr=1e-2)
-        with torch.enable_grad():
-            for _ in range(300):
-                logits = ((x - mean) / std) @ weight + bias
-                loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, soon)
-                optimizer.zero_grad()
-                loss.backward()
-                optimizer.step()
-        x_test, top_test = test[i]
-        scores = ((x_test - mean) / std) @ weight + bias
-        for s in slots:
-            count = max(1, math.ceil(s * experts))
-            rates[s] += scored_hit_rate(top_test, count, scores) / len(train)
-    return rates
+        probe = fit_reuse_probe(model, fit, horizon=args.probe)
+        for s, entry in evaluate_reuse_probe(probe, model, windows, slots).items():
+            print(f"reuse probe, next {args.probe} tokens, {entry['slots']} slots ({s}): hit "
+                  f"rate {entry['reuse_hit_rate']:.3f}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -288,7 +288,8 @@ def _exit_curve(args, model, prompts, rows, config, num_layers: int) -> list:
 def _offload_options(args: argparse.Namespace) -> dict:
     """--offload-slots/--offload-parts/--offload-dir as BenchConfig fields; the shipped rate-2
     M2R2 parts when benchmarking moe-reference without --offload-parts."""
-    from .bench import MOE_REFERENCE_M2R2
+    from .bench import MOE_REFERENCE_M2R2, resolve_model
+    from .train.reuse_probe import PROBE_NAME
 
     slots = args.offload_slots
     if slots is not None:
@@ -303,8 +304,20 @@ def _offload_options(args: argparse.Namespace) -> dict:
         parts = str(MOE_REFERENCE_M2R2) if MOE_REFERENCE_M2R2.is_dir() else None
     if slots is not None and parts is None:
         print("--offload-parts: none given; leapfx_offload_m2r2 predicts with an untrained stream")
+    probe = args.offload_reuse_probe
+    if probe == "auto":  # the model's own, where it has one
+        found = resolve_model(args.model) / PROBE_NAME if slots is not None else None
+        probe = str(found) if found is not None and found.is_file() else None
+    elif probe == "none":
+        probe = None
+    elif not os.path.isfile(probe):
+        raise ValueError(
+            f"--offload-reuse-probe: {probe!r} is not a file; allowed: auto, none, or a file "
+            "written by leapfx train-reuse-probe"
+        )
     return {"offload_slots": slots, "offload_m2r2_parts": parts, "offload_dir": args.offload_dir,
-            "offload_engine": args.offload_engine}  # fmt: skip
+            "offload_engine": args.offload_engine,
+            "offload_reuse_probe": probe if slots is not None else None}  # fmt: skip
 
 
 def _offload_report(model, rows, config, prompts, exit_layer: int, plot: str | None) -> None:
@@ -332,7 +345,7 @@ def _offload_report(model, rows, config, prompts, exit_layer: int, plot: str | N
     specs = offload_systems(
         config.offload_slots, exit_layer=exit_layer, num_speculations=config.num_speculations,
         m2r2_parts=config.offload_m2r2_parts, path=config.offload_dir,
-        engine=config.offload_engine,
+        engine=config.offload_engine, reuse_probe=config.offload_reuse_probe,
     )  # fmt: skip
     traces = {}
     for name in ("leapfx_offload_none", "leapfx_offload_next_gate", "leapfx_offload_m2r2"):
@@ -706,6 +719,28 @@ def _train_m2r2(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train_reuse_probe(args: argparse.Namespace) -> int:
+    import torch
+
+    from .bench import resolve_model
+    from .train.reuse_probe import PROBE_NAME, train_reuse_probe
+
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads: {args.threads} is invalid; allowed: an integer >= 1")
+        torch.set_num_threads(args.threads)
+    if args.horizon < 1:
+        raise ValueError(f"--horizon: {args.horizon} is invalid; allowed: an integer >= 1")
+    out = args.out or resolve_model(args.model) / PROBE_NAME
+    report = train_reuse_probe(
+        out, model_path=args.model, horizon=args.horizon, tokens=args.tokens,
+        held_out_tokens=args.held_out_tokens, steps=args.steps, corpus_root=args.corpus_root,
+        progress=args.progress,
+    )  # fmt: skip
+    print(json.dumps(report, indent=2))
+    return 0
+
+
 def _model_training_args(parser: argparse.ArgumentParser) -> None:
     """The arguments every reference-model trainer takes (``train-reference``,
     ``train-moe-reference``); ``_model_training`` turns them into keyword arguments."""
@@ -915,8 +950,15 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--offload-slots", type=float, default=None, metavar="S",
         help="MoE models: add the expert-offload rows (leapfx_resident, leapfx_offload_none, "
-        "_next_gate, _m2r2, _layerskip) with S expert slots per layer (a count >= 1, or a "
-        "fraction of each layer's experts, e.g. 0.5); with --plot: their timelines",
+        "_next_gate, _m2r2, _layerskip, _oracle; _reuse and _m2r2_reuse with a reuse probe) "
+        "with S expert slots per layer (a count >= 1, or a fraction of each layer's experts, "
+        "e.g. 0.5); with --plot: their timelines",
+    )  # fmt: skip
+    bench.add_argument(
+        "--offload-reuse-probe", default="auto", metavar="PATH|auto|none",
+        help="the learned eviction of the leapfx_offload_reuse and leapfx_offload_m2r2_reuse "
+        "rows (leapfx train-reuse-probe); auto: the model's reuse_probe.safetensors where it "
+        "has one (moe-reference does); none: no such rows",
     )  # fmt: skip
     bench.add_argument(
         "--offload-parts", default=None,
@@ -1062,6 +1104,28 @@ def build_parser() -> argparse.ArgumentParser:
         "--aux-coef", type=float, default=0.01, help="weight of the load-balancing loss (OLMoE's)"
     )
     moe.set_defaults(func=_train_moe_reference)
+
+    reuse = sub.add_parser(
+        "train-reuse-probe",
+        help="fit an MoE model's learned expert-cache eviction (OffloadOptions(policy='reuse'))",
+    )
+    reuse.add_argument(
+        "out", nargs="?", default=None,
+        help="the probe's file (default: reuse_probe.safetensors in the model's directory)",
+    )  # fmt: skip
+    reuse.add_argument("--model", default="moe-reference", help="an MoE HF checkpoint dir")
+    reuse.add_argument(
+        "--horizon", type=int, default=4, help="the probe predicts use by the next K tokens"
+    )
+    reuse.add_argument("--tokens", type=int, default=32768, help="training tokens")
+    reuse.add_argument("--held-out-tokens", type=int, default=4096, help="tokens to evaluate on")
+    reuse.add_argument("--steps", type=int, default=300, help="Adam steps per layer")
+    reuse.add_argument("--threads", type=int, default=None)
+    reuse.add_argument(
+        "--corpus-root", default=None, help="stdlib folder to train on (default: this Python's)"
+    )
+    reuse.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
+    reuse.set_defaults(func=_train_reuse_probe)
 
     specee = sub.add_parser(
         "train-specee", help="train SpecEE's exit predictors for a model (default: the reference)"

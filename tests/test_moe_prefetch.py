@@ -178,21 +178,24 @@ def test_bench_offload_rows(tmp_path):
     from leapfx.bench.offload import (
         OFFLOAD_ROWS,
         ORACLE_ROW,
+        REUSE_ROWS,
         bench_table,
         plot_offload,
         summarize,
     )
+    from tests.test_offload import random_probe
 
     model = tiny_moe_model("olmoe", layers=4, experts=6, top_k=2, vocab=64, seed=1)
+    probe = random_probe(model).save(tmp_path / "probe.safetensors")
     prompts = [torch.tensor([[1, 2, 3, 4]]), torch.tensor([[9, 8, 7]])]
     config = BenchConfig(
         recipe="autoregressive", exit_layer=1, num_speculations=2, max_new_tokens=6,
         repeats=1, warmup=1, hf_baselines=False, offload_slots=0.5, offload_dir=str(tmp_path),
-        offload_engine="thread",
+        offload_engine="thread", offload_reuse_probe=str(probe),
     )  # fmt: skip
     rows = {r.system: r for r in run_bench(model, prompts, config, progress=False)}
-    assert set(OFFLOAD_ROWS) | {ORACLE_ROW} <= set(rows)
-    for name in (*OFFLOAD_ROWS[1:], ORACLE_ROW):
+    assert set(OFFLOAD_ROWS) | set(REUSE_ROWS) | {ORACLE_ROW} <= set(rows)
+    for name in (*OFFLOAD_ROWS[1:], *REUSE_ROWS, ORACLE_ROW):
         row = rows[name]
         assert row.identical_to_greedy and row.extra["identical_to_resident"]
         o = row.extra["offload"]
@@ -207,12 +210,15 @@ def test_bench_offload_rows(tmp_path):
     oracle = rows[ORACLE_ROW].extra["offload"]  # replays the warm-up's routing: never wrong
     assert oracle["prefetch_precision"] == 1.0
     assert oracle["hit_rate"] >= rows["leapfx_offload_none"].extra["offload"]["hit_rate"]
-    without_warmup = dataclasses.replace(config, warmup=0, offload_dir=None)
-    assert ORACLE_ROW not in {r.system for r in run_bench(model, prompts, without_warmup,
-                                                          progress=False)}  # fmt: skip
+    assert rows["leapfx_offload_m2r2_reuse"].extra["offload"]["prefetch_precision"] is not None
+    # no warm-up: no oracle; no probe: no *_reuse rows
+    without = dataclasses.replace(config, warmup=0, offload_dir=None, offload_reuse_probe=None)
+    names = {r.system for r in run_bench(model, prompts, without, progress=False)}
+    assert ORACLE_ROW not in names and not names & set(REUSE_ROWS)
     json.dumps([r.as_dict() for r in rows.values()])  # the --json rows serialise
     text = bench_table(list(rows.values()))
     assert "leapfx_offload_m2r2" in text and "vs none" in text
+    assert all(name in text for name in REUSE_ROWS)
     sm = rewrite.apply(model, "autoregressive",
                        offload=OffloadOptions(slots=2, prefetch="next_gate"))  # fmt: skip
     sm.offload.trace = []

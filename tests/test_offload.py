@@ -17,8 +17,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from leapfx import rewrite
-from leapfx.passes.capture import nodes_by_role
-from leapfx.runtime.offload import DiskStore, OffloadOptions, SlotCache
+from leapfx.bench.routing import moe_layers
+from leapfx.passes.capture import decoder_parts, nodes_by_role
+from leapfx.runtime.offload import DiskStore, OffloadOptions, ReuseProbe, SlotCache
 from tests.conftest import MOE_ARCHS, tiny_moe_model
 from tests.distribution_check import assert_sampled_from
 from tests.greedy_check import assert_greedy_equal, hf_greedy
@@ -27,10 +28,12 @@ from tests.greedy_check import assert_greedy_equal, hf_greedy
 
 
 class ModelCache:
-    """LRU/LFU of a fixed number of slots, written as plainly as possible (the reference)."""
+    """LRU/LFU/reuse of a fixed number of slots, written as plainly as possible (the
+    reference). ``reuse``: the lowest of ``scores`` (set from outside) goes, else LRU."""
 
     def __init__(self, slots: int, policy: str) -> None:
         self.slots, self.policy = slots, policy
+        self.scores: list[int] | None = None
         self.where: dict[int, int] = {}  # expert -> slot
         self.recency: OrderedDict[int, None] = OrderedDict()  # least recent first
         self.uses: dict[int, int] = {}
@@ -51,6 +54,8 @@ class ModelCache:
             return None
         if self.policy == "lfu":
             victim = min(order, key=lambda e: self.uses.get(e, 0))  # min keeps the first (LRU)
+        elif self.policy == "reuse" and self.scores is not None:
+            victim = min(order, key=lambda e: self.scores[e])
         else:
             victim = order[0]
         return self.where[victim], victim
@@ -111,11 +116,14 @@ def cache_programs(draw):
                 st.tuples(st.just("demand"), st.lists(st.integers(0, experts - 1), min_size=1,
                                                       max_size=slots, unique=True)),
                 st.tuples(st.just("prefetch"), st.integers(0, experts - 1)),
+                # new eviction scores (reuse); few values, so that ties fall back to LRU
+                st.tuples(st.just("score"), st.lists(st.integers(0, 2), min_size=experts,
+                                                     max_size=experts)),
             ),
             max_size=60,
         )
     )  # fmt: skip
-    return slots, draw(st.sampled_from(["lru", "lfu"])), ops
+    return slots, draw(st.sampled_from(["lru", "lfu", "reuse"])), ops
 
 
 @settings(max_examples=300)
@@ -131,6 +139,8 @@ def test_slot_cache_matches_the_pure_python_model(program):
             assert all(cache.expert_of[cache.slot_of[e]] == e for e in arg)
             cache.release(arg)
             model.release(arg)
+        elif op == "score":
+            cache.scores, model.scores = list(arg), list(arg)
         else:
             p = cache.prefetch(arg)
             want = model.prefetch(arg)
@@ -170,6 +180,15 @@ def test_victim_key_replaces_the_policy_but_not_the_pins():
 # ---- offloaded decoding ----------------------------------------------------------------------
 
 
+def random_probe(model, seed: int = 0) -> ReuseProbe:
+    """A reuse probe of random weights for ``model``'s MoE layers (any order is lossless)."""
+    layers = moe_layers(model)
+    experts = decoder_parts(model).layers[layers[0]].mlp.experts.gate_up_proj.shape[0]
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randn(len(layers), experts, model.config.hidden_size, generator=g)
+    return ReuseProbe(layers, weight, torch.randn(len(layers), experts, generator=g), horizon=2)
+
+
 def _offload(**kw) -> OffloadOptions:
     return OffloadOptions(poison=True, **kw)
 
@@ -207,9 +226,12 @@ def test_offloaded_decoding_is_token_identical_to_resident(data):
         intermediate=data.draw(st.sampled_from([16, 32]), label="intermediate"),
     )  # fmt: skip
     recipe = data.draw(st.sampled_from(sorted(RECIPES)), label="recipe")
+    policy = data.draw(st.sampled_from(["lru", "lfu", "reuse"]), label="policy")
+    seed = data.draw(st.integers(0, 99), label="probe_seed")
     options = _offload(
         slots=data.draw(st.integers(1, experts), label="slots"),
-        policy=data.draw(st.sampled_from(["lru", "lfu"]), label="policy"),
+        policy=policy,
+        reuse_probe=random_probe(model, seed) if policy == "reuse" else None,
         prefetch=data.draw(st.sampled_from(["none", "next_gate"]), label="prefetch"),
         prefetch_budget=data.draw(st.sampled_from([None, 0, 1000, 10**9]), label="budget"),
         tier=data.draw(st.sampled_from(["disk", "host"]), label="tier"),
@@ -392,6 +414,10 @@ def test_disk_store_reads_straight_into_aligned_slots(tmp_path):
         ({"prefetch": "m3"}, "prefetch"),
         ({"prefetch_budget": -1}, "prefetch_budget"),
         ({"tier": "nvme"}, "tier"),
+        ({"policy": "reuse"}, "reuse_probe: missing with policy='reuse'"),
+        ({"reuse_probe": "probe.safetensors"}, "reuse_probe: given with policy='lru'"),
+        ({"policy": "reuse", "reuse_probe": 3}, "reuse_probe: 3 is invalid"),
+        ({"policy": "reuse", "reuse_probe": "/nonexistent.safetensors"}, "is not a file"),
     ],
 )
 def test_offload_options_are_validated(kwargs, match):

@@ -7,6 +7,9 @@ Rows (greedy, the same prompts; ``identical``: every output equals the resident 
 - ``leapfx_offload_next_gate``: with ``prefetch="next_gate"``;
 - ``leapfx_offload_m2r2``: with ``prefetch="m2r2"`` (a rate-2 fast stream predicts two layers
   ahead; its trained parts from ``--m2r2-parts``);
+- ``leapfx_offload_reuse``, ``leapfx_offload_m2r2_reuse``: ``none`` and ``m2r2`` evicting by a
+  learned reuse probe (``OffloadOptions(policy="reuse")``) instead of the run's policy; only
+  where a probe is given (``leapfx train-reuse-probe``; the MoE reference model ships one);
 - ``leapfx_offload_layerskip``: LayerSkip self-speculation over the offloaded model
   (``prefetch="verify_union"``);
 - ``leapfx_offload_oracle``: not a system but the ceiling of prefetching with these slots. On
@@ -73,6 +76,7 @@ OFFLOAD_ROWS = (
     "leapfx_resident", "leapfx_offload_none", "leapfx_offload_next_gate", "leapfx_offload_m2r2",
     "leapfx_offload_layerskip",
 )  # fmt: skip
+REUSE_ROWS = ("leapfx_offload_reuse", "leapfx_offload_m2r2_reuse")  # where a probe is given
 ORACLE_ROW = "leapfx_offload_oracle"  # needs a recorded decode of each prompt (RoutingOracle)
 
 
@@ -163,20 +167,33 @@ class RoutingOracle:
 
 def offload_systems(
     slots: float | int, *, exit_layer: int, num_speculations: int | None = None,
-    m2r2_parts=None, policy: str = "lru", path=None, engine: str = "auto",
+    m2r2_parts=None, policy: str = "lru", path=None, engine: str = "auto", reuse_probe=None,
 ) -> dict[str, tuple[str, OffloadOptions | None, dict]]:  # fmt: skip
     """Row name -> (recipe, offload options or None, recipe options) of the offload rows.
 
     ``path``: a folder for the disk tiers' files (one per row); None: temporary files.
     ``engine``: the transfer engine (``OffloadOptions.engine``: auto, native or thread).
+    ``reuse_probe``: a ``ReuseProbe`` or its file: with ``policy="reuse"`` every row's, else
+    the ``*_reuse`` rows' (None: no such rows).
     """
 
-    def options(prefetch: str, file_tag: str | None = None, **kw) -> OffloadOptions:
+    def options(prefetch: str, file_tag: str | None = None, evict: str = policy,
+                **kw) -> OffloadOptions:  # fmt: skip
         name = f"experts-{file_tag or prefetch}.bin"
         file = None if path is None else os.path.join(path, name)
+        if evict == "reuse":
+            kw["reuse_probe"] = reuse_probe
         return OffloadOptions(
-            slots=slots, policy=policy, prefetch=prefetch, path=file, engine=engine, **kw
+            slots=slots, policy=evict, prefetch=prefetch, path=file, engine=engine, **kw
         )
+
+    reuse = {}
+    if reuse_probe is not None and policy != "reuse":
+        reuse = {
+            "leapfx_offload_reuse": ("autoregressive", options("none", "reuse", "reuse"), {}),
+            "leapfx_offload_m2r2_reuse": ("autoregressive", options(
+                "m2r2", "m2r2-reuse", "reuse", m2r2_parts=m2r2_parts), {}),
+        }  # fmt: skip
 
     layerskip = {"exit_layer": exit_layer}
     if num_speculations is not None:
@@ -186,6 +203,7 @@ def offload_systems(
         "leapfx_offload_none": ("autoregressive", options("none"), {}),
         "leapfx_offload_next_gate": ("autoregressive", options("next_gate"), {}),
         "leapfx_offload_m2r2": ("autoregressive", options("m2r2", m2r2_parts=m2r2_parts), {}),
+        **reuse,
         # LayerSkip over the offloaded model; its verify pass prefetched from the drafts.
         "leapfx_offload_layerskip": ("layerskip", options("verify_union"), layerskip),
         # Wrapped in a RoutingOracle by whoever times it (it needs a recorded decode first).
@@ -233,7 +251,7 @@ class OffloadRow:
 def offload_rows(
     model, prompts: list[torch.Tensor], *, max_new_tokens: int, slots: float | int,
     policy: str = "lru", exit_layer: int | None = None, path=None, plot=None,
-    m2r2_parts=None, cpu_kernels: bool | None = None,
+    m2r2_parts=None, cpu_kernels: bool | None = None, reuse_probe=None,
 ) -> list[OffloadRow]:  # fmt: skip
     """Time every row on ``prompts`` (after one warm-up prompt per system).
 
@@ -246,7 +264,7 @@ def offload_rows(
     """
     exit_layer = exit_layer or max(1, model.config.num_hidden_layers // 4)
     systems = offload_systems(slots, exit_layer=exit_layer, m2r2_parts=m2r2_parts,
-                              policy=policy, path=path)  # fmt: skip
+                              policy=policy, path=path, reuse_probe=reuse_probe)  # fmt: skip
     from ..kernels import cpu
 
     param = next(model.parameters())
@@ -354,7 +372,7 @@ def plot_offload(traces: dict[str, list], hit_rates: dict[str, dict], path, *,
 def bench_table(rows) -> str:
     """The offload columns of ``leapfx bench`` rows (those with ``extra["offload"]``), with
     tokens/s relative to ``leapfx_offload_none`` and ``identical`` against ``leapfx_resident``."""
-    picked = [r for r in rows if r.system in (*OFFLOAD_ROWS, ORACLE_ROW)]
+    picked = [r for r in rows if r.system in (*OFFLOAD_ROWS, *REUSE_ROWS, ORACLE_ROW)]
     none = next((r for r in picked if r.system == "leapfx_offload_none"), None)
     head = ["system", "tok/s", "vs none", "identical", "hit rate", "prefetch hits",
             "stall ms/tok", "MiB/tok", "wasted MiB/tok", "precision", "recall"]  # fmt: skip
@@ -426,7 +444,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--top-k", type=int, default=4)
     p.add_argument("--intermediate", type=int, default=512)
     p.add_argument("--slots", type=float, default=0.5)
-    p.add_argument("--policy", default="lru")
+    p.add_argument("--policy", default="lru", help="eviction: lru, lfu or reuse")
+    p.add_argument(
+        "--reuse-probe", default=None,
+        help="a reuse probe's file (leapfx train-reuse-probe): every row's with --policy reuse, "
+        "else the *_reuse rows'",
+    )  # fmt: skip
     p.add_argument("--prompts", type=int, default=3)
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--path", default=None, help="folder for the disk tiers' files (default: temp)")
@@ -470,6 +493,7 @@ def main(argv: list[str] | None = None) -> None:
     slots = int(a.slots) if a.slots >= 1 else a.slots
     rows = offload_rows(model, prompts, max_new_tokens=a.tokens, slots=slots, policy=a.policy,
                         path=a.path, plot=a.plot, m2r2_parts=a.m2r2_parts,
+                        reuse_probe=a.reuse_probe,
                         cpu_kernels={"auto": None, "on": True, "off": False}[a.cpu_kernels],
                         )  # fmt: skip
     print(markdown(rows))  # noqa: T201 - a command's output

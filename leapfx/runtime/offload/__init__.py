@@ -6,6 +6,7 @@ the transfer engines, ``store`` for the slow tiers).
 """
 
 from .engine import CudaEngine, NativeEngine, ReadJob, ThreadEngine, TransferEngine
+from .reuse import ReuseProbe, fit_reuse_probe
 from .runtime import (
     ENGINES,
     PREFETCH_POLICIES,
@@ -33,8 +34,10 @@ __all__ = [
     "OffloadedExperts",
     "Placement",
     "ReadJob",
+    "ReuseProbe",
     "SlotCache",
     "SlotStats",
     "ThreadEngine",
     "TransferEngine",
+    "fit_reuse_probe",
 ]

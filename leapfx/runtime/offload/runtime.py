@@ -43,6 +43,7 @@ from torch import nn
 
 from ...kernels import cpu_reader
 from .engine import CudaEngine, NativeEngine, ReadJob, ThreadEngine, TransferEngine
+from .reuse import ReuseProbe
 from .slots import POLICIES, Placement, SlotCache, SlotStats
 from .store import DiskStore, HostStore, aligned_pool
 
@@ -72,7 +73,9 @@ class OffloadOptions:
     # Fast-tier slots per MoE layer: a count (1..experts), or a fraction in (0, 1] of the
     # layer's experts, rounded up.
     slots: int | float = 0.5
-    policy: str = "lru"  # eviction: "lru" or "lfu" (see slots.SlotCache)
+    # Eviction: "lru", "lfu" or "reuse" (a learned order: needs ``reuse_probe``; see
+    # slots.SlotCache and reuse.ReuseProbe).
+    policy: str = "lru"
     prefetch: str = "none"  # "none" (on demand only), "next_gate", "m2r2" or "verify_union"
     # prefetch="m2r2": the fast stream's trained parts (``leapfx train-m2r2 --fast-layers N/2``,
     # a rate-2 stream); None: an untrained stream (the identity: it predicts from h^0).
@@ -96,6 +99,8 @@ class OffloadOptions:
     # between reads instead of sleeping; where no CPU is free, they run anywhere and sleep. An
     # int: that CPU, polling. None: anywhere, sleeping (a process that needs every CPU).
     reader_cpu: int | str | None = "auto"
+    # policy="reuse": the probe's file (``leapfx train-reuse-probe``) or a ReuseProbe.
+    reuse_probe: str | os.PathLike | ReuseProbe | None = None
 
     def validate(self) -> OffloadOptions:
         s = self.slots
@@ -132,6 +137,17 @@ class OffloadOptions:
             raise ValueError(
                 f"m2r2_parts: given with prefetch={self.prefetch!r}; allowed: only with "
                 "prefetch='m2r2'"
+            )
+        probe = self.reuse_probe
+        if probe is not None and not isinstance(probe, (str, os.PathLike, ReuseProbe)):
+            raise ValueError(
+                f"reuse_probe: {probe!r} is invalid; allowed: None, a file written by leapfx "
+                "train-reuse-probe (str or os.PathLike), or a ReuseProbe"
+            )
+        if (probe is None) != (self.policy != "reuse"):
+            raise ValueError(
+                f"reuse_probe: {'missing' if probe is None else 'given'} with policy="
+                f"{self.policy!r}; allowed: a probe exactly when policy='reuse'"
             )
         for name in ("direct_io", "poison"):
             if not isinstance(getattr(self, name), bool):
@@ -247,6 +263,16 @@ class ExpertOffload:
                          for i in self.layers}  # fmt: skip
         self.engine: TransferEngine = self._engine(options)
         self.caches = {i: SlotCache(s, options.policy) for i in self.layers}
+        # policy "reuse": per layer the probe's (weight [E, H], bias [E]), scoring each call's
+        # last token before its experts are placed
+        self._probe: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        if options.reuse_probe is not None:
+            probe = options.reuse_probe
+            if not isinstance(probe, ReuseProbe):
+                probe = ReuseProbe.load(probe)
+            probe.check(self.layers, self.num_experts, gate_up.shape[-1], self.dtype)
+            self._probe = {i: tuple(t.to(self.device) for t in probe.for_layer(i))
+                           for i in self.layers}  # fmt: skip
         # Layers whose experts leapfx_cpu::moe_experts computes over the slots once
         # ``kernels`` is on (SpeculativeModel.use_cpu_kernels); the others run HF's code.
         from ...passes.fuse_layers import experts_kernel_covers
@@ -417,6 +443,9 @@ class ExpertOffload:
         ids = sorted({e for row in routed for e in row})
         self._score(layer, ids)
         cache = self.caches[layer]
+        probe = self._probe.get(layer)
+        if probe is not None:  # host sync: the eviction order of this layer, from this token
+            cache.scores = F.linear(hidden[-1], *probe).tolist()
         s = self.num_slots
         resident = [e for e in ids if e in cache.slot_of]
         order = resident + [e for e in ids if e not in cache.slot_of]  # hits need no wait

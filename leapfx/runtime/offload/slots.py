@@ -19,7 +19,11 @@ Rules (a pure-Python LRU/LFU model in tests/test_offload.py replays them exactly
   uses it (a prefetch hit) or it is evicted unused (wasted bytes).
 - Policies. ``lru``: evict the least recently used (demand or prefetch). ``lfu``: evict the
   least frequently demanded (counts survive only while resident), ties to the least recent.
-  A clock that ticks on every event orders recency; it is exact, not wall time.
+  A clock that ticks on every event orders recency; it is exact, not wall time. ``reuse``:
+  evict the expert with the lowest ``scores`` entry, ties to the least recent: the scores are
+  a learned estimate of how likely each expert is to be used by the next few tokens
+  (``leapfx.runtime.offload.reuse.ReuseProbe``), set by the runtime from what the layer saw
+  last; before the first scores arrive, ``reuse`` is LRU.
   ``victim_key`` (None: the policy) replaces the policy's order: a function of an expert, the
   smallest key evicted first (``leapfx.bench.offload.RoutingOracle`` sets one that knows the
   future, to measure the optimal eviction).
@@ -31,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-POLICIES = ("lru", "lfu")
+POLICIES = ("lru", "lfu", "reuse")
 
 
 @dataclass
@@ -77,6 +81,8 @@ class SlotCache:
     _clock: int = field(init=False, default=0)
     # expert -> key, the smallest evicted first, in place of the policy's order (None: policy)
     victim_key: Callable[[int], Any] | None = field(init=False, default=None)
+    # policy "reuse": expert -> score (the lowest evicted first); None: none yet (LRU)
+    scores: list[float] | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -90,9 +96,11 @@ class SlotCache:
         self._clock += 1
         self._last[expert] = self._clock
 
-    def _victim_key(self, expert: int) -> tuple[int, int]:
+    def _victim_key(self, expert: int) -> tuple[float, int]:
         if self.policy == "lfu":
             return (self._uses.get(expert, 0), self._last[expert])
+        if self.policy == "reuse" and self.scores is not None:
+            return (self.scores[expert], self._last[expert])
         return (0, self._last[expert])
 
     def _slot_for(self, expert: int) -> tuple[int, int | None] | None:
