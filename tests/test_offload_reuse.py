@@ -157,3 +157,18 @@ def test_bench_refuses_a_missing_reuse_probe(tmp_path, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert f"--offload-reuse-probe: {missing!r} is not a file; allowed: auto, none" in err
+
+
+def test_a_float32_probe_serves_a_bfloat16_model_and_stays_unchanged():
+    model = tiny_moe_model("qwen3_moe", layers=2, experts=4, seed=3, dtype=torch.bfloat16)
+    probe = random_probe(model, seed=1)
+    weight = probe.weight.clone()
+    prompt = torch.tensor([[7, 2, 9, 4]])
+    resident = rewrite.apply(model, "autoregressive").generate(prompt, max_new_tokens=8)
+    options = OffloadOptions(slots=1, policy="reuse", reuse_probe=probe, poison=True)
+    sm = rewrite.apply(model, "autoregressive", offload=options)
+    try:
+        assert torch.equal(sm.generate(prompt, max_new_tokens=8), resident)
+    finally:
+        sm.offload.close()
+    assert probe.weight.dtype == torch.float32 and torch.equal(probe.weight, weight)

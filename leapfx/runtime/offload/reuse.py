@@ -68,7 +68,7 @@ class ReuseProbe:
         j = self.layers.index(layer)
         return self.weight[j], self.bias[j]
 
-    def check(self, layers: list[int], experts: int, hidden: int, dtype: torch.dtype) -> None:
+    def check(self, layers: list[int], experts: int, hidden: int) -> None:
         """Raise a ValueError naming what differs where the model is not the probe's."""
         missing = sorted(set(layers) - set(self.layers))
         if missing or experts != self.experts or hidden != self.hidden:
@@ -78,8 +78,6 @@ class ReuseProbe:
                 f"experts, hidden size {hidden}; allowed: a probe fitted on this model "
                 "(leapfx train-reuse-probe)"
             )
-        self.weight = self.weight.to(dtype)
-        self.bias = self.bias.to(dtype)
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write the probe to ``path`` (a temporary name first, then renamed)."""

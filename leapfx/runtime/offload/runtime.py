@@ -270,8 +270,8 @@ class ExpertOffload:
             probe = options.reuse_probe
             if not isinstance(probe, ReuseProbe):
                 probe = ReuseProbe.load(probe)
-            probe.check(self.layers, self.num_experts, gate_up.shape[-1], self.dtype)
-            self._probe = {i: tuple(t.to(self.device) for t in probe.for_layer(i))
+            probe.check(self.layers, self.num_experts, gate_up.shape[-1])
+            self._probe = {i: tuple(t.to(self.device, self.dtype) for t in probe.for_layer(i))
                            for i in self.layers}  # fmt: skip
         # Layers whose experts leapfx_cpu::moe_experts computes over the slots once
         # ``kernels`` is on (SpeculativeModel.use_cpu_kernels); the others run HF's code.
