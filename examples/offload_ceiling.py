@@ -4,7 +4,7 @@
     OMP_NUM_THREADS=1 python examples/offload_ceiling.py --slots 0.25 --prompts 8 --repeats 5
 
 On the shipped MoE reference model (``--model``: another MoE checkpoint), with the disk tier and
-the CPU kernels, this times six systems interleaved (every system on a prompt before the next
+the CPU kernels, this times eight systems interleaved (every system on a prompt before the next
 prompt, ``--repeats`` times after an untimed pass), so that a shared machine's load hits them
 alike:
 
@@ -19,7 +19,10 @@ alike:
   cover layers 0 and 1.)
 - ``opt_evict``: on-demand loading with the optimal eviction instead of LRU (the expert used
   again last goes first, known from the untimed pass): what eviction alone can save;
-- ``oracle_opt``: both, the ceiling of any predictor that also steered eviction.
+- ``oracle_opt``: both, the ceiling of any predictor that also steered eviction;
+- ``reuse``, ``m2r2_reuse``: ``none`` and ``m2r2`` with the learned eviction
+  (``OffloadOptions(policy="reuse")``, the model's ``reuse_probe.safetensors`` or
+  ``--reuse-probe``): what a policy that runs here gets of ``opt_evict``'s gain.
 
 It prints ms per new token (median over the repeats), each system's ratio over ``none``, the
 hit rate, the stall and the MiB moved per token, and checks that every output equals the
@@ -37,9 +40,10 @@ import time
 import torch
 
 from leapfx import rewrite
-from leapfx.bench import MOE_REFERENCE_M2R2, bench_prompts, load_model
+from leapfx.bench import MOE_REFERENCE_M2R2, bench_prompts, load_model, resolve_model
 from leapfx.bench.offload import RoutingOracle
 from leapfx.runtime.offload import OffloadOptions
+from leapfx.train.reuse_probe import PROBE_NAME
 
 
 def main() -> None:
@@ -52,6 +56,10 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=4)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--reuse-probe", default=None,
+        help="the reuse rows' probe (default: the model's, where it has one; none: no such rows)",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error(f"--repeats: {args.repeats} is invalid; allowed: an integer >= 1")
@@ -68,6 +76,14 @@ def main() -> None:
         "none": offloaded(prefetch="none"),
         "m2r2": offloaded(prefetch="m2r2", m2r2_parts=args.m2r2_parts),
     }
+    probe = args.reuse_probe
+    if probe is None:  # the model's own, where it has one
+        found = resolve_model(args.model) / PROBE_NAME
+        probe = str(found) if found.is_file() else "none"
+    if probe != "none":
+        kw = {"policy": "reuse", "reuse_probe": probe}
+        systems["reuse"] = offloaded(prefetch="none", **kw)
+        systems["m2r2_reuse"] = offloaded(prefetch="m2r2", m2r2_parts=args.m2r2_parts, **kw)
     generate = {name: sm.generate for name, sm in systems.items()}
     oracles = {  # name -> (prefetch, eviction) of a RoutingOracle over on-demand loading
         "oracle": (True, "policy"),
