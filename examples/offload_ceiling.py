@@ -40,10 +40,10 @@ import time
 import torch
 
 from leapfx import rewrite
-from leapfx.bench import MOE_REFERENCE_M2R2, bench_prompts, load_model, resolve_model
+from leapfx.bench import MOE_REFERENCE_M2R2, bench_prompts, load_model
 from leapfx.bench.offload import RoutingOracle
 from leapfx.runtime.offload import OffloadOptions
-from leapfx.train.reuse_probe import PROBE_NAME
+from leapfx.train.reuse_probe import model_probe
 
 
 def main() -> None:
@@ -76,11 +76,8 @@ def main() -> None:
         "none": offloaded(prefetch="none"),
         "m2r2": offloaded(prefetch="m2r2", m2r2_parts=args.m2r2_parts),
     }
-    probe = args.reuse_probe
-    if probe is None:  # the model's own, where it has one
-        found = resolve_model(args.model) / PROBE_NAME
-        probe = str(found) if found.is_file() else "none"
-    if probe != "none":
+    probe = model_probe(args.model) if args.reuse_probe is None else args.reuse_probe
+    if probe not in (None, "none"):
         kw = {"policy": "reuse", "reuse_probe": probe}
         systems["reuse"] = offloaded(prefetch="none", **kw)
         systems["m2r2_reuse"] = offloaded(prefetch="m2r2", m2r2_parts=args.m2r2_parts, **kw)

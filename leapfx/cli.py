@@ -288,8 +288,8 @@ def _exit_curve(args, model, prompts, rows, config, num_layers: int) -> list:
 def _offload_options(args: argparse.Namespace) -> dict:
     """--offload-slots/--offload-parts/--offload-dir as BenchConfig fields; the shipped rate-2
     M2R2 parts when benchmarking moe-reference without --offload-parts."""
-    from .bench import MOE_REFERENCE_M2R2, resolve_model
-    from .train.reuse_probe import PROBE_NAME
+    from .bench import MOE_REFERENCE_M2R2
+    from .train.reuse_probe import model_probe
 
     slots = args.offload_slots
     if slots is not None:
@@ -306,8 +306,7 @@ def _offload_options(args: argparse.Namespace) -> dict:
         print("--offload-parts: none given; leapfx_offload_m2r2 predicts with an untrained stream")
     probe = args.offload_reuse_probe
     if probe == "auto":  # the model's own, where it has one
-        found = resolve_model(args.model) / PROBE_NAME if slots is not None else None
-        probe = str(found) if found is not None and found.is_file() else None
+        probe = model_probe(args.model)
     elif probe == "none":
         probe = None
     elif not os.path.isfile(probe):

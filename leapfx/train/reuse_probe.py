@@ -25,6 +25,15 @@ from .reference import reference_corpus
 PROBE_NAME = "reuse_probe.safetensors"  # its name beside a model (the bench looks for it)
 
 
+def model_probe(model_path) -> str | None:
+    """The probe beside the model ``model_path`` names (``leapfx.bench.resolve_model``), if it
+    has one."""
+    from ..bench import resolve_model
+
+    found = resolve_model(model_path) / PROBE_NAME
+    return str(found) if found.is_file() else None
+
+
 @torch.no_grad()
 def evaluate_reuse_probe(
     probe: ReuseProbe, model, windows: torch.Tensor, slots: tuple[float, ...] = (0.5, 0.25)
@@ -35,19 +44,16 @@ def evaluate_reuse_probe(
     data = experts_inputs(model, [w.reshape(1, -1) for w in windows])
     out = {}
     for fraction in slots:
+        n = max(1, math.ceil(fraction * probe.experts))
         sums = [0.0, 0.0, 0.0]
-        count = 0
         for layer, (x, top) in data.items():
             weight, bias = probe.for_layer(layer)
-            experts = weight.shape[0]
-            n = max(1, math.ceil(fraction * experts))
             lru, optimal = cache_hit_rates(top, n)
             scores = torch.nn.functional.linear(x, weight.float(), bias.float())
             sums[0] += lru
             sums[1] += scored_hit_rate(top, n, scores)
             sums[2] += optimal
-            count += 1
-        lru, learned, optimal = (s / count for s in sums)
+        lru, learned, optimal = (s / len(data) for s in sums)
         gap = optimal - lru
         out[str(fraction)] = {
             "slots": n, "lru_hit_rate": round(lru, 4), "reuse_hit_rate": round(learned, 4),
