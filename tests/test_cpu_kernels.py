@@ -261,3 +261,27 @@ def test_a_compiler_without_openmp_builds_the_kernels_single_threaded(monkeypatc
     monkeypatch.setattr(cpu, "_built", lambda name: name.endswith("_serial"))
     assert cpu.load_extension("probe", cpu.SOURCE, "using torch.matmul")
     assert calls == [(f"{name}_serial", False)]
+
+
+def test_a_lock_left_by_a_killed_build_is_removed(monkeypatch, tmp_path, capsys, caplog):
+    # torch waits forever on a build directory's lock file; one older than any build here was
+    # left by a killed build (Ctrl-C during the first run): leapfx removes it with a warning,
+    # and says what it waits on when the lock is young (another process may be building).
+    import os
+    import time
+
+    from torch.utils import cpp_extension
+
+    monkeypatch.setattr(cpp_extension, "_get_build_directory", lambda name, verbose: tmp_path)
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    cpu._clear_stale_lock("probe")
+    assert lock.exists()
+    assert "waiting for another process's build of probe" in capsys.readouterr().err
+    old = time.time() - cpu.STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    with caplog.at_level("WARNING", logger=cpu.__name__):
+        cpu._clear_stale_lock("probe")
+    assert not lock.exists() and "left by a killed build" in caplog.text
+    cpu._clear_stale_lock("probe")  # no lock: nothing to say
+    assert capsys.readouterr().err == ""

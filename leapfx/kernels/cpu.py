@@ -38,6 +38,7 @@ import hashlib
 import logging
 import platform
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -142,7 +143,13 @@ def resolve(
     return True
 
 
+# A build here takes about a minute; torch's lock file older than this was left by a build that
+# was killed (Ctrl-C, OOM), and torch would wait on it forever.
+STALE_LOCK_S = 900.0
+
+
 def _build(cpp_extension, name: str, source: Path, *, openmp: bool) -> None:
+    _clear_stale_lock(name)
     cpp_extension.load(
         name=name,
         sources=[str(source)],
@@ -162,6 +169,27 @@ def _built(name: str) -> bool:
         return Path(folder, f"{name}.so").is_file()
     except Exception:
         return False
+
+
+def _clear_stale_lock(name: str, stale_s: float = STALE_LOCK_S) -> None:
+    """Remove the build lock of ``name`` that a killed build left (older than ``stale_s``),
+    with a warning; a younger one may be another process's build: say what is waited on."""
+    try:
+        from torch.utils import cpp_extension
+
+        lock = Path(cpp_extension._get_build_directory(name, verbose=False), "lock")  # private
+        age = time.time() - lock.stat().st_mtime
+    except Exception:  # no lock (the usual case), or torch moved its build directory
+        return
+    if age > stale_s:
+        log.warning("leapfx: removing %s, a lock %.0f s old left by a killed build", lock, age)
+        lock.unlink(missing_ok=True)
+    else:
+        print(
+            f"leapfx: waiting for another process's build of {name} (lock {lock}, {age:.0f} s "
+            "old); if none is running, delete that file",
+            file=sys.stderr,
+        )
 
 
 def _register_fakes() -> None:
