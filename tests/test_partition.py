@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import os
+import re
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
 from leapfx import rewrite
-from leapfx.passes.capture import decoder_parts
+from leapfx.passes.capture import cache_kwarg, decoder_parts
 from leapfx.runtime.cache import cache_for
 from leapfx.runtime.masks import masks_for
 from tests.conftest import tiny_model
@@ -18,6 +20,10 @@ GOLDEN = Path(__file__).parent / "golden"
 
 
 def _check_golden(name: str, text: str) -> None:
+    # Nodes that call HF modules pass the KV cache under HF's keyword, which transformers 5.24
+    # renamed (past_key_values -> cache): the files spell it the old way, whatever is installed.
+    # test_cache_keyword_matches_each_module checks the name each node uses.
+    text = re.sub(r"\bcache = cache\b", "past_key_values = cache", text)
     path = GOLDEN / f"{name}.txt"
     if os.environ.get("LEAPFX_UPDATE_GOLDEN"):
         path.write_text(text)
@@ -81,3 +87,63 @@ def test_stages_share_weights_with_the_model():
     for gm in stages.modules.values():
         assert all(p.data_ptr() in owned for p in gm.parameters())
         assert gm.get_submodule("leapfx_fused.layer_0").layer is model.model.layers[0]
+
+
+def _cache_kwargs_by_module(gm) -> list[tuple[str, str, str]]:
+    """(node, keyword, the module's keyword) for every call_module node given the cache."""
+    out = []
+    for node in gm.graph.nodes:
+        if node.op != "call_module":
+            continue
+        for key, value in node.kwargs.items():
+            if getattr(value, "op", None) == "placeholder" and value.name == "cache":
+                out.append((node.name, key, cache_kwarg(gm.get_submodule(node.target))))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("recipe", "options"),
+    [
+        ("layerskip", {"exit_layer": 2}),
+        ("layerskip", {"exit_layer": 2, "fuse_layers": False}),
+        ("kangaroo", {"exit_layer": 2}),
+        ("eagle", {}),
+        ("eagle", {"fuse_layers": False}),
+        ("specee", {"drafter": "exit_head", "exit_layer": 1}),
+        ("specee", {"drafter": "exit_head", "exit_layer": 1, "fuse_layers": False}),
+        ("m2r2", {"fast_layers": 2}),
+    ],
+)
+def test_cache_keyword_matches_each_module(recipe, options):
+    """Every node hands the KV cache to its module under the keyword that module's forward
+    names (HF's changed in transformers 5.24; leapfx's own modules keep past_key_values), so
+    decoding raises no FutureWarning from HF's renaming shim, and matches the HF model."""
+    model = tiny_model("llama", layers=4)
+    sm = rewrite.apply(model, recipe, **options)
+    seen = []
+    for gm in (sm.graph_module, *sm.stages.modules.values()):
+        seen += _cache_kwargs_by_module(gm)
+    assert seen, "no node was given the cache"
+    assert [(n, k) for n, k, _ in seen] == [(n, want) for n, _, want in seen]
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        out = sm.generate(ids, max_new_tokens=6)
+    want = model.generate(ids, max_new_tokens=6, do_sample=False)
+    assert out.tolist() == want.tolist()
+
+
+def test_moe_cache_keyword_matches_each_module():
+    """The same for an MoE model's split layers, fused and not."""
+    from tests.conftest import tiny_moe_model
+
+    model = tiny_moe_model("olmoe", layers=3, experts=4)
+    for fuse in (True, False):
+        sm = rewrite.apply(model, "layerskip", exit_layer=1, fuse_layers=fuse)
+        seen = []
+        for gm in (sm.graph_module, *sm.stages.modules.values()):
+            seen += _cache_kwargs_by_module(gm)
+        assert seen and [k for _, k, _ in seen] == [want for *_, want in seen]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FutureWarning)
+            sm.generate(torch.tensor([[1, 2, 3, 4]]), max_new_tokens=4)

@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from leapfx import rewrite
+from leapfx.passes.capture import cache_kwarg
 from leapfx.passes.predictor import (
     ExitMLP,
     InsertExitPredictors,
@@ -151,7 +152,7 @@ def test_kv_fill_next_leaves_the_exact_cache_of_the_emitted_tokens():
 
     ref = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(out[:, :-1], past_key_values=ref, use_cache=True)
+        model(out[:, :-1], use_cache=True, **{cache_kwarg(model): ref})
     for layer in range(5):
         n = cache.lengths[layer]
         # Positions of the last exit's skipped layers are still pending: a suffix.

@@ -57,6 +57,7 @@ class FunctionalKVCache:
         value_states: torch.Tensor,
         layer_idx: int,
         cache_kwargs: dict | None = None,
+        **kwargs,  # transformers >= 5.24 passes the attention's kwargs (unused)
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # key_states: [B, H_kv, S, D]; past: [B, H_kv, P, D] -> [B, H_kv, P + S, D]
         assert layer_idx not in self.present, f"cache layer {layer_idx} written twice in a stage"
@@ -100,6 +101,7 @@ class SlotWriteKVCache:
         value_states: torch.Tensor,
         layer_idx: int,
         cache_kwargs: dict | None = None,
+        **kwargs,  # transformers >= 5.24 passes the attention's kwargs (unused)
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # key_states: [B, H_kv, S, D] -> written into past [B, H_kv, max_cache_len, D]
         assert layer_idx not in self.present, f"cache layer {layer_idx} written twice in a stage"

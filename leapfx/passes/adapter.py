@@ -47,6 +47,7 @@ from .capture import (
     EXTRA_CACHE_LAYERS,
     ROLE,
     WRITES_CACHE,
+    cache_kwarg,
     layer_module,
     layer_node,
     nodes_by_role,
@@ -144,7 +145,7 @@ class KangarooAdapter(nn.Module):
             self.input_norm(hidden),
             position_embeddings=position_embeddings,
             attention_mask=attention_mask,
-            past_key_values=cache,
+            **{cache_kwarg(self.attention): cache},
         )
         return self.output_norm(hidden + attn)
 
@@ -227,7 +228,8 @@ class InsertKangarooAdapter(GraphPass):
 
         module = f"{ADAPTER_MODULE}."
         x = emit("adapter_input_norm", "call_module", module + "input_norm", (source,))
-        kwargs = {"position_embeddings": rope, "attention_mask": mask, "past_key_values": cache}
+        kwargs = {"position_embeddings": rope, "attention_mask": mask}
+        kwargs[cache_kwarg(adapter.attention)] = cache  # HF's attention: its name, by version
         attn = emit("adapter_attention", "call_module", module + "attention", (x,), kwargs)
         out = emit("adapter_attention_out", "call_function", operator.getitem, (attn, 0))
         res = emit("adapter_residual", "call_function", operator.add, (source, out))

@@ -36,6 +36,8 @@ Example::
 
 from __future__ import annotations
 
+import functools
+import inspect
 import operator
 from dataclasses import dataclass
 
@@ -57,7 +59,7 @@ EXTRA_CACHE_LAYERS = "leapfx.extra_cache_layers"
 MODULE = "leapfx.module"
 
 # model_type -> notes on what differs. The decoder layers of all of these take the same call
-# (hidden, attention_mask=, position_embeddings=, position_ids=, past_key_values=) and return a
+# (hidden, attention_mask=, position_embeddings=, position_ids=, <cache>=) and return a
 # tensor, the embedding module applies any embedding scale itself (Gemma), and none of them
 # soft-caps logits.
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
@@ -93,6 +95,37 @@ class DecoderParts:
     @property
     def num_layers(self) -> int:
         return len(self.layers)
+
+
+# The keyword leapfx's own modules take the KV cache under, and graph nodes that call them pass.
+CACHE_KWARG = "past_key_values"
+
+
+def cache_kwarg(module: nn.Module) -> str:
+    """The keyword under which ``module``'s ``forward`` takes the KV cache: ``"cache"`` for HF
+    layers and attentions from transformers 5.24 on (which still accept the old name, with a
+    FutureWarning, until 5.40), ``"past_key_values"`` before that and for leapfx's modules."""
+    return _cache_kwarg(type(module))
+
+
+@functools.cache
+def _cache_kwarg(cls: type) -> str:
+    try:  # follows __wrapped__: HF's deprecate_kwarg wrapper shows the function's own names
+        names = inspect.signature(cls.forward).parameters
+    except (TypeError, ValueError):
+        return CACHE_KWARG
+    if CACHE_KWARG not in names and "cache" in names:
+        return "cache"
+    return CACHE_KWARG
+
+
+def rename_cache_kwarg(kwargs: dict, name: str) -> dict:
+    """``kwargs`` (a node's) with the KV cache under ``name``, whichever name it had."""
+    out = {k: v for k, v in kwargs.items() if k not in ("cache", CACHE_KWARG)}
+    for key in ("cache", CACHE_KWARG):
+        if key in kwargs:
+            out[name] = kwargs[key]
+    return out
 
 
 def check_supported(model: nn.Module) -> str:
@@ -184,11 +217,12 @@ def capture(model: nn.Module) -> fx.GraphModule:
             "attention_mask": mask_nodes[kind],
             "position_embeddings": rope,
             "position_ids": position_ids,
-            "past_key_values": cache,
         }
         if is_moe_layer(parts.layers[i]):
+            context[cache_kwarg(parts.layers[i].self_attn)] = cache
             hidden = _moe_layer(graph, i, parts.layers[i], path, hidden, context, kind)
             continue
+        context[cache_kwarg(parts.layers[i])] = cache
         hidden = graph.call_module(path, (hidden,), context)
         hidden.name = f"layer_{i}"
         _annotate(hidden, "layer", i, attn_kind=kind, module=path)

@@ -77,11 +77,14 @@ from torch import fx, nn
 from .base import GraphPass, PassResult
 from .capture import (
     ATTN_KIND,
+    CACHE_KWARG,
     EXTRA_CACHE_LAYERS,
     ROLE,
     WRITES_CACHE,
+    cache_kwarg,
     nodes_by_role,
     output_dict,
+    rename_cache_kwarg,
     set_output_dict,
 )
 from .partition import Stages, _finish, _placeholders
@@ -178,7 +181,7 @@ class EagleHead(nn.Module):
             attention_mask=attention_mask,
             position_embeddings=position_embeddings,
             position_ids=position_ids,
-            past_key_values=cache,
+            **{cache_kwarg(self.layer): cache},
         )
 
 
@@ -252,8 +255,8 @@ class InsertEagleHead(GraphPass):
             "attention_mask": mask,
             "position_embeddings": rope,
             "position_ids": placeholders["position_ids"],
-            "past_key_values": placeholders["cache"],
         }
+        kwargs[cache_kwarg(head.layer)] = placeholders["cache"]  # HF's layer: its name, by version
         hidden = emit("eagle_layer", "call_module", f"{HEAD_MODULE}.layer", (fused,), kwargs)
         normed = emit("eagle_norm", "call_module", norm.target, (hidden,))
         logits = emit("eagle_logits", "call_module", lm_head.target, (normed,), role="eagle_head")
@@ -287,6 +290,7 @@ class FuseEagleHeadLayer(GraphPass):
             return PassResult(gm, modified=False, matches=0)
         gm.add_submodule("leapfx_fused.eagle_layer", FusedDecoderLayer(layer))
         node.target = "leapfx_fused.eagle_layer"
+        node.kwargs = rename_cache_kwarg(node.kwargs, CACHE_KWARG)
         return PassResult(gm, modified=True, matches=1)
 
 

@@ -26,7 +26,7 @@ from torch import fx, nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .base import GraphPass, PassResult
-from .capture import nodes_by_role
+from .capture import CACHE_KWARG, nodes_by_role, rename_cache_kwarg
 
 FUSABLE = frozenset(
     {
@@ -290,6 +290,7 @@ class FuseDecoderLayers(GraphPass):
             target = f"leapfx_fused.layer_{node.meta['leapfx.layer']}"
             gm.add_submodule(target, FusedDecoderLayer(layer))
             node.target = target
+            node.kwargs = rename_cache_kwarg(node.kwargs, CACHE_KWARG)
             matches += 1
         for node in nodes_by_role(gm, "attention"):  # MoE layers' attention nodes
             attn = gm.get_submodule(node.target)
@@ -298,6 +299,7 @@ class FuseDecoderLayers(GraphPass):
             target = f"leapfx_fused.attention_{node.meta['leapfx.layer']}"
             gm.add_submodule(target, FusedAttention(attn))
             node.target = target
+            node.kwargs = rename_cache_kwarg(node.kwargs, CACHE_KWARG)
             matches += 1
         return PassResult(gm, modified=matches > 0, matches=matches)
 

@@ -33,7 +33,7 @@ import operator
 
 from torch import fx
 
-from .capture import LAYER, ROLE, output_dict
+from .capture import LAYER, ROLE, cache_kwarg, output_dict, rename_cache_kwarg
 from .eagle_head import eagle_stages
 from .partition import Stages, _ancestors, _copy, _finish, _placeholders, full_stage
 from .predictor import FIRST_PREDICTED
@@ -86,13 +86,11 @@ def specee_stages(gm: fx.GraphModule) -> Stages:
             continue
         graph = fx.Graph()
         ph = _placeholders(graph, ["hidden", "rope", "mask", "position_ids", "cache"])
-        kwargs = dict(node.kwargs)
-        kwargs.update(
-            attention_mask=ph["mask"],
-            position_embeddings=ph["rope"],
-            position_ids=ph["position_ids"],
-            past_key_values=ph["cache"],
-        )
+        name = cache_kwarg(gm.get_submodule(node.target))  # the layer's own or HF's (by version)
+        kwargs = rename_cache_kwarg(node.kwargs, name)
+        kwargs.update(attention_mask=ph["mask"], position_embeddings=ph["rope"])
+        kwargs["position_ids"] = ph["position_ids"]
+        kwargs[name] = ph["cache"]
         out = graph.call_module(node.target, (ph["hidden"],), kwargs)
         out.meta.update(node.meta)
         out.name = node.name

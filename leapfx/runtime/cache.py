@@ -110,6 +110,7 @@ class StaticKVCache(SlotLengths):
         value_states: torch.Tensor,
         layer_idx: int,
         cache_kwargs: dict | None = None,
+        **kwargs,  # transformers >= 5.24 passes the attention's kwargs (unused)
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # key_states, value_states: [B, H_kv, S_new, D]; written at this layer's fill length.
         start = self.lengths[layer_idx]

@@ -97,7 +97,7 @@ class SlotKVCache:
         self.values = values
         self.positions = positions
 
-    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+    def update(self, key_states, value_states, layer_idx, cache_kwargs=None, **kwargs):
         pos = self.positions[layer_idx]  # [S]
         keys, values = self.keys[layer_idx], self.values[layer_idx]
         keys.index_copy_(2, pos, key_states.to(keys.dtype))

@@ -373,7 +373,6 @@ def run_decoder(
                 attention_mask=mask,
                 position_embeddings=(cos, sin),
                 position_ids=position_ids,
-                past_key_values=None,
             )
         elif bool(keep[l].any()):
             # kept samples: [B']; drawn on the host, copied without a stream sync
@@ -383,7 +382,6 @@ def run_decoder(
                 attention_mask=mask,
                 position_embeddings=(cos[idx], sin[idx]),
                 position_ids=position_ids[idx],
-                past_key_values=None,
             )
             hidden = hidden.index_copy(0, idx, ran)  # out of place: autograd sees both paths
         outputs.append(hidden)

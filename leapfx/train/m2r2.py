@@ -43,7 +43,7 @@ from tqdm.auto import tqdm
 
 from leapfx.passes.accelerator import ChainScratch, accelerator_of, target_layers
 from leapfx.passes.adapter_checkpoint import host_signature, write_adapter
-from leapfx.passes.capture import decoder_parts
+from leapfx.passes.capture import cache_kwarg, decoder_parts
 from leapfx.runtime.cache import StaticKVCache
 from leapfx.runtime.masks import masks_for
 from leapfx.train.fit_options import fit_config, optimizer_step
@@ -164,7 +164,7 @@ def slow_pass(sm, ids: torch.Tensor) -> SlowPass:
     for layer, kind in zip(parts.layers, parts.attn_kinds, strict=True):
         h = layer(
             h, attention_mask=masks[kind], position_embeddings=rope, position_ids=pos,
-            past_key_values=cache,
+            **{cache_kwarg(layer): cache},
         )  # fmt: skip
         hidden.append(h)
     logits = parts.head(parts.norm(h))
