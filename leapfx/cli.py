@@ -336,8 +336,9 @@ def _offload_report(model, rows, config, prompts, exit_layer: int, plot: str | N
     if any(r.system == ORACLE_ROW for r in rows):
         print(
             f"{ORACLE_ROW}: not a system, the ceiling of prefetching with these slots: on-demand "
-            "loading plus, at the first MoE layer of each step, a prefetch of exactly the experts "
-            "the later layers use, replayed from the warm-up pass"
+            "loading plus, at the first MoE layer of each step, a prediction of exactly the "
+            "experts the later layers use, replayed from the warm-up pass and loaded as m2r2's "
+            "are (each 2 layers ahead: OffloadOptions.prefetch_lead)"
         )
     if not plot:
         return

@@ -204,15 +204,17 @@ def test_op_predicts_the_torch_experts_on_moe_reference():
     sm.offload.close()
 
 
+@pytest.mark.parametrize("lead", [2, None], ids=["lead2", "at_once"])
 @pytest.mark.parametrize("kernels", [False, True], ids=["torch", "op"])
 @pytest.mark.parametrize("delay", [0.0, 0.002], ids=["inline", "delayed"])
-def test_offloaded_m2r2_decodes_like_resident(kernels, delay):
+def test_offloaded_m2r2_decodes_like_resident(kernels, delay, lead):
     if kernels and not cpu_m2r2.available():
         pytest.skip("no C++ toolchain here")
     model = tiny_moe_model("olmoe", layers=6, experts=6, top_k=2, vocab=64, seed=7)
     prompt = torch.tensor([[5, 9, 2, 33, 1]])
     want, _ = _resident(model, "autoregressive", prompt, 16)
-    sm = _offloaded(model, kernels=kernels, slots=2, poison=True, transfer_delay_s=delay)
+    sm = _offloaded(model, kernels=kernels, slots=2, poison=True, transfer_delay_s=delay,
+                    prefetch_lead=lead)  # fmt: skip
     try:
         got = sm.generate(prompt, max_new_tokens=16)
     finally:
@@ -223,15 +225,28 @@ def test_offloaded_m2r2_decodes_like_resident(kernels, delay):
     assert report.prefetch_precision is not None and 0 < report.prefetch_recall <= 1
 
 
+def _step_order(lead: int | None) -> list[tuple[str, int]]:
+    """A decode step's prefetch calls (layers 2..7) and layer runs on an 8-layer model."""
+    if lead is None:  # every prefetch before slow layer 0
+        return [("prefetch", t) for t in range(2, 8)] + [("run", i) for i in range(8)]
+    order = [("prefetch", t) for t in range(2, 8) if t - lead < 0]  # due before layer 0
+    for i in range(8):  # layer i's run, then (once its experts are placed) layer i + lead's
+        order.append(("run", i))
+        if 2 <= i + lead < 8:
+            order.append(("prefetch", i + lead))
+    return order
+
+
+@pytest.mark.parametrize("lead", [None, 1, 2, 3])
 @pytest.mark.parametrize("kernels", [False, True], ids=["torch", "op"])
-def test_a_step_issues_every_prefetch_before_slow_layer_0(kernels):
+def test_a_step_predicts_before_slow_layer_0_and_loads_lead_layers_ahead(kernels, lead):
     if kernels and not cpu_m2r2.available():
         pytest.skip("no C++ toolchain here")
     model = tiny_moe_model("olmoe", layers=8, experts=8, top_k=2, seed=3)
-    sm = _offloaded(model, kernels=kernels, tier="host")
+    sm = _offloaded(model, kernels=kernels, tier="host", prefetch_lead=lead)
     runtime = sm.offload
     events: list[tuple[str, int]] = []
-    prefetch, run = runtime.prefetch_experts, runtime.run
+    prefetch, run, queue = runtime.prefetch_experts, runtime.run, runtime.queue_prefetches
 
     def record_prefetch(layer, candidates, **kw):
         events.append(("prefetch", layer))
@@ -241,11 +256,18 @@ def test_a_step_issues_every_prefetch_before_slow_layer_0(kernels):
         events.append(("run", layer))
         return run(layer, *args)
 
+    def record_queue(predictions, **kw):
+        events.append(("predict", len(predictions)))
+        return queue(predictions, **kw)
+
     runtime.prefetch_experts, runtime.run = record_prefetch, record_run
+    runtime.queue_prefetches = record_queue
     sm.generate(torch.tensor([[3, 1, 4, 1, 5]]), max_new_tokens=6)
     runtime.close()
-    assert events[:8] == [("run", i) for i in range(8)]  # the prefill predicts nothing
-    assert len(events) == 8 + 5 * 14  # then 5 decode steps: 6 prefetches and 8 layers each
-    steps = [events[8 + i * 14 : 8 + (i + 1) * 14] for i in range(5)]
-    for step in steps:
-        assert step == [("prefetch", t) for t in range(2, 8)] + [("run", i) for i in range(8)]
+    # the prefill predicts nothing (and drops what an earlier call left queued)
+    assert events[:9] == [("predict", 0)] + [("run", i) for i in range(8)]
+    steps = events[9:]
+    assert len(steps) == 5 * 15  # then 5 decode steps: 6 predictions at once, 6 loads, 8 runs
+    for i in range(5):
+        step = steps[i * 15 : (i + 1) * 15]
+        assert step == [("predict", 6)] + _step_order(lead)

@@ -418,6 +418,9 @@ def test_disk_store_reads_straight_into_aligned_slots(tmp_path):
         ({"reuse_probe": "probe.safetensors"}, "reuse_probe: given with policy='lru'"),
         ({"policy": "reuse", "reuse_probe": 3}, "reuse_probe: 3 is invalid"),
         ({"policy": "reuse", "reuse_probe": "/nonexistent.safetensors"}, "is not a file"),
+        ({"prefetch_lead": 0}, "prefetch_lead: 0 is invalid; allowed: None .* or an integer >= 1"),
+        ({"prefetch_lead": 1.5}, "prefetch_lead: 1.5 is invalid"),
+        ({"prefetch_lead": True}, "prefetch_lead: True is invalid"),
     ],
 )
 def test_offload_options_are_validated(kwargs, match):

@@ -14,10 +14,11 @@ Rows (greedy, the same prompts; ``identical``: every output equals the resident 
   (``prefetch="verify_union"``);
 - ``leapfx_offload_oracle``: not a system but the ceiling of prefetching with these slots. On
   demand loading (``prefetch="none"``, the same eviction) plus, at the first MoE layer of every
-  decode step, a prefetch of exactly the experts each later layer uses in that step, recorded
+  decode step, a prediction of exactly the experts each later layer uses in that step, recorded
   on an earlier decode of the same prompt and replayed (``RoutingOracle``; greedy decoding
-  repeats itself). No predictor knows more, and this one costs nothing to run. (Layer 0 is not
-  prefetched, and the loads are as many as ``none``'s: only earlier.)
+  repeats itself), loaded as ``m2r2``'s predictions are (``prefetch_lead`` layers ahead). No
+  predictor knows more, and this one costs nothing to run. (Layer 0 is not prefetched, and the
+  loads are as many as ``none``'s: only earlier.)
 
 ``leapfx bench --offload-slots S`` runs the same rows (``offload_systems``) beside its others,
 timed by its harness; this module's command times them alone.
@@ -84,9 +85,10 @@ class RoutingOracle:
     """A perfect prefetcher over an offloaded ``SpeculativeModel`` (``OffloadOptions(prefetch=
     "none")``), for measuring what prefetching can reach: ``generate(prompt, **kw)`` decodes
     with ``sm``; the first decode of a prompt records which experts every MoE layer uses at each
-    decode step, and every later decode of that prompt prefetches, at the first MoE layer of each
-    step, exactly the experts each later layer will use in that step
-    (``ExpertOffload.prefetch_experts``). Greedy decoding repeats itself, so the replay is exact;
+    decode step, and every later decode of that prompt predicts, at the first MoE layer of each
+    step, exactly the experts each later layer will use in that step, loaded as m2r2's
+    predictions are (``ExpertOffload.queue_prefetches``: each ``OffloadOptions.prefetch_lead``
+    layers ahead of its use). Greedy decoding repeats itself, so the replay is exact;
     sampled decoding does not (don't). It wraps ``sm.offload.run``, which the graph calls.
 
     ``prefetch=False``: no prefetches. ``evict="optimal"``: on replays every layer's cache
@@ -157,9 +159,10 @@ class RoutingOracle:
             if self._recording:
                 self._steps.append({})
             elif self.prefetch and self._step < len(self._steps):
-                for target, experts in self._steps[self._step].items():
-                    if target != self.first:
-                        self.runtime.prefetch_experts(target, experts)
+                step = self._steps[self._step]
+                self.runtime.queue_prefetches(
+                    [(target, experts) for target, experts in step.items() if target != self.first]
+                )  # loaded as the runtime's prefetch_lead says, as m2r2's predictions are
         if decode and self._recording:
             self._steps[self._step][layer] = top_k_index[0].tolist()
         return self._run(layer, module, hidden, top_k_index, top_k_weights)

@@ -16,10 +16,12 @@ p^{i+1} ~ h^{2i+2} after fast layer i predicts MoE layers 2i+2 and 2i+3
 (``expert_prediction.predicted_layers``; layers 0 and 1 are never predicted). Fast layer i of
 token t reads slow layer i's keys of positions < t only, all cached before the slow pass of t
 starts, so one node right after the embedding and the rotary (before slow layer 0) runs the
-whole stream up front and issues every prefetch at once, the earliest-needed layer first:
+whole stream up front and makes every prediction at once:
 ``runtime.offload.m2r2_stream.M2R2Prefetcher`` (with the CPU kernels on, one
-``leapfx_cpu::m2r2_predict`` call a decode step). The loads of layer L start when the step
-does, instead of ~1-2 layers before L. A prefill predicts nothing. Only for recipes without
+``leapfx_cpu::m2r2_predict`` call a decode step). The loads of layer L start once layer
+L - ``OffloadOptions.prefetch_lead`` (2) has placed its own experts, so that they do not queue
+ahead of the early layers' on-demand reads (None: all at the step's start). A prefill
+predicts nothing. Only for recipes without
 draft layers (``autoregressive``): a fast stream that crosses a draft/verify cut would have to
 be carried between stages.
 

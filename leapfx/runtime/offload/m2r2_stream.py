@@ -3,16 +3,19 @@
 M2R2 (sec. 2.3.3) predicts the experts of MoE layers 2i+2 and 2i+3 from the rate-2 fast state
 p^{i+1} ~ h^{2i+2}. Fast layer i of token t reads slow layer i's keys of positions < t only
 (eq. 2), and all of those are in the cache before the slow pass of t starts: so a decode step
-can run the whole fast stream first, from the token's embedding, and issue every prefetch at
-once (m2r2.md sec. 5, the optional point). The loads of layer L then start when the step does,
-not ~1-2 layers before L runs. Per decode step (one row per sequence)::
+can run the whole fast stream first, from the token's embedding, and know every prediction at
+once (m2r2.md sec. 5, the optional point). The loads are then started layer by layer:
+layer L's once the MoE layer ``OffloadOptions.prefetch_lead`` (2) layers before it has placed
+its own experts (``ExpertOffload.queue_prefetches``), so that they do not queue ahead of an
+earlier layer's on-demand reads, as they did when all of a step's started before layer 0.
+Per decode step (one row per sequence)::
 
     p = embedding                                         # p^0 = h^0 (the reset)
     for i in 0..F-1:                                      # F: up to the last layer predicting
         p = fast_i(p, ahead=True)                         # slow keys 0..n-1 (n = t) + its own
         for L in targets[i]:                              # 2i+2, 2i+3: MoE layers < N
             ids[L] = top_k(router_L(norm_L(p)))
-    runtime.prefetch_experts(L, ids[L]) for L = 2, 3, ...  # the earliest needed first
+    runtime.queue_prefetches([(L, ids[L]) for L = 2, 3, ...])  # loads start layer by layer
 
 With the CPU kernels on (``SpeculativeModel.use_cpu_kernels``: ``ExpertOffload.kernels``), one
 row, float32 and a model the op covers, all of it is one ``leapfx_cpu::m2r2_predict`` call
@@ -71,19 +74,22 @@ class M2R2Prefetcher(nn.Module):
 
     def forward(self, embedding: torch.Tensor, rope, position_ids, cache) -> None:
         if embedding.shape[1] != 1 or not self.layers:
-            return  # a prefill: nothing predicted (see the module docstring)
+            self.runtime.queue_prefetches([])  # a prefill: nothing predicted (see above)
+            return
         kernel = self._kernel_for(embedding, cache)
         if kernel is not None:
             ids = kernel(embedding, position_ids, cache)
             # Host sync: the predictions decide which transfers start (once a step).
-            for target, candidates in zip(self.targets, ids.tolist(), strict=True):
-                self.runtime.prefetch_experts(target, candidates)
+            self.runtime.queue_prefetches(list(zip(self.targets, ids.tolist(), strict=True)))
             return
+        predictions = []
         p = embedding  # p^0 = h^0
         for layer, predictors in zip(self.layers, self._by_source, strict=True):
             p = layer(p, rope, position_ids, cache, ahead=True)  # [B, 1, H]
-            for predictor in predictors:  # top-k and prefetch (a host sync each)
-                predictor(p)
+            for predictor in predictors:  # top-k (a host sync each)
+                ranked = self.runtime.candidates(predictor.scores(p))
+                predictions.append((predictor.target, ranked))
+        self.runtime.queue_prefetches(predictions, tokens=embedding.shape[0])
 
     def _kernel_for(self, embedding: torch.Tensor, cache) -> _KernelPredict | None:
         """The op's caller where it runs this call (kernels on, one float32 row, a covered

@@ -80,6 +80,11 @@ class OffloadOptions:
     # prefetch="m2r2": the fast stream's trained parts (``leapfx train-m2r2 --fast-layers N/2``,
     # a rate-2 stream); None: an untrained stream (the identity: it predicts from h^0).
     m2r2_parts: str | os.PathLike | None = None
+    # Predictions made for every layer at a step's start (prefetch="m2r2"; the bench's oracle
+    # row): layer L's loads start once the MoE layer ``prefetch_lead`` layers before L has
+    # placed its own experts (at once where that is before the first MoE layer), so that they
+    # do not queue ahead of the early layers' on-demand reads. None: all at the step's start.
+    prefetch_lead: int | None = 2
     # Prefetch bytes per token over all MoE layers; None: top_k experts per layer and token
     # (as many bytes as the demand of a perfectly predicted token).
     prefetch_budget: int | None = None
@@ -137,6 +142,13 @@ class OffloadOptions:
             raise ValueError(
                 f"m2r2_parts: given with prefetch={self.prefetch!r}; allowed: only with "
                 "prefetch='m2r2'"
+            )
+        lead = self.prefetch_lead
+        if lead is not None and not (isinstance(lead, int) and not isinstance(lead, bool)
+                                     and lead >= 1):  # fmt: skip
+            raise ValueError(
+                f"prefetch_lead: {lead!r} is invalid; allowed: None (every load at the step's "
+                "start) or an integer >= 1 (layers ahead of use)"
             )
         probe = self.reuse_probe
         if probe is not None and not isinstance(probe, (str, os.PathLike, ReuseProbe)):
@@ -282,6 +294,9 @@ class ExpertOffload:
         self._pending: dict[tuple[int, int], object] = {}  # (layer, slot) -> ticket
         self._free: dict[tuple[int, int], object] = {}  # (layer, slot) -> free event (CUDA)
         self._predicted: dict[int, set[int]] = {}
+        # (layer, candidates) predicted at a step's start, in layer order, each issued when
+        # the layer ``options.prefetch_lead`` before it has placed its experts (queue_prefetches)
+        self._queued: list[tuple[int, list[int], int]] = []
         self.counters = _Counters()
         self._busy_start = 0.0
         # (lane, layer, expert or None, start s, end s) spans for a timeline plot, when tracing:
@@ -454,6 +469,8 @@ class ExpertOffload:
         out = None
         for wave in waves:
             placements = self._acquire(layer, wave)
+            if self._queued:  # this layer's reads are done: start the next layers' loads
+                self._issue_queued(layer + self.options.prefetch_lead)
             lut = [s] * self.num_experts  # expert -> slot; s: not in this wave (sentinel)
             for p in placements:
                 lut[p.expert] = p.slot
@@ -491,15 +508,37 @@ class ExpertOffload:
         pass of a speculative round needs the union of its tokens' experts) instead of
         replacing them; precision and recall score the union.
         """
+        candidates = self.candidates(probs)
+        self.prefetch_experts(layer, candidates, tokens=probs.shape[0], union=union)
+
+    def candidates(self, probs: torch.Tensor) -> list[int]:
+        """The experts ``probs`` [T, E] predicts, most probable first: each token's top_k."""
         k = min(self.top_k, probs.shape[-1])
         if probs.shape[0] == 1:  # a decode step: topk's order is already by probability
             # Host sync: the prediction decides which transfers to start.
-            candidates = torch.topk(probs[0], k).indices.tolist()
-        else:
-            top = torch.topk(probs, k, dim=-1).indices.unique()
-            mass = probs.sum(0)[top]
-            candidates = top[torch.argsort(mass, descending=True, stable=True)].tolist()
-        self.prefetch_experts(layer, candidates, tokens=probs.shape[0], union=union)
+            return torch.topk(probs[0], k).indices.tolist()
+        top = torch.topk(probs, k, dim=-1).indices.unique()
+        mass = probs.sum(0)[top]
+        return top[torch.argsort(mass, descending=True, stable=True)].tolist()
+
+    def queue_prefetches(
+        self, predictions: list[tuple[int, list[int]]], *, tokens: int = 1
+    ) -> None:
+        """A decode step's predictions ``[(layer, candidates), ...]`` for ``tokens`` tokens,
+        loaded as ``options.prefetch_lead`` says: layer L's once the MoE layer that many before
+        it has placed its experts, at once where that comes before the first MoE layer; all at
+        once for None. Replaces what an earlier step left queued."""
+        lead = self.options.prefetch_lead
+        self._queued = sorted(((layer, c, tokens) for layer, c in predictions),
+                              key=lambda item: item[0])  # fmt: skip
+        self._issue_queued(None if lead is None else self.layers[0] - 1 + lead)
+
+    def _issue_queued(self, upto: int | None) -> None:
+        """``prefetch_experts`` for the queued predictions of layers <= ``upto`` (None: all)."""
+        queued = self._queued
+        while queued and (upto is None or queued[0][0] <= upto):
+            layer, candidates, tokens = queued.pop(0)
+            self.prefetch_experts(layer, candidates, tokens=tokens)
 
     def prefetch_experts(
         self, layer: int, candidates: list[int], *, tokens: int = 1, union: bool = False
@@ -541,6 +580,7 @@ class ExpertOffload:
         """Start counting a new decode (the slots keep their experts: a warm cache)."""
         self.counters = _Counters()
         self._predicted.clear()
+        self._queued = []
         for cache in self.caches.values():
             cache.stats = SlotStats()
         self._busy_start = self.engine.busy_seconds
@@ -677,12 +717,14 @@ class NextGatePrefetch(nn.Module):
         return self._folded[1]
 
     def forward(self, hidden: torch.Tensor) -> None:
+        self.runtime.prefetch(self.target, self.scores(hidden), union=self.union)
+
+    def scores(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[T, E] scores of ``target``'s experts for ``hidden`` [B, S, H]: the router's
+        probabilities, or for one token any scores with their ranking."""
         flat = hidden.reshape(-1, hidden.shape[-1])
         folded = self._router_over_norm_weight() if flat.shape[0] == 1 else None
         if folded is not None:  # one token: scores with the ranking of the router's softmax
-            self.runtime.prefetch(self.target, F.linear(flat.to(folded.dtype), folded),
-                                  union=self.union)  # fmt: skip
-            return
+            return F.linear(flat.to(folded.dtype), folded)
         logits = F.linear(self.norm(hidden).reshape(flat.shape), self.router.weight)  # [T, E]
-        probs = torch.softmax(logits.float(), dim=-1)
-        self.runtime.prefetch(self.target, probs, union=self.union)
+        return torch.softmax(logits.float(), dim=-1)
