@@ -314,8 +314,21 @@ def _offload_options(args: argparse.Namespace) -> dict:
             f"--offload-reuse-probe: {probe!r} is not a file; allowed: auto, none, or a file "
             "written by leapfx train-reuse-probe"
         )
+    lead = args.offload_prefetch_lead
+    if lead == "none":
+        lead = None
+    else:
+        try:
+            lead = int(lead)
+        except ValueError:
+            lead = 0
+        if lead < 1:
+            raise ValueError(
+                f"--offload-prefetch-lead: {args.offload_prefetch_lead!r} is invalid; allowed: "
+                "an integer >= 1 (layers ahead of use) or none (every load at a step's start)"
+            )
     return {"offload_slots": slots, "offload_m2r2_parts": parts, "offload_dir": args.offload_dir,
-            "offload_engine": args.offload_engine,
+            "offload_engine": args.offload_engine, "offload_prefetch_lead": lead,
             "offload_reuse_probe": probe if slots is not None else None}  # fmt: skip
 
 
@@ -338,7 +351,7 @@ def _offload_report(model, rows, config, prompts, exit_layer: int, plot: str | N
             f"{ORACLE_ROW}: not a system, the ceiling of prefetching with these slots: on-demand "
             "loading plus, at the first MoE layer of each step, a prediction of exactly the "
             "experts the later layers use, replayed from the warm-up pass and loaded as m2r2's "
-            "are (each 2 layers ahead: OffloadOptions.prefetch_lead)"
+            f"are (--offload-prefetch-lead {config.offload_prefetch_lead or 'none'})"
         )
     if not plot:
         return
@@ -346,6 +359,7 @@ def _offload_report(model, rows, config, prompts, exit_layer: int, plot: str | N
         config.offload_slots, exit_layer=exit_layer, num_speculations=config.num_speculations,
         m2r2_parts=config.offload_m2r2_parts, path=config.offload_dir,
         engine=config.offload_engine, reuse_probe=config.offload_reuse_probe,
+        prefetch_lead=config.offload_prefetch_lead,
     )  # fmt: skip
     traces = {}
     for name in ("leapfx_offload_none", "leapfx_offload_next_gate", "leapfx_offload_m2r2"):
@@ -972,6 +986,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="CPU transfer engine of the offload rows: native (C++ reader threads, no GIL), "
         "thread (a Python worker) or auto (native where the disk tier reads straight into the "
         "slots and the reader builds)",
+    )  # fmt: skip
+    bench.add_argument(
+        "--offload-prefetch-lead", default="2", metavar="N|none",
+        help="leapfx_offload_m2r2's (and the oracle's) loads start N layers ahead of use, once "
+        "that layer has placed its own experts; none: all of a step's at its start (default 2)",
     )  # fmt: skip
     bench.add_argument("--sweep", action="store_true", help="grid of exit layer x speculations")
     bench.add_argument("--sweep-exit-layers", default=None, help="e.g. 2,3,4,6")

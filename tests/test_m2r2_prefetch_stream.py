@@ -271,3 +271,24 @@ def test_a_step_predicts_before_slow_layer_0_and_loads_lead_layers_ahead(kernels
     for i in range(5):
         step = steps[i * 15 : (i + 1) * 15]
         assert step == [("predict", 6)] + _step_order(lead)
+
+
+@pytest.mark.parametrize("bad", ["0", "-1", "two", "1.5"])
+def test_bench_refuses_a_bad_prefetch_lead(bad, capsys):
+    from leapfx.cli import main
+
+    argv = ["bench", "--model", "moe-reference", "--offload-slots", "0.5",
+            "--offload-prefetch-lead", bad]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"--offload-prefetch-lead: {bad!r} is invalid; allowed: an integer >= 1" in err
+
+
+@pytest.mark.parametrize("lead", [None, 3])
+def test_the_bench_rows_load_with_the_lead_asked_for(lead):
+    from leapfx.bench.offload import offload_systems
+
+    specs = offload_systems(0.5, exit_layer=1, prefetch_lead=lead)
+    leads = {name: opts.prefetch_lead for name, (_, opts, _) in specs.items() if opts}
+    assert leads and set(leads.values()) == {lead}
+    assert offload_systems(0.5, exit_layer=1)["leapfx_offload_m2r2"][1].prefetch_lead == 2

@@ -137,6 +137,7 @@ class BenchConfig:
     offload_m2r2_parts: str | None = None  # leapfx_offload_m2r2's rate-2 fast stream
     offload_dir: str | None = None  # where the disk tiers' files go (None: temporary files)
     offload_engine: str = "auto"  # OffloadOptions.engine: auto | native | thread
+    offload_prefetch_lead: int | None = 2  # OffloadOptions.prefetch_lead (None: at once)
     # the *_reuse rows' learned eviction (a ReuseProbe file; None: no such rows)
     offload_reuse_probe: str | None = None
 
@@ -444,6 +445,7 @@ def _offload_systems(model, config: BenchConfig, exit_layer: int, n: int, sampli
         config.offload_slots, exit_layer=exit_layer, num_speculations=config.num_speculations,
         m2r2_parts=config.offload_m2r2_parts, path=config.offload_dir,
         engine=config.offload_engine, reuse_probe=config.offload_reuse_probe,
+        prefetch_lead=config.offload_prefetch_lead,
     )  # fmt: skip
     if sampling["do_sample"] or config.warmup < 1:
         # The oracle replays each prompt's routing, recorded in the warm-up pass: greedy only.

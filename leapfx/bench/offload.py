@@ -171,11 +171,14 @@ class RoutingOracle:
 def offload_systems(
     slots: float | int, *, exit_layer: int, num_speculations: int | None = None,
     m2r2_parts=None, policy: str = "lru", path=None, engine: str = "auto", reuse_probe=None,
+    prefetch_lead: int | None = 2,
 ) -> dict[str, tuple[str, OffloadOptions | None, dict]]:  # fmt: skip
     """Row name -> (recipe, offload options or None, recipe options) of the offload rows.
 
     ``path``: a folder for the disk tiers' files (one per row); None: temporary files.
     ``engine``: the transfer engine (``OffloadOptions.engine``: auto, native or thread).
+    ``prefetch_lead``: ``OffloadOptions.prefetch_lead`` of every row (m2r2's and the oracle's
+    loads, that many layers ahead; None: all at a step's start).
     ``reuse_probe``: a ``ReuseProbe`` or its file: with ``policy="reuse"`` every row's, else
     the ``*_reuse`` rows' (None: no such rows).
     """
@@ -187,8 +190,9 @@ def offload_systems(
         if evict == "reuse":
             kw["reuse_probe"] = reuse_probe
         return OffloadOptions(
-            slots=slots, policy=evict, prefetch=prefetch, path=file, engine=engine, **kw
-        )
+            slots=slots, policy=evict, prefetch=prefetch, path=file, engine=engine,
+            prefetch_lead=prefetch_lead, **kw,
+        )  # fmt: skip
 
     reuse = {}
     if reuse_probe is not None and policy != "reuse":

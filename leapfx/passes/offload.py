@@ -21,9 +21,8 @@ whole stream up front and makes every prediction at once:
 ``leapfx_cpu::m2r2_predict`` call a decode step). The loads of layer L start once layer
 L - ``OffloadOptions.prefetch_lead`` (2) has placed its own experts, so that they do not queue
 ahead of the early layers' on-demand reads (None: all at the step's start). A prefill
-predicts nothing. Only for recipes without
-draft layers (``autoregressive``): a fast stream that crosses a draft/verify cut would have to
-be carried between stages.
+predicts nothing. Only for recipes without draft layers (``autoregressive``): a fast stream
+that crosses a draft/verify cut would have to be carried between stages.
 
 ``prefetch="verify_union"`` (speculative recipes: an exit layer E) adds, after layer E-1, one
 prefetch node per MoE layer L >= E that routes the exit state h^E through L's norm and router,
