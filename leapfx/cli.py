@@ -314,19 +314,7 @@ def _offload_options(args: argparse.Namespace) -> dict:
             f"--offload-reuse-probe: {probe!r} is not a file; allowed: auto, none, or a file "
             "written by leapfx train-reuse-probe"
         )
-    lead = args.offload_prefetch_lead
-    if lead == "none":
-        lead = None
-    else:
-        try:
-            lead = int(lead)
-        except ValueError:
-            lead = 0
-        if lead < 1:
-            raise ValueError(
-                f"--offload-prefetch-lead: {args.offload_prefetch_lead!r} is invalid; allowed: "
-                "an integer >= 1 (layers ahead of use) or none (every load at a step's start)"
-            )
+    lead = _prefetch_lead(args.offload_prefetch_lead)
     return {"offload_slots": slots, "offload_m2r2_parts": parts, "offload_dir": args.offload_dir,
             "offload_engine": args.offload_engine, "offload_prefetch_lead": lead,
             "offload_reuse_probe": probe if slots is not None else None}  # fmt: skip
@@ -372,6 +360,18 @@ def _offload_report(model, rows, config, prompts, exit_layer: int, plot: str | N
              if "offload" in r.extra}  # fmt: skip
     plot_offload(traces, rates, plot)
     print(f"offload timelines and hit rates per layer: {plot}")
+
+
+def _prefetch_lead(value: str) -> int | None:
+    """``--offload-prefetch-lead``: none (None) or a count >= 1."""
+    if value == "none":
+        return None
+    if value.isdigit() and int(value) >= 1:
+        return int(value)
+    raise ValueError(
+        f"--offload-prefetch-lead: {value!r} is invalid; allowed: an integer >= 1 (layers ahead "
+        "of use) or none (every load at a step's start)"
+    )
 
 
 def _onnx_threads(value: str) -> int | None:
