@@ -4,7 +4,7 @@
     OMP_NUM_THREADS=1 python examples/offload_ceiling.py --slots 0.25 --prompts 8 --repeats 5
 
 On the shipped MoE reference model (``--model``: another MoE checkpoint), with the disk tier and
-the CPU kernels, this times eight systems interleaved (every system on a prompt before the next
+the CPU kernels, this times nine systems interleaved (every system on a prompt before the next
 prompt, ``--repeats`` times after an untimed pass), so that a shared machine's load hits them
 alike:
 
@@ -26,9 +26,14 @@ alike:
 
 It prints ms per new token (median over the repeats), each system's ratio over ``none``, the
 hit rate, the stall and the MiB moved per token, and checks that every output equals the
-resident model's. ``leapfx.bench.offload.RoutingOracle`` records and replays the routing
-(``leapfx bench --offload-slots`` has the ``oracle`` row, ``leapfx_offload_oracle``, timed by
-its harness).
+resident model's. Then a time budget per new token, from the same runs and a ninth system,
+``all_slots`` (offloaded with a slot for every expert: the runtime's own cost, no transfers):
+what ``none`` spends on computing, on the offload path and on waiting (in the MoE layers that
+M2R2 predicts and in those it never does, layers 0 and 1), what m2r2's fast stream costs, and
+the bound of any policy that predicts only M2R2's layers: ``none`` without its stall in those
+layers, with nothing paid for predicting, then with the fast stream's measured cost.
+``leapfx.bench.offload.RoutingOracle`` records and replays the routing (``leapfx bench
+--offload-slots`` has the ``oracle`` row, ``leapfx_offload_oracle``, timed by its harness).
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ import torch
 from leapfx import rewrite
 from leapfx.bench import MOE_REFERENCE_M2R2, bench_prompts, load_model
 from leapfx.bench.offload import RoutingOracle
+from leapfx.passes.offload import M2R2_STREAM
 from leapfx.runtime.offload import OffloadOptions
 from leapfx.train.reuse_probe import model_probe
 
@@ -68,14 +74,17 @@ def main() -> None:
     prompts = bench_prompts(tokenizer, count=args.prompts, num_tokens=args.prompt_tokens)
 
     def offloaded(**kw):
-        options = OffloadOptions(slots=args.slots, **kw)
+        options = OffloadOptions(**{"slots": args.slots, **kw})
         return rewrite.apply(model, "autoregressive", cpu_kernels=True, offload=options)
 
     systems = {
         "resident": rewrite.apply(model, "autoregressive", cpu_kernels=True),
         "none": offloaded(prefetch="none"),
         "m2r2": offloaded(prefetch="m2r2", m2r2_parts=args.m2r2_parts),
+        "all_slots": offloaded(prefetch="none", slots=1.0),
     }
+    stream = systems["m2r2"].graph_module.get_submodule(M2R2_STREAM)
+    fast = _Timer(stream)  # the fast stream's time in the timed runs
     probe = model_probe(args.model) if args.reuse_probe is None else args.reuse_probe
     if probe not in (None, "none"):
         kw = {"policy": "reuse", "reuse_probe": probe}
@@ -103,6 +112,7 @@ def main() -> None:
                     raise SystemExit(f"{name}: prompt {i} differs from the resident model")
         pairs = zip(reference, prompts, strict=True)
         new_tokens = sum(out.shape[1] - p.shape[1] for out, p in pairs)
+        fast.seconds = 0.0
         for r in range(args.repeats):
             for i, prompt in enumerate(prompts):
                 for name, run in generate.items():
@@ -129,9 +139,54 @@ def main() -> None:
             moved = f"{sum(x.bytes_per_token for x in rs) / len(rs) / 2**20:.2f}"
         ratio = f"{ms['none'] / value:.2f}x"
         print(f"{name:10s}{value:10.2f}{ratio:>10s}{hit:>10s}{stall:>10s}{moved:>10s}")
+    _budget(ms, reports["none"], stream.targets, fast.seconds / args.repeats / new_tokens * 1e3)
     for sm in systems.values():
         if sm.offload is not None:
             sm.offload.close()
+
+
+class _Timer:
+    """Seconds spent in ``module``'s forward calls, summed (forward hooks)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.seconds, self._start = 0.0, 0.0
+        module.register_forward_pre_hook(self._begin)
+        module.register_forward_hook(self._end)
+
+    def _begin(self, *_) -> None:
+        self._start = time.perf_counter()
+
+    def _end(self, *_) -> None:
+        self.seconds += time.perf_counter() - self._start
+
+
+def _budget(ms: dict, none_reports: list, predicted: list[int], fast_ms: float) -> None:
+    """Print where ``none``'s time goes and the bound of a policy that predicts ``predicted``."""
+    n = len(none_reports)
+    stall = {i: sum(r.stall_ms_per_token_per_layer[i] for r in none_reports) / n
+             for i in none_reports[0].stall_ms_per_token_per_layer}  # fmt: skip
+    total = sum(stall.values())
+    unpredicted = [i for i in stall if i not in predicted]
+    early = sum(stall[i] for i in unpredicted)
+    free = ms["none"] - total + early
+    layers = ", ".join(map(str, unpredicted)) or "none"
+    print("\ntime budget per new token (ms)")
+    rows = (
+        ("resident: computing", ms["resident"]),
+        ("all_slots: + the offload path, no transfers", ms["all_slots"] - ms["resident"]),
+        (f"none: + waiting in the layers m2r2 never predicts ({layers})", early),
+        ("none: + waiting in the layers it predicts", total - early),
+        ("none: + the rest (issuing the misses' reads)", ms["none"] - ms["all_slots"] - total),
+        ("none", ms["none"]),
+        ("m2r2's fast stream (its forward: the op, queueing the loads)", fast_ms),
+    )
+    for label, value in rows:
+        print(f"  {label:62s}{value:7.3f}")
+    print("a policy that predicts only m2r2's layers, never waits there and costs nothing else:")
+    print(f"  {'none - its stall in those layers':62s}{free:7.3f}  {ms['none'] / free:.2f}x none")
+    with_fast = free + fast_ms
+    label = "the same + m2r2's fast stream"
+    print(f"  {label:62s}{with_fast:7.3f}  {ms['none'] / with_fast:.2f}x none")
 
 
 if __name__ == "__main__":

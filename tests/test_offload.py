@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from leapfx import rewrite
+from leapfx.bench.offload import summarize
 from leapfx.bench.routing import moe_layers
 from leapfx.passes.capture import decoder_parts, nodes_by_role
 from leapfx.runtime.offload import DiskStore, OffloadOptions, ReuseProbe, SlotCache
@@ -291,6 +292,37 @@ def test_next_gate_prefetch_raises_the_hit_rate_and_reports_precision():
     assert set(b.hit_rate_per_layer) == {0, 1, 2, 3}
     # Layer 0 has no earlier layer to predict it from.
     assert b.hit_rate_per_layer[0] == pytest.approx(a.hit_rate_per_layer[0])
+
+
+def test_stall_per_layer_sums_to_the_stall_and_follows_the_misses():
+    """Every load is delayed 3 ms: a layer stalls when it has misses, never without; the
+    per-layer stalls add up to the total."""
+    model = tiny_moe_model("olmoe", layers=3, experts=6, top_k=2, seed=2)
+    prompt = torch.tensor([[4, 8, 15, 16, 23]])
+    options = _offload(slots=6, transfer_delay_s=0.003, engine="thread")
+    sm = rewrite.apply(model, "autoregressive", offload=options)
+    try:
+        reports = []
+        for _ in range(2):  # cold slots (misses in every layer), then warm (all experts held)
+            sm.generate(prompt, max_new_tokens=6)
+            reports.append((sm.last_offload_report, sm.offload.slot_stats()))
+    finally:
+        sm.offload.close()
+    for report, stats in reports:
+        per_layer = report.stall_ms_per_token_per_layer
+        assert set(per_layer) == {0, 1, 2}
+        assert sum(per_layer.values()) == pytest.approx(report.stall_ms_per_token)
+        for layer, stall in per_layer.items():
+            if stats[layer].misses:  # waited for at least one 3 ms read
+                assert stall * report.new_tokens >= 3.0 * 0.9
+            else:
+                assert stall == 0.0
+    assert all(s.misses for s in reports[0][1].values())
+    assert not any(s.misses for s in reports[1][1].values())
+    assert summarize([reports[1][0]])["stall_ms_per_token_per_layer"] == {"0": 0, "1": 0, "2": 0}
+    summary = summarize([reports[0][0], reports[1][0]])["stall_ms_per_token_per_layer"]
+    first = reports[0][0].stall_ms_per_token_per_layer
+    assert summary == pytest.approx({str(i): v / 2 for i, v in first.items()})
 
 
 def test_a_prefetch_call_never_loads_two_experts_into_one_slot():

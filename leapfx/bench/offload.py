@@ -233,9 +233,8 @@ def summarize(reports: list) -> dict:
         out[f] = sum(values) / len(values) if values else None
     layers = reports[0].hit_rate_per_layer
     out["engine"] = reports[0].engine
-    out["hit_rate_per_layer"] = {
-        str(i): sum(r.hit_rate_per_layer[i] for r in reports) / n for i in layers
-    }
+    for f in ("hit_rate_per_layer", "stall_ms_per_token_per_layer"):
+        out[f] = {str(i): sum(getattr(r, f)[i] for r in reports) / n for i in layers}
     return out
 
 
@@ -252,6 +251,7 @@ class OffloadRow:
     prefetch_precision: float | None = None
     prefetch_recall: float | None = None
     hit_rate_per_layer: dict | None = None
+    stall_ms_per_token_per_layer: dict | None = None
     copy_busy_share: float | None = None
 
 

@@ -201,6 +201,8 @@ class OffloadReport:
     prefetch_bytes_per_token: float
     wasted_bytes_per_token: float  # prefetched, evicted before use
     stall_ms_per_token: float  # host time compute waited for transfers
+    # the same per MoE layer (what each layer's experts call waited): they sum to the above
+    stall_ms_per_token_per_layer: dict[int, float]
     copy_busy_share: float  # copy-engine busy time / wall time of the call (CPU engine)
     prefetch_precision: float | None  # predicted experts that were then demanded / predicted
     prefetch_recall: float | None  # demanded experts that had been predicted / demanded
@@ -216,6 +218,7 @@ class _Counters:
     demand_bytes: int = 0
     prefetch_bytes: int = 0
     stall_seconds: float = 0.0
+    stall_by_layer: dict[int, float] = field(default_factory=dict)
     predicted: int = 0
     demanded_scored: int = 0
     true_positives: int = 0
@@ -388,7 +391,9 @@ class ExpertOffload:
         if ticket is not None:
             start = time.perf_counter()
             stalled = self.engine.wait(ticket)
-            self.counters.stall_seconds += stalled
+            c = self.counters
+            c.stall_seconds += stalled
+            c.stall_by_layer[layer] = c.stall_by_layer.get(layer, 0.0) + stalled
             if self.trace is not None and stalled > 0:
                 self.trace.append(("stall", layer, None, start, time.perf_counter()))
             self.caches[layer].end_load(slot)
@@ -606,6 +611,9 @@ class ExpertOffload:
             prefetch_bytes_per_token=c.prefetch_bytes / n,
             wasted_bytes_per_token=stats.wasted_prefetches * self.expert_bytes / n,
             stall_ms_per_token=1000.0 * c.stall_seconds / n,
+            stall_ms_per_token_per_layer={
+                i: 1000.0 * c.stall_by_layer.get(i, 0.0) / n for i in self.caches
+            },
             copy_busy_share=busy / seconds if seconds > 0 else 0.0,
             prefetch_precision=c.true_positives / c.predicted if c.predicted else None,
             prefetch_recall=c.true_positives / c.demanded_scored if c.demanded_scored else None,
