@@ -46,7 +46,7 @@ import torch
 
 from leapfx import rewrite
 from leapfx.bench import MOE_REFERENCE_M2R2, bench_prompts, load_model
-from leapfx.bench.offload import RoutingOracle
+from leapfx.bench.offload import RoutingOracle, summarize
 from leapfx.passes.offload import M2R2_STREAM
 from leapfx.runtime.offload import OffloadOptions
 from leapfx.train.reuse_probe import model_probe
@@ -162,9 +162,7 @@ class _Timer:
 
 def _budget(ms: dict, none_reports: list, predicted: list[int], fast_ms: float) -> None:
     """Print where ``none``'s time goes and the bound of a policy that predicts ``predicted``."""
-    n = len(none_reports)
-    stall = {i: sum(r.stall_ms_per_token_per_layer[i] for r in none_reports) / n
-             for i in none_reports[0].stall_ms_per_token_per_layer}  # fmt: skip
+    stall = {int(i): v for i, v in summarize(none_reports)["stall_ms_per_token_per_layer"].items()}
     total = sum(stall.values())
     unpredicted = [i for i in stall if i not in predicted]
     early = sum(stall[i] for i in unpredicted)
