@@ -117,6 +117,9 @@ def cache_programs(draw):
                 st.tuples(st.just("demand"), st.lists(st.integers(0, experts - 1), min_size=1,
                                                       max_size=slots, unique=True)),
                 st.tuples(st.just("prefetch"), st.integers(0, experts - 1)),
+                # demand + release at once (ExpertOffload's fast path), where all are resident
+                st.tuples(st.just("hit"), st.lists(st.integers(0, experts - 1), min_size=1,
+                                                   max_size=slots, unique=True)),
                 # new eviction scores (reuse); few values, so that ties fall back to LRU
                 st.tuples(st.just("score"), st.lists(st.integers(0, 2), min_size=experts,
                                                      max_size=experts)),
@@ -140,6 +143,17 @@ def test_slot_cache_matches_the_pure_python_model(program):
             assert all(cache.expert_of[cache.slot_of[e]] == e for e in arg)
             cache.release(arg)
             model.release(arg)
+        elif op == "hit":
+            if all(e in model.where for e in arg):
+                cache.hit(arg)
+                assert all(not p for p in cache.pins)  # nothing left pinned
+                assert all(load is False for _, _, load, _ in model.demand(arg))
+                model.release(arg)
+            else:  # refused whole: nothing counted, nothing moved
+                before = (dict(cache.slot_of), dict(cache._last), cache.stats.hits)
+                with pytest.raises(KeyError, match="not resident"):
+                    cache.hit(arg)
+                assert (dict(cache.slot_of), dict(cache._last), cache.stats.hits) == before
         elif op == "score":
             cache.scores, model.scores = list(arg), list(arg)
         else:
@@ -277,6 +291,51 @@ def test_a_missing_wait_reads_poison():
     logits = sm.stages["full"](prompt, torch.arange(3)[None], {"full_attention": None}, None)
     runtime.close()
     assert torch.isnan(logits["logits"]).any()
+
+
+@pytest.mark.parametrize("prefetch", ["none", "next_gate"])
+def test_the_all_resident_fast_path_counts_and_decodes_as_the_general_path(prefetch):
+    """An experts call whose experts are all resident skips placing and pinning (``cache.hit``):
+    the tokens, every count of the report and every layer's slot map equal the general path's."""
+    model = tiny_moe_model("olmoe", layers=4, experts=8, top_k=2, seed=3)
+    prompt = torch.tensor([[5, 9, 2, 7, 1]])
+    got = {}
+    for fast in (True, False):
+        sm = rewrite.apply(model, "autoregressive",
+                           offload=_offload(slots=4, prefetch=prefetch, tier="host"))  # fmt: skip
+        runtime = sm.offload
+        runtime._pinless = fast
+        calls = {"hit": 0}
+        hit = SlotCache.hit
+        for cache in runtime.caches.values():
+            cache.hit = lambda experts, cache=cache: (
+                calls.__setitem__("hit", calls["hit"] + 1), hit(cache, experts))
+        out = sm.generate(prompt, max_new_tokens=16)
+        report = sm.last_offload_report.as_dict()
+        report.pop("seconds"), report.pop("stall_ms_per_token"), report.pop("copy_busy_share")
+        report.pop("stall_ms_per_token_per_layer")
+        got[fast] = (out, report, {i: c.resident() for i, c in runtime.caches.items()})
+        runtime.close()
+        assert (calls["hit"] > 0) == fast  # the fast path ran (and only where it is on)
+    assert torch.equal(got[True][0], got[False][0])
+    assert got[True][1:] == got[False][1:]
+
+
+def test_the_fast_path_waits_for_a_prefetch_in_flight():
+    """A resident expert whose prefetch is still being read is waited for (poisoned slots and
+    slow transfers: a fast path that read it early would compute with NaN)."""
+    model = tiny_moe_model("olmoe", layers=4, experts=8, top_k=2, seed=1)
+    prompt = torch.tensor([[3, 1, 4, 1, 5]])
+    sm = rewrite.apply(model, "autoregressive", offload=_offload(
+        slots=4, prefetch="next_gate", tier="host", engine="thread", transfer_delay_s=0.02))
+    runtime = sm.offload
+    hits = []
+    for cache in runtime.caches.values():
+        cache.hit = lambda experts, cache=cache, hit=cache.hit: (hits.append(1), hit(experts))
+    out = sm.generate(prompt, max_new_tokens=6)
+    runtime.close()
+    assert_greedy_equal(model, out, hf_greedy(model, prompt, 6), prompt.shape[1])
+    assert hits and sm.last_offload_report.prefetch_hit_rate > 0
 
 
 def test_next_gate_prefetch_raises_the_hit_rate_and_reports_precision():

@@ -294,6 +294,9 @@ class ExpertOffload:
 
         self._kernel_layers = {i for i, m in experts.items() if experts_kernel_covers(m)}
         self.kernels = False
+        # A CPU engine: compute is synchronous, a slot is free again once its call returns
+        # (a CUDA compute stream reads it later: pins and free events are needed there).
+        self._pinless = self.device.type != "cuda"
         self._pending: dict[tuple[int, int], object] = {}  # (layer, slot) -> ticket
         self._free: dict[tuple[int, int], object] = {}  # (layer, slot) -> free event (CUDA)
         self._predicted: dict[int, set[int]] = {}
@@ -466,11 +469,24 @@ class ExpertOffload:
         probe = self._probe.get(layer)
         if probe is not None:  # host sync: the eviction order of this layer, from this token
             cache.scores = F.linear(hidden[-1], *probe).tolist()
+        slot_of = cache.slot_of
+        if self._pinless and all(e in slot_of for e in ids):
+            # Every expert resident (a decode step's usual case): nothing to place or evict,
+            # so no pins either (compute is synchronous, and nothing else places experts of
+            # this layer before it returns). ``cache.hit`` counts as demand + release would.
+            for e in ids:  # a prefetch still in flight: wait for it, as _acquire does
+                if (layer, slot_of[e]) in self._pending:
+                    self._settle(layer, slot_of[e])
+            cache.hit(ids)
+            if self._queued:
+                self._issue_queued(layer + self.options.prefetch_lead)
+            index = torch.tensor([[slot_of[e] for e in row] for row in routed],
+                                 device=top_k_index.device)  # fmt: skip
+            return self._compute(layer, module, hidden, index, top_k_weights, waves=False)
         s = self.num_slots
-        resident = [e for e in ids if e in cache.slot_of]
-        order = resident + [e for e in ids if e not in cache.slot_of]  # hits need no wait
+        resident = [e for e in ids if e in slot_of]
+        order = resident + [e for e in ids if e not in slot_of]  # hits need no wait
         waves = [order[i : i + s] for i in range(0, len(order), s)]
-        kernel = self.kernels and layer in self._kernel_layers
         out = None
         for wave in waves:
             placements = self._acquire(layer, wave)
@@ -481,20 +497,24 @@ class ExpertOffload:
                 lut[p.expert] = p.slot
             index = torch.tensor([[lut[e] for e in row] for row in routed],
                                  device=top_k_index.device)  # fmt: skip
-            if kernel:  # the sentinel s is past the pool's end: the op adds nothing for it
-                part = torch.ops.leapfx_cpu.moe_experts(
-                    hidden, index, top_k_weights.to(hidden.dtype), self.gate_up[layer],
-                    self.down[layer],
-                )  # fmt: skip
-            else:
-                weights = top_k_weights
-                if len(waves) > 1:
-                    weights = torch.where(index == s, torch.zeros_like(weights), weights)
-                view = _SlotExperts(module, self.gate_up[layer], self.down[layer], len(waves) > 1)
-                part = type(module).forward(view, hidden, index, weights)
+            part = self._compute(layer, module, hidden, index, top_k_weights, len(waves) > 1)
             out = part if out is None else out + part
             self._release(layer, placements)
         return out
+
+    def _compute(self, layer, module, hidden, index, top_k_weights, waves: bool) -> torch.Tensor:
+        """The experts of ``index`` (slot ids; ``num_slots``: another wave's) over the slots."""
+        if self.kernels and layer in self._kernel_layers:
+            # the sentinel is past the pool's end: the op adds nothing for it
+            return torch.ops.leapfx_cpu.moe_experts(
+                hidden, index, top_k_weights.to(hidden.dtype), self.gate_up[layer],
+                self.down[layer],
+            )  # fmt: skip
+        weights = top_k_weights
+        if waves:
+            weights = torch.where(index == self.num_slots, torch.zeros_like(weights), weights)
+        view = _SlotExperts(module, self.gate_up[layer], self.down[layer], waves)
+        return type(module).forward(view, hidden, index, weights)
 
     # ---- prefetch --------------------------------------------------------------------------
 

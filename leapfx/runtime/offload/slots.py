@@ -10,7 +10,8 @@ Rules (a pure-Python LRU/LFU model in tests/test_offload.py replays them exactly
 - ``demand(experts)``: the experts a layer needs now, in order. A resident one is a hit; a
   missing one takes the lowest free slot, else evicts the policy's victim among the resident
   experts that are not pinned. All of them are pinned until ``release``: what the current layer
-  needs is never evicted, and a slot is never overwritten while in use.
+  needs is never evicted, and a slot is never overwritten while in use. ``hit(experts)``, for
+  experts that are all resident, is ``demand`` and ``release`` at once.
 - A slot whose load is in flight is ``busy`` (``begin_load`` .. ``end_load``) and is not a
   victim either: two transfers never target one slot at once. ``demand_one`` returns None when
   every slot is pinned or busy; the caller waits for a load to finish and asks again.
@@ -149,6 +150,23 @@ class SlotCache:
         self._uses[expert] = self._uses.get(expert, 0) + 1
         self._tick(expert)
         return placement
+
+    def hit(self, experts: list[int]) -> None:
+        """``demand(experts)`` then ``release(experts)`` where every one of ``experts`` is
+        resident: the same counts and policy order, nothing left pinned (a caller whose compute
+        is done before it places anything else needs no pin: ``ExpertOffload``'s fast path)."""
+        missing = [e for e in experts if e not in self.slot_of]
+        if missing:
+            raise KeyError(f"hit: experts {missing} are not resident; allowed: resident ones")
+        stats, uses = self.stats, self._uses
+        for expert in experts:
+            stats.hits += 1
+            if expert in self._speculative:
+                self._speculative.discard(expert)
+                stats.prefetch_hits += 1
+            uses[expert] = uses.get(expert, 0) + 1
+            self._clock += 1
+            self._last[expert] = self._clock
 
     def demand(self, experts: list[int]) -> list[Placement]:
         """``demand_one`` for each of ``experts`` (distinct, at most num_slots, no load busy)."""
