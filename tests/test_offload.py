@@ -293,6 +293,22 @@ def test_a_missing_wait_reads_poison():
     assert torch.isnan(logits["logits"]).any()
 
 
+def _count_hits(runtime) -> list:
+    """A list that gets an entry per ``SlotCache.hit`` call of ``runtime``'s caches."""
+    calls: list = []
+
+    def counting(hit):
+        def wrapper(experts):
+            calls.append(experts)
+            return hit(experts)
+
+        return wrapper
+
+    for cache in runtime.caches.values():
+        cache.hit = counting(cache.hit)
+    return calls
+
+
 @pytest.mark.parametrize("prefetch", ["none", "next_gate"])
 def test_the_all_resident_fast_path_counts_and_decodes_as_the_general_path(prefetch):
     """An experts call whose experts are all resident skips placing and pinning (``cache.hit``):
@@ -305,18 +321,14 @@ def test_the_all_resident_fast_path_counts_and_decodes_as_the_general_path(prefe
                            offload=_offload(slots=4, prefetch=prefetch, tier="host"))  # fmt: skip
         runtime = sm.offload
         runtime._pinless = fast
-        calls = {"hit": 0}
-        hit = SlotCache.hit
-        for cache in runtime.caches.values():
-            cache.hit = lambda experts, cache=cache: (
-                calls.__setitem__("hit", calls["hit"] + 1), hit(cache, experts))
+        hits = _count_hits(runtime)
         out = sm.generate(prompt, max_new_tokens=16)
         report = sm.last_offload_report.as_dict()
         report.pop("seconds"), report.pop("stall_ms_per_token"), report.pop("copy_busy_share")
         report.pop("stall_ms_per_token_per_layer")
         got[fast] = (out, report, {i: c.resident() for i, c in runtime.caches.items()})
         runtime.close()
-        assert (calls["hit"] > 0) == fast  # the fast path ran (and only where it is on)
+        assert bool(hits) == fast  # the fast path ran (and only where it is on)
     assert torch.equal(got[True][0], got[False][0])
     assert got[True][1:] == got[False][1:]
 
@@ -326,12 +338,11 @@ def test_the_fast_path_waits_for_a_prefetch_in_flight():
     slow transfers: a fast path that read it early would compute with NaN)."""
     model = tiny_moe_model("olmoe", layers=4, experts=8, top_k=2, seed=1)
     prompt = torch.tensor([[3, 1, 4, 1, 5]])
-    sm = rewrite.apply(model, "autoregressive", offload=_offload(
-        slots=4, prefetch="next_gate", tier="host", engine="thread", transfer_delay_s=0.02))
+    options = _offload(slots=4, prefetch="next_gate", tier="host", engine="thread",
+                       transfer_delay_s=0.02)  # fmt: skip
+    sm = rewrite.apply(model, "autoregressive", offload=options)
     runtime = sm.offload
-    hits = []
-    for cache in runtime.caches.values():
-        cache.hit = lambda experts, cache=cache, hit=cache.hit: (hits.append(1), hit(experts))
+    hits = _count_hits(runtime)
     out = sm.generate(prompt, max_new_tokens=6)
     runtime.close()
     assert_greedy_equal(model, out, hf_greedy(model, prompt, 6), prompt.shape[1])

@@ -175,8 +175,8 @@ class Reader : public torch::CustomClassHolder {
     // At most one wake-up here, none where a worker is polling: a worker that takes a read
     // and leaves more queued wakes the next one (work()), so that the submitting thread pays
     // for one futex wake at most. On the project's 2-core KVM guest each wake cost the caller
-    // ~13 us (a 2-read job's submit took 16 us, a 3-read job's 47 us; 3 us with the hand-off),
-    // and the reads started later: a job of eight 192 KiB reads took 1.55 ms, 0.80 with it.
+    // ~13 us: a 2-read job's submit took 16 us, a 3-read job's 47 us; 4 us with the hand-off
+    // (the two readers side by side in one process; the jobs took as long with either).
     if (!spinning_.load(std::memory_order_acquire)) work_cv_.notify_one();
     return ticket;
   }

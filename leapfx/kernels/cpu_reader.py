@@ -5,9 +5,12 @@
 demand ahead of prefetch. A job is data, a list of reads, each ``(layer, expert, fd, file
 offset, expected bytes, [(destination pointer, bytes), ...])``, and each read is one
 ``preadv`` straight into the slot's memory; the reads of a job run side by side, up to
-``workers`` in flight (the local disk reads a 192 KiB expert with ``O_DIRECT`` at ~0.7 GB/s
-one at a time and ~1.9 GB/s four at a time). A ``wait`` spins up to ``spin_ns`` before it
-sleeps; an idle worker polls for reads up to ``idle_spin_ns`` before it sleeps.
+``workers`` in flight (the project's VM reads a 192 KiB expert with ``O_DIRECT`` at 1.0-1.7
+GB/s one at a time and 1.3-2.9 GB/s eight at a time, depending on the hour: its disk does not
+always run reads side by side; ``examples/disk_reads.py`` measures a disk). A ``submit`` wakes
+one worker at most, and a worker that takes a read with more queued wakes the next. A ``wait``
+spins up to ``spin_ns`` before it sleeps; an idle worker polls for reads up to
+``idle_spin_ns`` before it sleeps.
 ``cpu_reader.cpp`` says how a job is spelled and what each method does. The offload
 runtime's ``NativeEngine`` drives it.
 
