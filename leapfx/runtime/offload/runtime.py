@@ -21,6 +21,11 @@ top_k <= 2 is still exact and otherwise equal up to rounding. (batched_mm comput
 sentinel entries too, from a clamped slot, times weight 0: finite slots give exact zeros; with
 ``poison`` on, use eager or grouped_mm.)
 
+On a CPU, a call whose experts are all resident (a decode step's usual case) skips placing and
+pinning: it waits for any of them still being read, counts them with ``SlotCache.hit`` (what
+demand + release would count) and computes; nothing else places experts of the layer before
+the synchronous compute returns.
+
 Prefetch (``prefetch``, called by a ``next_gate`` node one MoE layer ahead): the predicted
 experts, most probable first, are placed into free or evicted-unpinned slots and loaded at low
 priority, within the byte budget of the call: ``prefetch_budget`` bytes per token (over all
