@@ -14,7 +14,7 @@ alike:
 - ``oracle``: on-demand loading plus, at the first MoE layer of every decode step, a prediction
   of exactly the experts each later layer will use in that step, replayed from the untimed pass
   (decoding is deterministic, so the steps repeat) and loaded as m2r2's predictions are (each
-  layer's ``OffloadOptions.prefetch_lead`` = 2 layers ahead). No predictor can know more, and
+  layer's ``OffloadOptions.prefetch_lead`` = 3 layers ahead). No predictor can know more, and
   this one costs nothing to run: its speed bounds what prefetching can reach with these slots
   on this machine. (M2R2's predictions never cover layers 0 and 1.)
 - ``opt_evict``: on-demand loading with the optimal eviction instead of LRU (the expert used

@@ -988,9 +988,12 @@ def build_parser() -> argparse.ArgumentParser:
         "slots and the reader builds)",
     )  # fmt: skip
     bench.add_argument(
-        "--offload-prefetch-lead", default="2", metavar="N|none",
+        # OffloadOptions' DEFAULT_PREFETCH_LEAD (a literal: the parser is built without torch;
+        # tests/test_m2r2_prefetch_stream.py holds the two equal)
+        "--offload-prefetch-lead", default="3", metavar="N|none",
         help="leapfx_offload_m2r2's (and the oracle's) loads start N layers ahead of use, once "
-        "that layer has placed its own experts; none: all of a step's at its start (default 2)",
+        "that layer has placed its own experts; none: all of a step's at its start (default 3; "
+        "a slower slow tier wants more)",
     )  # fmt: skip
     bench.add_argument("--sweep", action="store_true", help="grid of exit layer x speculations")
     bench.add_argument("--sweep-exit-layers", default=None, help="e.g. 2,3,4,6")

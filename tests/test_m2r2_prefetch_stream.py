@@ -23,7 +23,7 @@ from leapfx.kernels import cpu_m2r2
 from leapfx.passes.accelerator import AcceleratedLayer
 from leapfx.passes.capture import ROLE, nodes_by_role
 from leapfx.runtime.cache import StaticKVCache
-from leapfx.runtime.offload import OffloadOptions
+from leapfx.runtime.offload import DEFAULT_PREFETCH_LEAD, OffloadOptions
 from tests.conftest import tiny_moe_model
 from tests.test_moe_prefetch import _perturb
 from tests.test_offload import _generate as _resident
@@ -284,11 +284,20 @@ def test_bench_refuses_a_bad_prefetch_lead(bad, capsys):
     assert f"--offload-prefetch-lead: {bad!r} is invalid; allowed: an integer >= 1" in err
 
 
-@pytest.mark.parametrize("lead", [None, 3])
+@pytest.mark.parametrize("lead", [None, 2])
 def test_the_bench_rows_load_with_the_lead_asked_for(lead):
     from leapfx.bench.offload import offload_systems
 
     specs = offload_systems(0.5, exit_layer=1, prefetch_lead=lead)
     leads = {name: opts.prefetch_lead for name, (_, opts, _) in specs.items() if opts}
     assert leads and set(leads.values()) == {lead}
-    assert offload_systems(0.5, exit_layer=1)["leapfx_offload_m2r2"][1].prefetch_lead == 2
+    default = offload_systems(0.5, exit_layer=1)["leapfx_offload_m2r2"][1].prefetch_lead
+    assert default == DEFAULT_PREFETCH_LEAD == OffloadOptions().prefetch_lead
+
+
+def test_the_bench_default_lead_is_the_runtime_default():
+    from leapfx.bench.harness import BenchConfig
+    from leapfx.cli import _prefetch_lead, build_parser
+
+    given = build_parser().parse_args(["bench"]).offload_prefetch_lead
+    assert _prefetch_lead(given) == BenchConfig().offload_prefetch_lead == DEFAULT_PREFETCH_LEAD

@@ -49,6 +49,7 @@ from tqdm.auto import tqdm
 
 from .. import rewrite
 from ..runtime.metrics import DecodeMetrics
+from ..runtime.offload import DEFAULT_PREFETCH_LEAD
 from .agreement import teacher_forced_agreement
 
 log = logging.getLogger(__name__)
@@ -137,7 +138,7 @@ class BenchConfig:
     offload_m2r2_parts: str | None = None  # leapfx_offload_m2r2's rate-2 fast stream
     offload_dir: str | None = None  # where the disk tiers' files go (None: temporary files)
     offload_engine: str = "auto"  # OffloadOptions.engine: auto | native | thread
-    offload_prefetch_lead: int | None = 2  # OffloadOptions.prefetch_lead (None: at once)
+    offload_prefetch_lead: int | None = DEFAULT_PREFETCH_LEAD  # None: all at once
     # the *_reuse rows' learned eviction (a ReuseProbe file; None: no such rows)
     offload_reuse_probe: str | None = None
 

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from ..rewrite import apply
-from ..runtime.offload import OffloadOptions
+from ..runtime.offload import DEFAULT_PREFETCH_LEAD, OffloadOptions
 
 
 def random_moe(
@@ -171,7 +171,7 @@ class RoutingOracle:
 def offload_systems(
     slots: float | int, *, exit_layer: int, num_speculations: int | None = None,
     m2r2_parts=None, policy: str = "lru", path=None, engine: str = "auto", reuse_probe=None,
-    prefetch_lead: int | None = 2,
+    prefetch_lead: int | None = DEFAULT_PREFETCH_LEAD,
 ) -> dict[str, tuple[str, OffloadOptions | None, dict]]:  # fmt: skip
     """Row name -> (recipe, offload options or None, recipe options) of the offload rows.
 

@@ -19,7 +19,7 @@ starts, so one node right after the embedding and the rotary (before slow layer 
 whole stream up front and makes every prediction at once:
 ``runtime.offload.m2r2_stream.M2R2Prefetcher`` (with the CPU kernels on, one
 ``leapfx_cpu::m2r2_predict`` call a decode step). The loads of layer L start once layer
-L - ``OffloadOptions.prefetch_lead`` (2) has placed its own experts, so that they do not queue
+L - ``OffloadOptions.prefetch_lead`` (3) has placed its own experts, so that they do not queue
 ahead of the early layers' on-demand reads (None: all at the step's start). A prefill
 predicts nothing. Only for recipes without draft layers (``autoregressive``): a fast stream
 that crosses a draft/verify cut would have to be carried between stages.

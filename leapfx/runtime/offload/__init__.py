@@ -8,6 +8,7 @@ the transfer engines, ``store`` for the slow tiers).
 from .engine import CudaEngine, NativeEngine, ReadJob, ThreadEngine, TransferEngine
 from .reuse import ReuseProbe, fit_reuse_probe
 from .runtime import (
+    DEFAULT_PREFETCH_LEAD,
     ENGINES,
     PREFETCH_POLICIES,
     ExpertOffload,
@@ -20,6 +21,7 @@ from .slots import POLICIES, Placement, SlotCache, SlotStats
 from .store import DiskStore, HostStore
 
 __all__ = [
+    "DEFAULT_PREFETCH_LEAD",
     "ENGINES",
     "POLICIES",
     "PREFETCH_POLICIES",

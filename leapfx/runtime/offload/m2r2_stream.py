@@ -5,7 +5,7 @@ p^{i+1} ~ h^{2i+2}. Fast layer i of token t reads slow layer i's keys of positio
 (eq. 2), and all of those are in the cache before the slow pass of t starts: so a decode step
 can run the whole fast stream first, from the token's embedding, and know every prediction at
 once (m2r2.md sec. 5, the optional point). The loads are then started layer by layer:
-layer L's once the MoE layer ``OffloadOptions.prefetch_lead`` (2) layers before it has placed
+layer L's once the MoE layer ``OffloadOptions.prefetch_lead`` (3) layers before it has placed
 its own experts (``ExpertOffload.queue_prefetches``), so that they do not queue ahead of an
 earlier layer's on-demand reads, as they did when all of a step's started before layer 0.
 Per decode step (one row per sequence)::

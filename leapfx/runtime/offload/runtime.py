@@ -64,6 +64,11 @@ TIERS = ("auto", "disk", "host")
 # into the slots), "thread" (Python worker threads, any slow tier); "auto": native where it
 # applies and builds, else thread. A model on CUDA always uses CudaEngine ("auto" only).
 ENGINES = ("auto", "native", "thread")
+# OffloadOptions.prefetch_lead's default. Measured on a 2-core AMD EPYC at half the slots
+# (docs/benchmarks.md, 2026-11-24 22:05): m2r2 2.46 ms a token with 2, 2.33 with 3 (faster in
+# each of 9 passes); with every read made 0.25 / 0.5 ms slower, 3 beat 2 by 9-10% and was
+# within 2% of the best lead (4); the oracle row moved by under 1%.
+DEFAULT_PREFETCH_LEAD = 3
 
 
 @dataclass(frozen=True)
@@ -89,7 +94,8 @@ class OffloadOptions:
     # row): layer L's loads start once the MoE layer ``prefetch_lead`` layers before L has
     # placed its own experts (at once where that is before the first MoE layer), so that they
     # do not queue ahead of the early layers' on-demand reads. None: all at the step's start.
-    prefetch_lead: int | None = 2
+    # A slower slow tier wants a longer lead (see DEFAULT_PREFETCH_LEAD).
+    prefetch_lead: int | None = DEFAULT_PREFETCH_LEAD
     # Prefetch bytes per token over all MoE layers; None: top_k experts per layer and token
     # (as many bytes as the demand of a perfectly predicted token).
     prefetch_budget: int | None = None
