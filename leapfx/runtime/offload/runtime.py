@@ -489,8 +489,7 @@ class ExpertOffload:
                 if (layer, slot_of[e]) in self._pending:
                     self._settle(layer, slot_of[e])
             cache.hit(ids)
-            if self._queued:
-                self._issue_queued(layer + self.options.prefetch_lead)
+            self._placed(layer)
             index = torch.tensor([[slot_of[e] for e in row] for row in routed],
                                  device=top_k_index.device)  # fmt: skip
             return self._compute(layer, module, hidden, index, top_k_weights, waves=False)
@@ -501,8 +500,7 @@ class ExpertOffload:
         out = None
         for wave in waves:
             placements = self._acquire(layer, wave)
-            if self._queued:  # this layer's reads are done: start the next layers' loads
-                self._issue_queued(layer + self.options.prefetch_lead)
+            self._placed(layer)
             lut = [s] * self.num_experts  # expert -> slot; s: not in this wave (sentinel)
             for p in placements:
                 lut[p.expert] = p.slot
@@ -512,6 +510,12 @@ class ExpertOffload:
             out = part if out is None else out + part
             self._release(layer, placements)
         return out
+
+    def _placed(self, layer: int) -> None:
+        """``layer`` has placed its experts and its reads are done: start the queued loads of
+        the layers ``options.prefetch_lead`` ahead (queue_prefetches)."""
+        if self._queued:  # empty where the lead is None: everything went at the step's start
+            self._issue_queued(layer + self.options.prefetch_lead)
 
     def _compute(self, layer, module, hidden, index, top_k_weights, waves: bool) -> torch.Tensor:
         """The experts of ``index`` (slot ids; ``num_slots``: another wave's) over the slots."""
