@@ -349,6 +349,25 @@ def test_the_fast_path_waits_for_a_prefetch_in_flight():
     assert hits and sm.last_offload_report.prefetch_hit_rate > 0
 
 
+def test_a_hit_whose_prefetch_is_still_being_read_is_late_not_ready():
+    """``ready_rate`` leaves out hits whose load had not landed when their layer asked. Every
+    transfer 20 ms slow: next_gate's prefetches, started one layer ahead, are still in flight
+    when the step that predicted them uses them, so ready < hit; a late hit is always a
+    prefetch hit (hit - prefetch hits <= ready). On-demand loading has no late hits."""
+    model = tiny_moe_model("olmoe", layers=4, experts=8, top_k=2, seed=1)
+    prompt = torch.tensor([[3, 1, 4, 1, 5]])
+    reports = {}
+    for prefetch in ("none", "next_gate"):
+        options = _offload(slots=4, prefetch=prefetch, tier="host", engine="thread",
+                           transfer_delay_s=0.02)  # fmt: skip
+        _, sm = _generate(model, "autoregressive", prompt, 6, offload=options)
+        reports[prefetch] = sm.last_offload_report
+    none, gate = reports["none"], reports["next_gate"]
+    assert none.ready_rate == none.hit_rate
+    assert gate.prefetch_hit_rate > 0
+    assert gate.hit_rate - gate.prefetch_hit_rate <= gate.ready_rate < gate.hit_rate
+
+
 def test_next_gate_prefetch_raises_the_hit_rate_and_reports_precision():
     model = tiny_moe_model("olmoe", layers=4, experts=8, top_k=2, seed=1)
     prompt = torch.tensor([[7, 3, 9, 1, 4]])
@@ -559,6 +578,7 @@ def test_cuda_engine_offload_is_token_identical(prefetch, delay):
     assert sm.offload.store.pinned
     assert torch.equal(ours, resident)
     assert sm.last_offload_report.hit_rate > 0
+    assert sm.last_offload_report.ready_rate is None  # not known on the host
 
 
 @pytest.mark.gpu

@@ -228,7 +228,7 @@ def summarize(reports: list) -> dict:
     (precision and recall over the calls that predicted anything; hit rate per layer too)."""
     n = len(reports)
     out = {f: sum(getattr(r, f) for r in reports) / n for f in _MEANS}
-    for f in ("prefetch_precision", "prefetch_recall"):
+    for f in ("ready_rate", "prefetch_precision", "prefetch_recall"):  # None where unknown
         values = [getattr(r, f) for r in reports if getattr(r, f) is not None]
         out[f] = sum(values) / len(values) if values else None
     layers = reports[0].hit_rate_per_layer
@@ -244,6 +244,7 @@ class OffloadRow:
     tokens_per_s: float
     identical: bool
     hit_rate: float | None = None
+    ready_rate: float | None = None
     prefetch_hit_rate: float | None = None
     stall_ms_per_token: float | None = None
     bytes_per_token: float | None = None
@@ -381,7 +382,7 @@ def bench_table(rows) -> str:
     tokens/s relative to ``leapfx_offload_none`` and ``identical`` against ``leapfx_resident``."""
     picked = [r for r in rows if r.system in (*OFFLOAD_ROWS, *REUSE_ROWS, ORACLE_ROW)]
     none = next((r for r in picked if r.system == "leapfx_offload_none"), None)
-    head = ["system", "tok/s", "vs none", "identical", "hit rate", "prefetch hits",
+    head = ["system", "tok/s", "vs none", "identical", "hit rate", "ready", "prefetch hits",
             "stall ms/tok", "MiB/tok", "wasted MiB/tok", "precision", "recall"]  # fmt: skip
     lines = []
 
@@ -394,7 +395,7 @@ def bench_table(rows) -> str:
         lines.append([
             r.system, f"{r.tokens_per_second:.1f}", f(vs, spec=".2f") + "x" * (vs is not None),
             {True: "yes", False: "NO", None: "-"}[r.extra.get("identical_to_resident")],
-            f(o.get("hit_rate")), f(o.get("prefetch_hit_rate")),
+            f(o.get("hit_rate")), f(o.get("ready_rate")), f(o.get("prefetch_hit_rate")),
             f(o.get("stall_ms_per_token"), spec=".2f"), f(o.get("bytes_per_token"), 2**20),
             f(o.get("wasted_bytes_per_token"), 2**20), f(o.get("prefetch_precision")),
             f(o.get("prefetch_recall")),
@@ -426,9 +427,9 @@ def _window(trace: list, tokens: int | None) -> tuple[float, float]:
 
 
 def markdown(rows: list[OffloadRow]) -> str:
-    head = ("| system | tokens/s | identical | hit rate | prefetch hits | stall ms/token "
+    head = ("| system | tokens/s | identical | hit rate | ready | prefetch hits | stall ms/token "
             "| MiB/token | wasted MiB/token | precision | recall |")  # fmt: skip
-    lines = [head, "|" + "---|" * 10]
+    lines = [head, "|" + "---|" * 11]
 
     def f(v, scale=1.0, digits=2):
         return "-" if v is None else f"{v / scale:.{digits}f}"
@@ -436,7 +437,7 @@ def markdown(rows: list[OffloadRow]) -> str:
     for r in rows:
         lines.append(
             f"| {r.system} | {r.tokens_per_s:.2f} | {r.identical} | {f(r.hit_rate)} | "
-            f"{f(r.prefetch_hit_rate)} | {f(r.stall_ms_per_token, digits=1)} | "
+            f"{f(r.ready_rate)} | {f(r.prefetch_hit_rate)} | {f(r.stall_ms_per_token, digits=1)} | "
             f"{f(r.bytes_per_token, 2**20)} | {f(r.wasted_bytes_per_token, 2**20)} | "
             f"{f(r.prefetch_precision)} | {f(r.prefetch_recall)} |"
         )

@@ -206,6 +206,12 @@ class OffloadReport:
     new_tokens: int
     hit_rate: float  # demanded experts found resident / demanded
     hit_rate_per_layer: dict[int, float]
+    # demanded experts resident and already loaded when their layer asked (a hit whose
+    # prefetch was still being read is late: compute waited for it) / demanded. M2R2's point
+    # about lead time (sec. 3.3): a prefetch started one layer ahead is often a late hit.
+    # None on CUDA, where the host cannot tell whether a copy lands before the compute stream
+    # reads the slot.
+    ready_rate: float | None
     prefetch_hit_rate: float  # demanded experts resident thanks to a prefetch / demanded
     bytes_per_token: float  # demand + prefetch bytes moved
     demand_bytes_per_token: float
@@ -230,6 +236,7 @@ class _Counters:
     prefetch_bytes: int = 0
     stall_seconds: float = 0.0
     stall_by_layer: dict[int, float] = field(default_factory=dict)
+    late_hits: int = 0  # demanded, resident, its load still in flight when the layer asked
     predicted: int = 0
     demanded_scored: int = 0
     true_positives: int = 0
@@ -308,6 +315,7 @@ class ExpertOffload:
         # A CPU engine: compute is synchronous, a slot is free again once its call returns
         # (a CUDA compute stream reads it later: pins and free events are needed there).
         self._pinless = self.device.type != "cuda"
+        self._host_engine = self.device.type != "cuda"  # transfers done is known on the host
         self._pending: dict[tuple[int, int], object] = {}  # (layer, slot) -> ticket
         self._free: dict[tuple[int, int], object] = {}  # (layer, slot) -> free event (CUDA)
         self._predicted: dict[int, set[int]] = {}
@@ -481,13 +489,13 @@ class ExpertOffload:
         if probe is not None:  # host sync: the eviction order of this layer, from this token
             cache.scores = F.linear(hidden[-1], *probe).tolist()
         slot_of = cache.slot_of
+        in_flight = self._late_hits(layer, ids)
         if self._pinless and all(e in slot_of for e in ids):
             # Every expert resident (a decode step's usual case): nothing to place or evict,
             # so no pins either (compute is synchronous, and nothing else places experts of
             # this layer before it returns). ``cache.hit`` counts as demand + release would.
-            for e in ids:  # a prefetch still in flight: wait for it, as _acquire does
-                if (layer, slot_of[e]) in self._pending:
-                    self._settle(layer, slot_of[e])
+            for key in in_flight:  # a prefetch still in flight: wait for it, as _acquire does
+                self._settle(*key)
             cache.hit(ids)
             self._placed(layer)
             index = torch.tensor([[slot_of[e] for e in row] for row in routed],
@@ -510,6 +518,18 @@ class ExpertOffload:
             out = part if out is None else out + part
             self._release(layer, placements)
         return out
+
+    def _late_hits(self, layer: int, ids: list[int]) -> list[tuple[int, int]]:
+        """The (layer, slot) keys of ``ids``' resident experts with a load in flight, each
+        counted as a late hit unless its load has landed (checked for all of them before any is
+        waited for: one job's reads land together)."""
+        slot_of, pending = self.caches[layer].slot_of, self._pending
+        keys = [(layer, slot_of[e]) for e in ids if e in slot_of]
+        keys = [k for k in keys if k in pending]
+        if keys and self._host_engine:  # CUDA: the host cannot tell (ready_rate is None)
+            done = self.engine.done
+            self.counters.late_hits += sum(not done(pending[k]) for k in keys)
+        return keys
 
     def _placed(self, layer: int) -> None:
         """``layer`` has placed its experts and its reads are done: start the queued loads of
@@ -640,6 +660,9 @@ class ExpertOffload:
             new_tokens=new_tokens,
             hit_rate=stats.hits / demanded if demanded else 0.0,
             hit_rate_per_layer=per_layer,
+            ready_rate=(
+                (stats.hits - c.late_hits) / demanded if demanded else 0.0
+            ) if self._host_engine else None,
             prefetch_hit_rate=stats.prefetch_hits / demanded if demanded else 0.0,
             bytes_per_token=(c.demand_bytes + c.prefetch_bytes) / n,
             demand_bytes_per_token=c.demand_bytes / n,
