@@ -654,15 +654,14 @@ class ExpertOffload:
             demanded = cache.stats.hits + cache.stats.misses
             per_layer[i] = cache.stats.hits / demanded if demanded else 0.0
         demanded = stats.hits + stats.misses
+        ready = (stats.hits - c.late_hits) / demanded if demanded else 0.0
         n = max(1, new_tokens)
         busy = self.engine.busy_seconds - self._busy_start
         return OffloadReport(
             new_tokens=new_tokens,
             hit_rate=stats.hits / demanded if demanded else 0.0,
             hit_rate_per_layer=per_layer,
-            ready_rate=(
-                (stats.hits - c.late_hits) / demanded if demanded else 0.0
-            ) if self._host_engine else None,
+            ready_rate=ready if self._host_engine else None,
             prefetch_hit_rate=stats.prefetch_hits / demanded if demanded else 0.0,
             bytes_per_token=(c.demand_bytes + c.prefetch_bytes) / n,
             demand_bytes_per_token=c.demand_bytes / n,
