@@ -356,9 +356,11 @@ def _offload_report(model, rows, config, prompts, exit_layer: int, plot: str | N
         sm.generate(prompts[0], max_new_tokens=config.max_new_tokens)  # warm the slots
         traces[name] = trace_call(sm, prompts[-1], config.max_new_tokens)
         sm.offload.close()
-    rates = {r.system: r.extra["offload"]["hit_rate_per_layer"] for r in rows
-             if "offload" in r.extra}  # fmt: skip
-    plot_offload(traces, rates, plot)
+    offloaded = [r for r in rows if "offload" in r.extra]
+    rates = {r.system: r.extra["offload"]["hit_rate_per_layer"] for r in offloaded}
+    ready = {r.system: r.extra["offload"]["ready_rate_per_layer"] for r in offloaded
+             if r.extra["offload"].get("ready_rate_per_layer")}  # fmt: skip
+    plot_offload(traces, rates, plot, ready_rates=ready)
     print(f"offload timelines and hit rates per layer: {plot}")
 
 

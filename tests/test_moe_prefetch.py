@@ -224,9 +224,12 @@ def test_bench_offload_rows(tmp_path):
     sm.offload.trace = []
     sm.generate(prompts[0], max_new_tokens=8)
     trace = sm.offload.trace
-    rates = summarize([sm.last_offload_report])["hit_rate_per_layer"]
+    summary = summarize([sm.last_offload_report])
+    rates, ready = summary["hit_rate_per_layer"], summary["ready_rate_per_layer"]
+    assert set(ready) == set(rates) and all(ready[i] <= rates[i] for i in rates)
     path = plot_offload({"leapfx_offload_next_gate": trace}, {"next_gate": rates},
-                        tmp_path / "t.png", window_tokens=2)  # fmt: skip
+                        tmp_path / "t.png", window_tokens=2,
+                        ready_rates={"next_gate": ready})  # fmt: skip
     assert path.stat().st_size > 0
     sm.offload.close()
 

@@ -233,7 +233,10 @@ def summarize(reports: list) -> dict:
         out[f] = sum(values) / len(values) if values else None
     layers = reports[0].hit_rate_per_layer
     out["engine"] = reports[0].engine
-    for f in ("hit_rate_per_layer", "stall_ms_per_token_per_layer"):
+    for f in ("hit_rate_per_layer", "ready_rate_per_layer", "stall_ms_per_token_per_layer"):
+        if getattr(reports[0], f) is None:  # ready rates: not known on CUDA
+            out[f] = None
+            continue
         out[f] = {str(i): sum(getattr(r, f)[i] for r in reports) / n for i in layers}
     return out
 
@@ -252,6 +255,7 @@ class OffloadRow:
     prefetch_precision: float | None = None
     prefetch_recall: float | None = None
     hit_rate_per_layer: dict | None = None
+    ready_rate_per_layer: dict | None = None
     stall_ms_per_token_per_layer: dict | None = None
     copy_busy_share: float | None = None
 
@@ -314,7 +318,8 @@ def offload_rows(
         rows.append(row)
     if plot is not None:
         plot_offload(traces, {r.system: r.hit_rate_per_layer for r in rows if r.hit_rate_per_layer},
-                     plot)  # fmt: skip
+                     plot, ready_rates={r.system: r.ready_rate_per_layer for r in rows
+                                        if r.ready_rate_per_layer})  # fmt: skip
     return rows
 
 
@@ -327,12 +332,15 @@ def trace_call(sm, prompt: torch.Tensor, max_new_tokens: int) -> list:
 
 
 def plot_offload(traces: dict[str, list], hit_rates: dict[str, dict], path, *,
-                 window_tokens: int | None = 3):  # fmt: skip
+                 window_tokens: int | None = 3,
+                 ready_rates: dict[str, dict] | None = None):  # fmt: skip
     """M2R2's Fig. 11 for the offload runtime, one PNG at ``path``: per traced row (``traces``:
     name -> ``ExpertOffload.trace`` of one call) a timeline of four lanes -- experts calls
     (compute), compute waiting for a transfer (stall), on-demand and prefetch transfers on the
     copy engine -- over the call's last ``window_tokens`` tokens (None: the whole call); beside
-    them the hit rate per MoE layer of every row in ``hit_rates`` (name -> {layer: rate})."""
+    them the hit rate per MoE layer of every row in ``hit_rates`` (name -> {layer: rate}), and
+    where ``ready_rates`` has the row, its ready rate (hits loaded in time) as the bar's solid
+    part, the late hits pale above it."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -361,14 +369,23 @@ def plot_offload(traces: dict[str, list], hit_rates: dict[str, dict], path, *,
         axes[-1].set_xlabel(f"ms ({what})")
     bx = fig.add_subplot(grid[:, 1])
     width = 0.8 / max(1, len(hit_rates))
+    ready_rates = ready_rates or {}
     for k, (name, rates) in enumerate(hit_rates.items()):
         layers = sorted(rates, key=int)
         xs = [int(i) + k * width for i in layers]
-        bx.bar(xs, [rates[i] for i in layers], width=width,
+        color = f"C{k % 10}"
+        ready = ready_rates.get(name)
+        if ready is None:
+            bx.bar(xs, [rates[i] for i in layers], width=width, color=color,
+                   label=name.removeprefix("leapfx_offload_"))  # fmt: skip
+            continue
+        bx.bar(xs, [rates[i] for i in layers], width=width, color=color, alpha=0.3)
+        bx.bar(xs, [ready[i] for i in layers], width=width, color=color,
                label=name.removeprefix("leapfx_offload_"))  # fmt: skip
     bx.set_ylim(0, 1.05)
     bx.set_xlabel("MoE layer")
-    bx.set_title("hit rate per layer", fontsize=10)
+    title = "hit rate per layer" + (" (pale: late, still being read)" if ready_rates else "")
+    bx.set_title(title, fontsize=10)
     bx.legend(fontsize=7, loc="lower left")
     fig.tight_layout()
     from .report import write_figure

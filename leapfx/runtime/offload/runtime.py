@@ -212,6 +212,7 @@ class OffloadReport:
     # None on CUDA, where the host cannot tell whether a copy lands before the compute stream
     # reads the slot.
     ready_rate: float | None
+    ready_rate_per_layer: dict[int, float] | None
     prefetch_hit_rate: float  # demanded experts resident thanks to a prefetch / demanded
     bytes_per_token: float  # demand + prefetch bytes moved
     demand_bytes_per_token: float
@@ -237,6 +238,7 @@ class _Counters:
     stall_seconds: float = 0.0
     stall_by_layer: dict[int, float] = field(default_factory=dict)
     late_hits: int = 0  # demanded, resident, its load still in flight when the layer asked
+    late_by_layer: dict[int, int] = field(default_factory=dict)
     predicted: int = 0
     demanded_scored: int = 0
     true_positives: int = 0
@@ -528,7 +530,11 @@ class ExpertOffload:
         keys = [k for k in keys if k in pending]
         if keys and self._host_engine:  # CUDA: the host cannot tell (ready_rate is None)
             done = self.engine.done
-            self.counters.late_hits += sum(not done(pending[k]) for k in keys)
+            late = sum(not done(pending[k]) for k in keys)
+            if late:
+                c = self.counters
+                c.late_hits += late
+                c.late_by_layer[layer] = c.late_by_layer.get(layer, 0) + late
         return keys
 
     def _placed(self, layer: int) -> None:
@@ -648,11 +654,13 @@ class ExpertOffload:
     def report(self, new_tokens: int, seconds: float) -> OffloadReport:
         c = self.counters
         stats = SlotStats()
-        per_layer = {}
+        per_layer, ready_per_layer = {}, {}
         for i, cache in self.caches.items():
             stats.add(cache.stats)
             demanded = cache.stats.hits + cache.stats.misses
             per_layer[i] = cache.stats.hits / demanded if demanded else 0.0
+            late = c.late_by_layer.get(i, 0)
+            ready_per_layer[i] = (cache.stats.hits - late) / demanded if demanded else 0.0
         demanded = stats.hits + stats.misses
         ready = (stats.hits - c.late_hits) / demanded if demanded else 0.0
         n = max(1, new_tokens)
@@ -662,6 +670,7 @@ class ExpertOffload:
             hit_rate=stats.hits / demanded if demanded else 0.0,
             hit_rate_per_layer=per_layer,
             ready_rate=ready if self._host_engine else None,
+            ready_rate_per_layer=ready_per_layer if self._host_engine else None,
             prefetch_hit_rate=stats.prefetch_hits / demanded if demanded else 0.0,
             bytes_per_token=(c.demand_bytes + c.prefetch_bytes) / n,
             demand_bytes_per_token=c.demand_bytes / n,
