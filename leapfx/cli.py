@@ -332,7 +332,8 @@ def _offload_report(model, rows, config, prompts, exit_layer: int, plot: str | N
         f"offload rows: eager, disk tier, {config.offload_slots} expert slots per MoE layer, "
         f"transfer engine {', '.join(engines)} (--offload-engine {config.offload_engine}); "
         "vs none: tokens/s over leapfx_offload_none; identical: every prompt equal to "
-        "leapfx_resident"
+        "leapfx_resident; hit rate: demanded experts resident; ready: resident and loaded when "
+        "their layer asked (a hit whose prefetch was still being read is late)"
     )
     if any(r.system == ORACLE_ROW for r in rows):
         print(
