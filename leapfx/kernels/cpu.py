@@ -39,6 +39,7 @@ import logging
 import platform
 import sys
 import time
+import types
 from pathlib import Path
 
 import torch
@@ -77,14 +78,19 @@ def available() -> bool:
     return True
 
 
-def load_extension(stem: str, source: Path, fallback: str, headers: tuple[Path, ...] = ()) -> bool:
+def load_extension(
+    stem: str, source: Path, fallback: str, headers: tuple[Path, ...] = (), *,
+    python_module: bool = False,
+) -> bool | types.ModuleType:  # fmt: skip
     """Build (first use only) and load ``source`` as the extension ``leapfx_cpu_<stem>``.
 
     Each source is its own extension, so that a build of one does not invalidate the
     other's. ``headers``: the local headers ``source`` includes; torch rebuilds when a source
     changes but does not look at headers, so their contents go into the extension's name.
-    False (with one warning naming ``fallback``, what callers do instead) when it cannot be
-    built: no compiler, no ninja, a build error.
+    ``python_module``: ``source`` defines a pybind11 module (``PYBIND11_MODULE``), returned;
+    otherwise it registers torch ops, and True is returned. False (with one warning naming
+    ``fallback``, what callers do instead) when it cannot be built: no compiler, no ninja, a
+    build error.
     """
     try:
         from torch.utils import cpp_extension
@@ -96,19 +102,20 @@ def load_extension(stem: str, source: Path, fallback: str, headers: tuple[Path, 
         if not _built(name):  # the one slow step: say so (cached afterwards)
             print("leapfx: building the CPU kernels (first use only, ~1 min)...", file=sys.stderr)
         serial = f"{name}_serial"
+        kind = {"python_module": python_module}
         if _built(serial) and not _built(name):  # OpenMP failed on this machine before
-            _build(cpp_extension, serial, source, openmp=False)
+            module = _build(cpp_extension, serial, source, openmp=False, **kind)
         else:
             try:
-                _build(cpp_extension, name, source, openmp=True)
+                module = _build(cpp_extension, name, source, openmp=True, **kind)
             except Exception as exc:
                 log.info("leapfx CPU kernels (%s) without OpenMP: %s", source.name, exc)
-                _build(cpp_extension, serial, source, openmp=False)
+                module = _build(cpp_extension, serial, source, openmp=False, **kind)
     except Exception as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         log.warning("leapfx CPU kernels (%s) unavailable (%s): %s", source.name, fallback, first)
         return False
-    return True
+    return module if python_module else True
 
 
 def resolve(
@@ -148,14 +155,14 @@ def resolve(
 STALE_LOCK_S = 900.0
 
 
-def _build(cpp_extension, name: str, source: Path, *, openmp: bool) -> None:
+def _build(cpp_extension, name: str, source: Path, *, openmp: bool, python_module: bool = False):
     _clear_stale_lock(name)
-    cpp_extension.load(
+    return cpp_extension.load(
         name=name,
         sources=[str(source)],
         extra_cflags=[*FLAGS, OPENMP] if openmp else list(FLAGS),
         extra_ldflags=[OPENMP] if openmp else [],
-        is_python_module=False,
+        is_python_module=python_module,
         verbose=False,
     )
 

@@ -1,6 +1,6 @@
 """The disk tier's reader as a C++ extension: expert reads on threads that never take the GIL.
 
-``torch.classes.leapfx_cpu.Reader(delay_ns, workers, spin_ns, idle_spin_ns, cpu)`` owns
+``Reader(delay_ns, workers, spin_ns, idle_spin_ns, cpu)`` (the extension's class) owns
 ``workers`` threads (``std::thread``, on CPU ``cpu`` unless it is -1) and two queues of reads,
 demand ahead of prefetch. A job is data, a list of reads, each ``(layer, expert, fd, file
 offset, expected bytes, [(destination pointer, bytes), ...])``, and each read is one
@@ -29,8 +29,9 @@ call                               what
 ``reader.take(ticket)``            ``(bytes, error or "", [start, end] ns per read)``, once
 =================================  ==============================================================
 
-torch releases the GIL around a custom-class method called from Python, so ``wait`` and
-``run`` block only their own thread, and the workers never touch a Python object. Built like
+``wait``, ``run`` and ``close`` release the GIL, so they block only their own thread, and
+the workers never touch a Python object. A pybind11 module, not a torch custom class: a call
+through ``torch.classes`` cost about 2 us more (``cpu_reader.cpp``). Built like
 :mod:`leapfx.kernels.cpu`'s kernels (its own extension, first use).
 """
 
@@ -39,23 +40,25 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-import torch
-
 from . import cpu
 
 SOURCE = Path(__file__).with_name("cpu_reader.cpp")
 
 
 @functools.cache
+def _module():
+    """The built extension module (built on the first call), or None where it cannot be
+    built (one warning)."""
+    module = cpu.load_extension(
+        "reader", SOURCE, "the offload runtime reads on a Python thread", python_module=True
+    )
+    return module or None
+
+
 def available() -> bool:
-    """True once ``torch.classes.leapfx_cpu.Reader`` is built and registered (built on the
-    first call); False, with one warning, where it cannot be built."""
-    try:
-        torch.classes.leapfx_cpu.Reader  # noqa: B018 (registered already: nothing to build)
-        return True
-    except (AttributeError, RuntimeError):
-        pass
-    return cpu.load_extension("reader", SOURCE, "the offload runtime reads on a Python thread")
+    """True once the extension's ``Reader`` is built and loaded (built on the first call);
+    False, with one warning, where it cannot be built."""
+    return _module() is not None
 
 
 WORKERS = 4  # reads in flight: the local disk's throughput barely grows past 4 (~2.1 GB/s at 8)
@@ -81,6 +84,6 @@ def reader(
     (0, '', [])
     """
     assert available(), "cpu_reader.available() is False"
-    return torch.classes.leapfx_cpu.Reader(
+    return _module().Reader(
         int(delay_s * 1e9), int(workers), int(spin_s * 1e9), int(idle_spin_s * 1e9), int(cpu)
     )
