@@ -317,6 +317,8 @@ def _offload_options(args: argparse.Namespace) -> dict:
     lead = _prefetch_lead(args.offload_prefetch_lead)
     return {"offload_slots": slots, "offload_m2r2_parts": parts, "offload_dir": args.offload_dir,
             "offload_engine": args.offload_engine, "offload_prefetch_lead": lead,
+            "offload_slow_dtype": None if args.offload_slow_dtype == "none"
+            else args.offload_slow_dtype,
             "offload_reuse_probe": probe if slots is not None else None}  # fmt: skip
 
 
@@ -328,9 +330,12 @@ def _offload_report(model, rows, config, prompts, exit_layer: int, plot: str | N
 
     print(bench_table(rows))
     engines = sorted({r.extra["offload"]["engine"] for r in rows if "offload" in r.extra})
+    dtypes = sorted({r.extra["offload"]["slow_dtype"] for r in rows if "offload" in r.extra})
     print(
         f"offload rows: eager, disk tier, {config.offload_slots} expert slots per MoE layer, "
-        f"transfer engine {', '.join(engines)} (--offload-engine {config.offload_engine}); "
+        f"transfer engine {', '.join(engines)} (--offload-engine {config.offload_engine}), "
+        f"disk tier in {', '.join(dtypes)} (--offload-slow-dtype "
+        f"{config.offload_slow_dtype or 'none'}); "
         "vs none: tokens/s over leapfx_offload_none; identical: every prompt equal to "
         "leapfx_resident; hit rate: demanded experts resident; ready: resident and loaded when "
         "their layer asked (a hit whose prefetch was still being read is late)"
@@ -348,7 +353,7 @@ def _offload_report(model, rows, config, prompts, exit_layer: int, plot: str | N
         config.offload_slots, exit_layer=exit_layer, num_speculations=config.num_speculations,
         m2r2_parts=config.offload_m2r2_parts, path=config.offload_dir,
         engine=config.offload_engine, reuse_probe=config.offload_reuse_probe,
-        prefetch_lead=config.offload_prefetch_lead,
+        prefetch_lead=config.offload_prefetch_lead, slow_dtype=config.offload_slow_dtype,
     )  # fmt: skip
     traces = {}
     for name in ("leapfx_offload_none", "leapfx_offload_next_gate", "leapfx_offload_m2r2"):
@@ -989,6 +994,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="CPU transfer engine of the offload rows: native (C++ reader threads, no GIL), "
         "thread (a Python worker) or auto (native where the disk tier reads straight into the "
         "slots and the reader builds)",
+    )  # fmt: skip
+    bench.add_argument(
+        "--offload-slow-dtype", default="none", choices=("none", "auto", "float16", "bfloat16"),
+        help="the disk tier's dtype for float32 experts (OffloadOptions.slow_dtype): float16 or "
+        "bfloat16 where it holds them exactly (half the bytes, widened as read, decoding "
+        "unchanged), auto (the first that does, else float32), none (the experts' own; default)",
     )  # fmt: skip
     bench.add_argument(
         # OffloadOptions' DEFAULT_PREFETCH_LEAD (a literal: the parser is built without torch;

@@ -540,6 +540,7 @@ def test_disk_store_reads_straight_into_aligned_slots(tmp_path):
         ({"prefetch": "m3"}, "prefetch"),
         ({"prefetch_budget": -1}, "prefetch_budget"),
         ({"tier": "nvme"}, "tier"),
+        ({"slow_dtype": "int8"}, "slow_dtype: 'int8' is invalid"),
         ({"policy": "reuse"}, "reuse_probe: missing with policy='reuse'"),
         ({"reuse_probe": "probe.safetensors"}, "reuse_probe: given with policy='lru'"),
         ({"policy": "reuse", "reuse_probe": 3}, "reuse_probe: 3 is invalid"),

@@ -280,6 +280,78 @@ def test_native_wait_releases_the_gil():
     assert during > 1000
 
 
+def test_native_reader_refuses_an_unknown_conversion():
+    with pytest.raises(RuntimeError, match="convert: 7 is invalid"):
+        cpu_reader.reader().submit(False, [0, 0, 0, 0, 4096, 7, 1, 0, 4096])
+
+
+# ---- a narrowed disk tier ---------------------------------------------------------------------
+
+
+def _rounded(model, dtype: torch.dtype):
+    """``model`` with every expert weight rounded to ``dtype`` and kept in float32 (a float16
+    or bfloat16 checkpoint computed in float32)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".experts." in name:
+                p.copy_(p.to(dtype).to(p.dtype))
+    return model
+
+
+@pytest.mark.parametrize("engine", ["native", "thread"])
+@pytest.mark.parametrize(
+    ("rounded", "slow_dtype"), [(torch.float16, "auto"), (torch.bfloat16, "bfloat16")]
+)
+def test_a_narrowed_disk_tier_decodes_like_resident(engine, rounded, slow_dtype):
+    """Experts that a 2-byte dtype holds exactly go to disk in it (half the bytes) and are
+    widened as they are read: by the native reader from its own buffer, by ThreadEngine
+    through the store's. Poisoned slots and delayed reads: every widened value is waited for."""
+    # intermediate 64: the float16 slices are 8 and 4 KiB, whole blocks, so the native reader
+    # takes them
+    model = _rounded(tiny_moe_model("olmoe", layers=4, experts=8, top_k=2, intermediate=64,
+                                    seed=5), rounded)  # fmt: skip
+    prompt = torch.tensor([[2, 7, 1, 8, 2, 8]])
+    resident, _ = _generate(model, "autoregressive", prompt, 16)
+    options = OffloadOptions(engine=engine, tier="disk", poison=True, slots=3,
+                             prefetch="next_gate", slow_dtype=slow_dtype,
+                             transfer_delay_s=0.002)  # fmt: skip
+    ours, sm = _decode(model, "autoregressive", prompt, 16, options)
+    assert type(sm.offload.engine).__name__ == {"native": "NativeEngine",
+                                                "thread": "ThreadEngine"}[engine]  # fmt: skip
+    store = sm.offload.store
+    assert store.file_dtype == rounded
+    assert sm.offload.expert_bytes == (128 * 32 + 32 * 64) * 2  # float16 / bfloat16 bytes
+    assert torch.equal(ours, resident), f"offloaded {ours.tolist()}\nresident  {resident.tolist()}"
+    assert sm.last_offload_report.demand_bytes_per_token > 0
+
+
+def test_a_narrowed_disk_tier_only_where_exact(tmp_path):
+    """``auto`` keeps float32 where no 2-byte dtype holds the experts; asked for one that does
+    not, the store refuses (decoding would change); the host tier narrows nothing."""
+    from leapfx.runtime.offload.store import aligned_pool
+
+    model = tiny_moe_model("olmoe", layers=2, experts=4, intermediate=64, seed=1)
+    sm = rewrite.apply(model, "autoregressive", offload=OffloadOptions(slots=2, slow_dtype="auto"))
+    assert sm.offload.store.file_dtype == torch.float32
+    sm.offload.close()
+    with pytest.raises(ValueError, match="slow_dtype: torch.float16 does not hold the experts"):
+        rewrite.apply(model, "autoregressive",
+                      offload=OffloadOptions(slots=2, slow_dtype="float16"))  # fmt: skip
+    host = OffloadOptions(slots=2, tier="host", slow_dtype="float16")
+    with pytest.raises(ValueError, match="slow_dtype: 'float16' with the 'host' tier"):
+        rewrite.apply(model, "autoregressive", offload=host)
+    gate_up = torch.randn(3, 64, 32).half().float()
+    down = torch.randn(3, 32, 32).half().float()
+    store = DiskStore({0: (gate_up, down)}, path=tmp_path / "e.bin", file_dtype=torch.float16)
+    assert os.path.getsize(tmp_path / "e.bin") == 3 * (4096 + 2048 + 2048)  # padded halves
+    a, b = torch.empty(64, 32), torch.empty(32, 32)
+    assert store.read_into(0, 2, a, b) == (64 * 32 + 32 * 32) * 2
+    assert torch.equal(a, gate_up[2]) and torch.equal(b, down[2])
+    pool_a = aligned_pool((1, 64, 32), torch.float32, 0.0)
+    assert store.direct_read(0, 1, pool_a[0], b) is None  # down's 2 KiB half needs padding
+    store.close()
+
+
 # ---- selection --------------------------------------------------------------------------------
 
 

@@ -139,6 +139,7 @@ class BenchConfig:
     offload_dir: str | None = None  # where the disk tiers' files go (None: temporary files)
     offload_engine: str = "auto"  # OffloadOptions.engine: auto | native | thread
     offload_prefetch_lead: int | None = DEFAULT_PREFETCH_LEAD  # None: all at once
+    offload_slow_dtype: str | None = None  # OffloadOptions.slow_dtype: None | auto | float16 | ...
     # the *_reuse rows' learned eviction (a ReuseProbe file; None: no such rows)
     offload_reuse_probe: str | None = None
 
@@ -446,7 +447,7 @@ def _offload_systems(model, config: BenchConfig, exit_layer: int, n: int, sampli
         config.offload_slots, exit_layer=exit_layer, num_speculations=config.num_speculations,
         m2r2_parts=config.offload_m2r2_parts, path=config.offload_dir,
         engine=config.offload_engine, reuse_probe=config.offload_reuse_probe,
-        prefetch_lead=config.offload_prefetch_lead,
+        prefetch_lead=config.offload_prefetch_lead, slow_dtype=config.offload_slow_dtype,
     )  # fmt: skip
     if sampling["do_sample"] or config.warmup < 1:
         # The oracle replays each prompt's routing, recorded in the warm-up pass: greedy only.

@@ -171,7 +171,7 @@ class RoutingOracle:
 def offload_systems(
     slots: float | int, *, exit_layer: int, num_speculations: int | None = None,
     m2r2_parts=None, policy: str = "lru", path=None, engine: str = "auto", reuse_probe=None,
-    prefetch_lead: int | None = DEFAULT_PREFETCH_LEAD,
+    prefetch_lead: int | None = DEFAULT_PREFETCH_LEAD, slow_dtype: str | None = None,
 ) -> dict[str, tuple[str, OffloadOptions | None, dict]]:  # fmt: skip
     """Row name -> (recipe, offload options or None, recipe options) of the offload rows.
 
@@ -179,6 +179,7 @@ def offload_systems(
     ``engine``: the transfer engine (``OffloadOptions.engine``: auto, native or thread).
     ``prefetch_lead``: ``OffloadOptions.prefetch_lead`` of every row (m2r2's and the oracle's
     loads, that many layers ahead; None: all at a step's start).
+    ``slow_dtype``: ``OffloadOptions.slow_dtype`` of every row (the disk tier's dtype).
     ``reuse_probe``: a ``ReuseProbe`` or its file: with ``policy="reuse"`` every row's, else
     the ``*_reuse`` rows' (None: no such rows).
     """
@@ -191,7 +192,7 @@ def offload_systems(
             kw["reuse_probe"] = reuse_probe
         return OffloadOptions(
             slots=slots, policy=evict, prefetch=prefetch, path=file, engine=engine,
-            prefetch_lead=prefetch_lead, **kw,
+            prefetch_lead=prefetch_lead, slow_dtype=slow_dtype, **kw,
         )  # fmt: skip
 
     reuse = {}
@@ -233,6 +234,7 @@ def summarize(reports: list) -> dict:
         out[f] = sum(values) / len(values) if values else None
     layers = reports[0].hit_rate_per_layer
     out["engine"] = reports[0].engine
+    out["slow_dtype"] = reports[0].slow_dtype
     for f in ("hit_rate_per_layer", "ready_rate_per_layer", "stall_ms_per_token_per_layer"):
         if getattr(reports[0], f) is None:  # ready rates: not known on CUDA
             out[f] = None

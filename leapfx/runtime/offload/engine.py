@@ -86,7 +86,8 @@ class ReadJob:
             read = self.store.direct_read(self.layer, expert, gate_up, down)
             if read is None:
                 return None
-            out += [self.layer, expert, read.fd, read.offset, read.nbytes, len(read.buffers)]
+            out += [self.layer, expert, read.fd, read.offset, read.nbytes, read.convert,
+                    len(read.buffers)]  # fmt: skip
             for address, nbytes in read.buffers:
                 out += [address, nbytes]
         return out

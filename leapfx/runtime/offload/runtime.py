@@ -50,7 +50,7 @@ from ...kernels import cpu_reader
 from .engine import CudaEngine, NativeEngine, ReadJob, ThreadEngine, TransferEngine
 from .reuse import ReuseProbe
 from .slots import POLICIES, Placement, SlotCache, SlotStats
-from .store import DiskStore, HostStore, aligned_pool
+from .store import DiskStore, HostStore, aligned_pool, narrowest_exact
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +64,7 @@ TIERS = ("auto", "disk", "host")
 # into the slots), "thread" (Python worker threads, any slow tier); "auto": native where it
 # applies and builds, else thread. A model on CUDA always uses CudaEngine ("auto" only).
 ENGINES = ("auto", "native", "thread")
+SLOW_DTYPES = (None, "auto", "float16", "bfloat16")  # OffloadOptions.slow_dtype
 # OffloadOptions.prefetch_lead's default. Measured on a 2-core AMD EPYC at half the slots
 # (docs/benchmarks.md, 2026-11-24 22:05): m2r2 2.46 ms a token with 2, 2.33 with 3 (faster in
 # each of 9 passes); with every read made 0.25 / 0.5 ms slower, 3 beat 2 by 9-10% and was
@@ -104,6 +105,11 @@ class OffloadOptions:
     tier: str = "auto"
     path: str | os.PathLike | None = None  # the disk tier's file; None: a temporary file
     direct_io: bool = True  # False: buffered reads (the page cache then serves repeats)
+    # The disk tier's dtype for float32 experts: "float16" or "bfloat16" where it holds every
+    # expert exactly (a float16 or bfloat16 checkpoint computed in float32): half the bytes
+    # to read, widened back as they are read, decoding unchanged; "auto": the first of the
+    # two that holds them exactly, else the experts' own dtype; None: the experts' own dtype.
+    slow_dtype: str | None = None
     # Debugging aids for tests: fill a slot with NaN when it is reassigned (a compute that does
     # not wait for its load then reads NaN), and delay every transfer.
     poison: bool = False
@@ -132,6 +138,7 @@ class OffloadOptions:
             ("prefetch", self.prefetch, PREFETCH_POLICIES),
             ("tier", self.tier, TIERS),
             ("engine", self.engine, ENGINES),
+            ("slow_dtype", self.slow_dtype, SLOW_DTYPES),
         ):
             if value not in allowed:
                 raise ValueError(
@@ -226,6 +233,7 @@ class OffloadReport:
     prefetch_recall: float | None  # demanded experts that had been predicted / demanded
     seconds: float = 0.0
     engine: str = ""  # the transfer engine's class (NativeEngine, ThreadEngine, CudaEngine)
+    slow_dtype: str = ""  # the dtype the slow tier holds the experts in ("float32", ...)
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -274,15 +282,27 @@ class ExpertOffload:
         self.device, self.dtype = gate_up.device, gate_up.dtype
         self.num_experts = gate_up.shape[0]
         self.num_slots = options.num_slots(self.num_experts)
-        self.expert_bytes = (gate_up[0].numel() + down[0].numel()) * gate_up.element_size()
         tier = options.tier
         if tier == "auto":
             tier = "host" if self.device.type == "cuda" else "disk"
         pairs = {i: (m.gate_up_proj, m.down_proj) for i, m in experts.items()}
         if tier == "disk":
-            self.store = DiskStore(pairs, options.path, direct_io=options.direct_io)
+            narrow = options.slow_dtype
+            if narrow == "auto":
+                file_dtype = narrowest_exact(pairs)
+            else:
+                file_dtype = None if narrow is None else getattr(torch, narrow)
+            self.store = DiskStore(pairs, options.path, direct_io=options.direct_io,
+                                   file_dtype=file_dtype)  # fmt: skip
         else:
+            if options.slow_dtype not in (None, "auto"):
+                raise ValueError(
+                    f"slow_dtype: {options.slow_dtype!r} with the {tier!r} tier; allowed: None "
+                    "or 'auto' (only the disk tier narrows the experts it holds)"
+                )
             self.store = HostStore(pairs, pin=self.device.type == "cuda")
+        # What one expert's load moves from the slow tier (the byte counts and budgets).
+        self.expert_bytes = self.store.expert_bytes
         make = dict(dtype=self.dtype, device=self.device)
         fill = math.nan if options.poison else 0.0
         s = self.num_slots
@@ -685,6 +705,7 @@ class ExpertOffload:
             prefetch_recall=c.true_positives / c.demanded_scored if c.demanded_scored else None,
             seconds=seconds,
             engine=type(self.engine).__name__,
+            slow_dtype=str(getattr(self.store, "file_dtype", self.dtype)).removeprefix("torch."),
         )
 
     def slot_stats(self) -> dict[int, SlotStats]:

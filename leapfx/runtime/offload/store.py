@@ -63,15 +63,41 @@ def _aligned(t: torch.Tensor) -> bool:
     return t.is_contiguous() and t.data_ptr() % ALIGN == 0 and _nbytes(t) % ALIGN == 0
 
 
+# DirectRead.convert: the record as it is (AS_IS), or 2-byte floats widened to float32
+CONVERT = {None: 0, torch.float16: 1, torch.bfloat16: 2}
+# The file dtypes a DiskStore may narrow float32 experts to (OffloadOptions.slow_dtype)
+NARROW = (torch.float16, torch.bfloat16)
+
+
 class DirectRead(NamedTuple):
     """One expert's record read straight into a slot: ``preadv(fd, buffers, offset)`` must
     return ``nbytes``. ``buffers``: (address, bytes) of the slot's gate_up and down views,
-    valid while those tensors live."""
+    valid while those tensors live. ``convert`` (``CONVERT``): 0, the bytes as they are; 1 or
+    2, a record of float16 or bfloat16 values read through a buffer and widened to float32
+    into the views (each view takes bytes / 2 of the record, in order)."""
 
     fd: int
     offset: int
     nbytes: int
     buffers: tuple[tuple[int, int], ...]
+    convert: int = 0
+
+
+def narrowest_exact(layers: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> torch.dtype | None:
+    """The first of ``NARROW`` that holds every one of ``layers``' float32 experts exactly
+    (a float16 checkpoint computed in float32, say), or None."""
+    pairs = list(layers.values())
+    if any(t.dtype != torch.float32 for pair in pairs for t in pair):
+        return None
+    for dtype in NARROW:
+        if all(_exact(t, dtype) for pair in pairs for t in pair):
+            return dtype
+    return None
+
+
+def _exact(t: torch.Tensor, dtype: torch.dtype) -> bool:
+    with torch.no_grad():
+        return bool(torch.equal(t.detach().to(dtype).to(t.dtype), t.detach()))
 
 
 class HostStore:
@@ -86,6 +112,8 @@ class HostStore:
             for i, pair in layers.items()
         }
         self.pinned = pin
+        first_gate_up, first_down = next(iter(self.layers.values()))
+        self.expert_bytes = _nbytes(first_gate_up[0]) + _nbytes(first_down[0])
 
     def read_into(self, layer: int, expert: int, gate_up: torch.Tensor, down: torch.Tensor) -> int:
         src_gate_up, src_down = self.layers[layer]
@@ -111,11 +139,32 @@ class DiskStore:
         path: str | os.PathLike | None = None,
         *,
         direct_io: bool = True,
+        file_dtype: torch.dtype | None = None,
     ) -> None:
         first_gate_up, first_down = next(iter(layers.values()))
         self._shapes = (tuple(first_gate_up.shape[1:]), tuple(first_down.shape[1:]))
-        self.dtype = first_gate_up.dtype
-        self._sizes = (_nbytes(first_gate_up[0]), _nbytes(first_down[0]))
+        self.dtype = first_gate_up.dtype  # the slots' (compute) dtype
+        # The file's dtype: the experts' own, or one of NARROW that holds them exactly
+        # (half the bytes to read; widened back to float32 as they are read).
+        self.file_dtype = file_dtype or self.dtype
+        if self.file_dtype != self.dtype:
+            if self.dtype != torch.float32 or self.file_dtype not in NARROW:
+                raise ValueError(
+                    f"slow_dtype: {self.file_dtype} under {self.dtype} experts is invalid; "
+                    "allowed: float16 or bfloat16 under float32 experts, or None"
+                )
+            for i, pair in layers.items():
+                if not all(_exact(t, self.file_dtype) for t in pair):
+                    raise ValueError(
+                        f"slow_dtype: {self.file_dtype} does not hold the experts of layer {i} "
+                        "exactly (narrowing would change the model's outputs); allowed: None, "
+                        "'auto' (narrow only where exact), or a dtype that holds them exactly"
+                    )
+        wide = first_gate_up.element_size()
+        narrow = torch.empty((), dtype=self.file_dtype).element_size()
+        self._slot_sizes = (_nbytes(first_gate_up[0]), _nbytes(first_down[0]))
+        self._sizes = tuple(size // wide * narrow for size in self._slot_sizes)  # in the file
+        self.expert_bytes = sum(self._sizes)  # what reading one expert moves
         self.record = _padded(self._sizes[0]) + _padded(self._sizes[1])
         self._owned = path is None
         if path is None:
@@ -139,7 +188,8 @@ class DiskStore:
                 for e in range(gate_up.shape[0]):
                     self._offsets[(i, e)] = offset
                     for part in (gate_up[e], down[e]):
-                        raw = part.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
+                        part = part.detach().to(self.file_dtype).contiguous().cpu()
+                        raw = part.view(torch.uint8).numpy().tobytes()
                         f.write(raw + bytes(_padded(len(raw)) - len(raw)))
                     offset += self.record
             f.flush()
@@ -181,16 +231,21 @@ class DiskStore:
                 f"multiples of {ALIGN} bytes, so records are padded and read through a buffer"
             )
         if not all(t.device.type == "cpu" and t.dtype == self.dtype for t in (gate_up, down)):
-            return f"the slots are not CPU tensors of the file's dtype {self.dtype}"
-        if not (_aligned(gate_up) and _aligned(down)):
+            return f"the slots are not CPU tensors of the experts' dtype {self.dtype}"
+        if self.file_dtype != self.dtype:  # widened from a bounce buffer: any contiguous slot
+            if not (gate_up.is_contiguous() and down.is_contiguous()):
+                return "the slots are not contiguous"
+        elif not (_aligned(gate_up) and _aligned(down)):
             return f"the slots are not contiguous and {ALIGN}-byte aligned"
-        if (_nbytes(gate_up), _nbytes(down)) != self._sizes:
+        if (_nbytes(gate_up), _nbytes(down)) != self._slot_sizes:
             return "the slots' sizes differ from the file's expert slices"
         return None
 
     def _targets(self, gate_up: torch.Tensor, down: torch.Tensor) -> list[memoryview] | None:
         """The slot's two views as ``preadv`` buffers, or None where a direct read cannot fill
         them (padded records, unaligned or non-CPU views, a dtype other than the file's)."""
+        if self.file_dtype != self.dtype:  # read through the bounce buffer, then widened
+            return None
         key = (gate_up.data_ptr(), down.data_ptr())
         views = self._iovecs.get(key)
         if views is None:
@@ -205,11 +260,19 @@ class DiskStore:
     def direct_read(
         self, layer: int, expert: int, gate_up: torch.Tensor, down: torch.Tensor
     ) -> DirectRead | None:
-        """``read_into``'s direct read as data, or None where it would use the bounce buffer."""
+        """``read_into``'s read as data for a reader outside Python (into the slot, or for a
+        narrowed file through that reader's buffer, widened into the slot); None where it
+        cannot (padded records, slots it cannot fill)."""
+        offset = self._offsets[(layer, expert)]
+        sizes = self._slot_sizes
+        buffers = ((gate_up.data_ptr(), sizes[0]), (down.data_ptr(), sizes[1]))
+        if self.file_dtype != self.dtype:
+            if self.direct_refusal(gate_up, down) is not None:
+                return None
+            return DirectRead(self._fd, offset, self.record, buffers, CONVERT[self.file_dtype])
         if self._targets(gate_up, down) is None:
             return None
-        buffers = ((gate_up.data_ptr(), self._sizes[0]), (down.data_ptr(), self._sizes[1]))
-        return DirectRead(self._fd, self._offsets[(layer, expert)], self.record, buffers)
+        return DirectRead(self._fd, offset, self.record, buffers)
 
     def read_into(self, layer: int, expert: int, gate_up: torch.Tensor, down: torch.Tensor) -> int:
         offset = self._offsets[(layer, expert)]
@@ -224,8 +287,8 @@ class DiskStore:
         raw = torch.frombuffer(buf, dtype=torch.uint8)
         start = 0
         for dst, size, shape in zip((gate_up, down), self._sizes, self._shapes, strict=True):
-            src = raw[start : start + size].view(self.dtype).view(shape)
-            dst.copy_(src)
+            src = raw[start : start + size].view(self.file_dtype).view(shape)
+            dst.copy_(src)  # widens a narrowed file's values (exactly)
             start += _padded(size)
         return sum(self._sizes)  # expert bytes moved (the padding is read, not counted)
 
