@@ -3,8 +3,10 @@
 ``Reader(delay_ns, workers, spin_ns, idle_spin_ns, cpu)`` (the extension's class) owns
 ``workers`` threads (``std::thread``, on CPU ``cpu`` unless it is -1) and two queues of reads,
 demand ahead of prefetch. A job is data, a list of reads, each ``(layer, expert, fd, file
-offset, expected bytes, [(destination pointer, bytes), ...])``, and each read is one
-``preadv`` straight into the slot's memory; the reads of a job run side by side, up to
+offset, expected bytes, convert, [(destination pointer, bytes), ...])``, and each read is one
+``preadv`` straight into the slot's memory (``convert`` 1 or 2: a record of float16 or
+bfloat16 values, read into the thread's own buffer and widened to float32 into the slot);
+the reads of a job run side by side, up to
 ``workers`` in flight (the project's VM reads a 192 KiB expert with ``O_DIRECT`` at 1.0-1.7
 GB/s one at a time and 1.3-2.9 GB/s eight at a time, depending on the hour: its disk does not
 always run reads side by side; ``examples/disk_reads.py`` measures a disk). A ``submit`` wakes
