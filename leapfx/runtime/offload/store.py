@@ -63,7 +63,7 @@ def _aligned(t: torch.Tensor) -> bool:
     return t.is_contiguous() and t.data_ptr() % ALIGN == 0 and _nbytes(t) % ALIGN == 0
 
 
-# DirectRead.convert: the record as it is (AS_IS), or 2-byte floats widened to float32
+# DirectRead.convert: 0, the record as it is; 1 or 2, float16 or bfloat16 widened to float32
 CONVERT = {None: 0, torch.float16: 1, torch.bfloat16: 2}
 # The file dtypes a DiskStore may narrow float32 experts to (OffloadOptions.slow_dtype)
 NARROW = (torch.float16, torch.bfloat16)
