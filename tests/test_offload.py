@@ -556,6 +556,17 @@ def test_offload_options_are_validated(kwargs, match):
         rewrite.apply(model, "autoregressive", offload=OffloadOptions(**kwargs))
 
 
+def test_the_bench_slow_dtype_choices_are_the_runtime_ones():
+    """``leapfx bench --offload-slow-dtype`` spells OffloadOptions' choices (the parser does
+    not import the runtime): "none" stands for None."""
+    from leapfx.cli import build_parser
+    from leapfx.runtime.offload.runtime import SLOW_DTYPES
+
+    bench = next(a for a in build_parser()._actions if a.dest == "command").choices["bench"]
+    action = next(a for a in bench._actions if a.dest == "offload_slow_dtype")
+    assert tuple(None if c == "none" else c for c in action.choices) == SLOW_DTYPES
+
+
 def test_offload_refuses_dense_models_and_compiled_backends():
     from tests.conftest import tiny_model
 

@@ -50,7 +50,7 @@ from ...kernels import cpu_reader
 from .engine import CudaEngine, NativeEngine, ReadJob, ThreadEngine, TransferEngine
 from .reuse import ReuseProbe
 from .slots import POLICIES, Placement, SlotCache, SlotStats
-from .store import DiskStore, HostStore, aligned_pool, narrowest_exact
+from .store import DiskStore, HostStore, aligned_pool
 
 log = logging.getLogger(__name__)
 
@@ -288,10 +288,7 @@ class ExpertOffload:
         pairs = {i: (m.gate_up_proj, m.down_proj) for i, m in experts.items()}
         if tier == "disk":
             narrow = options.slow_dtype
-            if narrow == "auto":
-                file_dtype = narrowest_exact(pairs)
-            else:
-                file_dtype = None if narrow is None else getattr(torch, narrow)
+            file_dtype = narrow if narrow in (None, "auto") else getattr(torch, narrow)
             self.store = DiskStore(pairs, options.path, direct_io=options.direct_io,
                                    file_dtype=file_dtype)  # fmt: skip
         else:
@@ -545,7 +542,10 @@ class ExpertOffload:
         """The (layer, slot) keys of ``ids``' resident experts with a load in flight, each
         counted as a late hit unless its load has landed (checked for all of them before any is
         waited for: one job's reads land together)."""
-        slot_of, pending = self.caches[layer].slot_of, self._pending
+        pending = self._pending
+        if not pending:  # nothing in flight (on-demand loading, between prefetches)
+            return []
+        slot_of = self.caches[layer].slot_of
         keys = [(layer, slot_of[e]) for e in ids if e in slot_of]
         keys = [k for k in keys if k in pending]
         if keys and self._host_engine:  # CUDA: the host cannot tell (ready_rate is None)

@@ -139,15 +139,19 @@ class DiskStore:
         path: str | os.PathLike | None = None,
         *,
         direct_io: bool = True,
-        file_dtype: torch.dtype | None = None,
+        file_dtype: torch.dtype | str | None = None,
     ) -> None:
         first_gate_up, first_down = next(iter(layers.values()))
         self._shapes = (tuple(first_gate_up.shape[1:]), tuple(first_down.shape[1:]))
         self.dtype = first_gate_up.dtype  # the slots' (compute) dtype
         # The file's dtype: the experts' own, or one of NARROW that holds them exactly
-        # (half the bytes to read; widened back to float32 as they are read).
+        # (half the bytes to read; widened back to float32 as they are read); "auto": the
+        # first of NARROW that does (checked there), else the experts' own.
+        checked = file_dtype == "auto"
+        if checked:
+            file_dtype = narrowest_exact(layers)
         self.file_dtype = file_dtype or self.dtype
-        if self.file_dtype != self.dtype:
+        if self.file_dtype != self.dtype and not checked:
             if self.dtype != torch.float32 or self.file_dtype not in NARROW:
                 raise ValueError(
                     f"slow_dtype: {self.file_dtype} under {self.dtype} experts is invalid; "
