@@ -84,9 +84,9 @@ def _time(fd: int, record: int, args: argparse.Namespace) -> None:
             took = []
             for _ in range(args.repeats):
                 spec = []
-                for j in range(k):  # [layer, expert, fd, offset, bytes, buffers, ptr, bytes]
+                for j in range(k):  # [layer, expert, fd, offset, bytes, convert, n, ptr, bytes]
                     offset = rng.randrange(args.experts) * record
-                    spec += [0, j, fd, offset, record, 1, base + j * record, record]
+                    spec += [0, j, fd, offset, record, 0, 1, base + j * record, record]
                 time.sleep(5e-4)  # a decode step's gap between reads
                 start = time.perf_counter()
                 ticket = reader.submit(True, spec)

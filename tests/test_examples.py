@@ -1,0 +1,55 @@
+"""The scripts in examples/ still run against the library.
+
+Each script is started in a fresh interpreter: ``quickstart.py`` whole (a tiny random Llama,
+seconds), ``disk_reads.py`` on a small file (it drives the native reader with the spec the
+offload runtime uses, so a change of that spec must change the example too), and every other
+script with ``--help`` (their imports and argument parsers; their real runs train or time for
+minutes).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from leapfx.kernels import cpu_reader
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+SCRIPTS = sorted(p.name for p in EXAMPLES.glob("*.py"))
+
+
+def _run(*args: str, timeout: float = 300) -> str:
+    done = subprocess.run([sys.executable, *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=EXAMPLES.parent)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def test_the_examples_are_found():
+    assert {"quickstart.py", "disk_reads.py"} <= set(SCRIPTS)
+
+
+@pytest.mark.parametrize("script", [s for s in SCRIPTS if s != "quickstart.py"])
+def test_example_parses_its_arguments(script):
+    assert "usage:" in _run(f"examples/{script}", "--help")
+
+
+def test_quickstart_runs_and_is_identical():
+    assert "identical to HF greedy: True" in _run("examples/quickstart.py")
+
+
+def test_disk_reads_times_every_job_size(tmp_path):
+    if not cpu_reader.available():
+        pytest.skip("the leapfx_cpu reader extension did not build here")
+    out = _run(
+        "examples/disk_reads.py", "--experts", "16", "--repeats", "2", "--dir", str(tmp_path)
+    )
+    rows = [
+        r for r in (line.split() for line in out.splitlines()) if len(r) == 3 and r[0].isdigit()
+    ]  # experts, us/job, GB/s
+    assert [int(r[0]) for r in rows] == [1, 2, 3, 4, 6, 8]
+    assert all(float(r[2]) > 0 for r in rows)
+    assert list(tmp_path.iterdir()) == []  # its file is removed
