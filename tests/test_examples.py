@@ -1,10 +1,10 @@
 """The scripts in examples/ still run against the library.
 
 Each script is started in a fresh interpreter: ``quickstart.py`` whole (a tiny random Llama,
-seconds), ``disk_reads.py`` on a small file (it drives the native reader with the spec the
-offload runtime uses, so a change of that spec must change the example too), and every other
-script with ``--help`` (their imports and argument parsers; their real runs train or time for
-minutes).
+seconds), ``offload_memory.py`` on the shipped MoE model with 4 tokens, ``disk_reads.py`` on a
+small file (it drives the native reader with the spec the offload runtime uses, so a change of
+that spec must change the example too), and every other script with ``--help`` (their imports
+and argument parsers; their real runs train or time for minutes).
 """
 
 from __future__ import annotations
@@ -53,3 +53,13 @@ def test_disk_reads_times_every_job_size(tmp_path):
     assert [int(r[0]) for r in rows] == [1, 2, 3, 4, 6, 8]
     assert all(float(r[2]) > 0 for r in rows)
     assert list(tmp_path.iterdir()) == []  # its file is removed
+
+
+def test_offload_memory_on_the_shipped_moe_model():
+    out = _run("examples/offload_memory.py", "--tokens", "4")
+    rows = {r[0]: r for r in (line.split() for line in out.splitlines()) if len(r) == 6}
+    assert set(rows) >= {"resident", "offload", "load_offloaded"}
+    assert all(rows[w][5] == "identical" for w in ("offload", "load_offloaded"))
+    # model tensors: load_offloaded holds no expert, the others hold all of them
+    assert float(rows["load_offloaded"][3]) < float(rows["resident"][3]) / 4
+    assert float(rows["offload"][3]) == float(rows["resident"][3])

@@ -76,8 +76,8 @@ def load_model(path: str | Path | None = None, *, device: str = "cpu", dtype=Non
     dtype = bench_dtype(dtype, dev)
     try:
         config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
-        model = transformers.AutoModelForCausalLM.from_config(config)  # architecture check first
-        check_supported(model)
+        with torch.device("meta"):  # the architecture check first, no weights allocated
+            check_supported(transformers.AutoModelForCausalLM.from_config(config))
         model = transformers.AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, local_files_only=True
         )

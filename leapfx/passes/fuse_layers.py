@@ -470,15 +470,20 @@ def experts_kernel_covers(module: nn.Module) -> bool:
     CPU, no biases, SiLU gating, HF's default gate and no post-expert norm. Others run HF's."""
     from transformers.activations import SiLUActivation
 
+    from ..runtime.offload.checkpoint import EXPERT_SOURCE
+
     gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
     if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)):
         return False
+    # load_offloaded's modules hold meta tensors and read their experts from a checkpoint
+    source = getattr(module, EXPERT_SOURCE, None)
+    device = (source[0] if source is not None else gate_up).device
     if gate_up.dim() != 3 or down.dim() != 3:
         return False
     e, i2, h = gate_up.shape
     if i2 % 2 or tuple(down.shape) != (e, h, i2 // 2):
         return False
-    if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in (gate_up, down)):
+    if device.type != "cpu" or any(t.dtype != torch.float32 for t in (gate_up, down)):
         return False
     flags = {"has_gate": True, "has_bias": False, "is_transposed": False,
              "is_concatenated": True, "has_post_expert_norm": False}  # fmt: skip

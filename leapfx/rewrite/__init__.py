@@ -24,6 +24,7 @@ from ..passes.offload import OFFLOAD, OffloadExperts
 from ..runtime.compiled import BACKENDS
 from ..runtime.model import RecipeInfo, SpeculativeModel
 from ..runtime.offload import OffloadOptions
+from ..runtime.offload.checkpoint import checkpoint_only
 from .recipes import RECIPES, Recipe
 
 __all__ = ["apply", "recipes", "get_recipe", "Recipe", "OffloadOptions"]
@@ -123,6 +124,12 @@ def apply(
     if not isinstance(model, nn.Module):
         raise ValueError(f"model: expected a HuggingFace causal LM, got {type(model).__name__}")
     check_supported(model)
+    if offload is None and (held := checkpoint_only(model)):
+        raise ValueError(
+            f"offload: None, and the experts of {held[0]!r} (and {len(held) - 1} more) are in "
+            "the checkpoint only (leapfx.runtime.offload.load_offloaded); allowed: "
+            "offload=OffloadOptions(...)"
+        )
     if parts is not None:
         options = {**options, **parts_options(r, parts, options)}
     opts = make_options(r, model.config.num_hidden_layers, options)

@@ -2,9 +2,11 @@
 
 ``rewrite.apply(model, recipe, offload=OffloadOptions(...))`` runs any recipe over the
 offloaded model (see ``runtime`` for the design, ``slots`` for the cache rules, ``engine`` for
-the transfer engines, ``store`` for the slow tiers).
+the transfer engines, ``store`` for the slow tiers). ``load_offloaded(path)`` loads an MoE
+checkpoint without its experts, which the slow tier then reads from it (``checkpoint``).
 """
 
+from .checkpoint import CheckpointExperts, load_offloaded
 from .engine import CudaEngine, NativeEngine, ReadJob, ThreadEngine, TransferEngine
 from .reuse import ReuseProbe, fit_reuse_probe
 from .runtime import (
@@ -25,6 +27,7 @@ __all__ = [
     "ENGINES",
     "POLICIES",
     "PREFETCH_POLICIES",
+    "CheckpointExperts",
     "CudaEngine",
     "DiskStore",
     "ExpertOffload",
@@ -42,4 +45,5 @@ __all__ = [
     "ThreadEngine",
     "TransferEngine",
     "fit_reuse_probe",
+    "load_offloaded",
 ]

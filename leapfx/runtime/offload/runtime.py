@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...kernels import cpu_reader
+from .checkpoint import expert_tensors
 from .engine import CudaEngine, NativeEngine, ReadJob, ThreadEngine, TransferEngine
 from .reuse import ReuseProbe
 from .slots import POLICIES, Placement, SlotCache, SlotStats
@@ -277,15 +278,15 @@ class ExpertOffload:
         self.options = options.validate()
         self.top_k = top_k  # experts per token: what a prediction picks per token
         self.layers = sorted(experts)
-        first = experts[self.layers[0]]
-        gate_up, down = first.gate_up_proj, first.down_proj
+        # the modules' expert tensors, or the checkpoint's (load_offloaded: never in memory)
+        pairs = {i: expert_tensors(m) for i, m in experts.items()}
+        gate_up, down = pairs[self.layers[0]]
         self.device, self.dtype = gate_up.device, gate_up.dtype
         self.num_experts = gate_up.shape[0]
         self.num_slots = options.num_slots(self.num_experts)
         tier = options.tier
         if tier == "auto":
             tier = "host" if self.device.type == "cuda" else "disk"
-        pairs = {i: (m.gate_up_proj, m.down_proj) for i, m in experts.items()}
         if tier == "disk":
             narrow = options.slow_dtype
             file_dtype = narrow if narrow in (None, "auto") else getattr(torch, narrow)

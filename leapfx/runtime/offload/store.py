@@ -85,19 +85,30 @@ class DirectRead(NamedTuple):
 
 def narrowest_exact(layers: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> torch.dtype | None:
     """The first of ``NARROW`` that holds every one of ``layers``' float32 experts exactly
-    (a float16 checkpoint computed in float32, say), or None."""
+    (a float16 checkpoint computed in float32, say), or None. Checked an expert at a time (the
+    experts may be ``CheckpointExperts`` read from a checkpoint)."""
     pairs = list(layers.values())
     if any(t.dtype != torch.float32 for pair in pairs for t in pair):
         return None
-    for dtype in NARROW:
-        if all(_exact(t, dtype) for pair in pairs for t in pair):
-            return dtype
-    return None
+    candidates = list(NARROW)
+    for pair in pairs:
+        for t in pair:
+            for e in range(t.shape[0]):
+                x = t[e]
+                candidates = [d for d in candidates if _exact(x, d)]
+                if not candidates:
+                    return None
+    return candidates[0]
 
 
 def _exact(t: torch.Tensor, dtype: torch.dtype) -> bool:
     with torch.no_grad():
         return bool(torch.equal(t.detach().to(dtype).to(t.dtype), t.detach()))
+
+
+def _held(t) -> torch.Tensor:
+    """A [E, ...] tensor of ``t``'s experts: ``t`` itself, or a ``CheckpointExperts`` read."""
+    return t.detach() if isinstance(t, torch.Tensor) else t.materialize()
 
 
 class HostStore:
@@ -108,7 +119,7 @@ class HostStore:
     def __init__(self, layers: dict[int, tuple[torch.Tensor, torch.Tensor]], *, pin: bool):
         # layers: layer -> (gate_up_proj [E, 2I, H], down_proj [E, H, I])
         self.layers = {
-            i: tuple(t.detach().cpu().pin_memory() if pin else t.detach() for t in pair)
+            i: tuple(_held(t).cpu().pin_memory() if pin else _held(t) for t in pair)
             for i, pair in layers.items()
         }
         self.pinned = pin
@@ -158,13 +169,13 @@ class DiskStore:
                     "allowed: float16 or bfloat16 under float32 experts, or None"
                 )
             for i, pair in layers.items():
-                if not all(_exact(t, self.file_dtype) for t in pair):
+                if not all(_exact(t[e], self.file_dtype) for t in pair for e in range(len(t))):
                     raise ValueError(
                         f"slow_dtype: {self.file_dtype} does not hold the experts of layer {i} "
                         "exactly (narrowing would change the model's outputs); allowed: None, "
                         "'auto' (narrow only where exact), or a dtype that holds them exactly"
                     )
-        wide = first_gate_up.element_size()
+        wide = torch.empty((), dtype=self.dtype).element_size()
         narrow = torch.empty((), dtype=self.file_dtype).element_size()
         self._slot_sizes = (_nbytes(first_gate_up[0]), _nbytes(first_down[0]))
         self._sizes = tuple(size // wide * narrow for size in self._slot_sizes)  # in the file
