@@ -34,14 +34,13 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from pathlib import Path
 
 import torch
 from torch import nn
 
 EXPERT_SOURCE = "leapfx_expert_source"  # on an <X>Experts module: (gate_up, down) sources
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_SAFETENSORS_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
 
 
 class CheckpointExperts:
@@ -61,6 +60,11 @@ class CheckpointExperts:
         self.shape = torch.Size(shape)
         self.dtype = dtype
         self.device = device
+        # the dtype the checkpoint stores them in (None if its keys differ): a narrower one
+        # holds every expert exactly, which the disk tier's slow_dtype check then need not read
+        flat = [keys] if isinstance(keys, str) else [k for per in keys for k in per]
+        stored = {handles[k].get_slice(k).get_dtype() for k in flat}
+        self.stored_dtype = _SAFETENSORS_DTYPES.get(stored.pop()) if len(stored) == 1 else None
 
     def __len__(self) -> int:
         return self.shape[0]
@@ -74,6 +78,16 @@ class CheckpointExperts:
             parts = [self._handles[k].get_tensor(k) for k in self._keys[e]]
             t = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
         return t.to(self.dtype)
+
+    def fingerprint(self) -> dict:
+        """What identifies these experts without reading them: each checkpoint file they come
+        from (path, size, modification time in ns), their keys and the dtype they are read as
+        (``DiskStore`` reuses a file written from the same)."""
+        flat = [self._keys] if isinstance(self._keys, str) else [k for per in self._keys
+                                                                 for k in per]  # fmt: skip
+        files = sorted({self._handles[k].path for k in flat})
+        stats = [[f, os.stat(f).st_size, os.stat(f).st_mtime_ns] for f in files]
+        return {"files": stats, "keys": self._keys, "dtype": str(self.dtype)}
 
     def materialize(self) -> torch.Tensor:
         """Every expert as one [E, ...] tensor (the host tier holds them all in RAM)."""
@@ -109,11 +123,26 @@ def _open_checkpoint(path: Path) -> dict[str, object]:
         )
     handles = {}
     for name in files:
-        f = safe_open(str(path / name), framework="pt")
-        for key in f.keys():
+        raw = safe_open(str(path / name), framework="pt")
+        f = _Handle(raw, os.path.abspath(path / name))
+        for key in raw.keys():
             if weight_map is None or weight_map.get(key) == name:
                 handles[key] = f
     return handles
+
+
+class _Handle:
+    """An open safetensors file and its path (the fingerprint of what it holds)."""
+
+    def __init__(self, f, path: str) -> None:
+        self._f = f
+        self.path = path
+
+    def get_tensor(self, key: str) -> torch.Tensor:
+        return self._f.get_tensor(key)
+
+    def get_slice(self, key: str):
+        return self._f.get_slice(key)
 
 
 def _expert_keys(handles, prefix: str, num_experts: int):

@@ -104,7 +104,10 @@ class OffloadOptions:
     # Slow tier: "disk" (a file read with O_DIRECT), "host" (host memory, pinned for a GPU);
     # "auto": disk when the model runs on a CPU, host on a GPU.
     tier: str = "auto"
-    path: str | os.PathLike | None = None  # the disk tier's file; None: a temporary file
+    # The disk tier's file; None: a temporary file, removed at close. A given file is kept,
+    # and reused as it is when its manifest (``<path>.json``) says it was written from the
+    # same checkpoint files (load_offloaded) in the same layout and dtype; else rewritten.
+    path: str | os.PathLike | None = None
     direct_io: bool = True  # False: buffered reads (the page cache then serves repeats)
     # The disk tier's dtype for float32 experts: "float16" or "bfloat16" where it holds every
     # expert exactly (a float16 or bfloat16 checkpoint computed in float32): half the bytes

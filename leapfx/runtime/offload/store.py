@@ -7,11 +7,15 @@ An expert of a transformers-5 MoE layer is two contiguous slices, ``gate_up_proj
   record per expert (gate_up, then down, each padded to 4 KiB), read with ``O_DIRECT`` so that
   the page cache does not turn the disk into a second RAM tier. Filesystems that refuse
   ``O_DIRECT`` (tmpfs) fall back to buffered reads with a warning. The file is written to a
-  temporary name, then renamed. Where a record needs no padding and the slot's two views are
-  block-aligned (``aligned_pool`` makes them so), one ``preadv`` reads the record straight into
-  them: no bounce buffer, no copies, one GIL release and reacquire on the reading thread (a
-  read through the bounce buffer takes the GIL a dozen times, each a handoff with the computing
-  thread, whose torch calls release it too).
+  temporary name, then renamed (under a progress bar from 1 GiB on, where stderr is a
+  terminal). A file at a given path is kept, with a manifest (``<path>.json``) where the experts
+  came from a checkpoint (``checkpoint.CheckpointExperts``: its files' sizes and modification
+  times, the keys, the dtypes); the next store of the same experts reads it as it is. Where a
+  record needs no padding and the slot's two views are block-aligned (``aligned_pool`` makes
+  them so), one ``preadv`` reads the record straight into them: no bounce buffer, no copies,
+  one GIL release and reacquire on the reading thread (a read through the bounce buffer takes
+  the GIL a dozen times, each a handoff with the computing thread, whose torch calls release
+  it too).
 - ``HostStore``: the experts in host memory; pinned copies when the fast tier is on a GPU (the
   copy engine reads pinned memory at full speed, pageable at a third), or the model's own
   tensors on a CPU (a fast store for tests: no copy is made).
@@ -24,6 +28,8 @@ the bounce buffer or there is no file (``HostStore``).
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import math
 import mmap
@@ -38,6 +44,7 @@ import torch
 log = logging.getLogger(__name__)
 
 ALIGN = 4096  # O_DIRECT wants offsets, lengths and buffers aligned to the logical block size
+PROGRESS_BYTES = 1 << 30  # a disk tier this large is written under a progress bar
 
 
 def _padded(n: int) -> int:
@@ -93,12 +100,19 @@ def narrowest_exact(layers: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> tor
     candidates = list(NARROW)
     for pair in pairs:
         for t in pair:
-            for e in range(t.shape[0]):
-                x = t[e]
-                candidates = [d for d in candidates if _exact(x, d)]
-                if not candidates:
-                    return None
+            candidates = [d for d in candidates if _holds(t, d)]
+            if not candidates:
+                return None
     return candidates[0]
+
+
+def _holds(t, dtype: torch.dtype) -> bool:
+    """Whether ``dtype`` holds every expert of ``t`` exactly: known without reading for
+    experts a checkpoint stores in ``dtype`` (``CheckpointExperts.stored_dtype``), else checked
+    an expert at a time."""
+    if getattr(t, "stored_dtype", None) == dtype:
+        return True
+    return all(_exact(t[e], dtype) for e in range(t.shape[0]))
 
 
 def _exact(t: torch.Tensor, dtype: torch.dtype) -> bool:
@@ -169,7 +183,7 @@ class DiskStore:
                     "allowed: float16 or bfloat16 under float32 experts, or None"
                 )
             for i, pair in layers.items():
-                if not all(_exact(t[e], self.file_dtype) for t in pair for e in range(len(t))):
+                if not all(_holds(t, self.file_dtype) for t in pair):
                     raise ValueError(
                         f"slow_dtype: {self.file_dtype} does not hold the experts of layer {i} "
                         "exactly (narrowing would change the model's outputs); allowed: None, "
@@ -187,7 +201,25 @@ class DiskStore:
             os.close(fd)
         self.path = os.fspath(path)
         self._offsets: dict[tuple[int, int], int] = {}
-        self._write(layers)
+        for i, (gate_up, _) in sorted(layers.items()):
+            for e in range(gate_up.shape[0]):
+                self._offsets[(i, e)] = len(self._offsets) * self.record
+        # A given path is reused when its manifest says it was written from the same checkpoint
+        # files (experts that know their ``fingerprint``: load_offloaded) in the same layout.
+        manifest = None if self._owned else self._manifest(layers)
+        self.reused = manifest is not None and self._written(manifest)
+        if self.reused:
+            log.info("offload: reusing the disk tier %s (written from the same checkpoint)",
+                     self.path)  # fmt: skip
+        else:
+            with contextlib.suppress(FileNotFoundError):  # first: it describes the old file
+                os.unlink(self.manifest_path)
+            self._write(layers)
+            if manifest is not None:
+                tmp = f"{self.manifest_path}.tmp-{os.getpid()}"
+                with open(tmp, "w") as f:
+                    json.dump(manifest, f)
+                os.replace(tmp, self.manifest_path)
         self.direct = False
         self._fd = self._open(direct_io)
         self._local = threading.local()  # one aligned bounce buffer per reading thread
@@ -195,21 +227,63 @@ class DiskStore:
         self._unpadded = all(size % ALIGN == 0 for size in self._sizes)
         self._iovecs: dict[tuple[int, int], list[memoryview]] = {}
 
+    @property
+    def manifest_path(self) -> str:
+        return f"{self.path}.json"
+
+    def _manifest(self, layers: dict[int, tuple]) -> dict | None:
+        """What the file holds, for experts that say where they come from; else None."""
+        if not all(hasattr(t, "fingerprint") for pair in layers.values() for t in pair):
+            return None
+        return {
+            "format": 1,
+            "file_dtype": str(self.file_dtype),
+            "dtype": str(self.dtype),
+            "record": self.record,
+            "sizes": list(self._sizes),
+            "layers": {str(i): [t.fingerprint() for t in pair] for i, pair in layers.items()},
+            "bytes": len(self._offsets) * self.record,
+        }
+
+    def _written(self, manifest: dict) -> bool:
+        """Whether ``path`` holds what ``manifest`` describes (its manifest equal, its size)."""
+        try:
+            with open(self.manifest_path) as f:
+                old = json.load(f)
+            return old == manifest and os.path.getsize(self.path) == manifest["bytes"]
+        except (OSError, ValueError):
+            return False
+
     def _write(self, layers: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
         tmp = f"{self.path}.tmp-{os.getpid()}"
-        offset = 0
-        with open(tmp, "wb") as f:
-            for i, (gate_up, down) in sorted(layers.items()):
-                for e in range(gate_up.shape[0]):
-                    self._offsets[(i, e)] = offset
-                    for part in (gate_up[e], down[e]):
-                        part = part.detach().to(self.file_dtype).contiguous().cpu()
-                        raw = part.view(torch.uint8).numpy().tobytes()
-                        f.write(raw + bytes(_padded(len(raw)) - len(raw)))
-                    offset += self.record
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+        total = len(self._offsets) * self.record
+        bar = None
+        if total >= PROGRESS_BYTES:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(
+                total=total, unit="B", unit_scale=True, desc="offload: disk tier", disable=None
+            )  # fmt: skip (None: no bar where stderr is no terminal)
+        try:
+            with open(tmp, "wb") as f:
+                for _, (gate_up, down) in sorted(layers.items()):
+                    for e in range(gate_up.shape[0]):
+                        for part in (gate_up[e], down[e]):
+                            part = part.detach().to(self.file_dtype).contiguous().cpu()
+                            raw = part.view(torch.uint8).numpy().tobytes()
+                            f.write(raw + bytes(_padded(len(raw)) - len(raw)))
+                        if bar is not None:
+                            bar.update(self.record)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
 
     def _open(self, direct_io: bool) -> int:
         flag = getattr(os, "O_DIRECT", 0)
