@@ -103,6 +103,8 @@ def test_bad_input_is_refused_with_what_is_allowed(tmp_path):
     resident, path = _saved(tmp_path, "olmoe")
     with pytest.raises(ValueError, match=r"dtype: .*allowed: a floating torch.dtype"):
         load_offloaded(path, dtype=torch.int8)
+    with pytest.raises(ValueError, match=r"device: 'gpu0' is invalid; allowed: a torch device"):
+        load_offloaded(path, device="gpu0")
     model = load_offloaded(path)
     with pytest.raises(ValueError, match=r"offload: None, and the experts of .* allowed: offload="):
         rewrite.apply(model, "autoregressive")
@@ -182,3 +184,17 @@ def test_a_checkpoint_stored_in_float16_needs_no_read_to_narrow(tmp_path, monkey
     with torch.inference_mode():
         want = rewrite.apply(resident.float(), "autoregressive").generate(PROMPT, max_new_tokens=12)
         assert torch.equal(sm.generate(PROMPT, max_new_tokens=12), want)
+
+
+@pytest.mark.gpu
+def test_a_loaded_checkpoint_on_cuda_uses_the_pinned_host_tier(tmp_path):
+    resident, path = _saved(tmp_path, "olmoe")
+    prompt = PROMPT.cuda()
+    with torch.inference_mode():
+        want = rewrite.apply(resident.cuda(), "autoregressive").generate(prompt, max_new_tokens=12)
+    model = load_offloaded(path, device="cuda")
+    sm = rewrite.apply(model, "autoregressive",
+                       offload=OffloadOptions(slots=0.5, poison=True))  # fmt: skip
+    assert type(sm.offload.engine).__name__ == "CudaEngine" and sm.offload.store.pinned
+    with torch.inference_mode():
+        assert torch.equal(sm.generate(prompt, max_new_tokens=12), want)

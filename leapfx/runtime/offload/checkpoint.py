@@ -192,7 +192,12 @@ def load_offloaded(
         raise ValueError(f"path: {str(path)!r} has no config.json; expected a HF checkpoint")
     if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ValueError(f"dtype: {dtype!r} is invalid; allowed: a floating torch.dtype")
-    device = torch.device(device)
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(
+            f"device: {device!r} is invalid; allowed: a torch device ('cpu', 'cuda', 'cuda:1')"
+        ) from None
     config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
