@@ -78,6 +78,13 @@ def test_a_speculative_recipe_and_the_cpu_kernels_over_a_loaded_checkpoint(tmp_p
     assert torch.equal(got, want)
 
 
+def test_tied_embeddings(tmp_path):
+    resident, path = _saved(tmp_path, "olmoe", tie=True)
+    model = load_offloaded(path)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert torch.equal(_decode(model, offload=OffloadOptions(slots=0.5)), _decode(resident))
+
+
 def test_a_sharded_checkpoint_and_the_host_tier(tmp_path):
     resident, path = _saved(tmp_path, "qwen2_moe", shard=True)
     assert (path / "model.safetensors.index.json").is_file()

@@ -242,7 +242,7 @@ def load_offloaded(
         keys = _expert_keys(handles, name, gate_up.shape[0])
         pair = tuple(CheckpointExperts(handles, k, tuple(t.shape), dtype, device)
                      for k, t in zip(keys, (gate_up, down), strict=True))  # fmt: skip
-        _check_shape(handles, name, pair, gate_up, down)
+        _check_shape(name, pair, gate_up, down)
         setattr(m, EXPERT_SOURCE, pair)
     left = [k for k, t in [*model.named_parameters(), *model.named_buffers()]
             if t.is_meta and k not in expert_params]  # fmt: skip
@@ -254,7 +254,7 @@ def load_offloaded(
     return model.eval()
 
 
-def _check_shape(handles, name: str, pair, gate_up, down) -> None:
+def _check_shape(name: str, pair, gate_up, down) -> None:
     """Expert 0 read from the checkpoint has the shape of the module's slices."""
     for source, t in zip(pair, (gate_up, down), strict=True):
         got = tuple(source[0].shape)
