@@ -470,14 +470,13 @@ def experts_kernel_covers(module: nn.Module) -> bool:
     CPU, no biases, SiLU gating, HF's default gate and no post-expert norm. Others run HF's."""
     from transformers.activations import SiLUActivation
 
-    from ..runtime.offload.checkpoint import EXPERT_SOURCE
+    from ..runtime.offload.checkpoint import expert_tensors
 
     gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
     if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)):
         return False
     # load_offloaded's modules hold meta tensors and read their experts from a checkpoint
-    source = getattr(module, EXPERT_SOURCE, None)
-    device = (source[0] if source is not None else gate_up).device
+    device = expert_tensors(module)[0].device
     if gate_up.dim() != 3 or down.dim() != 3:
         return False
     e, i2, h = gate_up.shape

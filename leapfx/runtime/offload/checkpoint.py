@@ -62,9 +62,19 @@ class CheckpointExperts:
         self.device = device
         # the dtype the checkpoint stores them in (None if its keys differ): a narrower one
         # holds every expert exactly, which the disk tier's slow_dtype check then need not read
-        flat = [keys] if isinstance(keys, str) else [k for per in keys for k in per]
-        stored = {handles[k].get_slice(k).get_dtype() for k in flat}
+        slices = {k: handles[k].get_slice(k) for k in self._flat_keys()}
+        stored = {sl.get_dtype() for sl in slices.values()}
         self.stored_dtype = _SAFETENSORS_DTYPES.get(stored.pop()) if len(stored) == 1 else None
+        # one expert's shape as the checkpoint stores it (read from its header, not its data)
+        if isinstance(keys, str):
+            self.expert_shape = tuple(slices[keys].get_shape()[1:])
+        else:
+            first = [slices[k].get_shape() for k in keys[0]]
+            self.expert_shape = (sum(shape[0] for shape in first), *first[0][1:])
+
+    def _flat_keys(self) -> list[str]:
+        keys = self._keys
+        return [keys] if isinstance(keys, str) else [k for per in keys for k in per]
 
     def __len__(self) -> int:
         return self.shape[0]
@@ -83,10 +93,8 @@ class CheckpointExperts:
         """What identifies these experts without reading them: each checkpoint file they come
         from (path, size, modification time in ns), their keys and the dtype they are read as
         (``DiskStore`` reuses a file written from the same)."""
-        flat = [self._keys] if isinstance(self._keys, str) else [k for per in self._keys
-                                                                 for k in per]  # fmt: skip
-        files = sorted({self._handles[k].path for k in flat})
-        stats = [[f, os.stat(f).st_size, os.stat(f).st_mtime_ns] for f in files]
+        files = sorted({self._handles[k].path for k in self._flat_keys()})
+        stats = [[f, st.st_size, st.st_mtime_ns] for f, st in ((f, os.stat(f)) for f in files)]
         return {"files": stats, "keys": self._keys, "dtype": str(self.dtype)}
 
     def materialize(self) -> torch.Tensor:
@@ -185,7 +193,7 @@ def load_offloaded(
     """
     import transformers
 
-    from ...passes.capture import check_supported
+    from ...passes.capture import decoder_parts, is_moe_layer
 
     path = Path(path)
     if not (path / "config.json").is_file():
@@ -201,12 +209,9 @@ def load_offloaded(
     config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
-    check_supported(model)
-    experts = {
-        name: m
-        for name, m in model.named_modules()
-        if isinstance(getattr(m, "gate_up_proj", None), torch.Tensor) and m.gate_up_proj.dim() == 3
-    }
+    parts = decoder_parts(model)  # checks the architecture is supported
+    experts = {f"{parts.prefix}.layers.{i}.mlp.experts": layer.mlp.experts
+               for i, layer in enumerate(parts.layers) if is_moe_layer(layer)}  # fmt: skip
     if not experts:
         raise ValueError(
             f"path: {str(path)!r} holds a {config.model_type} model without MoE layers; "
@@ -242,7 +247,12 @@ def load_offloaded(
         keys = _expert_keys(handles, name, gate_up.shape[0])
         pair = tuple(CheckpointExperts(handles, k, tuple(t.shape), dtype, device)
                      for k, t in zip(keys, (gate_up, down), strict=True))  # fmt: skip
-        _check_shape(name, pair, gate_up, down)
+        for source, t in zip(pair, (gate_up, down), strict=True):
+            if source.expert_shape != tuple(t.shape[1:]):
+                raise ValueError(
+                    f"path: an expert of {name!r} has shape {source.expert_shape} in the "
+                    f"checkpoint and {tuple(t.shape[1:])} in the model of config.json"
+                )
         setattr(m, EXPERT_SOURCE, pair)
     left = [k for k, t in [*model.named_parameters(), *model.named_buffers()]
             if t.is_meta and k not in expert_params]  # fmt: skip
@@ -252,17 +262,6 @@ def load_offloaded(
     if gen.is_file():
         model.generation_config = transformers.GenerationConfig.from_pretrained(path)
     return model.eval()
-
-
-def _check_shape(name: str, pair, gate_up, down) -> None:
-    """Expert 0 read from the checkpoint has the shape of the module's slices."""
-    for source, t in zip(pair, (gate_up, down), strict=True):
-        got = tuple(source[0].shape)
-        if got != tuple(t.shape[1:]):
-            raise ValueError(
-                f"path: an expert of {name!r} has shape {got} in the checkpoint and "
-                f"{tuple(t.shape[1:])} in the model of config.json"
-            )
 
 
 def _rebuild_non_persistent(model: nn.Module, device: torch.device) -> None:

@@ -191,7 +191,7 @@ class DiskStore:
                     )
         wide = torch.empty((), dtype=self.dtype).element_size()
         narrow = torch.empty((), dtype=self.file_dtype).element_size()
-        self._slot_sizes = (_nbytes(first_gate_up[0]), _nbytes(first_down[0]))
+        self._slot_sizes = tuple(math.prod(t.shape[1:]) * wide for t in (first_gate_up, first_down))
         self._sizes = tuple(size // wide * narrow for size in self._slot_sizes)  # in the file
         self.expert_bytes = sum(self._sizes)  # what reading one expert moves
         self.record = _padded(self._sizes[0]) + _padded(self._sizes[1])
