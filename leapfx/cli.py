@@ -325,17 +325,23 @@ def _offload_options(args: argparse.Namespace) -> dict:
 def _offload_report(model, rows, config, prompts, exit_layer: int, plot: str | None) -> None:
     """The offload rows' table; with --plot, one untimed traced call (the last prompt) of each
     autoregressive offloaded row, drawn as timelines beside every row's hit rate per layer."""
+    import torch
+
     from .bench.offload import ORACLE_ROW, bench_table, offload_systems, plot_offload, trace_call
     from .rewrite import apply
 
     print(bench_table(rows))
     engines = sorted({r.extra["offload"]["engine"] for r in rows if "offload" in r.extra})
     dtypes = sorted({r.extra["offload"]["slow_dtype"] for r in rows if "offload" in r.extra})
+    threads = sorted({r.extra["offload"]["compute_threads"] for r in rows if "offload" in r.extra})
     print(
         f"offload rows: eager, disk tier, {config.offload_slots} expert slots per MoE layer, "
         f"transfer engine {', '.join(engines)} (--offload-engine {config.offload_engine}), "
         f"disk tier in {', '.join(dtypes)} (--offload-slow-dtype "
-        f"{config.offload_slow_dtype or 'none'}); "
+        f"{config.offload_slow_dtype or 'none'}), decoding on "
+        f"{'/'.join(map(str, threads))} of torch's {torch.get_num_threads()} threads "
+        "(OffloadOptions.compute_threads 'auto': one CPU left to the readers where torch's "
+        "threads would take every CPU); "
         "vs none: tokens/s over leapfx_offload_none; identical: every prompt equal to "
         "leapfx_resident; hit rate: demanded experts resident; ready: resident and loaded when "
         "their layer asked (a hit whose prefetch was still being read is late)"

@@ -406,6 +406,56 @@ def test_reader_cpu_auto_takes_a_cpu_torch_leaves_free(monkeypatch):
     assert offload_runtime.reader_cpu(None) is None and offload_runtime.reader_cpu(3) == 3
 
 
+def test_compute_threads_auto_leaves_a_cpu_to_the_readers(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 3, 5})
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)  # torch takes every CPU
+    assert offload_runtime.decode_threads("auto") == 2
+    assert offload_runtime.reader_cpu("auto", "auto") == 5  # free while decoding
+    assert offload_runtime.reader_cpu("auto", 3) is None and offload_runtime.reader_cpu("auto", 1) == 5
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # a CPU is free already
+    assert offload_runtime.decode_threads("auto") is None
+    assert offload_runtime.decode_threads(None) is None and offload_runtime.decode_threads(4) == 4
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})  # one CPU: nothing to leave
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert offload_runtime.decode_threads("auto") is None
+
+
+def test_compute_threads_hold_while_decoding_and_are_restored(monkeypatch):
+    model = tiny_moe_model("olmoe", layers=2, experts=4, intermediate=ALIGNED)
+    prompt = torch.tensor([[2, 7, 1, 8]])
+    resident, _ = _generate(model, "autoregressive", prompt, 6)
+    sm = rewrite.apply(model, "autoregressive",
+                       offload=OffloadOptions(slots=2, compute_threads=1))  # fmt: skip
+    seen = []
+    run = sm.offload.run
+
+    def spy(*args):  # torch's threads while an experts call runs
+        seen.append(torch.get_num_threads())
+        return run(*args)
+
+    monkeypatch.setattr(sm.offload, "run", spy)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert torch.equal(sm.generate(prompt, max_new_tokens=6), resident)
+        assert set(seen) == {1} and sm.last_offload_report.compute_threads == 1
+        assert torch.get_num_threads() == 2
+        monkeypatch.setattr(sm.offload, "run", lambda *a: 1 / 0)  # a decode that fails
+        with pytest.raises(ZeroDivisionError):
+            sm.generate(prompt, max_new_tokens=6)
+        assert torch.get_num_threads() == 2  # restored all the same
+    finally:
+        torch.set_num_threads(before)
+        sm.offload.close()
+
+
+@pytest.mark.parametrize("setting", [0, -2, "all", 1.5, True])
+def test_compute_threads_option_is_validated(setting):
+    model = tiny_moe_model("olmoe", layers=2)
+    with pytest.raises(ValueError, match=r"compute_threads: .* is invalid; allowed: 'auto', None"):
+        rewrite.apply(model, "autoregressive", offload=OffloadOptions(compute_threads=setting))
+
+
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="no CPU affinity here")
 def test_offload_on_a_reader_cpu_decodes_like_resident():
     model = tiny_moe_model("olmoe", layers=4, experts=8, top_k=2, intermediate=ALIGNED, seed=3)

@@ -235,6 +235,7 @@ def summarize(reports: list) -> dict:
     layers = reports[0].hit_rate_per_layer
     out["engine"] = reports[0].engine
     out["slow_dtype"] = reports[0].slow_dtype
+    out["compute_threads"] = reports[0].compute_threads
     for f in ("hit_rate_per_layer", "ready_rate_per_layer", "stall_ms_per_token_per_layer"):
         if getattr(reports[0], f) is None:  # ready rates: not known on CUDA
             out[f] = None

@@ -330,14 +330,20 @@ class SpeculativeModel:
         stages = self._executors or self.stages.modules
         runner = StageRunner(stages, self._cache_for(needed), self._layout)
         if self.offload is not None:
-            self.offload.begin()
-        tokens, self.last_metrics = decode(
-            self.recipe.schedule, runner, prompt, request, name=self.recipe.name,
-            num_speculations=getattr(self.options, "num_speculations", 0),
-        )  # fmt: skip
-        if self.offload is not None:
-            self.offload.synchronize()  # prefetches still in flight finish before we return
-            self.last_offload_report = self.offload.report(len(tokens), self.last_metrics.seconds)
+            self.offload.begin()  # on a CPU it may set torch's threads (compute_threads)
+        try:
+            tokens, self.last_metrics = decode(
+                self.recipe.schedule, runner, prompt, request, name=self.recipe.name,
+                num_speculations=getattr(self.options, "num_speculations", 0),
+            )  # fmt: skip
+            if self.offload is not None:
+                self.offload.synchronize()  # prefetches still in flight finish before we return
+                self.last_offload_report = self.offload.report(
+                    len(tokens), self.last_metrics.seconds
+                )
+        finally:
+            if self.offload is not None:
+                self.offload.end()
         new = torch.tensor([tokens], dtype=input_ids.dtype, device=input_ids.device)
         return torch.cat([input_ids, new], dim=1)
 

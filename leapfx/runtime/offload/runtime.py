@@ -125,6 +125,14 @@ class OffloadOptions:
     # between reads instead of sleeping; where no CPU is free, they run anywhere and sleep. An
     # int: that CPU, polling. None: anywhere, sleeping (a process that needs every CPU).
     reader_cpu: int | str | None = "auto"
+    # torch's intra-op threads while the model decodes (``generate``; restored after) on a CPU:
+    # "auto" leaves one CPU to the transfer engine's readers when torch's threads would take
+    # every CPU this process may use (then ``torch.get_num_threads()`` is one less, and
+    # ``reader_cpu="auto"`` finds that CPU free); an int: that many; None: torch's setting.
+    # Compute threads spinning on every core starve the readers: on a 2-core machine at half
+    # the slots, two threads decoded about 30% slower than one (docs/benchmarks.md,
+    # 2026-11-25 03:50). Ignored on CUDA.
+    compute_threads: int | str | None = "auto"
     # policy="reuse": the probe's file (``leapfx train-reuse-probe``) or a ReuseProbe.
     reuse_probe: str | os.PathLike | ReuseProbe | None = None
 
@@ -187,12 +195,19 @@ class OffloadOptions:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: {getattr(self, name)!r} is invalid; allowed: bool")
         c = self.reader_cpu
-        allowed_cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        allowed_cpus = _allowed_cpus()
         if not (c is None or c == "auto" or (isinstance(c, int) and not isinstance(c, bool)
                                              and c in allowed_cpus)):  # fmt: skip
             raise ValueError(
                 f"reader_cpu: {c!r} is invalid; allowed: 'auto', None, or one of the CPUs this "
                 f"process may run on ({', '.join(map(str, allowed_cpus)) or 'none known'})"
+            )
+        t = self.compute_threads
+        if not (t is None or t == "auto" or (isinstance(t, int) and not isinstance(t, bool)
+                                             and t >= 1)):  # fmt: skip
+            raise ValueError(
+                f"compute_threads: {t!r} is invalid; allowed: 'auto', None (torch's setting), "
+                "or an integer >= 1"
             )
         d = self.transfer_delay_s
         if not (isinstance(d, (int, float)) and not isinstance(d, bool) and d >= 0):
@@ -238,6 +253,7 @@ class OffloadReport:
     seconds: float = 0.0
     engine: str = ""  # the transfer engine's class (NativeEngine, ThreadEngine, CudaEngine)
     slow_dtype: str = ""  # the dtype the slow tier holds the experts in ("float32", ...)
+    compute_threads: int = 0  # torch's intra-op threads while it decoded (compute_threads)
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -347,6 +363,8 @@ class ExpertOffload:
         self._queued: list[tuple[int, list[int], int]] = []
         self.counters = _Counters()
         self._busy_start = 0.0
+        self._threads_before: int | None = None  # torch's threads, while begin changed them
+        self._decode_threads = torch.get_num_threads()  # torch's threads in the last decode
         # (lane, layer, expert or None, start s, end s) spans for a timeline plot, when tracing:
         # lanes "compute" (an experts call), "stall" (compute waiting), "demand"/"prefetch"
         # (transfers, timed on the copy engine's thread; CPU engine only).
@@ -375,7 +393,7 @@ class ExpertOffload:
             return ThreadEngine(delay_s=delay, inline_demand=not delay)
         refusal = self._native_refusal()
         if refusal is None:
-            cpu = reader_cpu(options.reader_cpu)
+            cpu = reader_cpu(options.reader_cpu, options.compute_threads)
             return NativeEngine(delay_s=delay, cpu=-1 if cpu is None else cpu,
                                 idle_spin_s=0.0 if cpu is None else IDLE_SPIN_S)  # fmt: skip
         if options.engine == "native":
@@ -667,13 +685,28 @@ class ExpertOffload:
     # ---- metrics ---------------------------------------------------------------------------
 
     def begin(self) -> None:
-        """Start counting a new decode (the slots keep their experts: a warm cache)."""
+        """Start counting a new decode (the slots keep their experts: a warm cache), and on a
+        CPU set torch's threads as ``options.compute_threads`` says until ``end``."""
+        self.end()
+        threads = torch.get_num_threads()
+        if self.device.type == "cpu":
+            wanted = decode_threads(self.options.compute_threads)
+            if wanted is not None and wanted != threads:
+                self._threads_before = threads
+                torch.set_num_threads(wanted)
         self.counters = _Counters()
         self._predicted.clear()
         self._queued = []
         for cache in self.caches.values():
             cache.stats = SlotStats()
         self._busy_start = self.engine.busy_seconds
+        self._decode_threads = torch.get_num_threads()
+
+    def end(self) -> None:
+        """A decode is over: torch's threads back to what they were before ``begin``."""
+        if self._threads_before is not None:
+            torch.set_num_threads(self._threads_before)
+            self._threads_before = None
 
     def report(self, new_tokens: int, seconds: float) -> OffloadReport:
         c = self.counters
@@ -710,6 +743,7 @@ class ExpertOffload:
             seconds=seconds,
             engine=type(self.engine).__name__,
             slow_dtype=str(getattr(self.store, "file_dtype", self.dtype)).removeprefix("torch."),
+            compute_threads=self._decode_threads,
         )
 
     def slot_stats(self) -> dict[int, SlotStats]:
@@ -721,6 +755,7 @@ class ExpertOffload:
             self._settle(*key)
 
     def close(self) -> None:
+        self.end()
         self.synchronize()
         self.engine.close()
         self.store.close()
@@ -729,16 +764,33 @@ class ExpertOffload:
 IDLE_SPIN_S = 2e-3  # how long an idle reading thread polls for work (a decode step: ~4 ms)
 
 
-def reader_cpu(setting: int | str | None) -> int | None:
-    """The CPU ``OffloadOptions.reader_cpu`` puts the native engine's reading threads on, or
-    None (anywhere, no polling). "auto": the last CPU this process may run on, when it may run
-    on more CPUs than torch's intra-op threads (one is then free for the readers)."""
+def _allowed_cpus() -> list[int]:
+    """The CPUs this process may run on ([] where the platform cannot tell)."""
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+
+
+def decode_threads(setting: int | str | None) -> int | None:
+    """torch's intra-op threads for decoding an offloaded model on a CPU under
+    ``OffloadOptions.compute_threads``, or None (leave torch's setting). "auto": one less than
+    the CPUs this process may use when torch's threads would take all of them, else None."""
     if setting != "auto":
         return setting
-    if not hasattr(os, "sched_getaffinity"):
+    cpus = len(_allowed_cpus())
+    return cpus - 1 if cpus > 1 and torch.get_num_threads() >= cpus else None
+
+
+def reader_cpu(setting: int | str | None, compute_threads: int | str | None = None) -> int | None:
+    """The CPU ``OffloadOptions.reader_cpu`` puts the native engine's reading threads on, or
+    None (anywhere, no polling). "auto": the last CPU this process may run on, when it may run
+    on more CPUs than torch's intra-op threads will use while decoding (``compute_threads``:
+    ``OffloadOptions.compute_threads``), so that one is free for the readers."""
+    if setting != "auto":
+        return setting
+    cpus = _allowed_cpus()
+    if not cpus:
         return None
-    cpus = sorted(os.sched_getaffinity(0))
-    return cpus[-1] if len(cpus) > torch.get_num_threads() else None
+    threads = decode_threads(compute_threads) or torch.get_num_threads()
+    return cpus[-1] if len(cpus) > threads else None
 
 
 @functools.cache
