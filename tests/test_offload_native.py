@@ -411,7 +411,8 @@ def test_compute_threads_auto_leaves_a_cpu_to_the_readers(monkeypatch):
     monkeypatch.setattr(torch, "get_num_threads", lambda: 3)  # torch takes every CPU
     assert offload_runtime.decode_threads("auto") == 2
     assert offload_runtime.reader_cpu("auto", "auto") == 5  # free while decoding
-    assert offload_runtime.reader_cpu("auto", 3) is None and offload_runtime.reader_cpu("auto", 1) == 5
+    assert offload_runtime.reader_cpu("auto", 3) is None
+    assert offload_runtime.reader_cpu("auto", 1) == 5
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # a CPU is free already
     assert offload_runtime.decode_threads("auto") is None
     assert offload_runtime.decode_threads(None) is None and offload_runtime.decode_threads(4) == 4
