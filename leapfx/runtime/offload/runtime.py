@@ -129,9 +129,9 @@ class OffloadOptions:
     # "auto" leaves one CPU to the transfer engine's readers when torch's threads would take
     # every CPU this process may use (then ``torch.get_num_threads()`` is one less, and
     # ``reader_cpu="auto"`` finds that CPU free); an int: that many; None: torch's setting.
-    # Compute threads spinning on every core starve the readers: on a 2-core machine at half
-    # the slots, two threads decoded about 30% slower than one (docs/benchmarks.md,
-    # 2026-11-25 03:50). Ignored on CUDA.
+    # Compute threads on every core starve the readers: on a 2-core machine at half the
+    # slots, on-demand decoding took 1.18x as long on two threads as on one, m2r2's 1.42x
+    # (docs/benchmarks.md, 2026-11-25 03:45 - 04:38). Ignored on CUDA.
     compute_threads: int | str | None = "auto"
     # policy="reuse": the probe's file (``leapfx train-reuse-probe``) or a ReuseProbe.
     reuse_probe: str | os.PathLike | ReuseProbe | None = None
