@@ -59,7 +59,7 @@ def aligned_pool(shape: tuple[int, ...], dtype: torch.dtype, fill: float) -> tor
     """A contiguous CPU tensor of ``shape`` filled with ``fill`` whose storage starts on an
     ``ALIGN`` boundary (torch's allocator aligns to 64 bytes), so that a slot ``pool[s]`` whose
     size is a multiple of ``ALIGN`` is a valid ``O_DIRECT`` target."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
     skip = -raw.data_ptr() % ALIGN
     pool = raw[skip : skip + nbytes].view(dtype).view(shape)
@@ -189,8 +189,7 @@ class DiskStore:
                         "exactly (narrowing would change the model's outputs); allowed: None, "
                         "'auto' (narrow only where exact), or a dtype that holds them exactly"
                     )
-        wide = torch.empty((), dtype=self.dtype).element_size()
-        narrow = torch.empty((), dtype=self.file_dtype).element_size()
+        wide, narrow = self.dtype.itemsize, self.file_dtype.itemsize
         self._slot_sizes = tuple(math.prod(t.shape[1:]) * wide for t in (first_gate_up, first_down))
         self._sizes = tuple(size // wide * narrow for size in self._slot_sizes)  # in the file
         self.expert_bytes = sum(self._sizes)  # what reading one expert moves
