@@ -46,11 +46,12 @@ class ModelCache:
         self.recency.pop(e, None)
         self.recency[e] = None
 
-    def _slot(self) -> tuple[int, int | None] | None:
+    def _slot(self, keep: frozenset[int] = frozenset()) -> tuple[int, int | None] | None:
         free = sorted(set(range(self.slots)) - set(self.where.values()))
         if free:
             return free[0], None
-        order = [e for e in self.recency if e not in self.pinned]  # least recent first
+        # least recent first
+        order = [e for e in self.recency if e not in self.pinned and e not in keep]
         if not order:
             return None
         if self.policy == "lfu":
@@ -61,8 +62,8 @@ class ModelCache:
             victim = order[0]
         return self.where[victim], victim
 
-    def _put(self, e: int) -> tuple[int, int | None]:
-        slot, victim = self._slot()
+    def _put(self, e: int, keep: frozenset[int] = frozenset()) -> tuple[int, int | None]:
+        slot, victim = self._slot(keep)
         if victim is not None:
             del self.where[victim]
             self.recency.pop(victim)
@@ -95,13 +96,13 @@ class ModelCache:
     def release(self, experts: list[int]) -> None:
         self.pinned -= set(experts)
 
-    def prefetch(self, e: int):
+    def prefetch(self, e: int, keep: frozenset[int] = frozenset()):
         if e in self.where:
             self._touch(e)
             return None
-        if self._slot() is None:
+        if self._slot(keep) is None:
             return None
-        slot, victim = self._put(e)
+        slot, victim = self._put(e, keep)
         self.speculative.add(e)
         self._touch(e)
         return (e, slot, True, victim)
@@ -116,7 +117,10 @@ def cache_programs(draw):
             st.one_of(
                 st.tuples(st.just("demand"), st.lists(st.integers(0, experts - 1), min_size=1,
                                                       max_size=slots, unique=True)),
-                st.tuples(st.just("prefetch"), st.integers(0, experts - 1)),
+                # an expert, and the experts the prefetch must not evict (often none)
+                st.tuples(st.just("prefetch"), st.tuples(
+                    st.integers(0, experts - 1),
+                    st.frozensets(st.integers(0, experts - 1), max_size=experts))),
                 # demand + release at once (ExpertOffload's fast path), where all are resident
                 st.tuples(st.just("hit"), st.lists(st.integers(0, experts - 1), min_size=1,
                                                    max_size=slots, unique=True)),
@@ -157,9 +161,11 @@ def test_slot_cache_matches_the_pure_python_model(program):
         elif op == "score":
             cache.scores, model.scores = list(arg), list(arg)
         else:
-            p = cache.prefetch(arg)
-            want = model.prefetch(arg)
+            expert, keep = arg
+            p = cache.prefetch(expert, keep)
+            want = model.prefetch(expert, keep)
             assert (None if p is None else (p.expert, p.slot, p.load, p.evicted)) == want
+            assert p is None or p.evicted not in keep
         assert len(cache.slot_of) <= slots and len(cache.expert_of) == slots  # never exceeded
         assert cache.slot_of == model.where
     s = cache.stats
@@ -451,6 +457,31 @@ def test_a_prefetch_call_never_evicts_its_own_resident_candidates():
     runtime.synchronize()
     assert set(cache.slot_of) == {0, 2}
     assert runtime.counters.prefetch_calls[-1][0] == runtime.expert_bytes  # 0 was not reloaded
+    runtime.close()
+
+
+def test_a_union_prefetch_never_evicts_the_rounds_earlier_predictions():
+    """verify_union: a round's drafts predicted experts 0-3 of a 4-slot layer (all resident,
+    unpinned); a later draft's prediction [4, 5] must not evict any of them: the verify pass
+    needs the whole union, so a load for 4 would only move which expert it misses. Without a
+    union, the call's prediction replaces the earlier one and 4 evicts the least recent."""
+    model = tiny_moe_model("olmoe", layers=2, experts=8, top_k=2)
+    sm = rewrite.apply(model, "autoregressive", offload=OffloadOptions(slots=4, tier="host"))
+    runtime = sm.offload
+    layer = runtime.layers[0]
+    cache = runtime.caches[layer]
+    runtime.prefetch_experts(layer, [0, 1], union=True)
+    runtime.prefetch_experts(layer, [2, 3], union=True)
+    runtime.synchronize()
+    assert set(cache.slot_of) == {0, 1, 2, 3}
+    moved = len(runtime.counters.prefetch_calls)
+    runtime.prefetch_experts(layer, [4, 5], union=True)
+    assert set(cache.slot_of) == {0, 1, 2, 3}
+    assert runtime._predicted[layer] == {0, 1, 2, 3, 4, 5}  # still scored as the union
+    assert runtime.counters.prefetch_calls[moved][0] == 0
+    runtime.prefetch_experts(layer, [4, 5])  # a fresh prediction: 0 and 1 are LRU's victims
+    runtime.synchronize()
+    assert set(cache.slot_of) == {2, 3, 4, 5}
     runtime.close()
 
 

@@ -653,16 +653,26 @@ class ExpertOffload:
     ) -> None:
         """Load ``candidates`` (expert ids of ``layer``, most probable first) ahead of use,
         within the byte budget of a call for ``tokens`` tokens (``prefetch``'s second half, for
-        a predictor that ranks the experts itself)."""
+        a predictor that ranks the experts itself).
+
+        No load evicts an expert predicted for the layer's next demand (this call's candidates,
+        and with ``union`` the round's earlier ones): once those fill the unpinned slots, the
+        less probable rest is not loaded. Without that, the drafts of a round that predicted
+        more experts than the layer has slots evicted each other's loads, and so did a
+        prefill's prediction (every expert its tokens route to): on the MoE reference model at
+        half the slots, 12.6% of layerskip's bytes (``verify_union``) and 9.7% of
+        ``next_gate``'s, with the same hit rates.
+        """
         if union and layer in self._predicted:
             self._predicted[layer].update(candidates)
         else:
             self._predicted[layer] = set(candidates)
+        keep = self._predicted[layer]
         allowance = self.budget_per_call(tokens)
         cache = self.caches[layer]
         self._reap(layer)
         moved, loads = 0, []
-        for expert in candidates:  # touch the resident ones first: no load below evicts them
+        for expert in candidates:  # touch the resident ones first (recency)
             if expert in cache.slot_of:
                 cache.prefetch(expert)
         for expert in candidates:
@@ -670,7 +680,7 @@ class ExpertOffload:
                 continue
             if moved + self.expert_bytes > allowance:
                 break
-            p = cache.prefetch(expert)
+            p = cache.prefetch(expert, keep)
             if p is None:
                 break
             # Busy from now on: a later candidate of this call must not take the same slot (the

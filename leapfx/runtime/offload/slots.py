@@ -15,9 +15,10 @@ Rules (a pure-Python LRU/LFU model in tests/test_offload.py replays them exactly
 - A slot whose load is in flight is ``busy`` (``begin_load`` .. ``end_load``) and is not a
   victim either: two transfers never target one slot at once. ``demand_one`` returns None when
   every slot is pinned or busy; the caller waits for a load to finish and asks again.
-- ``prefetch(expert)``: load ahead of use into a free slot or the policy's unpinned victim;
-  refused (None) when every slot is pinned. A prefetched expert is "speculative" until a demand
-  uses it (a prefetch hit) or it is evicted unused (wasted bytes).
+- ``prefetch(expert, keep)``: load ahead of use into a free slot or the policy's unpinned
+  victim outside ``keep``; refused (None) when there is none (every slot pinned, busy or
+  kept). A prefetched expert is "speculative" until a demand uses it (a prefetch hit) or it is
+  evicted unused (wasted bytes).
 - Policies. ``lru``: evict the least recently used (demand or prefetch). ``lfu``: evict the
   least frequently demanded (counts survive only while resident), ties to the least recent.
   A clock that ticks on every event orders recency; it is exact, not wall time. ``reuse``:
@@ -32,7 +33,7 @@ Rules (a pure-Python LRU/LFU model in tests/test_offload.py replays them exactly
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,14 +105,16 @@ class SlotCache:
             return (self.scores[expert], self._last[expert])
         return (0, self._last[expert])
 
-    def _slot_for(self, expert: int) -> tuple[int, int | None] | None:
-        """A free slot, else the unpinned victim's; None when all slots are pinned."""
+    def _slot_for(self, expert: int, keep: Collection[int] = ()) -> tuple[int, int | None] | None:
+        """A free slot, else the unpinned victim's (never one of ``keep``); None when there is
+        no such slot."""
         for slot, held in enumerate(self.expert_of):
             if held is None:
                 return slot, None
         candidates = [
-            e for e, s in self.slot_of.items() if self.pins[s] == 0 and s not in self.busy
-        ]
+            e for e, s in self.slot_of.items()
+            if self.pins[s] == 0 and s not in self.busy and e not in keep
+        ]  # fmt: skip
         if not candidates:
             return None
         victim = min(candidates, key=self.victim_key or self._victim_key)
@@ -188,8 +191,9 @@ class SlotCache:
             assert self.pins[slot] > 0, "release without demand"
             self.pins[slot] -= 1
 
-    def prefetch(self, expert: int) -> Placement | None:
-        """Place ``expert`` ahead of use; None if no slot is free, unpinned and idle.
+    def prefetch(self, expert: int, keep: Collection[int] = ()) -> Placement | None:
+        """Place ``expert`` ahead of use; None if no slot is free, unpinned and idle, or every
+        such slot holds one of ``keep`` (experts still wanted: never evicted for a prefetch).
 
         A resident expert is only touched (its recency refreshed, so that the prefetches that
         follow in the same call do not evict it) and None is returned.
@@ -197,7 +201,7 @@ class SlotCache:
         if expert in self.slot_of:
             self._tick(expert)
             return None
-        found = self._slot_for(expert)
+        found = self._slot_for(expert, keep)
         if found is None:
             return None
         slot, evicted = found
