@@ -319,7 +319,8 @@ def _offload_options(args: argparse.Namespace) -> dict:
             "offload_engine": args.offload_engine, "offload_prefetch_lead": lead,
             "offload_slow_dtype": None if args.offload_slow_dtype == "none"
             else args.offload_slow_dtype,
-            "offload_reuse_probe": probe if slots is not None else None}  # fmt: skip
+            "offload_reuse_probe": probe if slots is not None else None,
+            "offload_num_speculations": args.num_speculations}  # fmt: skip
 
 
 def _offload_report(model, rows, config, prompts, exit_layer: int, plot: str | None) -> None:
@@ -346,6 +347,15 @@ def _offload_report(model, rows, config, prompts, exit_layer: int, plot: str | N
         "leapfx_resident; hit rate: demanded experts resident; ready: resident and loaded when "
         "their layer asked (a hit whose prefetch was still being read is late)"
     )
+    layerskip = next((r for r in rows if r.system == "leapfx_offload_layerskip"), None)
+    if layerskip is not None:
+        how = ("--num-speculations" if config.offload_num_speculations is not None else
+               "fitted to the slots: a verify pass routes no more tokens than the slots hold "
+               "the experts of; --num-speculations N to choose")  # fmt: skip
+        print(
+            f"leapfx_offload_layerskip: exit layer {exit_layer}, "
+            f"{layerskip.extra['num_speculations']} drafts a round ({how})"
+        )
     if any(r.system == ORACLE_ROW for r in rows):
         print(
             f"{ORACLE_ROW}: not a system, the ceiling of prefetching with these slots: on-demand "
@@ -356,7 +366,8 @@ def _offload_report(model, rows, config, prompts, exit_layer: int, plot: str | N
     if not plot:
         return
     specs = offload_systems(
-        config.offload_slots, exit_layer=exit_layer, num_speculations=config.num_speculations,
+        config.offload_slots, exit_layer=exit_layer,
+        num_speculations=config.offload_num_speculations,
         m2r2_parts=config.offload_m2r2_parts, path=config.offload_dir,
         engine=config.offload_engine, reuse_probe=config.offload_reuse_probe,
         prefetch_lead=config.offload_prefetch_lead, slow_dtype=config.offload_slow_dtype,
@@ -891,7 +902,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--exit-layer", type=int, default=None)
     bench.add_argument(
         "--num-speculations", type=int, default=None,
-        help="d (Kangaroo: gamma); default 6, or 4 for layerskip on the reference model",
+        help="d (Kangaroo: gamma); default 6, or 4 for layerskip on the reference model; "
+        "leapfx_offload_layerskip's default: what the expert slots fit (num_slots // top_k - 1)",
     )  # fmt: skip
     bench.add_argument("--prompts", type=int, default=8, help="number of held-out prompts")
     bench.add_argument("--prompt-tokens", type=int, default=64, help="tokens per prompt")

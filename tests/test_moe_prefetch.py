@@ -160,6 +160,48 @@ def test_verify_union_accumulates_the_round_and_runs_in_draft_and_verify():
     runtime.close()
 
 
+@pytest.mark.parametrize(
+    ("recipe", "option", "extra"),
+    [("layerskip", "num_speculations", {"exit_layer": 1}),
+     ("kangaroo", "max_draft_tokens", {"exit_layer": 1}),
+     ("m2r2", "num_speculations", {"fast_layers": 1})],
+)  # fmt: skip
+def test_an_offloaded_recipe_drafts_what_the_slots_fit(recipe, option, extra):
+    """Unset, the draft length falls to num_slots // top_k - 1 (at least 1) over an offloaded
+    model; given, resident or already fitting, it stays; decoding stays HF greedy's."""
+    model = tiny_moe_model("olmoe", layers=3, experts=8, top_k=2, vocab=64, seed=3)
+    prompt = torch.tensor([[3, 1, 4, 1, 5]])
+
+    def drafts(slots=None, **kw):
+        offload = None if slots is None else OffloadOptions(slots=slots, tier="host")
+        sm = rewrite.apply(model, recipe, offload=offload, **extra, **kw)
+        d = getattr(sm.options, option)
+        if offload is not None:
+            out = sm.generate(prompt, max_new_tokens=12)
+            assert torch.equal(out, hf_greedy(model, prompt, 12))
+            assert sm.last_metrics.num_speculations == d
+            sm.offload.close()
+        return d
+
+    default = drafts()
+    assert default >= 3
+    assert drafts(slots=6) == 2  # 6 slots hold 3 tokens' top-2
+    assert drafts(slots=4) == 1
+    assert drafts(slots=1) == 1  # one draft at least
+    assert drafts(slots=8) == 3
+    assert drafts(slots=4, **{option: 5}) == 5  # the caller's choice stands
+    if recipe != "layerskip":  # its option takes no None
+        assert drafts(slots=4, **{option: None}) == 1  # None: unset (the parts' or default)
+
+
+def test_a_fitting_draft_length_is_left_alone():
+    model = tiny_moe_model("olmoe", layers=3, experts=16, top_k=2, vocab=64, seed=3)
+    sm = rewrite.apply(model, "layerskip", exit_layer=1,
+                       offload=OffloadOptions(slots=1.0, tier="host"))  # fmt: skip
+    assert sm.options.num_speculations == 6  # 16 slots hold 8 tokens' top-2
+    sm.offload.close()
+
+
 def test_policies_refuse_the_recipes_they_cannot_serve(tmp_path):
     model = tiny_moe_model("olmoe", layers=4, experts=4)
     with pytest.raises(ValueError, match="verify_union"):
@@ -195,6 +237,13 @@ def test_bench_offload_rows(tmp_path):
     )  # fmt: skip
     rows = {r.system: r for r in run_bench(model, prompts, config, progress=False)}
     assert set(OFFLOAD_ROWS) | set(REUSE_ROWS) | {ORACLE_ROW} <= set(rows)
+    # the offloaded layerskip drafts what the slots fit (3 of 6 hold 1 token's top-2: d = 1),
+    # not the resident rows' num_speculations=2; given, it drafts that
+    assert rows["leapfx_offload_layerskip"].extra["num_speculations"] == 1
+    given = dataclasses.replace(config, recipe="layerskip", warmup=0, offload_num_speculations=2)
+    fixed = {r.system: r for r in run_bench(model, prompts, given, progress=False)}
+    assert fixed["leapfx_offload_layerskip"].extra["num_speculations"] == 2
+    assert fixed["leapfx_layerskip"].extra["num_speculations"] == 2
     for name in (*OFFLOAD_ROWS[1:], *REUSE_ROWS, ORACLE_ROW):
         row = rows[name]
         assert row.identical_to_greedy and row.extra["identical_to_resident"]

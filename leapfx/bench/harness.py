@@ -142,6 +142,9 @@ class BenchConfig:
     offload_slow_dtype: str | None = None  # OffloadOptions.slow_dtype: None | auto | float16 | ...
     # the *_reuse rows' learned eviction (a ReuseProbe file; None: no such rows)
     offload_reuse_probe: str | None = None
+    # leapfx_offload_layerskip's drafts a round; None: fitted to the slots
+    # (``rewrite.fit_drafts_to_slots``), not the resident rows' num_speculations
+    offload_num_speculations: int | None = None
 
     def validate(self) -> BenchConfig:
         checks = [
@@ -444,7 +447,8 @@ def _offload_systems(model, config: BenchConfig, exit_layer: int, n: int, sampli
 
     extra = {"generator": gen} if sampling["do_sample"] else {}
     specs = offload_systems(
-        config.offload_slots, exit_layer=exit_layer, num_speculations=config.num_speculations,
+        config.offload_slots, exit_layer=exit_layer,
+        num_speculations=config.offload_num_speculations,
         m2r2_parts=config.offload_m2r2_parts, path=config.offload_dir,
         engine=config.offload_engine, reuse_probe=config.offload_reuse_probe,
         prefetch_lead=config.offload_prefetch_lead, slow_dtype=config.offload_slow_dtype,
@@ -854,6 +858,7 @@ def _speculation_stats(row: Row, metrics: list[DecodeMetrics]) -> None:
     rejected = sum(m.rejections for m in metrics)
     # Per-token acceptance probability (geometric MLE), what the speedup formula's alpha means.
     row.extra["alpha"] = accepted / (accepted + rejected) if accepted + rejected else 0.0
+    row.extra["num_speculations"] = d  # drafts a round (the most, with a dynamic length)
     row.extra["draft_calls"] = sum(m.draft_calls for m in metrics)
     row.extra["verify_calls"] = sum(m.verify_calls for m in metrics)
 

@@ -512,6 +512,10 @@ class Recipe:
     # Whether its stages lower to Inductor and ONNX (False: a stage takes a Python object,
     # e.g. M2R2's FastScratch, that neither traces).
     compiles: bool = True
+    # The option that sets how many tokens a round drafts (``lookahead``: the tokens a verify
+    # pass checks); None: the recipe does not draft. Over an offloaded MoE model, apply lowers
+    # it to fit the slots where the caller left it unset (``fit_drafts_to_slots``).
+    draft_option: str | None = None
 
 
 def _full_only(gm: fx.GraphModule) -> Stages:
@@ -550,6 +554,7 @@ RECIPES: dict[str, Recipe] = {
             schedule=_layerskip_schedule,
             lookahead=lambda o: o.num_speculations + 1,
             lossless=True,
+            draft_option="num_speculations",
         ),
         Recipe(
             name="kangaroo",
@@ -566,6 +571,7 @@ RECIPES: dict[str, Recipe] = {
             lossless=True,
             training=_kangaroo_training,
             parts_option="adapter",
+            draft_option="max_draft_tokens",
         ),
         Recipe(
             name="m2r2",
@@ -583,6 +589,7 @@ RECIPES: dict[str, Recipe] = {
             training=_m2r2_training,
             parts_option="parts",
             compiles=False,
+            draft_option="num_speculations",
         ),
         Recipe(
             name="m2r2_exit",

@@ -416,6 +416,12 @@ class ExpertOffload:
             return "the leapfx_cpu reader extension did not build (see the warning above)"
         return None
 
+    def call_tokens(self) -> int:
+        """The most tokens one experts call can route whose experts always fit the slots
+        (``num_slots // top_k``, at least 2): a verify pass of more may need more distinct
+        experts in a layer than it has slots, and then runs in waves, loading some twice."""
+        return max(2, self.num_slots // self.top_k)
+
     # ---- transfers -------------------------------------------------------------------------
 
     def _issue(self, layer: int, placements: list[Placement], *, demand: bool) -> None:
