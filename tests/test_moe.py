@@ -119,10 +119,13 @@ def test_speculative_recipes_lossless_on_moe(spec, data):
     prompt = _prompt(data, spec["vocab"])
     max_new = data.draw(st.integers(1, 16), label="max_new_tokens")
     e = data.draw(st.integers(1, spec["layers"] - 1), label="exit_layer")
-    recipe = data.draw(st.sampled_from(["layerskip", "kangaroo"]), label="recipe")
+    recipe = data.draw(st.sampled_from(["layerskip", "kangaroo", "eagle"]), label="recipe")
     if recipe == "layerskip":
         d = data.draw(st.integers(1, 6), label="num_speculations")
         sm = rewrite.apply(model, recipe, exit_layer=e, num_speculations=d)
+    elif recipe == "eagle":  # an untrained head (a copy of an MoE layer): drafts, rejected or not
+        d = data.draw(st.integers(1, 6), label="max_draft_tokens")
+        sm = rewrite.apply(model, recipe, max_draft_tokens=d, confidence_threshold=0.0)
     else:
         sm = rewrite.apply(model, recipe, exit_layer=e, confidence_threshold=0.0)
     ours = sm.generate(prompt, max_new_tokens=max_new)
@@ -141,6 +144,14 @@ def test_early_exit_on_moe_is_the_truncated_model(spec, data):
     short.model.layers = short.model.layers[:e]
     short.config.num_hidden_layers = e
     assert_greedy_equal(short, ours, hf_greedy(short, prompt, max_new), prompt.shape[1])
+
+
+@pytest.mark.parametrize("recipe", ["specee", "m2r2_exit"])
+def test_recipes_whose_stages_need_whole_layers_refuse_moe_layers(recipe):
+    """Their stages run each decoder layer as one module; an MoE layer is captured in parts."""
+    model = tiny_moe_model("qwen2_moe", layers=3, dense_layers=(0,))
+    with pytest.raises(ValueError, match=f"recipe '{recipe}': layer 1 is an MoE layer.*eagle"):
+        rewrite.apply(model, recipe)
 
 
 def test_unsupported_moe_family_is_refused_with_the_list():

@@ -164,7 +164,8 @@ def test_verify_union_accumulates_the_round_and_runs_in_draft_and_verify():
     ("recipe", "option", "extra"),
     [("layerskip", "num_speculations", {"exit_layer": 1}),
      ("kangaroo", "max_draft_tokens", {"exit_layer": 1}),
-     ("m2r2", "num_speculations", {"fast_layers": 1})],
+     ("m2r2", "num_speculations", {"fast_layers": 1}),
+     ("eagle", "max_draft_tokens", {})],
 )  # fmt: skip
 def test_an_offloaded_recipe_drafts_what_the_slots_fit(recipe, option, extra):
     """Unset, the draft length falls to num_slots // top_k - 1 (at least 1) over an offloaded

@@ -68,6 +68,7 @@ Example::
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -82,6 +83,7 @@ from .capture import (
     ROLE,
     WRITES_CACHE,
     cache_kwarg,
+    layer_module,
     nodes_by_role,
     output_dict,
     rename_cache_kwarg,
@@ -147,7 +149,7 @@ class EagleHead(nn.Module):
         # with the host layer's weights. layer_idx=init_layer lets the class read per-layer
         # config (sliding window, layer type); the attention's slot is set after.
         with torch.device("meta"):
-            fresh = type(layer)(config, layer_idx=init_layer)
+            fresh = _decoder_layer_class(layer)(config, layer_idx=init_layer)
             fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=True)
         fresh = fresh.to(dtype=weight.dtype).to_empty(device=weight.device)
         if any(True for _ in fresh.buffers()):
@@ -193,6 +195,24 @@ def eagle_head_of(gm: fx.GraphModule) -> EagleHead:
     return head
 
 
+def _decoder_layer_class(layer: nn.Module) -> type[nn.Module]:
+    """The HF decoder-layer class of ``layer``: its own, or for an MoE layer (which capture
+    holds as a plain container of its parts, ``layer_module``) the ``*DecoderLayer`` class of
+    its attention's modeling module."""
+    if type(layer) is not nn.Module:
+        return type(layer)
+    module = sys.modules[type(layer.self_attn).__module__]
+    found = [c for name, c in vars(module).items()
+             if name.endswith("DecoderLayer") and isinstance(c, type)
+             and issubclass(c, nn.Module) and c.__module__ == module.__name__]  # fmt: skip
+    if len(found) != 1:
+        raise ValueError(
+            f"the host layer's decoder-layer class: {len(found)} candidates in "
+            f"{module.__name__}; allowed: exactly one *DecoderLayer class"
+        )
+    return found[0]
+
+
 @dataclass(frozen=True)
 class InsertEagleHead(GraphPass):
     """Insert EAGLE's draft head after the last decoder layer.
@@ -219,7 +239,7 @@ class InsertEagleHead(GraphPass):
         if nodes_by_role(gm, "eagle_layer"):
             return PassResult(gm, modified=False, matches=0)  # already there
         source_node = next(n for n in layers if n.meta["leapfx.layer"] == init)
-        host_layer = gm.get_submodule(source_node.target)
+        host_layer = layer_module(gm, init)  # an MoE layer's output node has no module
         if not hasattr(host_layer, "self_attn") or not hasattr(host_layer, "input_layernorm"):
             raise ValueError(
                 f"layer {init} is a {type(host_layer).__name__}, not a HF decoder layer; run "

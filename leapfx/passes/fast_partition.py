@@ -24,7 +24,7 @@ from __future__ import annotations
 from torch import fx
 
 from .accelerator import GATE, GATES
-from .capture import ROLE, output_dict
+from .capture import ROLE, output_dict, refuse_moe_layers
 from .partition import Stages, _copy, _finish, _placeholders, full_stage
 
 
@@ -68,6 +68,7 @@ def exit_stages(gm: fx.GraphModule) -> Stages:
     ``tail``     (hidden, position_ids, cache) -> {logits}: the final norm and LM head on h^N
                  (position_ids and cache unused: the signature every row stage shares).
     """
+    refuse_moe_layers(gm, "m2r2_exit", "its exit stages run each slow layer as one module")
     gates = gm.meta.get(GATES)
     if not gates:
         raise ValueError("graph has no accelerated stream; run InsertAccelerator first")

@@ -33,7 +33,14 @@ import operator
 
 from torch import fx
 
-from .capture import LAYER, ROLE, cache_kwarg, output_dict, rename_cache_kwarg
+from .capture import (
+    LAYER,
+    ROLE,
+    cache_kwarg,
+    output_dict,
+    refuse_moe_layers,
+    rename_cache_kwarg,
+)
 from .eagle_head import eagle_stages
 from .partition import Stages, _ancestors, _copy, _finish, _placeholders, full_stage
 from .predictor import FIRST_PREDICTED
@@ -43,6 +50,8 @@ _LOWER_ROLES = {"embed", "rotary", "mask", "layer"}
 
 def specee_stages(gm: fx.GraphModule) -> Stages:
     """Cut ``gm`` (a draft head + InsertExitPredictors) into full, draft, layer_i and head."""
+    why = "SpecEE's per-layer stages run each decoder layer as one module"
+    refuse_moe_layers(gm, "specee", why)
     e = gm.meta[FIRST_PREDICTED] + 1
     outputs = output_dict(gm)
     eagle = "eagle_logits" in outputs

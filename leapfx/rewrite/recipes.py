@@ -620,6 +620,7 @@ RECIPES: dict[str, Recipe] = {
             lossless=True,
             training=_eagle_training,
             parts_option="parts",
+            draft_option="max_draft_tokens",
         ),
         Recipe(
             name="specee",
