@@ -115,6 +115,9 @@ def test_bad_input_is_refused_with_what_is_allowed(tmp_path):
     model = load_offloaded(path)
     with pytest.raises(ValueError, match=r"offload: None, and the experts of .* allowed: offload="):
         rewrite.apply(model, "autoregressive")
+    # EAGLE's head starts as a copy of a host layer: not of experts held in the checkpoint only
+    with pytest.raises(ValueError, match=r"init_layer: the host layer 3's mlp.experts.* allowed:"):
+        rewrite.apply(model, "eagle", offload=OffloadOptions(slots=0.5))
     dense = tiny_model()
     dense.save_pretrained(tmp_path / "dense")
     with pytest.raises(ValueError, match="without MoE layers"):

@@ -143,6 +143,13 @@ class EagleHead(nn.Module):
         stream of the usual scale that carries both. Copies, not references: the head trains,
         the host must not change.
         """
+        held = [n for n, p in layer.named_parameters() if p.is_meta]
+        if held:
+            raise ValueError(
+                f"init_layer: the host layer {init_layer}'s {held[0]} is in the checkpoint only "
+                "(leapfx.runtime.offload.load_offloaded), and the EAGLE head starts as a copy of "
+                "that layer; allowed: a model loaded with its weights (e.g. from_pretrained)"
+            )
         weight = next(layer.parameters())
         config = layer.self_attn.config
         # Built on the meta device (no random init, the caller's RNG is untouched), then filled
