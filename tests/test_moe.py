@@ -146,12 +146,24 @@ def test_early_exit_on_moe_is_the_truncated_model(spec, data):
     assert_greedy_equal(short, ours, hf_greedy(short, prompt, max_new), prompt.shape[1])
 
 
-@pytest.mark.parametrize("recipe", ["specee", "m2r2_exit"])
-def test_recipes_whose_stages_need_whole_layers_refuse_moe_layers(recipe):
-    """Their stages run each decoder layer as one module; an MoE layer is captured in parts."""
-    model = tiny_moe_model("qwen2_moe", layers=3, dense_layers=(0,))
-    with pytest.raises(ValueError, match=f"recipe '{recipe}': layer 1 is an MoE layer.*eagle"):
-        rewrite.apply(model, recipe)
+@settings(max_examples=20)
+@given(spec=moe_specs(), data=st.data())
+def test_layer_by_layer_recipes_on_moe(spec, data):
+    """SpecEE's and M2R2's exit stages cut an MoE layer from its parts: SpecEE verified and
+    m2r2_exit that never exits are HF greedy's decoding; qwen's dense layers mixed in."""
+    model = tiny_moe_model(**spec)
+    prompt = _prompt(data, spec["vocab"])
+    max_new = data.draw(st.integers(1, 12), label="max_new_tokens")
+    if data.draw(st.booleans(), label="specee"):
+        drafter = data.draw(st.sampled_from(["eagle", "exit_head"]), label="drafter")
+        e = data.draw(st.integers(1, spec["layers"] - 1), label="exit_layer")
+        sm = rewrite.apply(model, "specee", verify=True, drafter=drafter, exit_layer=e)
+        stages = [n for n in sm.stages.modules if n.startswith("layer_")]
+        assert stages == [f"layer_{i}" for i in range(e, spec["layers"])]
+    else:
+        sm = rewrite.apply(model, "m2r2_exit", threshold=1.01)  # never exits
+    ours = sm.generate(prompt, max_new_tokens=max_new)
+    assert_greedy_equal(model, ours, hf_greedy(model, prompt, max_new), prompt.shape[1])
 
 
 def test_unsupported_moe_family_is_refused_with_the_list():

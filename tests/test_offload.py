@@ -229,7 +229,24 @@ RECIPES = {
     "layerskip": {"exit_layer": 1, "num_speculations": 3},
     "kangaroo": {"exit_layer": 1, "confidence_threshold": 0.0},
     "eagle": {"max_draft_tokens": 3, "confidence_threshold": 0.0},
+    "specee": {"verify": True, "exit_layer": 1},
+    "m2r2_exit": {"threshold": 1.01},  # never exits: the resident side is HF greedy's
 }
+
+
+@pytest.mark.parametrize(("recipe", "opts"), [("specee", {}), ("m2r2_exit", {"threshold": 0.5})])
+def test_lossy_layer_by_layer_recipes_exit_alike_offloaded(recipe, opts):
+    """Untrained predictors and routers (seeded alike): the offloaded model exits where the
+    resident one does, so the tokens are the same, whatever they are."""
+    model = tiny_moe_model("qwen3_moe", layers=4, experts=6, top_k=2, vocab=64, seed=2)
+    prompt = torch.tensor([[3, 1, 4, 1, 5]])
+    torch.manual_seed(0)
+    resident = rewrite.apply(model, recipe, **opts).generate(prompt, max_new_tokens=12)
+    for slots in (2, 6):
+        torch.manual_seed(0)
+        ours, sm = _generate(model, recipe, prompt, 12, offload=_offload(slots=slots), **opts)
+        assert torch.equal(ours, resident), (slots, ours.tolist(), resident.tolist())
+        assert sm.last_offload_report.hit_rate < 1.0 or slots == 6
 
 
 @settings(max_examples=40)

@@ -298,18 +298,6 @@ def layer_module(gm: fx.GraphModule, index: int) -> nn.Module:
     return gm.get_submodule(node.meta[MODULE])
 
 
-def refuse_moe_layers(gm: fx.GraphModule, recipe: str, why: str) -> None:
-    """ValueError where ``gm`` has an MoE layer (capture splits it into its parts: its ``layer``
-    node is the residual add, not a module) and ``recipe``'s stages need each decoder layer as
-    one module (``why``)."""
-    moe = sorted({n.meta[LAYER] for n in nodes_by_role(gm, "layer") if n.op != "call_module"})
-    if moe:
-        raise ValueError(
-            f"recipe {recipe!r}: layer {moe[0]} is an MoE layer, and {why}; allowed: dense "
-            "models (on MoE models: autoregressive, early_exit, layerskip, kangaroo, m2r2, eagle)"
-        )
-
-
 def nodes_by_role(gm: fx.GraphModule, role: str) -> list[fx.Node]:
     """All nodes of ``gm`` whose ``leapfx.role`` is ``role``, in graph order."""
     return [n for n in gm.graph.nodes if n.meta.get(ROLE) == role]

@@ -24,8 +24,8 @@ from __future__ import annotations
 from torch import fx
 
 from .accelerator import GATE, GATES
-from .capture import ROLE, output_dict, refuse_moe_layers
-from .partition import Stages, _copy, _finish, _placeholders, full_stage
+from .capture import ROLE, output_dict
+from .partition import Stages, _copy, _finish, _placeholders, full_stage, layer_parts
 
 
 def fast_stream_stages(gm: fx.GraphModule) -> Stages:
@@ -68,7 +68,6 @@ def exit_stages(gm: fx.GraphModule) -> Stages:
     ``tail``     (hidden, position_ids, cache) -> {logits}: the final norm and LM head on h^N
                  (position_ids and cache unused: the signature every row stage shares).
     """
-    refuse_moe_layers(gm, "m2r2_exit", "its exit stages run each slow layer as one module")
     gates = gm.meta.get(GATES)
     if not gates:
         raise ValueError("graph has no accelerated stream; run InsertAccelerator first")
@@ -79,6 +78,7 @@ def exit_stages(gm: fx.GraphModule) -> Stages:
     rope = next(n for n in nodes if n.meta.get(ROLE) == "rotary")
     masks = [n for n in nodes if n.meta.get(ROLE) == "mask"]
     layers = [n for n in nodes if n.meta.get(ROLE) == "layer"]
+    parts = layer_parts(gm)  # an MoE layer's parts, a dense layer's node
     num_layers = len(layers)
     edges = (0, *gates, num_layers)
     modules = {"full": full_stage(gm)}
@@ -93,7 +93,8 @@ def exit_stages(gm: fx.GraphModule) -> Stages:
         else:
             env[layers[a - 1]] = ph["hidden"]
         env[rope.args[0]] = env[embed if a == 0 else layers[a - 1]]  # dtype/device only
-        _copy(graph, [rope, *masks, *layers[a:b]], env)
+        slow = set().union(*(parts[i] for i in range(a, b)))
+        _copy(graph, [rope, *masks, *(n for n in nodes if n in slow)], env)
         out = {"hidden": env[layers[b - 1]]}
         if a == 0:
             out["reset"] = env[embed]  # the fast stream of the first interval starts here

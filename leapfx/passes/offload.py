@@ -59,7 +59,9 @@ PREFETCH_LAYERS = "leapfx.prefetch_layers"  # node.meta of its node: the MoE lay
 
 
 def _by_layer(gm: fx.GraphModule, role: str) -> dict[int, fx.Node]:
-    return {n.meta[LAYER]: n for n in nodes_by_role(gm, role)}
+    """The decoder layers' nodes of ``role`` by layer (M2R2's ARLA gate routers, also
+    ``router`` nodes, belong to no decoder layer)."""
+    return {n.meta[LAYER]: n for n in nodes_by_role(gm, role) if LAYER in n.meta}
 
 
 @dataclass(frozen=True)

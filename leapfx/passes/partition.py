@@ -34,12 +34,12 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from .capture import LAYER, ROLE, SIDE_EFFECT, WRITES_CACHE, output_dict
+from .capture import LAYER, ROLE, SIDE_EFFECT, WRITES_CACHE, nodes_by_role, output_dict
 from .exit_head import exit_layer_of
 
 # Nodes shared by every layer; a node of decoder layer i (the layer itself, or one of an MoE
 # layer's parts: attention, router, experts ...) carries leapfx.layer = i.
-_INPUT_ROLES = {"embed", "rotary", "mask"}
+INPUT_ROLES = {"embed", "rotary", "mask"}  # what every layer reads besides its input
 
 
 @dataclass
@@ -61,6 +61,19 @@ class Stages:
         for name, gm in self.modules.items():
             parts.append(f"# stage: {name}\n{gm.code.strip()}\n")
         return "\n".join(parts)
+
+
+def layer_parts(gm: fx.GraphModule) -> dict[int, set[fx.Node]]:
+    """Decoder layer i -> its nodes: the ``layer`` node itself for a dense layer; for an MoE
+    layer (captured as its parts) every node it is computed from that neither a lower layer nor
+    the inputs, embedding, rotary table or masks are."""
+    below = {n for n in gm.graph.nodes if n.op == "placeholder" or n.meta.get(ROLE) in INPUT_ROLES}
+    parts = {}
+    for node in nodes_by_role(gm, "layer"):
+        mine = ({node} | _ancestors(node)) - below
+        parts[node.meta[LAYER]] = mine
+        below |= mine
+    return parts
 
 
 def _placeholders(graph: fx.Graph, names: list[str]) -> dict[str, fx.Node]:
@@ -120,7 +133,7 @@ def partition(gm: fx.GraphModule) -> Stages:
     inputs = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
 
     def is_lower(n: fx.Node) -> bool:
-        return n.meta.get(ROLE) in _INPUT_ROLES or n.meta.get(LAYER, e) < e
+        return n.meta.get(ROLE) in INPUT_ROLES or n.meta.get(LAYER, e) < e
 
     lower = [n for n in nodes if is_lower(n)]
     # The draft head: what computes exit_logits beyond the lower layers, in graph order.

@@ -37,30 +37,38 @@ from .capture import (
     LAYER,
     ROLE,
     cache_kwarg,
+    nodes_by_role,
     output_dict,
-    refuse_moe_layers,
     rename_cache_kwarg,
 )
 from .eagle_head import eagle_stages
-from .partition import Stages, _ancestors, _copy, _finish, _placeholders, full_stage
+from .partition import (
+    INPUT_ROLES,
+    Stages,
+    _ancestors,
+    _copy,
+    _finish,
+    _placeholders,
+    full_stage,
+    layer_parts,
+)
 from .predictor import FIRST_PREDICTED
-
-_LOWER_ROLES = {"embed", "rotary", "mask", "layer"}
 
 
 def specee_stages(gm: fx.GraphModule) -> Stages:
     """Cut ``gm`` (a draft head + InsertExitPredictors) into full, draft, layer_i and head."""
-    why = "SpecEE's per-layer stages run each decoder layer as one module"
-    refuse_moe_layers(gm, "specee", why)
     e = gm.meta[FIRST_PREDICTED] + 1
     outputs = output_dict(gm)
     eagle = "eagle_logits" in outputs
     nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
     inputs = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
+    parts = layer_parts(gm)
+    lower_set = {n for n in nodes if n.meta.get(ROLE) in INPUT_ROLES}
+    for i in range(e):
+        lower_set |= parts[i]
 
     def is_lower(n: fx.Node) -> bool:
-        role = n.meta.get(ROLE)
-        return role in _LOWER_ROLES and (role != "layer" or n.meta[LAYER] < e)
+        return n in lower_set
 
     lower = [n for n in nodes if is_lower(n)]
     cands = next(n for n in nodes if n.meta.get(ROLE) == "speculative_tokens")
@@ -90,11 +98,23 @@ def specee_stages(gm: fx.GraphModule) -> Stages:
         modules = {"full": full_stage(gm)}
     modules["draft"] = _finish(gm, draft, "draft")
 
+    masks = [n for n in nodes if n.meta.get(ROLE) == "mask"]
+    parts_out = {n.meta[LAYER]: n for n in nodes_by_role(gm, "layer")}
     for node in nodes:
         if node.meta.get(ROLE) != "layer" or node.meta[LAYER] < e:
             continue
         graph = fx.Graph()
         ph = _placeholders(graph, ["hidden", "rope", "mask", "position_ids", "cache"])
+        i = node.meta[LAYER]
+        if node.op != "call_module":  # an MoE layer, captured as its parts: copy them
+            below = parts_out[i - 1]
+            env = {below: ph["hidden"], rope: ph["rope"], inputs["cache"]: ph["cache"],
+                   inputs["position_ids"]: ph["position_ids"],
+                   **{m: ph["mask"] for m in masks}}  # fmt: skip
+            _copy(graph, [n for n in nodes if n in parts[i]], env)
+            graph.output({"hidden": env[node]})
+            modules[f"layer_{i}"] = _finish(gm, graph, f"layer_{i}")
+            continue
         name = cache_kwarg(gm.get_submodule(node.target))  # the layer's own or HF's (by version)
         kwargs = rename_cache_kwarg(node.kwargs, name)
         kwargs.update(attention_mask=ph["mask"], position_embeddings=ph["rope"])
