@@ -63,17 +63,13 @@ def specee_stages(gm: fx.GraphModule) -> Stages:
     nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
     inputs = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
     parts = layer_parts(gm)
+    layer_out = {n.meta[LAYER]: n for n in nodes_by_role(gm, "layer")}
     lower_set = {n for n in nodes if n.meta.get(ROLE) in INPUT_ROLES}
-    for i in range(e):
-        lower_set |= parts[i]
-
-    def is_lower(n: fx.Node) -> bool:
-        return n in lower_set
-
-    lower = [n for n in nodes if is_lower(n)]
+    lower_set = lower_set.union(*(parts[i] for i in range(e)))
+    lower = [n for n in nodes if n in lower_set]
     cands = next(n for n in nodes if n.meta.get(ROLE) == "speculative_tokens")
     rope = next(n for n in nodes if n.meta.get(ROLE) == "rotary")
-    last_lower = next(n for n in lower if n.meta.get(ROLE) == "layer" and n.meta[LAYER] == e - 1)
+    last_lower = layer_out[e - 1]
     draft = fx.Graph()
     env = {inputs[k]: v for k, v in _placeholders(draft, list(inputs)).items()}
     if eagle:
@@ -85,7 +81,7 @@ def specee_stages(gm: fx.GraphModule) -> Stages:
         modules = {"target": cut["target"], "eagle_head": cut["head"]}
     else:
         head_part = {cands} | _ancestors(cands)
-        exit_nodes = [n for n in nodes if n in head_part and not is_lower(n)]
+        exit_nodes = [n for n in nodes if n in head_part and n not in lower_set]
         _copy(draft, lower + exit_nodes, env)
         draft.output(
             {
@@ -99,7 +95,6 @@ def specee_stages(gm: fx.GraphModule) -> Stages:
     modules["draft"] = _finish(gm, draft, "draft")
 
     masks = [n for n in nodes if n.meta.get(ROLE) == "mask"]
-    parts_out = {n.meta[LAYER]: n for n in nodes_by_role(gm, "layer")}
     for node in nodes:
         if node.meta.get(ROLE) != "layer" or node.meta[LAYER] < e:
             continue
@@ -107,7 +102,7 @@ def specee_stages(gm: fx.GraphModule) -> Stages:
         ph = _placeholders(graph, ["hidden", "rope", "mask", "position_ids", "cache"])
         i = node.meta[LAYER]
         if node.op != "call_module":  # an MoE layer, captured as its parts: copy them
-            below = parts_out[i - 1]
+            below = layer_out[i - 1]
             env = {below: ph["hidden"], rope: ph["rope"], inputs["cache"]: ph["cache"],
                    inputs["position_ids"]: ph["position_ids"],
                    **{m: ph["mask"] for m in masks}}  # fmt: skip
