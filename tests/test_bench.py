@@ -34,13 +34,13 @@ def test_run_bench_rows(checkpoint):
     rows = run_bench(model, prompts, config, progress=False)
     names = [r.system for r in rows]
     assert names == [
-        "hf_greedy", "hf_static", "hf_assistant_early_exit", "leapfx_autoregressive",
-        "leapfx_early_exit", "leapfx_layerskip",
+        "hf_greedy", "hf_static", "hf_assistant_early_exit", "hf_prompt_lookup",
+        "leapfx_autoregressive", "leapfx_early_exit", "leapfx_layerskip",
     ]  # fmt: skip
     by = {r.system: r for r in rows}
     assert by["hf_greedy"].speedup == 1.0
-    for name in ("hf_static", "hf_assistant_early_exit", "leapfx_autoregressive",
-                 "leapfx_layerskip"):  # fmt: skip
+    for name in ("hf_static", "hf_assistant_early_exit", "hf_prompt_lookup",
+                 "leapfx_autoregressive", "leapfx_layerskip"):  # fmt: skip
         assert by[name].identical_to_greedy is True
         assert (by[name].identical_prompts, by[name].prompts) == (2, 2)
         assert by[name].differences is None

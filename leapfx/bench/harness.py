@@ -8,6 +8,8 @@ Every system decodes the same prompts with the same ``max_new_tokens`` and the s
                                runs eagerly). Every row's ``speedup_vs_static`` is against it.
 - ``hf_assistant_early_exit``  HF's own LayerSkip: ``generate(assistant_early_exit=E,
                                num_assistant_tokens=d)``, constant schedule
+- ``hf_prompt_lookup``         HF's prompt lookup decoding: ``generate(
+                               prompt_lookup_num_tokens=10)``, training-free n-gram drafts
 - ``leapfx_autoregressive``    the leapfx runtime without speculation
 - ``leapfx_early_exit``        exit after E layers for every token (lossy: ``agreement``, the
                                teacher-forced agreement with greedy, and ``avg_layers``)
@@ -64,6 +66,8 @@ THREAD_POOLS = ("shared", "session")  # --onnx-thread-pool
 # thread pool the two tied there (0.69-0.72 ms/token each) while the bench's decodes measured
 # verify at 1.21 full steps whole against 1.34 split (2026-11-24).
 SPLIT_MARGIN = 0.03
+# hf_prompt_lookup's prompt_lookup_num_tokens: the value HF's assisted-generation docs use.
+HF_PROMPT_LOOKUP_TOKENS = 10
 BENCHED_RECIPES = (
     "autoregressive", "early_exit", "layerskip", "kangaroo", "eagle", "specee", "m2r2",
 )  # fmt: skip
@@ -336,6 +340,9 @@ def build_systems(model: nn.Module, config: BenchConfig, generator_seed: int = 0
             num_assistant_tokens_schedule="constant",
         )
         systems.append(System("hf_assistant_early_exit", assistant))
+        # HF's training-free drafting: n-gram matches in the prompt and the text so far.
+        lookup = hf(prompt_lookup_num_tokens=HF_PROMPT_LOOKUP_TOKENS)
+        systems.append(System("hf_prompt_lookup", lookup))
     if config.recipe not in BENCHED_RECIPES:
         raise ValueError(
             f"--recipe: {config.recipe!r} is not benchmarked; allowed: {', '.join(BENCHED_RECIPES)}"
@@ -748,6 +755,7 @@ def _rows(systems, prompts, config, times, first) -> list[Row]:
         seconds = statistics.median(times[system.name])
         row = Row(system.name, new / seconds, new_tokens=new, seconds=seconds)
         row.extra["seconds_per_pass"] = list(times[system.name])  # timed passes, in order
+        row.extra["first_new_tokens"] = run.outputs[0][0, prompts[0].shape[1] :].tolist()
         row.extra.update(system.info)
         if run.metrics and any(m.verify_calls for m in run.metrics):
             _speculation_stats(row, run.metrics)

@@ -297,7 +297,7 @@ def train_reference_head(
     import platform
 
     from leapfx import rewrite
-    from leapfx.bench import load_model
+    from leapfx.models import load_model
     from leapfx.train.data import encode_documents
     from leapfx.train.reference import corpus_digest, reference_corpus
     from leapfx.train.trainer import describe_device, resolve_device

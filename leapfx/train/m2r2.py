@@ -495,7 +495,7 @@ def train_parts(
     import platform
 
     from leapfx import rewrite
-    from leapfx.bench import load_model
+    from leapfx.models import load_model
     from leapfx.train.data import encode_documents
     from leapfx.train.reference import corpus_digest, reference_corpus
 

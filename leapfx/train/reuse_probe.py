@@ -28,7 +28,7 @@ PROBE_NAME = "reuse_probe.safetensors"  # its name beside a model (the bench loo
 def model_probe(model_path) -> str | None:
     """The probe beside the model ``model_path`` names (``leapfx.bench.resolve_model``), if it
     has one."""
-    from ..bench import resolve_model
+    from ..models import resolve_model
 
     found = resolve_model(model_path) / PROBE_NAME
     return str(found) if found.is_file() else None
@@ -76,7 +76,7 @@ def train_reuse_probe(
     progress: bool = True,
 ) -> dict:
     """Fit, evaluate and write a probe to ``out`` (a file); returns its report."""
-    from ..bench import load_model
+    from ..models import load_model
 
     for name, value, low in (("tokens", tokens, window), ("held_out_tokens", held_out_tokens,
                              window), ("window", window, horizon + 1)):  # fmt: skip

