@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from .bench.prompt_sets import encode
+from .models.chat import encode
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from ..models.chat import encode, has_chat_template
+
 PROMPT_SETS = ("stdlib", "humaneval", "chat")
 HUMANEVAL_INSTRUCTION = "Complete the following Python function."
 
@@ -172,25 +174,3 @@ def _item(line: str, where: str) -> dict:
     if not ok:
         raise ValueError(f"--prompt-set: line {where} is no prompt; {allowed}")
     return {"messages": messages}
-
-
-def has_chat_template(tokenizer) -> bool:
-    return bool(getattr(tokenizer, "chat_template", None))
-
-
-def encode(item: dict, tokenizer, raw: bool = False) -> list[int]:
-    """Token ids of one prompt item: messages through the chat template (with the assistant's
-    turn opened), a plain prompt through it too on a chat model unless ``raw``."""
-    messages = item.get("messages")
-    if messages is None and not (raw or item.get("raw")) and has_chat_template(tokenizer):
-        messages = [{"role": "user", "content": item["prompt"]}]
-    if messages is None:
-        return list(tokenizer(item["prompt"])["input_ids"])
-    if not has_chat_template(tokenizer):
-        raise ValueError(
-            "--prompt-set: a prompt with messages needs a tokenizer with a chat template; this "
-            'model\'s has none (allowed: {"prompt": ...} items)'
-        )
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    # The template writes the special tokens itself: add none again.
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
