@@ -19,7 +19,7 @@ from leapfx import rewrite
 from leapfx.runtime.runner import StageRunner
 from leapfx.runtime.sampling import SamplingParams, probs
 from leapfx.runtime.schedules import DecodeRequest, accept, draft
-from leapfx.runtime.verify import speculative_accept_random
+from leapfx.kernels.reference import speculative_accept_random
 from tests.conftest import tiny_model
 
 

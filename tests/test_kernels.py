@@ -2,7 +2,7 @@
 
 Three layers, all over hypothesis-generated shapes (B 1..3, d 0..6, V 2..300):
 
-1. The ops' torch path equals :mod:`leapfx.runtime.verify` (and, for the subset logits, a full
+1. The ops' torch path equals :mod:`leapfx.kernels.reference` (and, for the subset logits, a full
    ``hidden @ weight.T`` softmax), plus hand-computed golden cases and input errors.
 2. Tracing: ``torch.library.opcheck``, ``torch.compile(fullgraph=True, dynamic=True)`` keeping each
    op as one node across shapes, ``torch.export``.
@@ -34,7 +34,7 @@ from hypothesis import strategies as st
 
 import leapfx.kernels as K
 from leapfx.kernels import _triton, greedy, speculative, subset
-from leapfx.runtime import verify
+from leapfx.kernels import reference as verify
 
 INTERP_REASON = (
     "Triton runs compiled in this process (TRITON_INTERPRET=1 was not set when triton was first "

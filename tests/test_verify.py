@@ -14,7 +14,7 @@ from scipy.stats import chisquare
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from leapfx.runtime.sampling import sample
-from leapfx.runtime.verify import (
+from leapfx.kernels.reference import (
     acceptance,
     greedy_accept,
     speculative_accept,

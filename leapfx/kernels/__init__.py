@@ -16,7 +16,7 @@ op                                 signature
                                    -> (logits [B, K] float32, probs [B, K] float32)``
 =================================  ===============================================================
 
-The acceptance ops compute exactly the rules of :mod:`leapfx.runtime.verify` (their torch
+The acceptance ops compute exactly the rules of :mod:`leapfx.kernels.reference` (their torch
 references *are* those functions), on device and without a host sync. Which implementation runs is
 one rule, :func:`implementation`: Triton for CUDA tensors, and for CPU tensors when Triton was
 imported with ``TRITON_INTERPRET=1`` (the interpreter: slow, for testing); the torch reference

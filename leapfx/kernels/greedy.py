@@ -1,6 +1,6 @@
 """``leapfx::greedy_accept``: greedy verification on device (argmax, prefix match, next token).
 
-The rule is :func:`leapfx.runtime.verify.greedy_accept`, which is also the torch reference: with
+The rule is :func:`leapfx.kernels.reference.greedy_accept`, which is also the torch reference: with
 ``t = argmax(target_logits)`` (``[B, d+1]``), ``n_accepted`` is the length of the prefix where
 ``draft_tokens == t[:, :d]`` and ``next_token = t[b, n_accepted[b]]`` (the correction, or the
 bonus token when all ``d`` drafts are accepted).
@@ -21,9 +21,9 @@ from __future__ import annotations
 import torch
 
 from leapfx.kernels import _triton
+from leapfx.kernels import reference as verify
 from leapfx.kernels._triton import HAS_TRITON, tl
 from leapfx.kernels._validate import check_draft, check_floating, check_same_device
-from leapfx.runtime import verify
 
 # One program scans a row in blocks of at most this many logits (a register-sized tile).
 MAX_BLOCK_V = 2048
@@ -77,7 +77,7 @@ if HAS_TRITON:
 def greedy_accept_reference(
     draft_tokens: torch.Tensor, target_logits: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The torch reference: :func:`leapfx.runtime.verify.greedy_accept`."""
+    """The torch reference: :func:`leapfx.kernels.reference.greedy_accept`."""
     return verify.greedy_accept(draft_tokens, target_logits)
 
 

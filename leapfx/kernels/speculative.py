@@ -1,6 +1,6 @@
 """``leapfx::speculative_accept``: the speculative-sampling step on device, from given uniforms.
 
-The rule is :func:`leapfx.runtime.verify.speculative_accept`, which is also the torch reference
+The rule is :func:`leapfx.kernels.reference.speculative_accept`, which is also the torch reference
 (Leviathan et al. 2023, Algorithm 1, with explicit uniforms):
 
     accept x_i while u_accept[i] < min(1, p_i(x_i) / q_i(x_i))   (q_i(x_i) = 0: iff p_i(x_i) > 0)
@@ -27,13 +27,13 @@ from __future__ import annotations
 import torch
 
 from leapfx.kernels import _triton
+from leapfx.kernels import reference as verify
 from leapfx.kernels._triton import HAS_TRITON, tl
 from leapfx.kernels._validate import (
     check_draft,
     check_floating,
     check_same_device,
 )
-from leapfx.runtime import verify
 
 PROB_DTYPES = (torch.float32, torch.float64)
 # One program scans the emitted row in blocks of at most this many probabilities.
@@ -142,7 +142,7 @@ def speculative_accept_reference(
     u_accept: torch.Tensor,
     u_sample: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The torch reference: :func:`leapfx.runtime.verify.speculative_accept`."""
+    """The torch reference: :func:`leapfx.kernels.reference.speculative_accept`."""
     return verify.speculative_accept(draft_tokens, draft_probs, target_probs, u_accept, u_sample)
 
 

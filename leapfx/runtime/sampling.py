@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels.reference import sample  # noqa: F401  (the inverse-CDF draw)
+
 # HF's global generation defaults (``GenerationConfig._get_default_generation_params()``), used
 # when neither the model's generation config nor the user sets a field. top_k=50 is the one that
 # bites: ``do_sample=True`` alone samples from the top 50 tokens in HF, so it must here too.
@@ -147,25 +149,3 @@ def warp_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 def probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Target distribution ``softmax(warp_logits(logits))``, float32, shape of ``logits``."""
     return torch.softmax(warp_logits(logits, params), dim=-1)
-
-
-def sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF sample from ``probs: [..., V]`` with uniforms ``u: [...]`` in [0, 1).
-
-    Returns the first token whose cumulative probability exceeds ``u * total`` (long, shape of
-    ``u``). ``probs`` need not be normalised. A token of probability zero is never returned, even
-    for ``u`` outside [0, 1): such ``u`` is clamped, and ``u >= 1`` gives the last token with mass.
-
-    >>> sample(torch.tensor([0.5, 0.0, 0.5]), torch.tensor(0.5))
-    tensor(2)
-    """
-    cdf = probs.cumsum(dim=-1)  # [..., V]
-    # Scaling u by the float total (not 1) keeps x below the top of the CDF for every u < 1, so
-    # the tail of zero-mass tokens is unreachable; zero-mass tokens inside the CDF are never the
-    # first to exceed x since their CDF equals their predecessor's.
-    x = u.to(cdf.dtype).clamp(min=0) * cdf[..., -1]  # [...]
-    idx = torch.searchsorted(cdf.contiguous(), x.unsqueeze(-1).contiguous(), right=True)
-    # u >= 1 would land past the last token with mass (or past V); clamp back to that token.
-    V = probs.shape[-1]
-    last_nonzero = V - 1 - (probs.flip(-1) > 0).to(torch.uint8).argmax(dim=-1)  # [...]
-    return torch.minimum(idx.squeeze(-1), last_nonzero)
