@@ -244,7 +244,7 @@ def m2r2_loss(
 def routing_loss(sm, ids: torch.Tensor, fast: dict[int, torch.Tensor]) -> torch.Tensor:
     """Sum over fast layers i and MoE layers L in {2i+2, 2i+3} of KL(actual || predicted): L's
     norm and router on its own post-attention residual (no grad) vs on p^{i+1}."""
-    from leapfx.bench.routing import moe_layers, post_attention_residuals, route_hidden
+    from leapfx.models.routing import moe_layers, post_attention_residuals, route_hidden
     from leapfx.runtime.expert_prediction import predicted_layers
 
     model = sm.hf_model

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from leapfx.bench.routing import routing_stats
+from leapfx.models.routing import routing_stats
 from leapfx.train.data import byte_tokenizer, encode_documents, token_byte_lengths
 from leapfx.train.evaluate import eval_windows, evaluate_exits
 from leapfx.train.layerskip import LayerSkipTrainConfig

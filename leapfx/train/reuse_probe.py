@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from ..bench.routing import cache_hit_rates, scored_hit_rate
+from ..models.routing import cache_hit_rates, scored_hit_rate
 from ..runtime.offload.reuse import ReuseProbe, experts_inputs, fit_reuse_probe
 from .data import encode_documents
 from .evaluate import eval_windows

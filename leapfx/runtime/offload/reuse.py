@@ -126,7 +126,7 @@ def experts_inputs(
 ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     """Per MoE layer, what its experts module received over ``batches`` (teacher forced, each
     [1, S] token ids): (input [T, H] float32, top-k [T, k]), in token order."""
-    from ...bench.routing import moe_layers
+    from ...models.routing import moe_layers
     from ...passes.capture import decoder_parts
 
     layers = decoder_parts(model).layers
