@@ -239,6 +239,18 @@ def capture(model: nn.Module) -> fx.GraphModule:
     return gm
 
 
+# On an <X>Experts module whose weights stay in a checkpoint (leapfx.runtime.offload's
+# load_offloaded): its (gate_up, down) sources beside the meta tensors.
+EXPERT_SOURCE = "leapfx_expert_source"
+
+
+def expert_tensors(module: nn.Module) -> tuple:
+    """An ``<X>Experts`` module's (gate_up_proj, down_proj): its tensors, or the checkpoint
+    sources ``load_offloaded`` left beside meta ones."""
+    source = getattr(module, EXPERT_SOURCE, None)
+    return source if source is not None else (module.gate_up_proj, module.down_proj)
+
+
 def is_moe_layer(layer: nn.Module) -> bool:
     """Whether ``layer``'s MLP is a sparse MoE block (a ``gate`` router and fused ``experts``)."""
     mlp = getattr(layer, "mlp", None)

@@ -26,7 +26,7 @@ from torch import fx, nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .base import GraphPass, PassResult
-from .capture import CACHE_KWARG, nodes_by_role, rename_cache_kwarg
+from .capture import CACHE_KWARG, expert_tensors, nodes_by_role, rename_cache_kwarg
 
 FUSABLE = frozenset(
     {
@@ -469,8 +469,6 @@ def experts_kernel_covers(module: nn.Module) -> bool:
     ``gate_up_proj [E, 2I, H]`` ([gate | up] rows) and ``down_proj [E, H, I]`` in float32 on a
     CPU, no biases, SiLU gating, HF's default gate and no post-expert norm. Others run HF's."""
     from transformers.activations import SiLUActivation
-
-    from ..runtime.offload.checkpoint import expert_tensors
 
     gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
     if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)):

@@ -39,7 +39,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-EXPERT_SOURCE = "leapfx_expert_source"  # on an <X>Experts module: (gate_up, down) sources
+from ...passes.capture import EXPERT_SOURCE, expert_tensors  # noqa: F401
+
 _SAFETENSORS_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
 
 
@@ -100,13 +101,6 @@ class CheckpointExperts:
     def materialize(self) -> torch.Tensor:
         """Every expert as one [E, ...] tensor (the host tier holds them all in RAM)."""
         return torch.stack([self[e] for e in range(len(self))])
-
-
-def expert_tensors(module: nn.Module) -> tuple:
-    """An ``<X>Experts`` module's (gate_up_proj, down_proj): its tensors, or the checkpoint
-    sources ``load_offloaded`` left beside meta ones."""
-    source = getattr(module, EXPERT_SOURCE, None)
-    return source if source is not None else (module.gate_up_proj, module.down_proj)
 
 
 def checkpoint_only(model: nn.Module) -> list[str]:
