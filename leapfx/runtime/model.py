@@ -132,6 +132,11 @@ class SpeculativeModel:
         ``data`` and ``options`` are the recipe's (see ``leapfx.train.kangaroo.fit``). The stages
         share the trained modules, so ``generate`` uses them at once.
 
+        Training runs on the plain eager stages: the CPU kernels' packed weight copies of the
+        trained parts (an EAGLE head's layer, ...) would go stale, so where they were on they
+        are off during ``fit`` and packed again from the trained weights after it
+        (``leapfx.train.fit_options.on_plain_stages``).
+
         >>> sm = rewrite.apply(hf_model, "kangaroo", exit_layer=2)
         >>> sm.fit(token_ids, steps=200)
         """
@@ -336,6 +341,7 @@ class SpeculativeModel:
                 self.recipe.schedule, runner, prompt, request, name=self.recipe.name,
                 num_speculations=getattr(self.options, "num_speculations", 0),
             )  # fmt: skip
+            self.last_metrics.cpu_kernels = self.cpu_kernels
             if self.offload is not None:
                 self.offload.synchronize()  # prefetches still in flight finish before we return
                 self.last_offload_report = self.offload.report(
