@@ -163,12 +163,15 @@ class SpeculativeModel:
         copies of the projection weights, taken here (call it again after training the model
         in place); the math is the same up to summation order, so outputs are the same tokens
         except where two logits tie to rounding. Needs a float32 model on a CPU (ValueError
-        otherwise). ``enabled=False`` returns to the plain eager stages. For compiled stages
-        pass ``cpu_kernels`` to ``compile()`` (there they are on by default). MoE layers run
-        their attention (``KernelAttention``) and experts (``KernelExperts``:
+        otherwise). ``enabled=False`` returns to the plain eager stages. ``rewrite.apply``
+        calls it where its ``cpu_kernels`` (auto by default) says so. For compiled stages pass
+        ``cpu_kernels`` to ``compile()`` (there too they are on by default where they run).
+        MoE layers run their attention (``KernelAttention``) and experts (``KernelExperts``:
         ``leapfx_cpu::moe_experts``) on them too, offloaded experts over the slot pools.
 
-        >>> sm = rewrite.apply(hf_model, "layerskip", exit_layer=4).use_cpu_kernels()
+        >>> sm = rewrite.apply(hf_model, "layerskip", exit_layer=4)  # on: a float32 CPU model
+        >>> sm.use_cpu_kernels(False).cpu_kernels  # back to the plain eager stages
+        False
         """
         if not isinstance(enabled, bool):
             raise ValueError(f"enabled: {enabled!r} is invalid; allowed: True or False")
