@@ -21,6 +21,7 @@ def _demo(args: argparse.Namespace) -> int:
         exit_layer=args.exit_layer,
         num_speculations=args.num_speculations,
         max_new_tokens=args.max_new_tokens,
+        cpu_kernels=CPU_KERNELS[args.cpu_kernels],
     )
     if args.json:
         print(json.dumps(result, indent=2))
@@ -32,6 +33,7 @@ def _demo(args: argparse.Namespace) -> int:
         print(f"  mean accepted tokens  {result['mean_accepted_tokens']:.3f}")
         ctar = ", ".join(f"{c:.2f}" for c in result["ctar"])
         print(f"  CTAR(1..{len(result['ctar'])})           {ctar}")
+        print(f"  leapfx CPU kernels    {'on' if result['cpu_kernels'] else 'off'}")
         print(f"  identical to HF greedy: {result['identical_to_hf_greedy']}")
     return 0 if result["identical_to_hf_greedy"] else 1
 
@@ -81,13 +83,17 @@ def _bench(args: argparse.Namespace) -> int:
     threshold = args.confidence_threshold
     reference = args.model is None and args.random_model is None
     if reference and args.recipe in ("layerskip", "m2r2") and not args.auto:
-        # The shipped model's setting (docs/benchmarks.md: the best of `leapfx bench --sweep`).
-        exit_layer = REFERENCE_LAYERSKIP["exit_layer"] if exit_layer is None else exit_layer
-        d = REFERENCE_LAYERSKIP["num_speculations"] if d is None else d
+        # The shipped model's setting (docs/benchmarks.md: the best of `leapfx bench --sweep`),
+        # from its leapfx_defaults.json, which rewrite.apply reads too.
+        shipped = _reference_defaults()
+        exit_layer = (
+            shipped["recipes"]["layerskip"]["exit_layer"] if exit_layer is None else exit_layer
+        )
+        d = shipped["recipes"]["layerskip"]["num_speculations"] if d is None else d
         if (args.exit_layer, args.num_speculations) != (exit_layer, d):
             print(f"reference model: exit_layer={exit_layer} num_speculations={d}")
         if threshold is None and args.recipe == "layerskip":
-            threshold = REFERENCE_LAYERSKIP_THRESHOLD
+            threshold = shipped["bench"]["layerskip_dynamic_threshold"]
             print(f"reference model: leapfx_layerskip_dynamic at eta {threshold}")
     d = DEFAULT_SPECULATIONS if d is None else d
     kernels = CPU_KERNELS[args.cpu_kernels]
@@ -612,11 +618,16 @@ class _Tee(io.TextIOBase):
 CPU_KERNELS = {"auto": None, "on": True, "off": False}  # --cpu-kernels -> BenchConfig
 EXPORT_DTYPES = ("float32", "float16")  # leapfx export --dtype
 DEFAULT_SPECULATIONS = 6  # --num-speculations: the layerskip recipe's default and Kangaroo's gamma
-# `leapfx bench` on the shipped model without --exit-layer / --num-speculations (layerskip):
-# the setting `leapfx bench --sweep` measured best there (docs/benchmarks.md, History).
-REFERENCE_LAYERSKIP = {"exit_layer": 6, "num_speculations": 4}
-# ... and the threshold of its leapfx_layerskip_dynamic row (docs/benchmarks.md: eta 0.5 best).
-REFERENCE_LAYERSKIP_THRESHOLD = 0.5
+
+
+def _reference_defaults() -> dict:
+    """The shipped reference model's ``leapfx_defaults.json``: its tuned recipe options
+    (``rewrite.apply`` fills unset options from them) and the bench's own choices there (the
+    threshold of the leapfx_layerskip_dynamic row; docs/benchmarks.md: eta 0.5 best)."""
+    from .bench import REFERENCE_MODEL
+    from .rewrite.defaults import DEFAULTS_FILE, read_defaults
+
+    return read_defaults(REFERENCE_MODEL / DEFAULTS_FILE)
 
 
 def _progress(args: argparse.Namespace) -> bool:
@@ -811,7 +822,7 @@ def _export(args: argparse.Namespace) -> int:
     if args.model is None:
         # The shipped model exports what `leapfx bench` runs on it: layerskip at its measured
         # setting, kangaroo with its trained adapter. An explicit flag wins.
-        shipped = dict(REFERENCE_LAYERSKIP) if args.recipe == "layerskip" else {}
+        shipped = dict(_reference_defaults()["recipes"].get(args.recipe, {}))
         if _adapter(args) is not None:
             shipped["adapter"] = _adapter(args)
         shipped = {k: v for k, v in shipped.items() if k not in options}
@@ -999,6 +1010,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--num-speculations", type=int, default=4)
     demo.add_argument("--max-new-tokens", type=int, default=64)
     demo.add_argument("--json", action="store_true", help="print the result as JSON")
+    demo.add_argument(
+        "--cpu-kernels", default="auto", choices=sorted(CPU_KERNELS),
+        help="leapfx's CPU kernels: auto (on for a float32 model on a CPU where they build), "
+        "on (an error where they cannot run), off",
+    )  # fmt: skip
     demo.set_defaults(func=_demo)
 
     bench = sub.add_parser("bench", help="HF and leapfx systems side by side (the main job)")

@@ -32,13 +32,18 @@ def tiny_llama(seed: int = 0, layers: int = 8, vocab: int = 512) -> torch.nn.Mod
 
 
 def run_demo(
-    *, seed: int = 0, exit_layer: int = 2, num_speculations: int = 4, max_new_tokens: int = 64
-) -> dict:
-    """Run the demo; returns a dict of results (``identical_to_hf_greedy`` among them)."""
+    *, seed: int = 0, exit_layer: int = 2, num_speculations: int = 4, max_new_tokens: int = 64,
+    cpu_kernels: bool | None = None,
+) -> dict:  # fmt: skip
+    """Run the demo; returns a dict of results (``identical_to_hf_greedy`` among them).
+    ``cpu_kernels``: as ``rewrite.apply``'s (None: auto)."""
     model = tiny_llama(seed)
     gen = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, model.config.vocab_size, (1, 16), generator=gen)
-    sm = rewrite.apply(model, "layerskip", exit_layer=exit_layer, num_speculations=num_speculations)
+    sm = rewrite.apply(
+        model, "layerskip", exit_layer=exit_layer, num_speculations=num_speculations,
+        cpu_kernels=cpu_kernels,
+    )  # fmt: skip
     with torch.inference_mode():
         ref = model.generate(
             prompt,
@@ -53,6 +58,7 @@ def run_demo(
         "options": {"exit_layer": exit_layer, "num_speculations": num_speculations},
         "new_tokens": out.shape[1] - prompt.shape[1],
         "identical_to_hf_greedy": bool(torch.equal(out, ref)),
+        "cpu_kernels": sm.cpu_kernels,
         **{k: metrics[k] for k in ("draft_calls", "verify_calls", "acceptance_rate",
                                    "mean_accepted_tokens", "ctar", "tokens_per_second")},
     }  # fmt: skip

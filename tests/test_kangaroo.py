@@ -200,15 +200,17 @@ def _adapter_slot_matches_a_fresh_prefill(sm, model, tokens):
 
 
 def _spy_rounds(sm) -> list[int]:
-    """Record the number of drafts d of every verify call."""
+    """Record the number of drafts d of every verify call (of the stages generate runs: the
+    kernel stages where rewrite.apply turned them on)."""
     rounds: list[int] = []
-    verify = sm.stages.modules["verify"]
+    stages = sm._executors if sm._executors is not None else sm.stages.modules
+    verify = stages["verify"]
 
     def spy(**inputs):
         rounds.append(inputs["exit_hidden"].shape[1])
         return verify(**inputs)
 
-    sm.stages.modules["verify"] = spy
+    stages["verify"] = spy
     return rounds
 
 

@@ -46,18 +46,19 @@ def test_kangaroo_greedy_identical_to_hf(spec, data):
     max_new = data.draw(st.integers(1, 24), label="max_new_tokens")
     sm = rewrite.apply(model, "kangaroo", **options)
     trained = data.draw(st.booleans(), label="trained")
-    check_chain_rounds(sm, model, prompt, max_new, options, _spy_rounds(sm), trained=trained)
+    check_chain_rounds(sm, model, prompt, max_new, options, _spy_rounds, trained=trained)
 
 
-def check_chain_rounds(sm, model, prompt, max_new, options, rounds, *, trained) -> None:
+def check_chain_rounds(sm, model, prompt, max_new, options, spy, *, trained) -> None:
     """Decode greedily with a chain drafter (Kangaroo's adapter, the EAGLE head), optionally
     after two training steps, and check: identical to HF greedy, and each round's draft count
-    (``rounds``, recorded by a spy on the target stage) follows ``max_draft_tokens`` and
-    ``confidence_threshold``."""
+    (recorded by ``spy(sm)`` on the stage that verifies, set after training: fit packs the
+    kernel stages again) follows ``max_draft_tokens`` and ``confidence_threshold``."""
     if trained:
         vocab = model.config.vocab_size
         tokens = torch.randint(0, vocab, (48,), generator=torch.Generator().manual_seed(1))
         sm.fit(tokens, steps=2, batch_size=2, seq_len=16, lr=1e-2, progress=False)
+    rounds = spy(sm)
     ours = sm.generate(prompt, max_new_tokens=max_new)
     ref = hf_greedy(model, prompt, max_new)
     assert_greedy_equal(model, ours, ref, prompt.shape[1])

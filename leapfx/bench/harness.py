@@ -466,8 +466,7 @@ def _offload_systems(model, config: BenchConfig, exit_layer: int, n: int, sampli
     systems = []
     for name, (recipe, offload, options) in specs.items():
         sm = rewrite.apply(model, recipe, offload=offload, **options)
-        if use_cpu_kernels(config, sm):
-            sm.use_cpu_kernels()
+        sm.use_cpu_kernels(use_cpu_kernels(config, sm))
         generate = RoutingOracle(sm).generate if name == ORACLE_ROW else sm.generate
 
         def run(prompt, generate=generate):
@@ -526,7 +525,7 @@ def _backend(config: BenchConfig, backend: str):
     if backend == "eager":
 
         def eager(name: str, sm):
-            return sm.use_cpu_kernels() if use_cpu_kernels(config, sm) else sm
+            return sm.use_cpu_kernels(use_cpu_kernels(config, sm))  # apply's auto, or not
 
         return eager
     if backend == "inductor":

@@ -287,9 +287,7 @@ def offload_rows(
     reference = None
     rows, traces = [], {}
     for name, (recipe, offload, opts) in systems.items():
-        sm = apply(model, recipe, offload=offload, **opts)
-        if kernels:
-            sm.use_cpu_kernels()
+        sm = apply(model, recipe, offload=offload, cpu_kernels=kernels, **opts)
         # Warm-up: allocations, first reads, and on a GPU the kernels' first launches (a few
         # tokens were not enough there: the first row measured slower than the offloaded ones).
         sm.generate(prompts[0], max_new_tokens=max_new_tokens)

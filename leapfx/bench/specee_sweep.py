@@ -103,7 +103,7 @@ def measure_points(
     teacher-forced agreement and layers per token."""
 
     def prepare(sm):
-        sm = sm.use_cpu_kernels() if cpu_kernels else sm
+        sm = sm.use_cpu_kernels(cpu_kernels)
         sm.generate(prompts[0], max_new_tokens=4)  # warm-up
         return sm
 

@@ -24,8 +24,10 @@ op                             signature
 The extension is built on first use with the machine's C++ compiler (``-O3 -march=native``;
 about half a minute, then cached by ``torch.utils.cpp_extension`` under a name that includes
 this CPU's model, so a cache shared between different machines does not reuse a build made for
-another CPU). :func:`available` says whether it built; when it cannot (no compiler), callers
-fall back to ``torch.matmul`` and :func:`available` logs why once.
+another CPU). :func:`available` says whether it built; when it cannot, callers fall back to
+``torch.matmul``. A machine without the build's tools (a C++ compiler, ninja) gets one warning
+naming what is missing, for all of leapfx's kernel extensions together (:func:`missing_tools`);
+a build that fails otherwise is logged once per extension.
 
 Both ops have fake implementations, so ``torch.compile(fullgraph=True)`` keeps each as one
 node; with Inductor's C++ wrapper each is one dispatcher call.
@@ -36,7 +38,9 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import os
 import platform
+import shutil
 import sys
 import time
 import types
@@ -88,9 +92,10 @@ def load_extension(
     other's. ``headers``: the local headers ``source`` includes; torch rebuilds when a source
     changes but does not look at headers, so their contents go into the extension's name.
     ``python_module``: ``source`` defines a pybind11 module (``PYBIND11_MODULE``), returned;
-    otherwise it registers torch ops, and True is returned. False (with one warning naming
-    ``fallback``, what callers do instead) when it cannot be built: no compiler, no ninja, a
-    build error.
+    otherwise it registers torch ops, and True is returned. False when it cannot be built:
+    without a compiler or ninja (and no cached build) with the one warning of
+    :func:`missing_tools` for every extension; after a build error with a warning naming
+    ``fallback``, what callers do instead.
     """
     try:
         from torch.utils import cpp_extension
@@ -99,6 +104,9 @@ def load_extension(
         if headers:
             digest = hashlib.sha256(b"".join(h.read_bytes() for h in headers)).hexdigest()
             name += f"_{digest[:8]}"
+        if not _built(name) and missing_tools() is not None:  # a cached build needs no tools
+            _warn_missing_tools(missing_tools())
+            return False
         if not _built(name):  # the one slow step: say so (cached afterwards)
             print("leapfx: building the CPU kernels (first use only, ~1 min)...", file=sys.stderr)
         serial = f"{name}_serial"
@@ -116,6 +124,28 @@ def load_extension(
         log.warning("leapfx CPU kernels (%s) unavailable (%s): %s", source.name, fallback, first)
         return False
     return module if python_module else True
+
+
+@functools.cache
+def missing_tools() -> str | None:
+    """What this machine lacks to build the kernels, in words, or None: a C++ compiler
+    (``$CXX``, else ``c++``, as ``torch.utils.cpp_extension`` uses) or ninja."""
+    from torch.utils import cpp_extension
+
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        return f"no C++ compiler ({compiler!r} is not on PATH; install g++ or set CXX)"
+    if not cpp_extension.is_ninja_available():
+        return "no ninja (pip install ninja)"
+    return None
+
+
+@functools.cache  # one warning, whichever extension asks first
+def _warn_missing_tools(missing: str) -> None:
+    log.warning(
+        "leapfx CPU kernels unavailable: %s; leapfx runs torch's path instead (torch.matmul, "
+        "SDPA): same tokens, slower on a CPU", missing,
+    )  # fmt: skip
 
 
 def resolve(

@@ -9,6 +9,8 @@
 
 ``rewrite.recipes()`` lists the registered recipes. An unknown recipe or option, or an option
 value out of range, raises ValueError naming it and what is allowed, before anything runs.
+What ``apply`` picks for choices left unset (the CPU kernels, a shipped model's tuned options)
+is in ``leapfx.rewrite.defaults``.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from ..runtime.compiled import BACKENDS
 from ..runtime.model import RecipeInfo, SpeculativeModel
 from ..runtime.offload import OffloadOptions
 from ..runtime.offload.checkpoint import checkpoint_only
+from .defaults import kernels_choice, shipped_options
 from .recipes import RECIPES, Recipe
 
 __all__ = ["apply", "recipes", "get_recipe", "Recipe", "OffloadOptions"]
@@ -116,9 +119,13 @@ def apply(
     ``"eager"`` runs the stages as PyTorch modules; ``"inductor"`` compiles them with
     ``torch.compile`` and warms them up (``SpeculativeModel.compile``) before returning.
     ``cpu_kernels``: run the projections through leapfx's small-M CPU kernels (float32 CPU
-    models; see ``SpeculativeModel.use_cpu_kernels``). None: off for eager (the stages are
-    HF's math, bit for bit), on for inductor where they build; True: on (ValueError where
-    they cannot be); False: off. ``parts``: a directory written by
+    models; see ``SpeculativeModel.use_cpu_kernels``). None (auto, the default): on where
+    they run (a float32 model on a CPU, kernels built), off elsewhere, never an error; True:
+    on (ValueError where they cannot be); False: off (the eager stages are HF's math, bit for
+    bit). The choice is logged at INFO and read back as ``sm.cpu_kernels`` and
+    ``sm.last_metrics.cpu_kernels``. Options left unset take the model's shipped tuned values
+    where its folder has a ``leapfx_defaults.json`` (``leapfx.rewrite.defaults``; the reference
+    model's: LayerSkip's measured exit layer and draft length). ``parts``: a directory written by
     ``SpeculativeModel.save_parts`` (the trained parts the recipe inserts, with the options
     they were trained with); every recipe with trained parts takes it. ``offload``: run an
     MoE model's experts from a fast tier of expert slots per layer over a slow tier (disk on a
@@ -160,8 +167,17 @@ def apply(
             "the checkpoint only (leapfx.runtime.offload.load_offloaded); allowed: "
             "offload=OffloadOptions(...)"
         )
+    given = options
     if parts is not None:
         options = {**options, **parts_options(r, parts, options)}
+    shipped, source = shipped_options(model, r.name)
+    shipped = {k: v for k, v in shipped.items() if options.get(k) is None}
+    if shipped:
+        log.info(
+            "%s: %s from %s (pass them to choose)", r.name,
+            ", ".join(f"{k}={v!r}" for k, v in shipped.items()), source,
+        )  # fmt: skip
+        options = {**options, **shipped}
     opts = make_options(r, model.config.num_hidden_layers, options)
     passes = r.passes(opts)
     if offload is not None:  # after the recipe's passes: it runs whatever stages they cut
@@ -169,7 +185,7 @@ def apply(
     pipeline = PassPipeline(passes)
     gm = pipeline(capture(model))
     if offload is not None:
-        opts = fit_drafts_to_slots(r, opts, options, gm.meta[OFFLOAD])
+        opts = fit_drafts_to_slots(r, opts, given, gm.meta[OFFLOAD])
     stages = r.cut(gm)
     log.info("applied recipe %s with %s; passes: %s", r.name, opts, pipeline.counters)
     info = RecipeInfo(
@@ -184,6 +200,11 @@ def apply(
     )
     sm = SpeculativeModel(model, gm, stages, info)
     sm.offload = gm.meta.get(OFFLOAD)
-    if backend == "inductor":
-        return sm.compile(cpu_kernels=cpu_kernels)
-    return sm.use_cpu_kernels() if cpu_kernels else sm
+    if backend == "inductor":  # compile() resolves cpu_kernels the same way
+        sm.compile(cpu_kernels=cpu_kernels)
+        log.info("%s: cpu_kernels=%s (inductor, given %s)", r.name, sm.cpu_kernels, cpu_kernels)
+        return sm
+    lay = sm._layout
+    kernels, why = kernels_choice(cpu_kernels, lay.device, lay.dtype)
+    log.info("%s: cpu_kernels=%s (%s)", r.name, kernels, why)
+    return sm.use_cpu_kernels() if kernels else sm

@@ -43,6 +43,7 @@ class DecodeMetrics:
     layers_per_token: list[int] = field(default_factory=list)  # decoder layers per emitted token
     teacher_positions: int = 0  # positions decided under teacher forcing
     teacher_agreed: int = 0  # ... whose own token equalled the teacher's
+    cpu_kernels: bool | None = None  # the stages ran leapfx's CPU kernels (None: not recorded)
 
     def record_layers(self, layers: int, tokens: int = 1) -> None:
         """``tokens`` emitted tokens each ran ``layers`` decoder layers."""
@@ -125,4 +126,5 @@ class DecodeMetrics:
             "avg_layers": self.avg_layers,
             "exit_histogram": {str(k): v for k, v in self.exit_histogram.items()},
             "agreement": self.agreement,
+            "cpu_kernels": self.cpu_kernels,
         }

@@ -132,6 +132,11 @@ class SpeculativeModel:
         ``data`` and ``options`` are the recipe's (see ``leapfx.train.kangaroo.fit``). The stages
         share the trained modules, so ``generate`` uses them at once.
 
+        Training runs on the plain eager stages: the CPU kernels' packed weight copies of the
+        trained parts (an EAGLE head's layer, ...) would go stale, so where they were on they
+        are off during ``fit`` and packed again from the trained weights after it
+        (``leapfx.train.fit_options.on_plain_stages``).
+
         >>> sm = rewrite.apply(hf_model, "kangaroo", exit_layer=2)
         >>> sm.fit(token_ids, steps=200)
         """
@@ -158,12 +163,15 @@ class SpeculativeModel:
         copies of the projection weights, taken here (call it again after training the model
         in place); the math is the same up to summation order, so outputs are the same tokens
         except where two logits tie to rounding. Needs a float32 model on a CPU (ValueError
-        otherwise). ``enabled=False`` returns to the plain eager stages. For compiled stages
-        pass ``cpu_kernels`` to ``compile()`` (there they are on by default). MoE layers run
-        their attention (``KernelAttention``) and experts (``KernelExperts``:
+        otherwise). ``enabled=False`` returns to the plain eager stages. ``rewrite.apply``
+        calls it where its ``cpu_kernels`` (auto by default) says so. For compiled stages pass
+        ``cpu_kernels`` to ``compile()`` (there too they are on by default where they run).
+        MoE layers run their attention (``KernelAttention``) and experts (``KernelExperts``:
         ``leapfx_cpu::moe_experts``) on them too, offloaded experts over the slot pools.
 
-        >>> sm = rewrite.apply(hf_model, "layerskip", exit_layer=4).use_cpu_kernels()
+        >>> sm = rewrite.apply(hf_model, "layerskip", exit_layer=4)  # on: a float32 CPU model
+        >>> sm.use_cpu_kernels(False).cpu_kernels  # back to the plain eager stages
+        False
         """
         if not isinstance(enabled, bool):
             raise ValueError(f"enabled: {enabled!r} is invalid; allowed: True or False")
@@ -341,6 +349,7 @@ class SpeculativeModel:
                 self.recipe.schedule, runner, prompt, request, name=self.recipe.name,
                 num_speculations=getattr(self.options, "num_speculations", 0),
             )  # fmt: skip
+            self.last_metrics.cpu_kernels = self.cpu_kernels
             if self.offload is not None:
                 self.offload.synchronize()  # prefetches still in flight finish before we return
                 self.last_offload_report = self.offload.report(

@@ -53,7 +53,7 @@ from leapfx.passes.capture import decoder_parts
 from leapfx.passes.eagle_checkpoint import write_eagle_head
 from leapfx.passes.eagle_head import eagle_head_of, previous_hidden
 from leapfx.runtime.masks import masks_for
-from leapfx.train.fit_options import fit_config, optimizer_step
+from leapfx.train.fit_options import fit_config, on_plain_stages, optimizer_step
 from leapfx.train.kangaroo import kangaroo_loss, sample_windows, token_stream
 
 
@@ -185,6 +185,7 @@ def evaluate_agreement(sm, data: Any, *, tokenizer=None, seq_len: int = 256) -> 
     return agree / count
 
 
+@on_plain_stages
 def fit(sm, data: Any, *, tokenizer=None, eval_data: Any = None, **options: Any):
     """Train the EAGLE head of ``sm`` on ``data``; returns an EagleFitResult.
 

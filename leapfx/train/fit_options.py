@@ -5,14 +5,37 @@ accelerators) takes ``sm.fit(data, **options)`` with the fields of its own froze
 unknown option fails at once and lists the valid ones.
 
     >>> config = fit_config(KangarooFitConfig, {"steps": 200}, model=sm.hf_model)
+
+Each trainer's ``fit`` is wrapped in :func:`on_plain_stages`: where the model's eager stages run
+leapfx's CPU kernels (``rewrite.apply``'s default on a float32 CPU model), they hold packed
+copies of weights that training changes, so training runs on the plain stages and the kernel
+stages are packed again from the trained weights afterwards.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
+
+
+def on_plain_stages(fit: Callable) -> Callable:
+    """``fit(sm, ...)`` with ``sm``'s CPU kernels off while it trains, packed again after."""
+
+    @functools.wraps(fit)
+    def run(sm, *args: Any, **kwargs: Any) -> Any:
+        kernels = sm.backend == "eager" and sm.cpu_kernels
+        if kernels:
+            sm.use_cpu_kernels(False)
+        try:
+            return fit(sm, *args, **kwargs)
+        finally:
+            if kernels:
+                sm.use_cpu_kernels()  # from the trained weights
+
+    return run
 
 
 def fit_config(

@@ -47,7 +47,7 @@ from leapfx.passes.adapter import adapter_of
 from leapfx.passes.adapter_checkpoint import host_signature, write_adapter
 from leapfx.passes.capture import decoder_parts
 from leapfx.runtime.masks import masks_for
-from leapfx.train.fit_options import fit_config, optimizer_step
+from leapfx.train.fit_options import fit_config, on_plain_stages, optimizer_step
 
 
 @dataclass(frozen=True)
@@ -189,6 +189,7 @@ def evaluate_loss(sm, data: Any, *, tokenizer=None, seq_len: int = 128) -> float
     return total / count
 
 
+@on_plain_stages
 def fit(sm, data: Any, *, tokenizer=None, **options: Any) -> FitResult:
     """Distil the Kangaroo adapter of ``sm`` on ``data`` (eq. 3); returns a FitResult.
 

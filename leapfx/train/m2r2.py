@@ -46,7 +46,7 @@ from leapfx.passes.adapter_checkpoint import host_signature, write_adapter
 from leapfx.passes.capture import cache_kwarg, decoder_parts
 from leapfx.runtime.cache import StaticKVCache
 from leapfx.runtime.masks import masks_for
-from leapfx.train.fit_options import fit_config, optimizer_step
+from leapfx.train.fit_options import fit_config, on_plain_stages, optimizer_step
 from leapfx.train.kangaroo import kangaroo_loss, sample_windows, token_stream
 
 CE_TARGETS = ("labels", "model")
@@ -359,6 +359,7 @@ def evaluate(
     return report
 
 
+@on_plain_stages
 def fit(sm, data: Any, *, tokenizer=None, **options: Any) -> FitResult:
     """Train the accelerator of ``sm`` on ``data`` (eq. 5); returns a FitResult.
 

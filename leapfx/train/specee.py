@@ -41,7 +41,7 @@ from ..passes.adapter_checkpoint import host_signature
 from ..passes.capture import decoder_parts
 from ..passes.predictor import NUM_SPECULATIVE_TOKENS, predictors_of
 from ..passes.specee_checkpoint import write_parts
-from .fit_options import fit_config
+from .fit_options import fit_config, on_plain_stages
 from .kangaroo import adapter_and_target_logits, sample_windows, token_stream
 
 log = logging.getLogger(__name__)
@@ -275,6 +275,7 @@ def _collect(sm, data, tokenizer, config: SpecEEFitConfig) -> dict[str, torch.Te
     return out
 
 
+@on_plain_stages
 def fit(sm, data: Any, *, tokenizer=None, **options: Any) -> SpecEEFitResult:
     """Train the exit predictors of ``sm`` (a specee SpeculativeModel) on ``data``.
 
