@@ -27,7 +27,7 @@ from ..passes.fast_partition import exit_stages, fast_stream_stages
 from ..passes.fuse_layers import FuseDecoderLayers
 from ..passes.partition import Stages, early_exit_stages, full_stage, partition
 from ..passes.specee_stages import specee_stages
-from ..runtime import eagle, kangaroo, m2r2, schedules
+from ..runtime import eagle, kangaroo, lookup, m2r2, schedules
 from ..runtime.model import RecipeTraining, Schedule
 from . import specee_recipe
 
@@ -117,6 +117,44 @@ class LayerSkipOptions:
         _check_cache(self.max_cache_len)
         _check_bool("fuse_layers", self.fuse_layers)
         return dataclasses.replace(self, exit_layer=e)
+
+
+# Prompt lookup: d = 8 drafts a match continues for at most; a round's verify is one full call
+# over d + 1 tokens, so a long draft costs little more than a short one where weights dominate
+# (small batches). n-grams of 3 down to 1 tokens: HF's default max_matching_ngram_size is 2,
+# vLLM's ngram proposer searches 1..k; a 1-gram still matches often in code and chat.
+LOOKUP_NUM_SPECULATIONS = 8
+LOOKUP_MAX_NGRAM = 3
+
+
+@dataclass(frozen=True)
+class LookupOptions:
+    """Prompt-lookup decoding: drafts copied from the latest earlier match of the last n tokens
+    of prompt + generated text, verified by the full model in one call (lossless, no training).
+    """
+
+    num_speculations: int = LOOKUP_NUM_SPECULATIONS  # d: most drafts a round
+    max_ngram: int = LOOKUP_MAX_NGRAM  # longest suffix matched (tried first)
+    min_ngram: int = 1  # shortest suffix matched
+    max_cache_len: int | None = None
+    fuse_layers: bool = True
+
+    def validate(self, num_layers: int) -> LookupOptions:
+        _check_int("num_speculations", self.num_speculations, 1)
+        _check_int("max_ngram", self.max_ngram, 1)
+        _check_int("min_ngram", self.min_ngram, 1, self.max_ngram)
+        _check_cache(self.max_cache_len)
+        _check_bool("fuse_layers", self.fuse_layers)
+        return self
+
+
+def _lookup_schedule(o: LookupOptions):
+    return partial(
+        lookup.lookup,
+        num_speculations=o.num_speculations,
+        max_ngram=o.max_ngram,
+        min_ngram=o.min_ngram,
+    )
 
 
 def default_kangaroo_exit_layer(num_layers: int) -> int:
@@ -534,6 +572,17 @@ RECIPES: dict[str, Recipe] = {
             schedule=lambda o: schedules.autoregressive,
             lookahead=lambda o: 1,
             lossless=True,
+        ),
+        Recipe(
+            name="lookup",
+            description="prompt-lookup (n-gram) drafts, full-model verify (lossless, no training)",
+            options_type=LookupOptions,
+            passes=_fuse,
+            cut=_full_only,
+            schedule=_lookup_schedule,
+            lookahead=lambda o: o.num_speculations + 1,
+            lossless=True,
+            draft_option="num_speculations",
         ),
         Recipe(
             name="early_exit",

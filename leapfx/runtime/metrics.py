@@ -16,6 +16,13 @@ Early exit (lossy recipes):
 - ``agreement``      = under teacher forcing (``generate(..., teacher_tokens=...)``: the full
   model's greedy tokens are emitted, the recipe decides with its own cache state), the share of
   positions whose own token equals the teacher's; None without teacher forcing.
+
+Drafters chosen per round (prompt lookup, the adaptive drafter):
+
+- ``drafter_rounds`` = {drafter: rounds}, "none" for rounds that drafted nothing (no n-gram
+  match, or the adaptive policy chose plain decoding); those rounds are full calls, not
+  verify steps, so acceptance and mean accepted length count only rounds that drafted;
+- ``ngram_matches``  = {n: rounds whose drafts continued a match of the last n tokens}.
 """
 
 from __future__ import annotations
@@ -43,6 +50,15 @@ class DecodeMetrics:
     layers_per_token: list[int] = field(default_factory=list)  # decoder layers per emitted token
     teacher_positions: int = 0  # positions decided under teacher forcing
     teacher_agreed: int = 0  # ... whose own token equalled the teacher's
+    drafter_rounds: dict[str, int] = field(default_factory=dict)  # rounds per drafter
+    ngram_matches: dict[int, int] = field(default_factory=dict)  # prompt lookup: n -> rounds
+
+    def record_round(self, drafter: str, ngram: int = 0) -> None:
+        """A round drafted with ``drafter`` ("none": drafted nothing); ``ngram`` > 0: its
+        drafts continued a match of the last ``ngram`` tokens."""
+        self.drafter_rounds[drafter] = self.drafter_rounds.get(drafter, 0) + 1
+        if ngram > 0:
+            self.ngram_matches[ngram] = self.ngram_matches.get(ngram, 0) + 1
 
     def record_layers(self, layers: int, tokens: int = 1) -> None:
         """``tokens`` emitted tokens each ran ``layers`` decoder layers."""
@@ -125,4 +141,6 @@ class DecodeMetrics:
             "avg_layers": self.avg_layers,
             "exit_histogram": {str(k): v for k, v in self.exit_histogram.items()},
             "agreement": self.agreement,
+            "drafter_rounds": dict(self.drafter_rounds),
+            "ngram_matches": {str(k): v for k, v in sorted(self.ngram_matches.items())},
         }
