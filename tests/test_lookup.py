@@ -157,3 +157,23 @@ def test_inductor_lookup_is_token_identical_and_never_recompiles():
 
     model = tiny_model("llama", layers=3, vocab=32, seed=1)
     _check_compiled(model, "lookup", "dynamic", num_speculations=5)
+
+
+def test_onnx_lookup_runs_on_its_export_and_on_any_export_with_a_full_stage(tmp_path):
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxscript")
+    from leapfx.export import OnnxModel, export_onnx
+
+    model = tiny_model("llama", layers=2, vocab=32, seed=1)
+    prompt = torch.tensor([[1, 2, 3, 4, 5] * 3])
+    ref = hf_greedy(model, prompt, 24)
+    path = export_onnx(rewrite.apply(model, "lookup", num_speculations=4), tmp_path / "lookup")
+    om = OnnxModel(path, threads=1)
+    assert_greedy_equal(model, om.generate(prompt, max_new_tokens=24), ref, prompt.shape[1])
+    assert om.last_metrics.accepted_drafts > 0
+    # A layerskip export's full stage serves the lookup schedule (its shared options apply).
+    skip = rewrite.apply(model, "layerskip", exit_layer=1, num_speculations=3)
+    om = OnnxModel(export_onnx(skip, tmp_path / "layerskip"), threads=1, recipe="lookup")
+    assert om.options.num_speculations == 3
+    assert_greedy_equal(model, om.generate(prompt, max_new_tokens=24), ref, prompt.shape[1])
+    assert om.last_metrics.verify_calls > 0
