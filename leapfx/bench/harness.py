@@ -65,9 +65,10 @@ THREAD_POOLS = ("shared", "session")  # --onnx-thread-pool
 # verify at 1.21 full steps whole against 1.34 split (2026-11-24).
 SPLIT_MARGIN = 0.03
 # Training-free drafters: one leapfx_<name> row each, at the recipe's default options.
-TRAINING_FREE = ("lookup",)
+TRAINING_FREE = ("lookup", "auto")
 BENCHED_RECIPES = (
     "autoregressive", "early_exit", "layerskip", "kangaroo", "eagle", "specee", "m2r2", "lookup",
+    "auto",
 )  # fmt: skip
 
 

@@ -27,7 +27,7 @@ from ..passes.fast_partition import exit_stages, fast_stream_stages
 from ..passes.fuse_layers import FuseDecoderLayers
 from ..passes.partition import Stages, early_exit_stages, full_stage, partition
 from ..passes.specee_stages import specee_stages
-from ..runtime import eagle, kangaroo, lookup, m2r2, schedules
+from ..runtime import adaptive, eagle, kangaroo, lookup, m2r2, schedules
 from ..runtime.model import RecipeTraining, Schedule
 from . import specee_recipe
 
@@ -151,6 +151,27 @@ class LookupOptions:
 def _lookup_schedule(o: LookupOptions):
     return partial(
         lookup.lookup,
+        num_speculations=o.num_speculations,
+        max_ngram=o.max_ngram,
+        min_ngram=o.min_ngram,
+    )
+
+
+@dataclass(frozen=True)
+class AutoOptions(LookupOptions):
+    """The adaptive drafter: prompt lookup whose draft length (none at all included) each round
+    is chosen from the live acceptance and the measured cost of each length, so decoding never
+    runs materially slower than without speculation (``leapfx.runtime.adaptive``; lossless).
+    ``num_speculations`` is the most a round drafts."""
+
+    def validate(self, num_layers: int) -> AutoOptions:
+        super().validate(num_layers)
+        return self
+
+
+def _auto_schedule(o: AutoOptions):
+    return partial(
+        adaptive.auto,
         num_speculations=o.num_speculations,
         max_ngram=o.max_ngram,
         min_ngram=o.min_ngram,
@@ -580,6 +601,17 @@ RECIPES: dict[str, Recipe] = {
             passes=_fuse,
             cut=_full_only,
             schedule=_lookup_schedule,
+            lookahead=lambda o: o.num_speculations + 1,
+            lossless=True,
+            draft_option="num_speculations",
+        ),
+        Recipe(
+            name="auto",
+            description="adaptive drafter: lookup drafts only where they pay, else plain steps",
+            options_type=AutoOptions,
+            passes=_fuse,
+            cut=_full_only,
+            schedule=_auto_schedule,
             lookahead=lambda o: o.num_speculations + 1,
             lossless=True,
             draft_option="num_speculations",

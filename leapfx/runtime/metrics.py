@@ -19,9 +19,10 @@ Early exit (lossy recipes):
 
 Drafters chosen per round (prompt lookup, the adaptive drafter):
 
-- ``drafter_rounds`` = {drafter: rounds}, "none" for rounds that drafted nothing (no n-gram
-  match, or the adaptive policy chose plain decoding); those rounds are full calls, not
-  verify steps, so acceptance and mean accepted length count only rounds that drafted;
+- ``drafter_rounds`` = {drafter: rounds}; rounds that drafted nothing are "none" (no n-gram
+  match) or "declined" (a match, but the adaptive policy chose a plain step); those rounds are
+  full calls, not verify steps, so acceptance and mean accepted length count only rounds that
+  drafted;
 - ``ngram_matches``  = {n: rounds whose drafts continued a match of the last n tokens}.
 """
 
