@@ -65,10 +65,10 @@ THREAD_POOLS = ("shared", "session")  # --onnx-thread-pool
 # verify at 1.21 full steps whole against 1.34 split (2026-11-24).
 SPLIT_MARGIN = 0.03
 # Training-free drafters: one leapfx_<name> row each, at the recipe's default options.
-TRAINING_FREE = ("lookup", "auto")
+TRAINING_FREE = ("lookup", "swift", "auto")
 BENCHED_RECIPES = (
     "autoregressive", "early_exit", "layerskip", "kangaroo", "eagle", "specee", "m2r2", "lookup",
-    "auto",
+    "swift", "auto",
 )  # fmt: skip
 
 
@@ -449,8 +449,9 @@ def build_systems(model: nn.Module, config: BenchConfig, generator_seed: int = 0
         for name in TRAINING_FREE:  # at their recipes' defaults (HF's d is not theirs)
             if name in recipes:
                 system = ours(f"leapfx_{name}", rewrite.apply(model, name))
-                # a round drafts what a match gives (or nothing): no fixed d for the formula
-                system.info["dynamic_draft_length"] = True
+                # lookup / auto: a round drafts what a match gives (or nothing): no fixed d
+                # for the formula; swift drafts d every round
+                system.info["dynamic_draft_length"] = name != "swift"
                 systems.append(system)
     # Recipes sharing a row (layerskip,kangaroo: leapfx_layerskip): each row once.
     systems = list({s.name: s for s in systems}.values())

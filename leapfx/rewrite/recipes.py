@@ -26,8 +26,9 @@ from ..passes.exit_head import InsertExitHead
 from ..passes.fast_partition import exit_stages, fast_stream_stages
 from ..passes.fuse_layers import FuseDecoderLayers
 from ..passes.partition import Stages, early_exit_stages, full_stage, partition
+from ..passes.skip_layers import DraftSkipSet, check_skip_set, swift_stages
 from ..passes.specee_stages import specee_stages
-from ..runtime import adaptive, eagle, kangaroo, lookup, m2r2, schedules
+from ..runtime import adaptive, eagle, kangaroo, lookup, m2r2, schedules, swift
 from ..runtime.model import RecipeTraining, Schedule
 from . import specee_recipe
 
@@ -176,6 +177,34 @@ def _auto_schedule(o: AutoOptions):
         max_ngram=o.max_ngram,
         min_ngram=o.min_ngram,
     )
+
+
+def default_skip_layers(num_layers: int) -> tuple[int, ...]:
+    """Every second layer of 1..L-2 (about half the depth; the first and last layers run: SWIFT
+    and CLaSp find them the least skippable). A starting point: ``swift.search_skip_set``
+    finds the set that measures fastest on a model."""
+    return tuple(range(1, num_layers - 1, 2)) or (1,)
+
+
+@dataclass(frozen=True)
+class SwiftOptions:
+    """SWIFT-style layer-skip self-speculation: draft with the model minus ``skip_layers``,
+    verify with the full model (lossless, no training)."""
+
+    skip_layers: tuple[int, ...] | None = None  # None: default_skip_layers(L)
+    num_speculations: int = 4  # d: drafts a round
+    max_cache_len: int | None = None
+    fuse_layers: bool = True
+
+    def validate(self, num_layers: int) -> SwiftOptions:
+        if num_layers < 2:
+            raise ValueError(f"swift: a {num_layers}-layer model has no layer to skip")
+        skip = default_skip_layers(num_layers) if self.skip_layers is None else self.skip_layers
+        skip = check_skip_set(skip, num_layers)
+        _check_int("num_speculations", self.num_speculations, 1)
+        _check_cache(self.max_cache_len)
+        _check_bool("fuse_layers", self.fuse_layers)
+        return dataclasses.replace(self, skip_layers=skip)
 
 
 def default_kangaroo_exit_layer(num_layers: int) -> int:
@@ -614,6 +643,19 @@ RECIPES: dict[str, Recipe] = {
             schedule=_auto_schedule,
             lookahead=lambda o: o.num_speculations + 1,
             lossless=True,
+            draft_option="num_speculations",
+        ),
+        Recipe(
+            name="swift",
+            description="SWIFT layer-skip drafts, full-model verify (lossless, no training)",
+            options_type=SwiftOptions,
+            passes=lambda o: [*_fuse(o), DraftSkipSet(layers=o.skip_layers)],
+            cut=swift_stages,
+            schedule=lambda o: partial(swift.swift, num_speculations=o.num_speculations),
+            lookahead=lambda o: o.num_speculations + 1,
+            lossless=True,
+            # the Inductor and ONNX paths of a layer-skipped draft stage are not written yet
+            compiles=False,
             draft_option="num_speculations",
         ),
         Recipe(
