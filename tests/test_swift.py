@@ -67,9 +67,7 @@ def test_swift_options_are_validated():
 
 
 def _skip_set(data, layers: int) -> tuple[int, ...]:
-    return tuple(
-        data.draw(st.sets(st.integers(1, layers - 1), min_size=1), label="skip_layers")
-    )
+    return tuple(data.draw(st.sets(st.integers(1, layers - 1), min_size=1), label="skip_layers"))
 
 
 @settings(max_examples=40, deadline=None)
@@ -139,3 +137,11 @@ def test_search_finds_the_best_skip_set_of_a_synthetic_table(seed):
     truth = max([(), *subsets], key=speed)
     assert best == truth and score == pytest.approx(speed(truth))
     assert searched < len(subsets) // 2  # greedy: far fewer evaluations than every set
+
+
+def test_calibrate_skip_set_runs_the_search_on_measured_decodes():
+    from leapfx.bench.swift_search import calibrate_skip_set
+
+    model = tiny_model("llama", layers=3, vocab=32, seed=1)
+    skip, ratio = calibrate_skip_set(model, [torch.tensor([[1, 2, 3, 1, 2]])], max_new_tokens=8)
+    assert skip in [(), (1,), (2,)] and ratio > 0  # at most L - 2 = 1 layer skipped
