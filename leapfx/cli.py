@@ -82,7 +82,8 @@ def _bench(args: argparse.Namespace) -> int:
     exit_layer, d = args.exit_layer, args.num_speculations
     threshold = args.confidence_threshold
     reference = args.model is None and args.random_model is None
-    if reference and args.recipe in ("layerskip", "m2r2") and not args.auto:
+    recipes = _bench_recipes(args)
+    if reference and recipes & {"layerskip", "m2r2"} and not args.auto:
         # The shipped model's setting (docs/benchmarks.md: the best of `leapfx bench --sweep`),
         # from its leapfx_defaults.json, which rewrite.apply reads too.
         shipped = _reference_defaults()
@@ -92,14 +93,14 @@ def _bench(args: argparse.Namespace) -> int:
         d = shipped["recipes"]["layerskip"]["num_speculations"] if d is None else d
         if (args.exit_layer, args.num_speculations) != (exit_layer, d):
             print(f"reference model: exit_layer={exit_layer} num_speculations={d}")
-        if threshold is None and args.recipe == "layerskip":
+        if threshold is None and "layerskip" in recipes:
             threshold = shipped["bench"]["layerskip_dynamic_threshold"]
             print(f"reference model: leapfx_layerskip_dynamic at eta {threshold}")
     d = DEFAULT_SPECULATIONS if d is None else d
     kernels = CPU_KERNELS[args.cpu_kernels]
     calibration = []
     offload = _offload_options(args)
-    if args.sweep_threshold and args.recipe not in ("specee", "m2r2"):
+    if args.sweep_threshold and not recipes & {"specee", "m2r2"}:
         raise ValueError(
             "--sweep-threshold: sweeps the exit threshold of SpecEE or of m2r2_exit; allowed "
             f"with --recipe specee or --recipe m2r2 (got --recipe {args.recipe})"
@@ -200,7 +201,7 @@ def _bench(args: argparse.Namespace) -> int:
     if args.random_model is not None:
         meta.update(model=f"random:{args.random_model}", throughput_only=True)
     curve = []
-    if args.sweep_threshold and args.recipe == "specee":
+    if args.sweep_threshold and "specee" in _bench_recipes(args):
         curve = _specee_curve(args, model, prompts, rows, config, num_layers, quiet)
         meta["specee_curve"] = [p.as_dict() for p in curve]
         meta["specee_vs_early_exit"] = _vs_early_exit(curve, ("specee", "specee_mask"))
@@ -688,11 +689,16 @@ def _calibration_kernels(model, kernels: bool | None) -> bool:
     return cpu.resolve(kernels, param.device, param.dtype, **CPU_KERNELS_FLAG)
 
 
+def _bench_recipes(args: argparse.Namespace) -> set[str]:
+    """The recipes of ``--recipe`` (a name, or several separated by commas)."""
+    return {r.strip() for r in str(args.recipe).split(",") if r.strip()}
+
+
 def _specee_parts(args: argparse.Namespace) -> str | None:
     """--specee-parts, else the reference model's shipped predictors for the reference."""
     from .bench import REFERENCE_MODEL
 
-    if args.recipe != "specee":
+    if "specee" not in _bench_recipes(args):
         return None
     if args.specee_parts is not None:
         return args.specee_parts
@@ -742,7 +748,7 @@ def _adapter(args: argparse.Namespace) -> str | None:
     """--adapter, else the reference model's shipped adapter when benchmarking the reference."""
     from .bench import REFERENCE_ADAPTER
 
-    if args.recipe not in ("kangaroo", "m2r2", "eagle"):
+    if not _bench_recipes(args) & {"kangaroo", "m2r2", "eagle"}:
         return None
     if args.adapter is not None:
         return args.adapter
@@ -760,7 +766,7 @@ def _m2r2_parts(args: argparse.Namespace, exits: bool = False) -> str | None:
     when benchmarking the reference."""
     from .bench import REFERENCE_M2R2, REFERENCE_M2R2_EXIT
 
-    if args.recipe != "m2r2":
+    if "m2r2" not in _bench_recipes(args):
         return None
     given = getattr(args, "exit_parts" if exits else "parts", None)
     if given is not None:
@@ -774,7 +780,7 @@ def _eagle_parts(args: argparse.Namespace) -> str | None:
     """--eagle-parts, else the reference model's shipped EAGLE head when benchmarking it."""
     from .bench import REFERENCE_EAGLE
 
-    if args.recipe not in ("eagle", "specee"):  # specee runs carry a leapfx_eagle row
+    if not _bench_recipes(args) & {"eagle", "specee"}:  # specee runs carry a leapfx_eagle row
         return None
     if args.eagle_parts is not None:
         return args.eagle_parts
@@ -1021,7 +1027,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--model", default=None, help=MODEL_HELP,
     )  # fmt: skip
-    bench.add_argument("--recipe", default="layerskip")
+    bench.add_argument(
+        "--recipe", default="layerskip",
+        help="the recipe whose rows run, or several separated by commas (lookup,layerskip); "
+        "each row once",
+    )  # fmt: skip
     bench.add_argument("--exit-layer", type=int, default=None)
     bench.add_argument(
         "--num-speculations", type=int, default=None,

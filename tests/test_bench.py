@@ -179,6 +179,24 @@ def test_kangaroo_rows(checkpoint):
     assert len(by["leapfx_kangaroo"].ctar) == 3
 
 
+def test_recipe_takes_a_comma_list_and_lookup_has_a_row(checkpoint):
+    model, tok = load_model(checkpoint)
+    prompts = [torch.tensor([tok("x = 1\ny = 2\nx = 1\ny")["input_ids"]])]
+    config = BenchConfig(recipe="lookup,layerskip,kangaroo,auto", exit_layer=2, num_speculations=3,
+                         max_new_tokens=10, repeats=1, kangaroo_exit_layer=1)  # fmt: skip
+    rows = run_bench(model, prompts, config, progress=False)
+    names = [r.system for r in rows]
+    assert names.count("leapfx_layerskip") == 1  # both layerskip and kangaroo runs carry it
+    assert {"leapfx_lookup", "leapfx_kangaroo", "leapfx_auto"} <= set(names)
+    lookup = rows[names.index("leapfx_lookup")]
+    assert lookup.identical_to_greedy and lookup.extra["dynamic_draft_length"] is True
+    assert rows[names.index("leapfx_auto")].identical_to_greedy
+    for bad, message in [("lookup,nope", "'nope' is not benchmarked"),
+                         ("lookup,lookup", "comma-separated without repeats")]:  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            run_bench(model, prompts, BenchConfig(recipe=bad, max_new_tokens=2), progress=False)
+
+
 def test_layerskip_dynamic_row(checkpoint, capsys):
     # eta > 0 on a layerskip run adds a dynamic-length row: lossless, no formula (the formula
     # assumes d drafts a round), its measured ratio printed on its own line.

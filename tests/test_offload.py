@@ -227,6 +227,7 @@ RECIPES = {
     "autoregressive": {},
     "early_exit": {"exit_layer": 1},
     "layerskip": {"exit_layer": 1, "num_speculations": 3},
+    "lookup": {"num_speculations": 3},
     "kangaroo": {"exit_layer": 1, "confidence_threshold": 0.0},
     "eagle": {"max_draft_tokens": 3, "confidence_threshold": 0.0},
     "specee": {"verify": True, "exit_layer": 1},

@@ -37,6 +37,7 @@ def _check_golden(name: str, text: str) -> None:
         ("layerskip", {"exit_layer": 2}),
         ("early_exit", {"exit_layer": 1}),
         ("autoregressive", {}),
+        ("lookup", {}),  # the full stage alone: drafting is on the host
     ],
 )
 def test_golden_stage_text(recipe, options):

@@ -68,8 +68,11 @@ THREAD_POOLS = ("shared", "session")  # --onnx-thread-pool
 SPLIT_MARGIN = 0.03
 # hf_prompt_lookup's prompt_lookup_num_tokens: the value HF's assisted-generation docs use.
 HF_PROMPT_LOOKUP_TOKENS = 10
+# Training-free drafters: one leapfx_<name> row each, at the recipe's default options.
+TRAINING_FREE = ("lookup", "swift", "auto")
 BENCHED_RECIPES = (
-    "autoregressive", "early_exit", "layerskip", "kangaroo", "eagle", "specee", "m2r2",
+    "autoregressive", "early_exit", "layerskip", "kangaroo", "eagle", "specee", "m2r2", "lookup",
+    "swift", "auto",
 )  # fmt: skip
 
 
@@ -204,6 +207,12 @@ class BenchConfig:
                 f"{', '.join(BACKENDS)}, comma-separated without repeats"
             )
         return self
+
+    @property
+    def recipes(self) -> tuple[str, ...]:
+        """The recipes of ``recipe`` (a name, or several separated by commas): the rows of
+        each, every row once."""
+        return tuple(r.strip() for r in self.recipe.split(",") if r.strip())
 
     @property
     def backends(self) -> tuple[str, ...]:
@@ -343,9 +352,12 @@ def build_systems(model: nn.Module, config: BenchConfig, generator_seed: int = 0
         # HF's training-free drafting: n-gram matches in the prompt and the text so far.
         lookup = hf(prompt_lookup_num_tokens=HF_PROMPT_LOOKUP_TOKENS)
         systems.append(System("hf_prompt_lookup", lookup))
-    if config.recipe not in BENCHED_RECIPES:
+    recipes = config.recipes
+    bad = next((r for r in recipes if r not in BENCHED_RECIPES), None)
+    if bad is not None or not recipes or len(set(recipes)) < len(recipes):
         raise ValueError(
-            f"--recipe: {config.recipe!r} is not benchmarked; allowed: {', '.join(BENCHED_RECIPES)}"
+            f"--recipe: {bad or config.recipe!r} is not benchmarked; allowed: one or more of "
+            f"{', '.join(BENCHED_RECIPES)}, comma-separated without repeats"
         )
     backends = config.backends
     for backend in backends:
@@ -384,16 +396,16 @@ def build_systems(model: nn.Module, config: BenchConfig, generator_seed: int = 0
             continue
         early = rewrite.apply(model, "early_exit", exit_layer=exit_layer)
         systems.append(ours("leapfx_early_exit", early, lossless=False))
-        if config.recipe in ("layerskip", "kangaroo", "m2r2"):
+        if {"layerskip", "kangaroo", "m2r2"} & set(recipes):
             layerskip = rewrite.apply(model, "layerskip", **layerskip_opts)
             systems.append(ours("leapfx_layerskip", layerskip))
-        if config.recipe == "layerskip" and config.confidence_threshold:
+        if "layerskip" in recipes and config.confidence_threshold:
             dynamic = rewrite.apply(
                 model, "layerskip", confidence_threshold=config.confidence_threshold,
                 **layerskip_opts,
             )  # fmt: skip
             systems.append(ours("leapfx_layerskip_dynamic", dynamic))
-        if config.recipe == "specee":
+        if "specee" in recipes:
             kw = specee_options(config)
             lossy = rewrite.apply(model, "specee", **kw)
             systems.append(ours("leapfx_specee", lossy, lossless=False))
@@ -408,7 +420,7 @@ def build_systems(model: nn.Module, config: BenchConfig, generator_seed: int = 0
             # EAGLE's head alone as a lossless drafter: SpecEE's candidate source, beside it.
             eagle = rewrite.apply(model, "eagle", parts=config.eagle_parts)
             systems.append(ours("leapfx_eagle", eagle))
-        if config.recipe == "kangaroo":
+        if "kangaroo" in recipes:
             kw = {"max_draft_tokens": d, "adapter": config.adapter}
             if config.kangaroo_exit_layer is not None:
                 kw["exit_layer"] = config.kangaroo_exit_layer
@@ -418,7 +430,7 @@ def build_systems(model: nn.Module, config: BenchConfig, generator_seed: int = 0
             )
             systems.append(ours("leapfx_kangaroo_fixed", fixed))
             systems.append(ours("leapfx_kangaroo", dynamic))
-        if config.recipe == "m2r2":
+        if "m2r2" in recipes:
             kangaroo = rewrite.apply(model, "kangaroo", adapter=config.adapter)
             systems.append(ours("leapfx_kangaroo", kangaroo))
             kw = {"parts": config.parts}
@@ -435,12 +447,21 @@ def build_systems(model: nn.Module, config: BenchConfig, generator_seed: int = 0
                 systems.append(ours("leapfx_m2r2_exit", exits, lossless=False))
             else:
                 log.warning("parts %s hold no ARLA routers: no leapfx_m2r2_exit row", config.parts)
-        if config.recipe == "eagle":
+        if "eagle" in recipes:
             kangaroo = rewrite.apply(model, "kangaroo", adapter=config.adapter)
             systems.append(ours("leapfx_kangaroo", kangaroo))
             kw = {"confidence_threshold": config.confidence_threshold}
             eagle = rewrite.apply(model, "eagle", parts=config.eagle_parts, **kw)
             systems.append(ours("leapfx_eagle", eagle))
+        for name in TRAINING_FREE:  # at their recipes' defaults (HF's d is not theirs)
+            if name in recipes:
+                system = ours(f"leapfx_{name}", rewrite.apply(model, name))
+                # lookup / auto: a round drafts what a match gives (or nothing): no fixed d
+                # for the formula; swift drafts d every round
+                system.info["dynamic_draft_length"] = name != "swift"
+                systems.append(system)
+    # Recipes sharing a row (layerskip,kangaroo: leapfx_layerskip): each row once.
+    systems = list({s.name: s for s in systems}.values())
     if config.offload_slots is not None:
         systems += _offload_systems(model, config, exit_layer, n, sampling, gen)
     return systems

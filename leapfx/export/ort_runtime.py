@@ -16,8 +16,9 @@ and ``runner.cache.crop(n)``. This module puts onnxruntime behind exactly that i
 - :class:`OrtChainStage` runs an export's ``draft_chain`` (d greedy draft steps in one graph):
   the schedule calls it for a round of d greedy drafts instead of d draft calls.
 
-The schedule (autoregressive, early exit, self-speculative, Kangaroo) is the one the recipe
-registry gives for the manifest's recipe and options: the decode loops are not re-implemented.
+The schedule (autoregressive, early exit, self-speculative, Kangaroo, prompt lookup) is the one
+the recipe registry gives for the manifest's recipe and options: the decode loops are not
+re-implemented.
 
 Example::
 
@@ -61,7 +62,8 @@ _NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16}
 _MAX_BUFFERED_SHAPES = 64
 _MAX_BUFFER_BYTES = 4 << 20
 # Baseline schedules any export can run, and the stage each needs.
-_BASELINE_STAGES = {"autoregressive": "full", "early_exit": "draft"}
+# Prompt lookup verifies with the full stage, whose export takes any length at any position.
+_BASELINE_STAGES = {"autoregressive": "full", "early_exit": "draft", "lookup": "full"}
 THREAD_POOLS = ("shared", "session")
 # The intra-op size of onnxruntime's process-wide thread pool once an OnnxModel switched this
 # process to it (``thread_pool="shared"``). onnxruntime creates that pool once; from then on

@@ -26,8 +26,9 @@ from ..passes.exit_head import InsertExitHead
 from ..passes.fast_partition import exit_stages, fast_stream_stages
 from ..passes.fuse_layers import FuseDecoderLayers
 from ..passes.partition import Stages, early_exit_stages, full_stage, partition
+from ..passes.skip_layers import DraftSkipSet, check_skip_set, swift_stages
 from ..passes.specee_stages import specee_stages
-from ..runtime import eagle, kangaroo, m2r2, schedules
+from ..runtime import adaptive, eagle, kangaroo, lookup, m2r2, schedules, swift
 from ..runtime.model import RecipeTraining, Schedule
 from . import specee_recipe
 
@@ -117,6 +118,93 @@ class LayerSkipOptions:
         _check_cache(self.max_cache_len)
         _check_bool("fuse_layers", self.fuse_layers)
         return dataclasses.replace(self, exit_layer=e)
+
+
+# Prompt lookup: d = 8 drafts a match continues for at most; a round's verify is one full call
+# over d + 1 tokens, so a long draft costs little more than a short one where weights dominate
+# (small batches). n-grams of 3 down to 1 tokens: HF's default max_matching_ngram_size is 2,
+# vLLM's ngram proposer searches 1..k; a 1-gram still matches often in code and chat.
+LOOKUP_NUM_SPECULATIONS = 8
+LOOKUP_MAX_NGRAM = 3
+
+
+@dataclass(frozen=True)
+class LookupOptions:
+    """Prompt-lookup decoding: drafts copied from the latest earlier match of the last n tokens
+    of prompt + generated text, verified by the full model in one call (lossless, no training).
+    """
+
+    num_speculations: int = LOOKUP_NUM_SPECULATIONS  # d: most drafts a round
+    max_ngram: int = LOOKUP_MAX_NGRAM  # longest suffix matched (tried first)
+    min_ngram: int = 1  # shortest suffix matched
+    max_cache_len: int | None = None
+    fuse_layers: bool = True
+
+    def validate(self, num_layers: int) -> LookupOptions:
+        _check_int("num_speculations", self.num_speculations, 1)
+        _check_int("max_ngram", self.max_ngram, 1)
+        _check_int("min_ngram", self.min_ngram, 1, self.max_ngram)
+        _check_cache(self.max_cache_len)
+        _check_bool("fuse_layers", self.fuse_layers)
+        return self
+
+
+def _lookup_schedule(o: LookupOptions):
+    return partial(
+        lookup.lookup,
+        num_speculations=o.num_speculations,
+        max_ngram=o.max_ngram,
+        min_ngram=o.min_ngram,
+    )
+
+
+@dataclass(frozen=True)
+class AutoOptions(LookupOptions):
+    """The adaptive drafter: prompt lookup whose draft length (none at all included) each round
+    is chosen from the live acceptance and the measured cost of each length, so decoding never
+    runs materially slower than without speculation (``leapfx.runtime.adaptive``; lossless).
+    ``num_speculations`` is the most a round drafts."""
+
+    def validate(self, num_layers: int) -> AutoOptions:
+        super().validate(num_layers)
+        return self
+
+
+def _auto_schedule(o: AutoOptions):
+    return partial(
+        adaptive.auto,
+        num_speculations=o.num_speculations,
+        max_ngram=o.max_ngram,
+        min_ngram=o.min_ngram,
+    )
+
+
+def default_skip_layers(num_layers: int) -> tuple[int, ...]:
+    """Every second layer of 1..L-2 (about half the depth; the first and last layers run: SWIFT
+    and CLaSp find them the least skippable). A starting point: ``swift.search_skip_set``
+    finds the set that measures fastest on a model."""
+    return tuple(range(1, num_layers - 1, 2)) or (1,)
+
+
+@dataclass(frozen=True)
+class SwiftOptions:
+    """SWIFT-style layer-skip self-speculation: draft with the model minus ``skip_layers``,
+    verify with the full model (lossless, no training)."""
+
+    skip_layers: tuple[int, ...] | None = None  # None: default_skip_layers(L)
+    num_speculations: int = 4  # d: drafts a round
+    max_cache_len: int | None = None
+    fuse_layers: bool = True
+
+    def validate(self, num_layers: int) -> SwiftOptions:
+        if num_layers < 2:
+            raise ValueError(f"swift: a {num_layers}-layer model has no layer to skip")
+        skip = default_skip_layers(num_layers) if self.skip_layers is None else self.skip_layers
+        skip = check_skip_set(skip, num_layers)
+        _check_int("num_speculations", self.num_speculations, 1)
+        _check_cache(self.max_cache_len)
+        _check_bool("fuse_layers", self.fuse_layers)
+        return dataclasses.replace(self, skip_layers=skip)
 
 
 def default_kangaroo_exit_layer(num_layers: int) -> int:
@@ -534,6 +622,41 @@ RECIPES: dict[str, Recipe] = {
             schedule=lambda o: schedules.autoregressive,
             lookahead=lambda o: 1,
             lossless=True,
+        ),
+        Recipe(
+            name="lookup",
+            description="prompt-lookup (n-gram) drafts, full-model verify (lossless, no training)",
+            options_type=LookupOptions,
+            passes=_fuse,
+            cut=_full_only,
+            schedule=_lookup_schedule,
+            lookahead=lambda o: o.num_speculations + 1,
+            lossless=True,
+            draft_option="num_speculations",
+        ),
+        Recipe(
+            name="auto",
+            description="adaptive drafter: lookup drafts only where they pay, else plain steps",
+            options_type=AutoOptions,
+            passes=_fuse,
+            cut=_full_only,
+            schedule=_auto_schedule,
+            lookahead=lambda o: o.num_speculations + 1,
+            lossless=True,
+            draft_option="num_speculations",
+        ),
+        Recipe(
+            name="swift",
+            description="SWIFT layer-skip drafts, full-model verify (lossless, no training)",
+            options_type=SwiftOptions,
+            passes=lambda o: [*_fuse(o), DraftSkipSet(layers=o.skip_layers)],
+            cut=swift_stages,
+            schedule=lambda o: partial(swift.swift, num_speculations=o.num_speculations),
+            lookahead=lambda o: o.num_speculations + 1,
+            lossless=True,
+            # the Inductor and ONNX paths of a layer-skipped draft stage are not written yet
+            compiles=False,
+            draft_option="num_speculations",
         ),
         Recipe(
             name="early_exit",

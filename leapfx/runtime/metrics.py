@@ -16,6 +16,14 @@ Early exit (lossy recipes):
 - ``agreement``      = under teacher forcing (``generate(..., teacher_tokens=...)``: the full
   model's greedy tokens are emitted, the recipe decides with its own cache state), the share of
   positions whose own token equals the teacher's; None without teacher forcing.
+
+Drafters chosen per round (prompt lookup, the adaptive drafter):
+
+- ``drafter_rounds`` = {drafter: rounds}; rounds that drafted nothing are "none" (no n-gram
+  match) or "declined" (a match, but the adaptive policy chose a plain step); those rounds are
+  full calls, not verify steps, so acceptance and mean accepted length count only rounds that
+  drafted;
+- ``ngram_matches``  = {n: rounds whose drafts continued a match of the last n tokens}.
 """
 
 from __future__ import annotations
@@ -44,6 +52,15 @@ class DecodeMetrics:
     teacher_positions: int = 0  # positions decided under teacher forcing
     teacher_agreed: int = 0  # ... whose own token equalled the teacher's
     cpu_kernels: bool | None = None  # the stages ran leapfx's CPU kernels (None: not recorded)
+    drafter_rounds: dict[str, int] = field(default_factory=dict)  # rounds per drafter
+    ngram_matches: dict[int, int] = field(default_factory=dict)  # prompt lookup: n -> rounds
+
+    def record_round(self, drafter: str, ngram: int = 0) -> None:
+        """A round drafted with ``drafter`` ("none": drafted nothing); ``ngram`` > 0: its
+        drafts continued a match of the last ``ngram`` tokens."""
+        self.drafter_rounds[drafter] = self.drafter_rounds.get(drafter, 0) + 1
+        if ngram > 0:
+            self.ngram_matches[ngram] = self.ngram_matches.get(ngram, 0) + 1
 
     def record_layers(self, layers: int, tokens: int = 1) -> None:
         """``tokens`` emitted tokens each ran ``layers`` decoder layers."""
@@ -127,4 +144,6 @@ class DecodeMetrics:
             "exit_histogram": {str(k): v for k, v in self.exit_histogram.items()},
             "agreement": self.agreement,
             "cpu_kernels": self.cpu_kernels,
+            "drafter_rounds": dict(self.drafter_rounds),
+            "ngram_matches": {str(k): v for k, v in sorted(self.ngram_matches.items())},
         }

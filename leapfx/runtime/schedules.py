@@ -246,10 +246,16 @@ def speculative_loop(
     metrics: DecodeMetrics,
     num_speculations: int,
     round_: Round,
+    out: Output | None = None,
 ) -> list[int]:
     """Draft-then-verify decoding: prefill, then rounds of ``round_`` with the acceptance of
-    ``accept``; the cache is cropped to the accepted prefix after each round (O(1))."""
-    out = Output(request)
+    ``accept``; the cache is cropped to the accepted prefix after each round (O(1)).
+
+    A round may draft nothing (drafts [1, 0]; prompt lookup without a match): its target
+    logits [1, 1, V] are then a plain full step's and the token is chosen from them, counted
+    as a full call, not a verify. ``out``: the Output to collect into (a drafter that reads the
+    text generated so far, as prompt lookup does, holds the same one); None: a fresh one."""
+    out = Output(request) if out is None else out
     logits = runner.full(prompt, 0)  # prefill: [1, n, V]
     metrics.full_calls += 1
     pos = prompt.shape[1]  # position of x, the newest token (not yet in the cache)
@@ -257,15 +263,17 @@ def speculative_loop(
     out.extend([_token(x)])
     while not out.done:
         d = min(num_speculations, out.remaining - 1)  # drafts past max_new_tokens are waste
+        if d > 0:
+            drafts, q, target_logits = round_(runner, x, pos, d, request)
+            d = drafts.shape[1]
+        else:
+            target_logits = runner.full(x, pos)  # [1, 1, V]
         if d == 0:
-            logits = runner.full(x, pos)
             metrics.full_calls += 1
-            x = choose(logits[:, -1], request)
+            x = choose(target_logits[:, -1], request)
             out.extend([_token(x)])
             pos += 1
             continue
-        drafts, q, target_logits = round_(runner, x, pos, d, request)
-        d = drafts.shape[1]
         metrics.draft_calls += d
         if q is None and target_logits.device.type == "cpu":
             # Greedy on a CPU: the same rule on the host, where the round syncs anyway

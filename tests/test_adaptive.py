@@ -1,0 +1,81 @@
+"""The adaptive drafter's policy (``leapfx.runtime.adaptive``) on synthetic rounds.
+
+Its losslessness is tested with prompt lookup's (tests/test_lookup.py: ``auto`` is drawn there
+beside ``lookup``); here, what it chooses given acceptance and cost.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from leapfx.runtime.adaptive import (
+    MARGIN,
+    PROBE_EVERY,
+    AdaptiveLookup,
+    DraftPolicy,
+    expected_tokens,
+)
+
+
+def _run(policy: DraftPolicy, rounds: int, accept, cost, available: int = 8) -> list[int]:
+    """``rounds`` synthetic rounds: ``accept(d)`` drafts kept of d, ``cost(d)`` seconds."""
+    chosen = []
+    for _ in range(rounds):
+        d = policy.choose(available)
+        policy.observe(d, accept(d), cost(d))
+        chosen.append(d)
+    return chosen
+
+
+def test_drafting_turns_off_when_drafts_are_always_rejected():
+    policy = DraftPolicy(max_drafts=8)
+    chosen = _run(policy, 400, accept=lambda d: 0, cost=lambda d: 1.0 + 0.05 * d)
+    assert chosen[0] > 0  # the prior (alpha 0.5) tries drafting first
+    late = chosen[100:]
+    assert policy.alpha < 0.01
+    # only the probes draft, one token each, once in PROBE_EVERY rounds
+    assert set(late) <= {0, 1} and late.count(1) <= len(late) // PROBE_EVERY + 1
+    cost = sum(1.0 + 0.05 * d for d in late) / len(late)
+    # within the probes' share of plain decoding's cost
+    assert cost <= 1.0 + 0.05 * (len(late) // PROBE_EVERY + 1) / len(late) + 1e-9
+
+
+def test_drafts_the_most_when_drafts_are_always_kept_and_verify_is_cheap():
+    policy = DraftPolicy(max_drafts=8)
+    chosen = _run(policy, 50, accept=lambda d: d, cost=lambda d: 1.0 + 0.05 * d)
+    assert chosen[-10:] == [8] * 10
+    assert _run(policy, 1, accept=lambda d: d, cost=lambda d: 1.0, available=3) == [3]
+
+
+@pytest.mark.parametrize("slope", [0.1, 0.3, 0.6])
+def test_picks_the_length_with_the_most_tokens_per_cost(slope):
+    # Measured costs 1 + slope d for every d, alpha held at 0.6: the choice is the argmax of
+    # E(d) / C(d) (or 0 where no d beats a plain step by the margin).
+    policy = DraftPolicy(max_drafts=8)
+    policy.costs = {d: 1.0 + slope * d for d in range(9)}
+    policy.accepted, policy.rejections = 3.0, 2.0
+    rates = {d: expected_tokens(0.6, d) / (1.0 + slope * d) for d in range(9)}
+    best = max(range(1, 9), key=rates.get)
+    want = best if rates[best] > (1 + MARGIN) * rates[0] else 0
+    assert policy.choose(8) == want
+    if slope == 0.6:
+        assert want == 0  # a verify this steep: plain decoding wins
+
+
+def test_unmeasured_lengths_follow_the_measured_line():
+    policy = DraftPolicy(max_drafts=8)
+    policy.costs = {0: 1.0, 4: 2.0}
+    assert policy.cost(2) == pytest.approx(1.5) and policy.cost(8) == pytest.approx(3.0)
+    policy.costs = {2: 1.2}  # one point: the prior slope through it
+    assert policy.cost(0) == pytest.approx(1.0)
+
+
+def test_adaptive_lookup_learns_each_rounds_outcome_from_the_text():
+    drafter = AdaptiveLookup([1, 2, 3, 1, 2, 3], max_drafts=4, max_ngram=2, min_ngram=1)
+    drafter.policy.accepted = 100.0  # alpha near 1: the longest draft
+    seen = []
+    drafter.policy.observe = lambda d, k, s: seen.append((d, k))
+    first = drafter.propose([1], 4)  # text ..3 1: (3, 1) at 2, followed by 2 3 1 2
+    assert (first.tokens, first.drafter) == ((2, 3, 1, 2), "lookup")
+    drafter.propose([1, 2, 3, 9], 4)  # two drafts kept, then the correction 9
+    assert seen == [(4, 2)]
