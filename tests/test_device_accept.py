@@ -16,10 +16,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from leapfx import rewrite
+from leapfx.kernels.reference import speculative_accept_random
 from leapfx.runtime.runner import StageRunner
 from leapfx.runtime.sampling import SamplingParams, probs
 from leapfx.runtime.schedules import DecodeRequest, accept, draft
-from leapfx.kernels.reference import speculative_accept_random
 from tests.conftest import tiny_model
 
 

@@ -13,13 +13,13 @@ from hypothesis import strategies as st
 from scipy.stats import chisquare
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from leapfx.runtime.sampling import sample
 from leapfx.kernels.reference import (
     acceptance,
     greedy_accept,
     speculative_accept,
     speculative_accept_random,
 )
+from leapfx.runtime.sampling import sample
 
 # ---------------------------------------------------------------- greedy
 
