@@ -638,12 +638,14 @@ class OnnxModel:
         eos_token_id: int | list[int] | None = None,
         generator: torch.Generator | None = None,
         teacher_tokens: torch.Tensor | list[int] | None = None,
+        streamer: Any | None = None,
     ) -> torch.Tensor:
         """Generate like ``SpeculativeModel.generate``: returns [1, prompt + new] token ids.
 
         Defaults (``max_new_tokens``, sampling, EOS) come from the exported model's generation
         config. Metrics land in ``self.last_metrics``. ``teacher_tokens``: teacher forcing for
-        lossy recipes, as in ``SpeculativeModel.generate``.
+        lossy recipes, and ``streamer`` (HF's streamer protocol), as in
+        ``SpeculativeModel.generate``.
         """
         check_prompt(input_ids, attention_mask, self.manifest["vocab_size"])
         teacher = teacher_sequence(teacher_tokens, self.recipe, self._lossless)
@@ -657,6 +659,7 @@ class OnnxModel:
         request = decode_request(
             self._generation_config, prompt.shape[1], max_new_tokens=max_new_tokens,
             eos_token_id=eos_token_id, sampling=sampling, generator=generator,
+            streamer=streamer,
         )  # fmt: skip
         request = with_teacher(request, teacher)
         needed = prompt.shape[1] + request.max_new_tokens + self._lookahead

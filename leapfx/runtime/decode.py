@@ -70,6 +70,7 @@ def decode_request(
     eos_token_id: int | list[int] | None,
     sampling: dict[str, Any],
     generator: torch.Generator | None,
+    streamer: Any | None = None,
 ) -> DecodeRequest:
     """Stop rule and sampling of a call; None arguments default to ``generation_config``."""
     if max_new_tokens is None:
@@ -87,7 +88,7 @@ def decode_request(
     else:
         eos = frozenset(int(t) for t in eos_token_id)
     params = SamplingParams.from_generation_config(generation_config, **sampling)
-    return DecodeRequest(max_new_tokens, eos, params, generator)
+    return DecodeRequest(max_new_tokens, eos, params, generator, streamer=streamer)
 
 
 def teacher_sequence(teacher_tokens, recipe: str, lossless: bool) -> tuple[int, ...] | None:
@@ -152,13 +153,20 @@ def decode(
     name: str,
     num_speculations: int,
 ) -> tuple[list[int], DecodeMetrics]:
-    """Run ``schedule`` and return the new tokens and the call's metrics."""
+    """Run ``schedule`` and return the new tokens and the call's metrics.
+
+    A streamer (``request.streamer``) gets the prompt first, then each group of new tokens as
+    the schedule emits it (``Output.extend``), then ``end()``: HF ``generate``'s order."""
     metrics = DecodeMetrics(
         schedule=name, prompt_tokens=prompt.shape[1], num_speculations=num_speculations
     )
+    if request.streamer is not None:
+        request.streamer.put(prompt.cpu())  # [1, n]
     start = time.perf_counter()
     tokens = schedule(runner, prompt, request, metrics)
     metrics.seconds = time.perf_counter() - start
+    if request.streamer is not None:
+        request.streamer.end()
     metrics.stage_seconds = dict(runner.seconds)
     metrics.new_tokens = len(tokens)
     return tokens, metrics

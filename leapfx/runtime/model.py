@@ -292,6 +292,7 @@ class SpeculativeModel:
         eos_token_id: int | list[int] | None = None,
         generator: torch.Generator | None = None,
         teacher_tokens: torch.Tensor | list[int] | None = None,
+        streamer: Any | None = None,
     ) -> torch.Tensor:
         """Generate like HF ``generate``: returns [1, prompt + new] token ids.
 
@@ -304,7 +305,10 @@ class SpeculativeModel:
         Greedy output is token-identical to ``hf_model.generate(input_ids, do_sample=False)``
         for lossless recipes; with ``do_sample=True`` it has the same distribution as HF
         sampling with the same temperature/top_k/top_p. Pass a ``torch.Generator`` for
-        reproducible sampling. Metrics land in ``self.last_metrics``. Exactly so in float32 and
+        reproducible sampling. ``streamer``: HF's streamer protocol (``put``/``end``, e.g.
+        ``transformers.TextIteratorStreamer``): the prompt, then each group of new tokens as the
+        schedule emits it (a round's accepted drafts at once), then ``end()``. Metrics land in
+        ``self.last_metrics``. Exactly so in float32 and
         float64; in bfloat16/float16 or on a GPU a verify pass over several positions rounds
         differently from one-token steps and may resolve a near tie between the top two logits
         the other way (``leapfx.bench.ties`` measures it; see docs/gpu.md).
@@ -319,6 +323,7 @@ class SpeculativeModel:
         request = decode_request(
             self._hf_model.generation_config, prompt.shape[1], max_new_tokens=max_new_tokens,
             eos_token_id=eos_token_id, sampling=sampling, generator=generator,
+            streamer=streamer,
         )  # fmt: skip
         request = with_teacher(request, teacher)
         if self._hf_model.training:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -43,10 +44,16 @@ class DecodeRequest:
     # new token instead of the schedule's own choice, and count whether the two agree. The
     # schedule decides everything else (exits, cache state) as it would on its own.
     teacher_tokens: tuple[int, ...] | None = None
+    # HF's streamer protocol (``put(tensor)``/``end()``, e.g. ``transformers.TextStreamer``):
+    # each group of tokens the schedule emits is put as one 1-D tensor when it is emitted.
+    streamer: Any | None = None
 
 
 class Output:
-    """Collects new tokens; stops at the first EOS or at max_new_tokens."""
+    """Collects new tokens; stops at the first EOS or at max_new_tokens.
+
+    Every schedule emits through ``extend``, so the stop rule and the streamer see each token
+    once, in order, whichever schedule made it."""
 
     def __init__(self, request: DecodeRequest) -> None:
         self.request = request
@@ -58,12 +65,16 @@ class Output:
         return self.request.max_new_tokens - len(self.tokens)
 
     def extend(self, tokens: list[int]) -> None:
+        first = len(self.tokens)
         for t in tokens:
             if self.done:
-                return
+                break
             self.tokens.append(t)
             if t in self.request.eos_token_ids or self.remaining <= 0:
                 self.done = True
+        streamer = self.request.streamer
+        if streamer is not None and len(self.tokens) > first:
+            streamer.put(torch.tensor(self.tokens[first:]))  # [m]: this group's new tokens
 
 
 def choose(logits: torch.Tensor, request: DecodeRequest) -> torch.Tensor:
