@@ -40,14 +40,8 @@ import numpy as np
 import torch
 
 from ..runtime.cache import SlotLengths
-from ..runtime.decode import (
-    cache_length,
-    check_prompt,
-    decode,
-    decode_request,
-    teacher_sequence,
-    with_teacher,
-)
+from ..runtime.decode import cache_length, check_prompt, decode
+from ..runtime.generation import finish, prepare
 from ..runtime.metrics import DecodeMetrics
 from ..runtime.runner import AttentionLayout, StageRunner
 from .chain import step_present
@@ -604,7 +598,7 @@ class OnnxModel:
         self.split_verify = isinstance(self.stages.get("verify"), SplitVerify)
         self._lossless = r.lossless
         self._lookahead = r.lookahead(self.options)
-        self._generation_config = _generation_config(m["generation_config"])
+        self._generation_config = _generation_config(m["generation_config"], m["eos_token_ids"])
         att = m["attention"]
         self._layout = AttentionLayout(
             impl=att["implementation"],
@@ -631,39 +625,30 @@ class OnnxModel:
         self,
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
-        *,
-        max_new_tokens: int | None = None,
-        do_sample: bool | None = None,
-        temperature: float | None = None,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        eos_token_id: int | list[int] | None = None,
-        generator: torch.Generator | None = None,
-        teacher_tokens: torch.Tensor | list[int] | None = None,
+        generation_config: Any | None = None,
+        logits_processor: Any | None = None,
+        stopping_criteria: Any | None = None,
         streamer: Any | None = None,
-    ) -> torch.Tensor:
-        """Generate like ``SpeculativeModel.generate``: returns [1, prompt + new] token ids.
+        **kwargs: Any,
+    ) -> Any:
+        """Generate like ``SpeculativeModel.generate`` (the same arguments, the same front end:
+        ``leapfx.runtime.generation``): returns [1, prompt + new] token ids, or HF's
+        ``GenerateDecoderOnlyOutput`` with ``return_dict_in_generate=True``.
 
-        Defaults (``max_new_tokens``, sampling, EOS) come from the exported model's generation
-        config. Metrics land in ``self.last_metrics``. ``teacher_tokens``: teacher forcing for
-        lossy recipes, and ``streamer`` (HF's streamer protocol), as in
-        ``SpeculativeModel.generate``.
+        Defaults come from the exported model's generation config. Metrics land in
+        ``self.last_metrics``.
         """
         check_prompt(input_ids, attention_mask, self.manifest["vocab_size"])
-        teacher = teacher_sequence(teacher_tokens, self.recipe, self._lossless)
-        if teacher is not None and max_new_tokens is None:
-            max_new_tokens = len(teacher)
         prompt = input_ids.to(torch.long).cpu()
-        sampling = {"do_sample": do_sample, "temperature": temperature, "top_k": top_k,
-                    "top_p": top_p}  # fmt: skip
-        if eos_token_id is None:
-            eos_token_id = list(self.manifest["eos_token_ids"])
-        request = decode_request(
-            self._generation_config, prompt.shape[1], max_new_tokens=max_new_tokens,
-            eos_token_id=eos_token_id, sampling=sampling, generator=generator,
-            streamer=streamer,
+        call = prepare(
+            input_ids=input_ids, prompt=prompt, model_config=self._generation_config,
+            vocab_size=self.manifest["vocab_size"],
+            max_positions=self.manifest["attention"].get("rotary_positions"),
+            generation_config=generation_config, logits_processor=logits_processor,
+            stopping_criteria=stopping_criteria, streamer=streamer, kwargs=kwargs,
+            recipe=self.recipe, lossless=self._lossless,
         )  # fmt: skip
-        request = with_teacher(request, teacher)
+        request = call.request
         needed = prompt.shape[1] + request.max_new_tokens + self._lookahead
         limit = self.manifest["attention"].get("rotary_positions")
         if limit is not None and needed > limit:
@@ -679,14 +664,18 @@ class OnnxModel:
                 self._schedule, runner, prompt, request, name=self.recipe,
                 num_speculations=getattr(self.options, "num_speculations", 0),
             )  # fmt: skip
-        new = torch.tensor([tokens], dtype=input_ids.dtype, device=input_ids.device)
-        return torch.cat([input_ids, new], dim=1)
+        return finish(input_ids, tokens, call, self.last_metrics)
 
     def __repr__(self) -> str:
         return f"OnnxModel({str(self.path)!r}, recipe={self.recipe!r}, providers={self.providers})"
 
 
-def _generation_config(saved: dict[str, Any]):
+def _generation_config(saved: dict[str, Any], eos_token_ids: list[int]):
+    """The export's generation config; its EOS falls back to the model config's, as saved in
+    the manifest's ``eos_token_ids`` (what the exported model stops at)."""
     from transformers import GenerationConfig
 
-    return GenerationConfig.from_dict(dict(saved))
+    config = GenerationConfig.from_dict(dict(saved))
+    if config.eos_token_id is None and eos_token_ids:
+        config.eos_token_id = list(eos_token_ids)
+    return config

@@ -39,8 +39,7 @@ import torch
 
 from .metrics import DecodeMetrics
 from .runner import StageRunner
-from .sampling import probs
-from .schedules import DecodeRequest, Output, _token, accept, choose
+from .schedules import DecodeRequest, Output, _drafted, _token, accept, choose, draft_probs
 
 
 def head_step(
@@ -86,7 +85,7 @@ def draft_chain(
         logits, hidden = head_step(runner, token, hidden, start + i)  # [1, 1, V], [1, 1, D]
         q = None
         if request.sampling.do_sample:
-            q = probs(logits[:, -1].float(), request.sampling)  # [1, V]
+            q = draft_probs(logits[:, -1], request, _drafted(tokens))  # [1, V]
             token = torch.multinomial(q, 1, generator=request.generator)  # [1, 1]
             qs.append(q)
         else:
@@ -118,14 +117,14 @@ def eagle(
     pos = prompt.shape[1]  # position of x, the newest token (not yet in the cache)
     x = choose(logits[:, -1], request)
     h = hidden[:, -1:]  # h_{pos-1}: [1, 1, D]
-    out.extend([_token(x)])
+    out.extend([_token(x)], logits[0, -1:])
     while not out.done:
         d = min(max_draft_tokens, out.remaining - 1)  # drafts past max_new_tokens are waste
         if d == 0:
             logits, hidden = target_step(runner, x, h, pos)
             metrics.full_calls += 1
             x, h, pos = choose(logits[:, -1], request), hidden, pos + 1
-            out.extend([_token(x)])
+            out.extend([_token(x)], logits[0, -1:])
             continue
         drafts, q = draft_chain(runner, x, h, pos, d, confidence_threshold, request)
         d = drafts.shape[1]
@@ -140,7 +139,7 @@ def eagle(
         k, next_token, *drafted = torch.cat([n, nxt, drafts[0]]).tolist()
         runner.cache.crop(pos + k + 1)  # keep x and the k accepted drafts
         metrics.record_verify(d, k)
-        out.extend([*drafted[:k], next_token])
+        out.extend([*drafted[:k], next_token], logits[0, : k + 1])
         h = hidden[:, k : k + 1]  # h of the last kept position
         pos += k + 1
         x = nxt.view(1, 1)  # stays on the device

@@ -27,8 +27,16 @@ import torch
 from ..passes.accelerator import FastScratch
 from .metrics import DecodeMetrics
 from .runner import StageRunner
-from .sampling import probs
-from .schedules import DecodeRequest, Output, _token, choose, speculative_loop, teacher_force
+from .schedules import (
+    DecodeRequest,
+    Output,
+    _drafted,
+    _token,
+    choose,
+    draft_probs,
+    speculative_loop,
+    teacher_force,
+)
 
 
 def draft_fast(
@@ -53,7 +61,7 @@ def draft_fast(
         logits = runner.fast_draft(token, start + i, scratch)  # [1, 1, V]
         q = None
         if request.sampling.do_sample:
-            q = probs(logits[:, -1].float(), request.sampling)  # [1, V]
+            q = draft_probs(logits[:, -1], request, _drafted(tokens))  # [1, V]
             token = torch.multinomial(q, 1, generator=request.generator)
             qs.append(q)
         else:
@@ -121,7 +129,7 @@ def m2r2_exit(
     pos = prompt.shape[1]
     token = teacher_force(choose(logits[:, -1], request), out, request, metrics)
     metrics.record_layers(num_layers)
-    out.extend([_token(token)])
+    out.extend([_token(token)], logits[0, -1:])
     # (h^{E_k} [1, r, H] of positions start..start+r-1, start, k); k falls along the list.
     pending: list[tuple[torch.Tensor, int, int]] = []
     can_fire = threshold <= 1.0  # a score is a sigmoid: above 1 no gate fires, so none runs
@@ -150,7 +158,7 @@ def m2r2_exit(
             metrics.draft_calls += 1
             metrics.record_layers(edges[exited])
         token = teacher_force(choose(logits[:, -1], request), out, request, metrics)
-        out.extend([_token(token)])
+        out.extend([_token(token)], logits[0, -1:])
         pos += 1
     return out.tokens
 

@@ -2,9 +2,9 @@
 
 It holds the rewritten graph, its stages and the recipe's options, shares every weight with the
 original HF model by reference and never modifies it. ``generate`` follows HuggingFace's
-conventions (``input_ids``/``attention_mask`` in, prompt + new tokens out; defaults for
-``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k``, ``top_p`` and ``eos_token_id``
-from the model's ``generation_config``) and leaves the metrics of the call in ``last_metrics``.
+conventions (``input_ids``/``attention_mask`` in, prompt + new tokens out; the model's
+``generation_config`` with keyword overrides, every field applied or refused: see
+``leapfx.runtime.generation``) and leaves the metrics of the call in ``last_metrics``.
 
 Example::
 
@@ -27,14 +27,8 @@ from torch import fx, nn
 from ..passes.capture import decoder_parts
 from ..passes.partition import Stages
 from .cache import StaticKVCache, cache_for
-from .decode import (
-    cache_length,
-    check_prompt,
-    decode,
-    decode_request,
-    teacher_sequence,
-    with_teacher,
-)
+from .decode import cache_length, check_prompt, decode
+from .generation import finish, prepare
 from .masks import SUPPORTED_ATTENTION
 from .metrics import DecodeMetrics
 from .runner import AttentionLayout, StageRunner
@@ -291,50 +285,56 @@ class SpeculativeModel:
         self,
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
-        *,
-        max_new_tokens: int | None = None,
-        do_sample: bool | None = None,
-        temperature: float | None = None,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        eos_token_id: int | list[int] | None = None,
-        generator: torch.Generator | None = None,
-        teacher_tokens: torch.Tensor | list[int] | None = None,
+        generation_config: Any | None = None,
+        logits_processor: Any | None = None,
+        stopping_criteria: Any | None = None,
         streamer: Any | None = None,
-    ) -> torch.Tensor:
+        **kwargs: Any,
+    ) -> Any:
         """Generate like HF ``generate``: returns [1, prompt + new] token ids.
 
-        ``teacher_tokens`` (lossy recipes): the full model's greedy continuation of the prompt,
-        [m] or [1, m]; the recipe emits these tokens instead of its own and
+        The signature and its meaning are HF's: ``generation_config`` (default: the model's)
+        with ``**kwargs`` overriding its fields (``max_new_tokens``, ``max_length``,
+        ``min_new_tokens``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``,
+        ``repetition_penalty``, ``no_repeat_ngram_size``, ``eos_token_id`` (an int or a list),
+        ``stop_strings`` with ``tokenizer=``, ...); the caller's config is never written.
+        HF's logits processors (and ``logits_processor``) apply inside speculation at every
+        verified position, so a lossless recipe emits what HF's ``generate`` emits under the
+        same config; ``stopping_criteria`` join HF's. ``return_dict_in_generate=True`` returns
+        HF's ``GenerateDecoderOnlyOutput`` (``sequences``, ``scores``/``logits`` with
+        ``output_scores``/``output_logits``, and ``metrics``). A field leapfx cannot honour
+        (``num_beams`` > 1, ``output_attentions`` ...) or an unknown argument raises
+        ``ValueError`` naming it (``leapfx.runtime.generation`` lists every field).
+
+        leapfx's own arguments: ``generator`` (a ``torch.Generator`` for reproducible
+        sampling); ``teacher_tokens`` (lossy recipes): the full model's greedy continuation of
+        the prompt, [m] or [1, m]; the recipe emits these tokens instead of its own and
         ``last_metrics.agreement`` is the share of positions where its own choice (exit
         decisions made on its own cache state) was the same token. ``max_new_tokens`` defaults
-        to m and may not exceed it.
+        to m and may not exceed it. ``streamer``: HF's streamer protocol (``put``/``end``, e.g.
+        ``transformers.TextIteratorStreamer``): the prompt, then each group of new tokens as the
+        schedule emits it (a round's accepted drafts at once), then ``end()``.
 
         Greedy output is token-identical to ``hf_model.generate(input_ids, do_sample=False)``
         for lossless recipes; with ``do_sample=True`` it has the same distribution as HF
-        sampling with the same temperature/top_k/top_p. Pass a ``torch.Generator`` for
-        reproducible sampling. ``streamer``: HF's streamer protocol (``put``/``end``, e.g.
-        ``transformers.TextIteratorStreamer``): the prompt, then each group of new tokens as the
-        schedule emits it (a round's accepted drafts at once), then ``end()``. Metrics land in
-        ``self.last_metrics``. Exactly so in float32 and
-        float64; in bfloat16/float16 or on a GPU a verify pass over several positions rounds
-        differently from one-token steps and may resolve a near tie between the top two logits
-        the other way (``leapfx.bench.ties`` measures it; see docs/gpu.md).
+        sampling with the same config. Metrics land in ``self.last_metrics``. Exactly so in
+        float32 and float64; in bfloat16/float16 or on a GPU a verify pass over several
+        positions rounds differently from one-token steps and may resolve a near tie between
+        the top two logits the other way (``leapfx.bench.ties`` measures it; see docs/gpu.md).
         """
-        check_prompt(input_ids, attention_mask, self._hf_model.config.vocab_size)
-        teacher = teacher_sequence(teacher_tokens, self.recipe.name, self.recipe.lossless)
-        if teacher is not None and max_new_tokens is None:
-            max_new_tokens = len(teacher)
+        hf = self._hf_model
+        check_prompt(input_ids, attention_mask, hf.config.vocab_size)
         prompt = input_ids.to(self._layout.device)
-        sampling = {"do_sample": do_sample, "temperature": temperature, "top_k": top_k,
-                    "top_p": top_p}  # fmt: skip
-        request = decode_request(
-            self._hf_model.generation_config, prompt.shape[1], max_new_tokens=max_new_tokens,
-            eos_token_id=eos_token_id, sampling=sampling, generator=generator,
-            streamer=streamer,
+        call = prepare(
+            input_ids=input_ids, prompt=prompt, model_config=hf.generation_config,
+            vocab_size=hf.config.vocab_size,
+            max_positions=getattr(hf.config, "max_position_embeddings", None),
+            generation_config=generation_config, logits_processor=logits_processor,
+            stopping_criteria=stopping_criteria, streamer=streamer, kwargs=kwargs,
+            recipe=self.recipe.name, lossless=self.recipe.lossless,
         )  # fmt: skip
-        request = with_teacher(request, teacher)
-        if self._hf_model.training:
+        request = call.request
+        if hf.training:
             warnings.warn(
                 "the model is in training mode (dropout active); call model.eval() first",
                 stacklevel=2,
@@ -358,8 +358,7 @@ class SpeculativeModel:
         finally:
             if self.offload is not None:
                 self.offload.end()
-        new = torch.tensor([tokens], dtype=input_ids.dtype, device=input_ids.device)
-        return torch.cat([input_ids, new], dim=1)
+        return finish(input_ids, tokens, call, self.last_metrics)
 
     def export_onnx(
         self, path: Any, *, opset: int = 23, overwrite: bool = False, optimize: bool = True

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from .metrics import DecodeMetrics
+from .processing import Processing
 from .runner import StageRunner
 from .sampling import SamplingParams, probs
 
@@ -47,6 +48,9 @@ class DecodeRequest:
     # HF's streamer protocol (``put(tensor)``/``end()``, e.g. ``transformers.TextStreamer``):
     # each group of tokens the schedule emits is put as one 1-D tensor when it is emitted.
     streamer: Any | None = None
+    # HF logits processors and stopping criteria of the call (``processing``); None when the
+    # call has none beyond what ``sampling`` replays and nothing records scores.
+    processing: Processing | None = None
 
 
 class Output:
@@ -64,25 +68,59 @@ class Output:
     def remaining(self) -> int:
         return self.request.max_new_tokens - len(self.tokens)
 
-    def extend(self, tokens: list[int]) -> None:
+    def extend(self, tokens: list[int], logits: torch.Tensor | None = None) -> None:
+        """Emit ``tokens`` in order; ``logits`` [m, V]: the logits each was chosen from (what
+        ``output_scores``/``output_logits`` and stopping criteria read)."""
         first = len(self.tokens)
-        for t in tokens:
+        processing = self.request.processing
+        for i, t in enumerate(tokens):
             if self.done:
                 break
             self.tokens.append(t)
             if t in self.request.eos_token_ids or self.remaining <= 0:
                 self.done = True
+            if processing is not None:
+                row = None if logits is None else logits[i : i + 1]
+                self.done = processing.extend(t, row) or self.done
         streamer = self.request.streamer
         if streamer is not None and len(self.tokens) > first:
             streamer.put(torch.tensor(self.tokens[first:]))  # [m]: this group's new tokens
 
 
-def choose(logits: torch.Tensor, request: DecodeRequest) -> torch.Tensor:
-    """Next token from logits [1, V]: argmax, or a draw from HF's warped distribution."""
-    if not request.sampling.do_sample:
+def active(request: DecodeRequest) -> Processing | None:
+    """The call's processors when any beyond the replayed warpers apply, else None."""
+    processing = request.processing
+    return processing if processing is not None and processing.active else None
+
+
+def choose(
+    logits: torch.Tensor, request: DecodeRequest, drafts: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Next token [1, 1] from logits [1, V] after the emitted tokens (and ``drafts`` [1, i]
+    drafted since): argmax, or a draw from HF's warped distribution; with processors, of the
+    processed scores."""
+    processing = active(request)
+    if processing is not None:
+        scores = processing.scores(logits, drafts)  # [1, V], warped too when sampling
+        if not request.sampling.do_sample:
+            return scores.argmax(dim=-1, keepdim=True)
+        p = torch.softmax(scores, dim=-1)
+    elif not request.sampling.do_sample:
         return logits.argmax(dim=-1, keepdim=True)  # [1, 1]
-    p = probs(logits.float(), request.sampling)
+    else:
+        p = probs(logits.float(), request.sampling)
     return torch.multinomial(p, 1, generator=request.generator)  # [1, 1]
+
+
+def draft_probs(
+    logits: torch.Tensor, request: DecodeRequest, drafts: torch.Tensor | None = None
+) -> torch.Tensor:
+    """A sampling drafter's distribution q [1, V] from its logits [1, V]: the one ``choose``
+    draws from (processed, with processors, over the prefix and ``drafts`` so far)."""
+    processing = active(request)
+    if processing is not None:
+        return torch.softmax(processing.scores(logits, drafts), dim=-1)
+    return probs(logits.float(), request.sampling)
 
 
 def _token(t: torch.Tensor) -> int:
@@ -134,7 +172,7 @@ def _one_stage_loop(stage, runner, prompt, request, metrics, counter, layers) ->
         token = teacher_force(choose(logits[:, -1], request), out, request, metrics)
         setattr(metrics, counter, getattr(metrics, counter) + 1)
         metrics.record_layers(layers)
-        out.extend([_token(token)])
+        out.extend([_token(token)], logits[0, -1:])
         if out.done:
             return out.tokens
         logits = stage(token, pos)  # [1, 1, V]
@@ -170,10 +208,10 @@ def draft(
         logits, h = runner.draft(token, start + i)  # logits: [1, 1, V], h: [1, 1, H]
         q = None
         if request.sampling.do_sample:
-            q = probs(logits[:, -1].float(), request.sampling)  # [1, V]
+            q = draft_probs(logits[:, -1], request, _drafted(tokens))  # [1, V]
             token = torch.multinomial(q, 1, generator=request.generator)
             qs.append(q)
-        else:
+        else:  # greedy drafts stay raw (verify applies the processors): no host sync here
             token = logits[:, -1].argmax(dim=-1, keepdim=True)  # [1, 1]
         tokens.append(token)
         hidden.append(h)
@@ -183,6 +221,11 @@ def draft(
                 break
     q_all = torch.stack(qs, dim=1) if qs else None
     return torch.cat(tokens, dim=1), torch.cat(hidden, dim=1), q_all
+
+
+def _drafted(tokens: list[torch.Tensor]) -> torch.Tensor | None:
+    """A drafter's tokens so far as [1, i] (None before the first)."""
+    return torch.cat(tokens, dim=1) if tokens else None
 
 
 def accept(
@@ -195,13 +238,21 @@ def accept(
 
     No host sync: the ``leapfx`` acceptance ops (``leapfx.kernels``) compute the rules of
     ``leapfx.runtime.verify``. Sampling draws ``u_accept`` [1, d] then ``u_sample`` [1] from the
-    request's generator (as ``verify.speculative_accept_random`` does).
+    request's generator (as ``verify.speculative_accept_random`` does). With processors the
+    target rows are first processed over their prefixes (``Processing.rows``: a host loop).
     """
     from .. import kernels  # on first use: it imports Triton where installed
 
-    if not request.sampling.do_sample:
+    processing = active(request)
+    if processing is not None:
+        scores = processing.rows(target_logits, drafts)  # [1, d+1, V], warped when sampling
+        if not request.sampling.do_sample:
+            return kernels.greedy_accept(drafts, scores)
+        p = torch.softmax(scores, dim=-1)
+    elif not request.sampling.do_sample:
         return kernels.greedy_accept(drafts, target_logits)
-    p = probs(target_logits.float(), request.sampling)  # [1, d+1, V]
+    else:
+        p = probs(target_logits.float(), request.sampling)  # [1, d+1, V]
     B, d = drafts.shape
     kw = dict(generator=request.generator, device=p.device, dtype=p.dtype)
     u_accept = torch.rand((B, d), **kw)  # [1, d]
@@ -260,7 +311,7 @@ def speculative_loop(
     metrics.full_calls += 1
     pos = prompt.shape[1]  # position of x, the newest token (not yet in the cache)
     x = choose(logits[:, -1], request)
-    out.extend([_token(x)])
+    out.extend([_token(x)], logits[0, -1:])
     while not out.done:
         d = min(num_speculations, out.remaining - 1)  # drafts past max_new_tokens are waste
         if d > 0:
@@ -271,11 +322,11 @@ def speculative_loop(
         if d == 0:
             metrics.full_calls += 1
             x = choose(target_logits[:, -1], request)
-            out.extend([_token(x)])
+            out.extend([_token(x)], target_logits[0, -1:])
             pos += 1
             continue
         metrics.draft_calls += d
-        if q is None and target_logits.device.type == "cpu":
+        if q is None and target_logits.device.type == "cpu" and active(request) is None:
             # Greedy on a CPU: the same rule on the host, where the round syncs anyway
             # (~5 us against ~20 us for the device op's dispatch).
             k, next_token, drafted = greedy_accept_host(drafts, target_logits)
@@ -288,7 +339,7 @@ def speculative_loop(
             x = nxt.view(1, 1)  # stays on the device: no host-to-device copy
         runner.cache.crop(pos + k + 1)  # keep x and the k accepted drafts
         metrics.record_verify(d, k)
-        out.extend([*drafted[:k], next_token])
+        out.extend([*drafted[:k], next_token], target_logits[0, : k + 1])
         pos += k + 1
     return out.tokens
 

@@ -50,8 +50,16 @@ from ..passes.predictor import LayerExit
 from .masks import chunk_mask, masks_for
 from .metrics import DecodeMetrics
 from .runner import StageRunner
-from .sampling import probs
-from .schedules import DecodeRequest, Output, _token, accept, choose, teacher_force
+from .schedules import (
+    DecodeRequest,
+    Output,
+    _drafted,
+    _token,
+    accept,
+    choose,
+    draft_probs,
+    teacher_force,
+)
 
 
 @dataclass
@@ -233,8 +241,12 @@ class SpecEEDecoder:
 
     # -- one token ---------------------------------------------------------------------------
 
-    def step(self, x: torch.Tensor, pos: int, request: DecodeRequest) -> Step:
-        """Run token x [1, 1] at ``pos`` until its predicted exit (or the last layer)."""
+    def step(
+        self, x: torch.Tensor, pos: int, request: DecodeRequest, drafts: torch.Tensor | None = None
+    ) -> Step:
+        """Run token x [1, 1] at ``pos`` until its predicted exit (or the last layer);
+        ``drafts`` [1, i]: the round's drafts before this step's token (verified mode), which
+        processors read as part of the prefix."""
         runner, cfg = self.runner, self.config
         call, cache = runner._call, runner.cache
         out = runner.chunk("draft", x, pos)
@@ -301,11 +313,11 @@ class SpecEEDecoder:
             if exited:
                 self._exit(i, pos, h, rope, batch_start)
                 self.h_prev = h[:, -1:]
-                return Step(choose(logits, request), i, logits, hidden)
+                return Step(choose(logits, request, drafts), i, logits, hidden)
         logits = self._head(h[:, -1:])[:, -1]
         self.pending = []
         self.h_prev = h[:, -1:]
-        return Step(choose(logits, request), self.num_layers - 1, logits, hidden)
+        return Step(choose(logits, request, drafts), self.num_layers - 1, logits, hidden)
 
     def _exit(self, i: int, pos: int, h: torch.Tensor, rope, batch_start: int) -> None:
         """Bookkeeping of a token that exits after layer i (``rope``: of the rows of ``h``)."""
@@ -398,7 +410,7 @@ def specee(
     pos = prompt.shape[1]
     x = teacher_force(choose(logits[:, -1], request), out, request, metrics)
     metrics.record_layers(dec.num_layers)
-    out.extend([_token(x)])
+    out.extend([_token(x)], logits[0, -1:])
     while not out.done:
         if config.verify:
             pos = _verified_round(dec, x, pos, request, out, metrics)
@@ -408,7 +420,7 @@ def specee(
             metrics.draft_calls += 1
             metrics.record_layers(s.exit_layer + 1)
             x = teacher_force(s.token, out, request, metrics)
-            out.extend([_token(x)])
+            out.extend([_token(x)], s.logits)
             pos += 1
     runner.seconds["predictor"] += dec.predictor_seconds
     return out.tokens
@@ -422,17 +434,18 @@ def _verified_round(dec: SpecEEDecoder, x, c: int, request, out: Output, metrics
     qs = []
     token = x
     while True:
-        s = dec.step(token, c + len(steps), request)
+        before = _drafted([s.token for s in steps])  # [1, i]: this round's drafts so far
+        s = dec.step(token, c + len(steps), request, before)
         metrics.draft_calls += 1
         if not steps and s.exit_layer == dec.num_layers - 1:
             # The first pass ran every layer over an exact context: its token is final.
             metrics.record_layers(dec.num_layers)
-            out.extend([_token(s.token)])
+            out.extend([_token(s.token)], s.logits)
             dec.next_x = s.token
             return c + 1
         steps.append(s)
         if request.sampling.do_sample:
-            qs.append(probs(s.logits.float(), request.sampling))
+            qs.append(draft_probs(s.logits, request, before))
         token = s.token
         if len(steps) >= d_max or s.exit_layer == dec.num_layers - 1:
             break
@@ -450,6 +463,6 @@ def _verified_round(dec: SpecEEDecoder, x, c: int, request, out: Output, metrics
     for s in steps[:k]:
         metrics.record_layers(s.exit_layer + 1)
     metrics.record_layers(dec.num_layers)
-    out.extend([*drafted[:k], next_token])
+    out.extend([*drafted[:k], next_token], target[0, : k + 1])
     dec.next_x = nxt.view(1, 1)
     return c + k + 1

@@ -1,0 +1,273 @@
+"""``generate``'s arguments as HF reads them: the effective generation config, every field
+honoured or refused, HF's processors and stopping criteria, and HF's output.
+
+Both backends (``SpeculativeModel``, ``leapfx.export.OnnxModel``) call :func:`prepare` with
+their generation config and :func:`finish` with the tokens; only the stages differ.
+
+The effective config is built as HF builds it (``GenerationMixin._prepare_generation_config``):
+a copy of ``generation_config`` (or a fresh one), unset fields from the model's config, then
+HF's global defaults, then ``**kwargs`` on top; the caller's objects are never written. Every
+field of ``GenerationConfig`` is in exactly one of three tables (``tests/test_generate.py``
+fails when transformers adds one that nobody classified):
+
+- :data:`HONOURED`: applied as HF applies it (stop rules, sampling, every logits processor,
+  outputs);
+- :data:`NO_EFFECT`: fields that cannot change the tokens of batch-1 decoder-only decoding
+  (HF ignores them there too, or they only tune HF's own cache and compilation);
+- :data:`REFUSED`: a value other than the neutral one raises ``ValueError`` naming the field.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from dataclasses import dataclass, replace
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from .decode import decode_request, teacher_sequence, with_teacher
+from .metrics import DecodeMetrics
+from .processing import Processing
+from .schedules import DecodeRequest
+
+HONOURED = frozenset({
+    "max_length", "max_new_tokens", "min_length", "min_new_tokens", "max_time", "stop_strings",
+    "do_sample", "temperature", "top_k", "top_p", "min_p", "top_h", "typical_p",
+    "epsilon_cutoff", "eta_cutoff", "repetition_penalty", "no_repeat_ngram_size",
+    "bad_words_ids", "renormalize_logits", "forced_bos_token_id", "forced_eos_token_id",
+    "remove_invalid_values", "exponential_decay_length_penalty", "suppress_tokens",
+    "begin_suppress_tokens", "sequence_bias", "watermarking_config", "output_scores",
+    "output_logits", "return_dict_in_generate", "pad_token_id", "bos_token_id", "eos_token_id",
+})  # fmt: skip
+
+# Field -> why it cannot change the tokens here.
+NO_EFFECT = {
+    "use_cache": "leapfx always decodes over its own static KV cache (same tokens)",
+    "cache_implementation": "HF's cache class; leapfx runs its own static cache",
+    "cache_config": "HF's cache options; leapfx runs its own static cache",
+    "max_cache_len": "HF's static-cache size; leapfx sizes its cache per call",
+    "compile_config": "HF's torch.compile options; use SpeculativeModel.compile()",
+    "disable_compile": "HF's torch.compile switch; use SpeculativeModel.compile()",
+    "prefill_chunk_size": "prefill in chunks gives the same tokens",
+    "early_stopping": "beam search only (HF ignores it with num_beams=1)",
+    "length_penalty": "beam search only (HF ignores it with num_beams=1)",
+    "decoder_start_token_id": "encoder-decoder models only",
+    "transformers_version": "metadata",
+    "_from_model_config": "metadata",
+}
+
+# Field -> (its neutral value, what leapfx supports instead). Anything else is refused.
+REFUSED: dict[str, tuple[Any, str]] = {
+    "num_beams": (1, "1 (greedy decoding or sampling)"),
+    "num_return_sequences": (1, "1 (call generate once per sequence)"),
+    "num_beam_groups": (1, "1 (no group beam search)"),
+    "diversity_penalty": (0.0, "0.0 (no group beam search)"),
+    "penalty_alpha": (None, "None (no contrastive search)"),
+    "low_memory": (None, "None (no contrastive search)"),
+    "dola_layers": (None, "None (no DoLa decoding)"),
+    "constraints": (None, "None (no constrained beam search)"),
+    "force_words_ids": (None, "None (no constrained beam search)"),
+    "guidance_scale": (None, "None or 1.0 (no classifier-free guidance)"),
+    "token_healing": (None, "None or False"),
+    "use_mtp": (None, "None or False (no multi-token prediction heads)"),
+    "output_attentions": (False, "False (the stages return no attention maps)"),
+    "output_hidden_states": (False, "False (use return_dict_in_generate for scores/logits)"),
+    "encoder_repetition_penalty": (1.0, "1.0 (encoder-decoder models only)"),
+    "encoder_no_repeat_ngram_size": (0, "0 (encoder-decoder models only)"),
+    "is_assistant": (None, "None or False (leapfx is not an assistant model)"),
+    "continuous_batching_config": (None, "None (batch size 1)"),
+    "speculation_type": (None, "None (the recipe is the speculation: rewrite.apply)"),
+    "assistant_early_exit": (None, "None (use the layerskip recipe)"),
+    "prompt_lookup_num_tokens": (None, "None (HF's assisted decoding; use a leapfx recipe)"),
+    "max_matching_ngram_size": (None, "None (HF's prompt lookup; use a leapfx recipe)"),
+    "num_assistant_tokens": (20, "its default (HF's assisted decoding)"),
+    "num_assistant_tokens_schedule": ("constant", "its default (HF's assisted decoding)"),
+    "assistant_confidence_threshold": (0.4, "its default (HF's assisted decoding)"),
+    "assistant_lookbehind": (10, "its default (HF's assisted decoding)"),
+    "target_lookbehind": (10, "its default (HF's assisted decoding)"),
+    "assistant_ensemble_weight": (None, "None (HF's assisted decoding)"),
+}
+# Values that count as neutral besides the one above (HF treats them the same).
+_ALSO_NEUTRAL = {"guidance_scale": (1.0, 1), "token_healing": (False,), "use_mtp": (False,),
+                 "is_assistant": (False,), "output_attentions": (None,),
+                 "output_hidden_states": (None,)}  # fmt: skip
+
+# generate()'s keyword arguments that are not generation-config fields.
+CALL_ARGUMENTS = ("generator", "teacher_tokens", "tokenizer", "prefix_allowed_tokens_fn")
+# HF generate() arguments leapfx refuses, with what to do instead.
+REFUSED_ARGUMENTS = {
+    "assistant_model": "use a leapfx recipe (rewrite.apply) for speculation",
+    "assistant_tokenizer": "use a leapfx recipe (rewrite.apply) for speculation",
+    "negative_prompt_ids": "classifier-free guidance is not supported",
+    "negative_prompt_attention_mask": "classifier-free guidance is not supported",
+    "synced_gpus": "leapfx decodes on one device",
+    "inputs_embeds": "pass input_ids",
+    "custom_generate": "leapfx runs its recipe's schedule",
+    "past_key_values": "leapfx owns its KV cache",
+}
+
+
+class _Host:
+    """What ``GenerationMixin``'s helpers read of a model: its generation config and a few
+    config facts. One object for every backend, so an ONNX export builds the same lists."""
+
+    def __init__(self, generation_config, vocab_size: int, max_positions: int | None) -> None:
+        self.generation_config = generation_config
+        self.config = SimpleNamespace(
+            is_encoder_decoder=False,
+            max_position_embeddings=max_positions,
+            _get_generation_parameters=dict,  # nothing set on the model config (HF's legacy)
+            get_text_config=lambda: SimpleNamespace(vocab_size=vocab_size),
+        )
+
+    @staticmethod
+    def _merge_criteria_processor_list(default, custom):
+        from transformers.generation.utils import GenerationMixin
+
+        return GenerationMixin._merge_criteria_processor_list(None, default, custom)
+
+
+@dataclass(frozen=True)
+class Call:
+    """One generate call: the effective config and the request a schedule runs."""
+
+    config: Any  # the effective GenerationConfig (a copy)
+    request: DecodeRequest
+
+
+def effective_config(model_config, generation_config, kwargs: dict[str, Any]):
+    """HF's effective ``GenerationConfig`` for a call, and the leftover kwargs (not fields)."""
+    from transformers import GenerationConfig
+    from transformers.generation.utils import GenerationMixin
+
+    if generation_config is not None and not isinstance(generation_config, GenerationConfig):
+        raise ValueError(
+            f"generation_config: {type(generation_config).__name__} is invalid; allowed: a "
+            "transformers.GenerationConfig or None"
+        )
+    host = _Host(model_config or GenerationConfig(), 0, None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # HF's deprecation notes about mixing both
+        config, rest = GenerationMixin._prepare_generation_config(host, generation_config, **kwargs)
+    rest.pop("output_attentions", None)  # HF keeps these for forward(); refused below
+    rest.pop("output_hidden_states", None)
+    return config, rest
+
+
+def check_fields(config) -> None:
+    """ValueError naming a field of ``config`` that leapfx cannot honour, and what it allows."""
+    for name, (neutral, allowed) in REFUSED.items():
+        value = getattr(config, name, None)
+        if value is None or value == neutral or value in _ALSO_NEUTRAL.get(name, ()):
+            continue
+        raise ValueError(f"{name}: {value!r} is not supported by leapfx; allowed: {allowed}")
+
+
+def prepare(
+    *,
+    input_ids: torch.Tensor,
+    prompt: torch.Tensor,
+    model_config,
+    vocab_size: int,
+    max_positions: int | None,
+    generation_config,
+    logits_processor,
+    stopping_criteria,
+    streamer,
+    kwargs: dict[str, Any],
+    recipe: str,
+    lossless: bool,
+) -> Call:
+    """Check a call's arguments and build its effective config and DecodeRequest.
+
+    ``prompt`` is ``input_ids`` on the decode's device; ``model_config`` the model's (or the
+    export's) generation config.
+    """
+    from transformers import LogitsProcessorList, StoppingCriteriaList
+    from transformers.generation.utils import GenerationMixin
+
+    logits_processor = LogitsProcessorList(logits_processor or [])
+    stopping_criteria = StoppingCriteriaList(stopping_criteria or [])
+    kwargs = dict(kwargs)
+    own = {name: kwargs.pop(name, None) for name in CALL_ARGUMENTS}
+    for name in kwargs:
+        if name in REFUSED_ARGUMENTS:
+            raise ValueError(f"{name}: not supported by leapfx; {REFUSED_ARGUMENTS[name]}")
+    max_new = kwargs.get("max_new_tokens")
+    if max_new is not None and (not isinstance(max_new, int) or max_new < 1):
+        raise ValueError(f"max_new_tokens: {max_new!r} is invalid; allowed: int >= 1")
+    config, rest = effective_config(model_config, generation_config, kwargs)
+    if rest:
+        name = next(iter(rest))
+        raise ValueError(
+            f"{name}: unknown argument to generate; allowed: GenerationConfig fields, "
+            f"attention_mask, generation_config, logits_processor, stopping_criteria, "
+            f"streamer, {', '.join(CALL_ARGUMENTS)}"
+        )
+    check_fields(config)
+    teacher = teacher_sequence(own["teacher_tokens"], recipe, lossless)
+    n = prompt.shape[1]
+    if config.max_new_tokens is None and teacher is not None:
+        config.max_new_tokens = len(teacher)
+    if config.max_new_tokens is None:
+        config.max_new_tokens = config.max_length - n
+        if config.max_new_tokens < 1:
+            raise ValueError(
+                f"max_length: {config.max_length} leaves no room after the {n}-token prompt; "
+                "allowed: max_length > the prompt length, or pass max_new_tokens"
+            )
+    if isinstance(config.max_new_tokens, int):
+        config.max_length = n + config.max_new_tokens  # as HF's _prepare_generated_length
+    if config.eos_token_id == []:  # no EOS: HF's tensor of it would be empty
+        config.eos_token_id = None
+    config.validate()
+    host = _Host(config, vocab_size, max_positions)
+    GenerationMixin._prepare_special_tokens(host, config, True, device=prompt.device)
+    processors = GenerationMixin._get_logits_processor(
+        host, config, input_ids_seq_length=n, prefix_allowed_tokens_fn=own[
+            "prefix_allowed_tokens_fn"], logits_processor=logits_processor,
+        device=prompt.device, model_kwargs={"attention_mask": torch.ones_like(prompt)},
+    )  # fmt: skip
+    stopping = _stopping(host, config, stopping_criteria, own["tokenizer"])
+    record = bool(config.return_dict_in_generate and (config.output_scores or config.output_logits))
+    request = decode_request(
+        config, n, max_new_tokens=config.max_new_tokens, eos_token_id=config.eos_token_id,
+        sampling={}, generator=own["generator"], streamer=streamer,
+    )  # fmt: skip
+    processing = Processing(prompt, processors, stopping, record=record)
+    if processing.active or processing.stopping or record:
+        request = replace(request, processing=processing)
+    return Call(config, with_teacher(request, teacher))
+
+
+def _stopping(host: _Host, config, stopping_criteria, tokenizer):
+    """HF's stopping criteria except those leapfx checks natively (max length, EOS)."""
+    from transformers.generation.utils import GenerationMixin
+
+    native = copy.copy(config)
+    native.max_length, native._eos_token_tensor = None, None
+    return GenerationMixin._get_stopping_criteria(host, native, stopping_criteria, tokenizer)
+
+
+def finish(input_ids: torch.Tensor, tokens: list[int], call: Call, metrics: DecodeMetrics) -> Any:
+    """``generate``'s return: [1, prompt + new] ids, or HF's ``GenerateDecoderOnlyOutput``
+    (``sequences``; ``scores``/``logits`` when asked; ``metrics``) with return_dict_in_generate.
+    """
+    new = torch.tensor([tokens], dtype=input_ids.dtype, device=input_ids.device)
+    sequences = torch.cat([input_ids, new], dim=1)
+    config = call.config
+    if not config.return_dict_in_generate:
+        return sequences
+    from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+    processing = call.request.processing
+    scores = logits = None
+    if config.output_scores:
+        scores = processing.replay(input_ids.shape[1])
+    if config.output_logits:
+        logits = tuple(processing.logits)
+    out = GenerateDecoderOnlyOutput(sequences=sequences, scores=scores, logits=logits)
+    out.metrics = metrics
+    return out
