@@ -222,6 +222,12 @@ def prepare(
         config.max_length = n + config.max_new_tokens  # as HF's _prepare_generated_length
     if config.eos_token_id == []:  # no EOS: HF's tensor of it would be empty
         config.eos_token_id = None
+    if config.exponential_decay_length_penalty is not None and config.eos_token_id is None:
+        # HF's processor raises a bare RuntimeError here: it raises the EOS logit, so needs one
+        raise ValueError(
+            "exponential_decay_length_penalty: needs an EOS token to favour; allowed: with "
+            "eos_token_id set (in the call or the model's generation_config)"
+        )
     config.validate()
     host = _Host(config, vocab_size, max_positions)
     GenerationMixin._prepare_special_tokens(host, config, True, device=prompt.device)
