@@ -17,9 +17,10 @@ machine), the decode falls back to plain steps.
   with counts decayed by ``DECAY`` a drafting round (the live rate: a decode moves between text that
   repeats and text that does not) and a prior of one of each (alpha 0.5 before any round).
 - C(d): each round's wall time, from one ``propose`` to the next (the verify call, the
-  acceptance and its host sync, the crop, the lookup itself), as a moving average per d; a d
-  not yet measured is read off the least-squares line through the measured ones, or from one
-  measured point and ``PRIOR_SLOPE`` (a draft adds this share of a step). Wall time is what a
+  acceptance and its host sync, the crop, the lookup itself), as a moving average per d, read
+  off the least-squares line through those averages (every d, measured or not), or from one
+  measured point and ``PRIOR_SLOPE`` (a draft adds this share of a step); each length's first
+  round is not counted (first-call costs at a new shape). Wall time is what a
   user waits for, on any backend: a round syncs once, so on a GPU it holds the kernels too.
 - Once drafting is off it is probed: after ``PROBE_EVERY`` declined rounds with a match, one
   round drafts a single token, so alpha and C(1) keep being measured (at most 1/PROBE_EVERY of
@@ -71,16 +72,17 @@ class DraftPolicy:
         self.accepted, self.rejections = 1.0, 1.0  # prior: alpha 0.5
         self.costs: dict[int, float] = {}  # d -> moving average of a round's seconds
         self.declined = 0  # rounds with drafts available that drafted none, since the last draft
+        self._seen: set[int] = set()  # lengths that have run a round
 
     @property
     def alpha(self) -> float:
         return self.accepted / (self.accepted + self.rejections)
 
     def cost(self, d: int) -> float:
-        """C(d): measured, else from the line through the measured lengths (relative units
-        before any measurement)."""
-        if d in self.costs:
-            return self.costs[d]
+        """C(d) from the least-squares line through the measured lengths' averages (relative
+        units before any measurement). The line, not a length's own average: a length whose
+        few rounds ran slow (a busy machine, a first call at a new shape) would otherwise
+        never be chosen again, so never be measured again."""
         points = sorted(self.costs.items())
         if not points:
             return 1.0 + PRIOR_SLOPE * d
@@ -119,6 +121,9 @@ class DraftPolicy:
         if drafted > 0:
             self.accepted = DECAY * self.accepted + accepted
             self.rejections = DECAY * self.rejections + (accepted < drafted)
+        if drafted not in self._seen:  # its first round pays first-call costs: not counted
+            self._seen.add(drafted)
+            return
         old = self.costs.get(drafted)
         self.costs[drafted] = seconds if old is None else old + COST_EMA * (seconds - old)
 
