@@ -22,18 +22,19 @@ from typing import Any
 
 
 def on_plain_stages(fit: Callable) -> Callable:
-    """``fit(sm, ...)`` with ``sm``'s CPU kernels off while it trains, packed again after."""
+    """``fit(sm, ...)`` with ``sm``'s CPU kernels off while it trains, packed again after it
+    returns. A fit that raises leaves the plain stages (correct, slower; packing could fail
+    the same way and hide its error): ``sm.use_cpu_kernels()`` turns them on again."""
 
     @functools.wraps(fit)
     def run(sm, *args: Any, **kwargs: Any) -> Any:
         kernels = sm.backend == "eager" and sm.cpu_kernels
         if kernels:
             sm.use_cpu_kernels(False)
-        try:
-            return fit(sm, *args, **kwargs)
-        finally:
-            if kernels:
-                sm.use_cpu_kernels()  # from the trained weights
+        result = fit(sm, *args, **kwargs)
+        if kernels:
+            sm.use_cpu_kernels()  # from the trained weights
+        return result
 
     return run
 
