@@ -477,3 +477,9 @@ def test_sampling_with_processors_has_the_target_distribution():
     )  # fmt: skip
     assert 0 < rejections
     assert_sampled_from(counts, exact, n)
+
+
+def test_int32_prompts_with_processors(byte_model):
+    sm = rewrite.apply(byte_model, "layerskip", exit_layer=2)
+    kw = dict(max_new_tokens=10, repetition_penalty=1.3, no_repeat_ngram_size=2)
+    assert torch.equal(sm.generate(PROMPT.int(), **kw).long(), sm.generate(PROMPT, **kw))

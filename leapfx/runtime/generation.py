@@ -195,6 +195,9 @@ def prepare(
     for name in kwargs:
         if name in REFUSED_ARGUMENTS:
             raise ValueError(f"{name}: not supported by leapfx; {REFUSED_ARGUMENTS[name]}")
+    teacher = teacher_sequence(own["teacher_tokens"], recipe, lossless)
+    if teacher is not None and "max_new_tokens" not in kwargs and "max_length" not in kwargs:
+        kwargs["max_new_tokens"] = len(teacher)  # teacher forcing: as many as the teacher's
     max_new = kwargs.get("max_new_tokens")
     if max_new is not None and (not isinstance(max_new, int) or max_new < 1):
         raise ValueError(f"max_new_tokens: {max_new!r} is invalid; allowed: int >= 1")
@@ -207,10 +210,7 @@ def prepare(
             f"streamer, {', '.join(CALL_ARGUMENTS)}"
         )
     check_fields(config)
-    teacher = teacher_sequence(own["teacher_tokens"], recipe, lossless)
     n = prompt.shape[1]
-    if config.max_new_tokens is None and teacher is not None:
-        config.max_new_tokens = len(teacher)
     if config.max_new_tokens is None:
         config.max_new_tokens = config.max_length - n
         if config.max_new_tokens < 1:

@@ -49,7 +49,7 @@ class Processing:
     """
 
     def __init__(self, prompt: torch.Tensor, processors, stopping, *, record: bool = False):
-        self.ids = prompt  # [1, n + emitted]
+        self.ids = prompt.to(torch.long)  # [1, n + emitted]; HF's processors index with it
         self.processors = processors
         self.stopping = stopping
         self.record = record
