@@ -119,6 +119,14 @@ def test_onnx_streamer(byte_model, tmp_path):
     assert torch.equal(streamer.puts[0], prompt)
     assert streamer.new_tokens() == out[0, prompt.shape[1] :].tolist()
     assert streamer.ended == 1
+    # the same front end: processors, refusals and HF's output on the ONNX backend too
+    kw = dict(max_new_tokens=12, repetition_penalty=1.5, no_repeat_ngram_size=2)
+    assert torch.equal(ort_model.generate(prompt, **kw), sm.generate(prompt, **kw))
+    out = ort_model.generate(prompt, return_dict_in_generate=True, output_scores=True, **kw)
+    assert len(out.scores) == out.sequences.shape[1] - prompt.shape[1]
+    assert out.metrics is ort_model.last_metrics
+    with pytest.raises(ValueError, match="num_beams"):
+        ort_model.generate(prompt, num_beams=2)
 
 
 # -- the generation config: every field honoured or refused --------------------------------------
