@@ -22,6 +22,14 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+THOROUGH = os.environ.get("HYPOTHESIS_PROFILE") == "thorough"
+
+
+def examples(default: int, thorough: int) -> int:
+    """A property test's example budget: modest by default (the suite stays fast on a cold
+    2-core machine), larger under ``HYPOTHESIS_PROFILE=thorough``."""
+    return thorough if THOROUGH else default
+
 
 # Tiny models gain nothing from intra-op threads, and on a shared 2-core machine OpenMP
 # barriers under contention make each call ~20x slower.

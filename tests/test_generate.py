@@ -22,7 +22,7 @@ from transformers import AutoTokenizer, StoppingCriteria, StoppingCriteriaList, 
 from leapfx import rewrite
 from leapfx.bench import REFERENCE_MODEL
 from leapfx.runtime.generation import HONOURED, NO_EFFECT, REFUSED
-from tests.conftest import tiny_model
+from tests.conftest import examples, tiny_model
 from tests.distribution_check import assert_sampled_from, sample_counts
 
 PROMPT = torch.tensor([[72, 101, 108, 108, 111, 32, 119]])
@@ -295,7 +295,7 @@ def generation_configs(draw, prompt_len: int) -> dict:
     return config
 
 
-@settings(max_examples=100)
+@settings(max_examples=examples(30, 100))
 @given(data=st.data())
 def test_greedy_parity_with_hf_over_generation_configs(data):
     seed = data.draw(st.integers(0, 2), label="seed")

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from leapfx import rewrite
 from leapfx.runtime.lookup import NgramIndex, PromptLookup, brute_force_match
-from tests.conftest import tiny_model, tiny_moe_model
+from tests.conftest import examples, tiny_model, tiny_moe_model
 from tests.distribution_check import assert_sampled_from, sample_counts
 from tests.greedy_check import assert_greedy_equal, hf_greedy
 from tests.test_lossless import model_specs
@@ -90,7 +90,7 @@ def _check_lossless(model, sm, prompt, max_new, d) -> None:
     assert sum(m.ngram_matches.values()) == m.verify_calls
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(20, 60), deadline=None)
 @given(spec=model_specs(), data=st.data())
 def test_lookup_greedy_identical_to_hf(spec, data):
     model = tiny_model(**spec)
@@ -103,7 +103,7 @@ def test_lookup_greedy_identical_to_hf(spec, data):
     _check_lossless(model, sm, prompt, max_new, opts["num_speculations"])
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=examples(6, 15), deadline=None)
 @given(spec=moe_specs(), data=st.data())
 def test_lookup_greedy_identical_to_hf_on_moe(spec, data):
     model = tiny_moe_model(**spec)

@@ -17,7 +17,7 @@ from leapfx.passes.partition import full_stage
 from leapfx.passes.skip_layers import SkipLayers
 from leapfx.runtime.runner import StageRunner
 from leapfx.runtime.swift import search_skip_set
-from tests.conftest import tiny_model, tiny_moe_model
+from tests.conftest import examples, tiny_model, tiny_moe_model
 from tests.distribution_check import assert_sampled_from, sample_counts
 from tests.greedy_check import assert_greedy_equal, hf_greedy
 from tests.test_lossless import model_specs
@@ -70,7 +70,7 @@ def _skip_set(data, layers: int) -> tuple[int, ...]:
     return tuple(data.draw(st.sets(st.integers(1, layers - 1), min_size=1), label="skip_layers"))
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(15, 40), deadline=None)
 @given(spec=model_specs(), data=st.data())
 def test_swift_greedy_identical_to_hf(spec, data):
     model = tiny_model(**spec)
@@ -85,7 +85,7 @@ def test_swift_greedy_identical_to_hf(spec, data):
     assert all(1 <= s <= d + 1 for s in sm.last_metrics.accepted_per_verify)
 
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=examples(4, 10), deadline=None)
 @given(spec=moe_specs(), data=st.data())
 def test_swift_greedy_identical_to_hf_on_moe(spec, data):
     model = tiny_moe_model(**spec)
