@@ -39,10 +39,10 @@ from collections.abc import Sequence
 
 import torch
 
-from .lookup import Drafts, PromptLookup, verify_drafts
+from .lookup import Drafts, PromptLookup, drafted_loop
 from .metrics import DecodeMetrics
 from .runner import StageRunner
-from .schedules import DecodeRequest, Output, speculative_loop
+from .schedules import DecodeRequest
 
 DECAY = 0.9  # per drafting round: the acceptance counts' memory is ~10 rounds
 COST_EMA = 0.2  # weight of a new round's time in its length's moving average
@@ -167,13 +167,5 @@ def auto(
 ) -> list[int]:
     """Adaptive prompt-lookup decoding: at most ``num_speculations`` drafts a round, as many as
     pay for themselves (none where none do)."""
-    metrics.num_speculations = num_speculations
-    out = Output(request)
     drafter = AdaptiveLookup(prompt[0].tolist(), num_speculations, max_ngram, min_ngram)
-
-    def round_(runner, x, pos, d, request):
-        proposal = drafter.propose(out.tokens, d)
-        metrics.record_round(proposal.drafter, proposal.ngram)
-        return verify_drafts(runner, x, pos, proposal, request)
-
-    return speculative_loop(runner, prompt, request, metrics, num_speculations, round_, out)
+    return drafted_loop(runner, prompt, request, metrics, num_speculations, drafter)

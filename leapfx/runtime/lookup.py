@@ -164,9 +164,22 @@ def lookup(
     min_ngram: int,
 ) -> list[int]:
     """Prompt-lookup decoding: n-gram drafts of up to ``num_speculations`` tokens a round."""
+    drafter = PromptLookup(prompt[0].tolist(), max_ngram, min_ngram)
+    return drafted_loop(runner, prompt, request, metrics, num_speculations, drafter)
+
+
+def drafted_loop(
+    runner: StageRunner,
+    prompt: torch.Tensor,
+    request: DecodeRequest,
+    metrics: DecodeMetrics,
+    num_speculations: int,
+    drafter,
+) -> list[int]:
+    """``speculative_loop`` over a drafter that reads the text so far (``propose(generated,
+    d) -> Drafts``), each round verified by one full-model call."""
     metrics.num_speculations = num_speculations
     out = Output(request)
-    drafter = PromptLookup(prompt[0].tolist(), max_ngram, min_ngram)
 
     def round_(runner, x, pos, d, request):
         proposal = drafter.propose(out.tokens, d)
