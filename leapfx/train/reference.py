@@ -40,12 +40,8 @@ on the benchmark that is agreement on the model's own output, half of which repe
 output already holds. Eq. 5 trains each exit on the labels; the second phase trains it on the
 last layer's whole distribution instead (``exit_distill=1``: KL from the detached last layer),
 with no layer dropout, the exit after 6 layers (the benchmarks' E) at 18% of the early-exit loss,
-a fresh AdamW at a peak LR of 3e-4, the last layer still on the labels. Measured (2026-11-22,
-finetuning the previous shipped model 12 minutes on one thread, 392 steps): layerskip
-acceptance alpha at E = 6, d = 4 over 32 bench prompts 0.830 -> 0.857, held-out agreement at
-E = 6 74.8% -> 80.9%, the share of repeated 4-grams in the outputs unchanged (46% -> 45%), the
-last layer 1.48 -> 1.50 bits/byte. The same with half of each batch the model's own greedy
-continuations of training text gave the same alpha (0.856), so the corpus alone is used.
+a fresh AdamW at a peak LR of 3e-4, the last layer still on the labels. This phase raises layerskip's acceptance and the exit's agreement; self-generated batches
+added nothing, so the corpus alone is used (the measurements: docs/training.md).
 
 Device and corpus. ``device="cuda"`` trains (and evaluates) on a GPU in float32; checkpoints and
 the model are written from CPU tensors as on a CPU run, and a run resumes on either device.

@@ -66,10 +66,9 @@ TIERS = ("auto", "disk", "host")
 # applies and builds, else thread. A model on CUDA always uses CudaEngine ("auto" only).
 ENGINES = ("auto", "native", "thread")
 SLOW_DTYPES = (None, "auto", "float16", "bfloat16")  # OffloadOptions.slow_dtype
-# OffloadOptions.prefetch_lead's default. Measured on a 2-core AMD EPYC at half the slots
-# (docs/benchmarks.md, 2026-11-24 22:05): m2r2 2.46 ms a token with 2, 2.33 with 3 (faster in
-# each of 9 passes); with every read made 0.25 / 0.5 ms slower, 3 beat 2 by 9-10% and was
-# within 2% of the best lead (4); the oracle row moved by under 1%.
+# OffloadOptions.prefetch_lead's default: a lead of 3 layers beat 2 and stayed near the best
+# lead when reads were made slower (the measurements: docs/benchmarks.md, "a longer prefetch
+# lead").
 DEFAULT_PREFETCH_LEAD = 3
 
 
@@ -129,9 +128,8 @@ class OffloadOptions:
     # "auto" leaves one CPU to the transfer engine's readers when torch's threads would take
     # every CPU this process may use (then ``torch.get_num_threads()`` is one less, and
     # ``reader_cpu="auto"`` finds that CPU free); an int: that many; None: torch's setting.
-    # Compute threads on every core starve the readers: on a 2-core machine at half the
-    # slots, on-demand decoding took 1.18x as long on two threads as on one, m2r2's 1.42x
-    # (docs/benchmarks.md, 2026-11-25 03:45 - 04:38). Ignored on CUDA.
+    # Compute threads on every core starve the readers, so decoding leaves them a CPU (the
+    # measurements: docs/benchmarks.md, "decoding on one thread fewer"). Ignored on CUDA.
     compute_threads: int | str | None = "auto"
     # policy="reuse": the probe's file (``leapfx train-reuse-probe``) or a ReuseProbe.
     reuse_probe: str | os.PathLike | ReuseProbe | None = None
