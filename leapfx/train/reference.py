@@ -40,8 +40,9 @@ on the benchmark that is agreement on the model's own output, half of which repe
 output already holds. Eq. 5 trains each exit on the labels; the second phase trains it on the
 last layer's whole distribution instead (``exit_distill=1``: KL from the detached last layer),
 with no layer dropout, the exit after 6 layers (the benchmarks' E) at 18% of the early-exit loss,
-a fresh AdamW at a peak LR of 3e-4, the last layer still on the labels. This phase raises layerskip's acceptance and the exit's agreement; self-generated batches
-added nothing, so the corpus alone is used (the measurements: docs/training.md).
+a fresh AdamW at a peak LR of 3e-4, the last layer still on the labels. This phase raises
+layerskip's acceptance and the exit's agreement; self-generated batches added nothing, so the
+corpus alone is used (the measurements: docs/training.md).
 
 Device and corpus. ``device="cuda"`` trains (and evaluates) on a GPU in float32; checkpoints and
 the model are written from CPU tensors as on a CPU run, and a run resumes on either device.
