@@ -74,8 +74,35 @@ def test_adaptive_lookup_learns_each_rounds_outcome_from_the_text():
     drafter = AdaptiveLookup([1, 2, 3, 1, 2, 3], max_drafts=4, max_ngram=2, min_ngram=1)
     drafter.policy.accepted = 100.0  # alpha near 1: the longest draft
     seen = []
-    drafter.policy.observe = lambda d, k, s: seen.append((d, k))
+    drafter.policy.observe = lambda d, k, s, key=None: seen.append((d, k, key))
     first = drafter.propose([1], 4)  # text ..3 1: (3, 1) at 2, followed by 2 3 1 2
     assert (first.tokens, first.drafter) == ((2, 3, 1, 2), "lookup")
     drafter.propose([1, 2, 3, 9], 4)  # two drafts kept, then the correction 9
-    assert seen == [(4, 2)]
+    assert seen == [(4, 2, 2)]  # the round's match was a 2-gram
+
+
+def test_each_ngram_length_learns_its_own_acceptance():
+    # 3-gram matches are always right, 1-gram ones never: the policy drafts on the first and
+    # declines the second, instead of one pooled rate that is wrong for both.
+    policy = DraftPolicy(max_drafts=4)
+    policy.costs = {d: 1.0 + 0.2 * d for d in range(5)}
+    for _ in range(30):
+        for key in (3, 1):
+            d = policy.choose(4, key)
+            policy.observe(d, d if key == 3 else 0, 1.0 + 0.2 * d, key)
+    assert policy.choose(4, 3) == 4
+    assert policy.alpha_of(1) < 0.3 < 0.9 < policy.alpha_of(3)
+    assert policy.choose(4, 1) == 0
+    assert policy.alpha_of(2) == policy.alpha  # an unseen length reads the pooled rate
+
+
+def test_a_models_policy_keeps_costs_across_decodes_and_restarts_acceptance():
+    policy = DraftPolicy(max_drafts=4)
+    first = AdaptiveLookup([1, 2, 3], max_drafts=4, max_ngram=2, min_ngram=1, policy=policy)
+    first.policy.costs = {0: 1.0, 2: 1.6}
+    first.policy.accepted, first.policy.rejections = 0.1, 9.0
+    second = AdaptiveLookup([4, 5], max_drafts=4, max_ngram=2, min_ngram=1, policy=policy)
+    assert second.policy is policy and policy.costs == {0: 1.0, 2: 1.6}
+    assert policy.alpha == 0.5 and policy.by_key == {}
+    other = AdaptiveLookup([4, 5], max_drafts=2, max_ngram=2, min_ngram=1, policy=policy)
+    assert other.policy is not policy  # a different draft limit: a policy of its own

@@ -176,6 +176,7 @@ def _auto_schedule(o: AutoOptions):
         num_speculations=o.num_speculations,
         max_ngram=o.max_ngram,
         min_ngram=o.min_ngram,
+        policy=adaptive.DraftPolicy(o.num_speculations),  # one a model: its costs carry over
     )
 
 

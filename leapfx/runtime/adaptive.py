@@ -16,12 +16,19 @@ machine), the decode falls back to plain steps.
 - alpha: the geometric MLE accepted / (accepted + rejections) over the rounds that drafted,
   with counts decayed by ``DECAY`` a drafting round (the live rate: a decode moves between text that
   repeats and text that does not) and a prior of one of each (alpha 0.5 before any round).
+  A round's alpha is that of its match's n-gram length (a long match repeats text far more often
+  than a one-token one), shrunk toward the pooled rate by ``SHRINK`` pseudo-rounds, so a length
+  seen rarely reads as the pooled rate.
 - C(d): each round's wall time, from one ``propose`` to the next (the verify call, the
   acceptance and its host sync, the crop, the lookup itself), as a moving average per d, read
   off the least-squares line through those averages (every d, measured or not), or from one
   measured point and ``PRIOR_SLOPE`` (a draft adds this share of a step); each length's first
   round is not counted (first-call costs at a new shape). Wall time is what a
   user waits for, on any backend: a round syncs once, so on a GPU it holds the kernels too.
+  Costs are a property of the model on its machine, not of the text: they carry over from one
+  ``generate`` call to the next on the same applied model (``auto`` keeps one policy a model;
+  acceptance starts from the prior each call), so a short decode does not spend its first
+  rounds relearning them.
 - Once drafting is off it is probed: after ``PROBE_EVERY`` declined rounds with a match, one
   round drafts a single token, so alpha and C(1) keep being measured (at most 1/PROBE_EVERY of
   the rounds pay a one-token verify).
@@ -49,6 +56,7 @@ COST_EMA = 0.2  # weight of a new round's time in its length's moving average
 PRIOR_SLOPE = 0.1  # an unmeasured draft adds this share of a plain step's cost
 MARGIN = 0.02  # drafting must beat a plain step's tokens per second by 2%: ties go to d = 0
 PROBE_EVERY = 16
+SHRINK = 2.0  # pseudo-rounds at the pooled rate in each n-gram length's acceptance
 
 
 def expected_tokens(alpha: float, d: int) -> float:
@@ -69,14 +77,29 @@ class DraftPolicy:
 
     def __init__(self, max_drafts: int) -> None:
         self.max_drafts = max_drafts
-        self.accepted, self.rejections = 1.0, 1.0  # prior: alpha 0.5
         self.costs: dict[int, float] = {}  # d -> moving average of a round's seconds
-        self.declined = 0  # rounds with drafts available that drafted none, since the last draft
         self._seen: set[int] = set()  # lengths that have run a round
+        self.restart()
+
+    def restart(self) -> None:
+        """A new decode: acceptance back to the prior (it is the text's); costs are kept."""
+        self.accepted, self.rejections = 1.0, 1.0  # pooled; prior: alpha 0.5
+        self.by_key: dict[int, list[float]] = {}  # n-gram length -> [accepted, rejections]
+        self.declined = 0  # rounds with drafts available that drafted none, since the last draft
 
     @property
     def alpha(self) -> float:
+        """The pooled acceptance rate over every drafting round."""
         return self.accepted / (self.accepted + self.rejections)
+
+    def alpha_of(self, key: int | None) -> float:
+        """Acceptance of a round whose match is ``key`` (its n-gram length): that length's own
+        counts plus ``SHRINK`` pseudo-rounds at the pooled rate (the pooled rate for None)."""
+        counts = self.by_key.get(key) if key is not None else None
+        if counts is None:
+            return self.alpha
+        accepted, rejections = counts
+        return (accepted + SHRINK * self.alpha) / (accepted + rejections + SHRINK)
 
     def cost(self, d: int) -> float:
         """C(d) from the least-squares line through the measured lengths' averages (relative
@@ -97,17 +120,18 @@ class DraftPolicy:
         base = max(my - slope * mx, 1e-9)
         return base + slope * d
 
-    def rate(self, d: int) -> float:
-        """E(d) / C(d): expected tokens per unit of cost."""
-        return expected_tokens(self.alpha, d) / self.cost(d)
+    def rate(self, d: int, key: int | None = None) -> float:
+        """E(d) / C(d): expected tokens per unit of cost (acceptance of ``key``'s rounds)."""
+        return expected_tokens(self.alpha_of(key), d) / self.cost(d)
 
-    def choose(self, available: int) -> int:
-        """Drafts for a round that could draft ``available`` (0: none possible)."""
+    def choose(self, available: int, key: int | None = None) -> int:
+        """Drafts for a round that could draft ``available`` (0: none possible) from a match
+        of kind ``key`` (the n-gram length; None: pooled)."""
         limit = min(available, self.max_drafts)
         if limit == 0:
             return 0
-        best = max(range(1, limit + 1), key=self.rate)
-        if self.rate(best) > (1.0 + MARGIN) * self.rate(0):
+        best = max(range(1, limit + 1), key=lambda d: self.rate(d, key))
+        if self.rate(best, key) > (1.0 + MARGIN) * self.rate(0, key):
             self.declined = 0
             return best
         self.declined += 1
@@ -116,11 +140,19 @@ class DraftPolicy:
             return 1
         return 0
 
-    def observe(self, drafted: int, accepted: int, seconds: float) -> None:
-        """A round drafted ``drafted`` tokens, kept ``accepted`` of them, took ``seconds``."""
+    def observe(
+        self, drafted: int, accepted: int, seconds: float, key: int | None = None
+    ) -> None:
+        """A round drafted ``drafted`` tokens from a match of kind ``key``, kept ``accepted``
+        of them, took ``seconds``."""
         if drafted > 0:
+            rejected = float(accepted < drafted)
             self.accepted = DECAY * self.accepted + accepted
-            self.rejections = DECAY * self.rejections + (accepted < drafted)
+            self.rejections = DECAY * self.rejections + rejected
+            if key is not None:
+                counts = self.by_key.setdefault(key, [0.0, 0.0])
+                counts[0] = DECAY * counts[0] + accepted
+                counts[1] = DECAY * counts[1] + rejected
         if drafted not in self._seen:  # its first round pays first-call costs: not counted
             self._seen.add(drafted)
             return
@@ -135,24 +167,35 @@ class AdaptiveLookup:
     text grew by k + 1 tokens (k accepted and the correction or bonus), timed from the last
     ``propose`` to this one."""
 
-    def __init__(self, prompt: Sequence[int], max_drafts: int, max_ngram: int, min_ngram: int):
+    def __init__(
+        self,
+        prompt: Sequence[int],
+        max_drafts: int,
+        max_ngram: int,
+        min_ngram: int,
+        policy: DraftPolicy | None = None,
+    ):
         self.lookup = PromptLookup(prompt, max_ngram, min_ngram)
-        self.policy = DraftPolicy(max_drafts)
-        self._last: tuple[int, int, float] | None = None  # (drafted, text length, start time)
+        if policy is None or policy.max_drafts != max_drafts:
+            policy = DraftPolicy(max_drafts)
+        policy.restart()
+        self.policy = policy
+        # (drafted, the match's n-gram length, text length, start time)
+        self._last: tuple[int, int, int, float] | None = None
 
     def propose(self, generated: Sequence[int], d: int) -> Drafts:
         now = time.perf_counter()
         if self._last is not None:
-            drafted, length, start = self._last
+            drafted, key, length, start = self._last
             accepted = min(max(len(generated) - length - 1, 0), drafted)
-            self.policy.observe(drafted, accepted, now - start)
+            self.policy.observe(drafted, accepted, now - start, key)
         match = self.lookup.propose(generated, d)
-        n = self.policy.choose(len(match.tokens))
+        n = self.policy.choose(len(match.tokens), match.ngram)
         if n == 0:
             proposal = Drafts((), "declined" if match.tokens else "none")
         else:
             proposal = Drafts(match.tokens[:n], match.drafter, match.ngram)
-        self._last = (n, len(generated), now)
+        self._last = (n, match.ngram, len(generated), now)
         return proposal
 
 
@@ -164,8 +207,10 @@ def auto(
     num_speculations: int,
     max_ngram: int,
     min_ngram: int,
+    policy: DraftPolicy | None = None,
 ) -> list[int]:
     """Adaptive prompt-lookup decoding: at most ``num_speculations`` drafts a round, as many as
-    pay for themselves (none where none do)."""
-    drafter = AdaptiveLookup(prompt[0].tolist(), num_speculations, max_ngram, min_ngram)
+    pay for themselves (none where none do). ``policy``: the model's, whose measured costs carry
+    over between calls (a fresh one when None)."""
+    drafter = AdaptiveLookup(prompt[0].tolist(), num_speculations, max_ngram, min_ngram, policy)
     return drafted_loop(runner, prompt, request, metrics, num_speculations, drafter)
