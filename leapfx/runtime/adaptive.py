@@ -140,9 +140,7 @@ class DraftPolicy:
             return 1
         return 0
 
-    def observe(
-        self, drafted: int, accepted: int, seconds: float, key: int | None = None
-    ) -> None:
+    def observe(self, drafted: int, accepted: int, seconds: float, key: int | None = None) -> None:
         """A round drafted ``drafted`` tokens from a match of kind ``key``, kept ``accepted``
         of them, took ``seconds``."""
         if drafted > 0:
