@@ -372,6 +372,42 @@ def test_max_time_and_stopping_criteria(byte_model):
     assert out.shape[1] == n + 1  # the first token already runs past the time limit
 
 
+class _RecordScores(StoppingCriteria):
+    """Never stops; keeps the newest of the scores HF hands its stopping criteria (None when
+    it hands none) at each sequence length."""
+
+    def __init__(self) -> None:
+        self.seen: dict[int, torch.Tensor | None] = {}
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.seen[input_ids.shape[1]] = None if scores is None else scores[-1].clone()
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+
+@pytest.mark.parametrize("keep_scores", [False, True])
+def test_stopping_criteria_read_the_scores_hf_hands_them(keep_scores):
+    # HF passes its criteria the processed scores so far under return_dict_in_generate with
+    # output_scores, else None (a speculative round calls them once a round, leapfx once a
+    # token: the last call per length is what both see).
+    model = _model64(0)
+    prompt = torch.tensor([[3, 9, 4, 3, 9]])
+    kw = dict(max_new_tokens=6, repetition_penalty=1.4, eos_token_id=None)
+    if keep_scores:
+        kw.update(return_dict_in_generate=True, output_scores=True)
+    ref = _RecordScores()
+    model.generate(prompt, attention_mask=torch.ones_like(prompt), stopping_criteria=[ref], **kw)
+    assert len(ref.seen) == 6
+    for recipe in ("autoregressive", "lookup"):
+        got = _RecordScores()
+        rewrite.apply(model, recipe).generate(prompt, stopping_criteria=[got], **kw)
+        assert got.seen.keys() == ref.seen.keys(), recipe
+        for n, want in ref.seen.items():
+            if want is None:
+                assert got.seen[n] is None, recipe
+            else:
+                torch.testing.assert_close(got.seen[n], want, msg=recipe)
+
+
 def test_return_dict_equals_hf_for_autoregressive():
     model = _model64(0)
     prompt = torch.tensor([[3, 9, 4, 3, 9]])

@@ -242,7 +242,10 @@ def prepare(
         config, n, max_new_tokens=config.max_new_tokens, eos_token_id=config.eos_token_id,
         sampling={}, generator=own["generator"], streamer=streamer,
     )  # fmt: skip
-    processing = Processing(prompt, processors, stopping, record=record)
+    criteria_scores = bool(config.return_dict_in_generate and config.output_scores)
+    processing = Processing(
+        prompt, processors, stopping, record=record, criteria_scores=criteria_scores
+    )
     if processing.active or processing.stopping or record:
         request = replace(request, processing=processing)
     return Call(config, with_teacher(request, teacher))

@@ -40,6 +40,8 @@ class Processing:
         processors: HF ``LogitsProcessorList`` for this call (warpers included when sampling).
         stopping: HF ``StoppingCriteriaList`` of the criteria leapfx does not check natively.
         record: keep every emitted token's logits (``output_scores`` / ``output_logits``).
+        criteria_scores: hand the stopping criteria the processed scores so far, as HF does
+            under ``return_dict_in_generate`` with ``output_scores`` (None otherwise).
 
     >>> from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
     >>> p = Processing(torch.tensor([[1, 2]]), LogitsProcessorList(
@@ -48,24 +50,39 @@ class Processing:
     [[1.0, 0.5, 0.5, 1.0]]
     """
 
-    def __init__(self, prompt: torch.Tensor, processors, stopping, *, record: bool = False):
+    def __init__(
+        self,
+        prompt: torch.Tensor,
+        processors,
+        stopping,
+        *,
+        record: bool = False,
+        criteria_scores: bool = False,
+    ):
         self.ids = prompt.to(torch.long)  # [1, n + emitted]; HF's processors index with it
         self.processors = processors
         self.stopping = stopping
         self.record = record
         self.active = any(type(p).__name__ not in REPLAYED_WARPERS for p in processors)
         self.logits: list[torch.Tensor] = []  # [1, V] per emitted token, when recording
+        self.criteria_scores = criteria_scores
+        self.processed: list[torch.Tensor] = []  # [1, V] processed, for the criteria
 
     def extend(self, token: int, logits: torch.Tensor | None) -> bool:
         """Append one emitted token (its logits row [1, V] when the schedule has it); True when
         a stopping criterion fires on the sequence it ends."""
+        if self.stopping and self.criteria_scores:
+            assert logits is not None, "a schedule emitted a token without its logits"
+            self.processed.append(self.scores(logits))  # over the prefix before the token
         new = torch.tensor([[token]], dtype=self.ids.dtype, device=self.ids.device)
         self.ids = torch.cat([self.ids, new], dim=1)
         if self.record:
             assert logits is not None, "a schedule emitted a token without its logits"
             self.logits.append(logits.to(torch.float32, copy=True))
         if self.stopping:
-            scores = None if logits is None else logits.float()
+            # HF hands its criteria the processed scores so far when it keeps them
+            # (return_dict_in_generate with output_scores), else None
+            scores = tuple(self.processed) if self.criteria_scores else None
             return bool(self.stopping(self.ids, scores).any())  # host sync: a criterion
         return False
 
