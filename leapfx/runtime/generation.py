@@ -222,6 +222,8 @@ def prepare(
         config.max_length = n + config.max_new_tokens  # as HF's _prepare_generated_length
     if config.eos_token_id == []:  # no EOS: HF's tensor of it would be empty
         config.eos_token_id = None
+        # HF's length penalty raises the logits of an empty EOS set: it changes nothing
+        config.exponential_decay_length_penalty = None
     if config.exponential_decay_length_penalty is not None and config.eos_token_id is None:
         # HF's processor raises a bare RuntimeError here: it raises the EOS logit, so needs one
         raise ValueError(
