@@ -52,6 +52,14 @@ ALLOWED: dict[tuple[str, str], str] = {
         "sm.fit trains in place for the user's convenience; train sits above rewrite "
         "(rewrite.recipes.load_training, the one site)"
     ),
+    ("leapfx/runtime/model.py", "leapfx.export"): (
+        "sm.export_onnx writes the stages for the user's convenience (leapfx.export.export_onnx "
+        "is the same call); export sits above runtime and needs the optional onnx extra"
+    ),
+    ("leapfx/export/ort_runtime.py", "leapfx.rewrite"): (
+        "OnnxModel(dir) decodes with the recipe its manifest names; the recipes (options "
+        "types, schedules) live in rewrite, a floor above export"
+    ),
 }
 
 

@@ -386,7 +386,9 @@ class SpeculativeModel:
                 "export_onnx: the experts of this model are offloaded (a runtime, not a graph); "
                 "allowed: a model applied without offload="
             )
-        from ..export import export_onnx  # optional dependencies: imported when used
+        # Optional dependencies, imported when used; export sits above runtime, and this is one
+        # of the upward imports tools/check_layers.py allows (sm.export_onnx is a convenience).
+        from ..export import export_onnx
 
         self._check_compiles("export_onnx")
         return export_onnx(self, path, opset=opset, overwrite=overwrite, optimize=optimize)
