@@ -530,6 +530,35 @@ def test_offload_graph_nodes():
     sm.offload.close()
 
 
+@pytest.mark.parametrize("prefetch", ["next_gate", "m2r2"])
+def test_the_offload_pass_only_rewrites_and_build_offload_binds(prefetch):
+    # The pass inserts unbound modules: no runtime, no file, no thread, nothing in gm.meta;
+    # build_offload builds the one ExpertOffload and binds every module the pass inserted.
+    import threading
+
+    from leapfx.passes.base import PassPipeline
+    from leapfx.passes.capture import capture
+    from leapfx.passes.offload import OffloadExperts
+    from leapfx.passes.offload_modules import OffloadModule
+    from leapfx.runtime.offload import build_offload
+
+    model = tiny_moe_model("olmoe", layers=4)
+    threads = threading.active_count()
+    gm = PassPipeline([OffloadExperts(prefetch=prefetch)])(capture(model))
+    assert threading.active_count() == threads
+    assert "leapfx.offload" not in gm.meta
+    bound = [m for m in gm.modules() if isinstance(m, OffloadModule)]
+    assert len(bound) > 4 and all(m._runtime is None for m in bound)  # experts + prefetches
+    with pytest.raises(RuntimeError, match="build_offload"):
+        gm.leapfx_offload.experts_0(None, None, None)
+    runtime = build_offload(gm, OffloadOptions(slots=2, prefetch=prefetch, tier="host"))
+    assert all(m.runtime is runtime for m in bound)
+    assert runtime.layers == [0, 1, 2, 3] and runtime.num_slots == 2
+    runtime.close()
+    with pytest.raises(ValueError, match="offload-experts pass"):
+        build_offload(capture(model), OffloadOptions(slots=2))
+
+
 def test_disk_store_falls_back_where_o_direct_is_refused(tmp_path, monkeypatch):
     if not hasattr(os, "O_DIRECT"):
         pytest.skip("no O_DIRECT on this platform")

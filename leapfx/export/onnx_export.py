@@ -4,7 +4,8 @@ Steps, per stage (``full``, ``draft``, ``verify``, whichever the recipe cut):
 
 1. *discover* which KV-cache layers the stage touches and which position input feeds each: one
    eager call on a few tokens over empty pasts, with a different token count per position input
-   (a cache layer's present length then says which input fed it);
+   (a cache layer's present length then says which input fed it; ``runtime.stage_signature``,
+   shared with the compiled stages);
 2. wrap the stage as an :class:`~leapfx.export.stage_module.ExportableStage` (tensors in,
    tensors out, masks built in the graph, the KV cache as whole static buffers written in
    place) and export it with ``torch.onnx.export(dynamo=True)`` with named dynamic axes:
@@ -53,11 +54,18 @@ from torch import fx
 
 from .. import __version__
 from ..passes.capture import LAYER, ROLE
-from ..runtime.cache import cache_for
 from ..runtime.compiled import chain_length
-from ..runtime.masks import position_masks
+from ..runtime.stage_signature import (  # discovery, shared with the compiled stages
+    MASK_INPUTS,  # noqa: F401
+    POSITION_INPUTS,
+    StageSignature,
+    discover,
+    example_generator,
+    example_inputs,
+    kv_shapes,
+)
 from .manifest import FORMAT, FORMAT_VERSION, MANIFEST, is_export_dir, layer_ranges
-from .stage_module import ExportableStage, FunctionalKVCache, past_names, present_names
+from .stage_module import ExportableStage
 
 if TYPE_CHECKING:
     from ..runtime.model import SpeculativeModel
@@ -76,14 +84,6 @@ DEFAULT_OPSET = 23
 MAX_OPSET = 23
 SUPPORTED_DTYPES = (torch.float32, torch.float16)
 
-# Each position input of a stage, the mask input it feeds, and the name of its sequence axis.
-POSITION_INPUTS = {
-    "position_ids": ("masks", "sequence"),
-    "remainder_position_ids": ("remainder_masks", "remainder_sequence"),
-}
-MASK_INPUTS = frozenset(m for m, _ in POSITION_INPUTS.values())
-# Token counts of the discovery call (distinct, so that a present's length names its input).
-_DISCOVERY_TOKENS = {"input_ids": 1, "exit_hidden": 2}
 # Example sizes for tracing: >= 2 (torch.export specialises 0/1) and pairwise distinct; the
 # positions start at "past" / "remainder_past" and end inside the "max_cache_len" buffers.
 _EXAMPLE = {
@@ -92,123 +92,8 @@ _EXAMPLE = {
 }  # fmt: skip
 
 
-@dataclasses.dataclass(frozen=True)
-class StageSignature:
-    """The tensor interface of one stage, as discovered and exported."""
-
-    tensor_inputs: list[str]  # input_ids, position_ids, [exit_hidden, remainder_position_ids]
-    outputs: list[str]  # the stage's own outputs: logits, [hidden]
-    cache_layers: list[int]  # cache layers read and written, in input order
-    groups: dict[str, list[int]]  # position input -> cache layers whose queries it positions
-
-    @property
-    def input_names(self) -> list[str]:
-        return self.tensor_inputs + [n for i in self.cache_layers for n in past_names(i)]
-
-    @property
-    def output_names(self) -> list[str]:
-        return self.outputs + [n for i in self.cache_layers for n in present_names(i)]
-
-
-def _placeholders(stage: fx.GraphModule) -> list[str]:
-    return [n.name for n in stage.graph.nodes if n.op == "placeholder"]
-
-
 def _decoder_layers(stage: fx.GraphModule) -> list[int]:
     return sorted(n.meta[LAYER] for n in stage.graph.nodes if n.meta.get(ROLE) == "layer")
-
-
-def _kv_shapes(sm: SpeculativeModel) -> list[tuple[int, int]]:
-    """(kv heads, head dim) of every cache slot (the model's layers, then extra slots)."""
-    cache = cache_for(sm.hf_model, 1, extra_layers=sm.recipe.extra_cache_layers)
-    return [(k.shape[1], k.shape[3]) for k in cache.keys]
-
-
-def _generator() -> torch.Generator:
-    return torch.Generator().manual_seed(0)
-
-
-def _example_inputs(
-    sm: SpeculativeModel,
-    names: list[str],
-    batch: int,
-    tokens: dict[str, int],
-    pasts: dict[str, int],
-) -> dict[str, torch.Tensor]:
-    """Consistent example tensors: positions continue each group's past.
-
-    Random values come from a private generator: exporting never moves the caller's RNG.
-    """
-    param = next(sm.hf_model.parameters())
-    gen = _generator()
-    config = sm.config
-    n_ids = tokens["input_ids"]
-    n_hidden = tokens.get("exit_hidden", 0)
-    out: dict[str, torch.Tensor] = {}
-    for name in names:
-        if name == "input_ids":
-            ids = torch.randint(0, config.vocab_size, (batch, n_ids), generator=gen)
-            out[name] = ids.to(param.device)
-        elif name == "exit_hidden":
-            shape = (batch, n_hidden, config.hidden_size)
-            out[name] = torch.randn(shape, generator=gen).to(param.device, param.dtype)
-        elif name in ("hidden", "prev_hidden"):  # the EAGLE stages' state inputs
-            n = n_ids if name == "hidden" else 1
-            shape = (batch, n, config.hidden_size)
-            out[name] = torch.randn(shape, generator=gen).to(param.device, param.dtype)
-        elif name == "position_ids":
-            start = pasts["position_ids"]
-            out[name] = torch.arange(start, start + n_ids, device=param.device).expand(batch, -1)
-        elif name == "remainder_position_ids":
-            start = pasts["remainder_position_ids"]
-            length = n_hidden + n_ids
-            out[name] = torch.arange(start, start + length, device=param.device).expand(batch, -1)
-        else:
-            raise ValueError(f"stage input {name!r} is not one leapfx knows how to export")
-    return out
-
-
-def _masks(sm: SpeculativeModel, positions: torch.Tensor, past: int) -> dict[str, torch.Tensor]:
-    lay = sm._layout
-    kv_len = past + positions.shape[1]
-    return position_masks(
-        positions, kv_len, kinds=lay.kinds, impl=lay.impl, window=lay.window, dtype=lay.dtype
-    )
-
-
-@torch.no_grad()
-def discover(sm: SpeculativeModel, name: str, stage: fx.GraphModule) -> StageSignature:
-    """Run ``stage`` once over empty pasts and record the cache layers it touches."""
-    placeholders = _placeholders(stage)
-    tensor_inputs = [p for p in placeholders if p not in MASK_INPUTS and p != "cache"]
-    param = next(sm.hf_model.parameters())
-    empty = {
-        i: (
-            torch.zeros(1, h, 0, d, dtype=param.dtype, device=param.device),
-            torch.zeros(1, h, 0, d, dtype=param.dtype, device=param.device),
-        )
-        for i, (h, d) in enumerate(_kv_shapes(sm))
-    }
-    cache = FunctionalKVCache(empty)
-    pasts = dict.fromkeys(POSITION_INPUTS, 0)
-    inputs: dict[str, Any] = _example_inputs(sm, tensor_inputs, 1, _DISCOVERY_TOKENS, pasts)
-    queries: dict[str, int] = {}  # position input -> query count it positions
-    for positions, (mask, _) in POSITION_INPUTS.items():
-        if positions in inputs:
-            inputs[mask] = _masks(sm, inputs[positions], 0)
-            queries[positions] = inputs[positions].shape[1]
-    out = stage(**inputs, cache=cache)
-    groups: dict[str, list[int]] = {p: [] for p in queries}
-    for layer, (keys, _) in sorted(cache.present.items()):
-        fed = [p for p, n in queries.items() if n == keys.shape[2]]
-        assert len(fed) == 1, f"stage {name}: cache layer {layer} matches no position input"
-        groups[fed[0]].append(layer)
-    return StageSignature(
-        tensor_inputs=tensor_inputs,
-        outputs=list(out),
-        cache_layers=sorted(cache.present),
-        groups={p: layers for p, layers in groups.items() if layers},
-    )
 
 
 def _dynamic_shapes(sig: StageSignature) -> tuple[dict[int, Any], ...]:
@@ -262,14 +147,14 @@ def _export_stage(
     batch = _EXAMPLE["batch"]
     tokens = {"input_ids": _EXAMPLE["sequence"], "exit_hidden": _EXAMPLE["hidden_sequence"]}
     pasts = {"position_ids": _EXAMPLE["past"], "remainder_position_ids": _EXAMPLE["remainder_past"]}
-    inputs = _example_inputs(sm, sig.tensor_inputs, batch, tokens, pasts)
+    inputs = example_inputs(sm, sig.tensor_inputs, batch, tokens, pasts)
     args = [inputs[n] for n in sig.tensor_inputs]
     param = next(sm.hf_model.parameters())
-    kv = _kv_shapes(sm)
+    kv = kv_shapes(sm)
     for layer in sig.cache_layers:
         h, d = kv[layer]
         shape = (batch, h, _EXAMPLE["max_cache_len"], d)
-        gen = _generator()
+        gen = example_generator()
         args += [torch.randn(shape, generator=gen).to(param.device, param.dtype) for _ in range(2)]
     try:
         with warnings.catch_warnings(), _grouped_query_sdpa():
@@ -504,7 +389,7 @@ def _manifest(
     eos = gen.eos_token_id if gen.eos_token_id is not None else config.eos_token_id
     eos_ids = [] if eos is None else [int(eos)] if isinstance(eos, int) else [int(t) for t in eos]
     lay = sm._layout
-    kv = _kv_shapes(sm)
+    kv = kv_shapes(sm)
     stages = {}
     for name, sig in signatures.items():
         stage = sm.stages[name]

@@ -503,6 +503,8 @@ class OnnxModel:
             raise ImportError(
                 "OnnxModel needs onnxruntime: pip install 'leapfx[onnx]' (or 'leapfx[onnx-gpu]')"
             ) from None
+        # The recipe the manifest names gives the options type and the schedule; the recipes
+        # live in rewrite, a floor above export (an upward import tools/check_layers.py allows).
         from ..rewrite import get_recipe
 
         self.path = Path(path)

@@ -33,42 +33,11 @@ import torch
 from torch import fx, nn
 
 from ..runtime.masks import position_masks
-
-
-class FunctionalKVCache:
-    """``update`` concatenates past and new keys/values and records them as the presents.
-
-    >>> past = {0: (torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4))}
-    >>> cache = FunctionalKVCache(past)
-    >>> k, v = cache.update(torch.ones(1, 2, 1, 4), torch.ones(1, 2, 1, 4), 0)
-    >>> k.shape, sorted(cache.present)
-    (torch.Size([1, 2, 4, 4]), [0])
-    """
-
-    is_compileable = False  # read by HF code paths that ask; we are not an HF Cache
-
-    def __init__(self, past: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
-        self.past = past
-        self.present: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def update(
-        self,
-        key_states: torch.Tensor,
-        value_states: torch.Tensor,
-        layer_idx: int,
-        cache_kwargs: dict | None = None,
-        **kwargs,  # transformers >= 5.24 passes the attention's kwargs (unused)
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        # key_states: [B, H_kv, S, D]; past: [B, H_kv, P, D] -> [B, H_kv, P + S, D]
-        assert layer_idx not in self.present, f"cache layer {layer_idx} written twice in a stage"
-        past_k, past_v = self.past[layer_idx]
-        keys = torch.cat([past_k, key_states], dim=2)
-        values = torch.cat([past_v, value_states], dim=2)
-        self.present[layer_idx] = (keys, values)
-        return keys, values
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.past[layer_idx][0].shape[2]
+from ..runtime.stage_signature import (  # the discovery's cache and the names, imported from here
+    FunctionalKVCache,  # noqa: F401
+    past_names,  # noqa: F401
+    present_names,  # noqa: F401
+)
 
 
 class SlotWriteKVCache:
@@ -117,14 +86,6 @@ class SlotWriteKVCache:
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.past[layer_idx][0].shape[2]
-
-
-def past_names(layer: int) -> tuple[str, str]:
-    return f"past_key_values.{layer}.key", f"past_key_values.{layer}.value"
-
-
-def present_names(layer: int) -> tuple[str, str]:
-    return f"present.{layer}.key", f"present.{layer}.value"
 
 
 class ExportableStage(nn.Module):

@@ -11,7 +11,7 @@ fast stream from a token's embedding, reading the round's earlier drafts' keys t
 ``leapfx_cpu::m2r2_draft`` (``KernelDraft``). The expert-offload runtime's ``m2r2`` prefetch
 runs it once more per decode step, from the embedding before any slow layer, and ranks the
 experts of the MoE layers it predicts: ``leapfx_cpu::m2r2_predict``
-(``runtime.offload.m2r2_stream.M2R2Prefetcher``); it also covers q/k norms and ``clip_qkv``
+(``passes.m2r2_stream.M2R2Prefetcher``); it also covers q/k norms and ``clip_qkv``
 (OLMoE), which the other two leave to the torch path.
 
 =============================  ==================================================================

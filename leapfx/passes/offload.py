@@ -1,28 +1,33 @@
 """OffloadExperts: run every MoE layer's experts from an expert-offload runtime.
 
 Capture gives each MoE layer an ``experts`` node (``experts(hidden, top_k_index,
-top_k_weights)``) and a ``router`` node. This pass builds one ``ExpertOffload`` for the model
-(slot pools, slow tier, transfer engine; see ``leapfx.runtime.offload``), points each
-``experts`` node at an ``OffloadedExperts`` module over it, and, for ``prefetch="next_gate"``,
-inserts after layer i's ``experts`` node a ``prefetch`` node that applies the next MoE layer's
-norm and router to layer i's post-attention residual and starts loading what they pick. The
-prefetch node is marked as a side effect, so every stage that runs layer i keeps it. The
-runtime lands in ``gm.meta["leapfx.offload"]``. Orthogonal to recipes: it runs after their
-passes, on whatever stages they cut.
+top_k_weights)``) and a ``router`` node. This pass points each ``experts`` node at an
+``OffloadedExperts`` module and, for ``prefetch="next_gate"``, inserts after layer i's
+``experts`` node a ``prefetch`` node that applies the next MoE layer's norm and router to layer
+i's post-attention residual and starts loading what they pick. The prefetch node is marked as a
+side effect, so every stage that runs layer i keeps it. Orthogonal to recipes: it runs after
+their passes, on whatever stages they cut.
+
+The pass only rewrites the graph. The modules it inserts (``passes.offload_modules``) are
+unbound: the runtime they call into (one ``ExpertOffload`` for the model: slot pools, the slow
+tier's file or host copy, transfer threads) is built from the rewritten graph by
+``leapfx.runtime.offload.build_offload``, which binds it to them; ``rewrite.apply(...,
+offload=OffloadOptions(...))`` runs the pass, then the builder, and hands the runtime to the
+``SpeculativeModel``. Nothing here opens a file or starts a thread.
 
 ``prefetch="m2r2"`` (M2R2 sec. 2.3.3) adds a fast residual stream at rate 2: the accelerated
 layers of ``passes.accelerator`` for gate N/2 (trained parts from ``m2r2_parts``), whose state
 p^{i+1} ~ h^{2i+2} after fast layer i predicts MoE layers 2i+2 and 2i+3
-(``expert_prediction.predicted_layers``; layers 0 and 1 are never predicted). Fast layer i of
+(``m2r2_stream.predicted_layers``; layers 0 and 1 are never predicted). Fast layer i of
 token t reads slow layer i's keys of positions < t only, all cached before the slow pass of t
 starts, so one node right after the embedding and the rotary (before slow layer 0) runs the
-whole stream up front and makes every prediction at once:
-``runtime.offload.m2r2_stream.M2R2Prefetcher`` (with the CPU kernels on, one
-``leapfx_cpu::m2r2_predict`` call a decode step). The loads of layer L start once layer
-L - ``OffloadOptions.prefetch_lead`` (3) has placed its own experts, so that they do not queue
-ahead of the early layers' on-demand reads (None: all at the step's start). A prefill
-predicts nothing. Only for recipes without draft layers (``autoregressive``): a fast stream
-that crosses a draft/verify cut would have to be carried between stages.
+whole stream up front and makes every prediction at once: ``m2r2_stream.M2R2Prefetcher``
+(with the CPU kernels on, one ``leapfx_cpu::m2r2_predict`` call a decode step). The runtime
+starts the loads of layer L once layer L - ``OffloadOptions.prefetch_lead`` (3) has placed its
+own experts, so that they do not queue ahead of the early layers' on-demand reads (None: all at
+the step's start). A prefill predicts nothing. Only for recipes without draft layers
+(``autoregressive``): a fast stream that crosses a draft/verify cut would have to be carried
+between stages.
 
 ``prefetch="verify_union"`` (speculative recipes: an exit layer E) adds, after layer E-1, one
 prefetch node per MoE layer L >= E that routes the exit state h^E through L's norm and router,
@@ -32,33 +37,38 @@ their experts are (predicted to be) in place.
 
 Example::
 
-    >>> gm = OffloadExperts(OffloadOptions(slots=0.5)).run(capture(moe_model)).graph_module
+    >>> gm = OffloadExperts(prefetch="next_gate").run(capture(moe_model)).graph_module
     >>> [n.target for n in nodes_by_role(gm, "experts")][:1]
     ['leapfx_offload.experts_0']
+    >>> runtime = build_offload(gm, OffloadOptions(slots=0.5))  # leapfx.runtime.offload
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import ClassVar
 
 from torch import fx
 
-from ..runtime.expert_prediction import predicted_layers
-from ..runtime.offload import ExpertOffload, NextGatePrefetch, OffloadedExperts, OffloadOptions
-from ..runtime.offload.m2r2_stream import M2R2Prefetcher
 from .accelerator import ACCELERATOR_MODULE, AcceleratedLayer, Accelerator, default_heads
 from .accelerator_checkpoint import LoadAccelerator, read_parts_config
 from .base import GraphPass, PassResult
 from .capture import ATTN_KIND, LAYER, ROLE, SIDE_EFFECT, layer_module, layer_node, nodes_by_role
 from .exit_head import EXIT_LAYER
+from .m2r2_stream import M2R2Prefetcher, predicted_layers
+from .offload_modules import NextGatePrefetch, OffloadedExperts
 
-OFFLOAD = "leapfx.offload"
+# "m2r2": M2R2's accelerated residual at rate 2, fast layer i predicting layers 2i+2, 2i+3,
+# the whole stream run before the slow pass (``m2r2_stream.M2R2Prefetcher``); "verify_union":
+# for speculative recipes, the union of the upper layers' experts that the drafts' exit states
+# route to (``NextGatePrefetch(union=True)``).
+PREFETCH_POLICIES = ("none", "next_gate", "m2r2", "verify_union")
 M2R2_STREAM = "leapfx_offload.m2r2_stream"  # the m2r2 policy's M2R2Prefetcher
 PREFETCH_LAYERS = "leapfx.prefetch_layers"  # node.meta of its node: the MoE layers it predicts
 
 
-def _by_layer(gm: fx.GraphModule, role: str) -> dict[int, fx.Node]:
+def nodes_by_layer(gm: fx.GraphModule, role: str) -> dict[int, fx.Node]:
     """The decoder layers' nodes of ``role`` by layer (M2R2's ARLA gate routers, also
     ``router`` nodes, belong to no decoder layer)."""
     return {n.meta[LAYER]: n for n in nodes_by_role(gm, role) if LAYER in n.meta}
@@ -66,39 +76,44 @@ def _by_layer(gm: fx.GraphModule, role: str) -> dict[int, fx.Node]:
 
 @dataclass(frozen=True)
 class OffloadExperts(GraphPass):
-    """Run the experts of every MoE layer from the fast tier of an ExpertOffload."""
+    """Point the experts of every MoE layer at an ``OffloadedExperts`` (bound later to the
+    runtime) and insert the prefetch nodes of ``prefetch`` (one of PREFETCH_POLICIES);
+    ``m2r2_parts``: the trained fast stream of ``prefetch="m2r2"`` (None: untrained)."""
 
     name: ClassVar[str] = "offload-experts"
     requires: ClassVar[frozenset[str]] = frozenset({"decoder-graph"})
     provides: ClassVar[frozenset[str]] = frozenset({"offloaded-experts"})
 
-    options: OffloadOptions
+    prefetch: str = "none"
+    m2r2_parts: str | os.PathLike | None = None
 
     def run(self, gm: fx.GraphModule) -> PassResult:
-        experts = _by_layer(gm, "experts")
+        if self.prefetch not in PREFETCH_POLICIES:
+            raise ValueError(
+                f"prefetch: {self.prefetch!r} is invalid; allowed: "
+                f"{', '.join(map(repr, PREFETCH_POLICIES))}"
+            )
+        experts = nodes_by_layer(gm, "experts")
         if not experts:
             raise ValueError(
                 "offload: the model has no MoE layers (no experts nodes); allowed: an MoE "
                 "model (mixtral, qwen2_moe, qwen3_moe, olmoe)"
             )
-        if OFFLOAD in gm.meta:
-            return PassResult(gm, modified=False, matches=0)
-        routers = _by_layer(gm, "router")
         modules = {i: gm.get_submodule(n.target) for i, n in experts.items()}
-        top_k = gm.get_submodule(routers[min(routers)].target).top_k
-        runtime = ExpertOffload(modules, self.options, top_k=top_k)
+        if any(isinstance(m, OffloadedExperts) for m in modules.values()):
+            return PassResult(gm, modified=False, matches=0)  # offloaded already
         for i, node in experts.items():
             target = f"leapfx_offload.experts_{i}"
-            gm.add_submodule(target, OffloadedExperts(runtime, i, modules[i]))
+            gm.add_submodule(target, OffloadedExperts(None, i, modules[i]))
             node.target = target
-        prefetch = self.options.prefetch
+        prefetch = self.prefetch
         if prefetch == "next_gate":
-            residuals = _by_layer(gm, "attn_residual")
+            residuals = nodes_by_layer(gm, "attn_residual")
             layers = sorted(experts)
             for i, j in zip(layers, layers[1:], strict=False):
-                _prefetch_node(gm, runtime, experts[i], residuals[i], i, j)
+                _prefetch_node(gm, experts[i], residuals[i], i, j)
         elif prefetch == "m2r2":
-            _m2r2_stream(gm, runtime, self.options.m2r2_parts, set(experts))
+            _m2r2_stream(gm, self.m2r2_parts, set(experts))
         elif prefetch == "verify_union":
             if EXIT_LAYER not in gm.meta:
                 raise ValueError(
@@ -109,21 +124,20 @@ class OffloadExperts(GraphPass):
             e = gm.meta[EXIT_LAYER]
             exit_state = after = layer_node(gm, e - 1)
             for j in sorted(x for x in experts if x >= e):
-                after = _prefetch_node(gm, runtime, after, exit_state, e - 1, j, union=True)
-        gm.meta[OFFLOAD] = runtime
+                after = _prefetch_node(gm, after, exit_state, e - 1, j, union=True)
         return PassResult(gm, modified=True, matches=len(experts))
 
 
 def _prefetch_node(
-    gm: fx.GraphModule, runtime: ExpertOffload, after: fx.Node, hidden: fx.Node, layer: int,
-    target: int, *, union: bool = False,
+    gm: fx.GraphModule, after: fx.Node, hidden: fx.Node, layer: int, target: int, *,
+    union: bool = False,
 ) -> fx.Node:  # fmt: skip
     """Insert after ``after`` a side-effect node of ``layer`` that routes ``hidden`` through
     MoE layer ``target``'s norm and router and prefetches what they pick."""
     name = f"leapfx_offload.prefetch_{layer}_{target}"
-    norm = gm.get_submodule(_by_layer(gm, "moe_norm")[target].target)
-    router = gm.get_submodule(_by_layer(gm, "router")[target].target)
-    gm.add_submodule(name, NextGatePrefetch(runtime, target, norm, router, union=union))
+    norm = gm.get_submodule(nodes_by_layer(gm, "moe_norm")[target].target)
+    router = gm.get_submodule(nodes_by_layer(gm, "router")[target].target)
+    gm.add_submodule(name, NextGatePrefetch(None, target, norm, router, union=union))
     with gm.graph.inserting_after(after):
         node = gm.graph.call_module(name, (hidden,))
     node.name = f"layer_{layer}_prefetch_{target}"
@@ -132,7 +146,7 @@ def _prefetch_node(
     return node
 
 
-def _m2r2_stream(gm: fx.GraphModule, runtime: ExpertOffload, parts, moe: set[int]) -> None:
+def _m2r2_stream(gm: fx.GraphModule, parts, moe: set[int]) -> None:
     """The rate-2 fast stream and its predictions as one prefetch node before slow layer 0 (see
     the module docstring)."""
     if EXIT_LAYER in gm.meta or hasattr(gm, ACCELERATOR_MODULE):
@@ -167,12 +181,12 @@ def _m2r2_stream(gm: fx.GraphModule, runtime: ExpertOffload, parts, moe: set[int
     predictors = []  # (fast layer, its prediction for MoE layer t), t = 2, 3, 4, ...
     for i in range(last + 1):
         for t in targets[i]:
-            norm = gm.get_submodule(_by_layer(gm, "moe_norm")[t].target)
-            router = gm.get_submodule(_by_layer(gm, "router")[t].target)
-            predictors.append((i, NextGatePrefetch(runtime, t, norm, router)))
+            norm = gm.get_submodule(nodes_by_layer(gm, "moe_norm")[t].target)
+            router = gm.get_submodule(nodes_by_layer(gm, "router")[t].target)
+            predictors.append((i, NextGatePrefetch(None, t, norm, router)))
     acc = gm.get_submodule(ACCELERATOR_MODULE)  # every fast layer up to the last predicting
     layers = [acc.layers[str(i)] for i in range(last + 1)]
-    stream = M2R2Prefetcher(runtime, layers, predictors, gm.get_submodule(rope.target))
+    stream = M2R2Prefetcher(None, layers, predictors, gm.get_submodule(rope.target))
     gm.add_submodule(M2R2_STREAM, stream)
     g = gm.graph
     position_ids, cache = (

@@ -22,10 +22,10 @@ from torch import nn
 
 from ..passes.base import PassPipeline
 from ..passes.capture import EXTRA_CACHE_LAYERS, capture, check_supported
-from ..passes.offload import OFFLOAD, OffloadExperts
+from ..passes.offload import OffloadExperts
 from ..runtime.compiled import BACKENDS
 from ..runtime.model import RecipeInfo, SpeculativeModel
-from ..runtime.offload import OffloadOptions
+from ..runtime.offload import OffloadOptions, build_offload
 from ..runtime.offload.checkpoint import checkpoint_only
 from .defaults import kernels_choice, shipped_options
 from .recipes import RECIPES, Recipe
@@ -181,11 +181,13 @@ def apply(
     opts = make_options(r, model.config.num_hidden_layers, options)
     passes = r.passes(opts)
     if offload is not None:  # after the recipe's passes: it runs whatever stages they cut
-        passes = [*passes, OffloadExperts(options=offload)]
+        passes = [*passes, OffloadExperts(prefetch=offload.prefetch, m2r2_parts=offload.m2r2_parts)]
     pipeline = PassPipeline(passes)
     gm = pipeline(capture(model))
-    if offload is not None:
-        opts = fit_drafts_to_slots(r, opts, given, gm.meta[OFFLOAD])
+    runtime = None
+    if offload is not None:  # the pass rewrote the graph; the slots, slow tier and threads:
+        runtime = build_offload(gm, offload)
+        opts = fit_drafts_to_slots(r, opts, given, runtime)
     stages = r.cut(gm)
     log.info("applied recipe %s with %s; passes: %s", r.name, opts, pipeline.counters)
     info = RecipeInfo(
@@ -198,8 +200,7 @@ def apply(
         lossless=r.lossless(opts) if callable(r.lossless) else r.lossless,
         compiles=r.compiles,
     )
-    sm = SpeculativeModel(model, gm, stages, info)
-    sm.offload = gm.meta.get(OFFLOAD)
+    sm = SpeculativeModel(model, gm, stages, info, offload=runtime)
     if backend == "inductor":  # compile() resolves cpu_kernels the same way
         sm.compile(cpu_kernels=cpu_kernels)
         log.info("%s: cpu_kernels=%s (inductor, given %s)", r.name, sm.cpu_kernels, cpu_kernels)

@@ -304,13 +304,6 @@ def _kangaroo_passes(o: KangarooOptions) -> list[GraphPass]:
     return passes
 
 
-def _kangaroo_training() -> RecipeTraining:
-    # Imported when used: decoding never needs the training code.
-    from ..train.kangaroo import KangarooTraining
-
-    return KangarooTraining()
-
-
 def default_fast_layers(num_layers: int) -> int:
     """k = 4 (sec. 2.3.2: J = 1, R = N/k), at most N - 1."""
     return max(1, min(4, num_layers - 1))
@@ -478,12 +471,6 @@ def _m2r2_passes(o) -> list[GraphPass]:
     return passes
 
 
-def _m2r2_training() -> RecipeTraining:
-    from ..train.m2r2 import M2R2Training
-
-    return M2R2Training()
-
-
 # EAGLE's chain setting: 5 drafts a round (its chain experiments; EAGLE-2's tree has depth
 # 5-6). The threshold stops a chain early once the head is unsure (Kangaroo's eq. 4 rule on the
 # head's top-1 probability; EAGLE-2 ranks its tree by the same confidence).
@@ -576,10 +563,18 @@ def _eagle_schedule(o: EagleOptions, gm: fx.GraphModule | None = None):
     )
 
 
-def _eagle_training() -> RecipeTraining:
-    from ..train.eagle import EagleTraining
+def load_training(name: str) -> RecipeTraining:
+    """The trainer that ``leapfx.train.recipe_training`` has under ``name``; a recipe's
+    ``training`` is ``partial(load_training, name)``, called when ``fit`` or ``save_parts``
+    first asks for it (decoding never imports training code).
 
-    return EagleTraining()
+    The one place rewrite reaches up into train (tools/check_layers.py allows it): ``sm.fit``
+    trains the parts in place for the user's convenience, and train sits above rewrite (its
+    trainers apply recipes).
+    """
+    from ..train.recipe_training import training
+
+    return training(name)
 
 
 @dataclass(frozen=True)
@@ -693,7 +688,7 @@ RECIPES: dict[str, Recipe] = {
             ),
             lookahead=lambda o: o.max_draft_tokens + 1,
             lossless=True,
-            training=_kangaroo_training,
+            training=partial(load_training, "kangaroo"),
             parts_option="adapter",
             draft_option="max_draft_tokens",
         ),
@@ -710,7 +705,7 @@ RECIPES: dict[str, Recipe] = {
             ),
             lookahead=lambda o: o.num_speculations + 1,
             lossless=True,
-            training=_m2r2_training,
+            training=partial(load_training, "m2r2"),
             parts_option="parts",
             compiles=False,
             draft_option="num_speculations",
@@ -729,7 +724,7 @@ RECIPES: dict[str, Recipe] = {
             ),  # fmt: skip
             lookahead=lambda o: 1,
             lossless=False,
-            training=_m2r2_training,
+            training=partial(load_training, "m2r2"),
             parts_option="parts",
             compiles=False,
         ),
@@ -742,7 +737,7 @@ RECIPES: dict[str, Recipe] = {
             schedule=_eagle_schedule,
             lookahead=lambda o: o.max_draft_tokens + 1,
             lossless=True,
-            training=_eagle_training,
+            training=partial(load_training, "eagle"),
             parts_option="parts",
             draft_option="max_draft_tokens",
         ),
@@ -755,7 +750,7 @@ RECIPES: dict[str, Recipe] = {
             schedule=specee_recipe.specee_schedule,
             lookahead=specee_recipe.specee_lookahead,
             lossless=lambda o: o.verify,
-            training=specee_recipe.specee_training,
+            training=partial(load_training, "specee"),
             parts_option="parts",
         ),
     )

@@ -206,9 +206,3 @@ def specee_schedule(o: SpecEEOptions):
 
 def specee_lookahead(o: SpecEEOptions) -> int:
     return o.max_draft_tokens + 1 if o.verify else 1
-
-
-def specee_training():
-    from ..train.specee import SpecEETraining  # imported when used
-
-    return SpecEETraining()

@@ -69,6 +69,7 @@ from ..passes.predictor import KernelLayerExit, LayerExit
 from .cache import StaticKVCache
 from .masks import position_masks
 from .runner import AttentionLayout
+from .stage_signature import discover  # which cache layers each position input feeds
 
 log = logging.getLogger(__name__)
 
@@ -197,7 +198,7 @@ class _PureStage(torch.nn.Module):
     """A stage as a function of tensors: the cache's key and value buffers, then the inputs.
 
     ``groups`` maps each position input to the cache layers whose keys it positions (as
-    ``export.onnx_export.discover`` finds them); ``layout`` says which masks to build.
+    ``stage_signature.discover`` finds them); ``layout`` says which masks to build.
     """
 
     def __init__(
@@ -675,7 +676,6 @@ def refuse_stages(sm, backend: str, stages: tuple[str, ...]) -> None:
 
 def compile_stages(sm, options: CompileOptions) -> dict[str, CompiledStage]:
     """A CompiledStage for every stage of SpeculativeModel ``sm`` (warmed up if asked)."""
-    from ..export.onnx_export import discover  # which cache layers each position input feeds
     from ..kernels import cpu
     from .specee_compiled import is_segment, specee_segments, warmup_segments
 

@@ -6,7 +6,7 @@ With a fast stream at twice the slow rate (R = 2: gate N/2, so the fast state af
 norm and router to ``p^{i+1}`` and take its top-k (``num_experts_per_tok``), for
 L in {2i+2, 2i+3}. Layers 0 and 1 are never predicted. The MoE offload runtime issues the loads
 of these experts ahead of use (it runs the whole fast stream before a step's slow pass:
-``leapfx.runtime.offload.m2r2_stream``), then checks residency before layer L's experts run.
+``leapfx.passes.m2r2_stream``), then checks residency before layer L's experts run.
 
 This module works on the HF MoE modules directly (Mixtral, OLMoE, Qwen2-MoE in transformers 5:
 ``layer.post_attention_layernorm`` and the router ``layer.mlp.gate``, which returns
@@ -26,18 +26,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+# The rule's one home is the offload pass's fast stream (2i+2, 2i+3 below N).
+from ..passes.m2r2_stream import predicted_layers
+
+__all__ = ["predict_experts", "predicted_layers", "router_of"]
+
 
 def router_of(layer: nn.Module) -> nn.Module | None:
     """The top-k router of an HF MoE decoder layer (``mlp.gate``), or None for a dense layer."""
     gate = getattr(getattr(layer, "mlp", None), "gate", None)
     return gate if gate is not None and hasattr(gate, "top_k") else None
-
-
-def predicted_layers(layer: int, num_layers: int) -> list[int]:
-    """The layers whose experts are predicted while ``layer`` (i) runs: 2i+2 and 2i+3 (< N)."""
-    if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < num_layers:
-        raise ValueError(f"layer: {layer!r} is invalid; allowed: an integer 0..{num_layers - 1}")
-    return [target for target in (2 * layer + 2, 2 * layer + 3) if target < num_layers]
 
 
 @torch.no_grad()

@@ -70,10 +70,18 @@ class SpeculativeModel:
         graph_module: the rewritten layer-level graph.
         stages: the partitioned stages (``full``, ``draft``, ``verify`` ...).
         last_metrics: ``DecodeMetrics`` of the latest ``generate`` call (None before one).
+        offload: the expert-offload runtime of an MoE model applied with ``offload=`` (an
+            ``ExpertOffload``), else None.
     """
 
     def __init__(
-        self, model: nn.Module, graph_module: fx.GraphModule, stages: Stages, recipe: RecipeInfo
+        self,
+        model: nn.Module,
+        graph_module: fx.GraphModule,
+        stages: Stages,
+        recipe: RecipeInfo,
+        *,
+        offload: Any = None,
     ) -> None:
         impl = model.config._attn_implementation
         if impl not in SUPPORTED_ATTENTION:
@@ -102,9 +110,10 @@ class SpeculativeModel:
         # Stage executors that generate() runs: the eager stages unless compile() replaced them.
         self._executors: dict[str, Any] | None = None
         self.backend = "eager"
-        # The expert-offload runtime (rewrite.apply(..., offload=...)); its report of the
-        # latest generate call lands in last_offload_report.
-        self.offload = None
+        # The expert-offload runtime (an ExpertOffload that rewrite.apply(..., offload=...)
+        # builds and binds to the graph's offloaded experts); its report of the latest
+        # generate call lands in last_offload_report.
+        self.offload = offload
         self.last_offload_report = None
 
     @property
@@ -377,7 +386,9 @@ class SpeculativeModel:
                 "export_onnx: the experts of this model are offloaded (a runtime, not a graph); "
                 "allowed: a model applied without offload="
             )
-        from ..export import export_onnx  # optional dependencies: imported when used
+        # Optional dependencies, imported when used; export sits above runtime, and this is one
+        # of the upward imports tools/check_layers.py allows (sm.export_onnx is a convenience).
+        from ..export import export_onnx
 
         self._check_compiles("export_onnx")
         return export_onnx(self, path, opset=opset, overwrite=overwrite, optimize=optimize)

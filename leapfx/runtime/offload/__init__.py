@@ -1,11 +1,14 @@
 """Expert offload for MoE models: a fast tier of expert slots per layer over a slow tier.
 
 ``rewrite.apply(model, recipe, offload=OffloadOptions(...))`` runs any recipe over the
-offloaded model (see ``runtime`` for the design, ``slots`` for the cache rules, ``engine`` for
-the transfer engines, ``store`` for the slow tiers). ``load_offloaded(path)`` loads an MoE
-checkpoint without its experts, which the slow tier then reads from it (``checkpoint``).
+offloaded model: the ``offload-experts`` pass (``leapfx.passes.offload``) rewrites the graph,
+then ``build_offload`` builds the runtime and binds it to the modules the pass inserted (see
+``runtime`` for the design, ``slots`` for the cache rules, ``engine`` for the transfer engines,
+``store`` for the slow tiers). ``load_offloaded(path)`` loads an MoE checkpoint without its
+experts, which the slow tier then reads from it (``checkpoint``).
 """
 
+from .build import build_offload
 from .checkpoint import CheckpointExperts, load_offloaded
 from .engine import CudaEngine, NativeEngine, ReadJob, ThreadEngine, TransferEngine
 from .reuse import ReuseProbe, fit_reuse_probe
@@ -44,6 +47,7 @@ __all__ = [
     "SlotStats",
     "ThreadEngine",
     "TransferEngine",
+    "build_offload",
     "fit_reuse_probe",
     "load_offloaded",
 ]

@@ -47,6 +47,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...kernels import cpu_reader
+from ...passes.offload import PREFETCH_POLICIES
+from ...passes.offload_modules import (  # the modules bound to this runtime, imported from here
+    NextGatePrefetch,  # noqa: F401
+    OffloadedExperts,  # noqa: F401
+)
 from .checkpoint import expert_tensors
 from .engine import CudaEngine, NativeEngine, ReadJob, ThreadEngine, TransferEngine
 from .reuse import ReuseProbe
@@ -55,11 +60,6 @@ from .store import DiskStore, HostStore, aligned_pool
 
 log = logging.getLogger(__name__)
 
-# "m2r2": M2R2's accelerated residual at rate 2, fast layer i predicting layers 2i+2, 2i+3,
-# the whole stream run before the slow pass (``m2r2_stream.M2R2Prefetcher``); "verify_union":
-# for speculative recipes, the union of the upper layers' experts that the drafts' exit states
-# route to (``NextGatePrefetch(union=True)``).
-PREFETCH_POLICIES = ("none", "next_gate", "m2r2", "verify_union")
 TIERS = ("auto", "disk", "host")
 # CPU transfer engines: "native" (C++ reader threads, no GIL; the disk tier with direct reads
 # into the slots), "thread" (Python worker threads, any slow tier); "auto": native where it
@@ -811,85 +811,3 @@ def reader_cpu(setting: int | str | None, compute_threads: int | str | None = No
 def _note_fallback(reason: str) -> None:
     """Log once per reason why ``engine='auto'`` fell back to ThreadEngine."""
     log.info("offload: transfers on Python worker threads (ThreadEngine): %s", reason)
-
-
-class OffloadedExperts(nn.Module):
-    """An ``experts`` node's module over an ExpertOffload (the HF module is kept for its code)."""
-
-    def __init__(self, runtime: ExpertOffload, layer: int, module: nn.Module) -> None:
-        super().__init__()
-        self.runtime = runtime
-        self.layer = layer
-        # A plain attribute, not a submodule: the offloaded graph must not hold the experts.
-        self.__dict__["experts"] = module
-
-    def forward(self, hidden, top_k_index, top_k_weights) -> torch.Tensor:
-        return self.runtime.run(self.layer, self.experts, hidden, top_k_index, top_k_weights)
-
-
-class NextGatePrefetch(nn.Module):
-    """Prefetch for MoE layer ``target``: its router applied to an earlier hidden state.
-
-    ``target``'s post-attention norm and router turn ``hidden`` [B, S, H] into the routing
-    ``target`` would pick if ``hidden`` were its input. Each policy feeds it another state:
-
-    - ``next_gate``: the residual stream after the previous MoE layer's attention (a next-layer
-      gate, as in Pre-gated MoE and mixtral-offloading's speculative loading, untrained);
-    - ``m2r2``: the accelerated residual p^{i+1} ~ h^{2i+2} (M2R2 sec. 2.3.3, as
-      ``leapfx.runtime.expert_prediction.predict_experts``), run before the slow pass by
-      ``m2r2_stream.M2R2Prefetcher`` (which calls it where the fused op does not apply);
-    - ``verify_union`` (``union=True``): a draft's exit state, for every layer the verify pass
-      runs above the exit; the predictions of a round's drafts add up until the verify pass.
-    """
-
-    def __init__(
-        self,
-        runtime: ExpertOffload,
-        target: int,
-        norm: nn.Module,
-        router: nn.Module,
-        *,
-        union: bool = False,
-    ):
-        super().__init__()
-        self.runtime = runtime
-        self.target = target
-        self.norm = norm
-        self.router = router
-        self.union = union
-        self._folded: tuple[tuple, torch.Tensor] | None = None  # (weights' versions, W * g)
-
-    def _router_over_norm_weight(self) -> torch.Tensor | None:
-        """The router's weight times the RMSNorm's (``W * g``), or None for another norm.
-
-        RMSNorm scales a row by a positive number and then by ``g``: for one token the
-        router's ranking of ``norm(h)`` is its ranking of ``g * h``, which needs neither the
-        norm's reduction nor a softmax (on the reference MoE model at a quarter of the slots,
-        next_gate went from 0.94x to 0.99x of on-demand loading, the same experts predicted)."""
-        g = getattr(self.norm, "weight", None)
-        w = self.router.weight
-        if (
-            not type(self.norm).__name__.endswith("RMSNorm")
-            or "Gemma" in type(self.norm).__name__  # scales by 1 + g
-            or g is None
-            or g.shape != w.shape[-1:]
-        ):
-            return None
-        key = (w._version, g._version, w.data_ptr(), g.data_ptr())
-        if self._folded is None or self._folded[0] != key:
-            with torch.no_grad():
-                self._folded = (key, w * g.to(w.dtype))
-        return self._folded[1]
-
-    def forward(self, hidden: torch.Tensor) -> None:
-        self.runtime.prefetch(self.target, self.scores(hidden), union=self.union)
-
-    def scores(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[T, E] scores of ``target``'s experts for ``hidden`` [B, S, H]: the router's
-        probabilities, or for one token any scores with their ranking."""
-        flat = hidden.reshape(-1, hidden.shape[-1])
-        folded = self._router_over_norm_weight() if flat.shape[0] == 1 else None
-        if folded is not None:  # one token: scores with the ranking of the router's softmax
-            return F.linear(flat.to(folded.dtype), folded)
-        logits = F.linear(self.norm(hidden).reshape(flat.shape), self.router.weight)  # [T, E]
-        return torch.softmax(logits.float(), dim=-1)
