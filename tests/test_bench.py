@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -269,7 +271,7 @@ def test_onnx_verify_threads_errors():
     assert main(["bench", "--onnx-verify-threads", "two"]) == 2
 
 
-def test_onnx_split_verify_timed_or_fixed(tmp_path):
+def test_onnx_split_verify_timed_or_fixed(tmp_path, monkeypatch):
     # auto: split and whole verify timed on each layerskip export, the faster runs the row;
     # on / off: as asked, timing nothing. Either way the rows stay identical to greedy.
     # (head_dim 16: the export's attention fuses, which the split needs)
@@ -278,6 +280,22 @@ def test_onnx_split_verify_timed_or_fixed(tmp_path):
     prompts = [torch.tensor([tok("for i in range(")["input_ids"]])]
     base = dict(exit_layer=2, num_speculations=3, max_new_tokens=8, repeats=1, warmup=0,
                 backend="onnxruntime", onnx_threads=1, hf_baselines=False)  # fmt: skip
+    # The rows' exports depend on the model and options only: the modes after the first copy
+    # the first's instead of exporting again (an export is most of this test's time).
+    from leapfx.runtime.model import SpeculativeModel
+
+    export_onnx = SpeculativeModel.export_onnx
+    made: dict[str, Path] = {}
+
+    def export_once(sm, path, **kw):
+        name = Path(path).name
+        if name not in made:
+            made[name] = Path(export_onnx(sm, path, **kw))
+            return made[name]
+        shutil.copytree(made[name], path, dirs_exist_ok=kw.get("overwrite", False))
+        return path
+
+    monkeypatch.setattr(SpeculativeModel, "export_onnx", export_once)
     for mode in ("auto", "on", "off"):
         config = BenchConfig(**base, export_dir=str(tmp_path / mode), onnx_split_verify=mode)
         by = {r.system: r for r in run_bench(model, prompts, config, progress=False)}
