@@ -25,7 +25,7 @@ import torch
 from .metrics import DecodeMetrics
 from .runner import StageRunner
 from .sampling import probs
-from .schedules import DecodeRequest, speculative_loop
+from .schedules import DecodeRequest, FirstDrafter, speculative_loop
 
 
 def draft_skip(
@@ -53,8 +53,11 @@ def swift(
     request: DecodeRequest,
     metrics: DecodeMetrics,
     num_speculations: int,
+    first: FirstDrafter | None = None,
 ) -> list[int]:
-    """Draft with the layer-skipped model, verify with the full one."""
+    """Draft with the layer-skipped model, verify with the full one. ``first``: a drafter
+    tried before the layer-skipped one each round (``lookup=True``; nothing but the cache
+    outlives a swift round, and its verify is the same full call)."""
     metrics.num_speculations = num_speculations
 
     def round_(runner, x, pos, d, request):
@@ -63,7 +66,7 @@ def swift(
         runner.cache.crop(pos)  # the kept layers' draft keys: verify rewrites every layer's
         return drafts, q, runner.full(torch.cat([x, drafts], dim=1), pos, key="verify")
 
-    return speculative_loop(runner, prompt, request, metrics, num_speculations, round_)
+    return speculative_loop(runner, prompt, request, metrics, num_speculations, round_, first=first)
 
 
 def search_skip_set(
