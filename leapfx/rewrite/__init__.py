@@ -73,8 +73,8 @@ def parts_options(recipe: Recipe, parts, options: dict) -> dict:
     if recipe.parts_option is None:
         with_parts = [n for n, r in RECIPES.items() if r.parts_option is not None]
         raise ValueError(
-            f"parts: recipe {recipe.name!r} inserts nothing that trains, so it takes no parts "
-            f"directory; recipes with trained parts: {', '.join(with_parts)}"
+            f"parts: recipe {recipe.name!r} inserts nothing that trains or is calibrated, so it "
+            f"takes no parts directory; recipes with parts: {', '.join(with_parts)}"
         )
     if options.get(recipe.parts_option) is not None:
         raise ValueError(

@@ -26,6 +26,7 @@ from ..passes.exit_head import InsertExitHead
 from ..passes.fast_partition import exit_stages, fast_stream_stages
 from ..passes.fuse_layers import FuseDecoderLayers
 from ..passes.partition import Stages, early_exit_stages, full_stage, partition
+from ..passes.skip_checkpoint import read_skip_set
 from ..passes.skip_layers import DraftSkipSet, check_skip_set, swift_stages
 from ..passes.specee_stages import specee_stages
 from ..runtime import adaptive, eagle, kangaroo, lookup, m2r2, schedules, swift
@@ -218,23 +219,56 @@ def default_skip_layers(num_layers: int) -> tuple[int, ...]:
 @dataclass(frozen=True)
 class SwiftOptions(LookupFirstOptions):
     """SWIFT-style layer-skip self-speculation: draft with the model minus ``skip_layers``,
-    verify with the full model (lossless, no training)."""
+    verify with the full model (lossless, no training).
 
-    skip_layers: tuple[int, ...] | None = None  # None: default_skip_layers(L)
+    With ``parts`` (a directory written by ``SpeculativeModel.save_parts``, typically after
+    ``calibrate``) the draft skips the set saved there; a ``skip_layers`` given as well must
+    be the same set.
+    """
+
+    skip_layers: tuple[int, ...] | None = None  # None: the parts', else default_skip_layers(L)
     num_speculations: int = 4  # d: drafts a round
+    parts: str | os.PathLike | None = None  # a saved (calibrated) skip set; None: none
     max_cache_len: int | None = None
     fuse_layers: bool = True
 
     def validate(self, num_layers: int) -> SwiftOptions:
         if num_layers < 2:
             raise ValueError(f"swift: a {num_layers}-layer model has no layer to skip")
-        skip = default_skip_layers(num_layers) if self.skip_layers is None else self.skip_layers
+        path, saved = self._saved_skip_set(num_layers)
+        skip = self.skip_layers
+        if skip is None:
+            skip = default_skip_layers(num_layers) if saved is None else saved
         skip = check_skip_set(skip, num_layers)
+        if saved is not None and skip != saved:
+            raise ValueError(
+                f"skip_layers: {skip} differs from the set {saved} saved in parts={path!r}; "
+                f"allowed: one of the two, or skip_layers={saved}"
+            )
         _check_int("num_speculations", self.num_speculations, 1)
         self.check_lookup()
         _check_cache(self.max_cache_len)
         _check_bool("fuse_layers", self.fuse_layers)
-        return dataclasses.replace(self, skip_layers=skip)
+        return dataclasses.replace(self, skip_layers=skip, parts=path)
+
+    def _saved_skip_set(self, num_layers: int) -> tuple[str | None, tuple[int, ...] | None]:
+        """(the parts directory, the skip set saved there), or (None, None) without parts."""
+        if self.parts is None:
+            return None, None
+        if not isinstance(self.parts, (str, os.PathLike)):
+            raise ValueError(
+                f"parts: {self.parts!r} is invalid; allowed: a directory written by "
+                "SpeculativeModel.save_parts (str or os.PathLike) or None"
+            )
+        path = os.fspath(self.parts)
+        meta = read_skip_set(path)
+        chosen_for = meta.get("host", {}).get("num_hidden_layers")
+        if chosen_for != num_layers:
+            raise ValueError(
+                f"parts: {path!r} holds a skip set for another model: num_hidden_layers="
+                f"{chosen_for!r} (model: {num_layers})"
+            )
+        return path, check_skip_set(meta["options"]["skip_layers"], num_layers)
 
 
 def default_kangaroo_exit_layer(num_layers: int) -> int:
@@ -698,6 +732,9 @@ RECIPES: dict[str, Recipe] = {
             ),
             lookahead=lambda o: o.num_speculations + 1,
             lossless=True,
+            # nothing trains; the parts are the skip set (SpeculativeModel.calibrate finds it)
+            training=swift.SwiftParts,
+            parts_option="parts",
             # the Inductor and ONNX paths of a layer-skipped draft stage are not written yet
             compiles=False,
             draft_option="num_speculations",
