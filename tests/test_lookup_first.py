@@ -149,3 +149,18 @@ def test_lookup_options_are_validated_as_the_lookup_recipes_are():
         rewrite.apply(model, "layerskip", lookup=True, max_ngram=2, min_ngram=3)
     with pytest.raises(ValueError, match=r"max_ngram: 0 is invalid; allowed: an integer >= 1"):
         rewrite.apply(model, "kangaroo", lookup=True, max_ngram=0)
+
+
+def test_onnx_export_keeps_lookup_first(tmp_path):
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxscript")
+    from leapfx.export import OnnxModel, export_onnx
+
+    model = tiny_model("llama", layers=2, vocab=32, seed=1)
+    prompt = torch.tensor([[1, 2, 3, 4, 5] * 3])
+    sm = rewrite.apply(model, "kangaroo", lookup=True, max_ngram=2)
+    om = OnnxModel(export_onnx(sm, tmp_path / "kangaroo"), threads=1)
+    assert om.options.lookup and om.options.max_ngram == 2  # the manifest's options
+    ours = om.generate(prompt, max_new_tokens=24)
+    assert_greedy_equal(model, ours, hf_greedy(model, prompt, 24), prompt.shape[1])
+    assert om.last_metrics.drafter_rounds.get("lookup", 0) > 0
