@@ -235,7 +235,15 @@ class SwiftOptions(LookupFirstOptions):
     def validate(self, num_layers: int) -> SwiftOptions:
         if num_layers < 2:
             raise ValueError(f"swift: a {num_layers}-layer model has no layer to skip")
-        path, saved = self._saved_skip_set(num_layers)
+        path = None
+        if self.parts is not None:
+            if not isinstance(self.parts, (str, os.PathLike)):
+                raise ValueError(
+                    f"parts: {self.parts!r} is invalid; allowed: a directory written by "
+                    "SpeculativeModel.save_parts (str or os.PathLike) or None"
+                )
+            path = os.fspath(self.parts)
+        saved = None if path is None else saved_skip_set(path, num_layers)
         skip = self.skip_layers
         if skip is None:
             skip = default_skip_layers(num_layers) if saved is None else saved
@@ -251,24 +259,18 @@ class SwiftOptions(LookupFirstOptions):
         _check_bool("fuse_layers", self.fuse_layers)
         return dataclasses.replace(self, skip_layers=skip, parts=path)
 
-    def _saved_skip_set(self, num_layers: int) -> tuple[str | None, tuple[int, ...] | None]:
-        """(the parts directory, the skip set saved there), or (None, None) without parts."""
-        if self.parts is None:
-            return None, None
-        if not isinstance(self.parts, (str, os.PathLike)):
-            raise ValueError(
-                f"parts: {self.parts!r} is invalid; allowed: a directory written by "
-                "SpeculativeModel.save_parts (str or os.PathLike) or None"
-            )
-        path = os.fspath(self.parts)
-        meta = read_skip_set(path)
-        chosen_for = meta.get("host", {}).get("num_hidden_layers")
-        if chosen_for != num_layers:
-            raise ValueError(
-                f"parts: {path!r} holds a skip set for another model: num_hidden_layers="
-                f"{chosen_for!r} (model: {num_layers})"
-            )
-        return path, check_skip_set(meta["options"]["skip_layers"], num_layers)
+
+def saved_skip_set(path: str, num_layers: int) -> tuple[int, ...]:
+    """The skip set saved in the swift parts at ``path``; ValueError naming ``parts`` where
+    it was chosen for a model of another depth."""
+    meta = read_skip_set(path)
+    chosen_for = meta.get("host", {}).get("num_hidden_layers")
+    if chosen_for != num_layers:
+        raise ValueError(
+            f"parts: {path!r} holds a skip set for another model: num_hidden_layers="
+            f"{chosen_for!r} (model: {num_layers})"
+        )
+    return check_skip_set(meta["options"]["skip_layers"], num_layers)
 
 
 def default_kangaroo_exit_layer(num_layers: int) -> int:

@@ -407,9 +407,13 @@ class SpeculativeModel:
                 "a 'swift' model (rewrite.apply(model, 'swift'))"
             )
         num_layers = self.config.num_hidden_layers
-        ok = isinstance(prompts, (list, tuple)) and len(prompts) > 0
-        for p in prompts if ok else ():
-            ok = ok and isinstance(p, torch.Tensor) and p.dim() == 2 and p.shape[0] == 1
+        ok = (
+            isinstance(prompts, (list, tuple))
+            and len(prompts) > 0
+            and all(
+                isinstance(p, torch.Tensor) and p.dim() == 2 and p.shape[0] == 1 for p in prompts
+            )
+        )
         if not ok:
             raise ValueError(
                 f"prompts: {type(prompts).__name__} is invalid; allowed: a non-empty list of "
@@ -432,7 +436,7 @@ class SpeculativeModel:
         if not isinstance(progress, bool):
             raise ValueError(f"progress: {progress!r} is invalid; allowed: True or False")
         prompts = [p.to(self._layout.device) for p in prompts]
-        before = self.options.skip_layers
+        before = self.recipe
 
         def speed(skip: tuple[int, ...]) -> float:
             if skip:
@@ -449,7 +453,8 @@ class SpeculativeModel:
         try:
             result = swift.fastest_skip_set(speed, num_layers, max_skip=max_skip, progress=progress)
         except BaseException:
-            self._use_skip_set(before)  # the model as it was
+            self._use_skip_set(before.options.skip_layers)  # the model as it was
+            self.recipe = before
             raise
         self._use_skip_set(result.skip_layers)
         self.calibration = result
@@ -464,7 +469,8 @@ class SpeculativeModel:
 
     def _use_skip_set(self, skip: tuple[int, ...]) -> None:
         """swift: cut the ``draft`` stage again without layers ``skip`` and record the set in
-        the options; the CPU kernels' executors, where on, are packed again from the stages."""
+        the options (``parts``, where the set came from a directory, no longer applies); the
+        CPU kernels' executors, where on, are packed again from the stages."""
         from ..passes.skip_layers import DRAFT_SKIP, swift_stages
 
         if skip == self.options.skip_layers:
@@ -472,7 +478,7 @@ class SpeculativeModel:
         kernels = self._executors is not None
         self.graph_module.meta[DRAFT_SKIP] = skip
         self.stages = swift_stages(self.graph_module)
-        options = replace(self.options, skip_layers=skip)
+        options = replace(self.options, skip_layers=skip, parts=None)
         self.recipe = replace(self.recipe, options=options)
         self._executors = None
         if kernels:
