@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import itertools
+import json
+import re
 
 import pytest
 import torch
@@ -15,7 +17,10 @@ from leapfx.bench.sweep import predicted_speedup
 from leapfx.passes.capture import capture
 from leapfx.passes.partition import full_stage
 from leapfx.passes.skip_layers import SkipLayers
+from leapfx.runtime import swift as swift_runtime
 from leapfx.runtime.runner import StageRunner
+from leapfx.runtime.sampling import SamplingParams
+from leapfx.runtime.schedules import DecodeRequest
 from leapfx.runtime.swift import search_skip_set
 from tests.conftest import examples, tiny_model, tiny_moe_model
 from tests.distribution_check import assert_sampled_from, sample_counts
@@ -145,3 +150,108 @@ def test_calibrate_skip_set_runs_the_search_on_measured_decodes():
     model = tiny_model("llama", layers=3, vocab=32, seed=1)
     skip, ratio = calibrate_skip_set(model, [torch.tensor([[1, 2, 3, 1, 2]])], max_new_tokens=8)
     assert skip in [(), (1,), (2,)] and ratio > 0  # at most L - 2 = 1 layer skipped
+
+
+def _table_speed(L: int, d: int, seed: int):
+    """A synthetic tokens/s table over skip sets (additive layer harms, as above), and the set
+    exhaustive search finds in it."""
+    g = torch.Generator().manual_seed(seed)
+    harm = (torch.rand(L, generator=g) * 0.3).tolist()
+
+    def speed(skip: tuple[int, ...]) -> float:
+        if not skip:
+            return 100.0
+        alpha = max(0.0, 0.98 - sum(harm[i] for i in skip))
+        return 100.0 * predicted_speedup(alpha, d, (L - len(skip)) / L)
+
+    subsets = [s for k in range(1, L - 1) for s in itertools.combinations(range(1, L), k)]
+    return speed, max([(), *subsets], key=speed)
+
+
+def _fake_measure(monkeypatch, sm, table):
+    """Replace the timed decodes with ``table``, read off the stages ``calibrate`` really cut:
+    each measurement runs one short decode, then scores the set the draft stage skips (the
+    empty set for the autoregressive baseline)."""
+    measured: list[tuple[int, ...]] = []
+
+    def fake(run, prompts, max_new_tokens):
+        metrics = run(prompts[0], DecodeRequest(2, frozenset(), SamplingParams()))
+        draft = sm.stages.modules["draft"].code
+        skipped = tuple(i for i in range(sm.config.num_hidden_layers) if f"layer_{i}(" not in draft)
+        skip = () if metrics.schedule == "autoregressive" else skipped
+        assert skip == () or skip == sm.options.skip_layers  # the stage and the options agree
+        measured.append(skip)
+        return table(skip)
+
+    monkeypatch.setattr(swift_runtime, "measured_speed", fake)
+    return measured
+
+
+@pytest.mark.parametrize("seed", [0, 3, 5])  # tables where some set pays (1, 3 or 4 layers)
+def test_calibrate_keeps_the_best_set_of_a_synthetic_table(monkeypatch, seed):
+    L = 6
+    model = tiny_model("llama", layers=L, vocab=32, seed=1)
+    sm = rewrite.apply(model, "swift")
+    speed, truth = _table_speed(L, sm.options.num_speculations, seed)
+    measured = _fake_measure(monkeypatch, sm, speed)
+    prompt = torch.tensor([[1, 2, 3, 1, 2]])
+    result = sm.calibrate([prompt], max_new_tokens=4, progress=False)
+    assert truth and result.skip_layers == truth == sm.options.skip_layers
+    assert result.speedup == pytest.approx(speed(truth) / 100.0)
+    assert result.evaluated == len(measured) == len(set(measured))  # each set measured once
+    assert sm.calibration is result
+    assert torch.equal(sm.generate(prompt, max_new_tokens=12), hf_greedy(model, prompt, 12))
+
+
+def test_calibrate_drafts_with_the_fastest_layer_where_no_set_pays(monkeypatch):
+    model = tiny_model("llama", layers=4, vocab=32, seed=1)
+    sm = rewrite.apply(model, "swift", skip_layers=(1, 2))
+    rates = {(): 10.0, (1,): 6.0, (2,): 8.0, (3,): 7.0}
+    _fake_measure(monkeypatch, sm, lambda skip: rates.get(skip, 1.0))
+    with pytest.warns(UserWarning, match=r"no skip set beat autoregressive .*\(2,\), ran 0\.80x"):
+        result = sm.calibrate([torch.tensor([[3, 1, 4]])], max_new_tokens=4, progress=False)
+    assert result.skip_layers == sm.options.skip_layers == (2,) and result.evaluated == 4
+
+
+def test_calibrated_skip_set_saves_and_loads_with_the_parts(monkeypatch, tmp_path):
+    L = 5
+    model = tiny_model("llama", layers=L, vocab=32, seed=2)
+    sm = rewrite.apply(model, "swift", num_speculations=3)
+    speed, truth = _table_speed(L, 3, seed=4)
+    _fake_measure(monkeypatch, sm, speed)
+    result = sm.calibrate([torch.tensor([[5, 6, 7, 5]])], max_new_tokens=4, progress=False)
+    sm.save_parts(tmp_path / "parts")
+    meta = json.loads((tmp_path / "parts" / "swift.json").read_text())
+    assert meta["options"] == {"skip_layers": list(truth), "num_speculations": 3}
+    assert meta["calibration"]["speedup"] == pytest.approx(result.speedup)
+    loaded = rewrite.apply(model, "swift", parts=tmp_path / "parts")
+    assert loaded.options.skip_layers == truth and loaded.options.parts == str(tmp_path / "parts")
+    assert loaded.stages.code() == sm.stages.code()
+    # the same set given explicitly is fine; another one conflicts, naming both
+    assert rewrite.apply(model, "swift", parts=tmp_path / "parts", skip_layers=list(truth))
+    other = (1,) if truth != (1,) else (2,)
+    with pytest.raises(ValueError, match=re.escape(f"skip_layers: {other} differs from the set")):
+        rewrite.apply(model, "swift", parts=tmp_path / "parts", skip_layers=other)
+    with pytest.raises(ValueError, match=r"parts: .* for another model: num_hidden_layers=5"):
+        rewrite.apply(tiny_model("llama", layers=4), "swift", parts=tmp_path / "parts")
+    with pytest.raises(ValueError, match=r"parts: .* is not a swift parts directory"):
+        rewrite.apply(model, "swift", parts=tmp_path / "missing")
+    # an uncalibrated set saves too (no calibration record)
+    rewrite.apply(model, "swift", skip_layers=(2,)).save_parts(tmp_path / "plain")
+    assert json.loads((tmp_path / "plain" / "swift.json").read_text())["calibration"] is None
+
+
+def test_calibrate_is_refused_where_it_cannot_run():
+    model = tiny_model("llama", layers=4)
+    prompt = torch.tensor([[1, 2, 3]])
+    with pytest.raises(ValueError, match=r"calibrate: recipe 'layerskip' has no skip set"):
+        rewrite.apply(model, "layerskip").calibrate([prompt])
+    sm = rewrite.apply(model, "swift")
+    with pytest.raises(ValueError, match=r"prompts: Tensor is invalid; allowed: a non-empty"):
+        sm.calibrate(prompt)
+    with pytest.raises(ValueError, match=r"max_skip: 4 is invalid; allowed: None or .* 1\.\.3"):
+        sm.calibrate([prompt], max_skip=4)
+    with pytest.raises(ValueError, match=r"max_new_tokens: 0 is invalid"):
+        sm.calibrate([prompt], max_new_tokens=0)
+    with pytest.raises(ValueError, match=r"fit: recipe 'swift' trains nothing .*calibrate"):
+        sm.fit(torch.arange(10))

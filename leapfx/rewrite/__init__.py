@@ -28,7 +28,7 @@ from ..runtime.model import RecipeInfo, SpeculativeModel
 from ..runtime.offload import OffloadOptions, build_offload
 from ..runtime.offload.checkpoint import checkpoint_only
 from .defaults import kernels_choice, shipped_options
-from .recipes import RECIPES, Recipe
+from .recipes import RECIPES, Recipe, lookup_recipes
 
 __all__ = ["apply", "recipes", "get_recipe", "Recipe", "OffloadOptions"]
 
@@ -47,8 +47,18 @@ def get_recipe(name: str) -> Recipe:
 
 
 def make_options(recipe: Recipe, num_layers: int, options: dict):
-    """Build and validate the recipe's options dataclass from keyword options."""
+    """Build and validate the recipe's options dataclass from keyword options.
+
+    ``lookup=False`` is every recipe's behaviour, so a recipe without the option takes it;
+    ``lookup=True`` there is refused with the reason and the recipes that take it."""
     fields = [f.name for f in dataclasses.fields(recipe.options_type)]
+    if "lookup" in options and "lookup" not in fields:
+        if options["lookup"] is not False:
+            raise ValueError(
+                f"lookup: recipe {recipe.name!r} does not take lookup={options['lookup']!r} "
+                f"({recipe.lookup_refusal}); recipes that take it: {', '.join(lookup_recipes())}"
+            )
+        options = {k: v for k, v in options.items() if k != "lookup"}
     unknown = sorted(set(options) - set(fields))
     if unknown:
         raise ValueError(
@@ -63,8 +73,8 @@ def parts_options(recipe: Recipe, parts, options: dict) -> dict:
     if recipe.parts_option is None:
         with_parts = [n for n, r in RECIPES.items() if r.parts_option is not None]
         raise ValueError(
-            f"parts: recipe {recipe.name!r} inserts nothing that trains, so it takes no parts "
-            f"directory; recipes with trained parts: {', '.join(with_parts)}"
+            f"parts: recipe {recipe.name!r} inserts nothing that trains or is calibrated, so it "
+            f"takes no parts directory; recipes with parts: {', '.join(with_parts)}"
         )
     if options.get(recipe.parts_option) is not None:
         raise ValueError(

@@ -26,6 +26,7 @@ from ..passes.exit_head import InsertExitHead
 from ..passes.fast_partition import exit_stages, fast_stream_stages
 from ..passes.fuse_layers import FuseDecoderLayers
 from ..passes.partition import Stages, early_exit_stages, full_stage, partition
+from ..passes.skip_checkpoint import read_skip_set
 from ..passes.skip_layers import DraftSkipSet, check_skip_set, swift_stages
 from ..passes.specee_stages import specee_stages
 from ..runtime import adaptive, eagle, kangaroo, lookup, m2r2, schedules, swift
@@ -95,8 +96,44 @@ class EarlyExitOptions:
         return dataclasses.replace(self, exit_layer=e)
 
 
+# Prompt lookup: d = 8 drafts a match continues for at most; a round's verify is one full call
+# over d + 1 tokens, so a long draft costs little more than a short one where weights dominate
+# (small batches). n-grams of 3 down to 1 tokens: HF's default max_matching_ngram_size is 2,
+# vLLM's ngram proposer searches 1..k; a 1-gram still matches often in code and chat.
+LOOKUP_NUM_SPECULATIONS = 8
+LOOKUP_MAX_NGRAM = 3
+
+
+def _check_ngrams(max_ngram, min_ngram) -> None:
+    _check_int("max_ngram", max_ngram, 1)
+    _check_int("min_ngram", min_ngram, 1, max_ngram)
+
+
 @dataclass(frozen=True)
-class LayerSkipOptions:
+class LookupFirstOptions:
+    """``lookup=True``, an option of the drafting recipes whose rounds it composes with
+    (:func:`lookup_recipes`): each round first looks the text so far (prompt + generated) up
+    as the ``lookup`` recipe does, with its ``max_ngram`` and ``min_ngram``, and verifies a
+    match's drafts (at most the recipe's own draft length) with one full-model call; a round
+    without a match drafts with the recipe's own drafter (``leapfx.runtime.lookup.LookupFirst``).
+    Lossless either way; ``last_metrics.drafter_rounds`` counts the rounds of each drafter.
+    """
+
+    lookup: bool = False
+    max_ngram: int = LOOKUP_MAX_NGRAM  # longest suffix matched (tried first)
+    min_ngram: int = 1  # shortest suffix matched
+
+    def check_lookup(self) -> None:
+        _check_bool("lookup", self.lookup)
+        _check_ngrams(self.max_ngram, self.min_ngram)
+
+    def lookup_first(self) -> lookup.LookupFirst | None:
+        """The schedule's ``first`` drafter: prompt lookup where ``lookup``, else None."""
+        return lookup.LookupFirst(self.max_ngram, self.min_ngram) if self.lookup else None
+
+
+@dataclass(frozen=True)
+class LayerSkipOptions(LookupFirstOptions):
     """LayerSkip sec. 4.3: draft with layers < exit_layer, verify with the rest (lossless)."""
 
     exit_layer: int | None = None  # None: default_exit_layer(L)
@@ -115,17 +152,10 @@ class LayerSkipOptions:
         _check_int("exit_layer", e, 1, num_layers - 1)
         _check_int("num_speculations", self.num_speculations, 1)
         _check_threshold("confidence_threshold", self.confidence_threshold)
+        self.check_lookup()
         _check_cache(self.max_cache_len)
         _check_bool("fuse_layers", self.fuse_layers)
         return dataclasses.replace(self, exit_layer=e)
-
-
-# Prompt lookup: d = 8 drafts a match continues for at most; a round's verify is one full call
-# over d + 1 tokens, so a long draft costs little more than a short one where weights dominate
-# (small batches). n-grams of 3 down to 1 tokens: HF's default max_matching_ngram_size is 2,
-# vLLM's ngram proposer searches 1..k; a 1-gram still matches often in code and chat.
-LOOKUP_NUM_SPECULATIONS = 8
-LOOKUP_MAX_NGRAM = 3
 
 
 @dataclass(frozen=True)
@@ -142,8 +172,7 @@ class LookupOptions:
 
     def validate(self, num_layers: int) -> LookupOptions:
         _check_int("num_speculations", self.num_speculations, 1)
-        _check_int("max_ngram", self.max_ngram, 1)
-        _check_int("min_ngram", self.min_ngram, 1, self.max_ngram)
+        _check_ngrams(self.max_ngram, self.min_ngram)
         _check_cache(self.max_cache_len)
         _check_bool("fuse_layers", self.fuse_layers)
         return self
@@ -188,24 +217,60 @@ def default_skip_layers(num_layers: int) -> tuple[int, ...]:
 
 
 @dataclass(frozen=True)
-class SwiftOptions:
+class SwiftOptions(LookupFirstOptions):
     """SWIFT-style layer-skip self-speculation: draft with the model minus ``skip_layers``,
-    verify with the full model (lossless, no training)."""
+    verify with the full model (lossless, no training).
 
-    skip_layers: tuple[int, ...] | None = None  # None: default_skip_layers(L)
+    With ``parts`` (a directory written by ``SpeculativeModel.save_parts``, typically after
+    ``calibrate``) the draft skips the set saved there; a ``skip_layers`` given as well must
+    be the same set.
+    """
+
+    skip_layers: tuple[int, ...] | None = None  # None: the parts', else default_skip_layers(L)
     num_speculations: int = 4  # d: drafts a round
+    parts: str | os.PathLike | None = None  # a saved (calibrated) skip set; None: none
     max_cache_len: int | None = None
     fuse_layers: bool = True
 
     def validate(self, num_layers: int) -> SwiftOptions:
         if num_layers < 2:
             raise ValueError(f"swift: a {num_layers}-layer model has no layer to skip")
-        skip = default_skip_layers(num_layers) if self.skip_layers is None else self.skip_layers
+        path = None
+        if self.parts is not None:
+            if not isinstance(self.parts, (str, os.PathLike)):
+                raise ValueError(
+                    f"parts: {self.parts!r} is invalid; allowed: a directory written by "
+                    "SpeculativeModel.save_parts (str or os.PathLike) or None"
+                )
+            path = os.fspath(self.parts)
+        saved = None if path is None else saved_skip_set(path, num_layers)
+        skip = self.skip_layers
+        if skip is None:
+            skip = default_skip_layers(num_layers) if saved is None else saved
         skip = check_skip_set(skip, num_layers)
+        if saved is not None and skip != saved:
+            raise ValueError(
+                f"skip_layers: {skip} differs from the set {saved} saved in parts={path!r}; "
+                f"allowed: one of the two, or skip_layers={saved}"
+            )
         _check_int("num_speculations", self.num_speculations, 1)
+        self.check_lookup()
         _check_cache(self.max_cache_len)
         _check_bool("fuse_layers", self.fuse_layers)
-        return dataclasses.replace(self, skip_layers=skip)
+        return dataclasses.replace(self, skip_layers=skip, parts=path)
+
+
+def saved_skip_set(path: str, num_layers: int) -> tuple[int, ...]:
+    """The skip set saved in the swift parts at ``path``; ValueError naming ``parts`` where
+    it was chosen for a model of another depth."""
+    meta = read_skip_set(path)
+    chosen_for = meta.get("host", {}).get("num_hidden_layers")
+    if chosen_for != num_layers:
+        raise ValueError(
+            f"parts: {path!r} holds a skip set for another model: num_hidden_layers="
+            f"{chosen_for!r} (model: {num_layers})"
+        )
+    return check_skip_set(meta["options"]["skip_layers"], num_layers)
 
 
 def default_kangaroo_exit_layer(num_layers: int) -> int:
@@ -222,7 +287,10 @@ def default_kangaroo_exit_layer(num_layers: int) -> int:
 def _layerskip_schedule(o: LayerSkipOptions):
     # threshold 0 is the paper's fixed d: schedules.draft then never stops early nor syncs.
     drafter = partial(schedules.draft, threshold=float(o.confidence_threshold))
-    return partial(schedules.self_speculative, num_speculations=o.num_speculations, drafter=drafter)
+    return partial(
+        schedules.self_speculative, num_speculations=o.num_speculations, drafter=drafter,
+        first=o.lookup_first(),
+    )  # fmt: skip
 
 
 def _check_threshold(name: str, value) -> None:
@@ -240,7 +308,7 @@ KANGAROO_CONFIDENCE_THRESHOLD = 0.6
 
 
 @dataclass(frozen=True)
-class KangarooOptions:
+class KangarooOptions(LookupFirstOptions):
     """Kangaroo: draft with layers < exit_layer + an adapter, stop drafting when unsure (lossless).
 
     With ``adapter`` (a directory written by ``SpeculativeModel.save_adapter``) every option
@@ -283,6 +351,7 @@ class KangarooOptions:
         _check_int("max_draft_tokens", gamma, 1)
         eta = pick("confidence_threshold", KANGAROO_CONFIDENCE_THRESHOLD)
         _check_threshold("confidence_threshold", eta)
+        self.check_lookup()
         cache_len = pick("max_cache_len", None)
         _check_cache(cache_len)
         _check_bool("fuse_layers", self.fuse_layers)
@@ -325,7 +394,7 @@ M2R2_NUM_SPECULATIONS = 3  # the paper's g (sec. 3.2)
 
 
 @dataclass(frozen=True)
-class M2R2Options:
+class M2R2Options(LookupFirstOptions):
     """M2R2 self-speculation (sec. 2.3.2): fast-stream drafts, slow verification (lossless).
 
     With ``parts`` (a directory written by ``SpeculativeModel.save_parts``) every option left
@@ -375,6 +444,7 @@ class M2R2Options:
         _check_threshold("confidence_threshold", eta)
         if self.fast_keys is not None:
             _check_int("fast_keys", self.fast_keys, 1)
+        self.check_lookup()
         _check_cache(self.max_cache_len)
         _check_bool("fuse_layers", self.fuse_layers)
         return dataclasses.replace(
@@ -479,7 +549,7 @@ EAGLE_CONFIDENCE_THRESHOLD = 0.3
 
 
 @dataclass(frozen=True)
-class EagleOptions:
+class EagleOptions(LookupFirstOptions):
     """EAGLE: a one-layer draft head on the last hidden state drafts a chain (lossless).
 
     With ``parts`` (a directory written by ``SpeculativeModel.save_parts``) every option left
@@ -532,6 +602,7 @@ class EagleOptions:
                 f"init_layer: {init!r} does not match the head at {path!r}, whose layer was "
                 f"copied from layer {saved['init_layer']}; allowed: {saved['init_layer']} or None"
             )
+        self.check_lookup()
         cache_len = pick("max_cache_len", None)
         _check_cache(cache_len)
         _check_bool("fuse_layers", self.fuse_layers)
@@ -560,6 +631,7 @@ def _eagle_schedule(o: EagleOptions, gm: fx.GraphModule | None = None):
         eagle.eagle,
         max_draft_tokens=o.max_draft_tokens,
         confidence_threshold=o.confidence_threshold,
+        first=o.lookup_first(),
     )
 
 
@@ -600,6 +672,9 @@ class Recipe:
     # pass checks); None: the recipe does not draft. Over an offloaded MoE model, apply lowers
     # it to fit the slots where the caller left it unset (``fit_drafts_to_slots``).
     draft_option: str | None = None
+    # Why ``lookup=True`` is refused, for a recipe whose options do not take it (those of
+    # ``lookup_recipes()`` do).
+    lookup_refusal: str = "it has no draft-and-verify rounds to draft for"
 
 
 def _full_only(gm: fx.GraphModule) -> Stages:
@@ -629,6 +704,7 @@ RECIPES: dict[str, Recipe] = {
             lookahead=lambda o: o.num_speculations + 1,
             lossless=True,
             draft_option="num_speculations",
+            lookup_refusal="it drafts by prompt lookup itself",
         ),
         Recipe(
             name="auto",
@@ -640,6 +716,7 @@ RECIPES: dict[str, Recipe] = {
             lookahead=lambda o: o.num_speculations + 1,
             lossless=True,
             draft_option="num_speculations",
+            lookup_refusal="it drafts by prompt lookup itself",
         ),
         Recipe(
             name="swift",
@@ -647,9 +724,14 @@ RECIPES: dict[str, Recipe] = {
             options_type=SwiftOptions,
             passes=lambda o: [*_fuse(o), DraftSkipSet(layers=o.skip_layers)],
             cut=swift_stages,
-            schedule=lambda o: partial(swift.swift, num_speculations=o.num_speculations),
+            schedule=lambda o: partial(
+                swift.swift, num_speculations=o.num_speculations, first=o.lookup_first()
+            ),
             lookahead=lambda o: o.num_speculations + 1,
             lossless=True,
+            # nothing trains; the parts are the skip set (SpeculativeModel.calibrate finds it)
+            training=swift.SwiftParts,
+            parts_option="parts",
             # the Inductor and ONNX paths of a layer-skipped draft stage are not written yet
             compiles=False,
             draft_option="num_speculations",
@@ -685,6 +767,7 @@ RECIPES: dict[str, Recipe] = {
                 kangaroo.kangaroo,
                 max_draft_tokens=o.max_draft_tokens,
                 confidence_threshold=o.confidence_threshold,
+                first=o.lookup_first(),
             ),
             lookahead=lambda o: o.max_draft_tokens + 1,
             lossless=True,
@@ -702,6 +785,7 @@ RECIPES: dict[str, Recipe] = {
                 m2r2.m2r2,
                 num_speculations=o.num_speculations,
                 confidence_threshold=o.confidence_threshold,
+                first=o.lookup_first(),
             ),
             lookahead=lambda o: o.num_speculations + 1,
             lossless=True,
@@ -752,6 +836,18 @@ RECIPES: dict[str, Recipe] = {
             lossless=lambda o: o.verify,
             training=partial(load_training, "specee"),
             parts_option="parts",
+            lookup_refusal=(
+                "its decoder keeps state from pass to pass that a full-model round does not "
+                "update: the EAGLE drafter's last hidden state, the per-layer validity of cached "
+                "keys (kv_fill='mask'), the online layer schedule; and without verify=True it "
+                "is lossy"
+            ),
         ),
     )
 }
+
+
+def lookup_recipes() -> list[str]:
+    """The recipes whose options take ``lookup=True`` (prompt lookup before their own drafter:
+    ``LookupFirstOptions``)."""
+    return [n for n, r in RECIPES.items() if issubclass(r.options_type, LookupFirstOptions)]

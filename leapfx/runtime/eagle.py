@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import torch
 
+from .lookup import LookupFirst, draft_tokens, point_mass
 from .metrics import DecodeMetrics
 from .runner import StageRunner
 from .schedules import DecodeRequest, Output, _drafted, _token, accept, choose, draft_probs
@@ -106,10 +107,17 @@ def eagle(
     metrics: DecodeMetrics,
     max_draft_tokens: int,
     confidence_threshold: float,
+    first: LookupFirst | None = None,
 ) -> list[int]:
-    """EAGLE chain decoding: head drafts with dynamic length, the full model verifies."""
+    """EAGLE chain decoding: head drafts with dynamic length, the full model verifies.
+
+    ``first`` (``lookup=True``): each round drafts by prompt lookup where the text so far has
+    a match, else with the head. A lookup round is verified by the same ``target`` call, which
+    writes the head's slot from the true features and returns the h the next round reads, so
+    it leaves the head's state as a head round does (and has no draft KV to crop)."""
     metrics.num_speculations = max_draft_tokens  # CTAR(w) for w = 1..d
     out = Output(request)
+    lookup = first.drafter(prompt) if first is not None else None
     lay = runner.layout
     zero = torch.zeros(1, 1, 1, dtype=lay.dtype, device=lay.device)  # h_{-1}, broadcast to D
     logits, hidden = target_step(runner, prompt, zero, 0)  # prefill: [1, n, V], [1, n, D]
@@ -126,13 +134,22 @@ def eagle(
             x, h, pos = choose(logits[:, -1], request), hidden, pos + 1
             out.extend([_token(x)], logits[0, -1:])
             continue
-        drafts, q = draft_chain(runner, x, h, pos, d, confidence_threshold, request)
+        proposal = lookup.propose(out.tokens, d) if lookup is not None else None
+        copied = proposal is not None and bool(proposal.tokens)
+        if copied:
+            metrics.record_round(proposal.drafter, proposal.ngram)
+            drafts, q = draft_tokens(proposal, x), None  # [1, d]; q once V is known
+        else:
+            metrics.record_round("eagle")
+            drafts, q = draft_chain(runner, x, h, pos, d, confidence_threshold, request)
+            # The draft's head KV came from the head's own states; verify rewrites it from
+            # h. Only the head's slot holds positions >= pos, so this crops it alone.
+            runner.cache.crop(pos)
         d = drafts.shape[1]
         metrics.draft_calls += d
-        # The draft's head KV came from the head's own states; verify rewrites it from h.
-        # Only the head's slot holds positions >= pos, so this crops it alone.
-        runner.cache.crop(pos)
         logits, hidden = target_step(runner, torch.cat([x, drafts], dim=1), h, pos)
+        if copied:
+            q = point_mass(drafts, logits.shape[-1], request)  # [1, d, V] or None
         n, nxt = accept(drafts, q, logits, request)  # [1], [1] on the device
         # The round's one host sync: the cache lengths are Python ints (crop), and the stop
         # rule reads the emitted tokens.

@@ -37,7 +37,7 @@ import torch
 
 from .metrics import DecodeMetrics
 from .runner import StageRunner
-from .schedules import DecodeRequest, draft, self_speculative
+from .schedules import DecodeRequest, FirstDrafter, draft, self_speculative
 
 
 def draft_until_unsure(
@@ -64,11 +64,19 @@ def kangaroo(
     metrics: DecodeMetrics,
     max_draft_tokens: int,
     confidence_threshold: float,
+    first: FirstDrafter | None = None,
 ) -> list[int]:
-    """Kangaroo decoding: adapter drafts with dynamic length, the upper layers verify."""
+    """Kangaroo decoding: adapter drafts with dynamic length, the upper layers verify.
+
+    ``first``: a drafter tried before the adapter each round (``lookup=True``). Its rounds are
+    verified by the ``full`` stage, which also runs the adapter's attention on the positions
+    it covers, so the adapter's slot holds every committed position after them as after its
+    own rounds."""
     metrics.num_speculations = max_draft_tokens  # CTAR(w) for w = 1..gamma
 
     def drafter(runner, x, start, gamma, request):
         return draft_until_unsure(runner, x, start, gamma, confidence_threshold, request)
 
-    return self_speculative(runner, prompt, request, metrics, max_draft_tokens, drafter)
+    return self_speculative(
+        runner, prompt, request, metrics, max_draft_tokens, drafter, "kangaroo", first
+    )

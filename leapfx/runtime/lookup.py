@@ -26,6 +26,14 @@ A round, with the newest token x at position p (not yet in the cache)::
 
 Without a match the round is one plain full step (d' = 0). One KV cache, cropped after each
 round; the only host sync is the loop's one a round.
+
+A drafting recipe's ``lookup=True`` (:class:`LookupFirst`) puts the same drafter before its
+own: a round with a match verifies it as above, a round without one is the recipe's own round
+(its drafter, its verify). The full call writes every layer's keys for the positions it runs,
+and every slot the recipe adds that its ``full`` stage fills (Kangaroo's adapter), so after the
+crop the cache is what the recipe's own round would have left. EAGLE verifies a match with its
+``target`` call instead, which also fills the head's slot and returns the last hidden state
+its next round reads.
 """
 
 from __future__ import annotations
@@ -37,7 +45,7 @@ import torch
 
 from .metrics import DecodeMetrics
 from .runner import StageRunner
-from .schedules import DecodeRequest, Output, speculative_loop
+from .schedules import DecodeRequest, Output, Round, speculative_loop
 
 
 @dataclass(frozen=True)
@@ -138,6 +146,19 @@ class PromptLookup:
         return Drafts(tokens, self.name if tokens else "none", n)
 
 
+def draft_tokens(proposal: Drafts, x: torch.Tensor) -> torch.Tensor:
+    """The proposal's tokens as drafts [1, d] on x's device, in x's dtype."""
+    return torch.tensor([proposal.tokens], dtype=x.dtype, device=x.device)
+
+
+def point_mass(drafts: torch.Tensor, vocab: int, request: DecodeRequest) -> torch.Tensor | None:
+    """A copied draft's distribution q [1, d, V] under sampling (a point mass on each draft,
+    so rejection sampling keeps y with probability p(y)); None when greedy."""
+    if not request.sampling.do_sample:
+        return None
+    return torch.nn.functional.one_hot(drafts, vocab).to(torch.float32)
+
+
 def verify_drafts(
     runner: StageRunner, x: torch.Tensor, pos: int, proposal: Drafts, request: DecodeRequest
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
@@ -146,12 +167,44 @@ def verify_drafts(
     (drafts [1, 0], logits [1, 1, V]), timed as "full"; otherwise timed as "verify"."""
     if not proposal.tokens:
         return x[:, :0], None, runner.full(x, pos)  # [1, 0], [1, 1, V]
-    drafts = torch.tensor([proposal.tokens], dtype=x.dtype, device=x.device)  # [1, d]
+    drafts = draft_tokens(proposal, x)  # [1, d]
     logits = runner.full(torch.cat([x, drafts], dim=1), pos, key="verify")  # [1, d+1, V]
-    q = None
-    if request.sampling.do_sample:  # the draft distribution: a point mass on each draft
-        q = torch.nn.functional.one_hot(drafts, logits.shape[-1]).to(torch.float32)
-    return drafts, q, logits
+    return drafts, point_mass(drafts, logits.shape[-1], request), logits
+
+
+@dataclass(frozen=True)
+class LookupFirst:
+    """Prompt lookup before a recipe's own drafter (a drafting recipe's ``lookup=True``).
+
+    Each round looks the text so far (prompt + emitted tokens) up as :class:`PromptLookup`
+    does; with a match its drafts are verified by one ``full`` call over [x, drafts]
+    (:func:`verify_drafts`) and the round counts as "lookup", without one the recipe's own
+    round runs (and counts as the recipe's drafter). Lossless either way: every round is
+    verified by the full model. It composes with a recipe whose rounds leave nothing but the
+    KV cache for the next one and whose ``full`` stage writes every slot its drafter reads
+    (``schedules.speculative_loop``'s ``first``); EAGLE's loop, which carries the last hidden
+    state, runs :meth:`drafter` itself and verifies with its ``target`` stage.
+    """
+
+    max_ngram: int
+    min_ngram: int = 1
+
+    def drafter(self, prompt: torch.Tensor) -> PromptLookup:
+        """A PromptLookup over ``prompt`` [1, n]."""
+        return PromptLookup(prompt[0].tolist(), self.max_ngram, self.min_ngram)
+
+    def round(self, own: Round, prompt: torch.Tensor, out: Output, metrics: DecodeMetrics) -> Round:
+        """The round that drafts by lookup where the text has a match, else runs ``own``."""
+        drafter = self.drafter(prompt)
+
+        def round_(runner, x, pos, d, request):
+            proposal = drafter.propose(out.tokens, d)
+            if not proposal.tokens:
+                return own(runner, x, pos, d, request)  # it records its own drafter
+            metrics.record_round(proposal.drafter, proposal.ngram)
+            return verify_drafts(runner, x, pos, proposal, request)
+
+        return round_
 
 
 def lookup(

@@ -29,6 +29,7 @@ from .metrics import DecodeMetrics
 from .runner import StageRunner
 from .schedules import (
     DecodeRequest,
+    FirstDrafter,
     Output,
     _drafted,
     _token,
@@ -81,16 +82,21 @@ def m2r2(
     metrics: DecodeMetrics,
     num_speculations: int,
     confidence_threshold: float = 0.0,
+    first: FirstDrafter | None = None,
 ) -> list[int]:
-    """M2R2 self-speculative decoding: fast-stream drafts, one slow verify pass a round."""
+    """M2R2 self-speculative decoding: fast-stream drafts, one slow verify pass a round.
+
+    ``first``: a drafter tried before the fast stream each round (``lookup=True``; a round's
+    fast keys live in its own scratch, so nothing but the cache outlives a round)."""
     metrics.num_speculations = num_speculations
 
     def round_(runner, x, pos, g, request):
         drafts, q = draft_fast(runner, x, pos, g, request, threshold=confidence_threshold)
+        metrics.record_round("m2r2")
         # The slow stream over [x, drafts]: [1, g+1, V]. Counted as a verify call.
         return drafts, q, runner.full(torch.cat([x, drafts], dim=1), pos, key="verify")
 
-    return speculative_loop(runner, prompt, request, metrics, num_speculations, round_)
+    return speculative_loop(runner, prompt, request, metrics, num_speculations, round_, first=first)
 
 
 def m2r2_exit(

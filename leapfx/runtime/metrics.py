@@ -17,12 +17,14 @@ Early exit (lossy recipes):
   model's greedy tokens are emitted, the recipe decides with its own cache state), the share of
   positions whose own token equals the teacher's; None without teacher forcing.
 
-Drafters chosen per round (prompt lookup, the adaptive drafter):
+Drafters chosen per round (prompt lookup, the adaptive drafter, a drafting recipe's own
+drafter and, with its ``lookup=True``, prompt lookup before it):
 
-- ``drafter_rounds`` = {drafter: rounds}; rounds that drafted nothing are "none" (no n-gram
-  match) or "declined" (a match, but the adaptive policy chose a plain step); those rounds are
-  full calls, not verify steps, so acceptance and mean accepted length count only rounds that
-  drafted;
+- ``drafter_rounds`` = {drafter: rounds}: "lookup" for n-gram drafts, the recipe's name
+  ("swift", "layerskip", "kangaroo", "m2r2", "eagle") for its own drafter's; rounds that
+  drafted nothing are "none" (no n-gram match) or "declined" (a match, but the adaptive policy
+  chose a plain step); those rounds are full calls, not verify steps, so acceptance and mean
+  accepted length count only rounds that drafted;
 - ``ngram_matches``  = {n: rounds whose drafts continued a match of the last n tokens}.
 """
 

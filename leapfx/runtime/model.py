@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import torch
@@ -115,6 +115,8 @@ class SpeculativeModel:
         # generate call lands in last_offload_report.
         self.offload = offload
         self.last_offload_report = None
+        # swift: what the latest calibrate() measured (None before one).
+        self.calibration = None
 
     @property
     def hf_model(self) -> nn.Module:
@@ -348,26 +350,148 @@ class SpeculativeModel:
                 "the model is in training mode (dropout active); call model.eval() first",
                 stacklevel=2,
             )
+        tokens, self.last_metrics = self._decode(self.recipe.schedule, prompt, request)
+        return finish(input_ids, tokens, call, self.last_metrics)
+
+    def _decode(
+        self, schedule: Schedule, prompt: torch.Tensor, request: DecodeRequest, name: str = ""
+    ) -> tuple[list[int], DecodeMetrics]:
+        """Run ``schedule`` (named ``name`` in the metrics; default the recipe's) on this
+        model's stages and cache: ``generate``'s decode, and ``calibrate``'s timed ones."""
         needed = prompt.shape[1] + request.max_new_tokens + self.recipe.lookahead
         stages = self._executors or self.stages.modules
         runner = StageRunner(stages, self._cache_for(needed), self._layout)
         if self.offload is not None:
             self.offload.begin()  # on a CPU it may set torch's threads (compute_threads)
         try:
-            tokens, self.last_metrics = decode(
-                self.recipe.schedule, runner, prompt, request, name=self.recipe.name,
+            tokens, metrics = decode(
+                schedule, runner, prompt, request, name=name or self.recipe.name,
                 num_speculations=getattr(self.options, "num_speculations", 0),
             )  # fmt: skip
-            self.last_metrics.cpu_kernels = self.cpu_kernels
+            metrics.cpu_kernels = self.cpu_kernels
             if self.offload is not None:
                 self.offload.synchronize()  # prefetches still in flight finish before we return
-                self.last_offload_report = self.offload.report(
-                    len(tokens), self.last_metrics.seconds
-                )
+                self.last_offload_report = self.offload.report(len(tokens), metrics.seconds)
         finally:
             if self.offload is not None:
                 self.offload.end()
-        return finish(input_ids, tokens, call, self.last_metrics)
+        return tokens, metrics
+
+    @torch.inference_mode()
+    def calibrate(
+        self,
+        prompts: Any,
+        *,
+        max_new_tokens: int = 32,
+        max_skip: int | None = None,
+        progress: bool = True,
+    ) -> Any:
+        """swift: find the skip set whose decodes measure fastest on ``prompts`` and draft with
+        it from now on; returns what was measured (``leapfx.runtime.swift.SkipCalibration``).
+
+        The model is changed in place: its ``draft`` stage is cut again without the set found,
+        ``options.skip_layers`` is that set, and ``save_parts(dir)`` stores it, so that
+        ``rewrite.apply(hf_model, "swift", parts=dir)`` drafts with it (a ``skip_layers``
+        given there must be the same set). ``prompts``: token ids, a list of [1, n] tensors,
+        decoded greedily for ``max_new_tokens`` tokens each (no EOS stop) after one untimed
+        warm-up, on this model's stages as ``generate`` runs them (its ``num_speculations``,
+        its ``lookup``); the empty set is timed as autoregressive decoding of the ``full``
+        stage. ``runtime.swift.search_skip_set`` grows the set one layer at a time while the
+        measured tokens/s improve: O(L^2) decodes, so keep the prompts few and short.
+        ``max_skip``: at most this many layers skipped (default L - 2, at least 1). Where no
+        set beats autoregressive decoding the model drafts with the fastest single layer
+        measured and the record's ``speedup`` is below 1 (a warning says so): ``autoregressive``
+        or ``auto`` then decodes faster than any swift set here. ``progress``: a progress bar.
+
+        >>> sm = rewrite.apply(hf_model, "swift")
+        >>> sm.calibrate([tok(p, return_tensors="pt").input_ids for p in texts]).skip_layers
+        (3, 5, 8)
+        >>> sm.save_parts("swift-parts/")
+        """
+        from . import schedules, swift
+
+        if self.recipe.name != "swift":
+            raise ValueError(
+                f"calibrate: recipe {self.recipe.name!r} has no skip set to calibrate; allowed: "
+                "a 'swift' model (rewrite.apply(model, 'swift'))"
+            )
+        num_layers = self.config.num_hidden_layers
+        ok = (
+            isinstance(prompts, (list, tuple))
+            and len(prompts) > 0
+            and all(
+                isinstance(p, torch.Tensor) and p.dim() == 2 and p.shape[0] == 1 for p in prompts
+            )
+        )
+        if not ok:
+            raise ValueError(
+                f"prompts: {type(prompts).__name__} is invalid; allowed: a non-empty list of "
+                "token-id tensors of shape [1, n]"
+            )
+        for p in prompts:
+            check_prompt(p, None, self.config.vocab_size)
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or (
+            max_new_tokens < 1
+        ):  # fmt: skip
+            raise ValueError(f"max_new_tokens: {max_new_tokens!r} is invalid; allowed: int >= 1")
+        if max_skip is not None and not (
+            isinstance(max_skip, int) and not isinstance(max_skip, bool)
+            and 1 <= max_skip <= num_layers - 1
+        ):  # fmt: skip
+            raise ValueError(
+                f"max_skip: {max_skip!r} is invalid; allowed: None or an integer "
+                f"1..{num_layers - 1}"
+            )
+        if not isinstance(progress, bool):
+            raise ValueError(f"progress: {progress!r} is invalid; allowed: True or False")
+        prompts = [p.to(self._layout.device) for p in prompts]
+        before = self.recipe
+
+        def speed(skip: tuple[int, ...]) -> float:
+            if skip:
+                self._use_skip_set(skip)
+                schedule, name = self.recipe.schedule, "swift"
+            else:
+                schedule, name = schedules.autoregressive, "autoregressive"
+
+            def run(prompt, request):
+                return self._decode(schedule, prompt, request, name)[1]
+
+            return swift.measured_speed(run, prompts, max_new_tokens)
+
+        try:
+            result = swift.fastest_skip_set(speed, num_layers, max_skip=max_skip, progress=progress)
+        except BaseException:
+            self._use_skip_set(before.options.skip_layers)  # the model as it was
+            self.recipe = before
+            raise
+        self._use_skip_set(result.skip_layers)
+        self.calibration = result
+        if result.speedup < 1:
+            warnings.warn(
+                f"calibrate: no skip set beat autoregressive decoding on these prompts (the "
+                f"fastest, {result.skip_layers}, ran {result.speedup:.2f}x); the model drafts "
+                "with it, but 'autoregressive' or 'auto' decodes faster here",
+                stacklevel=3,  # the caller of calibrate, past inference_mode's wrapper
+            )
+        return result
+
+    def _use_skip_set(self, skip: tuple[int, ...]) -> None:
+        """swift: cut the ``draft`` stage again without layers ``skip`` and record the set in
+        the options (``parts``, where the set came from a directory, no longer applies); the
+        CPU kernels' executors, where on, are packed again from the stages."""
+        from ..passes.skip_layers import DRAFT_SKIP, swift_stages
+
+        if skip == self.options.skip_layers:
+            return
+        kernels = self._executors is not None
+        self.graph_module.meta[DRAFT_SKIP] = skip
+        self.stages = swift_stages(self.graph_module)
+        options = replace(self.options, skip_layers=skip, parts=None)
+        self.recipe = replace(self.recipe, options=options)
+        self._executors = None
+        if kernels:
+            self.use_cpu_kernels(True)
 
     def export_onnx(
         self, path: Any, *, opset: int = 23, overwrite: bool = False, optimize: bool = True

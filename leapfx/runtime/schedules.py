@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -290,6 +290,17 @@ Round = Callable[
 ]
 
 
+class FirstDrafter(Protocol):
+    """A drafter each round tries before the recipe's own (``lookup.LookupFirst``: prompt
+    lookup, a drafting recipe's ``lookup=True``). ``round(own, prompt, out, metrics)`` is the
+    round that drafts with it where it has drafts and runs ``own`` where it has none; it reads
+    the text so far from ``out``, the loop's Output."""
+
+    def round(
+        self, own: Round, prompt: torch.Tensor, out: Output, metrics: DecodeMetrics
+    ) -> Round: ...
+
+
 def speculative_loop(
     runner: StageRunner,
     prompt: torch.Tensor,
@@ -298,6 +309,7 @@ def speculative_loop(
     num_speculations: int,
     round_: Round,
     out: Output | None = None,
+    first: FirstDrafter | None = None,
 ) -> list[int]:
     """Draft-then-verify decoding: prefill, then rounds of ``round_`` with the acceptance of
     ``accept``; the cache is cropped to the accepted prefix after each round (O(1)).
@@ -305,8 +317,11 @@ def speculative_loop(
     A round may draft nothing (drafts [1, 0]; prompt lookup without a match): its target
     logits [1, 1, V] are then a plain full step's and the token is chosen from them, counted
     as a full call, not a verify. ``out``: the Output to collect into (a drafter that reads the
-    text generated so far, as prompt lookup does, holds the same one); None: a fresh one."""
+    text generated so far, as prompt lookup does, holds the same one); None: a fresh one.
+    ``first``: a drafter tried before ``round_`` each round (None: ``round_`` alone)."""
     out = Output(request) if out is None else out
+    if first is not None:
+        round_ = first.round(round_, prompt, out, metrics)
     logits = runner.full(prompt, 0)  # prefill: [1, n, V]
     metrics.full_calls += 1
     pos = prompt.shape[1]  # position of x, the newest token (not yet in the cache)
@@ -351,15 +366,22 @@ def self_speculative(
     metrics: DecodeMetrics,
     num_speculations: int,
     drafter: Drafter = draft,
+    name: str = "layerskip",
+    first: FirstDrafter | None = None,
 ) -> list[int]:
     """LayerSkip self-speculative decoding: draft with layers < E, verify with the rest.
 
     ``drafter`` makes the drafts (layers < E and the exit head by default; Kangaroo passes its
-    adapter's dynamic-length drafter)."""
+    adapter's dynamic-length drafter); its rounds count as ``name`` in ``drafter_rounds``.
+    ``first``: a drafter tried before it each round (``lookup=True``). Nothing but the KV
+    cache outlives a round (the exit hidden states go from the draft to the verify of the same
+    round), so a round of another drafter verified by the ``full`` stage, which writes every
+    slot (an adapter's too), leaves the next round what its own round would."""
 
     def round_(runner, x, pos, d, request):
         drafts, exit_hidden, q = drafter(runner, x, pos, d, request)
+        metrics.record_round(name)
         # Lower layers for the last draft, upper layers for x and every draft: [1, d+1, V].
         return drafts, q, runner.verify(drafts[:, -1:], exit_hidden, pos)
 
-    return speculative_loop(runner, prompt, request, metrics, num_speculations, round_)
+    return speculative_loop(runner, prompt, request, metrics, num_speculations, round_, first=first)
