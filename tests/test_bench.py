@@ -465,3 +465,35 @@ def test_load_model_dtype(checkpoint):
     model, _ = load_model(checkpoint, dtype="float16")
     assert next(model.parameters()).dtype == torch.float16
     assert next(load_model(checkpoint)[0].parameters()).dtype == torch.float32  # CPU default
+
+
+def test_run_bench_interleaves_the_systems_prompt_by_prompt(monkeypatch):
+    # Every prompt is decoded by every system in turn (order rotated each time), so a busy
+    # spell of the machine falls on all rows alike; each row still gets its own outputs in
+    # prompt order and one time per pass (the sum of its decodes).
+    from leapfx.bench import harness
+
+    calls = []
+
+    def system(name: str):
+        def generate(prompt):
+            calls.append((name, int(prompt[0, 0])))
+            return torch.cat([prompt, prompt[:, :1]], dim=1)
+
+        return harness.System(name, generate)
+
+    systems = [system("a"), system("b"), system("c")]
+    monkeypatch.setattr(harness, "build_systems", lambda model, config: systems)
+    monkeypatch.setattr(
+        harness, "_rows", lambda systems, prompts, config, times, first: (times, first)
+    )
+    monkeypatch.setattr(harness, "_explain_differences", lambda *a: None)
+    prompts = [torch.tensor([[i, 7]]) for i in (10, 11)]
+    times, first = run_bench(None, prompts, BenchConfig(repeats=2, warmup=1), progress=False)
+    # pass-major, then prompt-major; the order rotates by one each (pass, prompt)
+    assert calls[:6] == [("a", 10), ("b", 10), ("c", 10), ("b", 11), ("c", 11), ("a", 11)]
+    assert calls[6:9] == [("c", 10), ("a", 10), ("b", 10)]
+    assert len(calls) == 3 * 2 * 3
+    assert all(len(t) == 2 for t in times.values())  # the two timed passes, not the warm-up
+    for name in "abc":
+        assert [o[0, 0].item() for o in first[name].outputs] == [10, 11]

@@ -260,6 +260,16 @@ class SystemRun:
     metrics: list[DecodeMetrics]
     offload: list = field(default_factory=list)  # OffloadReports of an offload row
 
+    @classmethod
+    def merge(cls, runs: list[SystemRun]) -> SystemRun:
+        """One pass's run from its per-prompt runs, in prompt order."""
+        return cls(
+            [o for r in runs for o in r.outputs],
+            sum(r.seconds for r in runs),
+            [m for r in runs for m in r.metrics],
+            [o for r in runs for o in r.offload],
+        )
+
 
 class System:
     """A named way to decode: ``generate(prompt) -> (ids [1, n + new], metrics or None)``."""
@@ -733,16 +743,25 @@ def run_bench(
     passes = config.warmup + config.repeats
     times: dict[str, list[float]] = {s.name: [] for s in systems}
     first: dict[str, SystemRun] = {}
-    bar = progress_bar(total=passes * len(systems), desc="bench", unit="run", enabled=progress)
+    bar = progress_bar(
+        total=passes * len(prompts) * len(systems), desc="bench", unit="decode", enabled=progress
+    )
     for p in range(passes):
-        k = p % len(systems)
-        for system in systems[k:] + systems[:k]:  # rotate the order every pass
-            bar.set_postfix_str(system.name)
-            result = system.run(prompts)
+        runs: dict[str, list[SystemRun]] = {s.name: [] for s in systems}
+        for i, prompt in enumerate(prompts):
+            # Prompt by prompt, every system in turn (the order rotated each time): a busy
+            # machine's drift falls on all systems alike instead of on whichever block of
+            # prompts it hit, so the ratios between rows hold on a shared machine.
+            k = (p * len(prompts) + i) % len(systems)
+            for system in systems[k:] + systems[:k]:
+                bar.set_postfix_str(system.name)
+                runs[system.name].append(system.run([prompt]))
+                bar.update()
+        for system in systems:
+            result = SystemRun.merge(runs[system.name])
             if p >= config.warmup:
                 times[system.name].append(result.seconds)
                 first.setdefault(system.name, result)
-            bar.update()
     bar.close()
     for system in systems:  # the offload rows' disk tiers are temporary files: remove them
         if system.offload is not None:
