@@ -14,7 +14,6 @@ relative to ``leapfx_autoregressive``.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -140,7 +139,3 @@ def sweep_table(rows: list[Calibration]) -> str:
             f" {m / r.predicted:>6.2f}"
         )
     return "\n".join(lines)
-
-
-def as_dicts(rows: list[Calibration]) -> list[dict]:
-    return [dataclasses.asdict(r) for r in rows]

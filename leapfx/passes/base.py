@@ -126,7 +126,3 @@ class PassPipeline:
             facts = set(gm.meta.get("leapfx.facts", self.initial_facts))
             gm.meta["leapfx.facts"] = frozenset(facts | p.provides)
         return gm
-
-    def describe(self) -> str:
-        """One line per pass, in run order: ``name(options)``."""
-        return "\n".join(str(p) for p in self.passes)

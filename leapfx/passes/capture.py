@@ -334,9 +334,3 @@ def output_dict(gm: fx.GraphModule) -> dict[str, fx.Node]:
 def set_output_dict(gm: fx.GraphModule, outputs: dict[str, fx.Node]) -> None:
     out = next(n for n in gm.graph.nodes if n.op == "output")
     out.args = (dict(outputs),)
-
-
-@torch.no_grad()
-def reference_logits(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
-    """Logits of the HF model itself, for tests and tie checks."""
-    return model(input_ids=input_ids, use_cache=False).logits
