@@ -62,9 +62,8 @@ SPLIT_VERIFY = ("auto", "on", "off")  # --onnx-split-verify
 THREAD_POOLS = ("shared", "session")  # --onnx-thread-pool
 # How much faster a split verify must time than the whole graph for --onnx-split-verify auto
 # to choose it (fastest_split_verify): it makes two session calls a verify where the whole
-# graph makes one, which its short timing does not show. On a 2-core Xeon with one shared
-# thread pool the two tied there (0.69-0.72 ms/token each) while the bench's decodes measured
-# verify at 1.21 full steps whole against 1.34 split (2026-11-24).
+# graph makes one, which its short timing does not show: where the two tie in that timing, the
+# bench's decodes measure the split verify slower (numbers: docs/benchmarks.md).
 SPLIT_MARGIN = 0.03
 # hf_prompt_lookup's prompt_lookup_num_tokens: the value HF's assisted-generation docs use.
 HF_PROMPT_LOOKUP_TOKENS = 10
