@@ -276,7 +276,9 @@ def finish(input_ids: torch.Tensor, tokens: list[int], call: Call, metrics: Deco
     processing = call.request.processing
     scores = logits = None
     if config.output_scores:
-        scores = processing.replay(input_ids.shape[1])
+        # processed already, token by token, where stopping criteria read them
+        kept = processing.stopping and processing.criteria_scores
+        scores = tuple(processing.processed) if kept else processing.replay(input_ids.shape[1])
     if config.output_logits:
         logits = tuple(processing.logits)
     out = GenerateDecoderOnlyOutput(sequences=sequences, scores=scores, logits=logits)
