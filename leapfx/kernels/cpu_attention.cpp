@@ -11,7 +11,7 @@
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
-#include <torch/torch.h>
+#include <ATen/ATen.h>
 
 #include <algorithm>
 #include <cmath>

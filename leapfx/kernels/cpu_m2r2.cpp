@@ -22,7 +22,7 @@
 // included: OLMoE), and ranks the experts of the MoE layers it predicts with their routers.
 
 #include <torch/library.h>
-#include <torch/torch.h>
+#include <ATen/ATen.h>
 
 #include "cpu_vec.h"
 

@@ -41,7 +41,10 @@
 // wait, run and close release the GIL (the binding at the end), so they block only the calling
 // thread (tests/test_offload_native.py checks that another Python thread runs meanwhile).
 
-#include <torch/extension.h>
+#include <c10/util/Exception.h>  // TORCH_CHECK
+#include <c10/util/Half.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <pthread.h>
 #include <sched.h>

@@ -12,7 +12,7 @@
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
-#include <torch/torch.h>
+#include <ATen/ATen.h>
 
 #include "cpu_vec.h"
 
