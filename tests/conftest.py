@@ -180,6 +180,10 @@ def llama():
 
 
 def pytest_collection_modifyitems(config, items):
+    # Tests marked slow (Inductor compiles, the reference model: a minute or more each, cold)
+    # run first, so that xdist's load balancing does not end with one worker running one of
+    # them alone while the other idles. A stable sort: the order is otherwise unchanged.
+    items.sort(key=lambda item: "slow" not in item.keywords)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

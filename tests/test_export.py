@@ -326,6 +326,7 @@ def test_cli_errors_are_one_line(checkpoint, tmp_path, capsys):
     assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.slow  # loads the reference model three times
 def test_cli_export_takes_the_shipped_setting_of_the_reference_model(tmp_path, capsys, monkeypatch):
     # Without --model, export writes what `leapfx bench` runs: layerskip at E=6, d=4 and
     # kangaroo with the shipped adapter; a flag given explicitly wins.
