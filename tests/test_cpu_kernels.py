@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from leapfx import rewrite
 from leapfx.bench.harness import BenchConfig, use_cpu_kernels
 from leapfx.kernels import cpu
-from leapfx.passes.fuse_layers import (
+from leapfx.modules.fused import (
     FusedDecoderLayer,
     KernelDecoderLayer,
     KernelLinear,

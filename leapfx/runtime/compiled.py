@@ -50,9 +50,8 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from ..passes import fuse_layers
-from ..passes.accelerator import AcceleratedLayer, KernelAcceleratedLayer
-from ..passes.fuse_layers import (
+from ..modules import fused
+from ..modules.fused import (
     FusedAttention,
     FusedDecoderLayer,
     KernelAttention,
@@ -65,7 +64,8 @@ from ..passes.fuse_layers import (
     TransposedLinear,
     experts_kernel_covers,
 )
-from ..passes.predictor import KernelLayerExit, LayerExit
+from ..modules.m2r2 import AcceleratedLayer, KernelAcceleratedLayer
+from ..modules.specee import KernelLayerExit, LayerExit
 from .cache import StaticKVCache
 from .masks import position_masks
 from .runner import AttentionLayout
@@ -618,8 +618,8 @@ def _masks_read_by_kernels_only(gm: fx.GraphModule) -> bool:
 def _mask_free(start: int, length: int) -> bool:
     """Whether kernel layers attend to rows start..start+length-1 of one sequence through
     ``leapfx_cpu::attention`` (one row, or rows over at most ``KERNEL_ROWS_MAX_KEYS`` keys:
-    ``fuse_layers._attend``), reading no mask. A kernel stage's ``mask_free``."""
-    return length == 1 or start + length <= fuse_layers.KERNEL_ROWS_MAX_KEYS
+    ``fused._attend``), reading no mask. A kernel stage's ``mask_free``."""
+    return length == 1 or start + length <= fused.KERNEL_ROWS_MAX_KEYS
 
 
 ROTARY_TABLE_MAX = 4096  # positions a rotary table holds at most (2 x 4096 x head_dim floats)

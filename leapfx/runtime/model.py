@@ -195,7 +195,7 @@ class SpeculativeModel:
     @property
     def cpu_kernels(self) -> bool:
         """Whether the stages that ``generate`` runs use the ``leapfx_cpu`` kernels."""
-        from ..passes.fuse_layers import KernelDecoderLayer, KernelExperts, KernelLinear
+        from ..modules.fused import KernelDecoderLayer, KernelExperts, KernelLinear
 
         kinds = (KernelDecoderLayer, KernelExperts, KernelLinear)
         for stage in (self._executors or {}).values():

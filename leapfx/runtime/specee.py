@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
-from ..passes.predictor import LayerExit
+from ..modules.specee import LayerExit
 from .masks import chunk_mask, masks_for
 from .metrics import DecodeMetrics
 from .runner import StageRunner

@@ -1,6 +1,6 @@
 """EAGLE draft-head training (Li et al. 2024, sec. 4): only the head trains.
 
-The head (``leapfx.passes.eagle_head``) reads (h_{t-1}, x_t) and outputs g_t; its logits are
+The head (``leapfx.modules.eagle``) reads (h_{t-1}, x_t) and outputs g_t; its logits are
 the host's LM head on the host's final norm of g_t. EAGLE trains it with two losses at every
 position t, against one no-grad forward of the host per batch (the teacher features)::
 

@@ -41,9 +41,11 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from leapfx.passes.accelerator import ChainScratch, accelerator_of, target_layers
+from leapfx.modules.hf import cache_kwarg
+from leapfx.modules.m2r2 import ChainScratch, target_layers
+from leapfx.passes.accelerator import accelerator_of
 from leapfx.passes.adapter_checkpoint import host_signature, write_adapter
-from leapfx.passes.capture import cache_kwarg, decoder_parts
+from leapfx.passes.capture import decoder_parts
 from leapfx.runtime.cache import StaticKVCache
 from leapfx.runtime.masks import masks_for
 from leapfx.train.fit_options import fit_config, on_plain_stages, optimizer_step

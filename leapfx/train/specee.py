@@ -37,9 +37,10 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from ..modules.specee import NUM_SPECULATIVE_TOKENS
 from ..passes.adapter_checkpoint import host_signature
 from ..passes.capture import decoder_parts
-from ..passes.predictor import NUM_SPECULATIVE_TOKENS, predictors_of
+from ..passes.predictor import predictors_of
 from ..passes.specee_checkpoint import write_parts
 from .fit_options import fit_config, on_plain_stages
 from .kangaroo import adapter_and_target_logits, sample_windows, token_stream
