@@ -50,6 +50,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .. import rewrite
+from ..lower import lower
 from ..runtime.metrics import DecodeMetrics
 from ..runtime.offload import DEFAULT_PREFETCH_LEAD
 from .agreement import teacher_forced_agreement
@@ -555,14 +556,15 @@ def _backend(config: BenchConfig, backend: str):
     if backend == "eager":
 
         def eager(name: str, sm):
-            return sm.use_cpu_kernels(use_cpu_kernels(config, sm))  # apply's auto, or not
+            kernels = use_cpu_kernels(config, sm)  # apply's auto, or not
+            return lower(sm, "cpu_kernels" if kernels else "eager")
 
         return eager
     if backend == "inductor":
 
         def compile_(name: str, sm):
             log.info("compiling %s with torch.compile (inductor)", name)
-            return sm.compile(cpu_kernels=use_cpu_kernels(config, sm))
+            return lower(sm, "inductor", cpu_kernels=use_cpu_kernels(config, sm))
 
         return compile_
     import tempfile

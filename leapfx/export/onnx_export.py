@@ -553,15 +553,6 @@ def _remove_dirs(created: list[Path]) -> None:
             d.rmdir()
 
 
-# Recipes whose schedule the ONNX manifest cannot express, and what is missing.
-UNEXPORTABLE = {
-    "specee": "its per-token exits are host decisions between per-layer stages and exit-check "
-    "nodes, and the onnxruntime executor has no such schedule (missing: per-layer stages, "
-    "exit-check stages and the SpecEE schedule in leapfx.export.ort_runtime); use the eager "
-    "backend",
-}
-
-
 def export_onnx(
     sm: SpeculativeModel,
     path: str | os.PathLike,
@@ -582,9 +573,11 @@ def export_onnx(
 
     >>> export_onnx(sm, "out/layerskip-onnx", overwrite=True)
     """
-    if sm.recipe.name in UNEXPORTABLE:
-        raise ValueError(f"recipe: {sm.recipe.name!r} cannot be exported to ONNX: "
-                         f"{UNEXPORTABLE[sm.recipe.name]}")  # fmt: skip
+    can = sm.recipe.capabilities  # the recipe's schedule in a manifest: asked, not name-checked
+    if not can.exportable:
+        raise ValueError(
+            f"recipe: {sm.recipe.name!r} cannot be exported to ONNX: {can.export_refusal}"
+        )
     _require_onnx()
     if not isinstance(optimize, bool):
         raise ValueError(f"optimize: {optimize!r} is invalid; allowed: True or False")

@@ -338,12 +338,6 @@ class SplitVerify:
         )
 
 
-# Recipes whose draft stage is verify's lower part (its ``hidden``: the exit states verify joins
-# to the cached ones): layerskip's exit-head drafts. (Kangaroo's verify also runs the adapter on
-# the last draft, and its draft returns the adapter's states: not split.)
-_SPLIT_VERIFY_RECIPES = ("layerskip",)
-
-
 def _upper_stage(path: Path, manifest: dict, options, providers) -> OrtStage | None:
     """verify's upper part as an OrtStage (see :class:`SplitVerify`), or None where the
     stages do not have the shapes it needs."""
@@ -590,7 +584,11 @@ class OnnxModel:
         fields = {f.name for f in dataclasses.fields(r.options_type)}
         self.options = r.options_type(**{k: v for k, v in m["options"].items() if k in fields})
         self._schedule = r.schedule(self.options)
-        if split_verify and self.recipe in _SPLIT_VERIFY_RECIPES:
+        # A recipe whose draft stage is verify's lower part (its ``hidden``: the exit states
+        # verify joins to the cached ones) says so (``Capabilities.split_verify``: layerskip's
+        # exit-head drafts; Kangaroo's verify also runs the adapter on the last draft, and its
+        # draft returns the adapter's states: not split).
+        if split_verify and r.capabilities.split_verify:
             vt = self.verify_threads
             upper_options = session_options(vt, spin or (vt is not None and vt > 1))
             upper = _upper_stage(self.path, m, upper_options, chosen)

@@ -20,6 +20,7 @@ import logging
 
 from torch import nn
 
+from ..lower import lower
 from ..passes.base import PassPipeline
 from ..passes.capture import EXTRA_CACHE_LAYERS, capture, check_supported
 from ..passes.offload import OffloadExperts
@@ -208,14 +209,14 @@ def apply(
         extra_cache_layers=gm.meta.get(EXTRA_CACHE_LAYERS, 0),
         training=r.training,
         lossless=r.lossless(opts) if callable(r.lossless) else r.lossless,
-        compiles=r.compiles,
+        capabilities=r.capabilities,
     )
     sm = SpeculativeModel(model, gm, stages, info, offload=runtime)
     if backend == "inductor":  # compile() resolves cpu_kernels the same way
-        sm.compile(cpu_kernels=cpu_kernels)
+        lower(sm, "inductor", cpu_kernels=cpu_kernels)
         log.info("%s: cpu_kernels=%s (inductor, given %s)", r.name, sm.cpu_kernels, cpu_kernels)
         return sm
     lay = sm._layout
     kernels, why = kernels_choice(cpu_kernels, lay.device, lay.dtype)
     log.info("%s: cpu_kernels=%s (%s)", r.name, kernels, why)
-    return sm.use_cpu_kernels() if kernels else sm
+    return lower(sm, "cpu_kernels") if kernels else sm

@@ -10,7 +10,7 @@ import dataclasses
 import math
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 from torch import fx
@@ -30,6 +30,7 @@ from ..passes.skip_checkpoint import read_skip_set
 from ..passes.skip_layers import DraftSkipSet, check_skip_set, swift_stages
 from ..passes.specee_stages import specee_stages
 from ..runtime import adaptive, eagle, kangaroo, lookup, m2r2, schedules, swift
+from ..runtime.capabilities import Capabilities
 from ..runtime.model import RecipeTraining, Schedule
 from . import specee_recipe
 
@@ -665,9 +666,9 @@ class Recipe:
     # The option that takes a directory written by ``SpeculativeModel.save_parts``;
     # ``apply(..., parts=dir)`` fills it. None: the recipe has no trained parts.
     parts_option: str | None = None
-    # Whether its stages lower to Inductor and ONNX (False: a stage takes a Python object,
-    # e.g. M2R2's FastScratch, that neither traces).
-    compiles: bool = True
+    # What its stages lower to (Inductor, ONNX, a draft chain ...; see Capabilities): lowering
+    # and export ask the SpeculativeModel's copy instead of branching on recipe names.
+    capabilities: Capabilities = field(default_factory=Capabilities)
     # The option that sets how many tokens a round drafts (``lookahead``: the tokens a verify
     # pass checks); None: the recipe does not draft. Over an offloaded MoE model, apply lowers
     # it to fit the slots where the caller left it unset (``fit_drafts_to_slots``).
@@ -733,7 +734,7 @@ RECIPES: dict[str, Recipe] = {
             training=swift.SwiftParts,
             parts_option="parts",
             # the Inductor and ONNX paths of a layer-skipped draft stage are not written yet
-            compiles=False,
+            capabilities=Capabilities(compiles=False),
             draft_option="num_speculations",
         ),
         Recipe(
@@ -756,6 +757,8 @@ RECIPES: dict[str, Recipe] = {
             lookahead=lambda o: o.num_speculations + 1,
             lossless=True,
             draft_option="num_speculations",
+            # greedy rounds of d exit-head drafts; its draft stage is verify's lower part
+            capabilities=Capabilities(has_chain=True, split_verify=True),
         ),
         Recipe(
             name="kangaroo",
@@ -791,7 +794,7 @@ RECIPES: dict[str, Recipe] = {
             lossless=True,
             training=partial(load_training, "m2r2"),
             parts_option="parts",
-            compiles=False,
+            capabilities=Capabilities(compiles=False),
             draft_option="num_speculations",
         ),
         Recipe(
@@ -810,7 +813,7 @@ RECIPES: dict[str, Recipe] = {
             lossless=False,
             training=partial(load_training, "m2r2"),
             parts_option="parts",
-            compiles=False,
+            capabilities=Capabilities(compiles=False),
         ),
         Recipe(
             name="eagle",
@@ -836,6 +839,16 @@ RECIPES: dict[str, Recipe] = {
             lossless=lambda o: o.verify,
             training=partial(load_training, "specee"),
             parts_option="parts",
+            capabilities=Capabilities(
+                layer_segments=True,
+                exportable=False,
+                export_refusal=(
+                    "its per-token exits are host decisions between per-layer stages and "
+                    "exit-check nodes, and the onnxruntime executor has no such schedule "
+                    "(missing: per-layer stages, exit-check stages and the SpecEE schedule in "
+                    "leapfx.export.ort_runtime); use the eager backend"
+                ),
+            ),
             lookup_refusal=(
                 "its decoder keeps state from pass to pass that a full-model round does not "
                 "update: the EAGLE drafter's last hidden state, the per-layer validity of cached "

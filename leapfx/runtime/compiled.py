@@ -67,6 +67,7 @@ from ..modules.fused import (
 from ..modules.m2r2 import AcceleratedLayer, KernelAcceleratedLayer
 from ..modules.specee import KernelLayerExit, LayerExit
 from .cache import StaticKVCache
+from .executor import mask_free
 from .masks import position_masks
 from .runner import AttentionLayout
 from .stage_signature import discover  # which cache layers each position input feeds
@@ -487,9 +488,10 @@ class CompiledChain:
 
 
 def chain_length(sm) -> int:
-    """The drafts of a ``draft_chain`` for ``sm``: LayerSkip's d where every round drafts d
-    greedy tokens through the draft stage (no confidence threshold), else 0."""
-    if sm.recipe.name != "layerskip" or "draft" not in sm.stages.modules:
+    """The drafts of a ``draft_chain`` for ``sm``: d where its recipe's rounds draft d greedy
+    tokens through the draft stage (``Capabilities.has_chain``: LayerSkip) and no confidence
+    threshold cuts them short, else 0."""
+    if not sm.recipe.capabilities.has_chain or "draft" not in sm.stages.modules:
         return 0
     if getattr(sm.options, "confidence_threshold", 0) > 0:
         return 0
@@ -560,7 +562,7 @@ def kernel_stages(sm) -> dict[str, fx.GraphModule]:
         # M2R2's exit gates: the whole stage as one op where it covers the model
         out[name] = kernel_gate(stage, converted) or converted
     length = chain_length(sm)
-    if length and getattr(out["draft"], "mask_free", None) is not None:
+    if length and mask_free(out["draft"]) is not None:
         out["draft_chain"] = EagerChain(out["draft"], length, sm._layout.kinds)
     return out
 
@@ -680,8 +682,8 @@ def compile_stages(sm, options: CompileOptions) -> dict[str, CompiledStage]:
     from .specee_compiled import is_segment, specee_segments, warmup_segments
 
     options = options.validate()
-    specee = sm.recipe.name == "specee"
-    if specee and "eagle_head" in sm.stages.modules:
+    segmented = sm.recipe.capabilities.layer_segments  # SpecEE's per-layer stages
+    if segmented and "eagle_head" in sm.stages.modules:
         raise ValueError(
             "backend: 'inductor' is not implemented for specee with drafter='eagle' (missing: "
             "the head's stage signature); allowed: 'eager', or drafter 'exit_head' / 'kangaroo'"
@@ -699,7 +701,7 @@ def compile_stages(sm, options: CompileOptions) -> dict[str, CompiledStage]:
     for name, stage in sm.stages.modules.items():
         if transpose:
             stage_t = with_transposed_weights(stage, shared, kernels=kernels)
-        if specee and is_segment(name):  # per-layer segments: runtime.specee_compiled
+        if segmented and is_segment(name):  # per-layer segments: runtime.specee_compiled
             segments[name] = stage_t if transpose else stage
             continue
         sig = discover(sm, name, stage)

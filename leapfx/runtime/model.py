@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import torch
@@ -27,6 +27,7 @@ from torch import fx, nn
 from ..passes.capture import decoder_parts
 from ..passes.partition import Stages
 from .cache import StaticKVCache, cache_for
+from .capabilities import Capabilities
 from .decode import cache_length, check_prompt, decode
 from .generation import finish, prepare
 from .masks import SUPPORTED_ATTENTION
@@ -60,7 +61,13 @@ class RecipeInfo:
     lossless: bool = True  # token-identical to greedy; lossy recipes support teacher forcing
     # Trains/saves what the recipe inserted; a factory so that decoding never imports training.
     training: Callable[[], RecipeTraining] | None = None
-    compiles: bool = True  # False: the stages run eager only (no Inductor, no ONNX export)
+    # What its stages lower to (Inductor, ONNX, a draft chain ...): asked, never name-checked.
+    capabilities: Capabilities = field(default_factory=Capabilities)
+
+    @property
+    def compiles(self) -> bool:
+        """False: the stages run eager only (no Inductor, no ONNX export)."""
+        return self.capabilities.compiles
 
 
 class SpeculativeModel:
