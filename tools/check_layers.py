@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "leapfx"
 
 FLOORS = [
+    ("options",),  # leapfx/options.py: the option checks every floor shares; imports no leapfx
     ("kernels",),
     ("modules",),
     ("passes",),

@@ -50,6 +50,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .. import rewrite
+from ..options import check_bool
 from ..runtime.metrics import DecodeMetrics
 from ..runtime.offload import DEFAULT_PREFETCH_LEAD
 from .agreement import teacher_forced_agreement
@@ -192,10 +193,7 @@ class BenchConfig:
                 "pool of its own; allowed with --onnx-thread-pool shared: same (or pass "
                 "--onnx-thread-pool session)"
             )
-        if self.cpu_kernels is not None and not isinstance(self.cpu_kernels, bool):
-            raise ValueError(
-                f"--cpu-kernels: {self.cpu_kernels!r} is invalid; allowed: auto, on or off"
-            )
+        check_bool("--cpu-kernels", self.cpu_kernels, none=True, allowed="auto, on or off")
         names = self.backends
         bad = next((b for b in names if b not in BACKENDS), None)
         if bad is None and (not names or len(set(names)) < len(names)):

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..options import check_int
 from .accelerator import AcceleratedLayer, fused_op_layers, rms_params
 from .kernel_gate import op_dims, pack_fast_layers, rope_table
 from .offload_modules import NextGatePrefetch, OffloadModule
@@ -49,8 +50,7 @@ from .offload_modules import NextGatePrefetch, OffloadModule
 
 def predicted_layers(layer: int, num_layers: int) -> list[int]:
     """The layers whose experts are predicted while ``layer`` (i) runs: 2i+2 and 2i+3 (< N)."""
-    if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < num_layers:
-        raise ValueError(f"layer: {layer!r} is invalid; allowed: an integer 0..{num_layers - 1}")
+    check_int("layer", layer, 0, num_layers - 1)
     return [target for target in (2 * layer + 2, 2 * layer + 3) if target < num_layers]
 
 
