@@ -253,16 +253,6 @@ def save_parts(sm, path: str | Path, *, extra: dict[str, Any] | None = None) -> 
     )
 
 
-class EagleTraining:
-    """The eagle recipe's training hook (``SpeculativeModel.fit`` / ``save_parts``)."""
-
-    def fit(self, model, data: Any, **options: Any) -> EagleFitResult:
-        return fit(model, data, **options)
-
-    def save(self, model, path: str | Path) -> Path:
-        return save_parts(model, path)
-
-
 def train_reference_head(
     out: str | Path,
     *,

@@ -234,13 +234,3 @@ def save_adapter(sm, path: str | Path) -> Path:
         options=options,
         host=host_signature(sm.config),
     )
-
-
-class KangarooTraining:
-    """The kangaroo recipe's training hook (``SpeculativeModel.fit`` / ``save_adapter``)."""
-
-    def fit(self, model, data: Any, **options: Any) -> FitResult:
-        return fit(model, data, **options)
-
-    def save(self, model, path: str | Path) -> Path:
-        return save_adapter(model, path)

@@ -446,16 +446,6 @@ def save_parts(sm, path: str | Path) -> Path:
     )
 
 
-class M2R2Training:
-    """The m2r2 recipes' training hook (``SpeculativeModel.fit`` / ``save_parts``)."""
-
-    def fit(self, model, data: Any, **options: Any) -> FitResult:
-        return fit(model, data, **options)
-
-    def save(self, model, path: str | Path) -> Path:
-        return save_parts(model, path)
-
-
 def train_parts(
     out: str | Path,
     *,

@@ -343,13 +343,3 @@ def save_parts(sm, path: str | Path) -> Path:
     return write_parts(
         sm.graph_module, path, options=options, host=host_signature(sm.config), report=report
     )  # with the drafter's trained part: the Kangaroo adapter or the EAGLE head
-
-
-class SpecEETraining:
-    """The specee recipe's training hook (``SpeculativeModel.fit`` / ``save_parts``)."""
-
-    def fit(self, model, data: Any, **options: Any) -> SpecEEFitResult:
-        return fit(model, data, **options)
-
-    def save(self, model, path: str | Path) -> Path:
-        return save_parts(model, path)
