@@ -50,16 +50,19 @@ def get_recipe(name: str) -> Recipe:
 def make_options(recipe: Recipe, num_layers: int, options: dict):
     """Build and validate the recipe's options dataclass from keyword options.
 
-    ``lookup=False`` is every recipe's behaviour, so a recipe without the option takes it;
-    ``lookup=True`` there is refused with the reason and the recipes that take it."""
+    ``lookup=False`` and ``adaptive=False`` are every recipe's behaviour, so a recipe without
+    the options takes them; ``True`` there is refused with the reason and the recipes that
+    take it."""
     fields = [f.name for f in dataclasses.fields(recipe.options_type)]
-    if "lookup" in options and "lookup" not in fields:
-        if options["lookup"] is not False:
-            raise ValueError(
-                f"lookup: recipe {recipe.name!r} does not take lookup={options['lookup']!r} "
-                f"({recipe.lookup_refusal}); recipes that take it: {', '.join(lookup_recipes())}"
-            )
-        options = {k: v for k, v in options.items() if k != "lookup"}
+    for name in ("lookup", "adaptive"):
+        if name in options and name not in fields:
+            if options[name] is not False:
+                raise ValueError(
+                    f"{name}: recipe {recipe.name!r} does not take {name}={options[name]!r} "
+                    f"({recipe.lookup_refusal}); recipes that take it: "
+                    f"{', '.join(lookup_recipes())}"
+                )
+            options = {k: v for k, v in options.items() if k != name}
     unknown = sorted(set(options) - set(fields))
     if unknown:
         raise ValueError(

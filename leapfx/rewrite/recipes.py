@@ -103,19 +103,29 @@ class LookupFirstOptions:
     match's drafts (at most the recipe's own draft length) with one full-model call; a round
     without a match drafts with the recipe's own drafter (``leapfx.runtime.lookup.LookupFirst``).
     Lossless either way; ``last_metrics.drafter_rounds`` counts the rounds of each drafter.
+
+    ``adaptive=True``: each round chooses among the recipe's own drafter, prompt lookup (with
+    ``lookup=True``, where the text has a match) and no drafting at all, and how many drafts,
+    by the expected tokens per second each choice has measured so far
+    (``leapfx.runtime.adaptive.AdaptiveDrafter``, the policy of the ``auto`` recipe): a drafter
+    that does not pay on this model and machine is turned off (and probed now and then).
     """
 
     lookup: bool = False
     max_ngram: int = LOOKUP_MAX_NGRAM  # longest suffix matched (tried first)
     min_ngram: int = 1  # shortest suffix matched
+    adaptive: bool = False
 
     def check_lookup(self) -> None:
         check_bool("lookup", self.lookup)
+        check_bool("adaptive", self.adaptive)
         _check_ngrams(self.max_ngram, self.min_ngram)
 
-    def lookup_first(self) -> lookup.LookupFirst | None:
-        """The schedule's ``first`` drafter: prompt lookup where ``lookup``, else None."""
-        return lookup.LookupFirst(self.max_ngram, self.min_ngram) if self.lookup else None
+    def lookup_first(self) -> lookup.LookupFirst | adaptive.Adaptive | None:
+        """The schedule's ``first`` drafter: prompt lookup where ``lookup``, all of it chosen
+        round by round where ``adaptive`` (one policy set a model), else None."""
+        first = lookup.LookupFirst(self.max_ngram, self.min_ngram) if self.lookup else None
+        return adaptive.Adaptive(first) if self.adaptive else first
 
 
 @dataclass(frozen=True)

@@ -43,13 +43,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
-from .lookup import Drafts, PromptLookup, drafted_loop
+from .lookup import Drafts, LookupFirst, PromptLookup, copied_draft, drafted_loop
 from .metrics import DecodeMetrics
 from .runner import StageRunner
-from .schedules import DecodeRequest
+from .schedules import DecodeRequest, Draft, Drafter, Output, no_draft
 
 DECAY = 0.9  # per drafting round: the acceptance counts' memory is ~10 rounds
 COST_EMA = 0.2  # weight of a new round's time in its length's moving average
@@ -124,14 +125,23 @@ class DraftPolicy:
         """E(d) / C(d): expected tokens per unit of cost (acceptance of ``key``'s rounds)."""
         return expected_tokens(self.alpha_of(key), d) / self.cost(d)
 
+    def best(self, available: int, key: int | None = None) -> tuple[int, float]:
+        """(d, gain): the draft count in 1..``available`` with the most expected tokens per
+        cost, and its rate over a plain step's (no side effects; (0, 1.0) where
+        ``available`` is 0)."""
+        limit = min(available, self.max_drafts)
+        if limit == 0:
+            return 0, 1.0
+        best = max(range(1, limit + 1), key=lambda d: self.rate(d, key))
+        return best, self.rate(best, key) / self.rate(0, key)
+
     def choose(self, available: int, key: int | None = None) -> int:
         """Drafts for a round that could draft ``available`` (0: none possible) from a match
         of kind ``key`` (the n-gram length; None: pooled)."""
-        limit = min(available, self.max_drafts)
-        if limit == 0:
+        best, gain = self.best(available, key)
+        if best == 0:
             return 0
-        best = max(range(1, limit + 1), key=lambda d: self.rate(d, key))
-        if self.rate(best, key) > (1.0 + MARGIN) * self.rate(0, key):
+        if gain > 1.0 + MARGIN:
             self.declined = 0
             return best
         self.declined += 1
@@ -212,3 +222,118 @@ def auto(
     over between calls (a fresh one when None)."""
     drafter = AdaptiveLookup(prompt[0].tolist(), num_speculations, max_ngram, min_ngram, policy)
     return drafted_loop(runner, prompt, request, metrics, num_speculations, drafter)
+
+
+class Policies(dict):
+    """One :class:`DraftPolicy` per drafter name, made on first use; kept a model's lifetime
+    (their costs carry over between decodes, as ``auto``'s one policy does)."""
+
+    def __init__(self, max_drafts: int = 64) -> None:
+        super().__init__()
+        self.max_drafts = max_drafts
+
+    def __missing__(self, name: str) -> DraftPolicy:
+        policy = self[name] = DraftPolicy(self.max_drafts)
+        return policy
+
+
+class AdaptiveDrafter(Drafter):
+    """Per round, the choice among prompt lookup (where the text has a match), the recipe's own
+    drafter (``own``) and no drafting at all with the most expected tokens per second, and how
+    many drafts: each choice has its own :class:`DraftPolicy` (its acceptance, and the line of
+    its measured round costs; a plain step's time goes to every policy, the point d = 0 all
+    of them share). A choice drafts when it beats a plain step by ``MARGIN``; while none does,
+    every ``PROBE_EVERY``-th round drafts one token with each choice in turn, so their
+    acceptance and costs stay measured. Lossless for any choice: every round is verified by
+    the full model (a lookup round by ``own.target``, as :class:`lookup.LookupThen`)."""
+
+    def __init__(
+        self, own: Drafter | None, lookup: PromptLookup | None, policies: Policies
+    ) -> None:
+        self.own, self.lookup, self.policies = own, lookup, policies
+        for policy in policies.values():
+            policy.restart()
+        self.name = own.name if own is not None else None
+        self.declined = 0
+        self._probes = 0
+        # the last round: (choice or None for a plain step, drafted, key, start time)
+        self._last: tuple[str | None, int, int | None, float] | None = None
+        self._kept = 0
+
+    def prefill(self, runner, prompt):
+        return self.own.prefill(runner, prompt) if self.own else super().prefill(runner, prompt)
+
+    def target(self, runner, ids, start, key=None):
+        if self.own is not None:
+            return self.own.target(runner, ids, start, key)
+        return super().target(runner, ids, start, key)
+
+    def _observe(self, now: float) -> None:
+        choice, drafted, key, start = self._last
+        seconds = now - start
+        if choice is None:  # a plain step: the cost every choice's d = 0 reads
+            for policy in self.policies.values():
+                policy.observe(0, 0, seconds)
+        else:
+            self.policies[choice].observe(drafted, min(self._kept, drafted), seconds, key)
+
+    def propose(self, runner, x, start, d, request, out) -> Draft:
+        now = time.perf_counter()
+        if self._last is not None:
+            self._observe(now)
+        self._last, self._kept = None, 0
+        if d == 0:
+            return no_draft(x)
+        options = []  # (gain, choice, drafts, key)
+        match = self.lookup.propose(out.tokens, d) if self.lookup is not None else None
+        if match is not None and match.tokens:
+            n, gain = self.policies["lookup"].best(len(match.tokens), match.ngram)
+            options.append((gain, "lookup", n, match.ngram))
+        if self.own is not None:
+            n, gain = self.policies[self.own.name].best(d)
+            options.append((gain, self.own.name, n, None))
+        if not options:
+            self._last = (None, 0, None, now)
+            return no_draft(x, "none")
+        gain, choice, n, key = max(options, key=lambda o: o[0])
+        if gain > 1.0 + MARGIN:
+            self.declined = 0
+        else:
+            self.declined += 1
+            if self.declined < PROBE_EVERY:
+                self._last = (None, 0, None, now)
+                return no_draft(x, "declined")
+            self.declined = 0  # a probe: one draft with each choice in turn
+            _, choice, _, key = options[self._probes % len(options)]
+            self._probes += 1
+            n = 1
+        if choice == "lookup":
+            draft = copied_draft(Drafts(match.tokens[:n], "lookup", match.ngram), x)
+        else:
+            draft = self.own.propose(runner, x, start, n, request, out)
+        self._last = (choice, draft.tokens.shape[1], key, now)
+        return draft
+
+    def verify(self, runner, x, start, draft, request):
+        if draft.copied or self.own is None:
+            return self.target(runner, torch.cat([x, draft.tokens], dim=1), start, "verify")
+        return self.own.verify(runner, x, start, draft, request)
+
+    def accepted(self, runner, start, k):
+        self._kept = k
+        if self.own is not None:
+            self.own.accepted(runner, start, k)
+
+
+@dataclass(frozen=True)
+class Adaptive:
+    """A drafting recipe's ``adaptive=True``: its rounds run through an
+    :class:`AdaptiveDrafter` over its own drafter and, with ``lookup=True``, prompt lookup.
+    ``policies``: the model's, made once per applied model (their costs carry over)."""
+
+    lookup: LookupFirst | None
+    policies: Policies = field(default_factory=Policies, compare=False)
+
+    def wrap(self, own: Drafter, prompt: torch.Tensor, out: Output) -> Drafter:
+        lookup = self.lookup.drafter(prompt) if self.lookup is not None else None
+        return AdaptiveDrafter(own, lookup, self.policies)

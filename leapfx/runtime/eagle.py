@@ -37,10 +37,18 @@ from __future__ import annotations
 
 import torch
 
-from .lookup import LookupFirst, draft_tokens, point_mass
 from .metrics import DecodeMetrics
 from .runner import StageRunner
-from .schedules import DecodeRequest, Output, _drafted, _token, accept, choose, draft_probs
+from .schedules import (
+    DecodeRequest,
+    Draft,
+    Drafter,
+    FirstDrafter,
+    _drafted,
+    draft_probs,
+    no_draft,
+    run_drafter,
+)
 
 
 def head_step(
@@ -100,6 +108,41 @@ def draft_chain(
     return torch.cat(tokens, dim=1), q_all
 
 
+class EagleDrafter(Drafter):
+    """The draft head proposes (``draft_chain``); ``target`` is the full model with the head's
+    KV from true features, and keeps the hidden states h of its last call: after a round that
+    kept k drafts, h of position start + k is what the next round's first draft reads."""
+
+    name = "eagle"
+
+    def __init__(self, layout, threshold: float) -> None:
+        self.threshold = threshold
+        # h_{-1} for the prompt's first token: zeros, broadcast to D
+        self.h = torch.zeros(1, 1, 1, dtype=layout.dtype, device=layout.device)
+        self._hidden: torch.Tensor | None = None  # [1, S, D]: of the last target call
+
+    def prefill(self, runner, prompt):
+        logits = self.target(runner, prompt, 0)  # [1, n, V]
+        self.h = self._hidden[:, -1:]  # h_{n-1}: [1, 1, D]
+        return logits
+
+    def target(self, runner, ids, start, key=None):
+        logits, self._hidden = target_step(runner, ids, self.h, start)
+        return logits
+
+    def propose(self, runner, x, start, d, request, out) -> Draft:
+        if d == 0:
+            return no_draft(x)
+        drafts, q = draft_chain(runner, x, self.h, start, d, self.threshold, request)
+        # The draft's head KV came from the head's own states; verify rewrites it from h.
+        # Only the head's slot holds positions >= start, so this crops it alone.
+        runner.cache.crop(start)
+        return Draft(drafts, q, self.name)
+
+    def accepted(self, runner, start, k):
+        self.h = self._hidden[:, k : k + 1]  # h of the last kept position
+
+
 def eagle(
     runner: StageRunner,
     prompt: torch.Tensor,
@@ -107,7 +150,7 @@ def eagle(
     metrics: DecodeMetrics,
     max_draft_tokens: int,
     confidence_threshold: float,
-    first: LookupFirst | None = None,
+    first: FirstDrafter | None = None,
 ) -> list[int]:
     """EAGLE chain decoding: head drafts with dynamic length, the full model verifies.
 
@@ -116,48 +159,5 @@ def eagle(
     writes the head's slot from the true features and returns the h the next round reads, so
     it leaves the head's state as a head round does (and has no draft KV to crop)."""
     metrics.num_speculations = max_draft_tokens  # CTAR(w) for w = 1..d
-    out = Output(request)
-    lookup = first.drafter(prompt) if first is not None else None
-    lay = runner.layout
-    zero = torch.zeros(1, 1, 1, dtype=lay.dtype, device=lay.device)  # h_{-1}, broadcast to D
-    logits, hidden = target_step(runner, prompt, zero, 0)  # prefill: [1, n, V], [1, n, D]
-    metrics.full_calls += 1
-    pos = prompt.shape[1]  # position of x, the newest token (not yet in the cache)
-    x = choose(logits[:, -1], request)
-    h = hidden[:, -1:]  # h_{pos-1}: [1, 1, D]
-    out.extend([_token(x)], logits[0, -1:])
-    while not out.done:
-        d = min(max_draft_tokens, out.remaining - 1)  # drafts past max_new_tokens are waste
-        if d == 0:
-            logits, hidden = target_step(runner, x, h, pos)
-            metrics.full_calls += 1
-            x, h, pos = choose(logits[:, -1], request), hidden, pos + 1
-            out.extend([_token(x)], logits[0, -1:])
-            continue
-        proposal = lookup.propose(out.tokens, d) if lookup is not None else None
-        copied = proposal is not None and bool(proposal.tokens)
-        if copied:
-            metrics.record_round(proposal.drafter, proposal.ngram)
-            drafts, q = draft_tokens(proposal, x), None  # [1, d]; q once V is known
-        else:
-            metrics.record_round("eagle")
-            drafts, q = draft_chain(runner, x, h, pos, d, confidence_threshold, request)
-            # The draft's head KV came from the head's own states; verify rewrites it from
-            # h. Only the head's slot holds positions >= pos, so this crops it alone.
-            runner.cache.crop(pos)
-        d = drafts.shape[1]
-        metrics.draft_calls += d
-        logits, hidden = target_step(runner, torch.cat([x, drafts], dim=1), h, pos)
-        if copied:
-            q = point_mass(drafts, logits.shape[-1], request)  # [1, d, V] or None
-        n, nxt = accept(drafts, q, logits, request)  # [1], [1] on the device
-        # The round's one host sync: the cache lengths are Python ints (crop), and the stop
-        # rule reads the emitted tokens.
-        k, next_token, *drafted = torch.cat([n, nxt, drafts[0]]).tolist()
-        runner.cache.crop(pos + k + 1)  # keep x and the k accepted drafts
-        metrics.record_verify(d, k)
-        out.extend([*drafted[:k], next_token], logits[0, : k + 1])
-        h = hidden[:, k : k + 1]  # h of the last kept position
-        pos += k + 1
-        x = nxt.view(1, 1)  # stays on the device
-    return out.tokens
+    own = EagleDrafter(runner.layout, confidence_threshold)
+    return run_drafter(runner, prompt, request, metrics, max_draft_tokens, own, first)

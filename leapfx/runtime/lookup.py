@@ -45,7 +45,14 @@ import torch
 
 from .metrics import DecodeMetrics
 from .runner import StageRunner
-from .schedules import DecodeRequest, Output, Round, speculative_loop
+from .schedules import (
+    DecodeRequest,
+    Draft,
+    Drafter,
+    Output,
+    no_draft,
+    speculative_loop,
+)
 
 
 @dataclass(frozen=True)
@@ -151,25 +158,61 @@ def draft_tokens(proposal: Drafts, x: torch.Tensor) -> torch.Tensor:
     return torch.tensor([proposal.tokens], dtype=x.dtype, device=x.device)
 
 
-def point_mass(drafts: torch.Tensor, vocab: int, request: DecodeRequest) -> torch.Tensor | None:
-    """A copied draft's distribution q [1, d, V] under sampling (a point mass on each draft,
-    so rejection sampling keeps y with probability p(y)); None when greedy."""
-    if not request.sampling.do_sample:
-        return None
-    return torch.nn.functional.one_hot(drafts, vocab).to(torch.float32)
-
-
-def verify_drafts(
-    runner: StageRunner, x: torch.Tensor, pos: int, proposal: Drafts, request: DecodeRequest
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """One full call over [x, drafts] at pos..pos+d: (drafts [1, d], q [1, d, V] one-hot under
-    sampling else None, target logits [1, d + 1, V]). With no drafts, a plain full step
-    (drafts [1, 0], logits [1, 1, V]), timed as "full"; otherwise timed as "verify"."""
+def copied_draft(proposal: Drafts, x: torch.Tensor) -> Draft:
+    """A text drafter's proposal as the loop's Draft (its tokens copied, q a point mass)."""
     if not proposal.tokens:
-        return x[:, :0], None, runner.full(x, pos)  # [1, 0], [1, 1, V]
-    drafts = draft_tokens(proposal, x)  # [1, d]
-    logits = runner.full(torch.cat([x, drafts], dim=1), pos, key="verify")  # [1, d+1, V]
-    return drafts, point_mass(drafts, logits.shape[-1], request), logits
+        return no_draft(x, proposal.drafter, proposal.ngram)
+    return Draft(draft_tokens(proposal, x), None, proposal.drafter, proposal.ngram, copied=True)
+
+
+class TextDrafter(Drafter):
+    """A drafter that reads the text so far (``source.propose(generated, d) -> Drafts``:
+    :class:`PromptLookup`, ``adaptive.AdaptiveLookup``); each round verified by one full-model
+    call over [x, drafts] (the same stage as prefill: any length, every backend)."""
+
+    def __init__(self, source) -> None:
+        self.source = source
+
+    def propose(self, runner, x, start, d, request, out) -> Draft:
+        if d == 0:
+            return no_draft(x)
+        return copied_draft(self.source.propose(out.tokens, d), x)
+
+
+class LookupThen(Drafter):
+    """Prompt lookup where the text so far has a match, else ``own`` (the recipe's drafter).
+
+    A lookup round is verified by ``own.target`` over [x, drafts]: the full model, which
+    writes every layer's keys and every slot the recipe adds that its full stage fills
+    (Kangaroo's adapter; EAGLE's ``target`` also fills the head's slot and keeps the hidden
+    state its next round reads), so after the crop the cache is what ``own``'s round would
+    have left. ``accepted`` goes to ``own`` after either kind of round."""
+
+    def __init__(self, lookup: PromptLookup, own: Drafter) -> None:
+        self.lookup, self.own = lookup, own
+        self.name = own.name
+
+    def prefill(self, runner, prompt):
+        return self.own.prefill(runner, prompt)
+
+    def target(self, runner, ids, start, key=None):
+        return self.own.target(runner, ids, start, key)
+
+    def propose(self, runner, x, start, d, request, out) -> Draft:
+        if d == 0:
+            return no_draft(x)
+        proposal = self.lookup.propose(out.tokens, d)
+        if not proposal.tokens:
+            return self.own.propose(runner, x, start, d, request, out)
+        return copied_draft(proposal, x)
+
+    def verify(self, runner, x, start, draft, request):
+        if draft.copied:
+            return self.own.target(runner, torch.cat([x, draft.tokens], dim=1), start, "verify")
+        return self.own.verify(runner, x, start, draft, request)
+
+    def accepted(self, runner, start, k):
+        self.own.accepted(runner, start, k)
 
 
 @dataclass(frozen=True)
@@ -177,14 +220,10 @@ class LookupFirst:
     """Prompt lookup before a recipe's own drafter (a drafting recipe's ``lookup=True``).
 
     Each round looks the text so far (prompt + emitted tokens) up as :class:`PromptLookup`
-    does; with a match its drafts are verified by one ``full`` call over [x, drafts]
-    (:func:`verify_drafts`) and the round counts as "lookup", without one the recipe's own
-    round runs (and counts as the recipe's drafter). Lossless either way: every round is
-    verified by the full model. It composes with a recipe whose rounds leave nothing but the
-    KV cache for the next one and whose ``full`` stage writes every slot its drafter reads
-    (``schedules.speculative_loop``'s ``first``); EAGLE's loop, which carries the last hidden
-    state, runs :meth:`drafter` itself and verifies with its ``target`` stage.
-    """
+    does; with a match its drafts are verified by one full-model call over [x, drafts] and the
+    round counts as "lookup", without one the recipe's own round runs (and counts as the
+    recipe's drafter). Lossless either way: every round is verified by the full model
+    (:class:`LookupThen`)."""
 
     max_ngram: int
     min_ngram: int = 1
@@ -193,18 +232,9 @@ class LookupFirst:
         """A PromptLookup over ``prompt`` [1, n]."""
         return PromptLookup(prompt[0].tolist(), self.max_ngram, self.min_ngram)
 
-    def round(self, own: Round, prompt: torch.Tensor, out: Output, metrics: DecodeMetrics) -> Round:
-        """The round that drafts by lookup where the text has a match, else runs ``own``."""
-        drafter = self.drafter(prompt)
-
-        def round_(runner, x, pos, d, request):
-            proposal = drafter.propose(out.tokens, d)
-            if not proposal.tokens:
-                return own(runner, x, pos, d, request)  # it records its own drafter
-            metrics.record_round(proposal.drafter, proposal.ngram)
-            return verify_drafts(runner, x, pos, proposal, request)
-
-        return round_
+    def wrap(self, own: Drafter, prompt: torch.Tensor, out: Output) -> Drafter:
+        """The drafter that tries lookup first, then ``own``."""
+        return LookupThen(self.drafter(prompt), own)
 
 
 def lookup(
@@ -227,16 +257,10 @@ def drafted_loop(
     request: DecodeRequest,
     metrics: DecodeMetrics,
     num_speculations: int,
-    drafter,
+    source,
 ) -> list[int]:
-    """``speculative_loop`` over a drafter that reads the text so far (``propose(generated,
-    d) -> Drafts``), each round verified by one full-model call."""
+    """``speculative_loop`` over a text drafter (``propose(generated, d) -> Drafts``), each
+    round verified by one full-model call."""
     metrics.num_speculations = num_speculations
-    out = Output(request)
-
-    def round_(runner, x, pos, d, request):
-        proposal = drafter.propose(out.tokens, d)
-        metrics.record_round(proposal.drafter, proposal.ngram)
-        return verify_drafts(runner, x, pos, proposal, request)
-
-    return speculative_loop(runner, prompt, request, metrics, num_speculations, round_, out)
+    drafter = TextDrafter(source)
+    return speculative_loop(runner, prompt, request, metrics, num_speculations, drafter)

@@ -29,13 +29,16 @@ from .metrics import DecodeMetrics
 from .runner import StageRunner
 from .schedules import (
     DecodeRequest,
+    Draft,
+    Drafter,
     FirstDrafter,
     Output,
     _drafted,
     _token,
     choose,
     draft_probs,
-    speculative_loop,
+    no_draft,
+    run_drafter,
     teacher_force,
 )
 
@@ -75,6 +78,22 @@ def draft_fast(
     return torch.cat(tokens, dim=1), (torch.stack(qs, dim=1) if qs else None)
 
 
+class FastDrafter(Drafter):
+    """Drafts with the fast stream (``draft_fast``); the slow stream over [x, drafts] is the
+    round's verify (a ``full`` call, counted as a verify)."""
+
+    name = "m2r2"
+
+    def __init__(self, threshold: float = 0.0) -> None:
+        self.threshold = threshold
+
+    def propose(self, runner, x, start, d, request, out) -> Draft:
+        if d == 0:
+            return no_draft(x)
+        drafts, q = draft_fast(runner, x, start, d, request, threshold=self.threshold)
+        return Draft(drafts, q, self.name)
+
+
 def m2r2(
     runner: StageRunner,
     prompt: torch.Tensor,
@@ -89,14 +108,8 @@ def m2r2(
     ``first``: a drafter tried before the fast stream each round (``lookup=True``; a round's
     fast keys live in its own scratch, so nothing but the cache outlives a round)."""
     metrics.num_speculations = num_speculations
-
-    def round_(runner, x, pos, g, request):
-        drafts, q = draft_fast(runner, x, pos, g, request, threshold=confidence_threshold)
-        metrics.record_round("m2r2")
-        # The slow stream over [x, drafts]: [1, g+1, V]. Counted as a verify call.
-        return drafts, q, runner.full(torch.cat([x, drafts], dim=1), pos, key="verify")
-
-    return speculative_loop(runner, prompt, request, metrics, num_speculations, round_, first=first)
+    own = FastDrafter(confidence_threshold)
+    return run_drafter(runner, prompt, request, metrics, num_speculations, own, first)
 
 
 def m2r2_exit(

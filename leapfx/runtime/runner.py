@@ -47,7 +47,9 @@ class StageRunner:
         self.seconds: defaultdict[str, float] = defaultdict(float)
         self._arange = torch.arange(getattr(cache, "max_len", 0), device=layout.device)
 
-    def _call(self, name: str, key: str | None = None, **inputs) -> dict[str, torch.Tensor]:
+    def call(self, name: str, key: str | None = None, **inputs) -> dict[str, torch.Tensor]:
+        """Stage ``name`` on ``inputs`` as given (the caller builds positions and masks);
+        its wall time counts under ``key`` (default ``name``) in ``seconds``."""
         start = time.perf_counter()
         out = self.stages[name](**inputs)
         self.seconds[key or name] += time.perf_counter() - start
@@ -92,7 +94,7 @@ class StageRunner:
         ``extra``: the stage's other inputs (e.g. the EAGLE head's ``hidden``); ``key``: the
         name its time is counted under in ``seconds`` (default ``name``; "prefill" at 0)."""
         n = input_ids.shape[1]
-        return self._call(
+        return self.call(
             name,
             key="prefill" if start == 0 else key,
             input_ids=input_ids,
@@ -108,7 +110,7 @@ class StageRunner:
         ``key`` names the call in ``seconds`` (M2R2's verify pass is a ``full`` call)."""
         n = input_ids.shape[1]
         key = "prefill" if start == 0 else key
-        return self._call(
+        return self.call(
             "full",
             key=key,
             input_ids=input_ids,
@@ -123,7 +125,7 @@ class StageRunner:
         """Stage ``name`` on ``length`` rows at positions start..start+length-1 (their
         position_ids, their masks where ``masks``, and the cache added to ``inputs``)."""
         extra = {"masks": self._masks(name, start, length)} if masks else {}
-        return self._call(
+        return self.call(
             name, position_ids=self._positions(start, length), cache=self.cache, **extra, **inputs
         )
 
@@ -132,7 +134,7 @@ class StageRunner:
 
         Reads the cache's slow keys and extends ``scratch`` (a ``FastScratch``); writes no
         cache slot."""
-        return self._call(
+        return self.call(
             "draft",
             input_ids=input_ids,
             position_ids=self._positions(start, 1),
@@ -154,7 +156,7 @@ class StageRunner:
         ``start``: what as many ``draft`` calls would give, each fed the argmax of the one
         before. Returns (draft tokens [1, D], their exit hidden states [1, D, H]); the cache's
         lower layers are written at start..start+D-1. Timed as "draft"."""
-        out = self._call(
+        out = self.call(
             "draft_chain", key="draft", input_ids=input_ids,
             position_ids=self._positions(start, 1), masks=None, cache=self.cache,
         )  # fmt: skip
@@ -171,7 +173,7 @@ class StageRunner:
         """
         c, m = exit_hidden.shape[1], input_ids.shape[1]
         new_start = hidden_start + c
-        out = self._call(
+        out = self.call(
             "verify",
             input_ids=input_ids,
             position_ids=self._positions(new_start, m),

@@ -274,31 +274,93 @@ def greedy_accept_host(
     return k, targets[k], drafted
 
 
-# A drafter: (runner, x [1, 1], start, max drafts, request) -> (drafts [1, d], exit hidden
-# [1, d, H], q [1, d, V] or None); d may stop short of the maximum (Kangaroo's eta rule).
-Drafter = Callable[
+# The exit-layer drafting function LayerSkip and Kangaroo pass (``draft`` above):
+# (runner, x [1, 1], start, max drafts, request) -> (drafts [1, d], exit hidden [1, d, H],
+# q [1, d, V] or None); d may stop short of the maximum (Kangaroo's eta rule).
+DraftFn = Callable[
     [StageRunner, torch.Tensor, int, int, DecodeRequest],
     tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
 ]
 
 
-# A round: (runner, x [1, 1], start, max drafts, request) -> (drafts [1, d], their draft
-# distributions q [1, d, V] or None (greedy), target logits [1, d + 1, V] over [x, drafts]).
-Round = Callable[
-    [StageRunner, torch.Tensor, int, int, DecodeRequest],
-    tuple[torch.Tensor, torch.Tensor | None, torch.Tensor],
-]
+@dataclass(frozen=True)
+class Draft:
+    """One round's proposal (a named record: what the loop and the drafter's own verify read).
+
+    ``tokens`` [1, d]: the drafts (d = 0: none; the round is one plain step). ``q`` [1, d, V]:
+    their draft distributions under sampling (None when greedy, and for ``copied`` drafts,
+    whose distribution is a point mass the loop builds once V is known). ``drafter``: who
+    drafted, counted in ``drafter_rounds`` (None: not counted); ``ngram``: prompt lookup's
+    matched n. ``state``: what this drafter's ``verify`` reads (LayerSkip's exit hidden states,
+    SpecEE's per-layer states). ``calls``: draft calls the round made (None: one a draft).
+    ``final``: (token [1, 1], logits [1, V]) of a round that emits a token without a verify
+    (SpecEE: a first pass that ran every layer over an exact context)."""
+
+    tokens: torch.Tensor
+    q: torch.Tensor | None = None
+    drafter: str | None = None
+    ngram: int = 0
+    state: Any = None
+    copied: bool = False
+    calls: int | None = None
+    final: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
-class FirstDrafter(Protocol):
-    """A drafter each round tries before the recipe's own (``lookup.LookupFirst``: prompt
-    lookup, a drafting recipe's ``lookup=True``). ``round(own, prompt, out, metrics)`` is the
-    round that drafts with it where it has drafts and runs ``own`` where it has none; it reads
-    the text so far from ``out``, the loop's Output."""
+def no_draft(x: torch.Tensor, drafter: str | None = None, ngram: int = 0) -> Draft:
+    """A round with nothing drafted (tokens [1, 0] on x's device)."""
+    return Draft(x[:, :0], drafter=drafter, ngram=ngram)
 
-    def round(
-        self, own: Round, prompt: torch.Tensor, out: Output, metrics: DecodeMetrics
-    ) -> Round: ...
+
+class Drafter:
+    """What :func:`speculative_loop` asks of a drafter; one object per decode, so it may hold
+    the state one round leaves the next (EAGLE's last hidden state).
+
+    ``target`` is the full model on a run of tokens (prefill, a plain step, the verify of
+    copied drafts); ``propose`` drafts up to d tokens from x at ``start``; ``verify`` gives
+    the d + 1 target distributions of a round it drafted (by default one ``target`` call over
+    [x, drafts]); ``accepted`` hears how many drafts the round kept (k; 0 after a plain step),
+    after the cache was cropped to start + k + 1."""
+
+    name: str | None = None
+
+    def prefill(self, runner: StageRunner, prompt: torch.Tensor) -> torch.Tensor:
+        """Logits [1, n, V] of the prompt [1, n]; fills every slot the drafter reads."""
+        return self.target(runner, prompt, 0)
+
+    def target(
+        self, runner: StageRunner, ids: torch.Tensor, start: int, key: str | None = None
+    ) -> torch.Tensor:
+        """The full model on ``ids`` [1, S] at start..: logits [1, S, V]."""
+        return runner.full(ids, start, key=key)
+
+    def propose(
+        self,
+        runner: StageRunner,
+        x: torch.Tensor,
+        start: int,
+        d: int,
+        request: DecodeRequest,
+        out: Output,
+    ) -> Draft:
+        """At most d drafts after token x [1, 1] at ``start`` (``out``: the text so far)."""
+        return no_draft(x)
+
+    def verify(
+        self, runner: StageRunner, x: torch.Tensor, start: int, draft: Draft, request: DecodeRequest
+    ) -> torch.Tensor:
+        """Target logits [1, d + 1, V] over [x, drafts] at start..start+d."""
+        return self.target(runner, torch.cat([x, draft.tokens], dim=1), start, key="verify")
+
+    def accepted(self, runner: StageRunner, start: int, k: int) -> None:
+        """The round from ``start`` kept k drafts (the cache holds start + k + 1 positions)."""
+
+
+def point_mass(drafts: torch.Tensor, vocab: int, request: DecodeRequest) -> torch.Tensor | None:
+    """A copied draft's distribution q [1, d, V] under sampling (a point mass on each draft,
+    so rejection sampling keeps y with probability p(y)); None when greedy."""
+    if not request.sampling.do_sample:
+        return None
+    return torch.nn.functional.one_hot(drafts, vocab).to(torch.float32)
 
 
 def speculative_loop(
@@ -307,40 +369,46 @@ def speculative_loop(
     request: DecodeRequest,
     metrics: DecodeMetrics,
     num_speculations: int,
-    round_: Round,
+    drafter: Drafter,
     out: Output | None = None,
-    first: FirstDrafter | None = None,
 ) -> list[int]:
-    """Draft-then-verify decoding: prefill, then rounds of ``round_`` with the acceptance of
-    ``accept``; the cache is cropped to the accepted prefix after each round (O(1)).
+    """Draft-then-verify decoding, the one loop every drafting schedule runs: prefill, then
+    rounds of ``drafter.propose`` and ``drafter.verify`` with the acceptance of ``accept``;
+    the cache is cropped to the accepted prefix after each round (O(1)).
 
-    A round may draft nothing (drafts [1, 0]; prompt lookup without a match): its target
-    logits [1, 1, V] are then a plain full step's and the token is chosen from them, counted
-    as a full call, not a verify. ``out``: the Output to collect into (a drafter that reads the
-    text generated so far, as prompt lookup does, holds the same one); None: a fresh one.
-    ``first``: a drafter tried before ``round_`` each round (None: ``round_`` alone)."""
+    A round that drafts nothing (prompt lookup without a match, the last token of the budget)
+    is a plain ``target`` step, counted as a full call, not a verify. ``out``: the Output to
+    collect into (a drafter that reads the text so far holds it; None: a fresh one)."""
     out = Output(request) if out is None else out
-    if first is not None:
-        round_ = first.round(round_, prompt, out, metrics)
-    logits = runner.full(prompt, 0)  # prefill: [1, n, V]
+    logits = drafter.prefill(runner, prompt)  # [1, n, V]
     metrics.full_calls += 1
     pos = prompt.shape[1]  # position of x, the newest token (not yet in the cache)
     x = choose(logits[:, -1], request)
     out.extend([_token(x)], logits[0, -1:])
     while not out.done:
         d = min(num_speculations, out.remaining - 1)  # drafts past max_new_tokens are waste
-        if d > 0:
-            drafts, q, target_logits = round_(runner, x, pos, d, request)
-            d = drafts.shape[1]
-        else:
-            target_logits = runner.full(x, pos)  # [1, 1, V]
+        draft = drafter.propose(runner, x, pos, d, request, out)
+        if d > 0 and draft.drafter is not None:
+            metrics.record_round(draft.drafter, draft.ngram)
+        if draft.final is not None:  # emitted without a verify (its context was exact)
+            x, row = draft.final
+            metrics.draft_calls += 1 if draft.calls is None else draft.calls
+            out.extend([_token(x)], row)
+            pos += 1
+            continue
+        d = draft.tokens.shape[1]
         if d == 0:
+            target_logits = drafter.target(runner, x, pos)  # [1, 1, V]
             metrics.full_calls += 1
             x = choose(target_logits[:, -1], request)
+            drafter.accepted(runner, pos, 0)
             out.extend([_token(x)], target_logits[0, -1:])
             pos += 1
             continue
-        metrics.draft_calls += d
+        drafts = draft.tokens
+        metrics.draft_calls += d if draft.calls is None else draft.calls
+        target_logits = drafter.verify(runner, x, pos, draft, request)  # [1, d+1, V]
+        q = point_mass(drafts, target_logits.shape[-1], request) if draft.copied else draft.q
         if q is None and target_logits.device.type == "cpu" and active(request) is None:
             # Greedy on a CPU: the same rule on the host, where the round syncs anyway
             # (~5 us against ~20 us for the device op's dispatch).
@@ -353,10 +421,55 @@ def speculative_loop(
             k, next_token, *drafted = torch.cat([n, nxt, drafts[0]]).tolist()
             x = nxt.view(1, 1)  # stays on the device: no host-to-device copy
         runner.cache.crop(pos + k + 1)  # keep x and the k accepted drafts
+        drafter.accepted(runner, pos, k)
         metrics.record_verify(d, k)
         out.extend([*drafted[:k], next_token], target_logits[0, : k + 1])
         pos += k + 1
     return out.tokens
+
+
+class ExitDrafter(Drafter):
+    """LayerSkip's drafter (Kangaroo's with its adapter's stop rule): layers < E and the exit
+    head draft; the verify pass runs the lower layers on the last draft and the upper layers
+    on the round's exit hidden states (``StageRunner.verify``)."""
+
+    def __init__(self, draft_fn: DraftFn, name: str) -> None:
+        self.draft_fn, self.name = draft_fn, name
+
+    def propose(self, runner, x, start, d, request, out) -> Draft:
+        if d == 0:
+            return no_draft(x)
+        drafts, exit_hidden, q = self.draft_fn(runner, x, start, d, request)
+        return Draft(drafts, q, self.name, state=exit_hidden)
+
+    def verify(self, runner, x, start, draft, request) -> torch.Tensor:
+        # Lower layers for the last draft, upper layers for x and every draft: [1, d+1, V].
+        return runner.verify(draft.tokens[:, -1:], draft.state, start)
+
+
+class FirstDrafter(Protocol):
+    """A drafter each round tries before the recipe's own (``lookup.LookupFirst``: prompt
+    lookup, a drafting recipe's ``lookup=True``): ``wrap(own, prompt, out)`` is the drafter
+    that drafts with it where it has drafts and with ``own`` where it has none; it reads the
+    text so far from ``out``, the loop's Output."""
+
+    def wrap(self, own: Drafter, prompt: torch.Tensor, out: Output) -> Drafter: ...
+
+
+def run_drafter(
+    runner: StageRunner,
+    prompt: torch.Tensor,
+    request: DecodeRequest,
+    metrics: DecodeMetrics,
+    num_speculations: int,
+    drafter: Drafter,
+    first: FirstDrafter | None = None,
+) -> list[int]:
+    """:func:`speculative_loop` over ``drafter``, with ``first`` tried before it each round."""
+    out = Output(request)
+    if first is not None:
+        drafter = first.wrap(drafter, prompt, out)
+    return speculative_loop(runner, prompt, request, metrics, num_speculations, drafter, out)
 
 
 def self_speculative(
@@ -365,7 +478,7 @@ def self_speculative(
     request: DecodeRequest,
     metrics: DecodeMetrics,
     num_speculations: int,
-    drafter: Drafter = draft,
+    drafter: DraftFn = draft,
     name: str = "layerskip",
     first: FirstDrafter | None = None,
 ) -> list[int]:
@@ -377,11 +490,5 @@ def self_speculative(
     cache outlives a round (the exit hidden states go from the draft to the verify of the same
     round), so a round of another drafter verified by the ``full`` stage, which writes every
     slot (an adapter's too), leaves the next round what its own round would."""
-
-    def round_(runner, x, pos, d, request):
-        drafts, exit_hidden, q = drafter(runner, x, pos, d, request)
-        metrics.record_round(name)
-        # Lower layers for the last draft, upper layers for x and every draft: [1, d+1, V].
-        return drafts, q, runner.verify(drafts[:, -1:], exit_hidden, pos)
-
-    return speculative_loop(runner, prompt, request, metrics, num_speculations, round_, first=first)
+    own = ExitDrafter(drafter, name)
+    return run_drafter(runner, prompt, request, metrics, num_speculations, own, first)

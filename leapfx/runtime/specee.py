@@ -52,12 +52,14 @@ from .metrics import DecodeMetrics
 from .runner import StageRunner
 from .schedules import (
     DecodeRequest,
+    Draft,
+    Drafter,
     Output,
     _drafted,
     _token,
-    accept,
     choose,
     draft_probs,
+    speculative_loop,
     teacher_force,
 )
 
@@ -201,20 +203,20 @@ class SpecEEDecoder:
         return torch.arange(start, start + length, device=self.runner.layout.device)[None]
 
     def _rope(self, hidden: torch.Tensor, start: int, length: int):
-        out = self.runner._call("rope", hidden=hidden, position_ids=self._positions(start, length))
+        out = self.runner.call("rope", hidden=hidden, position_ids=self._positions(start, length))
         return out["rope"]
 
     def _layer(self, i: int, hidden, rope, start: int, mask) -> torch.Tensor:
         n = hidden.shape[1]
         extra = {"bias": self.bias[i]} if self.compiled else {}
-        out = self.runner._call(
+        out = self.runner.call(
             f"layer_{i}", hidden=hidden, rope=rope, mask=mask,
             position_ids=self._positions(start, n), cache=self.runner.cache, **extra,
         )  # fmt: skip
         return out["hidden"]  # [1, n, H]
 
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.runner._call("head", hidden=hidden)["logits"]  # [1, n, V]
+        return self.runner.call("head", hidden=hidden)["logits"]  # [1, n, V]
 
     def _kind(self, i: int) -> str:
         return self.kinds[i]
@@ -248,7 +250,7 @@ class SpecEEDecoder:
         ``drafts`` [1, i]: the round's drafts before this step's token (verified mode), which
         processors read as part of the prefix."""
         runner, cfg = self.runner, self.config
-        call, cache = runner._call, runner.cache
+        call, cache = runner.call, runner.cache
         out = runner.chunk("draft", x, pos)
         cands = self._candidates(x, pos, out)  # [k]
         h, rope = out["hidden"], out["rope"]  # [1, 1, H]
@@ -404,6 +406,13 @@ def specee(
 ) -> list[int]:
     """SpecEE decoding: lossy early exit, or verified (lossless) with ``config.verify``."""
     dec = SpecEEDecoder(runner, config, metrics)
+    if config.verify:
+        drafter = SpecEEDrafter(dec, metrics)
+        tokens = speculative_loop(
+            runner, prompt, request, metrics, config.max_draft_tokens, drafter
+        )
+        runner.seconds["predictor"] += dec.predictor_seconds
+        return tokens
     out = Output(request)
     logits = dec.prefill(prompt)  # every layer, no exit
     metrics.full_calls += 1
@@ -412,57 +421,62 @@ def specee(
     metrics.record_layers(dec.num_layers)
     out.extend([_token(x)], logits[0, -1:])
     while not out.done:
-        if config.verify:
-            pos = _verified_round(dec, x, pos, request, out, metrics)
-            x = dec.next_x
-        else:
-            s = dec.step(x, pos, request)
-            metrics.draft_calls += 1
-            metrics.record_layers(s.exit_layer + 1)
-            x = teacher_force(s.token, out, request, metrics)
-            out.extend([_token(x)], s.logits)
-            pos += 1
+        s = dec.step(x, pos, request)
+        metrics.draft_calls += 1
+        metrics.record_layers(s.exit_layer + 1)
+        x = teacher_force(s.token, out, request, metrics)
+        out.extend([_token(x)], s.logits)
+        pos += 1
     runner.seconds["predictor"] += dec.predictor_seconds
     return out.tokens
 
 
-def _verified_round(dec: SpecEEDecoder, x, c: int, request, out: Output, metrics) -> int:
-    """Draft from x at position c until an exit-free pass or the maximum, then verify."""
-    d_max = min(dec.config.max_draft_tokens, out.remaining - 1)
-    dec.all_valid_below = dec.num_layers - 1  # everything before c is verified
-    steps: list[Step] = []
-    qs = []
-    token = x
-    while True:
-        before = _drafted([s.token for s in steps])  # [1, i]: this round's drafts so far
-        s = dec.step(token, c + len(steps), request, before)
-        metrics.draft_calls += 1
-        if not steps and s.exit_layer == dec.num_layers - 1:
-            # The first pass ran every layer over an exact context: its token is final.
-            metrics.record_layers(dec.num_layers)
-            out.extend([_token(s.token)], s.logits)
-            dec.next_x = s.token
-            return c + 1
-        steps.append(s)
-        if request.sampling.do_sample:
-            qs.append(draft_probs(s.logits, request, before))
-        token = s.token
-        if len(steps) >= d_max or s.exit_layer == dec.num_layers - 1:
-            break
-    drafts = torch.cat([s.token for s in steps], dim=1)  # [1, d]
-    d = drafts.shape[1]
-    target = dec.verify(steps, drafts[:, -1:], c)  # [1, d+1, V]
-    q = torch.stack(qs, dim=1) if qs else None
-    n, nxt = accept(drafts, q, target, request)
-    k, next_token, *drafted = torch.cat([n, nxt, drafts[0]]).tolist()  # the round's sync
-    dec.runner.cache.crop(c + k + 1)
-    dec.h_prev = dec.verified[:, k : k + 1]  # h of position c + k: the next token reads it
-    metrics.record_verify(d, k)
-    # Layers per emitted token: the draft's own depth (the verify pass is counted in
-    # stage_seconds, not here); the correction/bonus token ran every layer.
-    for s in steps[:k]:
-        metrics.record_layers(s.exit_layer + 1)
-    metrics.record_layers(dec.num_layers)
-    out.extend([*drafted[:k], next_token], target[0, : k + 1])
-    dec.next_x = nxt.view(1, 1)
-    return c + k + 1
+class SpecEEDrafter(Drafter):
+    """Verified SpecEE: each exited token is a draft. A round drafts from x at ``start`` until
+    ``d`` drafts (at least one) or a pass that reaches the last layer; a round whose first pass
+    does not exit emits that token without a verify (its context was exact). The verify is
+    ``SpecEEDecoder.verify`` over the round's passes; its rounds are not counted per drafter."""
+
+    def __init__(self, dec: SpecEEDecoder, metrics: DecodeMetrics) -> None:
+        self.dec, self.metrics = dec, metrics
+        self.steps: list[Step] = []
+
+    def prefill(self, runner, prompt):
+        logits = self.dec.prefill(prompt)  # every layer, no exit
+        self.metrics.record_layers(self.dec.num_layers)
+        return logits
+
+    def propose(self, runner, x, start, d, request, out) -> Draft:
+        dec, last = self.dec, self.dec.num_layers - 1
+        dec.all_valid_below = last  # everything before start is verified
+        steps: list[Step] = []
+        qs = []
+        token = x
+        while True:
+            before = _drafted([s.token for s in steps])  # [1, i]: this round's drafts so far
+            s = dec.step(token, start + len(steps), request, before)
+            if not steps and s.exit_layer == last:
+                # The first pass ran every layer over an exact context: its token is final.
+                self.metrics.record_layers(dec.num_layers)
+                return Draft(x[:, :0], calls=1, final=(s.token, s.logits))
+            steps.append(s)
+            if request.sampling.do_sample:
+                qs.append(draft_probs(s.logits, request, before))
+            token = s.token
+            if len(steps) >= d or s.exit_layer == last:
+                break
+        self.steps = steps
+        drafts = torch.cat([s.token for s in steps], dim=1)  # [1, d]
+        return Draft(drafts, torch.stack(qs, dim=1) if qs else None, state=steps)
+
+    def verify(self, runner, x, start, draft, request):
+        return self.dec.verify(draft.state, draft.tokens[:, -1:], start)  # [1, d+1, V]
+
+    def accepted(self, runner, start, k):
+        dec = self.dec
+        dec.h_prev = dec.verified[:, k : k + 1]  # h of position start + k: the next token reads it
+        # Layers per emitted token: the draft's own depth (the verify pass is counted in
+        # stage_seconds, not here); the correction/bonus token ran every layer.
+        for s in self.steps[:k]:
+            self.metrics.record_layers(s.exit_layer + 1)
+        self.metrics.record_layers(dec.num_layers)

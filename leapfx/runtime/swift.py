@@ -35,7 +35,7 @@ from ..passes.skip_checkpoint import write_skip_set
 from .metrics import DecodeMetrics
 from .runner import StageRunner
 from .sampling import SamplingParams, probs
-from .schedules import DecodeRequest, FirstDrafter, speculative_loop
+from .schedules import DecodeRequest, Draft, Drafter, FirstDrafter, no_draft, run_drafter
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +59,21 @@ def draft_skip(
     return torch.cat(tokens, dim=1), (torch.stack(qs, dim=1) if qs else None)
 
 
+class SkipDrafter(Drafter):
+    """Drafts with the ``draft`` stage (the layer-skipped model); verified by one full call
+    over [x, drafts] after the kept layers' draft keys are dropped (the full call rewrites
+    every layer's)."""
+
+    name = "swift"
+
+    def propose(self, runner, x, start, d, request, out) -> Draft:
+        if d == 0:
+            return no_draft(x)
+        drafts, q = draft_skip(runner, x, start, d, request)
+        runner.cache.crop(start)  # the kept layers' draft keys: verify rewrites every layer's
+        return Draft(drafts, q, self.name)
+
+
 def swift(
     runner: StageRunner,
     prompt: torch.Tensor,
@@ -71,14 +86,7 @@ def swift(
     tried before the layer-skipped one each round (``lookup=True``; nothing but the cache
     outlives a swift round, and its verify is the same full call)."""
     metrics.num_speculations = num_speculations
-
-    def round_(runner, x, pos, d, request):
-        drafts, q = draft_skip(runner, x, pos, d, request)
-        metrics.record_round("swift")
-        runner.cache.crop(pos)  # the kept layers' draft keys: verify rewrites every layer's
-        return drafts, q, runner.full(torch.cat([x, drafts], dim=1), pos, key="verify")
-
-    return speculative_loop(runner, prompt, request, metrics, num_speculations, round_, first=first)
+    return run_drafter(runner, prompt, request, metrics, num_speculations, SkipDrafter(), first)
 
 
 def search_skip_set(
