@@ -53,6 +53,7 @@ import torch
 from torch import fx
 
 from .. import __version__
+from ..options import check_bool, check_int
 from ..passes.capture import LAYER, ROLE
 from ..runtime.compiled import chain_length
 from ..runtime.stage_signature import (  # discovery, shared with the compiled stages
@@ -484,13 +485,8 @@ def _require_onnx() -> None:
 def _check_options(sm: SpeculativeModel, path: Any, opset: Any, overwrite: Any) -> Path:
     if not isinstance(path, (str, os.PathLike)):
         raise ValueError(f"path: {path!r} is invalid; allowed: a directory path (str or PathLike)")
-    ok = isinstance(opset, int) and not isinstance(opset, bool)
-    if not (ok and MIN_OPSET <= opset <= MAX_OPSET):
-        raise ValueError(
-            f"opset: {opset!r} is invalid; allowed: an integer {MIN_OPSET}..{MAX_OPSET}"
-        )
-    if not isinstance(overwrite, bool):
-        raise ValueError(f"overwrite: {overwrite!r} is invalid; allowed: True or False")
+    check_int("opset", opset, MIN_OPSET, MAX_OPSET)
+    check_bool("overwrite", overwrite)
     from ..runtime.compiled import EAGLE_STAGES, refuse_stages
 
     refuse_stages(sm, "onnxruntime", EAGLE_STAGES)
@@ -579,8 +575,7 @@ def export_onnx(
             f"recipe: {sm.recipe.name!r} cannot be exported to ONNX: {can.export_refusal}"
         )
     _require_onnx()
-    if not isinstance(optimize, bool):
-        raise ValueError(f"optimize: {optimize!r} is invalid; allowed: True or False")
+    check_bool("optimize", optimize)
     target = _check_options(sm, path, opset, overwrite)
     _check_target(target, overwrite)
     created = _make_parent(target.parent)

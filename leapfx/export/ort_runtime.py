@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..options import check_bool
 from ..runtime.cache import SlotLengths
 from ..runtime.decode import cache_length, check_prompt, decode
 from ..runtime.generation import finish, prepare
@@ -509,10 +510,8 @@ class OnnxModel:
                 raise ValueError(f"{name}: {value!r} is invalid; allowed: an integer >= 1 or None")
         self.threads = threads
         self.verify_threads = threads if verify_threads is None else verify_threads
-        if not isinstance(spin, bool):
-            raise ValueError(f"spin: {spin!r} is invalid; allowed: True or False")
-        if not isinstance(split_verify, bool):
-            raise ValueError(f"split_verify: {split_verify!r} is invalid; allowed: True or False")
+        check_bool("spin", spin)
+        check_bool("split_verify", split_verify)
         # whether the sessions run on onnxruntime's process-wide pool (see ``thread_pool``);
         # everything checked before the process is switched to it
         if _thread_pool(thread_pool, threads, switch=False):

@@ -67,6 +67,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.cpu_m2r2 import pack_predict
+from ..options import check_int
 from .fused import rms_params
 from .m2r2 import AcceleratedLayer, fused_op_layers
 from .m2r2_kernels import op_dims, pack_fast_layers, rope_table
@@ -178,8 +179,7 @@ class NextGatePrefetch(OffloadModule):
 
 def predicted_layers(layer: int, num_layers: int) -> list[int]:
     """The layers whose experts are predicted while ``layer`` (i) runs: 2i+2 and 2i+3 (< N)."""
-    if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < num_layers:
-        raise ValueError(f"layer: {layer!r} is invalid; allowed: an integer 0..{num_layers - 1}")
+    check_int("layer", layer, 0, num_layers - 1)
     return [target for target in (2 * layer + 2, 2 * layer + 3) if target < num_layers]
 
 

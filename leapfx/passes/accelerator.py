@@ -30,6 +30,7 @@ from typing import ClassVar
 from torch import fx
 
 from ..modules.m2r2 import AcceleratedLayer, Accelerator, ARLARouter, default_heads
+from ..options import check_int, is_int
 from .base import GraphPass, PassResult
 from .capture import (
     ATTN_KIND,
@@ -58,7 +59,7 @@ def accelerator_of(gm: fx.GraphModule) -> Accelerator:
 def check_gates(gates, num_layers: int) -> tuple[int, ...]:
     """Gates E_1 < ... < E_J, each in 1..N-1; ValueError naming ``gates`` otherwise."""
     ok = isinstance(gates, (tuple, list)) and len(gates) >= 1
-    ok = ok and all(isinstance(g, int) and not isinstance(g, bool) for g in gates)
+    ok = ok and all(is_int(g) for g in gates)
     ok = ok and all(1 <= g <= num_layers - 1 for g in gates)
     ok = ok and all(a < b for a, b in zip(gates, gates[1:], strict=False))
     if not ok:
@@ -101,13 +102,9 @@ class InsertAccelerator(GraphPass):
         nh = config.num_attention_heads
         nkv = getattr(config, "num_key_value_heads", None) or nh
         heads = default_heads(nh, nkv) if self.heads is None else self.heads
-        if isinstance(heads, bool) or not isinstance(heads, int) or not 1 <= heads <= nh:
-            raise ValueError(f"heads: {heads!r} is invalid; allowed: an integer 1..{nh}")
-        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
-            raise ValueError(f"rank: {self.rank!r} is invalid; allowed: an integer >= 1")
-        k = self.fast_keys
-        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
-            raise ValueError(f"fast_keys: {k!r} is invalid; allowed: None or an integer >= 1")
+        check_int("heads", heads, 1, nh)
+        check_int("rank", self.rank, 1)
+        k = check_int("fast_keys", self.fast_keys, 1, none=True)
         window = getattr(config, "sliding_window", None)
         modules = {}
         for i in range(gates[-1]):

@@ -77,6 +77,7 @@ from torch import fx
 from ..modules.eagle import EagleHead
 from ..modules.fused import FusedDecoderLayer, fusable
 from ..modules.hf import CACHE_KWARG, cache_kwarg, rename_cache_kwarg
+from ..options import is_int
 from .base import GraphPass, PassResult
 from .capture import (
     ATTN_KIND,
@@ -135,7 +136,7 @@ class InsertEagleHead(GraphPass):
         layers = nodes_by_role(gm, "layer")
         num_layers = len(layers)
         init = num_layers - 1 if self.init_layer is None else self.init_layer
-        if isinstance(init, bool) or not isinstance(init, int) or not 0 <= init < num_layers:
+        if not (is_int(init) and 0 <= init < num_layers):
             raise ValueError(
                 f"init_layer: {self.init_layer!r} is out of range for a {num_layers}-layer "
                 f"model; allowed: 0..{num_layers - 1} or None (the last layer)"

@@ -21,6 +21,7 @@ import logging
 from torch import nn
 
 from ..lower import lower
+from ..options import check_bool
 from ..passes.base import PassPipeline
 from ..passes.capture import EXTRA_CACHE_LAYERS, capture, check_supported
 from ..passes.offload import OffloadExperts
@@ -150,10 +151,7 @@ def apply(
 
     >>> sm = apply(moe_model, "layerskip", offload=OffloadOptions(slots=0.5, prefetch="next_gate"))
     """
-    if cpu_kernels is not None and not isinstance(cpu_kernels, bool):
-        raise ValueError(
-            f"cpu_kernels: {cpu_kernels!r} is invalid; allowed: True, False or None (auto)"
-        )
+    check_bool("cpu_kernels", cpu_kernels, none=True, allowed="True, False or None (auto)")
     if backend not in BACKENDS:
         raise ValueError(
             f"backend: {backend!r} is invalid; allowed: {', '.join(map(repr, BACKENDS))} "

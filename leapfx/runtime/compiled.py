@@ -66,6 +66,7 @@ from ..modules.fused import (
 )
 from ..modules.m2r2 import AcceleratedLayer, KernelAcceleratedLayer
 from ..modules.specee import KernelLayerExit, LayerExit
+from ..options import check_bool, check_choice
 from .cache import StaticKVCache
 from .executor import mask_free
 from .masks import position_masks
@@ -148,27 +149,13 @@ class CompileOptions:
             raise ValueError(
                 f"mode: {self.mode!r} is invalid; allowed: None, {', '.join(map(repr, MODES))}"
             )
-        if self.verify_shapes not in VERIFY_SHAPES:
-            raise ValueError(
-                f"verify_shapes: {self.verify_shapes!r} is invalid; allowed: "
-                f"{', '.join(map(repr, VERIFY_SHAPES))}"
-            )
-        if not isinstance(self.warmup, bool):
-            raise ValueError(f"warmup: {self.warmup!r} is invalid; allowed: True or False")
-        if self.transpose_weights is not None and not isinstance(self.transpose_weights, bool):
-            raise ValueError(
-                f"transpose_weights: {self.transpose_weights!r} is invalid; allowed: True, "
-                "False or None (CPU only)"
-            )
-        if self.cpu_kernels is not None and not isinstance(self.cpu_kernels, bool):
-            raise ValueError(
-                f"cpu_kernels: {self.cpu_kernels!r} is invalid; allowed: True, False or None "
-                "(on a CPU with float32 weights when they build)"
-            )
-        if not isinstance(self.draft_chain, bool):
-            raise ValueError(
-                f"draft_chain: {self.draft_chain!r} is invalid; allowed: True or False"
-            )
+        check_choice("verify_shapes", self.verify_shapes, VERIFY_SHAPES)
+        check_bool("warmup", self.warmup)
+        allowed = "True, False or None (CPU only)"
+        check_bool("transpose_weights", self.transpose_weights, none=True, allowed=allowed)
+        allowed = "True, False or None (on a CPU with float32 weights when they build)"
+        check_bool("cpu_kernels", self.cpu_kernels, none=True, allowed=allowed)
+        check_bool("draft_chain", self.draft_chain)
         return self
 
 

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 import torch
 from torch import fx, nn
 
+from ..options import check_bool, check_int
 from ..passes.capture import decoder_parts
 from ..passes.partition import Stages
 from .cache import StaticKVCache, cache_for
@@ -185,8 +186,7 @@ class SpeculativeModel:
         >>> sm.use_cpu_kernels(False).cpu_kernels  # back to the plain eager stages
         False
         """
-        if not isinstance(enabled, bool):
-            raise ValueError(f"enabled: {enabled!r} is invalid; allowed: True or False")
+        check_bool("enabled", enabled)
         if self.backend != "eager":
             raise ValueError(
                 f"use_cpu_kernels: the stages run on {self.backend!r}; pass cpu_kernels= to "
@@ -437,20 +437,9 @@ class SpeculativeModel:
             )
         for p in prompts:
             check_prompt(p, None, self.config.vocab_size)
-        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or (
-            max_new_tokens < 1
-        ):  # fmt: skip
-            raise ValueError(f"max_new_tokens: {max_new_tokens!r} is invalid; allowed: int >= 1")
-        if max_skip is not None and not (
-            isinstance(max_skip, int) and not isinstance(max_skip, bool)
-            and 1 <= max_skip <= num_layers - 1
-        ):  # fmt: skip
-            raise ValueError(
-                f"max_skip: {max_skip!r} is invalid; allowed: None or an integer "
-                f"1..{num_layers - 1}"
-            )
-        if not isinstance(progress, bool):
-            raise ValueError(f"progress: {progress!r} is invalid; allowed: True or False")
+        check_int("max_new_tokens", max_new_tokens, 1, allowed="int >= 1")
+        check_int("max_skip", max_skip, 1, num_layers - 1, none=True)
+        check_bool("progress", progress)
         prompts = [p.to(self._layout.device) for p in prompts]
         before = self.recipe
 
