@@ -16,7 +16,9 @@ Every system decodes the same prompts with the same ``max_new_tokens`` and the s
 - ``leapfx_<recipe>``          the recipe under test (``layerskip`` by default); ``specee``
                                gives ``leapfx_specee`` (lossy, kv_fill="next", the
                                default), ``leapfx_specee_mask`` (lossy, kv_fill="mask", the
-                               paper's KV policy) and ``leapfx_specee_verified``
+                               paper's KV policy) and ``leapfx_specee_verified``;
+                               ``swift`` also gives ``leapfx_swift_adaptive`` (with
+                               ``lookup=True, adaptive=True``)
 - ``leapfx_resident``, ``leapfx_offload_*``  with ``offload_slots`` (an MoE model): eager
                                decoding (with the CPU kernels where they apply, like the
                                other eager rows) with every expert in memory, and with the experts
@@ -505,12 +507,19 @@ def _eagle_rows(run: RowRun) -> list[System]:
 
 
 def _training_free_rows(name: str, run: RowRun) -> list[System]:
-    """At the recipe's defaults (HF's d is not theirs)."""
+    """At the recipe's defaults (HF's d is not theirs); swift also as
+    ``leapfx_swift_adaptive`` (``lookup=True, adaptive=True``: each round chooses among the
+    layer-skipped drafter, prompt lookup and no drafting by measured tokens per cost)."""
     system = run.ours(f"leapfx_{name}", rewrite.apply(run.model, name))
     # lookup / auto: a round drafts what a match gives (or nothing): no fixed d for the
     # formula; swift drafts d every round
     system.info["dynamic_draft_length"] = name != "swift"
-    return [system]
+    systems = [system]
+    if name == "swift":
+        sm = rewrite.apply(run.model, "swift", lookup=True, adaptive=True)
+        systems.append(run.ours("leapfx_swift_adaptive", sm))
+        systems[-1].info["dynamic_draft_length"] = True
+    return systems
 
 
 # The leapfx rows after leapfx_autoregressive and leapfx_early_exit, in the order they run
@@ -884,6 +893,12 @@ def _rows(systems, prompts, config, times, first) -> list[Row]:
             row.avg_layers = sum(layers) / len(layers) if layers else None
             row.extra["stage_seconds"] = _sum_stage_seconds(run.metrics)
             row.extra["full_steps"] = autoregressive_steps(run.metrics)  # prefills apart
+            rounds: dict[str, int] = {}
+            for m in run.metrics:
+                for drafter, n in m.drafter_rounds.items():
+                    rounds[drafter] = rounds.get(drafter, 0) + n
+            if rounds:  # rounds per drafter over the timed passes ("declined", "none" included)
+                row.extra["drafter_rounds"] = rounds
         rows.append(row)
     base_tps = rows[0].tokens_per_second
     for row in rows:
