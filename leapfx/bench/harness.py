@@ -42,7 +42,6 @@ from __future__ import annotations
 import logging
 import math
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -50,7 +49,6 @@ from functools import partial
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
 from .. import rewrite
 from ..lower import lower
@@ -58,6 +56,7 @@ from ..options import check_bool
 from ..runtime.metrics import DecodeMetrics
 from ..runtime.offload import DEFAULT_PREFETCH_LEAD
 from .agreement import teacher_forced_agreement
+from .report import Row, progress_bar
 
 log = logging.getLogger(__name__)
 
@@ -219,37 +218,6 @@ class BenchConfig:
     def backends(self) -> tuple[str, ...]:
         """The backends of ``backend`` (a name, or several separated by commas)."""
         return tuple(b.strip() for b in self.backend.split(",") if b.strip())
-
-
-@dataclass
-class Row:
-    """One system's line of the report (and of ``--json``)."""
-
-    system: str
-    tokens_per_second: float
-    speedup: float = 1.0
-    mean_accepted_tokens: float | None = None
-    acceptance_rate: float | None = None
-    ctar: list[float] | None = None
-    identical_to_greedy: bool | None = None  # lossless systems, greedy runs: every prompt
-    identical_prompts: int | None = None  # ... how many of ``prompts`` are token-identical
-    prompts: int | None = None
-    # ... per differing prompt: where the outputs part and whether it is a near-tie flip
-    # ({"prompt": i, **leapfx.bench.ties.first_difference(...)})
-    differences: list[dict] | None = None
-    speedup_vs_static: float | None = None  # tokens/s over hf_static's (when it ran)
-    agreement_with_greedy: float | None = None  # lossy systems: share of equal tokens
-    # Lossy systems, greedy runs: teacher-forced agreement with the baseline's tokens
-    # (leapfx.bench.agreement) and decoder layers run per token under it.
-    agreement: float | None = None
-    avg_layers: float | None = None  # every leapfx row that records it (timed pass)
-    distribution_check: str | None = None  # sampling runs
-    new_tokens: int = 0
-    seconds: float = 0.0
-    extra: dict = field(default_factory=dict)
-
-    def as_dict(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if v is not None}
 
 
 @dataclass
@@ -758,19 +726,6 @@ def _fastest(models: dict, what: str, *, new_tokens: int, repeats: int):
     best = min(per_token, key=per_token.get)
     log.info("onnxruntime %s: %s (seconds per token: %s)", what, best, per_token)
     return best, per_token
-
-
-def progress_bar(iterable=None, *, enabled: bool, **kwargs) -> tqdm:
-    """A tqdm bar on stderr, never stdout, which holds the report.
-
-    What was printed before the bar is flushed first: with stdout and stderr sent to one file,
-    stdout's block buffer would otherwise land after the bar's lines. Callers close the bar before
-    the report is printed, so the report follows every bar. Whether bars show at all is the
-    caller's choice (the CLI: only when stderr is a terminal, unless ``--progress``).
-    """
-    if enabled:
-        sys.stdout.flush()
-    return tqdm(iterable, file=sys.stderr, disable=not enabled, **kwargs)
 
 
 def repeated_4gram_share(new_tokens: list[int]) -> float:
