@@ -36,7 +36,7 @@ from leapfx.bench import (
     load_model,
 )
 from leapfx.bench.agreement import teacher_forced_agreement
-from leapfx.passes.kernel_gate import KernelGate
+from leapfx.modules.m2r2_kernels import KernelGate
 
 
 def main() -> None:

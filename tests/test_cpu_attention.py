@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from leapfx import rewrite
 from leapfx.kernels import cpu_attention
-from leapfx.passes.fuse_layers import FusedDecoderLayer, KernelDecoderLayer
+from leapfx.modules.fused import FusedDecoderLayer, KernelDecoderLayer
 from leapfx.runtime.cache import StaticKVCache
 
 
@@ -109,9 +109,9 @@ def test_eager_layers_send_verify_rows_to_sdpa_past_the_key_threshold(
 ):
     # one row always goes through the kernel; several rows only up to KERNEL_ROWS_MAX_KEYS
     # keys (past it SDPA's blocked products are faster)
-    from leapfx.passes import fuse_layers
+    from leapfx.modules import fused
 
-    monkeypatch.setattr(fuse_layers, "KERNEL_ROWS_MAX_KEYS", max_keys)
+    monkeypatch.setattr(fused, "KERNEL_ROWS_MAX_KEYS", max_keys)
     model = tiny_model("llama", layers=2)
     kernel = KernelDecoderLayer(model.model.layers[0])
     cfg = model.config
@@ -122,7 +122,7 @@ def test_eager_layers_send_verify_rows_to_sdpa_past_the_key_threshold(
         calls.append(args[0].shape[2])  # query rows
         return real(*args)
 
-    monkeypatch.setattr(fuse_layers.torch.ops.leapfx_cpu, "attention", spy, raising=False)
+    monkeypatch.setattr(fused.torch.ops.leapfx_cpu, "attention", spy, raising=False)
     cache = StaticKVCache(2, cfg.num_key_value_heads, cfg.head_dim, max_len=16)
     x = torch.randn(1, 5, cfg.hidden_size)
     for start, n in ((0, 4), (4, 1)):
@@ -144,7 +144,7 @@ def test_kernel_stages_skip_the_masks_their_layers_would_not_read(monkeypatch):
     # Every mask reader of a kernel stage attends through the kernel: the runner builds no
     # mask for one row or rows over at most KERNEL_ROWS_MAX_KEYS keys, and builds them past
     # that (where the layers go to SDPA). A sliding window keeps the masks everywhere.
-    from leapfx.passes import fuse_layers
+    from leapfx.modules import fused
     from leapfx.runtime.runner import StageRunner
 
     model = tiny_model("llama", layers=4)
@@ -154,7 +154,7 @@ def test_kernel_stages_skip_the_masks_their_layers_would_not_read(monkeypatch):
     runner = StageRunner(sm._executors, sm._cache_for(64), sm._layout)
     assert runner._masks("verify", 10, 4) == {"full_attention": None}
     assert runner._masks("verify", 251, 6)["full_attention"] is not None  # 257 keys
-    monkeypatch.setattr(fuse_layers, "KERNEL_ROWS_MAX_KEYS", 3)  # read at each call
+    monkeypatch.setattr(fused, "KERNEL_ROWS_MAX_KEYS", 3)  # read at each call
     assert runner._masks("verify", 10, 4)["full_attention"] is not None
     assert runner._masks("draft", 10, 1) == {"full_attention": None}
     check_random_prompts(model, sm, (1, 6), 24, seed=4)  # over the threshold, through SDPA

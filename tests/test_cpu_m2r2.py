@@ -12,7 +12,7 @@ import torch
 
 from leapfx import rewrite
 from leapfx.kernels import cpu_m2r2
-from leapfx.passes.kernel_gate import KernelGate
+from leapfx.modules.m2r2_kernels import KernelGate
 from tests.conftest import tiny_model
 from tests.greedy_check import check_random_prompts
 from tests.test_m2r2 import _randomize
@@ -129,8 +129,8 @@ def _draft_model(arch: str, **options):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "phi3", "gemma"])
 def test_draft_op_computes_the_torch_draft(arch):
-    from leapfx.passes.accelerator import FastScratch
-    from leapfx.passes.kernel_gate import KernelDraft
+    from leapfx.modules.m2r2 import FastScratch
+    from leapfx.modules.m2r2_kernels import KernelDraft
 
     model, sm = _draft_model(arch)
     draft = sm._executors["draft"]
@@ -156,7 +156,7 @@ def test_draft_op_computes_the_torch_draft(arch):
 
 
 def test_draft_op_is_left_out_where_it_does_not_apply():
-    from leapfx.passes.kernel_gate import KernelDraft
+    from leapfx.modules.m2r2_kernels import KernelDraft
 
     model, sm = _draft_model("llama", fast_keys=4)  # top-k keys: the torch path
     assert not isinstance(sm._executors["draft"], KernelDraft)

@@ -14,13 +14,13 @@ from hypothesis import strategies as st
 
 from leapfx import rewrite
 from leapfx.kernels import cpu
-from leapfx.passes.capture import nodes_by_role
-from leapfx.passes.fuse_layers import (
+from leapfx.modules.fused import (
     FusedAttention,
     KernelAttention,
     KernelExperts,
     experts_kernel_covers,
 )
+from leapfx.passes.capture import nodes_by_role
 from leapfx.runtime.offload import OffloadOptions
 from tests.conftest import MOE_ARCHS, tiny_moe_model
 from tests.greedy_check import check_random_prompts

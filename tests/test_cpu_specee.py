@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 from leapfx import rewrite
 from leapfx.kernels import cpu_specee
-from leapfx.passes.predictor import KernelLayerExit, LayerExit, predictors_of
+from leapfx.modules.specee import KernelLayerExit, LayerExit
+from leapfx.passes.predictor import predictors_of
 from tests.conftest import tiny_model
 from tests.greedy_check import check_random_prompts
 

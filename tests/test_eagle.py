@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from leapfx import rewrite
+from leapfx.modules.eagle import EagleHead
 from leapfx.passes.capture import EXTRA_CACHE_LAYERS, capture, nodes_by_role
 from leapfx.passes.eagle_head import (
-    EagleHead,
     InsertEagleHead,
     eagle_head_of,
     eagle_slot_of,

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from leapfx.modules.fused import FusedDecoderLayer
 from leapfx.passes.capture import capture, decoder_parts
-from leapfx.passes.fuse_layers import FusedDecoderLayer, FuseDecoderLayers
+from leapfx.passes.fuse_layers import FuseDecoderLayers
 from leapfx.runtime.cache import cache_for
 from leapfx.runtime.masks import masks_for
 from tests.conftest import tiny_model

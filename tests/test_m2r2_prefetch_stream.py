@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from leapfx import rewrite
 from leapfx.kernels import cpu_m2r2
-from leapfx.passes.accelerator import AcceleratedLayer
+from leapfx.modules.m2r2 import AcceleratedLayer
 from leapfx.passes.capture import ROLE, nodes_by_role
 from leapfx.runtime.cache import StaticKVCache
 from leapfx.runtime.offload import DEFAULT_PREFETCH_LEAD, OffloadOptions

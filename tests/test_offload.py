@@ -536,10 +536,10 @@ def test_the_offload_pass_only_rewrites_and_build_offload_binds(prefetch):
     # build_offload builds the one ExpertOffload and binds every module the pass inserted.
     import threading
 
+    from leapfx.modules.moe import OffloadModule
     from leapfx.passes.base import PassPipeline
     from leapfx.passes.capture import capture
     from leapfx.passes.offload import OffloadExperts
-    from leapfx.passes.offload_modules import OffloadModule
     from leapfx.runtime.offload import build_offload
 
     model = tiny_moe_model("olmoe", layers=4)

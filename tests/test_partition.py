@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from leapfx import rewrite
-from leapfx.passes.capture import cache_kwarg, decoder_parts
+from leapfx.modules.hf import cache_kwarg
+from leapfx.passes.capture import decoder_parts
 from leapfx.runtime.cache import cache_for
 from leapfx.runtime.masks import masks_for
 from tests.conftest import tiny_model

@@ -14,13 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from leapfx import rewrite
-from leapfx.passes.capture import cache_kwarg
-from leapfx.passes.predictor import (
-    ExitMLP,
-    InsertExitPredictors,
-    exit_features,
-    predictors_of,
-)
+from leapfx.modules.hf import cache_kwarg
+from leapfx.modules.specee import ExitMLP, exit_features
+from leapfx.passes.predictor import InsertExitPredictors, predictors_of
 from leapfx.runtime.specee import LayerScheduler
 from leapfx.train.specee import offline_subset
 from tests.conftest import tiny_model

@@ -16,7 +16,9 @@ Every system decodes the same prompts with the same ``max_new_tokens`` and the s
 - ``leapfx_<recipe>``          the recipe under test (``layerskip`` by default); ``specee``
                                gives ``leapfx_specee`` (lossy, kv_fill="next", the
                                default), ``leapfx_specee_mask`` (lossy, kv_fill="mask", the
-                               paper's KV policy) and ``leapfx_specee_verified``
+                               paper's KV policy) and ``leapfx_specee_verified``;
+                               ``swift`` also gives ``leapfx_swift_adaptive`` (with
+                               ``lookup=True, adaptive=True``)
 - ``leapfx_resident``, ``leapfx_offload_*``  with ``offload_slots`` (an MoE model): eager
                                decoding (with the CPU kernels where they apply, like the
                                other eager rows) with every expert in memory, and with the experts
@@ -40,19 +42,21 @@ from __future__ import annotations
 import logging
 import math
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
 from .. import rewrite
+from ..lower import lower
+from ..options import check_bool
 from ..runtime.metrics import DecodeMetrics
 from ..runtime.offload import DEFAULT_PREFETCH_LEAD
 from .agreement import teacher_forced_agreement
+from .report import Row, progress_bar
 
 log = logging.getLogger(__name__)
 
@@ -192,10 +196,7 @@ class BenchConfig:
                 "pool of its own; allowed with --onnx-thread-pool shared: same (or pass "
                 "--onnx-thread-pool session)"
             )
-        if self.cpu_kernels is not None and not isinstance(self.cpu_kernels, bool):
-            raise ValueError(
-                f"--cpu-kernels: {self.cpu_kernels!r} is invalid; allowed: auto, on or off"
-            )
+        check_bool("--cpu-kernels", self.cpu_kernels, none=True, allowed="auto, on or off")
         names = self.backends
         bad = next((b for b in names if b not in BACKENDS), None)
         if bad is None and (not names or len(set(names)) < len(names)):
@@ -217,37 +218,6 @@ class BenchConfig:
     def backends(self) -> tuple[str, ...]:
         """The backends of ``backend`` (a name, or several separated by commas)."""
         return tuple(b.strip() for b in self.backend.split(",") if b.strip())
-
-
-@dataclass
-class Row:
-    """One system's line of the report (and of ``--json``)."""
-
-    system: str
-    tokens_per_second: float
-    speedup: float = 1.0
-    mean_accepted_tokens: float | None = None
-    acceptance_rate: float | None = None
-    ctar: list[float] | None = None
-    identical_to_greedy: bool | None = None  # lossless systems, greedy runs: every prompt
-    identical_prompts: int | None = None  # ... how many of ``prompts`` are token-identical
-    prompts: int | None = None
-    # ... per differing prompt: where the outputs part and whether it is a near-tie flip
-    # ({"prompt": i, **leapfx.bench.ties.first_difference(...)})
-    differences: list[dict] | None = None
-    speedup_vs_static: float | None = None  # tokens/s over hf_static's (when it ran)
-    agreement_with_greedy: float | None = None  # lossy systems: share of equal tokens
-    # Lossy systems, greedy runs: teacher-forced agreement with the baseline's tokens
-    # (leapfx.bench.agreement) and decoder layers run per token under it.
-    agreement: float | None = None
-    avg_layers: float | None = None  # every leapfx row that records it (timed pass)
-    distribution_check: str | None = None  # sampling runs
-    new_tokens: int = 0
-    seconds: float = 0.0
-    extra: dict = field(default_factory=dict)
-
-    def as_dict(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if v is not None}
 
 
 @dataclass
@@ -405,75 +375,134 @@ def build_systems(model: nn.Module, config: BenchConfig, generator_seed: int = 0
             continue
         early = rewrite.apply(model, "early_exit", exit_layer=exit_layer)
         systems.append(ours("leapfx_early_exit", early, lossless=False))
-        if {"layerskip", "kangaroo", "m2r2"} & set(recipes):
-            layerskip = rewrite.apply(model, "layerskip", **layerskip_opts)
-            systems.append(ours("leapfx_layerskip", layerskip))
-        if "layerskip" in recipes and config.confidence_threshold:
-            dynamic = rewrite.apply(
-                model, "layerskip", confidence_threshold=config.confidence_threshold,
-                **layerskip_opts,
-            )  # fmt: skip
-            systems.append(ours("leapfx_layerskip_dynamic", dynamic))
-        if "specee" in recipes:
-            kw = specee_options(config)
-            lossy = rewrite.apply(model, "specee", **kw)
-            systems.append(ours("leapfx_specee", lossy, lossless=False))
-            # The paper's KV policy (exited tokens' skipped layers stay empty), beside it.
-            masked = rewrite.apply(model, "specee", kv_fill="mask", **kw)
-            systems.append(ours("leapfx_specee_mask", masked, lossless=False))
-            verified = rewrite.apply(model, "specee", verify=True, max_draft_tokens=d, **kw)
-            system = ours("leapfx_specee_verified", verified)
-            # Rounds end at the first pass that does not exit: no fixed d, no speedup formula.
-            system.info["dynamic_draft_length"] = True
-            systems.append(system)
-            # EAGLE's head alone as a lossless drafter: SpecEE's candidate source, beside it.
-            eagle = rewrite.apply(model, "eagle", parts=config.eagle_parts)
-            systems.append(ours("leapfx_eagle", eagle))
-        if "kangaroo" in recipes:
-            kw = {"max_draft_tokens": d, "adapter": config.adapter}
-            if config.kangaroo_exit_layer is not None:
-                kw["exit_layer"] = config.kangaroo_exit_layer
-            fixed = rewrite.apply(model, "kangaroo", confidence_threshold=0.0, **kw)
-            dynamic = rewrite.apply(
-                model, "kangaroo", confidence_threshold=config.confidence_threshold, **kw
-            )
-            systems.append(ours("leapfx_kangaroo_fixed", fixed))
-            systems.append(ours("leapfx_kangaroo", dynamic))
-        if "m2r2" in recipes:
-            kangaroo = rewrite.apply(model, "kangaroo", adapter=config.adapter)
-            systems.append(ours("leapfx_kangaroo", kangaroo))
-            kw = {"parts": config.parts}
-            if config.m2r2_speculations is not None:
-                kw["num_speculations"] = config.m2r2_speculations
-            systems.append(ours("leapfx_m2r2", rewrite.apply(model, "m2r2", **kw)))
-            kw = {"parts": config.exit_parts or config.parts}
-            if config.m2r2_threshold is not None:
-                kw["threshold"] = config.m2r2_threshold
-            if config.m2r2_exit_gates is not None:
-                kw["exit_gates"] = config.m2r2_exit_gates
-            if _has_routers(kw["parts"]):
-                exits = rewrite.apply(model, "m2r2_exit", **kw)
-                systems.append(ours("leapfx_m2r2_exit", exits, lossless=False))
-            else:
-                log.warning("parts %s hold no ARLA routers: no leapfx_m2r2_exit row", config.parts)
-        if "eagle" in recipes:
-            kangaroo = rewrite.apply(model, "kangaroo", adapter=config.adapter)
-            systems.append(ours("leapfx_kangaroo", kangaroo))
-            kw = {"confidence_threshold": config.confidence_threshold}
-            eagle = rewrite.apply(model, "eagle", parts=config.eagle_parts, **kw)
-            systems.append(ours("leapfx_eagle", eagle))
-        for name in TRAINING_FREE:  # at their recipes' defaults (HF's d is not theirs)
-            if name in recipes:
-                system = ours(f"leapfx_{name}", rewrite.apply(model, name))
-                # lookup / auto: a round drafts what a match gives (or nothing): no fixed d
-                # for the formula; swift drafts d every round
-                system.info["dynamic_draft_length"] = name != "swift"
-                systems.append(system)
+        row_run = RowRun(model, config, ours, layerskip_opts)
+        for carried_by, rows in RECIPE_ROWS:  # in the table's order
+            if carried_by & set(recipes):
+                systems += rows(row_run)
     # Recipes sharing a row (layerskip,kangaroo: leapfx_layerskip): each row once.
     systems = list({s.name: s for s in systems}.values())
     if config.offload_slots is not None:
         systems += _offload_systems(model, config, exit_layer, n, sampling, gen)
     return systems
+
+
+@dataclass(frozen=True)
+class RowRun:
+    """What a recipe's rows are built from on one backend: the model, the run's config,
+    ``ours(name, sm, lossless=True) -> System`` (the row on that backend) and layerskip's
+    options (E and d, shared with HF's assistant)."""
+
+    model: nn.Module
+    config: BenchConfig
+    ours: Callable[..., System]
+    layerskip_opts: dict
+
+
+def _layerskip_rows(run: RowRun) -> list[System]:
+    return [run.ours("leapfx_layerskip", rewrite.apply(run.model, "layerskip",
+                                                       **run.layerskip_opts))]  # fmt: skip
+
+
+def _layerskip_dynamic_rows(run: RowRun) -> list[System]:
+    eta = run.config.confidence_threshold
+    if not eta:
+        return []
+    dynamic = rewrite.apply(run.model, "layerskip", confidence_threshold=eta, **run.layerskip_opts)
+    return [run.ours("leapfx_layerskip_dynamic", dynamic)]
+
+
+def _specee_rows(run: RowRun) -> list[System]:
+    model, config, ours = run.model, run.config, run.ours
+    kw = specee_options(config)
+    lossy = rewrite.apply(model, "specee", **kw)
+    rows = [ours("leapfx_specee", lossy, lossless=False)]
+    # The paper's KV policy (exited tokens' skipped layers stay empty), beside it.
+    masked = rewrite.apply(model, "specee", kv_fill="mask", **kw)
+    rows.append(ours("leapfx_specee_mask", masked, lossless=False))
+    d = config.num_speculations
+    verified = rewrite.apply(model, "specee", verify=True, max_draft_tokens=d, **kw)
+    system = ours("leapfx_specee_verified", verified)
+    # Rounds end at the first pass that does not exit: no fixed d, no speedup formula.
+    system.info["dynamic_draft_length"] = True
+    rows.append(system)
+    # EAGLE's head alone as a lossless drafter: SpecEE's candidate source, beside it.
+    eagle = rewrite.apply(model, "eagle", parts=config.eagle_parts)
+    rows.append(ours("leapfx_eagle", eagle))
+    return rows
+
+
+def _kangaroo_rows(run: RowRun) -> list[System]:
+    model, config = run.model, run.config
+    kw = {"max_draft_tokens": config.num_speculations, "adapter": config.adapter}
+    if config.kangaroo_exit_layer is not None:
+        kw["exit_layer"] = config.kangaroo_exit_layer
+    fixed = rewrite.apply(model, "kangaroo", confidence_threshold=0.0, **kw)
+    dynamic = rewrite.apply(
+        model, "kangaroo", confidence_threshold=config.confidence_threshold, **kw
+    )
+    return [run.ours("leapfx_kangaroo_fixed", fixed), run.ours("leapfx_kangaroo", dynamic)]
+
+
+def _m2r2_rows(run: RowRun) -> list[System]:
+    model, config, ours = run.model, run.config, run.ours
+    kangaroo = rewrite.apply(model, "kangaroo", adapter=config.adapter)
+    rows = [ours("leapfx_kangaroo", kangaroo)]
+    kw = {"parts": config.parts}
+    if config.m2r2_speculations is not None:
+        kw["num_speculations"] = config.m2r2_speculations
+    rows.append(ours("leapfx_m2r2", rewrite.apply(model, "m2r2", **kw)))
+    kw = {"parts": config.exit_parts or config.parts}
+    if config.m2r2_threshold is not None:
+        kw["threshold"] = config.m2r2_threshold
+    if config.m2r2_exit_gates is not None:
+        kw["exit_gates"] = config.m2r2_exit_gates
+    if _has_routers(kw["parts"]):
+        exits = rewrite.apply(model, "m2r2_exit", **kw)
+        rows.append(ours("leapfx_m2r2_exit", exits, lossless=False))
+    else:
+        log.warning("parts %s hold no ARLA routers: no leapfx_m2r2_exit row", config.parts)
+    return rows
+
+
+def _eagle_rows(run: RowRun) -> list[System]:
+    model, config = run.model, run.config
+    kangaroo = rewrite.apply(model, "kangaroo", adapter=config.adapter)
+    rows = [run.ours("leapfx_kangaroo", kangaroo)]
+    kw = {"confidence_threshold": config.confidence_threshold}
+    eagle = rewrite.apply(model, "eagle", parts=config.eagle_parts, **kw)
+    rows.append(run.ours("leapfx_eagle", eagle))
+    return rows
+
+
+def _training_free_rows(name: str, run: RowRun) -> list[System]:
+    """At the recipe's defaults (HF's d is not theirs); swift also as
+    ``leapfx_swift_adaptive`` (``lookup=True, adaptive=True``: each round chooses among the
+    layer-skipped drafter, prompt lookup and no drafting by measured tokens per cost)."""
+    system = run.ours(f"leapfx_{name}", rewrite.apply(run.model, name))
+    # lookup / auto: a round drafts what a match gives (or nothing): no fixed d for the
+    # formula; swift drafts d every round
+    system.info["dynamic_draft_length"] = name != "swift"
+    systems = [system]
+    if name == "swift":
+        sm = rewrite.apply(run.model, "swift", lookup=True, adaptive=True)
+        systems.append(run.ours("leapfx_swift_adaptive", sm))
+        systems[-1].info["dynamic_draft_length"] = True
+    return systems
+
+
+# The leapfx rows after leapfx_autoregressive and leapfx_early_exit, in the order they run
+# and print: (the recipes whose runs carry them, how to build them on one backend). A row two
+# recipes carry (leapfx_layerskip in a layerskip,kangaroo run) is built for each entry and
+# kept once, at its first place (``build_systems``).
+RECIPE_ROWS: tuple[tuple[frozenset[str], Callable[[RowRun], list[System]]], ...] = (
+    (frozenset({"layerskip", "kangaroo", "m2r2"}), _layerskip_rows),
+    (frozenset({"layerskip"}), _layerskip_dynamic_rows),
+    (frozenset({"specee"}), _specee_rows),
+    (frozenset({"kangaroo"}), _kangaroo_rows),
+    (frozenset({"m2r2"}), _m2r2_rows),
+    (frozenset({"eagle"}), _eagle_rows),
+    *((frozenset({name}), partial(_training_free_rows, name)) for name in TRAINING_FREE),
+)
 
 
 def _offload_systems(model, config: BenchConfig, exit_layer: int, n: int, sampling, gen):
@@ -555,14 +584,15 @@ def _backend(config: BenchConfig, backend: str):
     if backend == "eager":
 
         def eager(name: str, sm):
-            return sm.use_cpu_kernels(use_cpu_kernels(config, sm))  # apply's auto, or not
+            kernels = use_cpu_kernels(config, sm)  # apply's auto, or not
+            return lower(sm, "cpu_kernels" if kernels else "eager")
 
         return eager
     if backend == "inductor":
 
         def compile_(name: str, sm):
             log.info("compiling %s with torch.compile (inductor)", name)
-            return sm.compile(cpu_kernels=use_cpu_kernels(config, sm))
+            return lower(sm, "inductor", cpu_kernels=use_cpu_kernels(config, sm))
 
         return compile_
     import tempfile
@@ -698,19 +728,6 @@ def _fastest(models: dict, what: str, *, new_tokens: int, repeats: int):
     return best, per_token
 
 
-def progress_bar(iterable=None, *, enabled: bool, **kwargs) -> tqdm:
-    """A tqdm bar on stderr, never stdout, which holds the report.
-
-    What was printed before the bar is flushed first: with stdout and stderr sent to one file,
-    stdout's block buffer would otherwise land after the bar's lines. Callers close the bar before
-    the report is printed, so the report follows every bar. Whether bars show at all is the
-    caller's choice (the CLI: only when stderr is a terminal, unless ``--progress``).
-    """
-    if enabled:
-        sys.stdout.flush()
-    return tqdm(iterable, file=sys.stderr, disable=not enabled, **kwargs)
-
-
 def repeated_4gram_share(new_tokens: list[int]) -> float:
     """Share of the output's 4-grams that already occurred earlier in the same output."""
     grams = [tuple(new_tokens[i : i + 4]) for i in range(len(new_tokens) - 3)]
@@ -831,6 +848,12 @@ def _rows(systems, prompts, config, times, first) -> list[Row]:
             row.avg_layers = sum(layers) / len(layers) if layers else None
             row.extra["stage_seconds"] = _sum_stage_seconds(run.metrics)
             row.extra["full_steps"] = autoregressive_steps(run.metrics)  # prefills apart
+            rounds: dict[str, int] = {}
+            for m in run.metrics:
+                for drafter, n in m.drafter_rounds.items():
+                    rounds[drafter] = rounds.get(drafter, 0) + n
+            if rounds:  # rounds per drafter over the timed passes ("declined", "none" included)
+                row.extra["drafter_rounds"] = rounds
         rows.append(row)
     base_tps = rows[0].tokens_per_second
     for row in rows:

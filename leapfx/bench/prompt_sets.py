@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from ..models.chat import encode, has_chat_template
+from ..options import check_int
 
 PROMPT_SETS = ("stdlib", "humaneval", "chat")
 HUMANEVAL_INSTRUCTION = "Complete the following Python function."
@@ -94,8 +95,7 @@ def load_prompt_set(
     device: str | torch.device = "cpu",
 ) -> list[torch.Tensor]:
     """``count`` prompts of set ``name`` (see the module docstring) as [1, n] token ids."""
-    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-        raise ValueError(f"--prompts: {count!r} is invalid; allowed: an integer >= 1")
+    check_int("--prompts", count, 1)
     if name == "stdlib":
         from . import bench_prompts
 

@@ -53,6 +53,7 @@ import torch
 from torch import fx
 
 from .. import __version__
+from ..options import check_bool, check_int
 from ..passes.capture import LAYER, ROLE
 from ..runtime.compiled import chain_length
 from ..runtime.stage_signature import (  # discovery, shared with the compiled stages
@@ -484,13 +485,8 @@ def _require_onnx() -> None:
 def _check_options(sm: SpeculativeModel, path: Any, opset: Any, overwrite: Any) -> Path:
     if not isinstance(path, (str, os.PathLike)):
         raise ValueError(f"path: {path!r} is invalid; allowed: a directory path (str or PathLike)")
-    ok = isinstance(opset, int) and not isinstance(opset, bool)
-    if not (ok and MIN_OPSET <= opset <= MAX_OPSET):
-        raise ValueError(
-            f"opset: {opset!r} is invalid; allowed: an integer {MIN_OPSET}..{MAX_OPSET}"
-        )
-    if not isinstance(overwrite, bool):
-        raise ValueError(f"overwrite: {overwrite!r} is invalid; allowed: True or False")
+    check_int("opset", opset, MIN_OPSET, MAX_OPSET)
+    check_bool("overwrite", overwrite)
     from ..runtime.compiled import EAGLE_STAGES, refuse_stages
 
     refuse_stages(sm, "onnxruntime", EAGLE_STAGES)
@@ -553,15 +549,6 @@ def _remove_dirs(created: list[Path]) -> None:
             d.rmdir()
 
 
-# Recipes whose schedule the ONNX manifest cannot express, and what is missing.
-UNEXPORTABLE = {
-    "specee": "its per-token exits are host decisions between per-layer stages and exit-check "
-    "nodes, and the onnxruntime executor has no such schedule (missing: per-layer stages, "
-    "exit-check stages and the SpecEE schedule in leapfx.export.ort_runtime); use the eager "
-    "backend",
-}
-
-
 def export_onnx(
     sm: SpeculativeModel,
     path: str | os.PathLike,
@@ -582,12 +569,13 @@ def export_onnx(
 
     >>> export_onnx(sm, "out/layerskip-onnx", overwrite=True)
     """
-    if sm.recipe.name in UNEXPORTABLE:
-        raise ValueError(f"recipe: {sm.recipe.name!r} cannot be exported to ONNX: "
-                         f"{UNEXPORTABLE[sm.recipe.name]}")  # fmt: skip
+    can = sm.recipe.capabilities  # the recipe's schedule in a manifest: asked, not name-checked
+    if not can.exportable:
+        raise ValueError(
+            f"recipe: {sm.recipe.name!r} cannot be exported to ONNX: {can.export_refusal}"
+        )
     _require_onnx()
-    if not isinstance(optimize, bool):
-        raise ValueError(f"optimize: {optimize!r} is invalid; allowed: True or False")
+    check_bool("optimize", optimize)
     target = _check_options(sm, path, opset, overwrite)
     _check_target(target, overwrite)
     created = _make_parent(target.parent)

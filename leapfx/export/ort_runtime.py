@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..options import check_bool
 from ..runtime.cache import SlotLengths
 from ..runtime.decode import cache_length, check_prompt, decode
 from ..runtime.generation import finish, prepare
@@ -338,12 +339,6 @@ class SplitVerify:
         )
 
 
-# Recipes whose draft stage is verify's lower part (its ``hidden``: the exit states verify joins
-# to the cached ones): layerskip's exit-head drafts. (Kangaroo's verify also runs the adapter on
-# the last draft, and its draft returns the adapter's states: not split.)
-_SPLIT_VERIFY_RECIPES = ("layerskip",)
-
-
 def _upper_stage(path: Path, manifest: dict, options, providers) -> OrtStage | None:
     """verify's upper part as an OrtStage (see :class:`SplitVerify`), or None where the
     stages do not have the shapes it needs."""
@@ -515,10 +510,8 @@ class OnnxModel:
                 raise ValueError(f"{name}: {value!r} is invalid; allowed: an integer >= 1 or None")
         self.threads = threads
         self.verify_threads = threads if verify_threads is None else verify_threads
-        if not isinstance(spin, bool):
-            raise ValueError(f"spin: {spin!r} is invalid; allowed: True or False")
-        if not isinstance(split_verify, bool):
-            raise ValueError(f"split_verify: {split_verify!r} is invalid; allowed: True or False")
+        check_bool("spin", spin)
+        check_bool("split_verify", split_verify)
         # whether the sessions run on onnxruntime's process-wide pool (see ``thread_pool``);
         # everything checked before the process is switched to it
         if _thread_pool(thread_pool, threads, switch=False):
@@ -590,7 +583,11 @@ class OnnxModel:
         fields = {f.name for f in dataclasses.fields(r.options_type)}
         self.options = r.options_type(**{k: v for k, v in m["options"].items() if k in fields})
         self._schedule = r.schedule(self.options)
-        if split_verify and self.recipe in _SPLIT_VERIFY_RECIPES:
+        # A recipe whose draft stage is verify's lower part (its ``hidden``: the exit states
+        # verify joins to the cached ones) says so (``Capabilities.split_verify``: layerskip's
+        # exit-head drafts; Kangaroo's verify also runs the adapter on the last draft, and its
+        # draft returns the adapter's states: not split).
+        if split_verify and r.capabilities.split_verify:
             vt = self.verify_threads
             upper_options = session_options(vt, spin or (vt is not None and vt > 1))
             upper = _upper_stage(self.path, m, upper_options, chosen)

@@ -6,12 +6,12 @@ accelerated layers, the ARLA router and the final norm + LM head. On the referen
 is ~0.5M multiply-adds spread over ~90 torch dispatches, ~0.5 ms on a 2-core CPU: as much as
 the four slow layers a token skips when it exits, which kept the exit from paying. The op does
 the same arithmetic in one call (``cpu_m2r2.cpp`` says what, step by step);
-``passes.kernel_gate.KernelGate`` puts it in the gate stages. ``m2r2``'s draft stage is the same
+``modules.m2r2_kernels.KernelGate`` puts it in the gate stages. ``m2r2``'s draft stage is the same
 fast stream from a token's embedding, reading the round's earlier drafts' keys too:
 ``leapfx_cpu::m2r2_draft`` (``KernelDraft``). The expert-offload runtime's ``m2r2`` prefetch
 runs it once more per decode step, from the embedding before any slow layer, and ranks the
 experts of the MoE layers it predicts: ``leapfx_cpu::m2r2_predict``
-(``passes.m2r2_stream.M2R2Prefetcher``); it also covers q/k norms and ``clip_qkv``
+(``modules.moe.M2R2Prefetcher``); it also covers q/k norms and ``clip_qkv``
 (OLMoE), which the other two leave to the torch path.
 
 =============================  ==================================================================

@@ -1,6 +1,6 @@
 """SpecEE's exit check as one C++ custom op for CPU decoding: ``leapfx_cpu::exit_check``.
 
-The exit check of layer ``l`` (``passes.predictor.LayerExit``) runs at every active layer of
+The exit check of layer ``l`` (``modules.specee.LayerExit``) runs at every active layer of
 every decoded token, between two layers, so its latency adds to the token's. As torch ops it is
 about fifteen dispatches (the final RMSNorm, the gather of the k LM-head rows, their logits and
 softmax, the features, two linears, ReLU, sigmoid) around ~12k multiply-adds: ~70 us on a

@@ -17,11 +17,11 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from safetensors.torch import load_file
-from torch import fx
+from torch import fx, nn
 
 from .accelerator import accelerator_of, compatible_layers
 from .adapter_checkpoint import WEIGHTS, host_signature, read_adapter_config
-from .base import GraphPass, PassResult
+from .parts_io import LoadParts
 
 RECIPES = ("m2r2", "m2r2_exit")
 
@@ -38,18 +38,23 @@ def read_parts_config(path) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
-class LoadAccelerator(GraphPass):
-    """Load trained accelerator weights (and routers, when present) from ``path``."""
+class LoadAccelerator(LoadParts):
+    """Load trained accelerator weights (and routers, when present) from ``path``; the parts'
+    tensors this graph's accelerator lacks (fast layers of other gates) are left out."""
 
     name: ClassVar[str] = "load-accelerator"
     requires: ClassVar[frozenset[str]] = frozenset({"m2r2-accelerator"})
     provides: ClassVar[frozenset[str]] = frozenset({"m2r2-accelerator-weights"})
+    weights: ClassVar[str] = WEIGHTS
+    subset: ClassVar[bool] = True
 
-    path: str
+    def module_of(self, gm: fx.GraphModule) -> nn.Module:
+        return accelerator_of(gm)
 
-    def run(self, gm: fx.GraphModule) -> PassResult:
-        acc = accelerator_of(gm)
-        meta = read_parts_config(self.path)
+    def read(self, path: str) -> dict[str, Any]:
+        return read_parts_config(path)
+
+    def check(self, acc: nn.Module, meta: dict[str, Any]) -> None:
         first = next(iter(acc.layers.values()))
         host = host_signature(first.host.self_attn.config)
         saved_host = meta.get("host", {})
@@ -65,16 +70,14 @@ class LoadAccelerator(GraphPass):
                 f"gates: the accelerator at {self.path!r} was trained for gates {saved_gates}, "
                 f"which do not cover this graph's gates {list(acc.gates)}"
             )
-        tensors = load_file(str(Path(self.path) / WEIGHTS))  # safetensors: no unpickling
-        own = acc.state_dict()
-        wanted = {k: v for k, v in tensors.items() if k in own}
-        if set(wanted) != set(own) or any(wanted[k].shape != own[k].shape for k in own):
-            raise ValueError(
-                f"parts: the tensors in {self.path!r} do not fit this accelerator (heads, rank: "
-                f"saved {options.get('heads')}, {options.get('rank')}; expected {sorted(own)})"
-            )
-        acc.load_state_dict(wanted)
-        return PassResult(gm, modified=True, matches=len(wanted))
+
+    def misfit(self, acc: nn.Module, meta: dict[str, Any]) -> str:
+        options = meta.get("options", {})
+        return (
+            f"parts: the tensors in {self.path!r} do not fit this accelerator (heads, rank: "
+            f"saved {options.get('heads')}, {options.get('rank')}; expected "
+            f"{sorted(acc.state_dict())})"
+        )
 
 
 def load_compatible(gm: fx.GraphModule, path) -> list[int]:

@@ -19,18 +19,22 @@ Example::
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from safetensors.torch import load_file, save_file
 from torch import fx
 
 from .adapter import KangarooAdapter, adapter_of
-from .base import GraphPass, PassResult
-from .parts_io import check_host, read_meta, write_dir_atomic
+from .parts_io import (
+    LoadParts,
+    check_host,
+    module_tensors,
+    read_parts_meta,
+    write_dir_atomic,
+    write_parts_files,
+)
 
 FORMAT = 1
 WEIGHTS = "adapter.safetensors"
@@ -60,8 +64,7 @@ def write_adapter(
     host: dict[str, Any],
 ) -> Path:
     """Write ``adapter`` and its metadata to the directory ``path`` (replaced if it exists)."""
-    final = Path(path)
-    tensors = {k: v.detach().contiguous().cpu() for k, v in adapter.state_dict().items()}
+    tensors = module_tensors(adapter)
     meta = {
         "format": FORMAT,
         "recipe": recipe,
@@ -70,23 +73,19 @@ def write_adapter(
         "parameters": sum(t.numel() for t in tensors.values()),
     }
 
-    def write(tmp: Path) -> None:
-        save_file(tensors, str(tmp / WEIGHTS), metadata={"format": str(FORMAT)})
-        (tmp / CONFIG).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
-
-    return write_dir_atomic(final, write)
+    return write_dir_atomic(
+        path, lambda tmp: write_parts_files(tmp, WEIGHTS, CONFIG, tensors, meta)
+    )
 
 
 def read_adapter_config(path: str | os.PathLike, *, recipe: str = "kangaroo") -> dict[str, Any]:
     """The JSON metadata of the checkpoint at ``path``; ValueError naming ``adapter`` if bad."""
-    root = Path(path)
-    missing = [name for name in (WEIGHTS, CONFIG) if not (root / name).is_file()]
-    if missing:
-        raise ValueError(
-            f"adapter: {str(path)!r} is not an adapter checkpoint (missing {', '.join(missing)}); "
-            "pass a directory written by SpeculativeModel.save_adapter, or None"
-        )
-    meta = read_meta(root, CONFIG, option="adapter", fmt=FORMAT)
+    missing = (
+        "is not an adapter checkpoint (missing {files}); pass a directory written by "
+        "SpeculativeModel.save_adapter, or None"
+    )
+    meta = read_parts_meta(path, (WEIGHTS, CONFIG), CONFIG, option="adapter", fmt=FORMAT,
+                           missing=missing)  # fmt: skip
     if meta.get("recipe") != recipe:
         raise ValueError(
             f"adapter: {str(path)!r} was saved by recipe {meta.get('recipe')!r}, not {recipe!r}"
@@ -95,18 +94,21 @@ def read_adapter_config(path: str | os.PathLike, *, recipe: str = "kangaroo") ->
 
 
 @dataclass(frozen=True)
-class LoadKangarooAdapter(GraphPass):
+class LoadKangarooAdapter(LoadParts):
     """Load trained adapter weights from a checkpoint directory into the graph's adapter."""
 
     name: ClassVar[str] = "load-kangaroo-adapter"
     requires: ClassVar[frozenset[str]] = frozenset({"kangaroo-adapter"})
     provides: ClassVar[frozenset[str]] = frozenset({"kangaroo-adapter-weights"})
+    weights: ClassVar[str] = WEIGHTS
 
-    path: str
+    def module_of(self, gm: fx.GraphModule) -> KangarooAdapter:
+        return adapter_of(gm)
 
-    def run(self, gm: fx.GraphModule) -> PassResult:
-        adapter = adapter_of(gm)
-        meta = read_adapter_config(self.path)
+    def read(self, path: str) -> dict[str, Any]:
+        return read_adapter_config(path)
+
+    def check(self, adapter: KangarooAdapter, meta: dict[str, Any]) -> None:
         host = host_signature(adapter.attention.config)
         check_host("adapter", self.path, host, meta.get("host", {}))
         saved_exit = meta.get("options", {}).get("exit_layer")
@@ -115,12 +117,9 @@ class LoadKangarooAdapter(GraphPass):
                 f"exit_layer: the adapter at {self.path!r} was trained after layer {saved_exit}, "
                 f"not {adapter.exit_layer}"
             )
-        tensors = load_file(str(Path(self.path) / WEIGHTS))  # safetensors: no unpickling
-        own = adapter.state_dict()
-        if set(tensors) != set(own) or any(tensors[k].shape != own[k].shape for k in own):
-            raise ValueError(
-                f"adapter: the tensors in {self.path!r} do not fit this model's adapter "
-                f"(expected {sorted(own)})"
-            )
-        adapter.load_state_dict(tensors)  # copies into the adapter's own dtype and device
-        return PassResult(gm, modified=True, matches=len(tensors))
+
+    def misfit(self, adapter: KangarooAdapter, meta: dict[str, Any]) -> str:
+        return (
+            f"adapter: the tensors in {self.path!r} do not fit this model's adapter "
+            f"(expected {sorted(adapter.state_dict())})"
+        )

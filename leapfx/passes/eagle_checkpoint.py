@@ -22,19 +22,23 @@ Example::
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from safetensors.torch import load_file, save_file
 from torch import fx
 
 from .adapter_checkpoint import host_signature
-from .base import GraphPass, PassResult
 from .eagle_head import EagleHead, eagle_head_of
-from .parts_io import check_host, read_meta, write_dir_atomic
+from .parts_io import (
+    LoadParts,
+    check_host,
+    module_tensors,
+    read_parts_meta,
+    write_dir_atomic,
+    write_parts_files,
+)
 
 FORMAT = 1
 WEIGHTS = "eagle_head.safetensors"
@@ -51,7 +55,7 @@ def write_eagle_files(
     extra: dict[str, Any] | None = None,
 ) -> None:
     """Write the head's two files into ``directory`` (which exists; not atomic by itself)."""
-    tensors = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}
+    tensors = module_tensors(head)
     meta = {
         "format": FORMAT,
         "recipe": recipe,
@@ -61,8 +65,7 @@ def write_eagle_files(
         "parameters": sum(t.numel() for t in tensors.values()),
         **(extra or {}),
     }
-    save_file(tensors, str(directory / WEIGHTS), metadata={"format": str(FORMAT)})
-    (directory / CONFIG).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+    write_parts_files(directory, WEIGHTS, CONFIG, tensors, meta)
 
 
 def write_eagle_head(head: EagleHead, path: str | os.PathLike, **meta: Any) -> Path:
@@ -72,37 +75,35 @@ def write_eagle_head(head: EagleHead, path: str | os.PathLike, **meta: Any) -> P
 
 def read_eagle_config(path: str | os.PathLike, *, option: str = "parts") -> dict[str, Any]:
     """The JSON metadata of the head at ``path``; ValueError naming ``option`` if bad."""
-    root = Path(path)
-    missing = [name for name in (WEIGHTS, CONFIG) if not (root / name).is_file()]
-    if missing:
-        raise ValueError(
-            f"{option}: {str(path)!r} holds no EAGLE head (missing {', '.join(missing)}); pass "
-            "a directory written by SpeculativeModel.save_parts of an 'eagle' model, or None"
-        )
-    return read_meta(root, CONFIG, option=option, fmt=FORMAT)
+    missing = (
+        "holds no EAGLE head (missing {files}); pass a directory written by "
+        "SpeculativeModel.save_parts of an 'eagle' model, or None"
+    )
+    return read_parts_meta(path, (WEIGHTS, CONFIG), CONFIG, option=option, fmt=FORMAT,
+                           missing=missing)  # fmt: skip
 
 
 @dataclass(frozen=True)
-class LoadEagleHead(GraphPass):
+class LoadEagleHead(LoadParts):
     """Load trained head weights from a parts directory into the graph's EAGLE head."""
 
     name: ClassVar[str] = "load-eagle-head"
     requires: ClassVar[frozenset[str]] = frozenset({"eagle-head"})
     provides: ClassVar[frozenset[str]] = frozenset({"eagle-head-weights"})
+    weights: ClassVar[str] = WEIGHTS
 
-    path: str
+    def module_of(self, gm: fx.GraphModule) -> EagleHead:
+        return eagle_head_of(gm)
 
-    def run(self, gm: fx.GraphModule) -> PassResult:
-        head = eagle_head_of(gm)
-        meta = read_eagle_config(self.path)
+    def read(self, path: str) -> dict[str, Any]:
+        return read_eagle_config(path)
+
+    def check(self, head: EagleHead, meta: dict[str, Any]) -> None:
         host = host_signature(head.layer.self_attn.config)
         check_host("parts", self.path, host, meta.get("host", {}))
-        tensors = load_file(str(Path(self.path) / WEIGHTS))  # safetensors: no unpickling
-        own = head.state_dict()
-        if set(tensors) != set(own) or any(tensors[k].shape != own[k].shape for k in own):
-            raise ValueError(
-                f"parts: the tensors in {self.path!r} do not fit this model's EAGLE head "
-                f"(expected {sorted(own)})"
-            )
-        head.load_state_dict(tensors)  # copies into the head's own dtype and device
-        return PassResult(gm, modified=True, matches=len(tensors))
+
+    def misfit(self, head: EagleHead, meta: dict[str, Any]) -> str:
+        return (
+            f"parts: the tensors in {self.path!r} do not fit this model's EAGLE head "
+            f"(expected {sorted(head.state_dict())})"
+        )

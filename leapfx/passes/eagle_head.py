@@ -68,25 +68,25 @@ Example::
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-from torch import fx, nn
+from torch import fx
 
+from ..modules.eagle import EagleHead
+from ..modules.fused import FusedDecoderLayer, fusable
+from ..modules.hf import CACHE_KWARG, cache_kwarg, rename_cache_kwarg
+from ..options import is_int
 from .base import GraphPass, PassResult
 from .capture import (
     ATTN_KIND,
-    CACHE_KWARG,
     EXTRA_CACHE_LAYERS,
     ROLE,
     WRITES_CACHE,
-    cache_kwarg,
     layer_module,
     nodes_by_role,
     output_dict,
-    rename_cache_kwarg,
     set_output_dict,
 )
 from .partition import Stages, _finish, _placeholders
@@ -110,114 +110,12 @@ def previous_hidden(last_hidden: torch.Tensor, first: torch.Tensor | None = None
     return torch.cat([first, last_hidden[:, :-1]], dim=1)
 
 
-class EagleHead(nn.Module):
-    """EAGLE's draft head: ``layer(fc(cat(embed(x_t), h_{t-1})))`` (then the host's norm, head).
-
-    ``forward`` is the computation of the graph's ``eagle_fc`` and ``eagle_layer`` nodes;
-    training calls it directly (``leapfx.train.eagle``).
-    """
-
-    def __init__(self, fc: nn.Linear, layer: nn.Module, *, init_layer: int, attn_kind: str):
-        super().__init__()
-        self.fc = fc
-        self.layer = layer
-        self.init_layer = init_layer  # the host layer the decoder layer was copied from
-        self.attn_kind = attn_kind  # which of the host's attention masks it reads
-
-    @property
-    def cache_slot(self) -> int:
-        """The head attention's layer index in the shared KV cache."""
-        return self.layer.self_attn.layer_idx
-
-    @classmethod
-    def from_host(
-        cls, layer: nn.Module, *, init_layer: int, cache_slot: int, attn_kind: str
-    ) -> EagleHead:
-        """A head whose decoder layer is a copy of the host's layer ``init_layer``.
-
-        Why a copy of a host layer (the last one by default) rather than EAGLE's random init:
-        the head maps a last-layer state plus a token to the next last-layer state, and the
-        last layer's norms, attention and MLP were trained on residual streams at exactly that
-        depth; starting there trains in minutes instead of hours. ``fc`` starts as
-        ``[I | I]`` (embedding plus previous state), so the copied layer first sees a residual
-        stream of the usual scale that carries both. Copies, not references: the head trains,
-        the host must not change.
-        """
-        held = [n for n, p in layer.named_parameters() if p.is_meta]
-        if held:
-            raise ValueError(
-                f"init_layer: the host layer {init_layer}'s {held[0]} is in the checkpoint only "
-                "(leapfx.runtime.offload.load_offloaded), and the EAGLE head starts as a copy of "
-                "that layer; allowed: a model loaded with its weights (e.g. from_pretrained)"
-            )
-        weight = next(layer.parameters())
-        config = layer.self_attn.config
-        # Built on the meta device (no random init, the caller's RNG is untouched), then filled
-        # with the host layer's weights. layer_idx=init_layer lets the class read per-layer
-        # config (sliding window, layer type); the attention's slot is set after.
-        with torch.device("meta"):
-            fresh = _decoder_layer_class(layer)(config, layer_idx=init_layer)
-            fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=True)
-        fresh = fresh.to(dtype=weight.dtype).to_empty(device=weight.device)
-        if any(True for _ in fresh.buffers()):
-            raise ValueError(
-                f"{type(layer).__name__} has buffers; the EAGLE head supports decoder layers "
-                "whose state is all parameters"
-            )
-        fresh.load_state_dict(layer.state_dict())
-        fresh.self_attn.layer_idx = cache_slot
-        fc = fc.to(dtype=weight.dtype).to_empty(device=weight.device)
-        with torch.no_grad():
-            eye = torch.eye(config.hidden_size, dtype=weight.dtype, device=weight.device)
-            fc.weight.copy_(torch.cat([eye, eye], dim=1))
-            fc.bias.zero_()
-        head = cls(fc, fresh, init_layer=init_layer, attn_kind=attn_kind)
-        return head.train(layer.training)
-
-    def forward(
-        self,
-        prev_hidden: torch.Tensor,
-        embeds: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        attention_mask: torch.Tensor | None,
-        position_ids: torch.Tensor | None = None,
-        cache=None,
-    ) -> torch.Tensor:
-        # prev_hidden: [B, S, D] (h_{t-1}), embeds: [B, S, D] (embed(x_t)) -> g: [B, S, D]
-        x = self.fc(torch.cat([embeds, prev_hidden], dim=-1))
-        return self.layer(
-            x,
-            attention_mask=attention_mask,
-            position_embeddings=position_embeddings,
-            position_ids=position_ids,
-            **{cache_kwarg(self.layer): cache},
-        )
-
-
 def eagle_head_of(gm: fx.GraphModule) -> EagleHead:
     """The EagleHead a graph rewritten by InsertEagleHead owns."""
     head = getattr(gm, HEAD_MODULE, None)
     if not isinstance(head, EagleHead):
         raise ValueError("graph has no EAGLE head; run InsertEagleHead first")
     return head
-
-
-def _decoder_layer_class(layer: nn.Module) -> type[nn.Module]:
-    """The HF decoder-layer class of ``layer``: its own, or for an MoE layer (which capture
-    holds as a plain container of its parts, ``layer_module``) the ``*DecoderLayer`` class of
-    its attention's modeling module."""
-    if type(layer) is not nn.Module:
-        return type(layer)
-    module = sys.modules[type(layer.self_attn).__module__]
-    found = [c for name, c in vars(module).items()
-             if name.endswith("DecoderLayer") and isinstance(c, type)
-             and issubclass(c, nn.Module) and c.__module__ == module.__name__]  # fmt: skip
-    if len(found) != 1:
-        raise ValueError(
-            f"the host layer's decoder-layer class: {len(found)} candidates in "
-            f"{module.__name__}; allowed: exactly one *DecoderLayer class"
-        )
-    return found[0]
 
 
 @dataclass(frozen=True)
@@ -238,7 +136,7 @@ class InsertEagleHead(GraphPass):
         layers = nodes_by_role(gm, "layer")
         num_layers = len(layers)
         init = num_layers - 1 if self.init_layer is None else self.init_layer
-        if isinstance(init, bool) or not isinstance(init, int) or not 0 <= init < num_layers:
+        if not (is_int(init) and 0 <= init < num_layers):
             raise ValueError(
                 f"init_layer: {self.init_layer!r} is out of range for a {num_layers}-layer "
                 f"model; allowed: 0..{num_layers - 1} or None (the last layer)"
@@ -309,8 +207,6 @@ class FuseEagleHeadLayer(GraphPass):
     provides: ClassVar[frozenset[str]] = frozenset({"eagle-head-fused"})
 
     def run(self, gm: fx.GraphModule) -> PassResult:
-        from .fuse_layers import FusedDecoderLayer, fusable
-
         node = nodes_by_role(gm, "eagle_layer")[0]
         layer = gm.get_submodule(node.target)
         if isinstance(layer, FusedDecoderLayer) or not fusable(layer):

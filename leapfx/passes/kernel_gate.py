@@ -1,20 +1,14 @@
-"""KernelGate / KernelDraft: M2R2's fast-stream stages as one ``leapfx_cpu`` call each.
-
-``KernelGate``: an ARLA exit gate stage of ``m2r2_exit`` as one ``leapfx_cpu::m2r2_gate`` call;
-``KernelDraft``: ``m2r2``'s draft stage as the token's embedding and one
-``leapfx_cpu::m2r2_draft`` call (the same fast stream, reading the round's earlier drafts'
-fast keys, without the router).
+"""kernel_gate: recognise M2R2's fast-stream stages that one ``leapfx_cpu`` call computes.
 
 ``exit_stages`` cuts a gate stage ``gate_j`` out of the rewritten graph: the rotary, the
 interval's accelerated layers (one row, reading the slow cache), the final norm + LM head on the
-gate's state and the ARLA router over the interval's states. Each piece is a few small torch
-ops; together ~90 dispatches a gate, which on a CPU cost about as much as the slow layers an
-exit skips (``leapfx.kernels.cpu_m2r2``). :func:`kernel_gate` recognises that stage and returns
-a module computing the same outputs ({logits, score}) in one call, or None where the op does
-not cover the model (q/k norms, ``clip_qkv``, partial or dynamic rotary, sliding windows,
-``fast_keys``, a norm that is not an RMSNorm, non-float32 weights); ``kernel_stages`` then keeps
-the torch stage. The merged weights are taken when it is built: build it again after training
-(as ``KernelAcceleratedLayer``).
+gate's state and the ARLA router over the interval's states; ``fast_stream_stages`` cuts
+``m2r2``'s draft stage the same way from the token's embedding. :func:`kernel_gate` recognises
+such a stage and returns the module computing the same outputs in one call
+(``leapfx.modules.m2r2_kernels``: ``KernelGate`` {logits, score}, ``KernelDraft`` {logits,
+hidden}), or None where the op does not cover the model (q/k norms, ``clip_qkv``, partial or
+dynamic rotary, sliding windows, ``fast_keys``, a norm that is not an RMSNorm, non-float32
+weights); ``kernel_stages`` then keeps the torch stage.
 """
 
 from __future__ import annotations
@@ -22,10 +16,10 @@ from __future__ import annotations
 import torch
 from torch import fx, nn
 
-from .accelerator import ARLARouter, FastScratch, fused_op_layers, rms_params
+from ..modules.fused import rms_params
+from ..modules.m2r2 import ARLARouter, fused_op_layers
+from ..modules.m2r2_kernels import KernelDraft, KernelGate, rope_table
 from .capture import ROLE
-
-_DYNAMIC_ROPE = ("dynamic", "longrope")  # inv_freq changes with the sequence: not a table
 
 
 def kernel_gate(stage: fx.GraphModule, fallback: nn.Module) -> KernelGate | KernelDraft | None:
@@ -106,161 +100,3 @@ def _covered(rotary, layers, router, norm, head) -> bool:
     if not all(type(x) is nn.Linear and x.weight.dtype == torch.float32 for x in linears):
         return False
     return rms_params(norm) is not None and rope_table(rotary, first.head_dim) is not None
-
-
-def rope_table(rotary: nn.Module, head_dim: int) -> tuple[torch.Tensor, float] | None:
-    """(inv_freq, attention_scaling) where ``rotary(x, t)`` is HF's default form
-    ``cat(t * inv_freq, t * inv_freq).cos() * scaling`` (and sin) over the whole head, checked
-    on probe positions; None otherwise (partial or dynamic rotary)."""
-    inv = getattr(rotary, "inv_freq", None)
-    scale = getattr(rotary, "attention_scaling", None)
-    if getattr(rotary, "rope_type", "default") in _DYNAMIC_ROPE:
-        return None
-    if not isinstance(inv, torch.Tensor) or inv.dtype != torch.float32 or inv.dim() != 1:
-        return None
-    if not isinstance(scale, (int, float)) or 2 * inv.numel() != head_dim:
-        return None
-    positions = torch.tensor([[0, 1, 7, 1000]])
-    with torch.no_grad():
-        cos, sin = rotary(torch.zeros(1, dtype=torch.float32), positions)
-    freqs = positions[..., None].float() * inv
-    emb = torch.cat((freqs, freqs), dim=-1)
-    want = (emb.cos() * scale, emb.sin() * scale)
-    pairs = zip((cos, sin), want, strict=True)
-    ok = all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in pairs)
-    return (inv.detach().contiguous(), float(scale)) if ok else None
-
-
-def _bias(b: torch.Tensor | None, rows: int) -> torch.Tensor:
-    return torch.zeros(rows) if b is None else b
-
-
-def pack_fast_layers(layers, hidden: int) -> tuple[list[list], list[float], list[float]]:
-    """The fast layers' part of a ``leapfx_cpu.m2r2_*`` op's inputs: per layer the merged
-    ``[w_qkv, b_qkv, w_o, b_o, down, up, ln_in, ln_post]`` (:func:`cpu_m2r2.pack_gate`'s
-    layout, absent biases as zeros), and the two RMSNorms' eps and weight offsets, in order."""
-    packed, eps, offsets = [], [], []
-    for m in layers:
-        w_qkv, b_qkv, w_o, b_o = m._merged()
-        ln_in = rms_params(m.host.input_layernorm)
-        ln_post = rms_params(m.host.post_attention_layernorm)
-        packed.append([w_qkv, _bias(b_qkv, w_qkv.shape[0]), w_o, _bias(b_o, hidden),
-                       m.down, m.up, ln_in[0], ln_post[0]])  # fmt: skip
-        eps += [ln_in[1], ln_post[1]]
-        offsets += [ln_in[2], ln_post[2]]
-    return packed, eps, offsets
-
-
-def op_dims(layers, hidden: int, latent: int = 0, vocab: int = 0) -> list[int]:
-    """A ``leapfx_cpu.m2r2_*`` op's ``dims``: layers, hidden, head dim, query and KV heads,
-    adapter rank, router latent, vocabulary, then the kept KV heads and each query head's."""
-    first = layers[0]
-    return [len(layers), hidden, first.head_dim, len(first.q_heads), len(first.kv_heads),
-            first.down.shape[0], latent, vocab, *first.kv_heads,
-            *(int(x) for x in first.q_to_kv)]  # fmt: skip
-
-
-class KernelGate(nn.Module):
-    """The gate stage ``{logits, score} = gate(hidden, position_ids, cache)`` in one op call.
-
-    Same numbers as the torch stage up to summation order (a test holds them to 1e-5; an exit
-    decision may flip only for a score within that of the threshold)."""
-
-    def __init__(self, rotary, layers, router, norm, head, *, fallback: nn.Module) -> None:
-        from ..kernels.cpu_m2r2 import pack_gate
-
-        super().__init__()
-        self.fallback = fallback
-        self.slots = [m.cache_slot for m in layers]
-        first = layers[0]
-        inv_freq, rope_scale = rope_table(rotary, first.head_dim)
-        hidden = head.weight.shape[1]
-        packed, eps, offsets = pack_fast_layers(layers, hidden)
-        final = rms_params(norm)
-        eps.append(final[1])
-        offsets.append(final[2])
-        latent = 0 if router is None else router.q.weight.shape[0]
-        parts = [final[0]]
-        for lin in () if router is None else (router.q, router.k, router.v, router.out):
-            parts += [lin.weight, _bias(lin.bias, lin.weight.shape[0])]
-        self.weights = pack_gate(packed, parts, (head.weight, head.bias), inv_freq)
-        self.dims = op_dims(layers, hidden, latent, head.weight.shape[0])
-        self.params = [rope_scale, float(first.scaling), *eps, *offsets]
-
-    def forward(self, hidden, position_ids, cache):
-        keys = getattr(cache, "keys", None)
-        if (
-            hidden.dtype != torch.float32
-            or hidden.numel() != hidden.shape[-1]
-            or (torch.is_grad_enabled() and hidden.requires_grad)
-            or not isinstance(keys, list)
-            or keys[self.slots[0]].shape[0] != 1  # one sequence: the op reads batch row 0
-        ):
-            return self.fallback(hidden=hidden, position_ids=position_ids, cache=cache)
-        kv = [t for s in self.slots for t in (keys[s], cache.values[s])]
-        lengths = [cache.lengths[s] - 1 for s in self.slots]  # slow keys < t (the row's own: t)
-        score, logits = torch.ops.leapfx_cpu.m2r2_gate.default(
-            hidden.contiguous(), position_ids.contiguous(), self.weights, self.dims,
-            self.params, kv, lengths,
-        )  # fmt: skip
-        return {"logits": logits, "score": score}
-
-
-class KernelDraft(KernelGate):
-    """M2R2's draft stage ``{logits, hidden} = draft(input_ids, position_ids, cache, scratch)``
-    as the token's embedding plus one ``leapfx_cpu::m2r2_draft`` call.
-
-    The op reads the slow keys of the verified positions and the round's earlier drafts' fast
-    keys, and returns this draft's, which go into ``scratch`` both as the torch layers keep
-    them (``scratch.kv``, so that any later call may take the torch path) and packed for the
-    op (``scratch.packed``). Drafts only propose (the slow verify decides), so decoding stays
-    lossless; the op's numbers equal the torch stage's up to summation order."""
-
-    def __init__(self, embed, rotary, layers, router, norm, head, *, fallback) -> None:
-        super().__init__(rotary, layers, router, norm, head, fallback=fallback)
-        self.embed = embed
-        self.kv_shape = (len(layers), 2, 0, len(layers[0].kv_heads), layers[0].head_dim)
-
-    def forward(self, input_ids, position_ids, cache, scratch):
-        keys = getattr(cache, "keys", None)
-        if (
-            type(scratch) is not FastScratch
-            or input_ids.numel() != 1
-            or not isinstance(keys, list)
-            or keys[self.slots[0]].shape[0] != 1
-            or (torch.is_grad_enabled() and self.embed.weight.requires_grad)
-        ):
-            return self.fallback(
-                input_ids=input_ids, position_ids=position_ids, cache=cache, scratch=scratch
-            )
-        hidden = self.embed(input_ids)
-        if hidden.dtype != torch.float32:
-            return self.fallback(
-                input_ids=input_ids, position_ids=position_ids, cache=cache, scratch=scratch
-            )
-        earlier = scratch.packed
-        drafted = len(scratch.kv.get(self.slots[0], []))
-        if earlier is None or earlier.shape[2] != drafted:
-            earlier = self._packed(scratch, drafted)
-        kv = [t for s in self.slots for t in (keys[s], cache.values[s])]
-        lengths = [cache.lengths[s] for s in self.slots]  # every verified slow key
-        logits, out, new = torch.ops.leapfx_cpu.m2r2_draft.default(
-            hidden.contiguous(), position_ids.contiguous(), self.weights, self.dims,
-            self.params, kv, lengths, earlier,
-        )  # fmt: skip
-        scratch.packed = torch.cat([earlier, new[:, :, None]], dim=2)
-        for i, s in enumerate(self.slots):
-            scratch.kv.setdefault(s, []).append(
-                (new[i, 0][None, :, None], new[i, 1][None, :, None])
-            )
-        return {"logits": logits, "hidden": out}
-
-    def _packed(self, scratch: FastScratch, drafted: int) -> torch.Tensor:
-        """The round's earlier fast keys/values as the op reads them: [L, 2, m, h_kv, D]."""
-        if drafted == 0:
-            return torch.zeros(self.kv_shape)
-        per_layer = []
-        for s in self.slots:
-            ks, vs = zip(*scratch.kv[s], strict=True)  # each [1, h_kv, 1, D]
-            per_layer.append(torch.stack([torch.cat(ks, 2)[0], torch.cat(vs, 2)[0]]))
-        return torch.stack(per_layer).transpose(2, 3).contiguous()  # [L, 2, m, h_kv, D]

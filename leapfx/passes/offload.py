@@ -8,7 +8,7 @@ i's post-attention residual and starts loading what they pick. The prefetch node
 side effect, so every stage that runs layer i keeps it. Orthogonal to recipes: it runs after
 their passes, on whatever stages they cut.
 
-The pass only rewrites the graph. The modules it inserts (``passes.offload_modules``) are
+The pass only rewrites the graph. The modules it inserts (``leapfx.modules.moe``) are
 unbound: the runtime they call into (one ``ExpertOffload`` for the model: slot pools, the slow
 tier's file or host copy, transfer threads) is built from the rewritten graph by
 ``leapfx.runtime.offload.build_offload``, which binds it to them; ``rewrite.apply(...,
@@ -18,10 +18,10 @@ offload=OffloadOptions(...))`` runs the pass, then the builder, and hands the ru
 ``prefetch="m2r2"`` (M2R2 sec. 2.3.3) adds a fast residual stream at rate 2: the accelerated
 layers of ``passes.accelerator`` for gate N/2 (trained parts from ``m2r2_parts``), whose state
 p^{i+1} ~ h^{2i+2} after fast layer i predicts MoE layers 2i+2 and 2i+3
-(``m2r2_stream.predicted_layers``; layers 0 and 1 are never predicted). Fast layer i of
+(``modules.moe.predicted_layers``; layers 0 and 1 are never predicted). Fast layer i of
 token t reads slow layer i's keys of positions < t only, all cached before the slow pass of t
 starts, so one node right after the embedding and the rotary (before slow layer 0) runs the
-whole stream up front and makes every prediction at once: ``m2r2_stream.M2R2Prefetcher``
+whole stream up front and makes every prediction at once: ``modules.moe.M2R2Prefetcher``
 (with the CPU kernels on, one ``leapfx_cpu::m2r2_predict`` call a decode step). The runtime
 starts the loads of layer L once layer L - ``OffloadOptions.prefetch_lead`` (3) has placed its
 own experts, so that they do not queue ahead of the early layers' on-demand reads (None: all at
@@ -51,16 +51,16 @@ from typing import ClassVar
 
 from torch import fx
 
-from .accelerator import ACCELERATOR_MODULE, AcceleratedLayer, Accelerator, default_heads
+from ..modules.m2r2 import AcceleratedLayer, Accelerator, default_heads
+from ..modules.moe import M2R2Prefetcher, NextGatePrefetch, OffloadedExperts, predicted_layers
+from .accelerator import ACCELERATOR_MODULE
 from .accelerator_checkpoint import LoadAccelerator, read_parts_config
 from .base import GraphPass, PassResult
 from .capture import ATTN_KIND, LAYER, ROLE, SIDE_EFFECT, layer_module, layer_node, nodes_by_role
 from .exit_head import EXIT_LAYER
-from .m2r2_stream import M2R2Prefetcher, predicted_layers
-from .offload_modules import NextGatePrefetch, OffloadedExperts
 
 # "m2r2": M2R2's accelerated residual at rate 2, fast layer i predicting layers 2i+2, 2i+3,
-# the whole stream run before the slow pass (``m2r2_stream.M2R2Prefetcher``); "verify_union":
+# the whole stream run before the slow pass (``modules.moe.M2R2Prefetcher``); "verify_union":
 # for speculative recipes, the union of the upper layers' experts that the drafts' exit states
 # route to (``NextGatePrefetch(union=True)``).
 PREFETCH_POLICIES = ("none", "next_gate", "m2r2", "verify_union")

@@ -1,13 +1,22 @@
-"""What every parts directory on disk shares: written atomically, read with checks.
+"""What every parts directory on disk shares: written atomically, read and loaded with checks.
 
-Trained parts (Kangaroo's adapter, an EAGLE head, SpecEE's predictors, M2R2's accelerators) are
-directories of safetensors weights and a JSON file of metadata, nothing pickled. This module holds
-the two things they do alike: ``write_dir_atomic`` fills a temporary directory beside the target
-and renames it into place (a directory with the final name is always complete; one that existed
-is replaced), and ``read_meta`` reads the JSON file with errors that name the user's option.
+Trained parts (Kangaroo's adapter, an EAGLE head, SpecEE's predictors, M2R2's accelerators, a
+swift skip set) are directories of a safetensors file of one module's state dict and a JSON file
+of metadata (``{"format", "recipe", "options", "host", ...}``), nothing pickled. The four
+``*_checkpoint.py`` modules name their files and checks; what they do alike lives here:
 
-    >>> write_dir_atomic("parts/", lambda tmp: save_file(tensors, str(tmp / "w.safetensors")))
-    >>> meta = read_meta("parts/", "adapter.json", option="adapter", fmt=1)
+- ``write_parts_files`` writes the two files, ``write_dir_atomic`` fills a temporary directory
+  beside the target and renames it into place (a directory with the final name is always
+  complete; one that existed is replaced);
+- ``read_parts_meta`` refuses a directory without its files, ``read_meta`` reads the JSON file
+  with errors that name the user's option, ``check_host`` refuses parts of another model;
+- ``LoadParts`` is the shape of every ``Load*`` pass: find the module in the graph, read the
+  metadata, check it against the module, load the weights into the module (``load_weights``:
+  same names and shapes, or a ValueError naming the option).
+
+    >>> write_dir_atomic("parts/", lambda tmp: write_parts_files(tmp, "w.safetensors",
+    ...                  "w.json", module_tensors(module), {"format": 1, "recipe": "eagle"}))
+    >>> meta = read_meta("parts/", "w.json", option="parts", fmt=1)
 """
 
 from __future__ import annotations
@@ -17,8 +26,15 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import fx, nn
+
+from .base import GraphPass, PassResult
 
 
 def write_dir_atomic(path: str | os.PathLike, write: Callable[[Path], None]) -> Path:
@@ -61,3 +77,90 @@ def check_host(option: str, path, host: dict[str, Any], saved: dict[str, Any]) -
     if diff:
         pairs = ", ".join(f"{k}={saved.get(k)!r} (model: {host[k]!r})" for k in diff)
         raise ValueError(f"{option}: {str(path)!r} was trained for another model: {pairs}")
+
+
+def module_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    """``module``'s state dict as detached contiguous CPU tensors (what safetensors saves)."""
+    return {k: v.detach().contiguous().cpu() for k, v in module.state_dict().items()}
+
+
+def write_parts_files(
+    directory: Path,
+    weights: str | None,
+    config: str,
+    tensors: dict[str, torch.Tensor] | None,
+    meta: dict[str, Any],
+) -> None:
+    """Write ``tensors`` to ``directory/weights`` (unless ``weights`` is None) and ``meta`` to
+    ``directory/config``; the directory exists (not atomic by itself: ``write_dir_atomic``)."""
+    if weights is not None:
+        save_file(tensors, str(directory / weights), metadata={"format": str(meta["format"])})
+    (directory / config).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+
+
+def read_parts_meta(
+    path: str | os.PathLike, files: tuple[str, ...], config: str, *, option: str, fmt: int,
+    missing: str,
+) -> dict[str, Any]:  # fmt: skip
+    """``read_meta`` of ``path/config`` once every one of ``files`` is there; else ValueError
+    ``{option}: 'path' {missing}`` with ``{files}`` in ``missing`` naming the absent ones."""
+    root = Path(path)
+    absent = [name for name in files if not (root / name).is_file()]
+    if absent:
+        raise ValueError(f"{option}: {str(path)!r} " + missing.format(files=", ".join(absent)))
+    return read_meta(root, config, option=option, fmt=fmt)
+
+
+def load_weights(
+    module: nn.Module, file: Path, *, misfit: str, subset: bool = False
+) -> dict[str, torch.Tensor]:
+    """Load the safetensors ``file`` into ``module`` (copied into its dtype and device) and
+    return what was loaded; ``subset``: only the file's tensors the module has. ValueError
+    ``misfit`` unless the names and shapes are the module's."""
+    tensors = load_file(str(file))  # safetensors: no unpickling
+    own = module.state_dict()
+    if subset:
+        tensors = {k: v for k, v in tensors.items() if k in own}
+    if set(tensors) != set(own) or any(tensors[k].shape != own[k].shape for k in own):
+        raise ValueError(misfit)
+    module.load_state_dict(tensors)
+    return tensors
+
+
+@dataclass(frozen=True)
+class LoadParts(GraphPass):
+    """The shape of every ``Load*`` pass: ``module_of(gm)`` finds what the weights go into,
+    ``read(path)`` its metadata, ``check(module, meta)`` refuses parts that do not fit it, and
+    ``weights`` (a file in ``path``) is loaded into it (``load_weights``; ``misfit`` is the
+    error when its tensors do not fit, ``subset`` loads only those the module has). The pass
+    counts the tensors loaded."""
+
+    weights: ClassVar[str]
+    subset: ClassVar[bool] = False
+
+    path: str
+
+    def module_of(self, gm: fx.GraphModule) -> nn.Module:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def read(self, path: str) -> dict[str, Any]:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def check(self, module: nn.Module, meta: dict[str, Any]) -> None:
+        """Refuse parts that do not fit ``module`` (ValueError naming the option)."""
+
+    def misfit(self, module: nn.Module, meta: dict[str, Any]) -> str:  # pragma: no cover
+        raise NotImplementedError
+
+    def loaded(self, module: nn.Module) -> None:
+        """Called after the weights are in ``module``."""
+
+    def run(self, gm: fx.GraphModule) -> PassResult:
+        module = self.module_of(gm)
+        meta = self.read(self.path)
+        self.check(module, meta)
+        misfit = self.misfit(module, meta)
+        tensors = load_weights(module, Path(self.path) / self.weights, misfit=misfit,
+                               subset=self.subset)  # fmt: skip
+        self.loaded(module)
+        return PassResult(gm, modified=True, matches=len(tensors))

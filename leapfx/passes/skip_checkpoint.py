@@ -20,12 +20,11 @@ Written like every parts directory (``parts_io.write_dir_atomic``).
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
 
-from .parts_io import read_meta, write_dir_atomic
+from .parts_io import read_meta, write_dir_atomic, write_parts_files
 
 FORMAT = 1
 CONFIG = "swift.json"
@@ -47,10 +46,7 @@ def write_skip_set(
         "calibration": calibration,
     }
 
-    def write(tmp: Path) -> None:
-        (tmp / CONFIG).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
-
-    return write_dir_atomic(path, write)
+    return write_dir_atomic(path, lambda tmp: write_parts_files(tmp, None, CONFIG, None, meta))
 
 
 def read_skip_set(path: str | os.PathLike) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from typing import ClassVar
 
 from torch import fx
 
+from ..options import is_int
 from .base import GraphPass, PassResult
 from .capture import LAYER, nodes_by_role
 from .partition import Stages, _has_side_effect, full_stage
@@ -31,7 +32,7 @@ DRAFT_SKIP = "leapfx.draft_skip"
 def check_skip_set(layers, num_layers: int) -> tuple[int, ...]:
     """``layers`` as a sorted tuple; ValueError unless a non-empty set within 1..L-1."""
     ok = isinstance(layers, (tuple, list)) and all(
-        isinstance(i, int) and not isinstance(i, bool) and 1 <= i < num_layers for i in layers
+        is_int(i) and 1 <= i < num_layers for i in layers
     )
     if not ok or not layers or len(set(layers)) != len(layers):
         raise ValueError(

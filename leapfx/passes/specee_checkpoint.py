@@ -15,18 +15,21 @@ directory beside the target and renamed into place, like the Kangaroo adapter.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from safetensors.torch import load_file, save_file
-from torch import fx
+from torch import fx, nn
 
 from .adapter_checkpoint import write_adapter
-from .base import GraphPass, PassResult
-from .parts_io import read_meta, write_dir_atomic
+from .parts_io import (
+    LoadParts,
+    module_tensors,
+    read_parts_meta,
+    write_dir_atomic,
+    write_parts_files,
+)
 from .predictor import predictors_of
 
 FORMAT = 1
@@ -46,13 +49,12 @@ def write_parts(
 ) -> Path:
     """Write the predictors of ``gm`` (and its Kangaroo adapter, if any) to ``path``."""
     bank = predictors_of(gm)
-    tensors = {k: v.detach().contiguous().cpu() for k, v in bank.state_dict().items()}
+    tensors = module_tensors(bank)
     meta = {"format": FORMAT, "recipe": "specee", "options": options, "host": host,
             "report": report or {}}  # fmt: skip
 
     def write(tmp: Path) -> None:
-        save_file(tensors, str(tmp / WEIGHTS), metadata={"format": str(FORMAT)})
-        (tmp / CONFIG).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+        write_parts_files(tmp, WEIGHTS, CONFIG, tensors, meta)
         head = getattr(gm, "eagle_head", None)
         if head is not None:
             from .eagle_checkpoint import write_eagle_files
@@ -72,13 +74,12 @@ def write_parts(
 def read_parts_config(path: str | os.PathLike) -> dict[str, Any]:
     """The JSON metadata of the parts at ``path``; ValueError naming ``parts`` if bad."""
     root = Path(path)
-    missing = [name for name in (WEIGHTS, CONFIG) if not (root / name).is_file()]
-    if missing:
-        raise ValueError(
-            f"parts: {str(path)!r} is not a SpecEE parts directory (missing "
-            f"{', '.join(missing)}); pass a directory written by SpeculativeModel.save_parts"
-        )
-    meta = read_meta(root, CONFIG, option="parts", fmt=FORMAT)
+    missing = (
+        "is not a SpecEE parts directory (missing {files}); pass a directory written by "
+        "SpeculativeModel.save_parts"
+    )
+    meta = read_parts_meta(root, (WEIGHTS, CONFIG), CONFIG, option="parts", fmt=FORMAT,
+                           missing=missing)  # fmt: skip
     if meta.get("recipe") != "specee":
         raise ValueError(
             f"parts: {root / CONFIG} holds parts of recipe {meta.get('recipe')!r}, not 'specee'"
@@ -86,34 +87,41 @@ def read_parts_config(path: str | os.PathLike) -> dict[str, Any]:
     return meta
 
 
+def _lm_head(bank: nn.Module) -> nn.Module | None:
+    return bank.exits[0]._host[1] if len(bank.exits) else None
+
+
 @dataclass(frozen=True)
-class LoadSpecEEParts(GraphPass):
+class LoadSpecEEParts(LoadParts):
     """Load trained exit predictors and the offline subset into the graph's predictors."""
 
     name: ClassVar[str] = "load-specee-parts"
     requires: ClassVar[frozenset[str]] = frozenset({"exit-predictors"})
     provides: ClassVar[frozenset[str]] = frozenset({"exit-predictor-weights"})
+    weights: ClassVar[str] = WEIGHTS
 
-    path: str
+    def module_of(self, gm: fx.GraphModule) -> nn.Module:
+        return predictors_of(gm)
 
-    def run(self, gm: fx.GraphModule) -> PassResult:
-        bank = predictors_of(gm)
-        meta = read_parts_config(self.path)
-        head = bank.exits[0]._host[1] if len(bank.exits) else None
+    def read(self, path: str) -> dict[str, Any]:
+        return read_parts_config(path)
+
+    def check(self, bank: nn.Module, meta: dict[str, Any]) -> None:
+        head = _lm_head(bank)
         saved = meta.get("host", {})
         if head is not None and saved.get("vocab_size") not in (None, head.weight.shape[0]):
             raise ValueError(
                 f"parts: {self.path!r} were trained for a vocabulary of {saved['vocab_size']}, "
                 f"not {head.weight.shape[0]}"
             )
-        tensors = load_file(str(Path(self.path) / WEIGHTS))  # safetensors: no unpickling
-        own = bank.state_dict()
-        if set(tensors) != set(own) or any(tensors[k].shape != own[k].shape for k in own):
-            raise ValueError(
-                f"parts: the tensors in {self.path!r} do not fit this model's predictors "
-                f"(expected {len(own)} tensors for {bank.num_layers - 1} layers)"
-            )
-        bank.load_state_dict(tensors)
+
+    def misfit(self, bank: nn.Module, meta: dict[str, Any]) -> str:
+        return (
+            f"parts: the tensors in {self.path!r} do not fit this model's predictors "
+            f"(expected {len(bank.state_dict())} tensors for {bank.num_layers - 1} layers)"
+        )
+
+    def loaded(self, bank: nn.Module) -> None:
+        head = _lm_head(bank)
         if head is not None:
             bank.to(head.weight.device)
-        return PassResult(gm, modified=True, matches=len(tensors))

@@ -33,14 +33,8 @@ import operator
 
 from torch import fx
 
-from .capture import (
-    LAYER,
-    ROLE,
-    cache_kwarg,
-    nodes_by_role,
-    output_dict,
-    rename_cache_kwarg,
-)
+from ..modules.hf import cache_kwarg, rename_cache_kwarg
+from .capture import LAYER, ROLE, nodes_by_role, output_dict
 from .eagle_head import eagle_stages
 from .partition import (
     INPUT_ROLES,

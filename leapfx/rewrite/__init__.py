@@ -20,6 +20,8 @@ import logging
 
 from torch import nn
 
+from ..lower import lower
+from ..options import check_bool
 from ..passes.base import PassPipeline
 from ..passes.capture import EXTRA_CACHE_LAYERS, capture, check_supported
 from ..passes.offload import OffloadExperts
@@ -149,10 +151,7 @@ def apply(
 
     >>> sm = apply(moe_model, "layerskip", offload=OffloadOptions(slots=0.5, prefetch="next_gate"))
     """
-    if cpu_kernels is not None and not isinstance(cpu_kernels, bool):
-        raise ValueError(
-            f"cpu_kernels: {cpu_kernels!r} is invalid; allowed: True, False or None (auto)"
-        )
+    check_bool("cpu_kernels", cpu_kernels, none=True, allowed="True, False or None (auto)")
     if backend not in BACKENDS:
         raise ValueError(
             f"backend: {backend!r} is invalid; allowed: {', '.join(map(repr, BACKENDS))} "
@@ -211,14 +210,14 @@ def apply(
         extra_cache_layers=gm.meta.get(EXTRA_CACHE_LAYERS, 0),
         training=r.training,
         lossless=r.lossless(opts) if callable(r.lossless) else r.lossless,
-        compiles=r.compiles,
+        capabilities=r.capabilities,
     )
     sm = SpeculativeModel(model, gm, stages, info, offload=runtime)
     if backend == "inductor":  # compile() resolves cpu_kernels the same way
-        sm.compile(cpu_kernels=cpu_kernels)
+        lower(sm, "inductor", cpu_kernels=cpu_kernels)
         log.info("%s: cpu_kernels=%s (inductor, given %s)", r.name, sm.cpu_kernels, cpu_kernels)
         return sm
     lay = sm._layout
     kernels, why = kernels_choice(cpu_kernels, lay.device, lay.dtype)
     log.info("%s: cpu_kernels=%s (%s)", r.name, kernels, why)
-    return sm.use_cpu_kernels() if kernels else sm
+    return lower(sm, "cpu_kernels") if kernels else sm

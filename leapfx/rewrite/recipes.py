@@ -7,14 +7,14 @@ Every recipe has one frozen options dataclass. Options are validated against the
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 from torch import fx
 
+from ..options import SavedOptions, check_bool, check_int, check_number
 from ..passes.accelerator import InsertAccelerator
 from ..passes.accelerator_checkpoint import LoadAccelerator, read_parts_config
 from ..passes.adapter import InsertKangarooAdapter
@@ -30,6 +30,7 @@ from ..passes.skip_checkpoint import read_skip_set
 from ..passes.skip_layers import DraftSkipSet, check_skip_set, swift_stages
 from ..passes.specee_stages import specee_stages
 from ..runtime import adaptive, eagle, kangaroo, lookup, m2r2, schedules, swift
+from ..runtime.capabilities import Capabilities
 from ..runtime.model import RecipeTraining, Schedule
 from . import specee_recipe
 
@@ -39,23 +40,9 @@ def default_exit_layer(num_layers: int) -> int:
     return max(1, num_layers // 4)
 
 
-def _check_int(name: str, value, low: int, high: int | None = None) -> None:
-    ok = isinstance(value, int) and not isinstance(value, bool) and value >= low
-    if ok and high is not None:
-        ok = value <= high
-    if not ok:
-        allowed = f"{low}..{high}" if high is not None else f">= {low}"
-        raise ValueError(f"{name}: {value!r} is invalid; allowed: an integer {allowed}")
-
-
 def _check_cache(value) -> None:
     if value is not None:
-        _check_int("max_cache_len", value, 2)
-
-
-def _check_bool(name: str, value) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(f"{name}: {value!r} is invalid; allowed: True or False")
+        check_int("max_cache_len", value, 2)
 
 
 # Every recipe's options carry fuse_layers: run decoder layers through FuseDecoderLayers
@@ -76,7 +63,7 @@ class AutoregressiveOptions:
 
     def validate(self, num_layers: int) -> AutoregressiveOptions:
         _check_cache(self.max_cache_len)
-        _check_bool("fuse_layers", self.fuse_layers)
+        check_bool("fuse_layers", self.fuse_layers)
         return self
 
 
@@ -90,9 +77,9 @@ class EarlyExitOptions:
 
     def validate(self, num_layers: int) -> EarlyExitOptions:
         e = default_exit_layer(num_layers) if self.exit_layer is None else self.exit_layer
-        _check_int("exit_layer", e, 1, num_layers - 1)
+        check_int("exit_layer", e, 1, num_layers - 1)
         _check_cache(self.max_cache_len)
-        _check_bool("fuse_layers", self.fuse_layers)
+        check_bool("fuse_layers", self.fuse_layers)
         return dataclasses.replace(self, exit_layer=e)
 
 
@@ -105,8 +92,8 @@ LOOKUP_MAX_NGRAM = 3
 
 
 def _check_ngrams(max_ngram, min_ngram) -> None:
-    _check_int("max_ngram", max_ngram, 1)
-    _check_int("min_ngram", min_ngram, 1, max_ngram)
+    check_int("max_ngram", max_ngram, 1)
+    check_int("min_ngram", min_ngram, 1, max_ngram)
 
 
 @dataclass(frozen=True)
@@ -131,8 +118,8 @@ class LookupFirstOptions:
     adaptive: bool = False
 
     def check_lookup(self) -> None:
-        _check_bool("lookup", self.lookup)
-        _check_bool("adaptive", self.adaptive)
+        check_bool("lookup", self.lookup)
+        check_bool("adaptive", self.adaptive)
         _check_ngrams(self.max_ngram, self.min_ngram)
 
     def lookup_first(self) -> lookup.LookupFirst | adaptive.Adaptive | None:
@@ -159,12 +146,12 @@ class LayerSkipOptions(LookupFirstOptions):
 
     def validate(self, num_layers: int) -> LayerSkipOptions:
         e = default_exit_layer(num_layers) if self.exit_layer is None else self.exit_layer
-        _check_int("exit_layer", e, 1, num_layers - 1)
-        _check_int("num_speculations", self.num_speculations, 1)
+        check_int("exit_layer", e, 1, num_layers - 1)
+        check_int("num_speculations", self.num_speculations, 1)
         _check_threshold("confidence_threshold", self.confidence_threshold)
         self.check_lookup()
         _check_cache(self.max_cache_len)
-        _check_bool("fuse_layers", self.fuse_layers)
+        check_bool("fuse_layers", self.fuse_layers)
         return dataclasses.replace(self, exit_layer=e)
 
 
@@ -181,10 +168,10 @@ class LookupOptions:
     fuse_layers: bool = True
 
     def validate(self, num_layers: int) -> LookupOptions:
-        _check_int("num_speculations", self.num_speculations, 1)
+        check_int("num_speculations", self.num_speculations, 1)
         _check_ngrams(self.max_ngram, self.min_ngram)
         _check_cache(self.max_cache_len)
-        _check_bool("fuse_layers", self.fuse_layers)
+        check_bool("fuse_layers", self.fuse_layers)
         return self
 
 
@@ -263,10 +250,10 @@ class SwiftOptions(LookupFirstOptions):
                 f"skip_layers: {skip} differs from the set {saved} saved in parts={path!r}; "
                 f"allowed: one of the two, or skip_layers={saved}"
             )
-        _check_int("num_speculations", self.num_speculations, 1)
+        check_int("num_speculations", self.num_speculations, 1)
         self.check_lookup()
         _check_cache(self.max_cache_len)
-        _check_bool("fuse_layers", self.fuse_layers)
+        check_bool("fuse_layers", self.fuse_layers)
         return dataclasses.replace(self, skip_layers=skip, parts=path)
 
 
@@ -304,12 +291,8 @@ def _layerskip_schedule(o: LayerSkipOptions):
 
 
 def _check_threshold(name: str, value) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if not (ok and math.isfinite(value) and 0 <= value < 1):
-        raise ValueError(
-            f"{name}: {value!r} is invalid; allowed: a number in [0, 1) "
-            "(0 drafts the maximum number of tokens every round)"
-        )
+    allowed = "a number in [0, 1) (0 drafts the maximum number of tokens every round)"
+    check_number(name, value, 0, 1, high_open=True, allowed=allowed)
 
 
 # Kangaroo's paper settings (sec. 4.2): at most gamma = 6 drafts a round, threshold eta = 0.6.
@@ -335,7 +318,7 @@ class KangarooOptions(LookupFirstOptions):
     fuse_layers: bool = True
 
     def validate(self, num_layers: int) -> KangarooOptions:
-        saved: dict = {}
+        saved = SavedOptions(what="adapter")
         path = None
         if self.adapter is not None:
             if not isinstance(self.adapter, (str, os.PathLike)):
@@ -344,27 +327,25 @@ class KangarooOptions(LookupFirstOptions):
                     "(str or os.PathLike) or None"
                 )
             path = os.fspath(self.adapter)
-            saved = read_adapter_config(path, recipe="kangaroo").get("options", {})
+            options = read_adapter_config(path, recipe="kangaroo").get("options", {})
+            saved = SavedOptions(options, path, what="adapter")
 
         def pick(name: str, default):
-            value = getattr(self, name)
-            return saved.get(name, default) if value is None else value
+            return saved.pick(name, getattr(self, name), default)
 
         e = pick("exit_layer", default_kangaroo_exit_layer(num_layers))
-        _check_int("exit_layer", e, 1, num_layers - 1)
-        if saved.get("exit_layer") not in (None, e):
-            raise ValueError(
-                f"exit_layer: {e!r} does not match the adapter at {path!r}, which was trained "
-                f"after layer {saved['exit_layer']}; allowed: {saved['exit_layer']} or None"
-            )
+        check_int("exit_layer", e, 1, num_layers - 1)
+        saved.require(
+            "exit_layer", e, trained=f"which was trained after layer {saved.get('exit_layer')}"
+        )
         gamma = pick("max_draft_tokens", KANGAROO_MAX_DRAFT_TOKENS)
-        _check_int("max_draft_tokens", gamma, 1)
+        check_int("max_draft_tokens", gamma, 1)
         eta = pick("confidence_threshold", KANGAROO_CONFIDENCE_THRESHOLD)
         _check_threshold("confidence_threshold", eta)
         self.check_lookup()
         cache_len = pick("max_cache_len", None)
         _check_cache(cache_len)
-        _check_bool("fuse_layers", self.fuse_layers)
+        check_bool("fuse_layers", self.fuse_layers)
         return dataclasses.replace(
             self,
             exit_layer=e,
@@ -388,16 +369,16 @@ def default_fast_layers(num_layers: int) -> int:
     return max(1, min(4, num_layers - 1))
 
 
-def _parts_meta(parts) -> tuple[str | None, dict]:
+def _parts_meta(parts) -> tuple[str | None, SavedOptions]:
     if parts is None:
-        return None, {}
+        return None, SavedOptions()
     if not isinstance(parts, (str, os.PathLike)):
         raise ValueError(
             f"parts: {parts!r} is invalid; allowed: a directory written by "
             "SpeculativeModel.save_parts (str or os.PathLike) or None"
         )
     path = os.fspath(parts)
-    return path, read_parts_config(path).get("options", {})
+    return path, SavedOptions(read_parts_config(path).get("options", {}), path)
 
 
 M2R2_NUM_SPECULATIONS = 3  # the paper's g (sec. 3.2)
@@ -432,31 +413,26 @@ class M2R2Options(LookupFirstOptions):
 
     def validate(self, num_layers: int) -> M2R2Options:
         path, saved = _parts_meta(self.parts)
+        gates = saved.get("gates")  # the parts' gates; the fast stream's one gate E_1 is k
         k = self.fast_layers
         if k is None:
-            k = saved["gates"][0] if saved.get("gates") else default_fast_layers(num_layers)
-        _check_int("fast_layers", k, 1, num_layers - 1)
-        if saved.get("gates") and saved["gates"][0] != k:
-            raise ValueError(
-                f"fast_layers: {k!r} does not match the parts at {path!r}, trained with gates "
-                f"{saved['gates']}; allowed: {saved['gates'][0]} or None"
-            )
-        heads = saved.get("heads") if self.heads is None else self.heads
+            k = gates[0] if gates else default_fast_layers(num_layers)
+        check_int("fast_layers", k, 1, num_layers - 1)
+        if gates:
+            saved.require("fast_layers", k, gates[0], trained=f"trained with gates {gates}")
+        heads = saved.pick("heads", self.heads)
         if heads is not None:
-            _check_int("heads", heads, 1)
-        rank = saved.get("rank", 8) if self.rank is None else self.rank
-        _check_int("rank", rank, 1)
-        gamma = self.num_speculations
-        gamma = saved.get("num_speculations", M2R2_NUM_SPECULATIONS) if gamma is None else gamma
-        _check_int("num_speculations", gamma, 1)
-        eta = self.confidence_threshold
-        eta = saved.get("confidence_threshold", 0.0) if eta is None else eta
+            check_int("heads", heads, 1)
+        rank = check_int("rank", saved.pick("rank", self.rank, 8), 1)
+        gamma = saved.pick("num_speculations", self.num_speculations, M2R2_NUM_SPECULATIONS)
+        check_int("num_speculations", gamma, 1)
+        eta = saved.pick("confidence_threshold", self.confidence_threshold, 0.0)
         _check_threshold("confidence_threshold", eta)
         if self.fast_keys is not None:
-            _check_int("fast_keys", self.fast_keys, 1)
+            check_int("fast_keys", self.fast_keys, 1)
         self.check_lookup()
         _check_cache(self.max_cache_len)
-        _check_bool("fuse_layers", self.fuse_layers)
+        check_bool("fuse_layers", self.fuse_layers)
         return dataclasses.replace(
             self, fast_layers=k, heads=heads, rank=rank, parts=path, num_speculations=gamma,
             confidence_threshold=float(eta),
@@ -498,17 +474,10 @@ class M2R2ExitOptions:
         if gates is None:
             gates = saved.get("gates") or default_exit_gates(num_layers)
         gates = check_gates(tuple(gates) if isinstance(gates, list) else gates, num_layers)
-        if saved.get("gates") not in (None, list(gates)):
-            raise ValueError(
-                f"gates: {list(gates)} do not match the parts at {path!r}, trained with gates "
-                f"{saved['gates']}; allowed: {saved['gates']} or None"
-            )
-        ok = isinstance(self.threshold, (int, float)) and not isinstance(self.threshold, bool)
-        if not (ok and math.isfinite(self.threshold) and self.threshold >= 0):
-            raise ValueError(
-                f"threshold: {self.threshold!r} is invalid; allowed: a number >= 0 (above 1: "
-                "never exit)"
-            )
+        saved.require("gates", list(gates), verb="do",
+                      trained=f"trained with gates {saved.get('gates')}")  # fmt: skip
+        allowed = "a number >= 0 (above 1: never exit)"
+        check_number("threshold", self.threshold, 0, allowed=allowed)
         exit_gates = self.exit_gates
         if exit_gates is None:
             exit_gates = saved.get("exit_gates") or gates
@@ -522,13 +491,12 @@ class M2R2ExitOptions:
                 f"exit_gates: {exit_gates!r} is invalid; allowed: None or a non-empty increasing "
                 f"subset of the gates {list(gates)}"
             )
-        heads = saved.get("heads") if self.heads is None else self.heads
+        heads = saved.pick("heads", self.heads)
         if heads is not None:
-            _check_int("heads", heads, 1)
-        rank = saved.get("rank", 8) if self.rank is None else self.rank
-        _check_int("rank", rank, 1)
+            check_int("heads", heads, 1)
+        rank = check_int("rank", saved.pick("rank", self.rank, 8), 1)
         _check_cache(self.max_cache_len)
-        _check_bool("fuse_layers", self.fuse_layers)
+        check_bool("fuse_layers", self.fuse_layers)
         return dataclasses.replace(
             self, gates=gates, threshold=float(self.threshold), exit_gates=exit_gates,
             heads=heads, rank=rank, parts=path,
@@ -577,7 +545,7 @@ class EagleOptions(LookupFirstOptions):
     fuse_layers: bool = True
 
     def validate(self, num_layers: int) -> EagleOptions:
-        saved: dict = {}
+        saved = SavedOptions(what="head")
         path = None
         if self.parts is not None:
             if not isinstance(self.parts, (str, os.PathLike)):
@@ -587,7 +555,8 @@ class EagleOptions(LookupFirstOptions):
                 )
             path = os.fspath(self.parts)
             meta = read_eagle_config(path)
-            saved = {**meta.get("options", {}), "init_layer": meta.get("init_layer")}
+            options = {**meta.get("options", {}), "init_layer": meta.get("init_layer")}
+            saved = SavedOptions(options, path, what="head")
             trained = meta.get("host", {}).get("num_hidden_layers")
             if trained != num_layers:
                 raise ValueError(
@@ -596,26 +565,20 @@ class EagleOptions(LookupFirstOptions):
                 )
 
         def pick(name: str, default):
-            value = getattr(self, name)
-            if value is not None:
-                return value
-            return default if saved.get(name) is None else saved[name]
+            return saved.pick(name, getattr(self, name), default)
 
         d = pick("max_draft_tokens", EAGLE_MAX_DRAFT_TOKENS)
-        _check_int("max_draft_tokens", d, 1)
+        check_int("max_draft_tokens", d, 1)
         eta = pick("confidence_threshold", EAGLE_CONFIDENCE_THRESHOLD)
         _check_threshold("confidence_threshold", eta)
         init = pick("init_layer", num_layers - 1)
-        _check_int("init_layer", init, 0, num_layers - 1)
-        if saved.get("init_layer") not in (None, init):
-            raise ValueError(
-                f"init_layer: {init!r} does not match the head at {path!r}, whose layer was "
-                f"copied from layer {saved['init_layer']}; allowed: {saved['init_layer']} or None"
-            )
+        check_int("init_layer", init, 0, num_layers - 1)
+        copied = saved.get("init_layer")
+        saved.require("init_layer", init, trained=f"whose layer was copied from layer {copied}")
         self.check_lookup()
         cache_len = pick("max_cache_len", None)
         _check_cache(cache_len)
-        _check_bool("fuse_layers", self.fuse_layers)
+        check_bool("fuse_layers", self.fuse_layers)
         return dataclasses.replace(
             self,
             max_draft_tokens=d,
@@ -675,9 +638,9 @@ class Recipe:
     # The option that takes a directory written by ``SpeculativeModel.save_parts``;
     # ``apply(..., parts=dir)`` fills it. None: the recipe has no trained parts.
     parts_option: str | None = None
-    # Whether its stages lower to Inductor and ONNX (False: a stage takes a Python object,
-    # e.g. M2R2's FastScratch, that neither traces).
-    compiles: bool = True
+    # What its stages lower to (Inductor, ONNX, a draft chain ...; see Capabilities): lowering
+    # and export ask the SpeculativeModel's copy instead of branching on recipe names.
+    capabilities: Capabilities = field(default_factory=Capabilities)
     # The option that sets how many tokens a round drafts (``lookahead``: the tokens a verify
     # pass checks); None: the recipe does not draft. Over an offloaded MoE model, apply lowers
     # it to fit the slots where the caller left it unset (``fit_drafts_to_slots``).
@@ -743,7 +706,7 @@ RECIPES: dict[str, Recipe] = {
             training=swift.SwiftParts,
             parts_option="parts",
             # the Inductor and ONNX paths of a layer-skipped draft stage are not written yet
-            compiles=False,
+            capabilities=Capabilities(compiles=False),
             draft_option="num_speculations",
         ),
         Recipe(
@@ -766,6 +729,8 @@ RECIPES: dict[str, Recipe] = {
             lookahead=lambda o: o.num_speculations + 1,
             lossless=True,
             draft_option="num_speculations",
+            # greedy rounds of d exit-head drafts; its draft stage is verify's lower part
+            capabilities=Capabilities(has_chain=True, split_verify=True),
         ),
         Recipe(
             name="kangaroo",
@@ -801,7 +766,7 @@ RECIPES: dict[str, Recipe] = {
             lossless=True,
             training=partial(load_training, "m2r2"),
             parts_option="parts",
-            compiles=False,
+            capabilities=Capabilities(compiles=False),
             draft_option="num_speculations",
         ),
         Recipe(
@@ -820,7 +785,7 @@ RECIPES: dict[str, Recipe] = {
             lossless=False,
             training=partial(load_training, "m2r2"),
             parts_option="parts",
-            compiles=False,
+            capabilities=Capabilities(compiles=False),
         ),
         Recipe(
             name="eagle",
@@ -846,6 +811,16 @@ RECIPES: dict[str, Recipe] = {
             lossless=lambda o: o.verify,
             training=partial(load_training, "specee"),
             parts_option="parts",
+            capabilities=Capabilities(
+                layer_segments=True,
+                exportable=False,
+                export_refusal=(
+                    "its per-token exits are host decisions between per-layer stages and "
+                    "exit-check nodes, and the onnxruntime executor has no such schedule "
+                    "(missing: per-layer stages, exit-check stages and the SpecEE schedule in "
+                    "leapfx.export.ort_runtime); use the eager backend"
+                ),
+            ),
             lookup_refusal=(
                 "its decoder keeps state from pass to pass that a full-model round does not "
                 "update: the EAGLE drafter's last hidden state, the per-layer validity of cached "

@@ -16,6 +16,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..options import SavedOptions, check_bool, check_choice, check_int, check_number, is_int
 from ..passes.adapter import InsertKangarooAdapter
 from ..passes.adapter_checkpoint import LoadKangarooAdapter, read_adapter_config
 from ..passes.base import GraphPass
@@ -32,15 +33,6 @@ from ..runtime.specee import SpecEEConfig, specee
 # first E layers (a LayerSkip exit); "kangaroo": the Kangaroo adapter after layer E.
 DRAFTERS = ("eagle", "exit_head", "kangaroo")
 KV_FILLS = ("mask", "next")
-
-
-def _check_int(name: str, value, low: int, high: int | None = None) -> None:
-    ok = isinstance(value, int) and not isinstance(value, bool) and value >= low
-    if ok and high is not None:
-        ok = value <= high
-    if not ok:
-        allowed = f"{low}..{high}" if high is not None else f">= {low}"
-        raise ValueError(f"{name}: {value!r} is invalid; allowed: an integer {allowed}")
 
 
 def _check_path(name: str, value) -> str | None:
@@ -82,17 +74,9 @@ class SpecEEOptions:
 
     def validate(self, num_layers: int) -> SpecEEOptions:
         parts = _check_path("parts", self.parts)
-        saved = read_parts_config(parts).get("options", {}) if parts else {}
-        drafter = self.drafter if self.drafter is not None else saved.get("drafter", "eagle")
-        if drafter not in DRAFTERS:
-            raise ValueError(
-                f"drafter: {drafter!r} is invalid; allowed: {', '.join(map(repr, DRAFTERS))}"
-            )
-        if saved.get("drafter") not in (None, drafter):
-            raise ValueError(
-                f"drafter: {drafter!r} does not match the parts at {parts!r}, trained with "
-                f"{saved['drafter']!r}; allowed: {saved['drafter']!r} or None"
-            )
+        saved = SavedOptions(read_parts_config(parts).get("options", {}) if parts else {}, parts)
+        drafter = check_choice("drafter", saved.pick("drafter", self.drafter, "eagle"), DRAFTERS)
+        saved.require("drafter", drafter)
         default_e = 1 if drafter == "eagle" else max(1, num_layers // 4)
         if drafter == "kangaroo":
             default_e = max(1, min(num_layers - 1, -(-num_layers // 16)))
@@ -100,38 +84,27 @@ class SpecEEOptions:
             if adapter_dir is not None:  # the adapter's own layer
                 saved_adapter = read_adapter_config(adapter_dir).get("options", {})
                 default_e = saved_adapter.get("exit_layer", default_e)
-        e = self.exit_layer if self.exit_layer is not None else saved.get("exit_layer", default_e)
-        _check_int("exit_layer", e, 1, num_layers - 1)
-        if saved.get("exit_layer") not in (None, e):
-            raise ValueError(
-                f"exit_layer: {e!r} does not match the parts at {parts!r}, trained with "
-                f"{saved['exit_layer']}; allowed: {saved['exit_layer']} or None"
-            )
-        t = self.threshold if self.threshold is not None else saved.get("threshold", 0.5)
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t <= 1:
-            raise ValueError(
-                f"threshold: {t!r} is invalid; allowed: a number in [0, 1] (1.0 never exits)"
-            )
-        if not isinstance(self.verify, bool):
-            raise ValueError(f"verify: {self.verify!r} is invalid; allowed: True or False")
+        e = check_int("exit_layer", saved.pick("exit_layer", self.exit_layer, default_e), 1,
+                      num_layers - 1)  # fmt: skip
+        saved.require("exit_layer", e)
+        t = saved.pick("threshold", self.threshold, 0.5)
+        check_number("threshold", t, 0, 1, allowed="a number in [0, 1] (1.0 never exits)")
+        check_bool("verify", self.verify)
         kv_fill = self.kv_fill if self.kv_fill is not None else "mask" if self.verify else "next"
-        if kv_fill not in KV_FILLS:
-            raise ValueError(
-                f"kv_fill: {kv_fill!r} is invalid; allowed: {', '.join(map(repr, KV_FILLS))}"
-            )
+        check_choice("kv_fill", kv_fill, KV_FILLS)
         if self.verify and kv_fill != "mask":
             raise ValueError(
                 f"kv_fill: {kv_fill!r} is invalid with verify=True; allowed: 'mask' or None (the "
                 "verify pass recomputes what drafts skipped)"
             )
-        _check_int("max_draft_tokens", self.max_draft_tokens, 1)
-        _check_int("window", self.window, 0)
-        _check_int("history", self.history, 1)
+        check_int("max_draft_tokens", self.max_draft_tokens, 1)
+        check_int("window", self.window, 0)
+        check_int("history", self.history, 1)
         offline = self.offline_layers
         if offline is None:
             offline = saved.get("offline_layers", range(e - 1, num_layers - 1))
         offline = tuple(sorted(set(offline)))
-        if any(isinstance(i, bool) or not isinstance(i, int) for i in offline) or any(
+        if not all(is_int(i) for i in offline) or any(
             not e - 1 <= i <= num_layers - 2 for i in offline
         ):
             raise ValueError(
@@ -154,9 +127,8 @@ class SpecEEOptions:
         if eagle is None and parts and drafter == "eagle" and (Path(parts) / EAGLE_DIR).is_dir():
             eagle = str(Path(parts) / EAGLE_DIR)
         if self.max_cache_len is not None:
-            _check_int("max_cache_len", self.max_cache_len, 2)
-        if not isinstance(self.fuse_layers, bool):
-            raise ValueError(f"fuse_layers: {self.fuse_layers!r} is invalid; allowed: True/False")
+            check_int("max_cache_len", self.max_cache_len, 2)
+        check_bool("fuse_layers", self.fuse_layers)
         return dataclasses.replace(
             self, drafter=drafter, exit_layer=e, threshold=float(t), offline_layers=offline,
             parts=parts, adapter=adapter, eagle=eagle, kv_fill=kv_fill,

@@ -50,9 +50,8 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from ..passes import fuse_layers
-from ..passes.accelerator import AcceleratedLayer, KernelAcceleratedLayer
-from ..passes.fuse_layers import (
+from ..modules import fused
+from ..modules.fused import (
     FusedAttention,
     FusedDecoderLayer,
     KernelAttention,
@@ -65,8 +64,11 @@ from ..passes.fuse_layers import (
     TransposedLinear,
     experts_kernel_covers,
 )
-from ..passes.predictor import KernelLayerExit, LayerExit
+from ..modules.m2r2 import AcceleratedLayer, KernelAcceleratedLayer
+from ..modules.specee import KernelLayerExit, LayerExit
+from ..options import check_bool, check_choice
 from .cache import StaticKVCache
+from .executor import mask_free
 from .masks import position_masks
 from .runner import AttentionLayout
 from .stage_signature import discover  # which cache layers each position input feeds
@@ -147,27 +149,13 @@ class CompileOptions:
             raise ValueError(
                 f"mode: {self.mode!r} is invalid; allowed: None, {', '.join(map(repr, MODES))}"
             )
-        if self.verify_shapes not in VERIFY_SHAPES:
-            raise ValueError(
-                f"verify_shapes: {self.verify_shapes!r} is invalid; allowed: "
-                f"{', '.join(map(repr, VERIFY_SHAPES))}"
-            )
-        if not isinstance(self.warmup, bool):
-            raise ValueError(f"warmup: {self.warmup!r} is invalid; allowed: True or False")
-        if self.transpose_weights is not None and not isinstance(self.transpose_weights, bool):
-            raise ValueError(
-                f"transpose_weights: {self.transpose_weights!r} is invalid; allowed: True, "
-                "False or None (CPU only)"
-            )
-        if self.cpu_kernels is not None and not isinstance(self.cpu_kernels, bool):
-            raise ValueError(
-                f"cpu_kernels: {self.cpu_kernels!r} is invalid; allowed: True, False or None "
-                "(on a CPU with float32 weights when they build)"
-            )
-        if not isinstance(self.draft_chain, bool):
-            raise ValueError(
-                f"draft_chain: {self.draft_chain!r} is invalid; allowed: True or False"
-            )
+        check_choice("verify_shapes", self.verify_shapes, VERIFY_SHAPES)
+        check_bool("warmup", self.warmup)
+        allowed = "True, False or None (CPU only)"
+        check_bool("transpose_weights", self.transpose_weights, none=True, allowed=allowed)
+        allowed = "True, False or None (on a CPU with float32 weights when they build)"
+        check_bool("cpu_kernels", self.cpu_kernels, none=True, allowed=allowed)
+        check_bool("draft_chain", self.draft_chain)
         return self
 
 
@@ -487,9 +475,10 @@ class CompiledChain:
 
 
 def chain_length(sm) -> int:
-    """The drafts of a ``draft_chain`` for ``sm``: LayerSkip's d where every round drafts d
-    greedy tokens through the draft stage (no confidence threshold), else 0."""
-    if sm.recipe.name != "layerskip" or "draft" not in sm.stages.modules:
+    """The drafts of a ``draft_chain`` for ``sm``: d where its recipe's rounds draft d greedy
+    tokens through the draft stage (``Capabilities.has_chain``: LayerSkip) and no confidence
+    threshold cuts them short, else 0."""
+    if not sm.recipe.capabilities.has_chain or "draft" not in sm.stages.modules:
         return 0
     if getattr(sm.options, "confidence_threshold", 0) > 0:
         return 0
@@ -560,7 +549,7 @@ def kernel_stages(sm) -> dict[str, fx.GraphModule]:
         # M2R2's exit gates: the whole stage as one op where it covers the model
         out[name] = kernel_gate(stage, converted) or converted
     length = chain_length(sm)
-    if length and getattr(out["draft"], "mask_free", None) is not None:
+    if length and mask_free(out["draft"]) is not None:
         out["draft_chain"] = EagerChain(out["draft"], length, sm._layout.kinds)
     return out
 
@@ -618,8 +607,8 @@ def _masks_read_by_kernels_only(gm: fx.GraphModule) -> bool:
 def _mask_free(start: int, length: int) -> bool:
     """Whether kernel layers attend to rows start..start+length-1 of one sequence through
     ``leapfx_cpu::attention`` (one row, or rows over at most ``KERNEL_ROWS_MAX_KEYS`` keys:
-    ``fuse_layers._attend``), reading no mask. A kernel stage's ``mask_free``."""
-    return length == 1 or start + length <= fuse_layers.KERNEL_ROWS_MAX_KEYS
+    ``fused._attend``), reading no mask. A kernel stage's ``mask_free``."""
+    return length == 1 or start + length <= fused.KERNEL_ROWS_MAX_KEYS
 
 
 ROTARY_TABLE_MAX = 4096  # positions a rotary table holds at most (2 x 4096 x head_dim floats)
@@ -680,8 +669,8 @@ def compile_stages(sm, options: CompileOptions) -> dict[str, CompiledStage]:
     from .specee_compiled import is_segment, specee_segments, warmup_segments
 
     options = options.validate()
-    specee = sm.recipe.name == "specee"
-    if specee and "eagle_head" in sm.stages.modules:
+    segmented = sm.recipe.capabilities.layer_segments  # SpecEE's per-layer stages
+    if segmented and "eagle_head" in sm.stages.modules:
         raise ValueError(
             "backend: 'inductor' is not implemented for specee with drafter='eagle' (missing: "
             "the head's stage signature); allowed: 'eager', or drafter 'exit_head' / 'kangaroo'"
@@ -699,7 +688,7 @@ def compile_stages(sm, options: CompileOptions) -> dict[str, CompiledStage]:
     for name, stage in sm.stages.modules.items():
         if transpose:
             stage_t = with_transposed_weights(stage, shared, kernels=kernels)
-        if specee and is_segment(name):  # per-layer segments: runtime.specee_compiled
+        if segmented and is_segment(name):  # per-layer segments: runtime.specee_compiled
             segments[name] = stage_t if transpose else stage
             continue
         sig = discover(sm, name, stage)

@@ -6,7 +6,7 @@ With a fast stream at twice the slow rate (R = 2: gate N/2, so the fast state af
 norm and router to ``p^{i+1}`` and take its top-k (``num_experts_per_tok``), for
 L in {2i+2, 2i+3}. Layers 0 and 1 are never predicted. The MoE offload runtime issues the loads
 of these experts ahead of use (it runs the whole fast stream before a step's slow pass:
-``leapfx.passes.m2r2_stream``), then checks residency before layer L's experts run.
+``leapfx.modules.moe``), then checks residency before layer L's experts run.
 
 This module works on the HF MoE modules directly (Mixtral, OLMoE, Qwen2-MoE in transformers 5:
 ``layer.post_attention_layernorm`` and the router ``layer.mlp.gate``, which returns
@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 # The rule's one home is the offload pass's fast stream (2i+2, 2i+3 below N).
-from ..passes.m2r2_stream import predicted_layers
+from ..modules.moe import predicted_layers
 
 __all__ = ["predict_experts", "predicted_layers", "router_of"]
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from ..passes.accelerator import FastScratch
+from ..modules.m2r2 import FastScratch
 from .metrics import DecodeMetrics
 from .runner import StageRunner
 from .schedules import (

@@ -18,15 +18,17 @@ from __future__ import annotations
 import logging
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import torch
 from torch import fx, nn
 
+from ..options import check_bool, check_int
 from ..passes.capture import decoder_parts
 from ..passes.partition import Stages
 from .cache import StaticKVCache, cache_for
+from .capabilities import Capabilities
 from .decode import cache_length, check_prompt, decode
 from .generation import finish, prepare
 from .masks import SUPPORTED_ATTENTION
@@ -60,7 +62,13 @@ class RecipeInfo:
     lossless: bool = True  # token-identical to greedy; lossy recipes support teacher forcing
     # Trains/saves what the recipe inserted; a factory so that decoding never imports training.
     training: Callable[[], RecipeTraining] | None = None
-    compiles: bool = True  # False: the stages run eager only (no Inductor, no ONNX export)
+    # What its stages lower to (Inductor, ONNX, a draft chain ...): asked, never name-checked.
+    capabilities: Capabilities = field(default_factory=Capabilities)
+
+    @property
+    def compiles(self) -> bool:
+        """False: the stages run eager only (no Inductor, no ONNX export)."""
+        return self.capabilities.compiles
 
 
 class SpeculativeModel:
@@ -178,8 +186,7 @@ class SpeculativeModel:
         >>> sm.use_cpu_kernels(False).cpu_kernels  # back to the plain eager stages
         False
         """
-        if not isinstance(enabled, bool):
-            raise ValueError(f"enabled: {enabled!r} is invalid; allowed: True or False")
+        check_bool("enabled", enabled)
         if self.backend != "eager":
             raise ValueError(
                 f"use_cpu_kernels: the stages run on {self.backend!r}; pass cpu_kernels= to "
@@ -195,7 +202,7 @@ class SpeculativeModel:
     @property
     def cpu_kernels(self) -> bool:
         """Whether the stages that ``generate`` runs use the ``leapfx_cpu`` kernels."""
-        from ..passes.fuse_layers import KernelDecoderLayer, KernelExperts, KernelLinear
+        from ..modules.fused import KernelDecoderLayer, KernelExperts, KernelLinear
 
         kinds = (KernelDecoderLayer, KernelExperts, KernelLinear)
         for stage in (self._executors or {}).values():
@@ -430,20 +437,9 @@ class SpeculativeModel:
             )
         for p in prompts:
             check_prompt(p, None, self.config.vocab_size)
-        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or (
-            max_new_tokens < 1
-        ):  # fmt: skip
-            raise ValueError(f"max_new_tokens: {max_new_tokens!r} is invalid; allowed: int >= 1")
-        if max_skip is not None and not (
-            isinstance(max_skip, int) and not isinstance(max_skip, bool)
-            and 1 <= max_skip <= num_layers - 1
-        ):  # fmt: skip
-            raise ValueError(
-                f"max_skip: {max_skip!r} is invalid; allowed: None or an integer "
-                f"1..{num_layers - 1}"
-            )
-        if not isinstance(progress, bool):
-            raise ValueError(f"progress: {progress!r} is invalid; allowed: True or False")
+        check_int("max_new_tokens", max_new_tokens, 1, allowed="int >= 1")
+        check_int("max_skip", max_skip, 1, num_layers - 1, none=True)
+        check_bool("progress", progress)
         prompts = [p.to(self._layout.device) for p in prompts]
         before = self.recipe
 

@@ -1,23 +1,25 @@
 """StageRunner: calls stage executors with positions and masks over the shared KV cache.
 
-A stage executor is any callable taking the stage's named inputs and returning a dict of
-tensors: an eager GraphModule today, a compiled graph or an ONNX session behind the same
-interface later. Schedules talk to a StageRunner and never know which backend runs a stage.
+A stage executor (``leapfx.runtime.executor.StageExecutor``) is any callable taking the stage's
+named inputs and returning a dict of tensors: an eager GraphModule, a compiled graph or an ONNX
+session. Schedules talk to a StageRunner and never know which backend runs a stage.
 """
 
 from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
+from . import executor
 from .cache import StaticKVCache
+from .executor import StageExecutor
 from .masks import masks_for
 
-StageExecutor = Callable[..., dict[str, torch.Tensor]]
+__all__ = ["AttentionLayout", "StageExecutor", "StageRunner"]
 
 
 @dataclass(frozen=True)
@@ -65,10 +67,10 @@ class StageRunner:
 
     def _masks(self, name: str, start: int, length: int) -> dict[str, torch.Tensor | None] | None:
         stage = self.stages[name]
-        if getattr(stage, "builds_masks", False):
+        if executor.builds_masks(stage):
             return None  # a compiled graph or ONNX session computes its masks from positions
         lay = self.layout
-        free = getattr(stage, "mask_free", None)
+        free = executor.mask_free(stage)
         if free is not None and free(start, length):
             # every mask reader of the stage attends these rows without one (kernel stages:
             # compiled._mask_free); a verify pass's two masks cost ~30 us to build
@@ -149,7 +151,7 @@ class StageRunner:
 
     def chain_length(self) -> int:
         """Greedy drafts one ``draft_chain`` call makes (0: the stages have no chain)."""
-        return getattr(self.stages.get("draft_chain"), "chain_length", 0)
+        return executor.chain_length(self.stages.get("draft_chain"))
 
     def draft_chain(self, input_ids: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``chain_length()`` greedy draft steps in one call, from token ``input_ids`` [1, 1] at

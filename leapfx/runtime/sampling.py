@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels.reference import sample  # noqa: F401  (the inverse-CDF draw)
+from ..options import is_int, is_number
 
 # HF's global generation defaults (``GenerationConfig._get_default_generation_params()``), used
 # when neither the model's generation config nor the user sets a field. top_k=50 is the one that
@@ -63,7 +64,7 @@ class SamplingParams:
         if not isinstance(self.do_sample, bool):
             raise ValueError(f"do_sample={self.do_sample!r} is not allowed; use True or False")
         t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)):
+        if not is_number(t):
             raise ValueError(f"temperature={t!r} is not allowed; it must be a float > 0")
         # A greedy decode never reads the temperature (HF only warns), so only sampling checks it.
         if self.do_sample and not (t > 0 and math.isfinite(t)):
@@ -72,14 +73,12 @@ class SamplingParams:
                 "float > 0 (for greedy decoding set do_sample=False instead of temperature=0)"
             )
         k = self.top_k
-        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
+        if k is not None and not (is_int(k) and k >= 0):
             raise ValueError(
                 f"top_k={k!r} is not allowed; it must be an int >= 1, or 0 / None to disable it"
             )
         p = self.top_p
-        if p is not None and (
-            isinstance(p, bool) or not isinstance(p, (int, float)) or not (0 < p <= 1)
-        ):
+        if p is not None and not (is_number(p) and 0 < p <= 1):
             raise ValueError(
                 f"top_p={p!r} is not allowed; it must be a float with 0 < top_p <= 1 "
                 "(1.0 or None disables it)"

@@ -46,7 +46,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
-from ..passes.predictor import LayerExit
+from ..modules.specee import LayerExit
+from .executor import builds_masks
 from .masks import chunk_mask, masks_for
 from .metrics import DecodeMetrics
 from .runner import StageRunner
@@ -168,7 +169,7 @@ class SpecEEDecoder:
         self.eagle = "eagle_head" in runner.stages
         # Compiled layer segments (runtime.specee_compiled) build their masks from positions
         # and take the validity bias as an input instead of a host-built mask.
-        self.compiled = getattr(runner.stages[f"layer_{self.first}"], "builds_masks", False)
+        self.compiled = builds_masks(runner.stages[f"layer_{self.first}"])
         # Eager: each exit check's stage is one call_module node (a LayerExit); the decoder
         # calls that module's ``check`` directly, which skips the GraphModule wrapper and its
         # output dict (about a third of a torch check of this size) and, with the CPU kernels

@@ -1,6 +1,6 @@
 """EAGLE draft-head training (Li et al. 2024, sec. 4): only the head trains.
 
-The head (``leapfx.passes.eagle_head``) reads (h_{t-1}, x_t) and outputs g_t; its logits are
+The head (``leapfx.modules.eagle``) reads (h_{t-1}, x_t) and outputs g_t; its logits are
 the host's LM head on the host's final norm of g_t. EAGLE trains it with two losses at every
 position t, against one no-grad forward of the host per batch (the teacher features)::
 
@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +47,7 @@ import torch.nn.functional as F
 from torch.func import functional_call
 from tqdm.auto import tqdm
 
+from leapfx.options import check_bool, check_int, check_number
 from leapfx.passes.adapter_checkpoint import host_signature
 from leapfx.passes.capture import decoder_parts
 from leapfx.passes.eagle_checkpoint import write_eagle_head
@@ -79,21 +79,15 @@ class EagleFitConfig:
         ints = (("steps", 1), ("batch_size", 1), ("seq_len", 2), ("seed", 0), ("eval_seq_len", 2))
         for name, low in ints:
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name}: {value!r} is invalid; allowed: an integer >= {low}")
+            check_int(name, value, low)
         positive = {"lr"}
         names = ("lr", "weight_decay", "grad_clip", "reg_weight", "cls_weight", "noise")
         for name in (*names, "max_minutes"):
             value = getattr(self, name)
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-            ok = ok and math.isfinite(value) and (value > 0 if name in positive else value >= 0)
-            if not ok:
-                allowed = "a finite number > 0" if name in positive else "a finite number >= 0"
-                raise ValueError(f"{name}: {value!r} is invalid; allowed: {allowed}")
+            check_number(name, value, 0, low_open=name in positive)
         if self.reg_weight == 0 and self.cls_weight == 0:
             raise ValueError("reg_weight, cls_weight: both 0; allowed: at least one > 0")
-        if not isinstance(self.progress, bool):
-            raise ValueError(f"progress: {self.progress!r} is invalid; allowed: True or False")
+        check_bool("progress", self.progress)
 
 
 @dataclass
@@ -257,16 +251,6 @@ def save_parts(sm, path: str | Path, *, extra: dict[str, Any] | None = None) -> 
         host=host_signature(sm.config),
         extra=extra,
     )
-
-
-class EagleTraining:
-    """The eagle recipe's training hook (``SpeculativeModel.fit`` / ``save_parts``)."""
-
-    def fit(self, model, data: Any, **options: Any) -> EagleFitResult:
-        return fit(model, data, **options)
-
-    def save(self, model, path: str | Path) -> Path:
-        return save_parts(model, path)
 
 
 def train_reference_head(

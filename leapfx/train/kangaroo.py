@@ -31,7 +31,6 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -43,6 +42,7 @@ import torch.nn.functional as F
 from torch.func import functional_call
 from tqdm.auto import tqdm
 
+from leapfx.options import check_bool, check_int, check_number
 from leapfx.passes.adapter import adapter_of
 from leapfx.passes.adapter_checkpoint import host_signature, write_adapter
 from leapfx.passes.capture import decoder_parts
@@ -66,17 +66,11 @@ class KangarooFitConfig:
     def __post_init__(self) -> None:
         for name, low in (("steps", 1), ("batch_size", 1), ("seq_len", 2), ("seed", 0)):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name}: {value!r} is invalid; allowed: an integer >= {low}")
+            check_int(name, value, low)
         for name, positive in (("lr", True), ("weight_decay", False), ("grad_clip", False)):
             value = getattr(self, name)
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-            ok = ok and math.isfinite(value) and (value > 0 if positive else value >= 0)
-            if not ok:
-                allowed = "a finite number > 0" if positive else "a finite number >= 0"
-                raise ValueError(f"{name}: {value!r} is invalid; allowed: {allowed}")
-        if not isinstance(self.progress, bool):
-            raise ValueError(f"progress: {self.progress!r} is invalid; allowed: True or False")
+            check_number(name, value, 0, low_open=positive)
+        check_bool("progress", self.progress)
 
 
 @dataclass
@@ -240,13 +234,3 @@ def save_adapter(sm, path: str | Path) -> Path:
         options=options,
         host=host_signature(sm.config),
     )
-
-
-class KangarooTraining:
-    """The kangaroo recipe's training hook (``SpeculativeModel.fit`` / ``save_adapter``)."""
-
-    def fit(self, model, data: Any, **options: Any) -> FitResult:
-        return fit(model, data, **options)
-
-    def save(self, model, path: str | Path) -> Path:
-        return save_adapter(model, path)

@@ -59,6 +59,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from leapfx.options import is_int
 from leapfx.passes.capture import DecoderParts, decoder_parts
 from leapfx.runtime.masks import masks_for
 
@@ -115,9 +116,7 @@ class LayerSkipTrainConfig:
                 f"exit_curriculum: got {self.exit_curriculum!r}; "
                 f"allowed values are {', '.join(EXIT_CURRICULA)}"
             )
-        if self.rotation is not None and (
-            isinstance(self.rotation, bool) or not isinstance(self.rotation, int)
-        ):
+        if self.rotation is not None and not is_int(self.rotation):
             raise ValueError(f"rotation: got {self.rotation!r}; expected an int >= 1 or None")
         if self.rotation is not None and self.rotation < 1:
             raise ValueError(f"rotation: got {self.rotation!r}; allowed range is rotation >= 1")
@@ -126,11 +125,7 @@ class LayerSkipTrainConfig:
                 f"focus_exit/focus_share: got {self.focus_exit!r}/{self.focus_share!r}; "
                 "give both or neither"
             )
-        if self.focus_exit is not None and (
-            isinstance(self.focus_exit, bool)
-            or not isinstance(self.focus_exit, int)
-            or self.focus_exit < 1
-        ):
+        if self.focus_exit is not None and not (is_int(self.focus_exit) and self.focus_exit >= 1):
             raise ValueError(f"focus_exit: got {self.focus_exit!r}; expected an int >= 1")
         if self.focus_share is not None and not 0.0 < self.focus_share < 1.0:
             raise ValueError(

@@ -41,9 +41,12 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from leapfx.passes.accelerator import ChainScratch, accelerator_of, target_layers
+from leapfx.modules.hf import cache_kwarg
+from leapfx.modules.m2r2 import ChainScratch, target_layers
+from leapfx.options import check_bool, check_int, check_number
+from leapfx.passes.accelerator import accelerator_of
 from leapfx.passes.adapter_checkpoint import host_signature, write_adapter
-from leapfx.passes.capture import cache_kwarg, decoder_parts
+from leapfx.passes.capture import decoder_parts
 from leapfx.runtime.cache import StaticKVCache
 from leapfx.runtime.masks import masks_for
 from leapfx.train.fit_options import fit_config, on_plain_stages, optimizer_step
@@ -87,23 +90,17 @@ class M2R2FitConfig:
                 ("chain", 1))  # fmt: skip
         for name, low in ints:
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name}: {value!r} is invalid; allowed: an integer >= {low}")
+            check_int(name, value, low)
         for name in ("lr", "router_lr", "weight_decay", "ce_weight", "mse_weight", "grad_clip",
                      "route_weight"):  # fmt: skip
             value = getattr(self, name)
             positive = name in ("lr", "router_lr")
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-            ok = ok and math.isfinite(value) and (value > 0 if positive else value >= 0)
-            if not ok:
-                allowed = "a finite number > 0" if positive else "a finite number >= 0"
-                raise ValueError(f"{name}: {value!r} is invalid; allowed: {allowed}")
+            check_number(name, value, 0, low_open=positive)
         if not (isinstance(self.warmup, (int, float)) and 0 <= self.warmup < 1):
             raise ValueError(f"warmup: {self.warmup!r} is invalid; allowed: a number in [0, 1)")
         if self.ce_target not in CE_TARGETS:
             raise ValueError(f"ce_target: {self.ce_target!r} is invalid; allowed: {CE_TARGETS}")
-        if not isinstance(self.progress, bool):
-            raise ValueError(f"progress: {self.progress!r} is invalid; allowed: True or False")
+        check_bool("progress", self.progress)
 
 
 @dataclass
@@ -451,16 +448,6 @@ def save_parts(sm, path: str | Path) -> Path:
     )
 
 
-class M2R2Training:
-    """The m2r2 recipes' training hook (``SpeculativeModel.fit`` / ``save_parts``)."""
-
-    def fit(self, model, data: Any, **options: Any) -> FitResult:
-        return fit(model, data, **options)
-
-    def save(self, model, path: str | Path) -> Path:
-        return save_parts(model, path)
-
-
 def train_parts(
     out: str | Path,
     *,
@@ -504,8 +491,7 @@ def train_parts(
     model, tokenizer = load_model(model_path)
     train = encode_documents(tokenizer, corpus.train).long()
     held = encode_documents(tokenizer, corpus.held_out).long()[:held_out_tokens]
-    if isinstance(greedy_data, bool) or not isinstance(greedy_data, int) or greedy_data < 0:
-        raise ValueError(f"greedy_data: {greedy_data!r} is invalid; allowed: an integer >= 0")
+    check_int("greedy_data", greedy_data, 0)
     if greedy_data:
         from leapfx.train.evaluate import greedy_continuations
 

@@ -11,23 +11,40 @@ never imports training code).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
 from ..runtime.model import RecipeTraining
-from .eagle import EagleTraining
-from .kangaroo import KangarooTraining
-from .m2r2 import M2R2Training
-from .specee import SpecEETraining
+from . import eagle, kangaroo, m2r2, specee
+
+
+@dataclass(frozen=True)
+class Training:
+    """A recipe's training hook (``runtime.model.RecipeTraining``): its trainer module's
+    ``fit(model, data, **options)`` and the function that writes the parts it trained."""
+
+    fit_parts: Callable[..., Any]
+    save_parts: Callable[[Any, Any], Any]
+
+    def fit(self, model, data: Any, **options: Any) -> Any:
+        return self.fit_parts(model, data, **options)
+
+    def save(self, model, path) -> Any:
+        return self.save_parts(model, path)
+
 
 # name -> trainer (the recipes m2r2 and m2r2_exit both name "m2r2").
-TRAININGS: dict[str, type] = {
-    "eagle": EagleTraining,
-    "kangaroo": KangarooTraining,
-    "m2r2": M2R2Training,
-    "specee": SpecEETraining,
+TRAININGS: dict[str, Training] = {
+    "eagle": Training(eagle.fit, eagle.save_parts),
+    "kangaroo": Training(kangaroo.fit, kangaroo.save_adapter),  # sm.save_adapter as well
+    "m2r2": Training(m2r2.fit, m2r2.save_parts),
+    "specee": Training(specee.fit, specee.save_parts),
 }
 
 
 def training(name: str) -> RecipeTraining:
-    """A new trainer for the parts of recipes that name ``name`` (``Recipe.training``)."""
+    """The trainer for the parts of recipes that name ``name`` (``Recipe.training``)."""
     if name not in TRAININGS:
         raise ValueError(f"training: unknown trainer {name!r}; available: {', '.join(TRAININGS)}")
-    return TRAININGS[name]()
+    return TRAININGS[name]

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from ..models.routing import cache_hit_rates, scored_hit_rate
+from ..options import check_int
 from ..runtime.offload.reuse import ReuseProbe, experts_inputs, fit_reuse_probe
 from .data import encode_documents
 from .evaluate import eval_windows
@@ -80,8 +81,7 @@ def train_reuse_probe(
 
     for name, value, low in (("tokens", tokens, window), ("held_out_tokens", held_out_tokens,
                              window), ("window", window, horizon + 1)):  # fmt: skip
-        if not isinstance(value, int) or isinstance(value, bool) or value < low:
-            raise ValueError(f"{name}: {value!r} is invalid; allowed: an integer >= {low}")
+        check_int(name, value, low)
     start = time.perf_counter()
     model, tokenizer = load_model(model_path)
     corpus = reference_corpus(corpus_root)

@@ -37,9 +37,11 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from ..modules.specee import NUM_SPECULATIVE_TOKENS
+from ..options import check_bool, check_int, check_number
 from ..passes.adapter_checkpoint import host_signature
 from ..passes.capture import decoder_parts
-from ..passes.predictor import NUM_SPECULATIVE_TOKENS, predictors_of
+from ..passes.predictor import predictors_of
 from ..passes.specee_checkpoint import write_parts
 from .fit_options import fit_config, on_plain_stages
 from .kangaroo import adapter_and_target_logits, sample_windows, token_stream
@@ -78,22 +80,17 @@ class SpecEEFitConfig:
                 ("batch_size", 1), ("seed", 0), ("draft_steps", 0))  # fmt: skip
         for name, low in ints:
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name}: {value!r} is invalid; allowed: an integer >= {low}")
+            check_int(name, value, low)
         for name, low, high in (("lr", 0.0, math.inf), ("held_out", 0.0, 1.0)):
             value = getattr(self, name)
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-            if not (ok and low < value < high):
-                raise ValueError(f"{name}: {value!r} is invalid; allowed: in ({low}, {high})")
+            check_number(name, value, low, high, low_open=True, high_open=True, finite=False,
+                         allowed=f"in ({low}, {high})")  # fmt: skip
         for name in ("threshold", "offline_coverage", "target_agreement"):
             value = getattr(self, name)
             if value is None and name != "offline_coverage":
                 continue
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-            if not (ok and 0 <= value <= 1):
-                raise ValueError(f"{name}: {value!r} is invalid; allowed: a number in [0, 1]")
-        if not isinstance(self.progress, bool):
-            raise ValueError(f"progress: {self.progress!r} is invalid; allowed: True or False")
+            check_number(name, value, 0, 1, allowed="a number in [0, 1]")
+        check_bool("progress", self.progress)
 
 
 @dataclass
@@ -347,13 +344,3 @@ def save_parts(sm, path: str | Path) -> Path:
     return write_parts(
         sm.graph_module, path, options=options, host=host_signature(sm.config), report=report
     )  # with the drafter's trained part: the Kangaroo adapter or the EAGLE head
-
-
-class SpecEETraining:
-    """The specee recipe's training hook (``SpeculativeModel.fit`` / ``save_parts``)."""
-
-    def fit(self, model, data: Any, **options: Any) -> SpecEEFitResult:
-        return fit(model, data, **options)
-
-    def save(self, model, path: str | Path) -> Path:
-        return save_parts(model, path)

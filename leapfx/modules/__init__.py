@@ -1,0 +1,29 @@
+"""Every ``nn.Module`` a pass inserts and the runtime runs, one file per paper or idea.
+
+The floor beneath ``passes/`` and ``runtime/``: both import from here, and nothing here imports
+leapfx beyond ``kernels/``. A pass decides *where* a module goes in the graph; the module here
+says *what* it computes.
+
+=================  ================================================================================
+file               holds
+=================  ================================================================================
+``hf``             HF conventions the modules call by: the KV cache's keyword, expert tensors
+``fused``          decoder layers without module dispatch (``FusedDecoderLayer``,
+                   ``FusedAttention``) and on the ``leapfx_cpu`` kernels (``KernelDecoderLayer``,
+                   ``KernelAttention``, ``KernelExperts``, ``KernelLinear``, ``KernelRMSNorm``,
+                   ``RotaryTable``, the ``Transposed*`` layers); ``rms_params``, ``kernel_rope``
+``kangaroo``       Kangaroo's adapter (``KangarooAdapter``)
+``eagle``          EAGLE's draft head (``EagleHead``)
+``specee``         SpecEE's exit predictors (``ExitMLP``, ``LayerExit``, ``KernelLayerExit``,
+                   ``SpecEEPredictors``) and their features (``exit_features``)
+``m2r2``           M2R2's accelerated stream (``AcceleratedLayer``, ``KernelAcceleratedLayer``,
+                   ``ARLARouter``, ``Accelerator``, ``FastScratch``, ``ChainScratch``)
+``m2r2_kernels``   M2R2's gate and draft stages as one ``leapfx_cpu`` op (``KernelGate``,
+                   ``KernelDraft``) and the packing every ``m2r2_*`` op reads
+``moe``            MoE expert offload: ``OffloadedExperts``, ``NextGatePrefetch`` and M2R2's
+                   prefetch stream ``M2R2Prefetcher``, bound to the offload runtime after the pass
+=================  ================================================================================
+
+An exit head (``InsertExitHead``) inserts no module of its own: it reuses the host's final norm
+and LM head, so it has no file here.
+"""

@@ -1,0 +1,72 @@
+"""The stage-executor protocol: what every backend's stage provides to the ``StageRunner``.
+
+A stage executor is called with the stage's named inputs (``input_ids``, ``position_ids``,
+``masks``, ``cache``, and whatever else the stage's cut names) and returns a dict of tensors.
+The eager stages are the GraphModules themselves; ``leapfx.runtime.compiled`` wraps compiled
+graphs (``CompiledStage``, ``CompiledChain``) and eager kernel chains (``EagerChain``);
+``leapfx.export.ort_runtime`` wraps onnxruntime sessions (``OrtStage``, ``OrtChainStage``,
+``SplitVerify``). Schedules never see which.
+
+Three things an executor may declare beyond the call, each with a default that an eager
+GraphModule gets without declaring anything:
+
+===================  =====================================  =====================================
+attribute            meaning                                default
+===================  =====================================  =====================================
+``builds_masks``     it computes its masks from the          False: the runner builds them
+                     positions itself (a compiled graph,
+                     an ONNX session): the runner passes
+                     none
+``mask_free``        ``(start, length) -> bool``: rows       None: every call gets masks
+                     ``start..start+length-1`` of one
+                     sequence read no mask (kernel stages)
+``chain_length``     a ``draft_chain``'s greedy drafts a     0: not a chain
+                     call makes
+===================  =====================================  =====================================
+
+Read them through :func:`builds_masks`, :func:`mask_free` and :func:`chain_length`, not with
+``getattr`` at each reader.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+
+@runtime_checkable
+class StageExecutor(Protocol):
+    """A stage on some backend: ``executor(**inputs) -> {name: tensor}``.
+
+    >>> out = executor(input_ids=ids, position_ids=pos, masks=masks, cache=cache)
+    >>> out["logits"].shape      # [B, S, V]
+    """
+
+    def __call__(self, **inputs: Any) -> Mapping[str, torch.Tensor]: ...
+
+
+@runtime_checkable
+class ChainExecutor(StageExecutor, Protocol):
+    """A ``draft_chain``: ``chain_length`` greedy draft steps in one call (see
+    ``StageRunner.draft_chain``); it builds no masks (one-token steps)."""
+
+    builds_masks: bool
+    chain_length: int
+
+
+def builds_masks(executor: object) -> bool:
+    """Whether ``executor`` computes its own masks from positions (the runner passes none)."""
+    return bool(getattr(executor, "builds_masks", False))
+
+
+def mask_free(executor: object) -> Callable[[int, int], bool] | None:
+    """``executor``'s ``(start, length) -> bool`` test for rows that read no mask, or None."""
+    return getattr(executor, "mask_free", None)
+
+
+def chain_length(executor: object | None) -> int:
+    """The greedy drafts one call of ``executor`` (a ``draft_chain``) makes; 0 for None or a
+    stage that is not a chain."""
+    return int(getattr(executor, "chain_length", 0) or 0)

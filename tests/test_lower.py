@@ -1,0 +1,74 @@
+"""lower(sm, backend), the stage-executor protocol and the recipes' capabilities: lowering and
+export ask what a recipe declares instead of branching on its name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from leapfx import rewrite
+from leapfx.lower import BACKENDS, lower
+from leapfx.rewrite.recipes import RECIPES
+from leapfx.runtime import executor
+from leapfx.runtime.capabilities import Capabilities
+from leapfx.runtime.compiled import chain_length
+from tests.conftest import tiny_model
+
+
+def test_recipes_declare_what_lowering_and_export_asked_their_names_for():
+    can = {name: r.capabilities for name, r in RECIPES.items()}
+    assert [n for n, c in can.items() if c.has_chain] == ["layerskip"]
+    assert [n for n, c in can.items() if c.split_verify] == ["layerskip"]
+    assert [n for n, c in can.items() if c.layer_segments] == ["specee"]
+    assert [n for n, c in can.items() if not c.exportable] == ["specee"]
+    assert sorted(n for n, c in can.items() if not c.compiles) == ["m2r2", "m2r2_exit", "swift"]
+    with pytest.raises(ValueError, match="export_refusal"):
+        Capabilities(exportable=False)
+
+
+def test_the_model_carries_its_recipe_capabilities_to_lowering_and_export(tmp_path):
+    model = tiny_model("llama", layers=4)
+    sm = rewrite.apply(model, "layerskip", exit_layer=2, num_speculations=3)
+    assert sm.recipe.capabilities is RECIPES["layerskip"].capabilities
+    assert chain_length(sm) == 3
+    kangaroo = rewrite.apply(model, "kangaroo", exit_layer=2)
+    assert chain_length(kangaroo) == 0  # no draft chain: not declared
+    specee = rewrite.apply(model, "specee", drafter="exit_head", exit_layer=1)
+    with pytest.raises(ValueError, match="'specee' cannot be exported to ONNX: its per-token"):
+        specee.export_onnx(tmp_path / "specee-onnx")
+    assert not (tmp_path / "specee-onnx").exists()
+
+
+def test_lower_switches_eager_backends_with_the_same_tokens():
+    model = tiny_model("llama", layers=4)
+    sm = rewrite.apply(model, "layerskip", exit_layer=2, num_speculations=3, cpu_kernels=False)
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, model.config.vocab_size, (1, 7), generator=gen)
+    eager = sm.generate(prompt, max_new_tokens=16)
+    assert lower(sm, "cpu_kernels") is sm and sm.cpu_kernels
+    # the kernel stages: a draft chain, and executors that say what they provide
+    assert executor.chain_length(sm._executors["draft_chain"]) == 3
+    assert executor.mask_free(sm._executors["draft"]) is not None
+    assert all(isinstance(s, executor.StageExecutor) for s in sm._executors.values())
+    assert lower(sm, "eager") is sm and not sm.cpu_kernels
+    assert torch.equal(sm.generate(prompt, max_new_tokens=16), eager)
+
+
+def test_lower_refuses_unknown_backends_and_options():
+    sm = rewrite.apply(tiny_model("llama", layers=2), "autoregressive")
+    assert BACKENDS == ("eager", "cpu_kernels", "inductor")
+    with pytest.raises(ValueError, match=r"backend: 'onnx' is invalid; allowed: 'eager'"):
+        lower(sm, "onnx")
+    with pytest.raises(ValueError, match="mode: backend 'eager' takes no options"):
+        lower(sm, "eager", mode="max-autotune")
+    m2r2 = rewrite.apply(tiny_model("llama", layers=4), "m2r2", fast_layers=2)
+    with pytest.raises(ValueError, match="runs its stages eager only"):
+        lower(m2r2, "inductor")
+
+
+def test_eager_stages_provide_the_protocol_defaults():
+    sm = rewrite.apply(tiny_model("llama", layers=2), "autoregressive", cpu_kernels=False)
+    full = sm.stages.modules["full"]
+    assert isinstance(full, executor.StageExecutor)
+    assert not executor.builds_masks(full) and executor.mask_free(full) is None
+    assert executor.chain_length(full) == 0 and executor.chain_length(None) == 0
