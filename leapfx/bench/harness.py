@@ -623,7 +623,7 @@ def _backend(config: BenchConfig, backend: str):
     root = config.export_dir or tempfile.mkdtemp(prefix="leapfx-bench-onnx-")
     chosen: dict = {}  # one thread count for every onnxruntime row of the run
 
-    from ..export.ort_runtime import shared_pool_threads
+    from ..lower.onnxruntime import shared_pool_threads
 
     # A process already on onnxruntime's shared pool (an earlier run in it) keeps it and its size.
     pool = None if shared_pool_threads() is not None else config.onnx_thread_pool
@@ -685,7 +685,7 @@ def _onnx_model(path: str, threads: int | None, **kw):
     process not switched to the shared pool) more than one thread spins within a call
     (``spin``: handing each small op to a sleeping worker costs more than the op); on
     onnxruntime's process-wide pool (``"shared"``) its workers spin as onnxruntime says."""
-    from ..export import OnnxModel
+    from ..lower.onnxruntime import OnnxModel
 
     return OnnxModel(path, threads=threads, spin=threads is not None and threads > 1, **kw)
 
