@@ -30,11 +30,12 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -47,6 +48,9 @@ from ..runtime.metrics import DecodeMetrics
 from ..runtime.runner import AttentionLayout, StageRunner
 from ..runtime.stage_signature import past_names, present_names, step_present
 from .manifest import read_manifest
+
+if TYPE_CHECKING:
+    from ..runtime.model import SpeculativeModel
 
 log = logging.getLogger(__name__)
 
@@ -677,3 +681,35 @@ def _generation_config(saved: dict[str, Any], eos_token_ids: list[int]):
     if config.eos_token_id is None and eos_token_ids:
         config.eos_token_id = list(eos_token_ids)
     return config
+
+
+# sm.export_onnx's keywords that ``lower(sm, "onnxruntime", ...)`` passes on to the export.
+EXPORT_OPTIONS = ("opset", "overwrite", "optimize")
+
+
+def lower_onnxruntime(
+    sm: SpeculativeModel, export_dir: str | os.PathLike | None = None, **options: Any
+) -> OnnxModel:
+    """``lower(sm, "onnxruntime", export_dir=dir, **options)``: ``sm``'s stages exported to
+    ``dir`` (``sm.export_onnx``, with the options of :data:`EXPORT_OPTIONS`) and loaded as an
+    :class:`OnnxModel` (with the others: its keywords). The options are checked before the
+    export runs; ValueError names one it does not take."""
+    loads = [
+        p.name
+        for p in inspect.signature(OnnxModel.__init__).parameters.values()
+        if p.kind is p.KEYWORD_ONLY
+    ]
+    for name in options:
+        if name not in EXPORT_OPTIONS and name not in loads:
+            raise ValueError(
+                f"{name}: backend 'onnxruntime' does not take it; allowed: export_dir, "
+                f"{', '.join((*EXPORT_OPTIONS, *loads))}"
+            )
+    if export_dir is None:
+        raise ValueError(
+            "export_dir: backend 'onnxruntime' exports the stages there first; allowed: a "
+            "directory path (an existing export is opened with OnnxModel(dir))"
+        )
+    export = {k: v for k, v in options.items() if k in EXPORT_OPTIONS}
+    path = sm.export_onnx(export_dir, **export)
+    return OnnxModel(path, **{k: v for k, v in options.items() if k not in EXPORT_OPTIONS})
