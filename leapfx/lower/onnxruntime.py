@@ -42,10 +42,11 @@ import torch
 
 from ..options import check_bool
 from ..runtime.cache import SlotLengths
-from ..runtime.decode import cache_length, check_prompt, decode
-from ..runtime.generation import finish, prepare
+from ..runtime.decode import cache_length, decode
+from ..runtime.generation import GenerateFrontEnd, GenerationSource
 from ..runtime.metrics import DecodeMetrics
 from ..runtime.runner import AttentionLayout, StageRunner
+from ..runtime.schedules import DecodeRequest
 from ..runtime.stage_signature import past_names, present_names, step_present
 from .manifest import read_manifest
 
@@ -426,7 +427,7 @@ def _cuda_device_present() -> bool:
         return False
 
 
-class OnnxModel:
+class OnnxModel(GenerateFrontEnd):
     """A leapfx ONNX export, ready to ``generate`` with onnxruntime.
 
     Args:
@@ -623,34 +624,25 @@ class OnnxModel:
         self._cache.reset()
         return self._cache
 
-    def generate(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        generation_config: Any | None = None,
-        logits_processor: Any | None = None,
-        stopping_criteria: Any | None = None,
-        streamer: Any | None = None,
-        **kwargs: Any,
-    ) -> Any:
-        """Generate like ``SpeculativeModel.generate`` (the same arguments, the same front end:
-        ``leapfx.runtime.generation``): returns [1, prompt + new] token ids, or HF's
-        ``GenerateDecoderOnlyOutput`` with ``return_dict_in_generate=True``.
+    # generate: ``GenerateFrontEnd.generate``, SpeculativeModel's; the decode alone runs under
+    # torch.inference_mode, so its output is an ordinary tensor
+    _generate_in_inference_mode = False
 
-        Defaults come from the exported model's generation config. Metrics land in
-        ``self.last_metrics``.
-        """
-        check_prompt(input_ids, attention_mask, self.manifest["vocab_size"])
-        prompt = input_ids.to(torch.long).cpu()
-        call = prepare(
-            input_ids=input_ids, prompt=prompt, model_config=self._generation_config,
+    def _generation_source(self) -> GenerationSource:
+        return GenerationSource(
+            config=self._generation_config,
             vocab_size=self.manifest["vocab_size"],
             max_positions=self.manifest["attention"].get("rotary_positions"),
-            generation_config=generation_config, logits_processor=logits_processor,
-            stopping_criteria=stopping_criteria, streamer=streamer, kwargs=kwargs,
-            recipe=self.recipe, lossless=self._lossless,
-        )  # fmt: skip
-        request = call.request
+            recipe=self.recipe,
+            lossless=self._lossless,
+        )
+
+    def _generate_prompt(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return input_ids.to(torch.long).cpu()
+
+    def _generate_decode(
+        self, prompt: torch.Tensor, request: DecodeRequest
+    ) -> tuple[list[int], DecodeMetrics]:
         needed = prompt.shape[1] + request.max_new_tokens + self._lookahead
         limit = self.manifest["attention"].get("rotary_positions")
         if limit is not None and needed > limit:
@@ -662,11 +654,10 @@ class OnnxModel:
             )
         runner = StageRunner(self.stages, self._cache_for(needed), self._layout)
         with torch.inference_mode():
-            tokens, self.last_metrics = decode(
+            return decode(
                 self._schedule, runner, prompt, request, name=self.recipe,
                 num_speculations=getattr(self.options, "num_speculations", 0),
             )  # fmt: skip
-        return finish(input_ids, tokens, call, self.last_metrics)
 
     def __repr__(self) -> str:
         return f"OnnxModel({str(self.path)!r}, recipe={self.recipe!r}, providers={self.providers})"
