@@ -603,7 +603,9 @@ def use_cpu_kernels(config: BenchConfig, sm) -> bool:
 
 def _backend(config: BenchConfig, backend: str):
     """name, SpeculativeModel -> what runs it: itself (eager), itself compiled (inductor) or an
-    onnxruntime OnnxModel of its export."""
+    onnxruntime OnnxModel of its export. The last is ``lower(sm, "onnxruntime")`` in its two
+    steps (``sm.export_onnx``, then ``OnnxModel``), because the thread count is timed on the
+    first export before any model loads (onnxruntime sizes its shared pool once a process)."""
     if backend == "eager":
 
         def eager(name: str, sm):

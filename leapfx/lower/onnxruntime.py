@@ -18,7 +18,9 @@ and ``runner.cache.crop(n)``. This module puts onnxruntime behind exactly that i
 
 The schedule (autoregressive, early exit, self-speculative, Kangaroo, prompt lookup) is the one
 the recipe registry gives for the manifest's recipe and options: the decode loops are not
-re-implemented.
+re-implemented, and neither is ``generate``'s front end (``runtime.generation.GenerateFrontEnd``,
+``SpeculativeModel``'s). ``lower(sm, "onnxruntime", export_dir=...)`` (:func:`lower_onnxruntime`)
+exports a model and opens its export in one call.
 
 Example::
 
