@@ -184,15 +184,20 @@ def test_kangaroo_rows(checkpoint):
 def test_recipe_takes_a_comma_list_and_lookup_has_a_row(checkpoint):
     model, tok = load_model(checkpoint)
     prompts = [torch.tensor([tok("x = 1\ny = 2\nx = 1\ny")["input_ids"]])]
-    config = BenchConfig(recipe="lookup,layerskip,kangaroo,auto", exit_layer=2, num_speculations=3,
-                         max_new_tokens=10, repeats=1, kangaroo_exit_layer=1)  # fmt: skip
+    config = BenchConfig(recipe="lookup,layerskip,kangaroo,auto,swift", exit_layer=2,
+                         num_speculations=3, max_new_tokens=10, repeats=1,
+                         kangaroo_exit_layer=1)  # fmt: skip
     rows = run_bench(model, prompts, config, progress=False)
     names = [r.system for r in rows]
     assert names.count("leapfx_layerskip") == 1  # both layerskip and kangaroo runs carry it
-    assert {"leapfx_lookup", "leapfx_kangaroo", "leapfx_auto"} <= set(names)
+    assert {"leapfx_lookup", "leapfx_kangaroo", "leapfx_auto", "leapfx_swift"} <= set(names)
     lookup = rows[names.index("leapfx_lookup")]
     assert lookup.identical_to_greedy and lookup.extra["dynamic_draft_length"] is True
+    assert set(lookup.extra["drafter_rounds"]) <= {"lookup", "none"}
     assert rows[names.index("leapfx_auto")].identical_to_greedy
+    adaptive = rows[names.index("leapfx_swift_adaptive")]  # swift + lookup, chosen per round
+    assert adaptive.identical_to_greedy and adaptive.extra["dynamic_draft_length"] is True
+    assert set(adaptive.extra["drafter_rounds"]) <= {"lookup", "swift", "declined", "none"}
     for bad, message in [("lookup,nope", "'nope' is not benchmarked"),
                          ("lookup,lookup", "comma-separated without repeats")]:  # fmt: skip
         with pytest.raises(ValueError, match=message):

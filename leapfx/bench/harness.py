@@ -16,7 +16,9 @@ Every system decodes the same prompts with the same ``max_new_tokens`` and the s
 - ``leapfx_<recipe>``          the recipe under test (``layerskip`` by default); ``specee``
                                gives ``leapfx_specee`` (lossy, kv_fill="next", the
                                default), ``leapfx_specee_mask`` (lossy, kv_fill="mask", the
-                               paper's KV policy) and ``leapfx_specee_verified``
+                               paper's KV policy) and ``leapfx_specee_verified``;
+                               ``swift`` also gives ``leapfx_swift_adaptive`` (with
+                               ``lookup=True, adaptive=True``)
 - ``leapfx_resident``, ``leapfx_offload_*``  with ``offload_slots`` (an MoE model): eager
                                decoding (with the CPU kernels where they apply, like the
                                other eager rows) with every expert in memory, and with the experts
@@ -40,7 +42,6 @@ from __future__ import annotations
 import logging
 import math
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -48,7 +49,6 @@ from functools import partial
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
 from .. import rewrite
 from ..lower import lower
@@ -56,6 +56,7 @@ from ..options import check_bool
 from ..runtime.metrics import DecodeMetrics
 from ..runtime.offload import DEFAULT_PREFETCH_LEAD
 from .agreement import teacher_forced_agreement
+from .report import Row, progress_bar
 
 log = logging.getLogger(__name__)
 
@@ -217,37 +218,6 @@ class BenchConfig:
     def backends(self) -> tuple[str, ...]:
         """The backends of ``backend`` (a name, or several separated by commas)."""
         return tuple(b.strip() for b in self.backend.split(",") if b.strip())
-
-
-@dataclass
-class Row:
-    """One system's line of the report (and of ``--json``)."""
-
-    system: str
-    tokens_per_second: float
-    speedup: float = 1.0
-    mean_accepted_tokens: float | None = None
-    acceptance_rate: float | None = None
-    ctar: list[float] | None = None
-    identical_to_greedy: bool | None = None  # lossless systems, greedy runs: every prompt
-    identical_prompts: int | None = None  # ... how many of ``prompts`` are token-identical
-    prompts: int | None = None
-    # ... per differing prompt: where the outputs part and whether it is a near-tie flip
-    # ({"prompt": i, **leapfx.bench.ties.first_difference(...)})
-    differences: list[dict] | None = None
-    speedup_vs_static: float | None = None  # tokens/s over hf_static's (when it ran)
-    agreement_with_greedy: float | None = None  # lossy systems: share of equal tokens
-    # Lossy systems, greedy runs: teacher-forced agreement with the baseline's tokens
-    # (leapfx.bench.agreement) and decoder layers run per token under it.
-    agreement: float | None = None
-    avg_layers: float | None = None  # every leapfx row that records it (timed pass)
-    distribution_check: str | None = None  # sampling runs
-    new_tokens: int = 0
-    seconds: float = 0.0
-    extra: dict = field(default_factory=dict)
-
-    def as_dict(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if v is not None}
 
 
 @dataclass
@@ -505,12 +475,19 @@ def _eagle_rows(run: RowRun) -> list[System]:
 
 
 def _training_free_rows(name: str, run: RowRun) -> list[System]:
-    """At the recipe's defaults (HF's d is not theirs)."""
+    """At the recipe's defaults (HF's d is not theirs); swift also as
+    ``leapfx_swift_adaptive`` (``lookup=True, adaptive=True``: each round chooses among the
+    layer-skipped drafter, prompt lookup and no drafting by measured tokens per cost)."""
     system = run.ours(f"leapfx_{name}", rewrite.apply(run.model, name))
     # lookup / auto: a round drafts what a match gives (or nothing): no fixed d for the
     # formula; swift drafts d every round
     system.info["dynamic_draft_length"] = name != "swift"
-    return [system]
+    systems = [system]
+    if name == "swift":
+        sm = rewrite.apply(run.model, "swift", lookup=True, adaptive=True)
+        systems.append(run.ours("leapfx_swift_adaptive", sm))
+        systems[-1].info["dynamic_draft_length"] = True
+    return systems
 
 
 # The leapfx rows after leapfx_autoregressive and leapfx_early_exit, in the order they run
@@ -753,19 +730,6 @@ def _fastest(models: dict, what: str, *, new_tokens: int, repeats: int):
     return best, per_token
 
 
-def progress_bar(iterable=None, *, enabled: bool, **kwargs) -> tqdm:
-    """A tqdm bar on stderr, never stdout, which holds the report.
-
-    What was printed before the bar is flushed first: with stdout and stderr sent to one file,
-    stdout's block buffer would otherwise land after the bar's lines. Callers close the bar before
-    the report is printed, so the report follows every bar. Whether bars show at all is the
-    caller's choice (the CLI: only when stderr is a terminal, unless ``--progress``).
-    """
-    if enabled:
-        sys.stdout.flush()
-    return tqdm(iterable, file=sys.stderr, disable=not enabled, **kwargs)
-
-
 def repeated_4gram_share(new_tokens: list[int]) -> float:
     """Share of the output's 4-grams that already occurred earlier in the same output."""
     grams = [tuple(new_tokens[i : i + 4]) for i in range(len(new_tokens) - 3)]
@@ -886,6 +850,12 @@ def _rows(systems, prompts, config, times, first) -> list[Row]:
             row.avg_layers = sum(layers) / len(layers) if layers else None
             row.extra["stage_seconds"] = _sum_stage_seconds(run.metrics)
             row.extra["full_steps"] = autoregressive_steps(run.metrics)  # prefills apart
+            rounds: dict[str, int] = {}
+            for m in run.metrics:
+                for drafter, n in m.drafter_rounds.items():
+                    rounds[drafter] = rounds.get(drafter, 0) + n
+            if rounds:  # rounds per drafter over the timed passes ("declined", "none" included)
+                row.extra["drafter_rounds"] = rounds
         rows.append(row)
     base_tps = rows[0].tokens_per_second
     for row in rows:

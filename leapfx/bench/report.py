@@ -14,10 +14,56 @@ import importlib.metadata
 import json
 import os
 import platform
+import sys
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from .harness import Row
+from tqdm.auto import tqdm
+
+
+@dataclass
+class Row:
+    """One system's line of the report (and of ``--json``)."""
+
+    system: str
+    tokens_per_second: float
+    speedup: float = 1.0
+    mean_accepted_tokens: float | None = None
+    acceptance_rate: float | None = None
+    ctar: list[float] | None = None
+    identical_to_greedy: bool | None = None  # lossless systems, greedy runs: every prompt
+    identical_prompts: int | None = None  # ... how many of ``prompts`` are token-identical
+    prompts: int | None = None
+    # ... per differing prompt: where the outputs part and whether it is a near-tie flip
+    # ({"prompt": i, **leapfx.bench.ties.first_difference(...)})
+    differences: list[dict] | None = None
+    speedup_vs_static: float | None = None  # tokens/s over hf_static's (when it ran)
+    agreement_with_greedy: float | None = None  # lossy systems: share of equal tokens
+    # Lossy systems, greedy runs: teacher-forced agreement with the baseline's tokens
+    # (leapfx.bench.agreement) and decoder layers run per token under it.
+    agreement: float | None = None
+    avg_layers: float | None = None  # every leapfx row that records it (timed pass)
+    distribution_check: str | None = None  # sampling runs
+    new_tokens: int = 0
+    seconds: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if v is not None}
+
+
+def progress_bar(iterable=None, *, enabled: bool, **kwargs) -> tqdm:
+    """A tqdm bar on stderr, never stdout, which holds the report.
+
+    What was printed before the bar is flushed first: with stdout and stderr sent to one file,
+    stdout's block buffer would otherwise land after the bar's lines. Callers close the bar before
+    the report is printed, so the report follows every bar. Whether bars show at all is the
+    caller's choice (the CLI: only when stderr is a terminal, unless ``--progress``).
+    """
+    if enabled:
+        sys.stdout.flush()
+    return tqdm(iterable, file=sys.stderr, disable=not enabled, **kwargs)
 
 
 def _fmt(value, spec: str = ".2f") -> str:

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from .. import rewrite
-from .harness import progress_bar
+from .report import progress_bar
 
 
 def predicted_speedup(alpha: float, d: int, c: float) -> float:

@@ -167,6 +167,9 @@ def _bench(args: argparse.Namespace) -> int:
                 f"formula), measured {x['measured_vs_autoregressive']:.2f}x over "
                 f"leapfx_autoregressive{spread}"
             )
+        if "drafter_rounds" in x:
+            rounds = ", ".join(f"{k} {v}" for k, v in sorted(x["drafter_rounds"].items()))
+            print(f"{r.system}: rounds per drafter: {rounds}")
     hf = next(r for r in rows if r.system.startswith("hf_"))
     share = hf.extra.get("repeated_4gram_share")
     if share is not None:
