@@ -29,7 +29,7 @@ import torch
 from leapfx import rewrite
 from leapfx.bench import load_model
 from leapfx.export import OnnxModel, onnx_export
-from leapfx.export.ort_runtime import OrtStage
+from leapfx.lower.onnxruntime import OrtStage
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--exit-layer", type=int, default=6)
@@ -103,7 +103,7 @@ for label, path in exports.items():
     print(f"  verify / full {sum(sums['verify'].values()) / sum(sums['full'].values()):.2f}")
 
 # the exported verify graph in each; then the rewritten export as OnnxModel runs it by default,
-# verify split into the draft stage and verify's upper part (ort_runtime.SplitVerify)
+# verify split into the draft stage and verify's upper part (leapfx.lower.onnxruntime.SplitVerify)
 models = {
     label: caller(OnnxModel(path, threads=1, split_verify=False)) for label, path in exports.items()
 }

@@ -58,9 +58,9 @@ ALLOWED: dict[tuple[str, str], str] = {
         "sm.export_onnx writes the stages for the user's convenience (leapfx.export.export_onnx "
         "is the same call); export sits above runtime and needs the optional onnx extra"
     ),
-    ("leapfx/export/ort_runtime.py", "leapfx.rewrite"): (
+    ("leapfx/lower/onnxruntime.py", "leapfx.rewrite"): (
         "OnnxModel(dir) decodes with the recipe its manifest names; the recipes (options "
-        "types, schedules) live in rewrite, a floor above export"
+        "types, schedules) live in rewrite, a floor above lower"
     ),
 }
 

@@ -580,7 +580,9 @@ def use_cpu_kernels(config: BenchConfig, sm) -> bool:
 
 def _backend(config: BenchConfig, backend: str):
     """name, SpeculativeModel -> what runs it: itself (eager), itself compiled (inductor) or an
-    onnxruntime OnnxModel of its export."""
+    onnxruntime OnnxModel of its export. The last is ``lower(sm, "onnxruntime")`` in its two
+    steps (``sm.export_onnx``, then ``OnnxModel``), because the thread count is timed on the
+    first export before any model loads (onnxruntime sizes its shared pool once a process)."""
     if backend == "eager":
 
         def eager(name: str, sm):
@@ -600,7 +602,7 @@ def _backend(config: BenchConfig, backend: str):
     root = config.export_dir or tempfile.mkdtemp(prefix="leapfx-bench-onnx-")
     chosen: dict = {}  # one thread count for every onnxruntime row of the run
 
-    from ..export.ort_runtime import shared_pool_threads
+    from ..lower.onnxruntime import shared_pool_threads
 
     # A process already on onnxruntime's shared pool (an earlier run in it) keeps it and its size.
     pool = None if shared_pool_threads() is not None else config.onnx_thread_pool
@@ -662,7 +664,7 @@ def _onnx_model(path: str, threads: int | None, **kw):
     process not switched to the shared pool) more than one thread spins within a call
     (``spin``: handing each small op to a sleeping worker costs more than the op); on
     onnxruntime's process-wide pool (``"shared"``) its workers spin as onnxruntime says."""
-    from ..export import OnnxModel
+    from ..lower.onnxruntime import OnnxModel
 
     return OnnxModel(path, threads=threads, spin=threads is not None and threads > 1, **kw)
 

@@ -18,15 +18,18 @@ The export format (per stage; optimum's naming, KV cache explicit):
 - a layerskip export with a fixed draft length d also has ``draft_chain``: d greedy draft steps
   in one graph (``chain``), one token in, ``tokens`` [batch, d] and ``hidden`` out.
 
-See ``stage_module`` (graph side), ``onnx_export`` (writer), ``manifest`` and ``ort_runtime``.
+See ``stage_module`` (graph side), ``onnx_export`` (writer), ``onnx_optimize`` (rewrites) and
+``chain``. Loading and running an export is ``lower/``'s (``leapfx.lower.manifest``,
+``leapfx.lower.onnxruntime``; ``lower(sm, "onnxruntime", export_dir=...)`` exports and loads in
+one call): ``OnnxModel`` and the manifest reader are re-exported here for users.
 onnx, onnxruntime and onnxscript come with the ``onnx`` extra: ``pip install 'leapfx[onnx]'``.
 """
 
 from __future__ import annotations
 
-from .manifest import FORMAT, MANIFEST, read_manifest
+from ..lower.manifest import FORMAT, MANIFEST, read_manifest
+from ..lower.onnxruntime import OnnxModel, OrtChainStage, OrtKVCache, OrtStage, default_providers
 from .onnx_export import export_onnx
-from .ort_runtime import OnnxModel, OrtChainStage, OrtKVCache, OrtStage, default_providers
 
 __all__ = [
     "FORMAT",

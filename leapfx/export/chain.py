@@ -42,6 +42,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..runtime.stage_signature import step_present
+
 PAST = "past_key_values."
 PRESENT = "present."
 # The draft stage's tensor inputs and the outputs a chain reads.
@@ -68,11 +70,6 @@ def _check_draft(graph) -> None:
         problems.append("it has nodes with subgraphs")
     if problems:
         raise ValueError(f"draft_chain: the draft stage cannot be unrolled: {'; '.join(problems)}")
-
-
-def step_present(name: str, step: int) -> str:
-    """The graph output under which step ``step`` (not the last) returns present ``name``."""
-    return f"{name}.step{step}"
 
 
 def chain_outputs(presents: list[str], length: int) -> list[str]:

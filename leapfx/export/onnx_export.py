@@ -53,6 +53,7 @@ import torch
 from torch import fx
 
 from .. import __version__
+from ..lower.manifest import FORMAT, FORMAT_VERSION, MANIFEST, is_export_dir, layer_ranges
 from ..options import check_bool, check_int
 from ..passes.capture import LAYER, ROLE
 from ..runtime.compiled import chain_length
@@ -65,7 +66,6 @@ from ..runtime.stage_signature import (  # discovery, shared with the compiled s
     example_inputs,
     kv_shapes,
 )
-from .manifest import FORMAT, FORMAT_VERSION, MANIFEST, is_export_dir, layer_ranges
 from .stage_module import ExportableStage
 
 if TYPE_CHECKING:

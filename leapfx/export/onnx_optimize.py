@@ -32,16 +32,9 @@ from __future__ import annotations
 import collections
 from typing import Any
 
+from ..lower.onnx_graph import attr, drop_dead_nodes, drop_unused_initializers
+
 _LAYOUT_PERM = [0, 2, 1, 3]  # [B, S, H, D] <-> [B, H, S, D]
-
-
-def _attr(node, name: str, default: Any = None) -> Any:
-    from onnx import helper
-
-    for a in node.attribute:
-        if a.name == name:
-            return helper.get_attribute_value(a)
-    return default
 
 
 def _consumers(graph) -> dict[str, list]:
@@ -102,7 +95,7 @@ def fuse_sibling_matmuls(model, external: set[str] | None = None) -> int:
         fused += 1
     if fused:
         _rebuild(graph, replace, drop)
-        _drop_unused_initializers(graph)
+        drop_unused_initializers(graph)
     return fused
 
 
@@ -118,18 +111,10 @@ def _rebuild(graph, replace: dict[int, list], drop: set[int]) -> None:
     graph.node.extend(nodes)
 
 
-def _drop_unused_initializers(graph) -> None:
-    used = {name for node in graph.node for name in node.input}
-    used |= {o.name for o in graph.output}
-    keep = [t for t in graph.initializer if t.name in used]
-    del graph.initializer[:]
-    graph.initializer.extend(keep)
-
-
 def _is_slot_write(node) -> bool:
     """A ``ScatterElements`` along the cache's position axis that overwrites (no reduction)."""
-    reduction = _attr(node, "reduction", b"none")
-    return _attr(node, "axis") in (2, -2) and reduction in (b"none", "none")
+    reduction = attr(node, "reduction", b"none")
+    return attr(node, "axis") in (2, -2) and reduction in (b"none", "none")
 
 
 def slot_writes_as_scatter_nd(model) -> int:
@@ -198,7 +183,7 @@ def _head_layout(producers: dict[str, Any], name: str, consumers: dict[str, list
     """``name = Transpose(Reshape(x), perm=[0, 2, 1, 3])`` (the exporter's 3-D -> 4-D head
     split, read by one node): returns ``x``, the ``[B, S, heads * D]`` tensor, else None."""
     t = producers.get(name)
-    if t is None or t.op_type != "Transpose" or list(_attr(t, "perm", [])) != _LAYOUT_PERM:
+    if t is None or t.op_type != "Transpose" or list(attr(t, "perm", [])) != _LAYOUT_PERM:
         return None
     r = producers.get(t.input[0])
     if r is None or r.op_type != "Reshape" or len(consumers[t.input[0]]) != 1:
@@ -237,7 +222,7 @@ def _packed(producers, consumers, inits, qkv: tuple[str, str, str], heads: dict,
     split = producers.get(qkv[0])
     if split is None or split.op_type != "Split" or tuple(split.output) != qkv:
         return None
-    if _attr(split, "axis", 0) not in (-1, 2) or len(split.input) != 2:
+    if attr(split, "axis", 0) not in (-1, 2) or len(split.input) != 2:
         return None
     if split.input[1] not in inits:
         return None
@@ -322,9 +307,9 @@ def group_query_attention(model, external: set[str] | None = None, *, max_positi
     for node in graph.node:
         if node.op_type != "Attention" or node.domain not in ("", "ai.onnx"):
             continue
-        if len(node.input) > 4 or len(node.output) != 1 or _attr(node, "is_causal", 0):
+        if len(node.input) > 4 or len(node.output) != 1 or attr(node, "is_causal", 0):
             continue
-        if _attr(node, "softcap", 0.0) or _attr(node, "qk_matmul_output_mode", 0):
+        if attr(node, "softcap", 0.0) or attr(node, "qk_matmul_output_mode", 0):
             continue
         q_rot, present_k, present_v = node.input[:3]
         rq, wk, wv = producers.get(q_rot), producers.get(present_k), producers.get(present_v)
@@ -338,7 +323,7 @@ def group_query_attention(model, external: set[str] | None = None, *, max_positi
         rk = producers.get(wk.input[2])
         if rk is None or rk.op_type != "RotaryEmbedding":
             continue
-        if any(_attr(r, "interleaved", 0) or _attr(r, "rotary_embedding_dim", 0) for r in (rq, rk)):
+        if any(attr(r, "interleaved", 0) or attr(r, "rotary_embedding_dim", 0) for r in (rq, rk)):
             continue
         if len(rq.input) != 3 or len(rk.input) != 3:
             continue
@@ -359,15 +344,15 @@ def group_query_attention(model, external: set[str] | None = None, *, max_positi
         same = _rotary_table(producers, inits, rk.input[1], rk.input[2])
         if same is None or same[1] != angle_positions or not np.array_equal(same[0], freq):
             continue
-        dims = (_attr(rq, "num_heads"), 2 * len(freq))  # the query's heads and head size
-        if dims[0] is None or _attr(rk, "num_heads") is None or dims[1] % 16:
+        dims = (attr(rq, "num_heads"), 2 * len(freq))  # the query's heads and head size
+        if dims[0] is None or attr(rk, "num_heads") is None or dims[1] % 16:
             continue  # (onnxruntime's kernel takes head sizes in multiples of 16)
         out = node
         between = _only_consumer(consumers, node.output[0], "Reshape")
         if between is not None and _reshapes_to(between, producers, inits, dims):
             out = between  # the exporter's no-op Reshape to [B, heads, S, D] (dynamic S)
         out_t = _only_consumer(consumers, out.output[0], "Transpose")
-        if out_t is None or list(_attr(out_t, "perm", [])) != _LAYOUT_PERM:
+        if out_t is None or list(attr(out_t, "perm", [])) != _LAYOUT_PERM:
             continue
         out_r = _only_consumer(consumers, out_t.output[0], "Reshape")
         if out_r is None:
@@ -413,13 +398,13 @@ def group_query_attention(model, external: set[str] | None = None, *, max_positi
         seqlens, total, rows = lengths[positions]
         cos, sin = tables[key]
         attrs = {
-            "num_heads": _attr(rq, "num_heads"),
-            "kv_num_heads": _attr(rk, "num_heads"),
+            "num_heads": attr(rq, "num_heads"),
+            "kv_num_heads": attr(rk, "num_heads"),
             "do_rotary": 1,
             "rotary_interleaved": 0,
         }
-        if _attr(node, "scale") is not None:
-            attrs["scale"] = _attr(node, "scale")
+        if attr(node, "scale") is not None:
+            attrs["scale"] = attr(node, "scale")
         qkv = [_packed(producers, consumers, inits, (q3, k3, v3), attrs, dims[1]), "", ""]
         if qkv[0] is None:
             qkv = [q3, k3, v3]
@@ -438,67 +423,11 @@ def group_query_attention(model, external: set[str] | None = None, *, max_positi
     nodes = head + list(graph.node)
     del graph.node[:]
     graph.node.extend(nodes)
-    _drop_dead_nodes(graph)
-    _drop_unused_initializers(graph)
+    drop_dead_nodes(graph)
+    drop_unused_initializers(graph)
     if not any(o.domain == _MS_DOMAIN for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid(_MS_DOMAIN, 1))
     return len(replace)
-
-
-def remainder_graph(model, lower_layers: list[int]):
-    """A verify stage's graph without its lower part, or None where its shape differs.
-
-    Verify runs the round's last new tokens through the layers below the exit
-    (``position_ids``, cache slots ``lower_layers``), joins their exit states to the cached
-    ones (``Concat(exit_hidden, h)``) and runs the rows through the layers from the exit up.
-    The returned copy starts at that join: its ``exit_hidden`` input holds all the rows (the
-    cached states and the new tokens' ones), and the lower layers, their cache slots and
-    ``input_ids`` / ``position_ids`` are gone. Run after the draft stage on the new tokens (the
-    same lower layers, which return the exit states as ``hidden``), it computes what verify
-    computes; a runtime with one copy of packed weights per session then keeps the lower
-    layers' weights in the draft session only (see ``ort_runtime.OnnxModel``).
-    """
-    import copy
-
-    graph = model.graph
-    joins = [n for n in graph.node if n.op_type == "Concat" and n.input[:1] == ["exit_hidden"]]
-    if len(joins) != 1 or len(joins[0].input) != 2 or _attr(joins[0], "axis") not in (1, -2):
-        return None
-    out = copy.deepcopy(model)
-    graph = out.graph
-    joined = joins[0].output[0]
-    for node in graph.node:
-        for i, name in enumerate(node.input):
-            if name == joined:
-                node.input[i] = "exit_hidden"
-    lower = {f"present.{i}.{kv}" for i in lower_layers for kv in ("key", "value")}
-    outputs = [o for o in graph.output if o.name not in lower]
-    del graph.output[:]
-    graph.output.extend(outputs)
-    _drop_dead_nodes(graph)
-    _drop_unused_initializers(graph)
-    used = {name for node in graph.node for name in node.input}
-    if used & {"input_ids", "position_ids"} or any(
-        f"past_key_values.{i}.{kv}" in used for i in lower_layers for kv in ("key", "value")
-    ):
-        return None  # the upper layers read the lower part some other way: not ours to cut
-    inputs = [i for i in graph.input if i.name in used]
-    del graph.input[:]
-    graph.input.extend(inputs)
-    del graph.value_info[:]
-    return out
-
-
-def _drop_dead_nodes(graph) -> None:
-    """Remove the nodes none of whose outputs is read (by a kept node or a graph output)."""
-    used = {o.name for o in graph.output}
-    keep = []
-    for node in reversed(graph.node):
-        if any(o in used for o in node.output):
-            keep.append(node)
-            used.update(i for i in node.input if i)
-    del graph.node[:]
-    graph.node.extend(reversed(keep))
 
 
 def optimize_model(

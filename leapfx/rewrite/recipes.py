@@ -818,7 +818,7 @@ RECIPES: dict[str, Recipe] = {
                     "its per-token exits are host decisions between per-layer stages and "
                     "exit-check nodes, and the onnxruntime executor has no such schedule "
                     "(missing: per-layer stages, exit-check stages and the SpecEE schedule in "
-                    "leapfx.export.ort_runtime); use the eager backend"
+                    "leapfx.lower.onnxruntime); use the eager backend"
                 ),
             ),
             lookup_refusal=(

@@ -4,7 +4,7 @@ A stage executor is called with the stage's named inputs (``input_ids``, ``posit
 ``masks``, ``cache``, and whatever else the stage's cut names) and returns a dict of tensors.
 The eager stages are the GraphModules themselves; ``leapfx.runtime.compiled`` wraps compiled
 graphs (``CompiledStage``, ``CompiledChain``) and eager kernel chains (``EagerChain``);
-``leapfx.export.ort_runtime`` wraps onnxruntime sessions (``OrtStage``, ``OrtChainStage``,
+``leapfx.lower.onnxruntime`` wraps onnxruntime sessions (``OrtStage``, ``OrtChainStage``,
 ``SplitVerify``). Schedules never see which.
 
 Three things an executor may declare beyond the call, each with a default that an eager

@@ -1,8 +1,9 @@
 """``generate``'s arguments as HF reads them: the effective generation config, every field
 honoured or refused, HF's processors and stopping criteria, and HF's output.
 
-Both backends (``SpeculativeModel``, ``leapfx.export.OnnxModel``) call :func:`prepare` with
-their generation config and :func:`finish` with the tokens; only the stages differ.
+Both backends (``SpeculativeModel``, ``leapfx.lower.OnnxModel``) generate through one front end,
+:class:`GenerateFrontEnd`: it calls :func:`prepare` with the model's generation config and
+:func:`finish` with the tokens; only the stages (and where the defaults come from) differ.
 
 The effective config is built as HF builds it (``GenerationMixin._prepare_generation_config``):
 a copy of ``generation_config`` (or a fresh one), unset fields from the model's config, then
@@ -19,6 +20,7 @@ fails when transformers adds one that nobody classified):
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
 from dataclasses import dataclass, replace
@@ -27,7 +29,7 @@ from typing import Any
 
 import torch
 
-from .decode import decode_request, teacher_sequence, with_teacher
+from .decode import check_prompt, decode_request, teacher_sequence, with_teacher
 from .metrics import DecodeMetrics
 from .processing import Processing
 from .schedules import DecodeRequest
@@ -284,3 +286,96 @@ def finish(input_ids: torch.Tensor, tokens: list[int], call: Call, metrics: Deco
     out = GenerateDecoderOnlyOutput(sequences=sequences, scores=scores, logits=logits)
     out.metrics = metrics
     return out
+
+
+@dataclass(frozen=True)
+class GenerationSource:
+    """Where a model's ``generate`` takes its defaults and limits from."""
+
+    config: Any  # the model's (or the export's) GenerationConfig
+    vocab_size: int
+    max_positions: int | None  # the positions the rotary tables cover (None: unknown)
+    recipe: str  # the recipe whose schedule decodes (named in errors and metrics)
+    lossless: bool
+
+
+class GenerateFrontEnd:
+    """HF's ``generate`` over a recipe's schedule: the one front end of ``SpeculativeModel`` and
+    ``OnnxModel``. A model says where its defaults come from (``_generation_source``), puts the
+    prompt where its stages run (``_generate_prompt``) and decodes (``_generate_decode``)."""
+
+    last_metrics: DecodeMetrics | None
+    # True: the whole call runs under torch.inference_mode (its output an inference tensor);
+    # False: only what ``_generate_decode`` puts under it.
+    _generate_in_inference_mode: bool = True
+
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        generation_config: Any | None = None,
+        logits_processor: Any | None = None,
+        stopping_criteria: Any | None = None,
+        streamer: Any | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Generate like HF ``generate``: returns [1, prompt + new] token ids.
+
+        The signature and its meaning are HF's: ``generation_config`` (default: the model's; an
+        ``OnnxModel``'s: the exported model's, saved in its manifest)
+        with ``**kwargs`` overriding its fields (``max_new_tokens``, ``max_length``,
+        ``min_new_tokens``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``,
+        ``repetition_penalty``, ``no_repeat_ngram_size``, ``eos_token_id`` (an int or a list),
+        ``stop_strings`` with ``tokenizer=``, ...); the caller's config is never written.
+        HF's logits processors (and ``logits_processor``) apply inside speculation at every
+        verified position, so a lossless recipe emits what HF's ``generate`` emits under the
+        same config; ``stopping_criteria`` join HF's. ``return_dict_in_generate=True`` returns
+        HF's ``GenerateDecoderOnlyOutput`` (``sequences``, ``scores``/``logits`` with
+        ``output_scores``/``output_logits``, and ``metrics``). A field leapfx cannot honour
+        (``num_beams`` > 1, ``output_attentions`` ...) or an unknown argument raises
+        ``ValueError`` naming it (``leapfx.runtime.generation`` lists every field).
+
+        leapfx's own arguments: ``generator`` (a ``torch.Generator`` for reproducible
+        sampling); ``teacher_tokens`` (lossy recipes): the full model's greedy continuation of
+        the prompt, [m] or [1, m]; the recipe emits these tokens instead of its own and
+        ``last_metrics.agreement`` is the share of positions where its own choice (exit
+        decisions made on its own cache state) was the same token. ``max_new_tokens`` defaults
+        to m and may not exceed it. ``streamer``: HF's streamer protocol (``put``/``end``, e.g.
+        ``transformers.TextIteratorStreamer``): the prompt, then each group of new tokens as the
+        schedule emits it (a round's accepted drafts at once), then ``end()``.
+
+        Greedy output is token-identical to ``hf_model.generate(input_ids, do_sample=False)``
+        for lossless recipes; with ``do_sample=True`` it has the same distribution as HF
+        sampling with the same config. Metrics land in ``self.last_metrics``. Exactly so in
+        float32 and float64; in bfloat16/float16 or on a GPU a verify pass over several
+        positions rounds differently from one-token steps and may resolve a near tie between
+        the top two logits the other way (``leapfx.bench.ties`` measures it; see docs/gpu.md).
+        """
+        mode = self._generate_in_inference_mode
+        with torch.inference_mode() if mode else contextlib.nullcontext():
+            source = self._generation_source()
+            check_prompt(input_ids, attention_mask, source.vocab_size)
+            prompt = self._generate_prompt(input_ids)
+            call = prepare(
+                input_ids=input_ids, prompt=prompt, model_config=source.config,
+                vocab_size=source.vocab_size, max_positions=source.max_positions,
+                generation_config=generation_config, logits_processor=logits_processor,
+                stopping_criteria=stopping_criteria, streamer=streamer, kwargs=kwargs,
+                recipe=source.recipe, lossless=source.lossless,
+            )  # fmt: skip
+            tokens, self.last_metrics = self._generate_decode(prompt, call.request)
+            return finish(input_ids, tokens, call, self.last_metrics)
+
+    def _generation_source(self) -> GenerationSource:
+        raise NotImplementedError
+
+    def _generate_prompt(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``input_ids`` where the stages run (checked already)."""
+        raise NotImplementedError
+
+    def _generate_decode(
+        self, prompt: torch.Tensor, request: DecodeRequest
+    ) -> tuple[list[int], DecodeMetrics]:
+        """The new tokens of ``request`` after ``prompt`` and the decode's metrics (called by
+        ``generate``: a warning about the caller's call takes ``stacklevel=3``)."""
+        raise NotImplementedError

@@ -30,7 +30,7 @@ from ..passes.partition import Stages
 from .cache import StaticKVCache, cache_for
 from .capabilities import Capabilities
 from .decode import cache_length, check_prompt, decode
-from .generation import finish, prepare
+from .generation import GenerateFrontEnd, GenerationSource
 from .masks import SUPPORTED_ATTENTION
 from .metrics import DecodeMetrics
 from .runner import AttentionLayout, StageRunner
@@ -71,7 +71,7 @@ class RecipeInfo:
         return self.capabilities.compiles
 
 
-class SpeculativeModel:
+class SpeculativeModel(GenerateFrontEnd):
     """A rewritten model: stages + schedule. Create it with ``leapfx.rewrite.apply``.
 
     Attributes:
@@ -298,67 +298,28 @@ class SpeculativeModel:
         self._cache.reset()
         return self._cache
 
-    @torch.inference_mode()
-    def generate(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        generation_config: Any | None = None,
-        logits_processor: Any | None = None,
-        stopping_criteria: Any | None = None,
-        streamer: Any | None = None,
-        **kwargs: Any,
-    ) -> Any:
-        """Generate like HF ``generate``: returns [1, prompt + new] token ids.
-
-        The signature and its meaning are HF's: ``generation_config`` (default: the model's)
-        with ``**kwargs`` overriding its fields (``max_new_tokens``, ``max_length``,
-        ``min_new_tokens``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``,
-        ``repetition_penalty``, ``no_repeat_ngram_size``, ``eos_token_id`` (an int or a list),
-        ``stop_strings`` with ``tokenizer=``, ...); the caller's config is never written.
-        HF's logits processors (and ``logits_processor``) apply inside speculation at every
-        verified position, so a lossless recipe emits what HF's ``generate`` emits under the
-        same config; ``stopping_criteria`` join HF's. ``return_dict_in_generate=True`` returns
-        HF's ``GenerateDecoderOnlyOutput`` (``sequences``, ``scores``/``logits`` with
-        ``output_scores``/``output_logits``, and ``metrics``). A field leapfx cannot honour
-        (``num_beams`` > 1, ``output_attentions`` ...) or an unknown argument raises
-        ``ValueError`` naming it (``leapfx.runtime.generation`` lists every field).
-
-        leapfx's own arguments: ``generator`` (a ``torch.Generator`` for reproducible
-        sampling); ``teacher_tokens`` (lossy recipes): the full model's greedy continuation of
-        the prompt, [m] or [1, m]; the recipe emits these tokens instead of its own and
-        ``last_metrics.agreement`` is the share of positions where its own choice (exit
-        decisions made on its own cache state) was the same token. ``max_new_tokens`` defaults
-        to m and may not exceed it. ``streamer``: HF's streamer protocol (``put``/``end``, e.g.
-        ``transformers.TextIteratorStreamer``): the prompt, then each group of new tokens as the
-        schedule emits it (a round's accepted drafts at once), then ``end()``.
-
-        Greedy output is token-identical to ``hf_model.generate(input_ids, do_sample=False)``
-        for lossless recipes; with ``do_sample=True`` it has the same distribution as HF
-        sampling with the same config. Metrics land in ``self.last_metrics``. Exactly so in
-        float32 and float64; in bfloat16/float16 or on a GPU a verify pass over several
-        positions rounds differently from one-token steps and may resolve a near tie between
-        the top two logits the other way (``leapfx.bench.ties`` measures it; see docs/gpu.md).
-        """
+    def _generation_source(self) -> GenerationSource:
         hf = self._hf_model
-        check_prompt(input_ids, attention_mask, hf.config.vocab_size)
-        prompt = input_ids.to(self._layout.device)
-        call = prepare(
-            input_ids=input_ids, prompt=prompt, model_config=hf.generation_config,
+        return GenerationSource(
+            config=hf.generation_config,
             vocab_size=hf.config.vocab_size,
             max_positions=getattr(hf.config, "max_position_embeddings", None),
-            generation_config=generation_config, logits_processor=logits_processor,
-            stopping_criteria=stopping_criteria, streamer=streamer, kwargs=kwargs,
-            recipe=self.recipe.name, lossless=self.recipe.lossless,
-        )  # fmt: skip
-        request = call.request
-        if hf.training:
+            recipe=self.recipe.name,
+            lossless=self.recipe.lossless,
+        )
+
+    def _generate_prompt(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return input_ids.to(self._layout.device)
+
+    def _generate_decode(
+        self, prompt: torch.Tensor, request: DecodeRequest
+    ) -> tuple[list[int], DecodeMetrics]:
+        if self._hf_model.training:
             warnings.warn(
                 "the model is in training mode (dropout active); call model.eval() first",
-                stacklevel=2,
+                stacklevel=3,  # the caller of generate
             )
-        tokens, self.last_metrics = self._decode(self.recipe.schedule, prompt, request)
-        return finish(input_ids, tokens, call, self.last_metrics)
+        return self._decode(self.recipe.schedule, prompt, request)
 
     def _decode(
         self, schedule: Schedule, prompt: torch.Tensor, request: DecodeRequest, name: str = ""

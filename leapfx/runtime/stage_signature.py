@@ -82,6 +82,12 @@ def present_names(layer: int) -> tuple[str, str]:
     return f"present.{layer}.key", f"present.{layer}.value"
 
 
+def step_present(name: str, step: int) -> str:
+    """The output under which step ``step`` (not the last) of an export's ``draft_chain``
+    returns present ``name`` (``leapfx.export.chain``)."""
+    return f"{name}.step{step}"
+
+
 @dataclasses.dataclass(frozen=True)
 class StageSignature:
     """The tensor interface of one stage, as discovered and exported."""
