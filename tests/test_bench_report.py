@@ -72,7 +72,10 @@ def test_markdown_report_is_written_between_the_markers(checkpoint, tmp_path, ca
     assert text.startswith("# Results\n\nintro\n\n<!-- bench:begin -->\nMeasured ")
     assert text.endswith("<!-- bench:end -->\n\nafter\n") and "an old table" not in text
     block = new.read_text()
-    assert block.strip() == text[text.index("<!-- bench:begin -->") : text.index("after")].strip()
+    assert (
+        block.strip()
+        == text[text.index("<!-- bench:begin -->") : text.index("\n\nafter\n")].strip()
+    )
     header = block.splitlines()[1]
     assert re.search(r"Measured \d{4}-\d\d-\d\d \d\d:\d\d UTC on .*cores", header), header
     assert all(f"{lib} " in header for lib in ("torch", "transformers", "onnxruntime"))
