@@ -314,7 +314,8 @@ class OnlineSkipSearch:
             )  # fmt: skip
         else:
             again = " again" if self.confirming else ""
-            head = f"skip-set search: {len(self.order)} sets so far, measuring {self.current}{again}"
+            head = f"skip-set search: {len(self.order)} sets so far, measuring {self.current}"
+            head += again
         lines = [head, "skip_layers  rounds  acceptance  tokens/s  x plain"]
         for s in self.order:
             t = self.trials[s]
