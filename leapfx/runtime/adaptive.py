@@ -23,12 +23,15 @@ machine), the decode falls back to plain steps.
   acceptance and its host sync, the crop, the lookup itself), as a moving average per d, read
   off the least-squares line through those averages (every d, measured or not), or from one
   measured point and ``PRIOR_SLOPE`` (a draft adds this share of a step); each length's first
-  round is not counted (first-call costs at a new shape). Wall time is what a
-  user waits for, on any backend: a round syncs once, so on a GPU it holds the kernels too.
-  Costs are a property of the model on its machine, not of the text: they carry over from one
-  ``generate`` call to the next on the same applied model (``auto`` keeps its policies with
-  the model; acceptance starts from the prior each call), so a short decode does not spend its first
-  rounds relearning them.
+  round is not counted (first-call costs at a new shape), nor a decode's last round (no
+  ``propose`` follows it; where the budget's last token is left to a plain step, the round
+  before it goes unobserved too: a round that left exactly one token to go rejected a draft
+  more often than most, and counting it would bias alpha low on short decodes). Wall time is
+  what a user waits for, on any backend: a round syncs once, so on a GPU it holds the kernels
+  too. Costs are a property of the model on its machine, not of the text: they carry over from
+  one ``generate`` call to the next on the same applied model (``auto`` keeps its policies
+  with the model; acceptance starts from the prior each call), so a short decode does not
+  spend its first rounds relearning them.
 - Once drafting is off it is probed: after ``PROBE_EVERY`` declined rounds with a match, one
   round drafts a single token, so alpha and C(1) keep being measured (at most 1/PROBE_EVERY of
   the rounds pay a one-token verify).
@@ -228,12 +231,12 @@ class AdaptiveDrafter(Drafter):
             self.policies[choice].observe(drafted, min(self._kept, drafted), seconds, key)
 
     def propose(self, runner, x, start, d, request, out) -> Draft:
+        if d == 0:  # the budget's last token: unobserved, as the round before it (see below)
+            return no_draft(x)
         now = time.perf_counter()
         if self._last is not None:
             self._observe(now)
         self._last, self._kept = None, 0
-        if d == 0:
-            return no_draft(x)
         if self.own is not None and self.own.exploring:
             # it measures choices of its own (swift's online skip-set search): its rounds, at
             # full length, left out of its policy (they measure what it will not draft with)

@@ -155,14 +155,14 @@ class OnlineSkipDrafter(SkipDrafter):
         return not self.search.exploring and not self.search.chosen
 
     def propose(self, runner, x, start, d, request, out) -> Draft:
+        if d == 0:  # the budget's last token; the round before it goes unobserved, as the
+            return no_draft(x)  # adaptive drafter's (it rejected more often than most)
         now = time.perf_counter()
         if self._round is not None and self._kept is not None:
             skip, drafted, began = self._round
             seconds = None if self._between else now - began
             self.search.observe(skip, drafted, self._kept, seconds)
         self._round, self._kept, self._between = None, None, False
-        if d == 0:
-            return no_draft(x)
         skip = self.search.current
         if not skip:  # the baseline's plain steps, or no set pays
             self._round = (skip, 0, now)
