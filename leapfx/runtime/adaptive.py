@@ -69,6 +69,25 @@ def expected_tokens(alpha: float, d: int) -> float:
     return d + 1.0 if alpha >= 1.0 else (1 - alpha ** (d + 1)) / (1 - alpha)
 
 
+class ProbeGate:
+    """Whether a round with drafts available drafts: "draft" where the best choice beats a
+    plain step by ``MARGIN``; else "decline", and every ``PROBE_EVERY``-th declined round in a
+    row "probe" (one draft, so that acceptance and costs keep being measured)."""
+
+    def __init__(self) -> None:
+        self.declined = 0  # rounds with drafts available that drafted none, since the last draft
+
+    def __call__(self, gain: float) -> str:
+        if gain > 1.0 + MARGIN:
+            self.declined = 0
+            return "draft"
+        self.declined += 1
+        if self.declined >= PROBE_EVERY:  # keep measuring what drafting would give
+            self.declined = 0
+            return "probe"
+        return "decline"
+
+
 class DraftPolicy:
     """Chooses a round's draft count from acceptance and cost observed so far.
 
@@ -90,7 +109,7 @@ class DraftPolicy:
         """A new decode: acceptance back to the prior (it is the text's); costs are kept."""
         self.accepted, self.rejections = 1.0, 1.0  # pooled; prior: alpha 0.5
         self.by_key: dict[int, list[float]] = {}  # n-gram length -> [accepted, rejections]
-        self.declined = 0  # rounds with drafts available that drafted none, since the last draft
+        self.gate = ProbeGate()
 
     @property
     def alpha(self) -> float:
@@ -145,14 +164,7 @@ class DraftPolicy:
         best, gain = self.best(available, key)
         if best == 0:
             return 0
-        if gain > 1.0 + MARGIN:
-            self.declined = 0
-            return best
-        self.declined += 1
-        if self.declined >= PROBE_EVERY:  # keep measuring what drafting would give
-            self.declined = 0
-            return 1
-        return 0
+        return {"draft": best, "probe": 1, "decline": 0}[self.gate(gain)]
 
     def observe(self, drafted: int, accepted: int, seconds: float, key: int | None = None) -> None:
         """A round drafted ``drafted`` tokens from a match of kind ``key``, kept ``accepted``
@@ -207,7 +219,7 @@ class AdaptiveDrafter(Drafter):
         for policy in policies.values():
             policy.restart()
         self.name = own.name if own is not None else None
-        self.declined = 0
+        self.gate = ProbeGate()
         self._probes = 0
         # the last round: (choice or None for a plain step, drafted, key, start time)
         self._last: tuple[str | None, int, int | None, float] | None = None
@@ -254,14 +266,11 @@ class AdaptiveDrafter(Drafter):
             self._last = (None, 0, None, now)
             return no_draft(x, "none")
         gain, choice, n, key = max(options, key=lambda o: o[0])
-        if gain > 1.0 + MARGIN:
-            self.declined = 0
-        else:
-            self.declined += 1
-            if self.declined < PROBE_EVERY:
-                self._last = (None, 0, None, now)
-                return no_draft(x, "declined")
-            self.declined = 0  # a probe: one draft with each choice in turn
+        verdict = self.gate(gain)
+        if verdict == "decline":
+            self._last = (None, 0, None, now)
+            return no_draft(x, "declined")
+        if verdict == "probe":  # one draft with each choice in turn
             _, choice, _, key = options[self._probes % len(options)]
             self._probes += 1
             n = 1

@@ -215,7 +215,7 @@ def search_skip_set(
     the current set; returns (the set, its score). ``evaluate(())`` is the baseline (no
     drafting). At most ``max_skip`` layers (default L - 2). O(L^2) evaluations.
 
-    >>> search_skip_set(lambda s: -abs(len(s) - 2) - 0.1 * sum(s), 5)
+    >>> search_skip_set(lambda s: -abs(len(s) - 2) - sum(s) / 10, 5)
     ((1, 2), -0.3)
     """
     max_skip = num_layers - 2 if max_skip is None else max_skip
