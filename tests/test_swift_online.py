@@ -2,9 +2,9 @@
 (``leapfx.runtime.skip_search``, ``leapfx.runtime.swift.OnlineSkipDrafter``).
 
 Lossless whatever sets it tries (hypothesis against HF greedy, dense and MoE, alone and under
-``lookup``/``adaptive``); on a synthetic cost/acceptance table it finds the set exhaustive
-search finds; on a synthetic model with a controlled clock it stops drafting where every draft
-is rejected, and drafts with the set that pays where one does.
+``lookup``/``adaptive``; the sampled distribution); on a synthetic cost/acceptance table it
+finds the set exhaustive search finds; on a synthetic model with a controlled clock it stops
+drafting where every draft is rejected, and drafts with the set that pays where one does.
 """
 
 from __future__ import annotations
@@ -27,9 +27,11 @@ from leapfx.runtime.schedules import DecodeRequest, speculative_loop
 from leapfx.runtime.skip_search import OnlineSkipSearch
 from leapfx.runtime.swift import OnlineSkipDrafter
 from tests.conftest import examples, tiny_model, tiny_moe_model
+from tests.distribution_check import assert_sampled_from, sample_counts
 from tests.greedy_check import assert_greedy_equal, hf_greedy
 from tests.test_lossless import model_specs
 from tests.test_moe import moe_specs
+from tests.test_sampling_e2e import TEMPERATURE, TOP_K, TOP_P, VOCAB, _exact_distribution
 from tests.test_swift import _skip_set
 
 # -- lossless whatever it tries ------------------------------------------------------------
@@ -78,6 +80,23 @@ def test_online_search_greedy_identical_to_hf_on_moe(spec, data):
     for _ in range(2):
         ours = sm.generate(prompt, max_new_tokens=max_new)
         assert_greedy_equal(model, ours, hf_greedy(model, prompt, max_new), prompt.shape[1])
+
+
+def test_online_search_sampling_matches_target_distribution():
+    model = tiny_model("llama", layers=4, vocab=VOCAB, heads=2, kv_heads=1, seed=11)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(0.25)
+    prompt = torch.tensor([[1, 4, 2]])
+    exact = _exact_distribution(model, prompt, 3)
+    # one draft a round: each 3-token decode has a full-length round (d = 1) for the search
+    sm = rewrite.apply(model, "swift", search="online", num_speculations=1)
+    sm.skip_search.rounds = 1  # many sets tried over the decodes, each drafting some rounds
+    n = 3000
+    counts, _, drafted = sample_counts(
+        sm, prompt, exact, 3, n, temperature=TEMPERATURE, top_k=TOP_K, top_p=TOP_P
+    )
+    assert drafted > 0 and len(sm.skip_search.order) > 2
+    assert_sampled_from(counts, exact, n)
 
 
 def test_online_search_state_persists_reports_and_resets():

@@ -243,17 +243,17 @@ class AdaptiveDrafter(Drafter):
             self.policies[choice].observe(drafted, min(self._kept, drafted), seconds, key)
 
     def propose(self, runner, x, start, d, request, out) -> Draft:
-        if d == 0:  # the budget's last token: unobserved, as the round before it (see below)
+        if self.own is not None and self.own.exploring:
+            # it measures choices of its own (swift's online skip-set search): its rounds, at
+            # full length, left out of the policies (they measure what it will not draft with)
+            self._last = None
+            return self.own.propose(runner, x, start, d, request, out)
+        if d == 0:  # the budget's last token: unobserved, as the round before it (module doc)
             return no_draft(x)
         now = time.perf_counter()
         if self._last is not None:
             self._observe(now)
         self._last, self._kept = None, 0
-        if self.own is not None and self.own.exploring:
-            # it measures choices of its own (swift's online skip-set search): its rounds, at
-            # full length, left out of its policy (they measure what it will not draft with)
-            self._last = None
-            return self.own.propose(runner, x, start, d, request, out)
         options = []  # (gain, choice, drafts, key)
         match = self.lookup.propose(out.tokens, d) if self.lookup is not None else None
         if match is not None and match.tokens:

@@ -155,14 +155,10 @@ class OnlineSkipDrafter(SkipDrafter):
         return not self.search.exploring and not self.search.chosen
 
     def propose(self, runner, x, start, d, request, out) -> Draft:
-        if d == 0:  # the budget's last token; the round before it goes unobserved, as the
-            return no_draft(x)  # adaptive drafter's (it rejected more often than most)
         now = time.perf_counter()
-        if self._round is not None and self._kept is not None:
-            skip, drafted, began = self._round
-            seconds = None if self._between else now - began
-            self.search.observe(skip, drafted, self._kept, seconds)
-        self._round, self._kept, self._between = None, None, False
+        self.finish(now)
+        if d == 0:
+            return no_draft(x)
         skip = self.search.current
         if not skip:  # the baseline's plain steps, or no set pays
             self._round = (skip, 0, now)
@@ -179,6 +175,16 @@ class OnlineSkipDrafter(SkipDrafter):
             self._kept = k
         else:
             self._between = True
+
+    def finish(self, now: float) -> None:
+        """Tell the search how this drafter's last round went, ``now`` its end: at the next
+        ``propose``, and at the end of the decode (every round is observed, the last one
+        too, so that none is left out for what came after it)."""
+        if self._round is not None and self._kept is not None:
+            skip, drafted, began = self._round
+            seconds = None if self._between else now - began
+            self.search.observe(skip, drafted, self._kept, seconds)
+        self._round, self._kept, self._between = None, None, False
 
 
 def swift(
@@ -201,10 +207,10 @@ def swift(
         return run_drafter(runner, prompt, request, metrics, num_speculations, SkipDrafter(), first)
     search.bind(len(runner.layout.kinds))
     drafter = OnlineSkipDrafter(search, stages if stages is not None else SkipStages())
-    try:
-        return run_drafter(runner, prompt, request, metrics, num_speculations, drafter, first)
-    finally:
-        metrics.skip_search = search.as_dict()
+    tokens = run_drafter(runner, prompt, request, metrics, num_speculations, drafter, first)
+    drafter.finish(time.perf_counter())
+    metrics.skip_search = search.as_dict()
+    return tokens
 
 
 def search_skip_set(
