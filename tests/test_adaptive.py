@@ -7,14 +7,18 @@ beside ``lookup``); here, what it chooses given acceptance and cost.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from leapfx.runtime.adaptive import (
     MARGIN,
     PROBE_EVERY,
-    AdaptiveLookup,
+    AdaptiveDrafter,
     DraftPolicy,
+    Policies,
     expected_tokens,
 )
+from leapfx.runtime.lookup import PromptLookup
+from leapfx.runtime.schedules import Output
 
 
 def _run(policy: DraftPolicy, rounds: int, accept, cost, available: int = 8) -> list[int]:
@@ -70,14 +74,29 @@ def test_unmeasured_lengths_follow_the_measured_line():
     assert policy.cost(0) == pytest.approx(1.0)
 
 
-def test_adaptive_lookup_learns_each_rounds_outcome_from_the_text():
-    drafter = AdaptiveLookup([1, 2, 3, 1, 2, 3], max_drafts=4, max_ngram=2, min_ngram=1)
-    drafter.policy.accepted = 100.0  # alpha near 1: the longest draft
+def _auto_drafter(prompt: list[int], policies: Policies) -> AdaptiveDrafter:
+    """``auto``'s drafter: prompt lookup alone under the adaptive policy."""
+    return AdaptiveDrafter(None, PromptLookup(prompt, 2, 1), policies)
+
+
+def _out(tokens: list[int]) -> Output:
+    out = Output(None)
+    out.tokens = tokens
+    return out
+
+
+def test_auto_learns_each_rounds_outcome_from_the_verify():
+    policies = Policies()
+    drafter = _auto_drafter([1, 2, 3, 1, 2, 3], policies)
+    policies["lookup"].accepted = 100.0  # alpha near 1: the longest draft
     seen = []
-    drafter.policy.observe = lambda d, k, s, key=None: seen.append((d, k, key))
-    first = drafter.propose([1], 4)  # text ..3 1: (3, 1) at 2, followed by 2 3 1 2
-    assert (first.tokens, first.drafter) == ((2, 3, 1, 2), "lookup")
-    drafter.propose([1, 2, 3, 9], 4)  # two drafts kept, then the correction 9
+    policies["lookup"].observe = lambda d, k, s, key=None: seen.append((d, k, key))
+    x = torch.tensor([[1]])
+    first = drafter.propose(None, x, 6, 4, None, _out([1]))  # text ..3 1: (3, 1) at 2
+    assert first.tokens.tolist() == [[2, 3, 1, 2]] and first.drafter == "lookup"
+    assert first.copied and first.ngram == 2
+    drafter.accepted(None, 6, 2)  # two drafts kept, then the correction
+    drafter.propose(None, torch.tensor([[9]]), 9, 4, None, _out([1, 2, 3, 9]))
     assert seen == [(4, 2, 2)]  # the round's match was a 2-gram
 
 
@@ -96,13 +115,13 @@ def test_each_ngram_length_learns_its_own_acceptance():
     assert policy.alpha_of(2) == policy.alpha  # an unseen length reads the pooled rate
 
 
-def test_a_models_policy_keeps_costs_across_decodes_and_restarts_acceptance():
-    policy = DraftPolicy(max_drafts=4)
-    first = AdaptiveLookup([1, 2, 3], max_drafts=4, max_ngram=2, min_ngram=1, policy=policy)
-    first.policy.costs = {0: 1.0, 2: 1.6}
-    first.policy.accepted, first.policy.rejections = 0.1, 9.0
-    second = AdaptiveLookup([4, 5], max_drafts=4, max_ngram=2, min_ngram=1, policy=policy)
-    assert second.policy is policy and policy.costs == {0: 1.0, 2: 1.6}
+def test_a_models_policies_keep_costs_across_decodes_and_restart_acceptance():
+    policies = Policies()
+    first = _auto_drafter([1, 2, 3], policies)
+    policy = policies["lookup"]
+    policy.costs = {0: 1.0, 2: 1.6}
+    policy.accepted, policy.rejections = 0.1, 9.0
+    second = _auto_drafter([4, 5], policies)
+    assert second.policies is first.policies and policies["lookup"] is policy
+    assert policy.costs == {0: 1.0, 2: 1.6}
     assert policy.alpha == 0.5 and policy.by_key == {}
-    other = AdaptiveLookup([4, 5], max_drafts=2, max_ngram=2, min_ngram=1, policy=policy)
-    assert other.policy is not policy  # a different draft limit: a policy of its own

@@ -477,7 +477,9 @@ def _eagle_rows(run: RowRun) -> list[System]:
 def _training_free_rows(name: str, run: RowRun) -> list[System]:
     """At the recipe's defaults (HF's d is not theirs); swift also as
     ``leapfx_swift_adaptive`` (``lookup=True, adaptive=True``: each round chooses among the
-    layer-skipped drafter, prompt lookup and no drafting by measured tokens per cost)."""
+    layer-skipped drafter, prompt lookup and no drafting by measured tokens per cost) and as
+    ``leapfx_swift_online`` (``search="online"``: the skip set searched while decoding; its
+    search goes on across the warm-up and timed passes, as a user's later calls would)."""
     system = run.ours(f"leapfx_{name}", rewrite.apply(run.model, name))
     # lookup / auto: a round drafts what a match gives (or nothing): no fixed d for the
     # formula; swift drafts d every round
@@ -486,6 +488,10 @@ def _training_free_rows(name: str, run: RowRun) -> list[System]:
     if name == "swift":
         sm = rewrite.apply(run.model, "swift", lookup=True, adaptive=True)
         systems.append(run.ours("leapfx_swift_adaptive", sm))
+        systems[-1].info["dynamic_draft_length"] = True
+        # its sets and plain steps change while it searches: no fixed d for the formula
+        online = rewrite.apply(run.model, "swift", search="online")
+        systems.append(run.ours("leapfx_swift_online", online))
         systems[-1].info["dynamic_draft_length"] = True
     return systems
 
@@ -856,6 +862,9 @@ def _rows(systems, prompts, config, times, first) -> list[Row]:
                     rounds[drafter] = rounds.get(drafter, 0) + n
             if rounds:  # rounds per drafter over the timed passes ("declined", "none" included)
                 row.extra["drafter_rounds"] = rounds
+            search = run.metrics[-1].skip_search
+            if search is not None:  # swift's online search after the last pass: its choice
+                row.extra["skip_search"] = search
         rows.append(row)
     base_tps = rows[0].tokens_per_second
     for row in rows:

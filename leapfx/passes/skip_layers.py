@@ -77,8 +77,15 @@ class DraftSkipSet(GraphPass):
         return PassResult(gm, False, 0)
 
 
+def skip_stage(gm: fx.GraphModule, layers: tuple[int, ...]) -> fx.GraphModule:
+    """The ``draft`` stage: ``full_stage(gm)`` without decoder layers ``layers``. ``gm`` may be
+    the rewritten graph or a ``full`` stage (the online skip-set search cuts its candidates
+    from the one the runner holds); its submodules are shared, not copied."""
+    draft = SkipLayers(layers=layers).run(full_stage(gm)).graph_module
+    draft.meta["leapfx.stage"] = "draft"
+    return draft
+
+
 def swift_stages(gm: fx.GraphModule) -> Stages:
     """``full`` and ``draft`` (``full`` without the layers of ``gm.meta[DRAFT_SKIP]``)."""
-    draft = SkipLayers(layers=gm.meta[DRAFT_SKIP]).run(full_stage(gm)).graph_module
-    draft.meta["leapfx.stage"] = "draft"
-    return Stages(modules={"full": full_stage(gm), "draft": draft})
+    return Stages(modules={"full": full_stage(gm), "draft": skip_stage(gm, gm.meta[DRAFT_SKIP])})

@@ -32,6 +32,7 @@ from ..passes.specee_stages import specee_stages
 from ..runtime import adaptive, eagle, kangaroo, lookup, m2r2, schedules, swift
 from ..runtime.capabilities import Capabilities
 from ..runtime.model import RecipeTraining, Schedule
+from ..runtime.skip_search import OnlineSkipSearch
 from . import specee_recipe
 
 
@@ -202,7 +203,7 @@ def _auto_schedule(o: AutoOptions):
         num_speculations=o.num_speculations,
         max_ngram=o.max_ngram,
         min_ngram=o.min_ngram,
-        policy=adaptive.DraftPolicy(o.num_speculations),  # one a model: its costs carry over
+        policies=adaptive.Policies(),  # one set a model: its costs carry over
     )
 
 
@@ -221,11 +222,17 @@ class SwiftOptions(LookupFirstOptions):
     With ``parts`` (a directory written by ``SpeculativeModel.save_parts``, typically after
     ``calibrate``) the draft skips the set saved there; a ``skip_layers`` given as well must
     be the same set.
+
+    ``search="online"``: SWIFT's on-the-fly search (``leapfx.runtime.skip_search``) chooses
+    the set during decoding, starting from ``skip_layers``: it measures candidate sets on
+    real rounds, plain steps among them, then drafts with the fastest, or not at all where
+    none beats plain steps. Its state lives with the model (``SpeculativeModel.skip_search``).
     """
 
     skip_layers: tuple[int, ...] | None = None  # None: the parts', else default_skip_layers(L)
     num_speculations: int = 4  # d: drafts a round
     parts: str | os.PathLike | None = None  # a saved (calibrated) skip set; None: none
+    search: str | None = None  # None: draft with skip_layers; "online": search while decoding
     max_cache_len: int | None = None
     fuse_layers: bool = True
 
@@ -251,10 +258,29 @@ class SwiftOptions(LookupFirstOptions):
                 f"allowed: one of the two, or skip_layers={saved}"
             )
         check_int("num_speculations", self.num_speculations, 1)
+        if self.search not in SKIP_SEARCHES:
+            raise ValueError(
+                f"search: {self.search!r} is invalid; allowed: None (draft with skip_layers; "
+                "sm.calibrate(prompts) searches offline) or 'online' (search the skip set while "
+                "decoding, from skip_layers)"
+            )
         self.check_lookup()
         _check_cache(self.max_cache_len)
         check_bool("fuse_layers", self.fuse_layers)
         return dataclasses.replace(self, skip_layers=skip, parts=path)
+
+
+SKIP_SEARCHES = (None, "online")
+
+
+def _swift_schedule(o: SwiftOptions):
+    online = o.search == "online"
+    return partial(
+        swift.swift, num_speculations=o.num_speculations, first=o.lookup_first(),
+        # one search a model: its trials and its choice carry over between calls
+        search=OnlineSkipSearch(o.skip_layers, o.num_speculations) if online else None,
+        stages=swift.SkipStages() if online else None,
+    )  # fmt: skip
 
 
 def saved_skip_set(path: str, num_layers: int) -> tuple[int, ...]:
@@ -697,9 +723,7 @@ RECIPES: dict[str, Recipe] = {
             options_type=SwiftOptions,
             passes=lambda o: [*_fuse(o), DraftSkipSet(layers=o.skip_layers)],
             cut=swift_stages,
-            schedule=lambda o: partial(
-                swift.swift, num_speculations=o.num_speculations, first=o.lookup_first()
-            ),
+            schedule=_swift_schedule,
             lookahead=lambda o: o.num_speculations + 1,
             lossless=True,
             # nothing trains; the parts are the skip set (SpeculativeModel.calibrate finds it)

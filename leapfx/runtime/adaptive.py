@@ -23,34 +23,38 @@ machine), the decode falls back to plain steps.
   acceptance and its host sync, the crop, the lookup itself), as a moving average per d, read
   off the least-squares line through those averages (every d, measured or not), or from one
   measured point and ``PRIOR_SLOPE`` (a draft adds this share of a step); each length's first
-  round is not counted (first-call costs at a new shape). Wall time is what a
-  user waits for, on any backend: a round syncs once, so on a GPU it holds the kernels too.
-  Costs are a property of the model on its machine, not of the text: they carry over from one
-  ``generate`` call to the next on the same applied model (``auto`` keeps one policy a model;
-  acceptance starts from the prior each call), so a short decode does not spend its first
-  rounds relearning them.
+  round is not counted (first-call costs at a new shape), nor a decode's last round (no
+  ``propose`` follows it; where the budget's last token is left to a plain step, the round
+  before it goes unobserved too: a round that left exactly one token to go rejected a draft
+  more often than most, and counting it would bias alpha low on short decodes). Wall time is
+  what a user waits for, on any backend: a round syncs once, so on a GPU it holds the kernels
+  too. Costs are a property of the model on its machine, not of the text: they carry over from
+  one ``generate`` call to the next on the same applied model (``auto`` keeps its policies
+  with the model; acceptance starts from the prior each call), so a short decode does not
+  spend its first rounds relearning them.
 - Once drafting is off it is probed: after ``PROBE_EVERY`` declined rounds with a match, one
   round drafts a single token, so alpha and C(1) keep being measured (at most 1/PROBE_EVERY of
   the rounds pay a one-token verify).
 
-The drafter is prompt lookup (``leapfx.runtime.lookup``): a round without a match is a plain
-step whatever the policy says. Lossless for any choice: only the draft lengths change.
-Greedy tokens are identical to the full model's; the lengths (and so the sampled stream of a
-seeded generator) depend on timing, the sampled distribution does not.
+``auto``'s drafter is prompt lookup (``leapfx.runtime.lookup``), through an
+:class:`AdaptiveDrafter` with no drafter of its own (a drafting recipe's ``adaptive=True``
+adds its own): a round without a match is a plain step whatever the policy says. Lossless for
+any choice: only the draft lengths change. Greedy tokens are identical to the full model's;
+the lengths (and so the sampled stream of a seeded generator) depend on timing, the sampled
+distribution does not.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from .lookup import Drafts, LookupFirst, PromptLookup, copied_draft, drafted_loop
+from .lookup import Drafts, LookupFirst, PromptLookup, copied_draft
 from .metrics import DecodeMetrics
 from .runner import StageRunner
-from .schedules import DecodeRequest, Draft, Drafter, Output, no_draft
+from .schedules import DecodeRequest, Draft, Drafter, Output, no_draft, speculative_loop
 
 DECAY = 0.9  # per drafting round: the acceptance counts' memory is ~10 rounds
 COST_EMA = 0.2  # weight of a new round's time in its length's moving average
@@ -63,6 +67,25 @@ SHRINK = 2.0  # pseudo-rounds at the pooled rate in each n-gram length's accepta
 def expected_tokens(alpha: float, d: int) -> float:
     """E(d) = 1 + alpha + ... + alpha^d: tokens a round of d drafts emits (bonus included)."""
     return d + 1.0 if alpha >= 1.0 else (1 - alpha ** (d + 1)) / (1 - alpha)
+
+
+class ProbeGate:
+    """Whether a round with drafts available drafts: "draft" where the best choice beats a
+    plain step by ``MARGIN``; else "decline", and every ``PROBE_EVERY``-th declined round in a
+    row "probe" (one draft, so that acceptance and costs keep being measured)."""
+
+    def __init__(self) -> None:
+        self.declined = 0  # rounds with drafts available that drafted none, since the last draft
+
+    def __call__(self, gain: float) -> str:
+        if gain > 1.0 + MARGIN:
+            self.declined = 0
+            return "draft"
+        self.declined += 1
+        if self.declined >= PROBE_EVERY:  # keep measuring what drafting would give
+            self.declined = 0
+            return "probe"
+        return "decline"
 
 
 class DraftPolicy:
@@ -86,7 +109,7 @@ class DraftPolicy:
         """A new decode: acceptance back to the prior (it is the text's); costs are kept."""
         self.accepted, self.rejections = 1.0, 1.0  # pooled; prior: alpha 0.5
         self.by_key: dict[int, list[float]] = {}  # n-gram length -> [accepted, rejections]
-        self.declined = 0  # rounds with drafts available that drafted none, since the last draft
+        self.gate = ProbeGate()
 
     @property
     def alpha(self) -> float:
@@ -141,14 +164,7 @@ class DraftPolicy:
         best, gain = self.best(available, key)
         if best == 0:
             return 0
-        if gain > 1.0 + MARGIN:
-            self.declined = 0
-            return best
-        self.declined += 1
-        if self.declined >= PROBE_EVERY:  # keep measuring what drafting would give
-            self.declined = 0
-            return 1
-        return 0
+        return {"draft": best, "probe": 1, "decline": 0}[self.gate(gain)]
 
     def observe(self, drafted: int, accepted: int, seconds: float, key: int | None = None) -> None:
         """A round drafted ``drafted`` tokens from a match of kind ``key``, kept ``accepted``
@@ -166,62 +182,6 @@ class DraftPolicy:
             return
         old = self.costs.get(drafted)
         self.costs[drafted] = seconds if old is None else old + COST_EMA * (seconds - old)
-
-
-class AdaptiveLookup:
-    """Prompt lookup whose draft length a :class:`DraftPolicy` picks each round.
-
-    ``propose`` learns the last round's outcome from what arrived since: with d drafts the
-    text grew by k + 1 tokens (k accepted and the correction or bonus), timed from the last
-    ``propose`` to this one."""
-
-    def __init__(
-        self,
-        prompt: Sequence[int],
-        max_drafts: int,
-        max_ngram: int,
-        min_ngram: int,
-        policy: DraftPolicy | None = None,
-    ):
-        self.lookup = PromptLookup(prompt, max_ngram, min_ngram)
-        if policy is None or policy.max_drafts != max_drafts:
-            policy = DraftPolicy(max_drafts)
-        policy.restart()
-        self.policy = policy
-        # (drafted, the match's n-gram length, text length, start time)
-        self._last: tuple[int, int, int, float] | None = None
-
-    def propose(self, generated: Sequence[int], d: int) -> Drafts:
-        now = time.perf_counter()
-        if self._last is not None:
-            drafted, key, length, start = self._last
-            accepted = min(max(len(generated) - length - 1, 0), drafted)
-            self.policy.observe(drafted, accepted, now - start, key)
-        match = self.lookup.propose(generated, d)
-        n = self.policy.choose(len(match.tokens), match.ngram)
-        if n == 0:
-            proposal = Drafts((), "declined" if match.tokens else "none")
-        else:
-            proposal = Drafts(match.tokens[:n], match.drafter, match.ngram)
-        self._last = (n, match.ngram, len(generated), now)
-        return proposal
-
-
-def auto(
-    runner: StageRunner,
-    prompt: torch.Tensor,
-    request: DecodeRequest,
-    metrics: DecodeMetrics,
-    num_speculations: int,
-    max_ngram: int,
-    min_ngram: int,
-    policy: DraftPolicy | None = None,
-) -> list[int]:
-    """Adaptive prompt-lookup decoding: at most ``num_speculations`` drafts a round, as many as
-    pay for themselves (none where none do). ``policy``: the model's, whose measured costs carry
-    over between calls (a fresh one when None)."""
-    drafter = AdaptiveLookup(prompt[0].tolist(), num_speculations, max_ngram, min_ngram, policy)
-    return drafted_loop(runner, prompt, request, metrics, num_speculations, drafter)
 
 
 class Policies(dict):
@@ -245,7 +205,12 @@ class AdaptiveDrafter(Drafter):
     of them share). A choice drafts when it beats a plain step by ``MARGIN``; while none does,
     every ``PROBE_EVERY``-th round drafts one token with each choice in turn, so their
     acceptance and costs stay measured. Lossless for any choice: every round is verified by
-    the full model (a lookup round by ``own.target``, as :class:`lookup.LookupThen`)."""
+    the full model (a lookup round by ``own.target``, as :class:`lookup.LookupThen`).
+
+    ``own`` None: prompt lookup alone (the ``auto`` recipe). An ``own`` drafter that is
+    ``exploring`` (swift's online skip-set search) runs every round until its search ends;
+    one that is ``idle`` (the search found no set that pays) is no choice: lookup, where the
+    text has a match, or plain steps."""
 
     def __init__(
         self, own: Drafter | None, lookup: PromptLookup | None, policies: Policies
@@ -254,7 +219,7 @@ class AdaptiveDrafter(Drafter):
         for policy in policies.values():
             policy.restart()
         self.name = own.name if own is not None else None
-        self.declined = 0
+        self.gate = ProbeGate()
         self._probes = 0
         # the last round: (choice or None for a plain step, drafted, key, start time)
         self._last: tuple[str | None, int, int | None, float] | None = None
@@ -278,32 +243,34 @@ class AdaptiveDrafter(Drafter):
             self.policies[choice].observe(drafted, min(self._kept, drafted), seconds, key)
 
     def propose(self, runner, x, start, d, request, out) -> Draft:
+        if self.own is not None and self.own.exploring:
+            # it measures choices of its own (swift's online skip-set search): its rounds, at
+            # full length, left out of the policies (they measure what it will not draft with)
+            self._last = None
+            return self.own.propose(runner, x, start, d, request, out)
+        if d == 0:  # the budget's last token: unobserved, as the round before it (module doc)
+            return no_draft(x)
         now = time.perf_counter()
         if self._last is not None:
             self._observe(now)
         self._last, self._kept = None, 0
-        if d == 0:
-            return no_draft(x)
         options = []  # (gain, choice, drafts, key)
         match = self.lookup.propose(out.tokens, d) if self.lookup is not None else None
         if match is not None and match.tokens:
             n, gain = self.policies["lookup"].best(len(match.tokens), match.ngram)
             options.append((gain, "lookup", n, match.ngram))
-        if self.own is not None:
+        if self.own is not None and not self.own.idle:
             n, gain = self.policies[self.own.name].best(d)
             options.append((gain, self.own.name, n, None))
         if not options:
             self._last = (None, 0, None, now)
             return no_draft(x, "none")
         gain, choice, n, key = max(options, key=lambda o: o[0])
-        if gain > 1.0 + MARGIN:
-            self.declined = 0
-        else:
-            self.declined += 1
-            if self.declined < PROBE_EVERY:
-                self._last = (None, 0, None, now)
-                return no_draft(x, "declined")
-            self.declined = 0  # a probe: one draft with each choice in turn
+        verdict = self.gate(gain)
+        if verdict == "decline":
+            self._last = (None, 0, None, now)
+            return no_draft(x, "declined")
+        if verdict == "probe":  # one draft with each choice in turn
             _, choice, _, key = options[self._probes % len(options)]
             self._probes += 1
             n = 1
@@ -323,6 +290,26 @@ class AdaptiveDrafter(Drafter):
         self._kept = k
         if self.own is not None:
             self.own.accepted(runner, start, k)
+
+
+def auto(
+    runner: StageRunner,
+    prompt: torch.Tensor,
+    request: DecodeRequest,
+    metrics: DecodeMetrics,
+    num_speculations: int,
+    max_ngram: int,
+    min_ngram: int,
+    policies: Policies | None = None,
+) -> list[int]:
+    """Adaptive prompt-lookup decoding: at most ``num_speculations`` drafts a round, as many as
+    pay for themselves (none where none do): an :class:`AdaptiveDrafter` with prompt lookup
+    and no drafter of its own. ``policies``: the model's, whose measured costs carry over
+    between calls (fresh ones when None)."""
+    metrics.num_speculations = num_speculations
+    lookup = PromptLookup(prompt[0].tolist(), max_ngram, min_ngram)
+    drafter = AdaptiveDrafter(None, lookup, policies if policies is not None else Policies())
+    return speculative_loop(runner, prompt, request, metrics, num_speculations, drafter)
 
 
 @dataclass(frozen=True)

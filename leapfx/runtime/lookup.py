@@ -167,8 +167,8 @@ def copied_draft(proposal: Drafts, x: torch.Tensor) -> Draft:
 
 class TextDrafter(Drafter):
     """A drafter that reads the text so far (``source.propose(generated, d) -> Drafts``:
-    :class:`PromptLookup`, ``adaptive.AdaptiveLookup``); each round verified by one full-model
-    call over [x, drafts] (the same stage as prefill: any length, every backend)."""
+    :class:`PromptLookup`); each round verified by one full-model call over [x, drafts] (the
+    same stage as prefill: any length, every backend)."""
 
     def __init__(self, source) -> None:
         self.source = source

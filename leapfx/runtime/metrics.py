@@ -26,6 +26,10 @@ drafter and, with its ``lookup=True``, prompt lookup before it):
   chose a plain step); those rounds are full calls, not verify steps, so acceptance and mean
   accepted length count only rounds that drafted;
 - ``ngram_matches``  = {n: rounds whose drafts continued a match of the last n tokens}.
+
+``swift`` with ``search="online"``: ``skip_search`` = the on-the-fly skip-set search after the
+call (``OnlineSkipSearch.as_dict``: whether it is done, the set it drafts with, every trial's
+rounds, acceptance and tokens/s); None for every other schedule.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ class DecodeMetrics:
     cpu_kernels: bool | None = None  # the stages ran leapfx's CPU kernels (None: not recorded)
     drafter_rounds: dict[str, int] = field(default_factory=dict)  # rounds per drafter
     ngram_matches: dict[int, int] = field(default_factory=dict)  # prompt lookup: n -> rounds
+    skip_search: dict | None = None  # swift's online skip-set search after the call
 
     def record_round(self, drafter: str, ngram: int = 0) -> None:
         """A round drafted with ``drafter`` ("none": drafted nothing); ``ngram`` > 0: its
@@ -148,4 +153,5 @@ class DecodeMetrics:
             "cpu_kernels": self.cpu_kernels,
             "drafter_rounds": dict(self.drafter_rounds),
             "ngram_matches": {str(k): v for k, v in sorted(self.ngram_matches.items())},
+            "skip_search": self.skip_search,
         }

@@ -127,6 +127,14 @@ class SpeculativeModel(GenerateFrontEnd):
         self.calibration = None
 
     @property
+    def skip_search(self) -> Any:
+        """swift with ``search="online"``: its on-the-fly skip-set search
+        (``leapfx.runtime.skip_search.OnlineSkipSearch``: ``summary()``, ``as_dict()``,
+        ``reset()``), whose trials and choice carry over from one ``generate`` call to the
+        next; None for any other model."""
+        return getattr(self.recipe.schedule, "keywords", {}).get("search")
+
+    @property
     def hf_model(self) -> nn.Module:
         """The original HF model (shared, never modified)."""
         return self._hf_model
@@ -382,6 +390,12 @@ class SpeculativeModel(GenerateFrontEnd):
             raise ValueError(
                 f"calibrate: recipe {self.recipe.name!r} has no skip set to calibrate; allowed: "
                 "a 'swift' model (rewrite.apply(model, 'swift'))"
+            )
+        if self.skip_search is not None:
+            raise ValueError(
+                "calibrate: this swift model searches its skip set while decoding "
+                "(search='online'; sm.skip_search holds it); allowed: a model applied with "
+                "search=None"
             )
         num_layers = self.config.num_hidden_layers
         ok = (

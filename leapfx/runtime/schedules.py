@@ -319,9 +319,16 @@ class Drafter:
     copied drafts); ``propose`` drafts up to d tokens from x at ``start``; ``verify`` gives
     the d + 1 target distributions of a round it drafted (by default one ``target`` call over
     [x, drafts]); ``accepted`` hears how many drafts the round kept (k; 0 after a plain step),
-    after the cache was cropped to start + k + 1."""
+    after the cache was cropped to start + k + 1.
+
+    What the adaptive drafter (``adaptive.AdaptiveDrafter``) reads of the drafter it chooses
+    for: ``exploring``, the drafter is measuring choices of its own (swift's online skip-set
+    search) and is given every round, at full length; ``idle``, it has found nothing worth
+    drafting (no skip set pays) and is no choice."""
 
     name: str | None = None
+    exploring: bool = False
+    idle: bool = False
 
     def prefill(self, runner: StageRunner, prompt: torch.Tensor) -> torch.Tensor:
         """Logits [1, n, V] of the prompt [1, n]; fills every slot the drafter reads."""

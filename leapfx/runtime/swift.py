@@ -18,24 +18,41 @@ measures fastest, while the measured speed improves. Host syncs: one a round.
 Calibration (``SpeculativeModel.calibrate``, offline): :func:`fastest_skip_set` runs that
 search over a measured score, :func:`measured_speed` (tokens/s of real greedy decodes of the
 calibration prompts), and :class:`SwiftParts` saves the set it found with the parts
-(``passes.skip_checkpoint``). SWIFT's on-the-fly search during decoding is not implemented.
+(``passes.skip_checkpoint``).
+
+On the fly (``search="online"``, SWIFT sec. 4.1): ``skip_search.OnlineSkipSearch`` chooses
+each round's set during decoding, from the trials it measures, and ends on the fastest (or
+on none: plain steps) (:class:`OnlineSkipDrafter`). The set is a runtime choice, so its
+draft stage is cut when first tried (:class:`SkipStages`: ``passes.skip_layers.skip_stage``
+of the ``full`` executor the runner holds, eager or the CPU kernels' copy, sharing its
+modules) and kept for the model's later rounds. A small cache of cut stages rather than one
+executor that skips layers at run time: a cut stage is the same code the fixed-set recipe
+runs (the same cost, which is what the search measures), cutting one takes milliseconds
+once a set, and an executor that decides per layer at run time would need a graph with
+branches that no other stage has.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
+import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import fx
 
 from ..passes.adapter_checkpoint import host_signature
 from ..passes.skip_checkpoint import write_skip_set
+from ..passes.skip_layers import skip_stage
 from .metrics import DecodeMetrics
 from .runner import StageRunner
 from .sampling import SamplingParams, probs
 from .schedules import DecodeRequest, Draft, Drafter, FirstDrafter, no_draft, run_drafter
+from .skip_search import OnlineSkipSearch
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +91,102 @@ class SkipDrafter(Drafter):
         return Draft(drafts, q, self.name)
 
 
+class SkipStages:
+    """Draft stages cut at decode time, one a skip set (the online search's candidates), from
+    the ``full`` executor the runner holds; the ``size`` most recently used are kept, and all
+    dropped when the model's ``full`` executor changes (``use_cpu_kernels``)."""
+
+    def __init__(self, size: int = 8) -> None:
+        self.size = size
+        self._full: Any = None
+        self._stages: OrderedDict[tuple[int, ...], fx.GraphModule] = OrderedDict()
+
+    def runner(self, runner: StageRunner, skip: tuple[int, ...]) -> StageRunner:
+        """``runner`` with ``draft`` the stage that skips ``skip`` (the same cache, clock and
+        masks; the other stages unchanged)."""
+        full = runner.stages["full"]
+        if full is not self._full:
+            if not isinstance(full, fx.GraphModule):
+                raise ValueError(
+                    f"search: 'online' cuts draft stages from the eager 'full' stage; this model's "
+                    f"is a {type(full).__name__} (allowed: the eager backend, with or without "
+                    "cpu_kernels)"
+                )
+            self._full, self._stages = full, OrderedDict()
+        stage = self._stages.get(skip)
+        if stage is None:
+            stage = skip_stage(full, skip)
+            free = getattr(full, "mask_free", None)
+            if free is not None:  # the kernels' rule: the draft's layers are full's, fewer
+                stage.mask_free = free
+            self._stages[skip] = stage
+            if len(self._stages) > self.size:
+                self._stages.popitem(last=False)
+        self._stages.move_to_end(skip)
+        view = copy.copy(runner)  # shares the cache, positions and stage timings
+        view.stages = {**runner.stages, "draft": stage}
+        return view
+
+
+class OnlineSkipDrafter(SkipDrafter):
+    """Drafts each round with the set the online search asks for (``search.current``; none:
+    a plain step, counted "declined") and tells it how the round went: drafts kept (from
+    ``accepted``) and wall time, from this ``propose`` to the next (the verify, acceptance
+    and host sync included, as a user waits for them). A round another drafter ran in between
+    (``lookup=True``, ``adaptive=True``) leaves the time of this drafter's last round unknown
+    (its acceptance still counts).
+
+    ``exploring`` while the search runs (the adaptive drafter then gives it every round at
+    full length: its trials are measurements), ``idle`` once it has found that no set pays
+    (the adaptive drafter then leaves it out)."""
+
+    def __init__(self, search: OnlineSkipSearch, stages: SkipStages) -> None:
+        self.search, self.stages = search, stages
+        self._round: tuple[tuple[int, ...], int, float] | None = None  # skip, drafted, start
+        self._kept: int | None = None  # that round's accepted drafts (``accepted``)
+        self._between = False  # another round's ``accepted`` came after it
+
+    @property
+    def exploring(self) -> bool:
+        return self.search.exploring
+
+    @property
+    def idle(self) -> bool:
+        return not self.search.exploring and not self.search.chosen
+
+    def propose(self, runner, x, start, d, request, out) -> Draft:
+        now = time.perf_counter()
+        self.finish(now)
+        if d == 0:
+            return no_draft(x)
+        skip = self.search.current
+        if not skip:  # the baseline's plain steps, or no set pays
+            self._round = (skip, 0, now)
+            return no_draft(x, "declined")
+        drafts, q = draft_skip(self.stages.runner(runner, skip), x, start, d, request)
+        runner.cache.crop(start)  # the kept layers' draft keys: verify rewrites every layer's
+        self._round = (skip, drafts.shape[1], now)
+        return Draft(drafts, q, self.name)
+
+    def accepted(self, runner, start, k):
+        if self._round is None:
+            return
+        if self._kept is None:
+            self._kept = k
+        else:
+            self._between = True
+
+    def finish(self, now: float) -> None:
+        """Tell the search how this drafter's last round went, ``now`` its end: at the next
+        ``propose``, and at the end of the decode (every round is observed, the last one
+        too, so that none is left out for what came after it)."""
+        if self._round is not None and self._kept is not None:
+            skip, drafted, began = self._round
+            seconds = None if self._between else now - began
+            self.search.observe(skip, drafted, self._kept, seconds)
+        self._round, self._kept, self._between = None, None, False
+
+
 def swift(
     runner: StageRunner,
     prompt: torch.Tensor,
@@ -81,12 +194,23 @@ def swift(
     metrics: DecodeMetrics,
     num_speculations: int,
     first: FirstDrafter | None = None,
+    search: OnlineSkipSearch | None = None,
+    stages: SkipStages | None = None,
 ) -> list[int]:
     """Draft with the layer-skipped model, verify with the full one. ``first``: a drafter
     tried before the layer-skipped one each round (``lookup=True``; nothing but the cache
-    outlives a swift round, and its verify is the same full call)."""
+    outlives a swift round, and its verify is the same full call). ``search``: the model's
+    online skip-set search (``search="online"``), whose state the decode goes on from and
+    whose account lands in ``metrics.skip_search``; ``stages``: its cut draft stages."""
     metrics.num_speculations = num_speculations
-    return run_drafter(runner, prompt, request, metrics, num_speculations, SkipDrafter(), first)
+    if search is None:
+        return run_drafter(runner, prompt, request, metrics, num_speculations, SkipDrafter(), first)
+    search.bind(len(runner.layout.kinds))
+    drafter = OnlineSkipDrafter(search, stages if stages is not None else SkipStages())
+    tokens = run_drafter(runner, prompt, request, metrics, num_speculations, drafter, first)
+    drafter.finish(time.perf_counter())
+    metrics.skip_search = search.as_dict()
+    return tokens
 
 
 def search_skip_set(
@@ -97,7 +221,7 @@ def search_skip_set(
     the current set; returns (the set, its score). ``evaluate(())`` is the baseline (no
     drafting). At most ``max_skip`` layers (default L - 2). O(L^2) evaluations.
 
-    >>> search_skip_set(lambda s: -abs(len(s) - 2) - 0.1 * sum(s), 5)
+    >>> search_skip_set(lambda s: -abs(len(s) - 2) - sum(s) / 10, 5)
     ((1, 2), -0.3)
     """
     max_skip = num_layers - 2 if max_skip is None else max_skip
@@ -205,7 +329,8 @@ def fastest_skip_set(
 
 class SwiftParts:
     """``swift``'s parts (a ``RecipeTraining``): nothing trains; ``save`` writes the skip set
-    (``SpeculativeModel.save_parts``), with the calibration that chose it if any."""
+    (``SpeculativeModel.save_parts``), with the calibration that chose it if any; with
+    ``search="online"``, the set the search chose where it chose one (else the starting set)."""
 
     def fit(self, model: Any, data: Any, **options: Any) -> Any:
         raise ValueError(
@@ -216,12 +341,16 @@ class SwiftParts:
 
     def save(self, model: Any, path: Any) -> Any:
         o = model.options
+        skip = o.skip_layers
+        search = model.skip_search
+        if search is not None and search.chosen:
+            skip = search.chosen  # the online search's choice, to draft with it from the start
         calibration = model.calibration
-        if calibration is not None and calibration.skip_layers != o.skip_layers:
+        if calibration is not None and calibration.skip_layers != skip:
             calibration = None  # it measured another set
         return write_skip_set(
             path,
-            options={"skip_layers": list(o.skip_layers), "num_speculations": o.num_speculations},
+            options={"skip_layers": list(skip), "num_speculations": o.num_speculations},
             host=host_signature(model.config),
             calibration=None if calibration is None else calibration.as_dict(),
         )
