@@ -50,6 +50,7 @@ from tqdm.auto import tqdm
 from leapfx.options import check_bool, check_int, check_number
 from leapfx.passes.adapter_checkpoint import host_signature
 from leapfx.passes.capture import decoder_parts
+from leapfx.passes.draft_vocab import install_ranking, ranking_of, token_ranking
 from leapfx.passes.eagle_checkpoint import write_eagle_head
 from leapfx.passes.eagle_head import eagle_head_of, previous_hidden
 from leapfx.runtime.masks import masks_for
@@ -198,6 +199,10 @@ def fit(sm, data: Any, *, tokenizer=None, eval_data: Any = None, **options: Any)
             f"fit: the EAGLE head is on {params[0].device} but the model on {device}; move the "
             "model to the device before rewrite.apply (the head is built where the model is)"
         )
+    # The training data's token ranking: the vocabulary subset of draft_vocab, saved with the
+    # parts (any N can be chosen when they are applied).
+    install_ranking(sm.graph_module, token_ranking(stream, sm.config.vocab_size),
+                    decoder_parts(sm.hf_model).head)  # fmt: skip
     result = EagleFitResult(steps=config.steps)
     if eval_data is not None:
         result.agreement_before = evaluate_agreement(
@@ -250,6 +255,7 @@ def save_parts(sm, path: str | Path, *, extra: dict[str, Any] | None = None) -> 
         options=options,
         host=host_signature(sm.config),
         extra=extra,
+        ranking=ranking_of(sm.graph_module),
     )
 
 

@@ -46,6 +46,7 @@ from leapfx.options import check_bool, check_int, check_number
 from leapfx.passes.adapter import adapter_of
 from leapfx.passes.adapter_checkpoint import host_signature, write_adapter
 from leapfx.passes.capture import decoder_parts
+from leapfx.passes.draft_vocab import install_ranking, ranking_of, token_ranking
 from leapfx.runtime.masks import masks_for
 from leapfx.train.fit_options import fit_config, on_plain_stages, optimizer_step
 
@@ -202,6 +203,9 @@ def fit(sm, data: Any, *, tokenizer=None, **options: Any) -> FitResult:
             f"fit: the adapter is on {adapter_device} but the model on {model_device}; move the "
             "model to the device before rewrite.apply (the adapter is built where the model is)"
         )
+    # The training data's token ranking: the subset of draft_vocab, saved with the adapter.
+    install_ranking(sm.graph_module, token_ranking(stream, sm.config.vocab_size),
+                    decoder_parts(sm.hf_model).head)  # fmt: skip
     optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
     generator = torch.Generator().manual_seed(config.seed)
     result = FitResult(steps=config.steps)
@@ -233,4 +237,5 @@ def save_adapter(sm, path: str | Path) -> Path:
         recipe=sm.recipe.name,
         options=options,
         host=host_signature(sm.config),
+        ranking=ranking_of(sm.graph_module),
     )
