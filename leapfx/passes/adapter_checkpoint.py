@@ -67,6 +67,7 @@ def write_adapter(
     options: dict[str, Any],
     host: dict[str, Any],
     ranking=None,
+    extra: dict[str, Any] | None = None,
 ) -> Path:
     """Write ``adapter`` and its metadata to the directory ``path`` (replaced if it exists),
     and the token ranking [V] (``passes.draft_vocab``) when given."""
@@ -77,6 +78,7 @@ def write_adapter(
         "options": options,
         "host": host,
         "parameters": sum(t.numel() for t in tensors.values()),
+        **(extra or {}),
     }
 
     def write(tmp: Path) -> None:

