@@ -154,6 +154,7 @@ def train_drafter(
     from leapfx.options import check_int
     from leapfx.train.eagle import EagleFitConfig
     from leapfx.train.features import cached_features
+    from leapfx.train.fit_checkpoint import RUNTIME_FIELDS
     from leapfx.train.kangaroo import KangarooFitConfig
     from leapfx.train.sources import check_data, training_data
     from leapfx.train.trainer import describe_device, resolve_device
@@ -187,7 +188,9 @@ def train_drafter(
         train = cached_features(hf_model, text.train, seq_len=config.seq_len, windows=features,
                                 layers=_layers(sm, recipe), cache_dir=cache,
                                 key={"data": text.info["sha256"]}, progress=progress)  # fmt: skip
-    run_key = _key(str(Path(out).resolve()), recipe, text.info["sha256"], options, fit,
+    # Keyed by what changes the steps, not by how the run is watched or stopped (--minutes).
+    steps_fit = {k: v for k, v in fit.items() if k not in RUNTIME_FIELDS}
+    run_key = _key(str(Path(out).resolve()), recipe, text.info["sha256"], options, steps_fit,
                    features, start_from is not None)  # fmt: skip
     checkpoints = cache / "checkpoints" / f"{recipe}-{run_key}"
     if fresh:
