@@ -191,3 +191,28 @@ def test_a_ranking_of_another_vocabulary_is_refused(tmp_path):
     write_ranking(tmp_path / "p", torch.arange(20))
     with pytest.raises(ValueError, match="ranks 20 ids and this model's vocabulary has 32"):
         rewrite.apply(model, "eagle", parts=tmp_path / "p", draft_vocab=4)
+
+
+def test_bench_adds_the_vocabulary_subset_row(tmp_path):
+    """``leapfx bench --recipe eagle`` with parts that hold a ranking, on a vocabulary large
+    enough: leapfx_eagle_vocab beside leapfx_eagle, both lossless."""
+    from leapfx.bench.harness import EAGLE_DRAFT_VOCAB
+    from leapfx.cli import main
+    from leapfx.train.data import byte_tokenizer
+
+    tok = byte_tokenizer()
+    vocab = 4 * EAGLE_DRAFT_VOCAB  # the byte tokenizer uses the first 259 ids
+    model = tiny_model("llama", layers=3, vocab=vocab, eos=tok.eos_token_id, heads=2, head_dim=8)
+    model.save_pretrained(tmp_path / "ckpt")
+    tok.save_pretrained(tmp_path / "ckpt")
+    sm = rewrite.apply(model, "eagle", max_draft_tokens=3)
+    sm.fit(torch.randint(0, 259, (200,)), steps=2, batch_size=2, seq_len=16, progress=False)
+    sm.save_parts(tmp_path / "parts")
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--model", str(tmp_path / "ckpt"), "--recipe", "eagle", "--prompts", "1",
+            "--max-new-tokens", "8", "--repeats", "1", "--warmup", "0", "--quiet",
+            "--eagle-parts", str(tmp_path / "parts"), "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    rows = {r["system"]: r for r in json.loads(out.read_text())}
+    assert list(rows)[-2:] == ["leapfx_eagle", "leapfx_eagle_vocab"]
+    assert rows["leapfx_eagle_vocab"]["identical_to_greedy"]

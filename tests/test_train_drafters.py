@@ -25,6 +25,7 @@ from leapfx.train.sources import training_data
 from tests.conftest import tiny_model
 
 COMMANDS = ("train-eagle", "train-kangaroo", "train-m2r2", "train-specee")
+PARTS_JSON = {"eagle": "eagle_head.json", "kangaroo": "adapter.json"}
 TEXT = "".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n\n" for i in range(120))
 
 
@@ -84,11 +85,13 @@ def test_the_reference_models_own_parts_keep_their_default_place():
 
 
 def _fake_generator(outputs: list[str], tok):
-    """A ``complete`` that returns the given texts in turn (the generator's output)."""
+    """A ``complete`` that answers each prompt with the next of the given texts (the
+    generator's output)."""
     queue = list(outputs)
 
-    def complete(ids, max_new_tokens, sample, generator):
-        return torch.tensor([tok(queue.pop(0), add_special_tokens=False)["input_ids"]])
+    def complete(prompts, max_new_tokens, sample, generator):
+        texts = [queue.pop(0) for _ in prompts]
+        return [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
 
     return complete
 
@@ -97,11 +100,14 @@ def test_self_data_never_holds_a_benchmark_prompt():
     tok = byte_tokenizer()
     humaneval = humaneval_prompts()
     outputs = [
-        CHAT_PROMPTS[3],  # an instruction that is a benchmark prompt: dropped
-        "How do I boil an egg?", "Put it in boiling water for nine minutes.",  # kept
-        "Please " + CHAT_PROMPTS[0].lower(),  # a benchmark prompt inside a longer one: dropped
-        "Write a function.", "Sure:\n" + humaneval[5],  # a response holding HumanEval's: dropped
-        "What is a list?", "A list holds items in order.",  # kept
+        # round 1: two questions, the first a benchmark prompt (dropped); one answer
+        CHAT_PROMPTS[3], "How do I boil an egg?", "Put it in boiling water for nine minutes.",
+        # round 2: a benchmark prompt inside a longer question (dropped)
+        "Please " + CHAT_PROMPTS[0].lower(),
+        # round 3: an answer holding a HumanEval prompt (dropped)
+        "Write a function.", "Sure:\n" + humaneval[5],
+        # round 4: kept
+        "What is a list?", "A list holds items in order.",
     ]  # fmt: skip
     data = self_pairs(None, tok, pairs=2, exclude=benchmark_texts(),
                       complete=_fake_generator(outputs, tok))  # fmt: skip
@@ -178,14 +184,14 @@ def test_resumed_run_gives_the_uninterrupted_runs_parts(recipe, checkpoint, corp
     assert main([*common, "--out", str(tmp_path / "whole")]) == 0
     # stopped by its clock after every step, then the same command again, then without a clock
     interrupted = [*common, "--out", str(tmp_path / "parts")]
-    for _ in range(2):
+    for steps in (1, 2):
         assert main([*interrupted, "--minutes", "1e-9"]) == 0
-        assert not (tmp_path / "parts").exists()
+        meta = json.loads((tmp_path / "parts" / PARTS_JSON[recipe]).read_text())
+        assert meta["training"][-1]["steps"] == steps and not meta["training"][-1]["finished"]
     assert main(interrupted) == 0
     a, b = _parts(tmp_path / "whole", recipe), _parts(tmp_path / "parts", recipe)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    meta = json.loads((tmp_path / "parts" / f"{'eagle_head' if recipe == 'eagle' else 'adapter'}"
-                       ".json").read_text())  # fmt: skip
+    meta = json.loads((tmp_path / "parts" / PARTS_JSON[recipe]).read_text())
     run = meta["training"][-1]
     assert run["steps"] == 6 and run["finished"] and run["data"]["kind"] == "file"
     assert 0 <= run["held_out_agreement_after"] <= 1 and "held_out_agreement_subset" in run

@@ -95,7 +95,7 @@ def add_drafter_training(
     parser.add_argument("--lr", type=float, default=lr)
     parser.add_argument("--seed", type=int, default=0, help="batches, noise and self data")
     parser.add_argument(
-        "--features", type=int, default=1024,
+        "--features", type=int, default=512,
         help="windows of --seq-len whose teacher states are collected once and cached (0: the "
         "model runs at every step on random windows)",
     )  # fmt: skip

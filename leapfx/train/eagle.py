@@ -36,7 +36,6 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -291,82 +290,3 @@ def save_parts(sm, path: str | Path, *, extra: dict[str, Any] | None = None) -> 
         extra=extra,
         ranking=ranking_of(sm.graph_module),
     )
-
-
-def train_reference_head(
-    out: str | Path,
-    *,
-    model_path: str | Path | None = None,
-    steps: int = 2000,
-    minutes: float = 0.0,
-    batch_size: int = 8,
-    seq_len: int = 256,
-    lr: float = 1e-3,
-    threads: int | None = None,
-    device: str = "cpu",
-    corpus_root: str | Path | None = None,
-    resume: bool = False,
-    progress: bool = False,
-    eval_bytes: int = 32768,
-    seed: int = 0,
-) -> dict[str, Any]:
-    """``leapfx train-eagle``: train the reference model's EAGLE head and write it to ``out``.
-
-    The stdlib corpus's training split (as the reference model's), the first ``eval_bytes``
-    of its held-out split for the agreement report. ``resume``: start from the head already in
-    ``out`` (a run is cheap to continue: the head is the only state; give another ``seed`` so
-    it draws other windows). ``minutes`` > 0 stops at that wall time. Returns the run's summary;
-    ``eagle_head.json`` lists the summaries of every run the head came from under
-    ``"training"``.
-    """
-    import platform
-
-    from leapfx import rewrite
-    from leapfx.models import load_model
-    from leapfx.train.data import encode_documents
-    from leapfx.train.reference import corpus_digest, reference_corpus
-    from leapfx.train.trainer import describe_device, resolve_device
-
-    options = dict(steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr,
-                   progress=progress, max_minutes=minutes, seed=seed)  # fmt: skip
-    EagleFitConfig(**options)  # checked before anything is loaded
-    torch_device = resolve_device(device, option="--device")
-    corpus = reference_corpus(corpus_root, option="--corpus-root")
-    if threads:
-        torch.set_num_threads(threads)
-    model, tokenizer = load_model(model_path)  # float32 on the CPU
-    model.to(torch_device)  # before rewrite.apply: the head is built on the model's device
-    train = encode_documents(tokenizer, corpus.train).long()
-    held = encode_documents(tokenizer, corpus.held_out).long()[:eval_bytes]
-    parts = str(out) if resume and (Path(out) / "eagle_head.json").is_file() else None
-    sm = rewrite.apply(model, "eagle", parts=parts)
-    result = fit(sm, train, eval_data=held, **options)
-    summary = {
-        "held_out_agreement_before": result.agreement_before,
-        "held_out_agreement_after": result.agreement_after,
-        "held_out_bytes": int(held.numel()),
-        "steps": len(result.losses),
-        "steps_asked": result.steps,
-        "seed": seed,
-        "resumed": parts is not None,
-        "batch_size": batch_size,
-        "seq_len": seq_len,
-        "lr": lr,
-        "final_loss": result.final_loss,
-        "final_reg_loss": result.reg_losses[-1],
-        "final_cls_loss": result.cls_losses[-1],
-        "seconds": result.seconds,
-        "device": describe_device(torch_device),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "corpus": {
-            "files": len(corpus.train) + len(corpus.held_out),
-            "sha256": corpus_digest(corpus),
-        },
-    }
-    history = []
-    if parts is not None:  # keep the runs this head came from
-        previous = json.loads((Path(out) / "eagle_head.json").read_text()).get("training", [])
-        history = previous if isinstance(previous, list) else [previous]
-    save_parts(sm, out, extra={"training": [*history, summary]})
-    return summary

@@ -13,10 +13,12 @@ that is). Any other model needs an ``out``. Caches and checkpoints live under ``
     features-<key>.safetensors   teacher states (``features``), keyed by model + data + settings
     self-<key>.jsonl             the model's own pairs (``--data self``)
     checkpoints/<recipe>-<key>/  the run's checkpoint (``fit_checkpoint``), keyed by out, model,
-                                 data and options; deleted once the parts are written
+                                 data and options; deleted once the run has taken all its steps
 
-A run stopped (by ``minutes`` or an interrupt) continues where its last checkpoint left off
-when the same command runs again; the same seed gives the same parts as a run never stopped.
+A run stopped by its clock (``minutes``) writes the parts it has so far (``"finished": false``
+in their summary) and a checkpoint; one stopped by an interrupt leaves its last checkpoint
+(every ``checkpoint_every`` steps). The same command again continues from the checkpoint, and
+the same seed gives the same parts as a run never stopped.
 
 The held-out report: the teacher-forced top-1 agreement of the drafter with the model before
 and after training (the share of held-out positions where the draft's greedy token is the
@@ -129,7 +131,7 @@ def train_drafter(
     apply: dict[str, Any] | None = None,
     fit: dict[str, Any] | None = None,
     resume: bool = False,
-    features: int = 1024,
+    features: int = 512,
     checkpoint_every: int = 100,
     fresh: bool = False,
     draft_vocab: int | None = None,
@@ -219,11 +221,11 @@ def train_drafter(
         summary["draft_vocab"] = draft_vocab
         summary["held_out_agreement_subset"] = _subset_agreement(sm, recipe, text.held_out,
                                                                  draft_vocab)  # fmt: skip
-    if not finished:
+    if not finished:  # the parts so far are written; the same command continues
         summary["checkpoint"] = str(checkpoints)
-        return summary  # the same command continues from the checkpoint
     _save(sm, recipe, out, start_from, summary)
-    shutil.rmtree(checkpoints, ignore_errors=True)
+    if finished:
+        shutil.rmtree(checkpoints, ignore_errors=True)
     summary["parts"] = str(out)
     return summary
 

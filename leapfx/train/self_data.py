@@ -90,30 +90,45 @@ class SelfData:
     seconds: float = 0.0
 
 
-# (prompt ids [1, P], max_new_tokens, sample: bool, generator) -> new ids [1, <= max_new_tokens]
-Complete = Callable[[torch.Tensor, int, bool, torch.Generator], torch.Tensor]
+# (prompts: token-id lists, max_new_tokens, sample, generator) -> each prompt's new token ids
+Complete = Callable[[list[list[int]], int, bool, torch.Generator], list[list[int]]]
 
 
-def hf_complete(model, eos_token_id: int | None) -> Complete:
-    """The model's own continuation (HF ``generate``): greedy, or sampled at temperature 0.8."""
+def hf_complete(model, tokenizer, batch_size: int = 16) -> Complete:
+    """The model's own continuations (HF ``generate``, ``batch_size`` prompts at a time, left
+    padded): greedy, or sampled at temperature 0.8. A batch decodes a small model's steps as
+    matrix products rather than vector products: several times the tokens per second of one
+    prompt at a time on a CPU."""
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
 
     @torch.no_grad()
-    def complete(ids, max_new_tokens, sample, generator):
-        torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=generator)))
-        out = model.generate(
-            ids.to(next(model.parameters()).device), max_new_tokens=max_new_tokens,
-            do_sample=sample, temperature=0.8 if sample else None, top_p=None, top_k=None,
-            eos_token_id=eos_token_id, pad_token_id=eos_token_id,
-        )  # fmt: skip
-        return out[:, ids.shape[1] :].cpu()
+    def complete(prompts, max_new_tokens, sample, generator):
+        device = next(model.parameters()).device
+        out: list[list[int]] = []
+        for b in range(0, len(prompts), batch_size):
+            chunk = prompts[b : b + batch_size]
+            width = max(len(p) for p in chunk)
+            ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+            torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=generator)))
+            new = model.generate(
+                ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
+                do_sample=sample, temperature=0.8 if sample else None, top_p=None, top_k=None,
+                eos_token_id=eos, pad_token_id=pad,
+            )[:, width:].cpu()  # fmt: skip
+            for row in new.tolist():
+                end = row.index(eos) if eos in row else len(row)
+                out.append(row[:end])
+        return out
 
     return complete
 
 
-def _chat_ids(tokenizer, text: str) -> torch.Tensor:
+def _chat_ids(tokenizer, text: str) -> list[int]:
     from leapfx.models.chat import encode
 
-    return torch.tensor([encode({"prompt": text}, tokenizer)])
+    return encode({"prompt": text}, tokenizer)
 
 
 def self_pairs(
@@ -132,8 +147,8 @@ def self_pairs(
 
     ``exclude``: the benchmark prompts (``leapfx.bench.prompt_sets.benchmark_texts()``, which
     this floor cannot import); ``complete`` replaces the model's generation (tests).
-    Deterministic for a seed. A pair touching a benchmark prompt is dropped and another drawn,
-    up to ``4 * pairs`` attempts.
+    Deterministic for a seed. Rounds of questions, then their answers, until ``pairs`` pairs
+    are kept (pairs touching a benchmark prompt are dropped), at most 4 rounds.
     """
     import time
 
@@ -141,31 +156,40 @@ def self_pairs(
     check_int("instruction_tokens", instruction_tokens, 1)
     check_int("response_tokens", response_tokens, 1)
     if complete is None:
-        complete = hf_complete(model, tokenizer.eos_token_id)
+        complete = hf_complete(model, tokenizer)
     guard = BenchmarkFilter.of(exclude)
     generator = torch.Generator().manual_seed(seed)
     data = SelfData()
     start = time.perf_counter()
     bar = tqdm(total=pairs, desc="self data", disable=not progress)
-    for attempt in range(4 * pairs):
-        if len(data.pairs) == pairs:
+    asked_so_far = 0
+    for _ in range(4):
+        need = pairs - len(data.pairs)
+        if need <= 0:
             break
-        topic = TOPICS[attempt % len(TOPICS)]
-        request = _chat_ids(tokenizer, INSTRUCTION_REQUEST.format(topic=topic))
-        asked = complete(request, instruction_tokens, True, generator)
-        instruction = tokenizer.decode(asked[0], skip_special_tokens=True).strip()
-        data.generated_tokens += asked.shape[1]
-        if not instruction or guard.hits(instruction):
-            data.dropped += bool(instruction)
+        topics = [TOPICS[(asked_so_far + i) % len(TOPICS)] for i in range(need)]
+        asked_so_far += need
+        requests = [_chat_ids(tokenizer, INSTRUCTION_REQUEST.format(topic=t)) for t in topics]
+        questions = []
+        for ids in complete(requests, instruction_tokens, True, generator):
+            data.generated_tokens += len(ids)
+            text = tokenizer.decode(ids, skip_special_tokens=True).strip()
+            if text and guard.hits(text):
+                data.dropped += 1
+            elif text:
+                questions.append(text)
+        if not questions:
             continue
-        answered = complete(_chat_ids(tokenizer, instruction), response_tokens, False, generator)
-        response = tokenizer.decode(answered[0], skip_special_tokens=True).strip()
-        data.generated_tokens += answered.shape[1]
-        if guard.hits(response) or guard.hits(f"{instruction}\n{response}"):
-            data.dropped += 1
-            continue
-        data.pairs.append({"instruction": instruction, "response": response})
-        bar.update(1)
+        answers = complete([_chat_ids(tokenizer, q) for q in questions], response_tokens, False,
+                           generator)  # fmt: skip
+        for question, ids in zip(questions, answers, strict=True):
+            data.generated_tokens += len(ids)
+            response = tokenizer.decode(ids, skip_special_tokens=True).strip()
+            if guard.hits(response) or guard.hits(f"{question}\n{response}"):
+                data.dropped += 1
+            elif len(data.pairs) < pairs:
+                data.pairs.append({"instruction": question, "response": response})
+                bar.update(1)
     bar.close()
     data.seconds = time.perf_counter() - start
     return data
