@@ -193,6 +193,7 @@ def test_a_ranking_of_another_vocabulary_is_refused(tmp_path):
         rewrite.apply(model, "eagle", parts=tmp_path / "p", draft_vocab=4)
 
 
+@pytest.mark.slow
 def test_bench_adds_the_vocabulary_subset_row(tmp_path):
     """``leapfx bench --recipe eagle`` with parts that hold a ranking, on a vocabulary large
     enough: leapfx_eagle_vocab beside leapfx_eagle, both lossless."""

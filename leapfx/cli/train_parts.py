@@ -56,9 +56,9 @@ def parts_out(args: argparse.Namespace, shipped: Path | None) -> Path:
 def add_data(parser: argparse.ArgumentParser) -> None:
     """``--data`` and the ``self`` data's budget (``--pairs``, ``--response-tokens``)."""
     parser.add_argument("--data", default="stdlib", help=DATA_HELP)
-    parser.add_argument("--pairs", type=int, default=512, help="--data self: pairs to generate")
+    parser.add_argument("--pairs", type=int, default=256, help="--data self: pairs to generate")
     parser.add_argument(
-        "--response-tokens", type=int, default=256, help="--data self: longest response"
+        "--response-tokens", type=int, default=192, help="--data self: longest response"
     )
     parser.add_argument(
         "--cache-dir", default=None,

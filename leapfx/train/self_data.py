@@ -13,10 +13,9 @@ instruction or response holds one of them, or any run of ``OVERLAP_WORDS`` conse
 one (after lower-casing and splitting on non-word characters), is dropped and counted
 (``SelfData.dropped``). The check runs over the generator's output, not its requests.
 
-Budget (``pairs`` x (``instruction_tokens`` + ``response_tokens``) generated tokens): the
-default 512 pairs of up to 48 + 256 tokens are at most ~156k generated tokens, of which the
-training text is the responses (~100k tokens at SmolLM2's typical response lengths). docs/
-training.md gives the measured time of the documented command.
+Budget: at most ``pairs`` x (``instruction_tokens`` + ``response_tokens``) generated tokens,
+the default 256 pairs of up to 48 + 192 tokens ~61k (answers end at the end-of-turn token, so
+fewer), generated 16 conversations at a time. docs/training.md gives the time.
 
     >>> data = self_pairs(model, tokenizer, pairs=64, seed=0, exclude=benchmark_texts())
     >>> data.pairs[0]        # {"instruction": "...", "response": "..."}
@@ -135,9 +134,9 @@ def self_pairs(
     model,
     tokenizer,
     *,
-    pairs: int = 512,
+    pairs: int = 256,
     instruction_tokens: int = 48,
-    response_tokens: int = 256,
+    response_tokens: int = 192,
     seed: int = 0,
     progress: bool = False,
     exclude: Sequence[str],

@@ -43,9 +43,9 @@ MIN_SPLIT_DOCUMENTS = 20  # fewer documents: hold out the stream's tail instead
 class SelfDataOptions:
     """``--data self``: how many pairs, of how many tokens (``self_data.self_pairs``)."""
 
-    pairs: int = 512
+    pairs: int = 256
     instruction_tokens: int = 48
-    response_tokens: int = 256
+    response_tokens: int = 192
     seed: int = 0
 
     def __post_init__(self) -> None:
