@@ -171,7 +171,9 @@ def test_parts_round_trip(tmp_path):
     sm = rewrite.apply(model, "eagle", max_draft_tokens=4, confidence_threshold=0.5)
     sm.fit(tokens, steps=3, batch_size=2, seq_len=16, lr=1e-2, progress=False)
     path = sm.save_parts(tmp_path / "parts")
-    assert sorted(p.name for p in path.iterdir()) == ["eagle_head.json", "eagle_head.safetensors"]
+    # the head's two files, and the training data's token ranking (draft_vocab)
+    names = sorted(p.name for p in path.iterdir())
+    assert names == ["draft_vocab.safetensors", "eagle_head.json", "eagle_head.safetensors"]
     meta = json.loads((path / "eagle_head.json").read_text())
     assert meta["recipe"] == "eagle" and meta["init_layer"] == 2
     assert meta["options"]["max_draft_tokens"] == 4 and "parts" not in meta["options"]

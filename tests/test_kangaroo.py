@@ -446,7 +446,10 @@ def test_save_and_load_round_trip(tmp_path):
     sm.save_adapter(path)
     sm.save_adapter(path)  # replacing an existing checkpoint works and leaves no temp dirs
     assert sorted(os.listdir(tmp_path)) == ["adapter"]
-    assert sorted(os.listdir(path)) == ["adapter.json", "adapter.safetensors"]
+    # the adapter's two files, and the training data's token ranking (draft_vocab)
+    assert sorted(os.listdir(path)) == [
+        "adapter.json", "adapter.safetensors", "draft_vocab.safetensors"
+    ]  # fmt: skip
     meta = json.loads((path / "adapter.json").read_text())
     assert meta["options"]["exit_layer"] == 2 and meta["options"]["max_draft_tokens"] == 4
     assert meta["parameters"] == sum(p.numel() for p in adapter_of(sm.graph_module).parameters())

@@ -53,6 +53,7 @@ from torch import nn
 from .. import rewrite
 from ..lower import lower
 from ..options import check_bool
+from ..passes.draft_vocab import read_ranking
 from ..runtime.metrics import DecodeMetrics
 from ..runtime.offload import DEFAULT_PREFETCH_LEAD
 from .agreement import teacher_forced_agreement
@@ -464,6 +465,11 @@ def _m2r2_rows(run: RowRun) -> list[System]:
     return rows
 
 
+# leapfx_eagle_vocab's draft vocabulary: FR-Spec's smallest setting for Llama-3's 128k
+# vocabulary, a sixth of SmolLM2's 49,152 ids.
+EAGLE_DRAFT_VOCAB = 8192
+
+
 def _eagle_rows(run: RowRun) -> list[System]:
     model, config = run.model, run.config
     kangaroo = rewrite.apply(model, "kangaroo", adapter=config.adapter)
@@ -471,6 +477,14 @@ def _eagle_rows(run: RowRun) -> list[System]:
     kw = {"confidence_threshold": config.confidence_threshold}
     eagle = rewrite.apply(model, "eagle", parts=config.eagle_parts, **kw)
     rows.append(run.ours("leapfx_eagle", eagle))
+    # The same head drafting over the training data's most frequent tokens only (FR-Spec),
+    # where its parts hold the ranking and the vocabulary is large enough for it to matter.
+    vocab = model.config.vocab_size
+    if config.eagle_parts is not None and vocab >= 4 * EAGLE_DRAFT_VOCAB:
+        if read_ranking(config.eagle_parts) is not None:
+            subset = rewrite.apply(model, "eagle", parts=config.eagle_parts,
+                                   draft_vocab=EAGLE_DRAFT_VOCAB, **kw)  # fmt: skip
+            rows.append(run.ours("leapfx_eagle_vocab", subset))
     return rows
 
 

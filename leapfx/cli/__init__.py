@@ -16,6 +16,7 @@ from . import (
     export,
     generate,
     train_eagle,
+    train_kangaroo,
     train_m2r2,
     train_moe_reference,
     train_reference,
@@ -36,6 +37,7 @@ COMMANDS = (
     train_reuse_probe,
     train_specee,
     train_eagle,
+    train_kangaroo,
 )
 
 

@@ -6,6 +6,7 @@ import argparse
 import json
 
 from .common import _exit_gates, add_corpus_root, add_model, add_threads, set_threads
+from .train_parts import add_data, add_out, benchmark_texts, parts_out, self_options
 
 
 def _train_m2r2(args: argparse.Namespace) -> int:
@@ -18,7 +19,9 @@ def _train_m2r2(args: argparse.Namespace) -> int:
     # drafter, or the MoE reference's rate-2 stream), never another model's.
     shipped = MOE_REFERENCE_M2R2 if args.model == "moe-reference" else REFERENCE_M2R2
     report = train_parts(
-        args.out or shipped, model_path=args.model, recipe=args.recipe, init=args.init,
+        parts_out(args, shipped), model_path=args.model, recipe=args.recipe, init=args.init,
+        data=args.data, cache_dir=args.cache_dir, self_options=self_options(args),
+        exclude=benchmark_texts() if args.data == "self" else None,
         heads=args.heads, rank=args.rank, fast_layers=args.fast_layers,
         num_speculations=args.num_speculations, confidence_threshold=args.confidence_threshold,
         exit_gates=_exit_gates(args), corpus_root=args.corpus_root, steps=args.steps,
@@ -32,12 +35,13 @@ def _train_m2r2(args: argparse.Namespace) -> int:
 
 def add_parser(sub) -> None:
     m2r2 = sub.add_parser("train-m2r2", help="train M2R2 accelerator parts (eq. 5)")
-    m2r2.add_argument(
-        "out", nargs="?", default=None,
-        help="parts directory (default: leapfx/assets/reference/m2r2, or with --model "
-        "moe-reference leapfx/assets/moe-reference/m2r2)",
+    add_out(
+        m2r2, positional=True,
+        default_help="required but for the shipped reference models: leapfx/assets/reference/"
+        "m2r2, or with --model moe-reference leapfx/assets/moe-reference/m2r2",
     )  # fmt: skip
     add_model(m2r2)
+    add_data(m2r2)
     m2r2.add_argument(
         "--recipe", default="m2r2", choices=["m2r2", "m2r2_exit"],
         help="m2r2_exit: the exit gates N/4, N/2, 3N/4 and their ARLA routers (the parts also "

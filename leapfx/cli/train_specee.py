@@ -14,21 +14,27 @@ from .common import (
     add_quiet,
     add_threads,
 )
+from .train_parts import add_data, add_out, benchmark_texts, parts_out, self_options
 
 
 def _train_specee(args: argparse.Namespace) -> int:
     import torch
 
     from ..bench import REFERENCE_MODEL, load_model
+    from ..models.gguf import cache_root
     from ..rewrite import apply
-    from ..train.data import encode_documents
-    from ..train.reference import reference_corpus
+    from ..train.sources import check_data, training_data
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    out = parts_out(args, REFERENCE_MODEL / "specee")
+    check_data(args.data)
     model, tokenizer = load_model(args.model, device=args.device)
-    corpus = reference_corpus(args.corpus_root)
-    data = encode_documents(tokenizer, corpus.train)
+    cache = args.cache_dir or cache_root() / "train"
+    data = training_data(args.data, model, tokenizer, cache_dir=cache,
+                         exclude=benchmark_texts() if args.data == "self" else None,
+                         corpus_root=args.corpus_root, self_options=self_options(args),
+                         progress=_progress(args)).train  # fmt: skip
     options = {"drafter": args.drafter}
     if args.exit_layer is not None:
         options["exit_layer"] = args.exit_layer
@@ -50,9 +56,8 @@ def _train_specee(args: argparse.Namespace) -> int:
         features_path=args.features,
         **({} if draft_steps is None else {"draft_steps": draft_steps}),
     )  # fmt: skip
-    out = args.out or str(REFERENCE_MODEL / "specee")
     sm.save_parts(out)
-    print(json.dumps({"parts": out, **result.as_dict()}, indent=2))
+    print(json.dumps({"parts": str(out), **result.as_dict()}, indent=2))
     return 0
 
 
@@ -60,11 +65,12 @@ def add_parser(sub) -> None:
     specee = sub.add_parser(
         "train-specee", help="train SpecEE's exit predictors for a model (default: the reference)"
     )
-    specee.add_argument(
-        "out", nargs="?", default=None,
-        help="parts directory (default: leapfx/assets/reference/specee)",
+    add_out(
+        specee, positional=True,
+        default_help="required but for the reference model: leapfx/assets/reference/specee",
     )  # fmt: skip
     add_model(specee)
+    add_data(specee)
     specee.add_argument(
         "--drafter", default="exit_head", choices=("eagle", "exit_head", "kangaroo")
     )

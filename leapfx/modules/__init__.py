@@ -14,6 +14,7 @@ file               holds
                    ``RotaryTable``, the ``Transposed*`` layers); ``rms_params``, ``kernel_rope``
 ``kangaroo``       Kangaroo's adapter (``KangarooAdapter``)
 ``eagle``          EAGLE's draft head (``EagleHead``)
+``draft_vocab``    a drafter's LM head over the N most frequent tokens (``SubsetLMHead``, FR-Spec)
 ``specee``         SpecEE's exit predictors (``ExitMLP``, ``LayerExit``, ``KernelLayerExit``,
                    ``SpecEEPredictors``) and their features (``exit_features``)
 ``m2r2``           M2R2's accelerated stream (``AcceleratedLayer``, ``KernelAcceleratedLayer``,

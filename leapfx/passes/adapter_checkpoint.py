@@ -5,6 +5,9 @@ A checkpoint is a directory with two files, nothing pickled::
     adapter.safetensors  the KangarooAdapter's state dict (input_norm.*, attention.*, output_norm.*)
     adapter.json         {"format", "recipe", "options", "host", "parameters"}
 
+and, when the adapter was fitted, ``draft_vocab.safetensors`` (the training data's token
+ranking, ``passes.draft_vocab``); older checkpoints have none and load the same.
+
 ``options`` are the recipe options it was trained with (``rewrite.apply(..., adapter=path)``
 takes any it is not given from here); ``host`` describes the model it fits, and loading refuses
 another. The directory is written under a temporary name beside the target and renamed into
@@ -27,6 +30,7 @@ from typing import Any, ClassVar
 from torch import fx
 
 from .adapter import KangarooAdapter, adapter_of
+from .draft_vocab import write_ranking
 from .parts_io import (
     LoadParts,
     check_host,
@@ -62,8 +66,11 @@ def write_adapter(
     recipe: str,
     options: dict[str, Any],
     host: dict[str, Any],
+    ranking=None,
+    extra: dict[str, Any] | None = None,
 ) -> Path:
-    """Write ``adapter`` and its metadata to the directory ``path`` (replaced if it exists)."""
+    """Write ``adapter`` and its metadata to the directory ``path`` (replaced if it exists),
+    and the token ranking [V] (``passes.draft_vocab``) when given."""
     tensors = module_tensors(adapter)
     meta = {
         "format": FORMAT,
@@ -71,11 +78,15 @@ def write_adapter(
         "options": options,
         "host": host,
         "parameters": sum(t.numel() for t in tensors.values()),
+        **(extra or {}),
     }
 
-    return write_dir_atomic(
-        path, lambda tmp: write_parts_files(tmp, WEIGHTS, CONFIG, tensors, meta)
-    )
+    def write(tmp: Path) -> None:
+        write_parts_files(tmp, WEIGHTS, CONFIG, tensors, meta)
+        if ranking is not None:
+            write_ranking(tmp, ranking)
+
+    return write_dir_atomic(path, write)
 
 
 def read_adapter_config(path: str | os.PathLike, *, recipe: str = "kangaroo") -> dict[str, Any]:

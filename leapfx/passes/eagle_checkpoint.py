@@ -5,6 +5,8 @@ Trained parts are a directory; the head's two files in it, nothing pickled::
     eagle_head.safetensors  the EagleHead's state dict (fc.*, layer.*)
     eagle_head.json         {"format", "recipe", "options", "host", "init_layer", "parameters",
                              "eval"}
+    draft_vocab.safetensors the training data's token ranking (``passes.draft_vocab``), when
+                            the head was fitted; older parts have none and load the same
 
 The names are the head's own, so a recipe with more parts (SpecEE's predictors) can write its
 files beside them in the same directory. ``options`` are the recipe options it was saved with
@@ -30,6 +32,7 @@ from typing import Any, ClassVar
 from torch import fx
 
 from .adapter_checkpoint import host_signature
+from .draft_vocab import write_ranking
 from .eagle_head import EagleHead, eagle_head_of
 from .parts_io import (
     LoadParts,
@@ -53,8 +56,10 @@ def write_eagle_files(
     options: dict[str, Any],
     host: dict[str, Any],
     extra: dict[str, Any] | None = None,
+    ranking=None,
 ) -> None:
-    """Write the head's two files into ``directory`` (which exists; not atomic by itself)."""
+    """Write the head's two files into ``directory`` (which exists; not atomic by itself), and
+    the token ranking [V] when given."""
     tensors = module_tensors(head)
     meta = {
         "format": FORMAT,
@@ -66,6 +71,8 @@ def write_eagle_files(
         **(extra or {}),
     }
     write_parts_files(directory, WEIGHTS, CONFIG, tensors, meta)
+    if ranking is not None:
+        write_ranking(directory, ranking)
 
 
 def write_eagle_head(head: EagleHead, path: str | os.PathLike, **meta: Any) -> Path:

@@ -20,6 +20,7 @@ from ..passes.accelerator_checkpoint import LoadAccelerator, read_parts_config
 from ..passes.adapter import InsertKangarooAdapter
 from ..passes.adapter_checkpoint import LoadKangarooAdapter, read_adapter_config
 from ..passes.base import GraphPass
+from ..passes.draft_vocab import SubsetDraftHead
 from ..passes.eagle_checkpoint import LoadEagleHead, read_eagle_config
 from ..passes.eagle_head import FuseEagleHeadLayer, InsertEagleHead, eagle_stages
 from ..passes.exit_head import InsertExitHead
@@ -342,6 +343,10 @@ class KangarooOptions(LookupFirstOptions):
     adapter: str | os.PathLike | None = None  # trained adapter dir; None: initialised from layer l
     max_cache_len: int | None = None
     fuse_layers: bool = True
+    # N: the draft's LM head computes the N most frequent tokens' logits only (FR-Spec,
+    # ``passes.draft_vocab``; the ranking is saved with the adapter). Lossless either way. A
+    # decoding choice, never taken from the adapter. None: the full head.
+    draft_vocab: int | None = None
 
     def validate(self, num_layers: int) -> KangarooOptions:
         saved = SavedOptions(what="adapter")
@@ -372,6 +377,7 @@ class KangarooOptions(LookupFirstOptions):
         cache_len = pick("max_cache_len", None)
         _check_cache(cache_len)
         check_bool("fuse_layers", self.fuse_layers)
+        check_int("draft_vocab", self.draft_vocab, 1, none=True)
         return dataclasses.replace(
             self,
             exit_layer=e,
@@ -387,6 +393,9 @@ def _kangaroo_passes(o: KangarooOptions) -> list[GraphPass]:
     passes: list[GraphPass] = [InsertKangarooAdapter(exit_layer=o.exit_layer), *_fuse(o)]
     if o.adapter is not None:
         passes.append(LoadKangarooAdapter(path=o.adapter))
+    if o.adapter is not None or o.draft_vocab is not None:
+        path = None if o.adapter is None else os.fspath(o.adapter)
+        passes.append(SubsetDraftHead(role="adapter_head", draft_vocab=o.draft_vocab, path=path))
     return passes
 
 
@@ -569,6 +578,10 @@ class EagleOptions(LookupFirstOptions):
     parts: str | os.PathLike | None = None  # trained head; None: initialised from the host
     max_cache_len: int | None = None
     fuse_layers: bool = True
+    # N: the head's logits over the N most frequent tokens only (FR-Spec,
+    # ``passes.draft_vocab``; the ranking is saved with the parts). Lossless either way. A
+    # decoding choice, never taken from the parts. None: the full head.
+    draft_vocab: int | None = None
 
     def validate(self, num_layers: int) -> EagleOptions:
         saved = SavedOptions(what="head")
@@ -605,6 +618,7 @@ class EagleOptions(LookupFirstOptions):
         cache_len = pick("max_cache_len", None)
         _check_cache(cache_len)
         check_bool("fuse_layers", self.fuse_layers)
+        check_int("draft_vocab", self.draft_vocab, 1, none=True)
         return dataclasses.replace(
             self,
             max_draft_tokens=d,
@@ -622,6 +636,9 @@ def _eagle_passes(o: EagleOptions) -> list[GraphPass]:
         passes += [FuseDecoderLayers(), FuseEagleHeadLayer()]
     if o.parts is not None:
         passes.append(LoadEagleHead(path=o.parts))
+    if o.parts is not None or o.draft_vocab is not None:
+        path = None if o.parts is None else os.fspath(o.parts)
+        passes.append(SubsetDraftHead(role="eagle_head", draft_vocab=o.draft_vocab, path=path))
     return passes
 
 

@@ -36,8 +36,6 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import json
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,14 +43,16 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch.func import functional_call
-from tqdm.auto import tqdm
 
 from leapfx.options import check_bool, check_int, check_number
 from leapfx.passes.adapter_checkpoint import host_signature
 from leapfx.passes.capture import decoder_parts
+from leapfx.passes.draft_vocab import install_ranking, ranking_of, token_ranking
 from leapfx.passes.eagle_checkpoint import write_eagle_head
 from leapfx.passes.eagle_head import eagle_head_of, previous_hidden
 from leapfx.runtime.masks import masks_for
+from leapfx.train.features import TeacherFeatures, tokens_digest
+from leapfx.train.fit_checkpoint import FitCheckpoint, fit_identity, run_steps
 from leapfx.train.fit_options import fit_config, on_plain_stages, optimizer_step
 from leapfx.train.kangaroo import kangaroo_loss, sample_windows, token_stream
 
@@ -72,11 +72,13 @@ class EagleFitConfig:
     noise: float = 0.2  # width of the uniform input noise, in units of the features' RMS
     seed: int = 0  # window sampling and noise
     max_minutes: float = 0.0  # > 0: stop after this much wall time even if steps remain
+    checkpoint_every: int = 0  # with fit's checkpoint_dir: steps between checkpoints (0: at end)
     eval_seq_len: int = 256  # held-out windows for the agreement report
     progress: bool = True  # tqdm bar
 
     def __post_init__(self) -> None:
-        ints = (("steps", 1), ("batch_size", 1), ("seq_len", 2), ("seed", 0), ("eval_seq_len", 2))
+        ints = (("steps", 1), ("batch_size", 1), ("seq_len", 2), ("seed", 0), ("eval_seq_len", 2),
+                ("checkpoint_every", 0))  # fmt: skip
         for name, low in ints:
             value = getattr(self, name)
             check_int(name, value, low)
@@ -180,16 +182,31 @@ def evaluate_agreement(sm, data: Any, *, tokenizer=None, seq_len: int = 256) -> 
 
 
 @on_plain_stages
-def fit(sm, data: Any, *, tokenizer=None, eval_data: Any = None, **options: Any):
+def fit(
+    sm,
+    data: Any,
+    *,
+    tokenizer=None,
+    eval_data: Any = None,
+    checkpoint_dir: str | Path | None = None,
+    **options: Any,
+):
     """Train the EAGLE head of ``sm`` on ``data``; returns an EagleFitResult.
 
     ``options`` are the fields of :class:`EagleFitConfig`. Only the head's parameters change;
     the stages share them, so ``sm.generate`` drafts with the trained head at once. With
     ``eval_data`` (same forms as ``data``) the result holds the held-out top-1 agreement
-    before and after training.
+    before and after training. ``data`` may also be ``TeacherFeatures`` (``train.features``:
+    windows and the host's h on them, collected once), which spares the host's forward.
+    ``checkpoint_dir``: resumable (``train.fit_checkpoint``): a run finds its checkpoint
+    there and continues; every ``checkpoint_every`` steps and at the end it writes one.
     """
-    config = fit_config(EagleFitConfig, options, also=("tokenizer", "eval_data"), model=sm.hf_model)
-    stream = token_stream(data, vocab_size=sm.config.vocab_size, tokenizer=tokenizer)
+    also = ("tokenizer", "eval_data", "checkpoint_dir")
+    config = fit_config(EagleFitConfig, options, also=also, model=sm.hf_model)
+    cached = data if isinstance(data, TeacherFeatures) else None
+    num_layers = sm.config.num_hidden_layers
+    source = cached.tokens if cached is not None else data
+    stream = token_stream(source, vocab_size=sm.config.vocab_size, tokenizer=tokenizer)
     head = eagle_head_of(sm.graph_module)
     params = list(head.parameters())
     device = next(sm.hf_model.parameters()).device
@@ -198,46 +215,67 @@ def fit(sm, data: Any, *, tokenizer=None, eval_data: Any = None, **options: Any)
             f"fit: the EAGLE head is on {params[0].device} but the model on {device}; move the "
             "model to the device before rewrite.apply (the head is built where the model is)"
         )
+    # The training data's token ranking: the vocabulary subset of draft_vocab, saved with the
+    # parts (any N can be chosen when they are applied).
+    install_ranking(sm.graph_module, token_ranking(stream, sm.config.vocab_size),
+                    decoder_parts(sm.hf_model).head)  # fmt: skip
     result = EagleFitResult(steps=config.steps)
-    if eval_data is not None:
+    optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
+    generator = torch.Generator().manual_seed(config.seed)
+    checkpoint = None
+    if checkpoint_dir is not None:
+        identity = {**fit_identity(config), "recipe": "eagle", "data": tokens_digest(stream)}
+        checkpoint = FitCheckpoint(checkpoint_dir, head, optimizer, generator, identity=identity)
+    first = checkpoint.restore(result) if checkpoint is not None else 0
+    if eval_data is not None and first == 0:
         result.agreement_before = evaluate_agreement(
             sm, eval_data, tokenizer=tokenizer, seq_len=config.eval_seq_len
         )
-    optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
-    generator = torch.Generator().manual_seed(config.seed)
-    start = time.perf_counter()
-    head.train()
-    try:
-        bar = tqdm(range(config.steps), desc="eagle head", disable=not config.progress)
-        for _ in bar:
+
+    def step() -> None:
+        if cached is None:
             batch = sample_windows(stream, config.batch_size, config.seq_len, generator)
             batch = batch.to(device, non_blocking=True)
             h, target = teacher_features(sm, batch)
-            noise = None
-            if config.noise > 0:
-                scale = h.float().pow(2).mean().sqrt()
-                u = torch.rand(h.shape, generator=generator).to(device=device, dtype=h.dtype)
-                noise = (u - 0.5) * (config.noise * scale).to(h.dtype)
-            g, logits = head_outputs(sm, batch, h, noise)
-            reg, cls = eagle_losses(g, logits, h, target)
-            loss = config.reg_weight * reg + config.cls_weight * cls
-            optimizer_step(optimizer, loss, params, config.grad_clip)
-            result.losses.append(float(loss.detach()))
-            result.reg_losses.append(float(reg.detach()))
-            result.cls_losses.append(float(cls.detach()))
-            result.tokens += batch.numel()
-            bar.set_postfix(loss=f"{result.losses[-1]:.4f}")
-            if config.max_minutes and time.perf_counter() - start > 60 * config.max_minutes:
-                break  # the wall-clock budget; the result says how many steps ran
+        else:
+            batch, (h,) = cached.batch(config.batch_size, generator, (num_layers,))
+            batch = batch.to(device)
+            h = h.to(device=device, dtype=params[0].dtype)
+            target = host_logits(sm, h)
+        noise = None
+        if config.noise > 0:
+            scale = h.float().pow(2).mean().sqrt()
+            u = torch.rand(h.shape, generator=generator).to(device=device, dtype=h.dtype)
+            noise = (u - 0.5) * (config.noise * scale).to(h.dtype)
+        g, logits = head_outputs(sm, batch, h, noise)
+        reg, cls = eagle_losses(g, logits, h, target)
+        loss = config.reg_weight * reg + config.cls_weight * cls
+        optimizer_step(optimizer, loss, params, config.grad_clip)
+        result.losses.append(float(loss.detach()))
+        result.reg_losses.append(float(reg.detach()))
+        result.cls_losses.append(float(cls.detach()))
+        result.tokens += batch.numel()
+
+    head.train()
+    try:
+        run_steps(result, step, first=first, config=config, desc="eagle head",
+                  checkpoint=checkpoint)  # fmt: skip
     finally:
         head.eval()
         optimizer.zero_grad(set_to_none=True)
-    result.seconds = time.perf_counter() - start
     if eval_data is not None:
         result.agreement_after = evaluate_agreement(
             sm, eval_data, tokenizer=tokenizer, seq_len=config.eval_seq_len
         )
     return result
+
+
+@torch.no_grad()
+def host_logits(sm, hidden: torch.Tensor) -> torch.Tensor:
+    """The host's logits from its pre-norm last-layer states h [B, S, D]: head(norm(h)), the
+    last step of its forward (what ``teacher_features`` returns beside h)."""
+    parts = decoder_parts(sm.hf_model)
+    return parts.head(parts.norm(hidden))
 
 
 def save_parts(sm, path: str | Path, *, extra: dict[str, Any] | None = None) -> Path:
@@ -250,83 +288,5 @@ def save_parts(sm, path: str | Path, *, extra: dict[str, Any] | None = None) -> 
         options=options,
         host=host_signature(sm.config),
         extra=extra,
+        ranking=ranking_of(sm.graph_module),
     )
-
-
-def train_reference_head(
-    out: str | Path,
-    *,
-    model_path: str | Path | None = None,
-    steps: int = 2000,
-    minutes: float = 0.0,
-    batch_size: int = 8,
-    seq_len: int = 256,
-    lr: float = 1e-3,
-    threads: int | None = None,
-    device: str = "cpu",
-    corpus_root: str | Path | None = None,
-    resume: bool = False,
-    progress: bool = False,
-    eval_bytes: int = 32768,
-    seed: int = 0,
-) -> dict[str, Any]:
-    """``leapfx train-eagle``: train the reference model's EAGLE head and write it to ``out``.
-
-    The stdlib corpus's training split (as the reference model's), the first ``eval_bytes``
-    of its held-out split for the agreement report. ``resume``: start from the head already in
-    ``out`` (a run is cheap to continue: the head is the only state; give another ``seed`` so
-    it draws other windows). ``minutes`` > 0 stops at that wall time. Returns the run's summary;
-    ``eagle_head.json`` lists the summaries of every run the head came from under
-    ``"training"``.
-    """
-    import platform
-
-    from leapfx import rewrite
-    from leapfx.models import load_model
-    from leapfx.train.data import encode_documents
-    from leapfx.train.reference import corpus_digest, reference_corpus
-    from leapfx.train.trainer import describe_device, resolve_device
-
-    options = dict(steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr,
-                   progress=progress, max_minutes=minutes, seed=seed)  # fmt: skip
-    EagleFitConfig(**options)  # checked before anything is loaded
-    torch_device = resolve_device(device, option="--device")
-    corpus = reference_corpus(corpus_root, option="--corpus-root")
-    if threads:
-        torch.set_num_threads(threads)
-    model, tokenizer = load_model(model_path)  # float32 on the CPU
-    model.to(torch_device)  # before rewrite.apply: the head is built on the model's device
-    train = encode_documents(tokenizer, corpus.train).long()
-    held = encode_documents(tokenizer, corpus.held_out).long()[:eval_bytes]
-    parts = str(out) if resume and (Path(out) / "eagle_head.json").is_file() else None
-    sm = rewrite.apply(model, "eagle", parts=parts)
-    result = fit(sm, train, eval_data=held, **options)
-    summary = {
-        "held_out_agreement_before": result.agreement_before,
-        "held_out_agreement_after": result.agreement_after,
-        "held_out_bytes": int(held.numel()),
-        "steps": len(result.losses),
-        "steps_asked": result.steps,
-        "seed": seed,
-        "resumed": parts is not None,
-        "batch_size": batch_size,
-        "seq_len": seq_len,
-        "lr": lr,
-        "final_loss": result.final_loss,
-        "final_reg_loss": result.reg_losses[-1],
-        "final_cls_loss": result.cls_losses[-1],
-        "seconds": result.seconds,
-        "device": describe_device(torch_device),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "corpus": {
-            "files": len(corpus.train) + len(corpus.held_out),
-            "sha256": corpus_digest(corpus),
-        },
-    }
-    history = []
-    if parts is not None:  # keep the runs this head came from
-        previous = json.loads((Path(out) / "eagle_head.json").read_text()).get("training", [])
-        history = previous if isinstance(previous, list) else [previous]
-    save_parts(sm, out, extra={"training": [*history, summary]})
-    return summary

@@ -31,7 +31,6 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,13 +39,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch.func import functional_call
-from tqdm.auto import tqdm
 
 from leapfx.options import check_bool, check_int, check_number
 from leapfx.passes.adapter import adapter_of
 from leapfx.passes.adapter_checkpoint import host_signature, write_adapter
 from leapfx.passes.capture import decoder_parts
+from leapfx.passes.draft_vocab import install_ranking, ranking_of, token_ranking
 from leapfx.runtime.masks import masks_for
+from leapfx.train.features import TeacherFeatures, tokens_digest
+from leapfx.train.fit_checkpoint import FitCheckpoint, fit_identity, run_steps
 from leapfx.train.fit_options import fit_config, on_plain_stages, optimizer_step
 
 
@@ -62,12 +63,18 @@ class KangarooFitConfig:
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
     seed: int = 0  # window sampling
     progress: bool = True  # tqdm bar
+    max_minutes: float = 0.0  # > 0: stop after this much wall time even if steps remain
+    checkpoint_every: int = 0  # with fit's checkpoint_dir: steps between checkpoints (0: at end)
 
     def __post_init__(self) -> None:
-        for name, low in (("steps", 1), ("batch_size", 1), ("seq_len", 2), ("seed", 0)):
+        ints = (("steps", 1), ("batch_size", 1), ("seq_len", 2), ("seed", 0),
+                ("checkpoint_every", 0))  # fmt: skip
+        for name, low in ints:
             value = getattr(self, name)
             check_int(name, value, low)
-        for name, positive in (("lr", True), ("weight_decay", False), ("grad_clip", False)):
+        numbers = (("lr", True), ("weight_decay", False), ("grad_clip", False),
+                   ("max_minutes", False))  # fmt: skip
+        for name, positive in numbers:
             value = getattr(self, name)
             check_number(name, value, 0, low_open=positive)
         check_bool("progress", self.progress)
@@ -81,6 +88,8 @@ class FitResult:
     losses: list[float] = field(default_factory=list)
     tokens: int = 0  # training tokens seen (batch_size * seq_len * steps)
     seconds: float = 0.0
+    agreement_before: float | None = None  # held-out top-1 agreement with the model
+    agreement_after: float | None = None
 
     @property
     def final_loss(self) -> float:
@@ -151,15 +160,25 @@ def adapter_and_target_logits(sm, input_ids: torch.Tensor) -> tuple[torch.Tensor
     """The adapter's logits (with autograd) and the full model's (without): both [B, S, V]."""
     model = sm.hf_model
     adapter = adapter_of(sm.graph_module)
-    parts = decoder_parts(model)
     weight = next(model.parameters())
     ids = input_ids.to(weight.device, non_blocking=True)  # no stream sync for the host copy
-    n = ids.shape[1]
     with torch.no_grad():
         out = model(input_ids=ids, output_hidden_states=True, use_cache=False)
         target = out.logits  # [B, S, V]
         features = out.hidden_states[adapter.exit_layer]  # [B, S, H]: after layer l-1
-        position_ids = torch.arange(n, device=ids.device)[None]  # [1, S]
+    return adapter_logits(sm, features), target
+
+
+def adapter_logits(sm, features: torch.Tensor) -> torch.Tensor:
+    """The adapter's logits [B, S, V] (with autograd) on the residual stream after layer l-1,
+    ``features`` [B, S, H] (a whole window from position 0)."""
+    model = sm.hf_model
+    adapter = adapter_of(sm.graph_module)
+    parts = decoder_parts(model)
+    weight = next(model.parameters())
+    n = features.shape[1]
+    with torch.no_grad():
+        position_ids = torch.arange(n, device=features.device)[None]  # [1, S]
         rope = parts.rotary(features, position_ids)
         masks = masks_for(
             model.config._attn_implementation, [adapter.attn_kind], 0, n,
@@ -167,7 +186,22 @@ def adapter_and_target_logits(sm, input_ids: torch.Tensor) -> tuple[torch.Tensor
         )  # fmt: skip
     hidden = adapter(features, rope, masks[adapter.attn_kind])  # [B, S, H]
     frozen = {k: v.detach() for k, v in parts.head.named_parameters()}
-    return functional_call(parts.head, frozen, (hidden,)), target
+    return functional_call(parts.head, frozen, (hidden,))
+
+
+@torch.no_grad()
+def evaluate_agreement(sm, data: Any, *, tokenizer=None, seq_len: int = 256) -> float:
+    """Held-out top-1 agreement of the adapter's draft with the full model over consecutive
+    windows of ``data`` (teacher-forced: the draft reads the true prefix): the share of
+    positions where the two pick the same token, the number a greedy chain's acceptance
+    follows."""
+    stream = token_stream(data, vocab_size=sm.config.vocab_size, tokenizer=tokenizer)
+    agree, count = 0, 0
+    for start in range(0, stream.numel() - 1, seq_len):
+        draft, target = adapter_and_target_logits(sm, stream[start : start + seq_len][None])
+        agree += int((draft.argmax(-1) == target.argmax(-1)).sum())
+        count += target.shape[1]
+    return agree / count
 
 
 @torch.no_grad()
@@ -184,15 +218,29 @@ def evaluate_loss(sm, data: Any, *, tokenizer=None, seq_len: int = 128) -> float
 
 
 @on_plain_stages
-def fit(sm, data: Any, *, tokenizer=None, **options: Any) -> FitResult:
+def fit(
+    sm,
+    data: Any,
+    *,
+    tokenizer=None,
+    eval_data: Any = None,
+    checkpoint_dir: str | Path | None = None,
+    **options: Any,
+) -> FitResult:
     """Distil the Kangaroo adapter of ``sm`` on ``data`` (eq. 3); returns a FitResult.
 
     ``options`` are the fields of :class:`KangarooFitConfig`. Only the adapter's parameters
     change; the stages share them, so ``sm.generate`` drafts with the trained adapter at once.
-    Runs on the model's device (see the module docstring).
+    Runs on the model's device (see the module docstring). ``eval_data``: the result holds the
+    held-out top-1 agreement before and after. ``data`` may be ``TeacherFeatures`` holding the
+    states after layer l-1 and the last layer (``train.features``); ``checkpoint_dir``: a
+    resumable run (``train.fit_checkpoint``), as EAGLE's ``fit``.
     """
-    config = fit_config(KangarooFitConfig, options, model=sm.hf_model)
-    stream = token_stream(data, vocab_size=sm.config.vocab_size, tokenizer=tokenizer)
+    also = ("tokenizer", "eval_data", "checkpoint_dir")
+    config = fit_config(KangarooFitConfig, options, also=also, model=sm.hf_model)
+    cached = data if isinstance(data, TeacherFeatures) else None
+    source = cached.tokens if cached is not None else data
+    stream = token_stream(source, vocab_size=sm.config.vocab_size, tokenizer=tokenizer)
     adapter = adapter_of(sm.graph_module)
     params = list(adapter.parameters())
     model_device = next(sm.hf_model.parameters()).device
@@ -202,30 +250,54 @@ def fit(sm, data: Any, *, tokenizer=None, **options: Any) -> FitResult:
             f"fit: the adapter is on {adapter_device} but the model on {model_device}; move the "
             "model to the device before rewrite.apply (the adapter is built where the model is)"
         )
+    parts = decoder_parts(sm.hf_model)
+    # The training data's token ranking: the subset of draft_vocab, saved with the adapter.
+    install_ranking(sm.graph_module, token_ranking(stream, sm.config.vocab_size), parts.head)
     optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
     generator = torch.Generator().manual_seed(config.seed)
     result = FitResult(steps=config.steps)
-    start = time.perf_counter()
-    adapter.train()
-    try:
-        bar = tqdm(range(config.steps), desc="kangaroo adapter", disable=not config.progress)
-        for _ in bar:
+    checkpoint = None
+    if checkpoint_dir is not None:
+        identity = {**fit_identity(config), "recipe": "kangaroo", "data": tokens_digest(stream),
+                    "exit_layer": adapter.exit_layer}  # fmt: skip
+        checkpoint = FitCheckpoint(checkpoint_dir, adapter, optimizer, generator,
+                                   identity=identity)  # fmt: skip
+    first = checkpoint.restore(result) if checkpoint is not None else 0
+    if eval_data is not None and first == 0:
+        result.agreement_before = evaluate_agreement(sm, eval_data, tokenizer=tokenizer)
+    layers = (adapter.exit_layer, sm.config.num_hidden_layers)
+
+    def step() -> None:
+        if cached is None:
             batch = sample_windows(stream, config.batch_size, config.seq_len, generator)
             draft, target = adapter_and_target_logits(sm, batch)
-            loss = kangaroo_loss(draft, target)
-            optimizer_step(optimizer, loss, params, config.grad_clip)
-            result.losses.append(float(loss.detach()))
-            result.tokens += batch.numel()
-            bar.set_postfix(loss=f"{result.losses[-1]:.4f}")
+        else:
+            batch, (features, h) = cached.batch(config.batch_size, generator, layers)
+            dtype = next(sm.hf_model.parameters()).dtype
+            features = features.to(device=model_device, dtype=dtype)
+            with torch.no_grad():
+                target = parts.head(parts.norm(h.to(device=model_device, dtype=dtype)))
+            draft = adapter_logits(sm, features)
+        loss = kangaroo_loss(draft, target)
+        optimizer_step(optimizer, loss, params, config.grad_clip)
+        result.losses.append(float(loss.detach()))
+        result.tokens += batch.numel()
+
+    adapter.train()
+    try:
+        run_steps(result, step, first=first, config=config, desc="kangaroo adapter",
+                  checkpoint=checkpoint)  # fmt: skip
     finally:
         adapter.eval()
         optimizer.zero_grad(set_to_none=True)
-    result.seconds = time.perf_counter() - start
+    if eval_data is not None:
+        result.agreement_after = evaluate_agreement(sm, eval_data, tokenizer=tokenizer)
     return result
 
 
-def save_adapter(sm, path: str | Path) -> Path:
-    """Write the adapter of ``sm`` and its recipe options (see passes.adapter_checkpoint)."""
+def save_adapter(sm, path: str | Path, *, extra: dict[str, Any] | None = None) -> Path:
+    """Write the adapter of ``sm`` and its recipe options (see passes.adapter_checkpoint);
+    ``extra``: more entries of its JSON file (a training run's summary)."""
     options = {k: v for k, v in dataclasses.asdict(sm.options).items() if k != "adapter"}
     return write_adapter(
         adapter_of(sm.graph_module),
@@ -233,4 +305,6 @@ def save_adapter(sm, path: str | Path) -> Path:
         recipe=sm.recipe.name,
         options=options,
         host=host_signature(sm.config),
+        ranking=ranking_of(sm.graph_module),
+        extra=extra,
     )

@@ -33,6 +33,7 @@ import dataclasses
 import math
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -463,6 +464,10 @@ def train_parts(
     held_out_tokens: int = 16384,
     corpus_root: str | None = None,
     greedy_data: int = 0,
+    data: str = "stdlib",
+    cache_dir: str | Path | None = None,
+    exclude: Sequence[str] | None = None,
+    self_options: Any = None,
     **options: Any,
 ) -> dict[str, Any]:
     """Train M2R2 parts for a checkpoint (default: the shipped reference model) on the stdlib
@@ -475,22 +480,27 @@ def train_parts(
     setting they decode with unless ``apply`` is given another), for ``m2r2_exit``
     ``exit_gates`` (the gates whose routers decide, recorded in the parts the same way): the
     recipe's options.
-    ``greedy_data`` > 0: train instead on that many windows of the training split (a quarter
-    of ``seq_len``) each continued by the model's own greedy tokens (the rest): the contexts
-    drafting meets. ``options``: :class:`M2R2FitConfig` fields. What ``leapfx train-m2r2``
-    runs."""
+    ``data``: ``stdlib``, ``self`` or a file (``train.sources``; ``exclude``: the benchmark
+    prompts ``self`` data is checked against, ``self_options`` its budget, ``cache_dir`` where
+    it is cached). ``greedy_data`` > 0: train instead on that many windows of the training
+    split (a quarter of ``seq_len``) each continued by the model's own greedy tokens (the
+    rest): the contexts drafting meets. ``options``: :class:`M2R2FitConfig` fields. What
+    ``leapfx train-m2r2`` runs."""
     import json
     import platform
 
     from leapfx import rewrite
     from leapfx.models import load_model
-    from leapfx.train.data import encode_documents
-    from leapfx.train.reference import corpus_digest, reference_corpus
+    from leapfx.models.gguf import cache_root
+    from leapfx.train.sources import check_data, training_data
 
-    corpus = reference_corpus(corpus_root, option="--corpus-root")
+    check_data(data)
     model, tokenizer = load_model(model_path)
-    train = encode_documents(tokenizer, corpus.train).long()
-    held = encode_documents(tokenizer, corpus.held_out).long()[:held_out_tokens]
+    cache = Path(cache_dir).expanduser() if cache_dir is not None else cache_root() / "train"
+    text = training_data(data, model, tokenizer, cache_dir=cache, exclude=exclude,
+                         corpus_root=corpus_root, self_options=self_options,
+                         held_out_tokens=held_out_tokens)  # fmt: skip
+    train, held = text.train, text.held_out
     check_int("greedy_data", greedy_data, 0)
     if greedy_data:
         from leapfx.train.evaluate import greedy_continuations
@@ -533,8 +543,7 @@ def train_parts(
         "held_out_after": after,
         "torch": torch.__version__,
         "python": platform.python_version(),
-        "corpus": {"files": len(corpus.train) + len(corpus.held_out),
-                   "sha256": corpus_digest(corpus)},
+        "data": text.info,
     }  # fmt: skip
     tmp = path / ".m2r2_report.json.tmp"
     tmp.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
