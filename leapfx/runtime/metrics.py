@@ -56,6 +56,9 @@ class DecodeMetrics:
     cpu_kernels: bool | None = None  # the stages ran leapfx's CPU kernels (None: not recorded)
     drafter_rounds: dict[str, int] = field(default_factory=dict)  # rounds per drafter
     ngram_matches: dict[int, int] = field(default_factory=dict)  # prompt lookup: n -> rounds
+    batch_size: int = 1  # rows decoded together (a batched generate's input_ids.shape[0])
+    # a batched decode: the draft length each round chose (0: a plain step for every row)
+    draft_lengths: list[int] = field(default_factory=list)
 
     def record_round(self, drafter: str, ngram: int = 0) -> None:
         """A round drafted with ``drafter`` ("none": drafted nothing); ``ngram`` > 0: its
@@ -148,4 +151,6 @@ class DecodeMetrics:
             "cpu_kernels": self.cpu_kernels,
             "drafter_rounds": dict(self.drafter_rounds),
             "ngram_matches": {str(k): v for k, v in sorted(self.ngram_matches.items())},
+            "batch_size": self.batch_size,
+            "draft_lengths": list(self.draft_lengths),
         }
