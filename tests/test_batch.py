@@ -61,7 +61,7 @@ def _options(recipe: str, options: dict, layers: int, data) -> dict:
     if recipe in ("layerskip", "kangaroo"):
         options["exit_layer"] = data.draw(st.integers(1, layers - 1), label="exit_layer")
     if recipe == "swift":
-        skip = data.draw(st.sets(st.integers(0, layers - 1), min_size=1, max_size=layers - 1),
+        skip = data.draw(st.sets(st.integers(1, layers - 1), min_size=1, max_size=layers - 1),
                          label="skip_layers")  # fmt: skip
         options["skip_layers"] = tuple(sorted(skip))
     return options
