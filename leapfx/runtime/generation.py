@@ -432,9 +432,9 @@ class GenerateFrontEnd:
         """Each row's new tokens of a batched (or left-padded) ``prompt`` [B, S] and the
         decode's metrics; ``pads``: each row's left pad tokens."""
         raise ValueError(
-            f"input_ids: {prompt.shape[0]} rows (or a left-padded row) are not supported by "
-            f"{type(self).__name__}; allowed: one unpadded row, or a SpeculativeModel on the "
-            "eager backend"
+            f"input_ids: {prompt.shape[0]} rows (or a left-padded row) are not supported on the "
+            f"onnxruntime backend ({type(self).__name__}: its exported stages and cache take one "
+            "row); allowed: one unpadded row, or a SpeculativeModel on the eager backend"
         )
 
     def _generation_source(self) -> GenerationSource:
