@@ -50,8 +50,13 @@ def test_unsupported_architecture():
 
 
 def test_batch_larger_than_one(model):
-    sm = rewrite.apply(model, "layerskip", exit_layer=2)
-    with pytest.raises(ValueError, match=r"input_ids: batch size 2 is not supported; allowed: 1"):
+    # Batches decode (tests/test_batch.py) where the recipe batches; the others say why not.
+    out = rewrite.apply(model, "layerskip", exit_layer=2).generate(
+        torch.ones(2, 4, dtype=torch.long), max_new_tokens=3
+    )
+    assert out.shape == (2, 7)
+    sm = rewrite.apply(model, "early_exit", exit_layer=2)
+    with pytest.raises(ValueError, match=r"input_ids: 2 rows .* recipe 'early_exit' .*allowed"):
         sm.generate(torch.ones(2, 4, dtype=torch.long), max_new_tokens=3)
 
 
@@ -84,11 +89,13 @@ def test_bad_max_cache_len(model):
         rewrite.apply(model, "autoregressive", max_cache_len=0)
 
 
-def test_padding_mask_is_refused(model):
+def test_right_padding_is_refused(model):
     sm = rewrite.apply(model, "autoregressive")
     ids = torch.ones(1, 4, dtype=torch.long)
-    with pytest.raises(ValueError, match="attention_mask: padding is not supported"):
-        sm.generate(ids, attention_mask=torch.tensor([[0, 1, 1, 1]]), max_new_tokens=2)
+    with pytest.raises(ValueError, match="attention_mask: row 0 is padded on the right .*left"):
+        sm.generate(ids, attention_mask=torch.tensor([[1, 1, 1, 0]]), max_new_tokens=2)
+    out = sm.generate(ids, attention_mask=torch.tensor([[0, 1, 1, 1]]), max_new_tokens=2)
+    assert out.shape == (1, 6)  # left padding decodes (the batched path)
 
 
 def test_bad_max_new_tokens(model):

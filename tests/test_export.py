@@ -497,6 +497,8 @@ def test_onnx_model_errors(tmp_path, exported, onnx_model):
         om.generate(torch.tensor([[10_000]]))
     with pytest.raises(ValueError, match="max_new_tokens: 0 is invalid"):
         om.generate(torch.tensor([[1]]), max_new_tokens=0)
+    with pytest.raises(ValueError, match="input_ids: 2 rows .* onnxruntime backend"):
+        om.generate(torch.ones(2, 3, dtype=torch.long), max_new_tokens=2)
 
 
 def test_ort_cache_rolls_back_in_place():

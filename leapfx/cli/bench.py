@@ -86,6 +86,8 @@ def _bench(args: argparse.Namespace) -> int:
             print(f"reference model: leapfx_layerskip_dynamic at eta {threshold}")
     d = DEFAULT_SPECULATIONS if d is None else d
     kernels = CPU_KERNELS[args.cpu_kernels]
+    if args.batch_size is not None:
+        return _batch_bench(args, model, tokenizer, prompts, exit_layer, d, kernels, quiet)
     calibration = []
     offload = _offload_options(args)
     if args.sweep_threshold and not recipes & {"specee", "m2r2"}:
@@ -216,6 +218,70 @@ def _bench(args: argparse.Namespace) -> int:
         for c in calibration:
             by_exit[c.exit_layer] = max(by_exit.get(c.exit_layer, 0.0), c.acceptance_rate)
         write_plot(args.plot, rows, by_exit)
+    return 0
+
+
+def _batch_sizes(value: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(v) for v in value.split(",") if v.strip())
+    except ValueError:
+        sizes = ()
+    if not sizes or min(sizes) < 1 or len(set(sizes)) < len(sizes):
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is invalid; allowed: distinct batch sizes >= 1, comma-separated "
+            "(e.g. 1,4,8)"
+        )
+    return sizes
+
+
+def _batch_bench(args, model, tokenizer, prompts, exit_layer, d, kernels, quiet) -> int:
+    """``--batch-size``: total throughput per system and batch size (``bench.batch``)."""
+    import torch
+
+    from ..bench.batch import (
+        BatchBenchConfig, batch_table, run_batch_bench, varied_lengths, write_batch_plot,
+    )  # fmt: skip
+    from ..bench.report import write_json
+
+    if args.backend != "eager":
+        raise ValueError(
+            f"--backend: {args.backend!r} with --batch-size; allowed: eager (batched decoding "
+            "runs the eager stages, with or without the CPU kernels)"
+        )
+    config = BatchBenchConfig(
+        batch_sizes=args.batch_size, recipes=tuple(sorted(_bench_recipes(args))),
+        exit_layer=exit_layer, num_speculations=d, max_new_tokens=args.max_new_tokens,
+        repeats=args.repeats, warmup=args.warmup, cpu_kernels=kernels,
+    ).validate()  # fmt: skip
+    prompts = varied_lengths(prompts)
+    lengths = [p.shape[1] for p in prompts]
+    print(f"--batch-size {','.join(map(str, config.batch_sizes))}: {len(prompts)} prompts of "
+          f"{min(lengths)}..{max(lengths)} tokens, left-padded per batch")  # fmt: skip
+    config_pad = model.generation_config.pad_token_id
+    eos = model.generation_config.eos_token_id
+    pad = config_pad if config_pad is not None else (eos[0] if isinstance(eos, list) else eos)
+    rows = run_batch_bench(
+        model, prompts, config, pad_token_id=0 if pad is None else int(pad), progress=not quiet
+    )
+    print(batch_table(rows))
+    print(
+        "x leapfx_AR / x hf_greedy: tokens/s over that system's at the same batch size; "
+        "identical rows: per row against hf_greedy on the same padded batch; draft lengths: "
+        "rounds per draft length the batch policy chose (0: a plain step)"
+    )
+    if args.json:
+        meta = {
+            "model": str(args.model or "reference"), "recipe": args.recipe,
+            "batch_sizes": list(config.batch_sizes), "exit_layer": exit_layer,
+            "num_speculations": d, "prompt_set": args.prompt_set, "prompts": len(prompts),
+            "prompt_lengths": lengths, "max_new_tokens": args.max_new_tokens,
+            "repeats": args.repeats, "threads": torch.get_num_threads(), "device": args.device,
+            "cpu_kernels": args.cpu_kernels,
+            "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        }  # fmt: skip
+        write_json(args.json, rows, meta)
+    if args.plot:
+        write_batch_plot(args.plot, rows)
     return 0
 
 
@@ -784,6 +850,12 @@ def add_parser(sub) -> None:
         help="where the onnxruntime rows' intra-op threads live: one process-wide pool shared "
         "by every stage (shared: no stage wakes workers that slept through another's calls), "
         "or a pool per session",
+    )  # fmt: skip
+    bench.add_argument(
+        "--batch-size", type=_batch_sizes, default=None,
+        help="e.g. 1,4,8: decode the prompts in left-padded batches of each size; total "
+        "tokens/s per system and size (recipes that batch: lookup, auto, swift, layerskip, "
+        "kangaroo)",
     )  # fmt: skip
     bench.add_argument("--json", default=None, help="write the rows as JSON to this path")
     bench.add_argument("--plot", default=None, help="write a PNG to this path")

@@ -78,6 +78,7 @@ def _attend(
             owner._kernel_attention
             and position_ids is not None
             and position_ids.shape[0] == 1
+            and not getattr(past_key_values, "ragged", False)
             and (
                 q.shape[2] == 1
                 or k.shape[2] <= KERNEL_ROWS_MAX_KEYS

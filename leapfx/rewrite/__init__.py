@@ -211,6 +211,8 @@ def apply(
         training=r.training,
         lossless=r.lossless(opts) if callable(r.lossless) else r.lossless,
         capabilities=r.capabilities,
+        batch=r.batch(opts) if r.batch is not None else None,
+        batch_refusal=r.batch_refusal,
     )
     sm = SpeculativeModel(model, gm, stages, info, offload=runtime)
     if backend == "inductor":  # compile() resolves cpu_kernels the same way

@@ -31,6 +31,7 @@ from ..passes.skip_checkpoint import read_skip_set
 from ..passes.skip_layers import DraftSkipSet, check_skip_set, swift_stages
 from ..passes.specee_stages import specee_stages
 from ..runtime import adaptive, eagle, kangaroo, lookup, m2r2, schedules, swift
+from ..runtime.batch import BatchPlan
 from ..runtime.capabilities import Capabilities
 from ..runtime.model import RecipeTraining, Schedule
 from ..runtime.skip_search import OnlineSkipSearch
@@ -691,6 +692,30 @@ class Recipe:
     # Why ``lookup=True`` is refused, for a recipe whose options do not take it (those of
     # ``lookup_recipes()`` do).
     lookup_refusal: str = "it has no draft-and-verify rounds to draft for"
+    # How it drafts in a batch (``leapfx.runtime.batch``); None: one row at a time, and
+    # ``batch_refusal`` says why.
+    batch: Callable[[object], BatchPlan] | None = None
+    batch_refusal: str = "it decodes one sequence at a time"
+
+
+def _batch_lookup(o) -> BatchPlan:
+    """A batch drafts by prompt lookup alone (``lookup``, ``auto``)."""
+    return BatchPlan("lookup", o.num_speculations, max_ngram=o.max_ngram,
+                     min_ngram=o.min_ngram, name="lookup")  # fmt: skip
+
+
+def _batch_stage(name: str, drafts: str = "num_speculations") -> Callable[[object], BatchPlan]:
+    """A batch drafts with the recipe's ``draft`` stage (after prompt lookup with
+    ``lookup=True``) and verifies with its ``full`` stage."""
+
+    def plan(o) -> BatchPlan:
+        return BatchPlan("stage", getattr(o, drafts), lookup=o.lookup, max_ngram=o.max_ngram,
+                         min_ngram=o.min_ngram, name=name)  # fmt: skip
+
+    return plan
+
+
+_LOSSY_BATCH = "it is lossy: a batch decodes lossless recipes only"
 
 
 def _full_only(gm: fx.GraphModule) -> Stages:
@@ -709,6 +734,7 @@ RECIPES: dict[str, Recipe] = {
             schedule=lambda o: schedules.autoregressive,
             lookahead=lambda o: 1,
             lossless=True,
+            batch=lambda o: BatchPlan("none"),
         ),
         Recipe(
             name="lookup",
@@ -721,6 +747,7 @@ RECIPES: dict[str, Recipe] = {
             lossless=True,
             draft_option="num_speculations",
             lookup_refusal="it drafts by prompt lookup itself",
+            batch=_batch_lookup,
         ),
         Recipe(
             name="auto",
@@ -733,6 +760,7 @@ RECIPES: dict[str, Recipe] = {
             lossless=True,
             draft_option="num_speculations",
             lookup_refusal="it drafts by prompt lookup itself",
+            batch=_batch_lookup,
         ),
         Recipe(
             name="swift",
@@ -749,6 +777,7 @@ RECIPES: dict[str, Recipe] = {
             # the Inductor and ONNX paths of a layer-skipped draft stage are not written yet
             capabilities=Capabilities(compiles=False),
             draft_option="num_speculations",
+            batch=_batch_stage("swift"),
         ),
         Recipe(
             name="early_exit",
@@ -759,6 +788,7 @@ RECIPES: dict[str, Recipe] = {
             schedule=lambda o: partial(schedules.early_exit, exit_layer=o.exit_layer),
             lookahead=lambda o: 1,
             lossless=False,
+            batch_refusal=_LOSSY_BATCH,
         ),
         Recipe(
             name="layerskip",
@@ -772,6 +802,7 @@ RECIPES: dict[str, Recipe] = {
             draft_option="num_speculations",
             # greedy rounds of d exit-head drafts; its draft stage is verify's lower part
             capabilities=Capabilities(has_chain=True, split_verify=True),
+            batch=_batch_stage("layerskip"),
         ),
         Recipe(
             name="kangaroo",
@@ -790,6 +821,7 @@ RECIPES: dict[str, Recipe] = {
             training=partial(load_training, "kangaroo"),
             parts_option="adapter",
             draft_option="max_draft_tokens",
+            batch=_batch_stage("kangaroo", "max_draft_tokens"),
         ),
         Recipe(
             name="m2r2",
@@ -809,6 +841,7 @@ RECIPES: dict[str, Recipe] = {
             parts_option="parts",
             capabilities=Capabilities(compiles=False),
             draft_option="num_speculations",
+            batch_refusal="its fast stream keeps per-sequence scratch state (FastScratch)",
         ),
         Recipe(
             name="m2r2_exit",
@@ -827,6 +860,7 @@ RECIPES: dict[str, Recipe] = {
             training=partial(load_training, "m2r2"),
             parts_option="parts",
             capabilities=Capabilities(compiles=False),
+            batch_refusal=_LOSSY_BATCH,
         ),
         Recipe(
             name="eagle",
@@ -840,6 +874,7 @@ RECIPES: dict[str, Recipe] = {
             training=partial(load_training, "eagle"),
             parts_option="parts",
             draft_option="max_draft_tokens",
+            batch_refusal="its draft head reads each row's last hidden state, not batched yet",
         ),
         Recipe(
             name="specee",
@@ -868,6 +903,7 @@ RECIPES: dict[str, Recipe] = {
                 "keys (kv_fill='mask'), the online layer schedule; and without verify=True it "
                 "is lossy"
             ),
+            batch_refusal="its exits are per-token host decisions between per-layer stages",
         ),
     )
 }

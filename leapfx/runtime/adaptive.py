@@ -177,6 +177,10 @@ class DraftPolicy:
                 counts = self.by_key.setdefault(key, [0.0, 0.0])
                 counts[0] = DECAY * counts[0] + accepted
                 counts[1] = DECAY * counts[1] + rejected
+        self.observe_cost(drafted, seconds)
+
+    def observe_cost(self, drafted: int, seconds: float) -> None:
+        """A round of ``drafted`` drafts took ``seconds`` (its acceptance counted apart)."""
         if drafted not in self._seen:  # its first round pays first-call costs: not counted
             self._seen.add(drafted)
             return

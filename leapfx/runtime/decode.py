@@ -40,11 +40,8 @@ def check_prompt(
             f"input_ids: dtype {input_ids.dtype} is invalid; allowed: integer token ids of dtype "
             "torch.int64 (long) or torch.int32 (e.g. tokenizer(text, return_tensors='pt'))"
         )
-    if input_ids.shape[0] != 1:
-        raise ValueError(
-            f"input_ids: batch size {input_ids.shape[0]} is not supported; allowed: 1 "
-            "(batched speculative decoding is not implemented yet)"
-        )
+    if input_ids.shape[0] < 1:
+        raise ValueError("input_ids: the batch is empty; allowed: at least 1 row")
     if input_ids.shape[1] < 1:
         raise ValueError("input_ids: the prompt is empty; allowed: at least 1 token")
     if int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab_size:
@@ -55,11 +52,28 @@ def check_prompt(
                 f"attention_mask: shape {tuple(attention_mask.shape)} does not match "
                 f"input_ids {tuple(input_ids.shape)}"
             )
-        if not bool(attention_mask.bool().all()):
+        left_padding(attention_mask)
+
+
+def left_padding(attention_mask: torch.Tensor | None) -> list[int] | None:
+    """Each row's count of left pad tokens (None: no mask); ValueError for a row padded on the
+    right or in the middle, or a row with no token at all."""
+    if attention_mask is None:
+        return None
+    mask = attention_mask.bool()
+    pads = (~mask).long().cumprod(dim=1).sum(dim=1)  # [B]: the leading zeros of each row
+    ones = mask.long().sum(dim=1)
+    for b, (pad, n) in enumerate(zip(pads.tolist(), ones.tolist(), strict=True)):
+        if n == 0:
+            raise ValueError(f"attention_mask: row {b} has no token (all zeros); allowed: rows "
+                             "with at least one token")
+        if pad + n != mask.shape[1]:
             raise ValueError(
-                "attention_mask: padding is not supported at batch size 1; pass the prompt "
-                "without pad tokens (all-ones mask)"
+                f"attention_mask: row {b} is padded on the right or in the middle; allowed: "
+                "left padding (tokenizer.padding_side = 'left'), as for HF's generate with "
+                "decoder-only models"
             )
+    return pads.tolist()
 
 
 def decode_request(

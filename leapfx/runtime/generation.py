@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from .decode import check_prompt, decode_request, teacher_sequence, with_teacher
+from .decode import check_prompt, decode_request, left_padding, teacher_sequence, with_teacher
 from .metrics import DecodeMetrics
 from .processing import Processing
 from .schedules import DecodeRequest
@@ -288,6 +288,61 @@ def finish(input_ids: torch.Tensor, tokens: list[int], call: Call, metrics: Deco
     return out
 
 
+def check_batch_call(call: Call, rows: int) -> None:
+    """Refuse what a batched decode does not honour yet, naming it: HF logits processors beyond
+    the sampling warpers, extra stopping criteria, recorded scores, a streamer (HF's streamers
+    take one row too), teacher forcing."""
+    request = call.request
+    where = f"with a batch ({rows} rows, or a left-padded row)"
+    if request.streamer is not None:
+        raise ValueError(f"streamer: not supported {where}; allowed: streamer=None")
+    if request.teacher_tokens is not None:
+        raise ValueError(f"teacher_tokens: not supported {where}; allowed: one unpadded row")
+    processing = request.processing
+    if processing is None:
+        return
+    if processing.record:
+        raise ValueError(
+            f"output_scores/output_logits: not supported {where}; allowed: False (sequences "
+            "and metrics only)"
+        )
+    if processing.stopping:
+        names = ", ".join(type(c).__name__ for c in processing.stopping)
+        raise ValueError(
+            f"stopping_criteria: {names} not supported {where}; allowed: EOS and "
+            "max_new_tokens/max_length"
+        )
+    names = ", ".join(type(p).__name__ for p in processing.processors)
+    raise ValueError(
+        f"logits processors ({names}): not supported {where}; allowed: greedy decoding, or "
+        "sampling with temperature, top_k and top_p"
+    )
+
+
+def finish_batch(
+    input_ids: torch.Tensor, rows: list[list[int]], call: Call, metrics: DecodeMetrics
+) -> Any:
+    """A batched ``generate``'s return, as HF's: [B, S + T] ids (T: the longest row's new
+    tokens; a row that stopped sooner is filled with the pad token), or HF's
+    ``GenerateDecoderOnlyOutput`` (``sequences``, ``metrics``) with return_dict_in_generate."""
+    longest = max(len(r) for r in rows)
+    pad = getattr(call.config, "_pad_token_tensor", None)
+    pad = int(pad.reshape(-1)[0]) if isinstance(pad, torch.Tensor) else call.config.pad_token_id
+    if pad is None:
+        pad = 0  # only rows of equal length get here: nothing stops a row early without EOS
+    new = torch.full((len(rows), longest), pad, dtype=input_ids.dtype, device=input_ids.device)
+    for b, r in enumerate(rows):
+        new[b, : len(r)] = torch.tensor(r, dtype=input_ids.dtype)
+    sequences = torch.cat([input_ids, new], dim=1)
+    if not call.config.return_dict_in_generate:
+        return sequences
+    from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+    out = GenerateDecoderOnlyOutput(sequences=sequences)
+    out.metrics = metrics
+    return out
+
+
 @dataclass(frozen=True)
 class GenerationSource:
     """Where a model's ``generate`` takes its defaults and limits from."""
@@ -355,6 +410,7 @@ class GenerateFrontEnd:
         with torch.inference_mode() if mode else contextlib.nullcontext():
             source = self._generation_source()
             check_prompt(input_ids, attention_mask, source.vocab_size)
+            pads = left_padding(attention_mask) or [0] * input_ids.shape[0]
             prompt = self._generate_prompt(input_ids)
             call = prepare(
                 input_ids=input_ids, prompt=prompt, model_config=source.config,
@@ -363,8 +419,23 @@ class GenerateFrontEnd:
                 stopping_criteria=stopping_criteria, streamer=streamer, kwargs=kwargs,
                 recipe=source.recipe, lossless=source.lossless,
             )  # fmt: skip
+            if input_ids.shape[0] > 1 or any(pads):
+                check_batch_call(call, input_ids.shape[0])
+                rows, self.last_metrics = self._generate_batch(prompt, pads, call.request)
+                return finish_batch(input_ids, rows, call, self.last_metrics)
             tokens, self.last_metrics = self._generate_decode(prompt, call.request)
             return finish(input_ids, tokens, call, self.last_metrics)
+
+    def _generate_batch(
+        self, prompt: torch.Tensor, pads: list[int], request: DecodeRequest
+    ) -> tuple[list[list[int]], DecodeMetrics]:
+        """Each row's new tokens of a batched (or left-padded) ``prompt`` [B, S] and the
+        decode's metrics; ``pads``: each row's left pad tokens."""
+        raise ValueError(
+            f"input_ids: {prompt.shape[0]} rows (or a left-padded row) are not supported on the "
+            f"onnxruntime backend ({type(self).__name__}: its exported stages and cache take one "
+            "row); allowed: one unpadded row, or a SpeculativeModel on the eager backend"
+        )
 
     def _generation_source(self) -> GenerationSource:
         raise NotImplementedError

@@ -61,6 +61,9 @@ class DecodeMetrics:
     drafter_rounds: dict[str, int] = field(default_factory=dict)  # rounds per drafter
     ngram_matches: dict[int, int] = field(default_factory=dict)  # prompt lookup: n -> rounds
     skip_search: dict | None = None  # swift's online skip-set search after the call
+    batch_size: int = 1  # rows decoded together (a batched generate's input_ids.shape[0])
+    # a batched decode: the draft length each round chose (0: a plain step for every row)
+    draft_lengths: list[int] = field(default_factory=list)
 
     def record_round(self, drafter: str, ngram: int = 0) -> None:
         """A round drafted with ``drafter`` ("none": drafted nothing); ``ngram`` > 0: its
@@ -154,4 +157,6 @@ class DecodeMetrics:
             "drafter_rounds": dict(self.drafter_rounds),
             "ngram_matches": {str(k): v for k, v in sorted(self.ngram_matches.items())},
             "skip_search": self.skip_search,
+            "batch_size": self.batch_size,
+            "draft_lengths": list(self.draft_lengths),
         }

@@ -16,6 +16,7 @@ Example::
 from __future__ import annotations
 
 import logging
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -27,6 +28,7 @@ from torch import fx, nn
 from ..options import check_bool, check_int
 from ..passes.capture import decoder_parts
 from ..passes.partition import Stages
+from .batch import BatchPlan, BatchPolicy, RowRunner, batched_loop, row_cache_for
 from .cache import StaticKVCache, cache_for
 from .capabilities import Capabilities
 from .decode import cache_length, check_prompt, decode
@@ -64,6 +66,10 @@ class RecipeInfo:
     training: Callable[[], RecipeTraining] | None = None
     # What its stages lower to (Inductor, ONNX, a draft chain ...): asked, never name-checked.
     capabilities: Capabilities = field(default_factory=Capabilities)
+    # How it drafts in a batch (``runtime.batch``); None: it decodes one row at a time, and
+    # ``batch_refusal`` says why.
+    batch: BatchPlan | None = None
+    batch_refusal: str = "it decodes one sequence at a time"
 
     @property
     def compiles(self) -> bool:
@@ -125,6 +131,8 @@ class SpeculativeModel(GenerateFrontEnd):
         self.last_offload_report = None
         # swift: what the latest calibrate() measured (None before one).
         self.calibration = None
+        # Batched decodes' draft-length policy (its costs are this model's on this machine).
+        self._batch_policy: BatchPolicy | None = None
 
     @property
     def skip_search(self) -> Any:
@@ -328,6 +336,59 @@ class SpeculativeModel(GenerateFrontEnd):
                 stacklevel=3,  # the caller of generate
             )
         return self._decode(self.recipe.schedule, prompt, request)
+
+    def _generate_batch(
+        self, prompt: torch.Tensor, pads: list[int], request: DecodeRequest
+    ) -> tuple[list[list[int]], DecodeMetrics]:
+        plan = self.recipe.batch
+        rows = prompt.shape[0]
+        if plan is None:
+            raise ValueError(
+                f"input_ids: {rows} rows (or a left-padded row) are not supported by recipe "
+                f"{self.recipe.name!r} ({self.recipe.batch_refusal}); allowed: one unpadded "
+                "row, or a recipe that batches (autoregressive, lookup, auto, layerskip, "
+                "kangaroo, swift)"
+            )
+        if self.backend != "eager":
+            raise ValueError(
+                f"input_ids: {rows} rows (or a left-padded row) run on the eager backend only, "
+                f"and this model's stages run on {self.backend!r}; allowed: one unpadded row, "
+                "or the model before compile()"
+            )
+        if self.offload is not None:
+            raise ValueError(
+                f"input_ids: {rows} rows (or a left-padded row): an offloaded MoE model decodes "
+                "one row at a time; allowed: one unpadded row"
+            )
+        if self._hf_model.training:
+            warnings.warn(
+                "the model is in training mode (dropout active); call model.eval() first",
+                stacklevel=3,
+            )
+        needed = prompt.shape[1] + request.max_new_tokens + self.recipe.lookahead
+        size = cache_length(needed, getattr(self.options, "max_cache_len", None),
+                            self.recipe.lookahead)  # fmt: skip
+        cache = row_cache_for(
+            self._hf_model, size, rows, extra_layers=self.recipe.extra_cache_layers
+        )
+        runner = RowRunner(self._executors or self.stages.modules, cache, self._layout, pads)
+        policy = None
+        if plan.drafter != "none":
+            if self._batch_policy is None or self._batch_policy.max_drafts != plan.num_speculations:
+                self._batch_policy = BatchPolicy(plan.num_speculations)
+            policy = self._batch_policy
+        metrics = DecodeMetrics(
+            schedule=self.recipe.name, prompt_tokens=prompt.shape[1],
+            num_speculations=plan.num_speculations, batch_size=rows,
+        )  # fmt: skip
+        start = time.perf_counter()
+        with torch.inference_mode():
+            tokens = batched_loop(runner, prompt, pads, request, metrics, plan, policy)
+        metrics.seconds = time.perf_counter() - start
+        metrics.stage_seconds = dict(runner.seconds)
+        metrics.new_tokens = sum(len(t) for t in tokens)
+        metrics.cpu_kernels = self.cpu_kernels
+        return tokens, metrics
 
     def _decode(
         self, schedule: Schedule, prompt: torch.Tensor, request: DecodeRequest, name: str = ""

@@ -1,0 +1,478 @@
+"""Batched decoding: ``generate`` on ``[B, S]`` prompts with left padding, each row accepting its
+own drafts over one static KV cache.
+
+Layout. Row b's prompt is left-padded by ``pad_b`` tokens, so its token at position p sits in
+cache column ``pad_b + p``: HF's layout for a left-padded batch. Every layer keeps a fill length
+per row (:class:`RowKVCache`): a call writes row b's new keys and values at that row's own
+length (one slice write while the rows are aligned, one ``index_put`` when they are not) and
+reads the columns up to the longest row's end; the mask (:func:`row_masks`, from each row's
+query columns and its padding) hides this row's padding and every column past this row's own
+end. Rollback is per row and O(1): ``crop_rows`` moves lengths, nothing is copied.
+
+A round, for every live row at once::
+
+    choose d   the batch's policy (:class:`BatchPolicy`): live acceptance and the measured
+               cost of a verify of B x (d + 1) tokens at this batch size; 0 = a plain step
+    propose    per row: prompt lookup (an n-gram index per row), or the recipe's draft
+               stage, d calls over [B, 1] (layer-skip drafts: layerskip, kangaroo, swift), or
+               lookup first and the draft stage for the rows without a match
+    verify     one ``full`` call over [x_b, drafts_b] for every row at its own positions;
+               a row with fewer drafts than d is filled, and its fillers are never accepted
+    accept     per row: greedy, the drafts up to the first mismatch; sampling, rejection
+               sampling over the row's own drafts (one generator, rows in order); then each
+               row's cache is cropped to its own kept prefix
+
+A row that stops (EOS, ``max_new_tokens``) leaves the batch: the cache keeps the live rows (one
+``index_select`` a layer when rows stop, cheaper than carrying a dead row through every later
+call), so a finished row costs nothing afterwards. The verify is the full model, so every
+proposal is lossless: greedy rows equal HF's ``generate`` on the same padded batch, sampled rows
+have its distribution.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from .adaptive import DECAY, DraftPolicy
+from .cache import StaticKVCache
+from .executor import StageExecutor
+from .lookup import NgramIndex
+from .masks import masks_for
+from .metrics import DecodeMetrics
+from .runner import AttentionLayout
+from .sampling import probs
+from .schedules import DecodeRequest, Output, accept, point_mass
+
+DRAFTERS = ("none", "lookup", "stage")
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How a recipe drafts in a batch (``Recipe.batch``): ``drafter`` "none" (plain steps),
+    "lookup" (prompt lookup) or "stage" (the recipe's ``draft`` stage, a layer-skip draft
+    verified by the ``full`` stage); ``lookup``: prompt lookup first for a "stage" drafter
+    (``lookup=True``); at most ``num_speculations`` drafts a round."""
+
+    drafter: str = "none"
+    num_speculations: int = 0
+    lookup: bool = False
+    max_ngram: int = 3
+    min_ngram: int = 1
+    name: str = ""  # counted under this name in ``drafter_rounds`` (the recipe's)
+
+    def __post_init__(self) -> None:
+        if self.drafter not in DRAFTERS:
+            raise ValueError(f"drafter: {self.drafter!r} is invalid; allowed: {DRAFTERS}")
+
+
+class RowKVCache(StaticKVCache):
+    """A static KV cache whose layers keep one fill length per row (ragged rows).
+
+    ``ragged`` tells kernel attention (``modules.fused``) that a key's column is not its
+    position: attend through the mask.
+
+    >>> cache = RowKVCache(num_layers=1, num_kv_heads=1, head_dim=2, max_len=8, batch_size=2)
+    >>> _ = cache.update(torch.ones(2, 1, 3, 2), torch.ones(2, 1, 3, 2), 0)
+    >>> cache.crop_rows([2, 3]); cache.rows
+    [[2, 3]]
+    >>> k, _ = cache.update(torch.zeros(2, 1, 1, 2), torch.zeros(2, 1, 1, 2), 0)
+    >>> cache.rows, k.shape[2]   # row 0 wrote column 2, row 1 column 3; read to column 3
+    ([[3, 4]], 4)
+    """
+
+    def __init__(self, num_layers, num_kv_heads, head_dim, max_len, *, batch_size, **kwargs):
+        super().__init__(
+            num_layers, num_kv_heads, head_dim, max_len, batch_size=batch_size, **kwargs
+        )
+        self.rows: list[list[int]] = [[0] * batch_size for _ in range(num_layers)]
+
+    ragged = True
+
+    @property
+    def batch_size(self) -> int:
+        return self.keys[0].shape[0]
+
+    def update(self, key_states, value_states, layer_idx, cache_kwargs=None, **kwargs):
+        # key_states, value_states: [B, H_kv, n, D]; row b written at its own fill length.
+        starts = self.rows[layer_idx]
+        n = key_states.shape[-2]
+        ends = [s + n for s in starts]
+        end = max(ends)
+        self.check_room(end)
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        if min(starts) == max(starts):
+            keys[:, :, starts[0] : end] = key_states
+            values[:, :, starts[0] : end] = value_states
+        else:
+            cols = torch.tensor(starts, device=keys.device)[:, None] + torch.arange(
+                n, device=keys.device
+            )  # [B, n]
+            b = torch.arange(len(starts), device=keys.device)[:, None]  # [B, 1]
+            keys[b, :, cols] = key_states.transpose(1, 2)  # indexed view: [B, n, H, D]
+            values[b, :, cols] = value_states.transpose(1, 2)
+        self.rows[layer_idx] = ends
+        self.lengths[layer_idx] = end
+        return keys[:, :, :end], values[:, :, :end]
+
+    def crop_rows(self, ends: list[int]) -> None:
+        """Forget every column >= ``ends[b]`` of row b in every layer (O(1): lengths only)."""
+        self.rows = [[min(n, e) for n, e in zip(layer, ends, strict=True)] for layer in self.rows]
+        self.lengths = [max(layer) for layer in self.rows]
+
+    def keep(self, rows: list[int]) -> None:
+        """Keep only ``rows`` (indices into the current batch), in that order."""
+        index = torch.tensor(rows, device=self.keys[0].device)
+        self.keys = [k.index_select(0, index) for k in self.keys]
+        self.values = [v.index_select(0, index) for v in self.values]
+        self.rows = [[layer[r] for r in rows] for layer in self.rows]
+        self.lengths = [max(layer) for layer in self.rows]
+
+    def reset(self) -> None:
+        super().reset()
+        self.rows = [[0] * self.batch_size for _ in self.rows]
+
+
+def row_cache_for(model, max_len: int, batch_size: int, *, extra_layers: int = 0) -> RowKVCache:
+    """A :class:`RowKVCache` shaped for ``model`` (a supported HF causal LM)."""
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    param = next(model.parameters())
+    return RowKVCache(
+        config.num_hidden_layers + extra_layers, kv_heads, head_dim, max_len,
+        batch_size=batch_size, dtype=param.dtype, device=param.device, static_addresses=False,
+    )  # fmt: skip
+
+
+def row_masks(
+    layout: AttentionLayout, starts: list[int], pads: list[int], n: int
+) -> dict[str, torch.Tensor | None]:
+    """Masks [B, 1, n, max(starts) + n] for n queries a row at columns starts[b].. of rows
+    left-padded by pads[b]: row b's query at column c sees columns pads[b]..c (and, under a
+    sliding window, those within the window). Aligned unpadded rows get the masks a single
+    sequence gets (HF's own choice, None where SDPA's causal flag serves)."""
+    if not any(pads) and min(starts) == max(starts):
+        return masks_for(
+            layout.impl, list(layout.kinds), starts[0], n, window=layout.window,
+            dtype=layout.dtype, device=layout.device, additive=True,
+        )  # fmt: skip
+    device = layout.device
+    end = max(starts) + n
+    cols = torch.arange(end, device=device)[None, None, :]  # [1, 1, E]
+    q = (torch.tensor(starts, device=device)[:, None] + torch.arange(n, device=device))[:, :, None]
+    first = torch.tensor(pads, device=device)[:, None, None]  # [B, 1, 1]
+    visible = (cols <= q) & (cols >= first)  # [B, n, E]
+    blocked = float("-inf") if layout.impl == "sdpa" else torch.finfo(layout.dtype).min
+    zero = torch.zeros((), dtype=layout.dtype, device=device)
+    out: dict[str, torch.Tensor | None] = {}
+    for kind in dict.fromkeys(layout.kinds):
+        seen = visible
+        if kind == "sliding_attention" and layout.window is not None:
+            seen = visible & (cols > q - layout.window)
+        out[kind] = torch.where(seen[:, None], zero, blocked)
+    return out
+
+
+class RowRunner:
+    """Calls stage executors on [B, n] rows, each row at its own cache column."""
+
+    def __init__(
+        self,
+        stages: Mapping[str, StageExecutor],
+        cache: RowKVCache,
+        layout: AttentionLayout,
+        pads: list[int],
+    ) -> None:
+        self.stages, self.cache, self.layout, self.pads = stages, cache, layout, list(pads)
+        self.seconds: defaultdict[str, float] = defaultdict(float)
+
+    def call(self, name: str, ids: torch.Tensor, starts: list[int], key: str) -> torch.Tensor:
+        """Stage ``name`` on ``ids`` [B, n], row b at columns starts[b]..: logits [B, n, V]."""
+        n = ids.shape[1]
+        device = self.layout.device
+        cols = torch.tensor(starts, device=device)[:, None] + torch.arange(n, device=device)
+        positions = (cols - torch.tensor(self.pads, device=device)[:, None]).clamp(min=0)
+        begin = time.perf_counter()
+        out = self.stages[name](
+            input_ids=ids,
+            position_ids=positions,
+            masks=row_masks(self.layout, starts, self.pads, n),
+            cache=self.cache,
+        )
+        self.seconds[key] += time.perf_counter() - begin
+        return out["logits"]
+
+    def keep(self, rows: list[int]) -> None:
+        self.cache.keep(rows)
+        self.pads = [self.pads[r] for r in rows]
+
+
+class BatchPolicy:
+    """Draft lengths for batched rounds: one :class:`~leapfx.runtime.adaptive.DraftPolicy` a
+    batch size, since what a verify of B x (d + 1) tokens costs is the batch's (compute-bound
+    as B grows: speculation stops paying), while the acceptance is the text's and moves with
+    the decode to whatever size is live. Costs carry over between calls (the model's, on its
+    machine); acceptance restarts each call."""
+
+    def __init__(self, max_drafts: int) -> None:
+        self.max_drafts = max_drafts
+        self.by_size: dict[int, DraftPolicy] = {}
+        self.live: DraftPolicy | None = None
+
+    def restart(self) -> None:
+        for policy in self.by_size.values():
+            policy.restart()
+        self.live = None
+
+    def at(self, size: int) -> DraftPolicy:
+        policy = self.by_size.get(size)
+        if policy is None:
+            policy = self.by_size[size] = DraftPolicy(self.max_drafts)
+        if self.live is not None and policy is not self.live:
+            policy.accepted, policy.rejections = self.live.accepted, self.live.rejections
+        self.live = policy
+        return policy
+
+    def choose(self, size: int, available: int) -> int:
+        """Drafts for a round at batch ``size`` that could draft ``available``. A size's first
+        rounds are plain steps until one has been timed (its first round is not counted): the
+        cost of a plain step at this size is what every draft length is weighed against, and
+        the prior's slope is far from a compute-bound batch's."""
+        policy = self.at(size)
+        if 0 not in policy.costs:
+            return 0
+        return policy.choose(available)
+
+    def observe(
+        self, size: int, drafted: int, rows: list[tuple[int, int]], seconds: float
+    ) -> None:
+        """A round at batch ``size`` was ``drafted`` wide and took ``seconds``; ``rows``: (drafts,
+        kept) of each row that drafted. Acceptance counts as the mean row's (a row rejects when
+        it kept fewer than it drafted), the cost as this size's."""
+        policy = self.at(size)
+        if drafted > 0 and rows:
+            n = len(rows)
+            policy.accepted = DECAY * policy.accepted + sum(k for _, k in rows) / n
+            policy.rejections = DECAY * policy.rejections + sum(k < v for v, k in rows) / n
+        policy.observe_cost(drafted, seconds)
+
+
+@dataclass
+class _Row:
+    """One row's decode: its Output, its newest token's column, its lookup index."""
+
+    index: int  # the row's place in the caller's batch
+    out: Output
+    pos: int = 0
+    ngrams: NgramIndex | None = None
+
+
+def _lookup_drafts(row: _Row, d: int) -> list[int]:
+    if row.ngrams is None or d <= 0:
+        return []
+    tokens, _ = row.ngrams.match(d)
+    return list(tokens)
+
+
+def batched_loop(
+    runner: RowRunner,
+    prompt: torch.Tensor,
+    pads: list[int],
+    request: DecodeRequest,
+    metrics: DecodeMetrics,
+    plan: BatchPlan,
+    policy: BatchPolicy | None,
+) -> list[list[int]]:
+    """Decode every row of ``prompt`` [B, S] (left-padded by ``pads``); returns each row's new
+    tokens (up to and including its EOS). ``policy`` chooses each round's draft length (None:
+    always ``plan.num_speculations``)."""
+    B, S = prompt.shape
+    rows = [_Row(b, Output(request), pos=S) for b in range(B)]
+    if plan.drafter == "lookup" or plan.lookup:
+        for b, row in enumerate(rows):
+            row.ngrams = NgramIndex(plan.max_ngram, plan.min_ngram)
+            row.ngrams.extend(prompt[b, pads[b] :].tolist())
+    if policy is not None:
+        policy.restart()
+    finished: dict[int, list[int]] = {}
+    logits = runner.call("full", prompt, [0] * B, "prefill")  # [B, S, V]
+    metrics.full_calls += 1
+    x = _choose(logits[:, -1], request)  # [B, 1]
+    _emit(rows, [[t] for t in x[:, 0].tolist()])
+    rows, x = _drop_finished(runner, rows, x, finished)
+    while rows:
+        size = len(rows)
+        begin = time.perf_counter()
+        room = [row.out.remaining - 1 for row in rows]  # drafts past a row's budget are waste
+        d = min(plan.num_speculations, max(room)) if plan.drafter != "none" else 0
+        if policy is not None and d > 0:
+            d = policy.choose(size, d)
+        proposal = _propose(runner, rows, x, d, room, plan, request)
+        starts = [row.pos for row in rows]
+        runner.cache.crop_rows(starts)  # a draft stage wrote some layers past x
+        width = proposal.tokens.shape[1]
+        ids = torch.cat([x, proposal.tokens], dim=1)  # [B, width + 1]
+        logits = runner.call("full", ids, starts, "verify" if width else "full")
+        if width:
+            metrics.verify_calls += 1
+        else:
+            metrics.full_calls += 1
+        emitted, kept = _accept_rows(proposal, logits, request)
+        runner.cache.crop_rows([s + len(e) for s, e in zip(starts, emitted, strict=True)])
+        for row, e, v, k, who in zip(
+            rows, emitted, proposal.valid, kept, proposal.drafters, strict=True
+        ):
+            row.pos += len(e)
+            if v > 0:
+                metrics.record_verify(v, k)
+                metrics.record_round(who)
+        metrics.draft_lengths.append(width)
+        x = torch.tensor([[e[-1]] for e in emitted], device=prompt.device)
+        _emit(rows, emitted)
+        if policy is not None:
+            drafted = [(v, k) for v, k in zip(proposal.valid, kept, strict=True) if v > 0]
+            policy.observe(size, width, drafted, time.perf_counter() - begin)
+        rows, x = _drop_finished(runner, rows, x, finished)
+    return [finished[b] for b in range(B)]
+
+
+def _emit(rows: list[_Row], emitted: list[list[int]]) -> None:
+    for row, tokens in zip(rows, emitted, strict=True):
+        row.out.extend(tokens)
+        if row.ngrams is not None:
+            row.ngrams.extend(tokens)
+
+
+def _drop_finished(
+    runner: RowRunner, rows: list[_Row], x: torch.Tensor, finished: dict[int, list[int]]
+) -> tuple[list[_Row], torch.Tensor]:
+    """The rows still decoding (and their newest tokens); the cache keeps only theirs."""
+    live = [i for i, row in enumerate(rows) if not row.out.done]
+    if len(live) == len(rows):
+        return rows, x
+    for row in rows:
+        if row.out.done:
+            finished[row.index] = row.out.tokens
+    if live:
+        runner.keep(live)
+    return [rows[i] for i in live], x[live]
+
+
+def _choose(logits: torch.Tensor, request: DecodeRequest) -> torch.Tensor:
+    """Each row's next token [B, 1] from logits [B, V]: argmax or a draw (one generator)."""
+    if not request.sampling.do_sample:
+        return logits.argmax(dim=-1, keepdim=True)
+    return torch.multinomial(probs(logits.float(), request.sampling), 1, generator=request.generator)
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """A round's drafts for every row: ``tokens`` [B, width] (a row's first ``valid[b]`` are
+    its drafts, the rest filler), ``q`` [B, width, V] under sampling (None: greedy), ``copied``
+    per row (a lookup copy: its q is a point mass), ``drafters`` per row (who drafted)."""
+
+    tokens: torch.Tensor
+    valid: list[int]
+    q: torch.Tensor | None
+    copied: list[bool]
+    drafters: list[str]
+
+
+def _propose(
+    runner: RowRunner,
+    rows: list[_Row],
+    x: torch.Tensor,
+    d: int,
+    room: list[int],
+    plan: BatchPlan,
+    request: DecodeRequest,
+) -> Proposal:
+    """Up to d drafts a row (at most ``room[b]`` for row b)."""
+    B = len(rows)
+    caps = [max(0, min(d, r)) for r in room]
+    copies = [_lookup_drafts(row, c) for row, c in zip(rows, caps, strict=True)]
+    staged = None
+    if plan.drafter == "stage" and d > 0 and not all(copies[b] for b in range(B) if caps[b]):
+        staged = _stage_drafts(runner, rows, x, d, request)  # (tokens [B, d], q or None)
+    tokens: list[list[int]] = []
+    copied: list[bool] = []
+    drafters: list[str] = []
+    for b in range(B):
+        if copies[b]:
+            tokens.append(copies[b][: caps[b]])
+            copied.append(True)
+            drafters.append("lookup")
+        elif staged is not None and caps[b] > 0:
+            tokens.append(staged[0][b, : caps[b]].tolist())
+            copied.append(False)
+            drafters.append(plan.name or "stage")
+        else:
+            tokens.append([])
+            copied.append(False)
+            drafters.append("none")
+    valid = [len(t) for t in tokens]
+    width = max(valid, default=0)
+    filled = [t + [0] * (width - len(t)) for t in tokens]
+    ids = torch.tensor(filled, dtype=x.dtype, device=x.device).reshape(B, width)
+    q = None
+    if request.sampling.do_sample and width:
+        q = staged[1][:, :width] if staged is not None else None
+    return Proposal(ids, valid, q, copied, drafters)
+
+
+def _stage_drafts(
+    runner: RowRunner, rows: list[_Row], x: torch.Tensor, d: int, request: DecodeRequest
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """d drafts a row with the ``draft`` stage: tokens [B, d] and, sampling, q [B, d, V]."""
+    token, tokens, qs = x, [], []
+    starts = [row.pos for row in rows]
+    for i in range(d):
+        logits = runner.call("draft", token, [s + i for s in starts], "draft")[:, -1]  # [B, V]
+        if request.sampling.do_sample:
+            q = probs(logits.float(), request.sampling)
+            token = torch.multinomial(q, 1, generator=request.generator)
+            qs.append(q)
+        else:
+            token = logits.argmax(dim=-1, keepdim=True)
+        tokens.append(token)
+    return torch.cat(tokens, dim=1), (torch.stack(qs, dim=1) if qs else None)
+
+
+def _accept_rows(
+    proposal: Proposal, logits: torch.Tensor, request: DecodeRequest
+) -> tuple[list[list[int]], list[int]]:
+    """Each row's emitted tokens (its kept drafts and the token after them) and kept count."""
+    emitted, kept = [], []
+    if not request.sampling.do_sample:
+        targets = logits.argmax(dim=-1).tolist()  # [B, width + 1]: the round's one host sync
+        for b, v in enumerate(proposal.valid):
+            drafted = proposal.tokens[b, :v].tolist()
+            k = 0
+            while k < v and drafted[k] == targets[b][k]:
+                k += 1
+            emitted.append([*drafted[:k], targets[b][k]])
+            kept.append(k)
+        return emitted, kept
+    for b, v in enumerate(proposal.valid):
+        if v == 0:
+            token = torch.multinomial(
+                probs(logits[b, :1].float(), request.sampling), 1, generator=request.generator
+            )
+            emitted.append([int(token)])
+            kept.append(0)
+            continue
+        drafts = proposal.tokens[b : b + 1, :v]
+        if proposal.copied[b]:
+            q = point_mass(drafts, logits.shape[-1], request)
+        else:
+            q = proposal.q[b : b + 1, :v]
+        n, nxt = accept(drafts, q, logits[b : b + 1, : v + 1], request)
+        k = int(n)
+        emitted.append([*drafts[0, :k].tolist(), int(nxt)])
+        kept.append(k)
+    return emitted, kept

@@ -1,0 +1,242 @@
+"""Batched ``generate``: [B, S] prompts with left padding, per-row acceptance over one cache.
+
+Greedy rows are checked against HF's ``generate`` on the same padded batch (hypothesis over
+architectures, row lengths, recipes and budgets; a divergence must be a measured float tie, as
+everywhere else); sampled rows against each row's exact distribution; the ragged cache, the
+masks and the batch policy on their own.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from leapfx import rewrite
+from leapfx.runtime.adaptive import PROBE_EVERY
+from leapfx.runtime.batch import BatchPolicy, RowKVCache, row_masks
+from leapfx.runtime.runner import AttentionLayout
+from tests.conftest import examples, tiny_model
+from tests.distribution_check import assert_sampled_from
+from tests.greedy_check import assert_greedy_equal
+from tests.test_lossless import model_specs
+from tests.test_sampling_e2e import TEMPERATURE, TOP_K, TOP_P, VOCAB, _exact_distribution
+
+PAD = 0  # tiny_model's pad_token_id
+
+# (recipe, options): every recipe that batches, with the options that change how it drafts.
+BATCHED = [
+    ("autoregressive", {}),
+    ("lookup", {"num_speculations": 4, "max_ngram": 2}),
+    ("auto", {"num_speculations": 4}),
+    ("layerskip", {"num_speculations": 3}),
+    ("layerskip", {"num_speculations": 3, "lookup": True}),
+    ("swift", {"num_speculations": 3}),
+    ("kangaroo", {"max_draft_tokens": 3}),
+]
+
+
+def _batch(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded input_ids and attention_mask [B, max len] of ``rows``."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), PAD, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for b, r in enumerate(rows):
+        ids[b, width - len(r) :] = torch.tensor(r)
+        mask[b, width - len(r) :] = 1
+    return ids, mask
+
+
+def _new_tokens(out: torch.Tensor, b: int, width: int, eos: int | None) -> list[int]:
+    """Row b's new tokens, up to and including its first EOS (the pad fill after it cut)."""
+    new = out[b, width:].tolist()
+    if eos is not None and eos in new:
+        new = new[: new.index(eos) + 1]
+    return new
+
+
+def _options(recipe: str, options: dict, layers: int, data) -> dict:
+    options = dict(options)
+    if recipe in ("layerskip", "kangaroo"):
+        options["exit_layer"] = data.draw(st.integers(1, layers - 1), label="exit_layer")
+    if recipe == "swift":
+        skip = data.draw(st.sets(st.integers(1, layers - 1), min_size=1, max_size=layers - 1),
+                         label="skip_layers")  # fmt: skip
+        options["skip_layers"] = tuple(sorted(skip))
+    return options
+
+
+def _check_rows(model, sm, rows: list[list[int]], max_new: int) -> None:
+    ids, mask = _batch(rows)
+    width = ids.shape[1]
+    ref = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new)
+    ours = sm.generate(ids, attention_mask=mask, max_new_tokens=max_new)
+    assert ours.shape[0] == len(rows) and torch.equal(ours[:, :width], ids)
+    eos = model.generation_config.eos_token_id
+    for b, r in enumerate(rows):
+        mine = torch.tensor([r + _new_tokens(ours, b, width, eos)])
+        theirs = torch.tensor([r + _new_tokens(ref, b, width, eos)])
+        assert_greedy_equal(model, mine, theirs, len(r))
+    metrics = sm.last_metrics
+    assert metrics.batch_size == len(rows)
+    assert metrics.new_tokens == sum(len(_new_tokens(ours, b, width, eos)) for b in range(len(rows)))
+
+
+@settings(max_examples=examples(40, 300), deadline=None)
+@given(spec=model_specs(), data=st.data())
+def test_batched_greedy_equals_hf_on_a_padded_batch(spec, data):
+    model = tiny_model(**spec)
+    vocab = spec["vocab"]
+    rows = data.draw(
+        st.lists(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=16), min_size=1,
+                 max_size=4),
+        label="rows",
+    )  # fmt: skip
+    recipe, options = data.draw(st.sampled_from(BATCHED), label="recipe")
+    options = _options(recipe, options, spec["layers"], data)
+    max_new = data.draw(st.integers(1, 16), label="max_new_tokens")
+    sm = rewrite.apply(model, recipe, **options)
+    _check_rows(model, sm, rows, max_new)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("kernels", [True, False])
+def test_batched_rows_stop_on_their_own_and_leave_the_batch(attn, kernels):
+    # eos 7 is common under this seed: rows stop at different steps, the batch shrinks (the
+    # cache keeps the live rows) and the stopped rows are filled with the pad token.
+    model = tiny_model("llama", layers=4, vocab=16, eos=7, seed=3, attn=attn)
+    sm = rewrite.apply(model, "layerskip", exit_layer=2, num_speculations=3)
+    sm.use_cpu_kernels(kernels)
+    rows = [[1, 2, 3, 4, 5, 6], [9, 8], [3, 3, 3, 3], [11, 12, 13, 14, 15, 1, 2, 3, 4]]
+    ids, mask = _batch(rows)
+    out = sm.generate(ids, attention_mask=mask, max_new_tokens=20)
+    ref = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=20)
+    assert torch.equal(out, ref)
+    lengths = [len(_new_tokens(out, b, ids.shape[1], 7)) for b in range(len(rows))]
+    assert len(set(lengths)) > 1, f"the rows should stop at different steps: {lengths}"
+    assert sm.last_metrics.new_tokens == sum(lengths)
+
+
+def test_a_left_padded_row_and_a_batch_of_one_equal_the_unbatched_decode():
+    model = tiny_model("qwen2", layers=3, vocab=64, seed=5, sliding_window=4)
+    sm = rewrite.apply(model, "lookup", num_speculations=3)
+    row = [5, 6, 7, 5, 6, 7, 5, 6]
+    plain = sm.generate(torch.tensor([row]), max_new_tokens=10)
+    padded = sm.generate(
+        torch.tensor([[PAD] * 3 + row]), attention_mask=torch.tensor([[0] * 3 + [1] * 8]),
+        max_new_tokens=10,
+    )  # fmt: skip
+    assert sm.last_metrics.batch_size == 1
+    assert torch.equal(padded[:, 3:], plain)
+    batch = sm.generate(*_batch([row, [9, 9, 9]]), max_new_tokens=10)
+    assert torch.equal(batch[:1], plain)
+
+
+@pytest.mark.parametrize("recipe", ["layerskip", "lookup"])
+def test_batched_sampling_matches_each_rows_distribution(recipe):
+    # Two rows of different lengths (the second left-padded): each row's 3-token continuations
+    # must follow its own exact distribution under the warpers.
+    model = tiny_model("llama", layers=3, vocab=VOCAB, heads=2, kv_heads=1, seed=11)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(0.25)
+    rows = [[1, 4, 2, 1, 4], [2, 1, 4]]
+    exact = [_exact_distribution(model, torch.tensor([r]), 3) for r in rows]
+    options = {"exit_layer": 1} if recipe == "layerskip" else {"max_ngram": 2}
+    sm = rewrite.apply(model, recipe, num_speculations=2, **options)
+    ids, mask = _batch(rows)
+    g = torch.Generator().manual_seed(1234)
+    n = 3000
+    counts = [dict.fromkeys(e, 0) for e in exact]
+    drafted = rejected = 0
+    for _ in range(n):
+        out = sm.generate(ids, attention_mask=mask, do_sample=True, max_new_tokens=3,
+                          generator=g, temperature=TEMPERATURE, top_k=TOP_K, top_p=TOP_P)  # fmt: skip
+        for b in range(2):
+            counts[b][tuple(out[b, ids.shape[1] :].tolist())] += 1
+        m = sm.last_metrics
+        drafted += m.drafted_tokens
+        rejected += m.drafted_tokens - m.accepted_drafts
+    assert drafted > 0 and 0 < rejected < drafted  # drafts both kept and rejected
+    for b in range(2):
+        assert_sampled_from(counts[b], exact[b], n)
+
+
+def test_batch_refusals_name_what_is_not_supported():
+    model = tiny_model("llama", layers=3, vocab=32)
+    ids, mask = _batch([[1, 2, 3], [4, 5]])
+    sm = rewrite.apply(model, "autoregressive")
+    right = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    with pytest.raises(ValueError, match="attention_mask: row 1 is padded on the right"):
+        sm.generate(ids, attention_mask=right, max_new_tokens=2)
+    with pytest.raises(ValueError, match="attention_mask: row 0 has no token"):
+        sm.generate(ids, attention_mask=torch.tensor([[0, 0, 0], [1, 1, 1]]), max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"logits processors \(RepetitionPenaltyLogitsProcessor"):
+        sm.generate(ids, attention_mask=mask, max_new_tokens=2, repetition_penalty=1.3)
+    with pytest.raises(ValueError, match="output_scores/output_logits: not supported with a batch"):
+        sm.generate(ids, attention_mask=mask, max_new_tokens=2, return_dict_in_generate=True,
+                    output_scores=True)  # fmt: skip
+    with pytest.raises(ValueError, match="recipe 'early_exit' .*it is lossy"):
+        rewrite.apply(model, "early_exit", exit_layer=1).generate(
+            ids, attention_mask=mask, max_new_tokens=2
+        )
+    out = sm.generate(ids, attention_mask=mask, max_new_tokens=2, return_dict_in_generate=True)
+    assert out.sequences.shape == (2, 5) and out.metrics.batch_size == 2
+
+
+def test_row_cache_writes_each_row_at_its_own_length_and_crops_per_row():
+    cache = RowKVCache(num_layers=2, num_kv_heads=1, head_dim=1, max_len=8, batch_size=3)
+    for layer in range(2):
+        cache.update(torch.ones(3, 1, 2, 1), torch.ones(3, 1, 2, 1), layer)
+    cache.crop_rows([1, 2, 0])
+    keys, _ = cache.update(torch.full((3, 1, 1, 1), 5.0), torch.zeros(3, 1, 1, 1), 0)
+    assert cache.rows == [[2, 3, 1], [1, 2, 0]]
+    assert keys.shape[2] == 3
+    assert keys[:, 0, :, 0].tolist() == [[1, 5, 0], [1, 1, 5], [5, 1, 0]]
+    cache.keep([2, 0])
+    assert cache.rows == [[1, 2], [0, 1]] and cache.keys[0].shape[0] == 2
+    assert cache.keys[0][:, 0, :2, 0].tolist() == [[5, 1], [1, 5]]
+    with pytest.raises(ValueError, match="max_cache_len"):
+        cache.update(torch.zeros(2, 1, 7, 1), torch.zeros(2, 1, 7, 1), 0)
+
+
+@settings(max_examples=examples(60, 300), deadline=None)
+@given(
+    rows=st.lists(st.tuples(st.integers(0, 6), st.integers(0, 6)), min_size=1, max_size=4),
+    n=st.integers(1, 4),
+    window=st.one_of(st.none(), st.integers(1, 6)),
+)
+def test_row_masks_show_each_query_its_own_rows_columns(rows, n, window):
+    # row b: pad p_b, newest column s_b >= p_b. Query i (column s_b + i) sees column j iff
+    # p_b <= j <= s_b + i (and s_b + i - j < window for sliding layers).
+    pads = [p for p, _ in rows]
+    starts = [p + s for p, s in rows]
+    layout = AttentionLayout("eager", ("full_attention", "sliding_attention"), window,
+                             torch.float32, torch.device("cpu"))  # fmt: skip
+    masks = row_masks(layout, starts, pads, n)
+    end = max(starts) + n
+    for kind, mask in masks.items():
+        assert mask.shape[0] in (1, len(rows)) and mask.shape[1:] == (1, n, end)
+        mask = mask.expand(len(rows), 1, n, end)  # aligned unpadded rows: one broadcast mask
+        for b, (p, s) in enumerate(zip(pads, starts, strict=True)):
+            for i in range(n):
+                for j in range(end):
+                    want = p <= j <= s + i
+                    if kind == "sliding_attention" and window is not None:
+                        want = want and s + i - j < window
+                    assert (mask[b, 0, i, j] == 0).item() == want
+
+
+def test_batch_policy_stops_drafting_where_big_verifies_do_not_pay():
+    # Batch 1: a verify of d + 1 tokens costs about one step, and 2 of 3 drafts are kept: it
+    # drafts. Batch 8: a verify costs (d + 1) steps (compute-bound): it stops drafting (one
+    # probe a PROBE_EVERY rounds), and the batch-1 costs are not forgotten.
+    policy = BatchPolicy(max_drafts=3)
+    for size, cost in ((1, lambda d: 1.0 + 0.05 * d), (8, lambda d: 1.0 + 1.0 * d)):
+        for _ in range(60):
+            d = policy.choose(size, 3)
+            kept = [min(d, 2)] * size
+            policy.observe(size, d, [(d, k) for k in kept] if d else [], cost(d))
+    assert policy.choose(1, 3) > 0
+    choices = [policy.choose(8, 3) for _ in range(PROBE_EVERY)]
+    assert choices.count(0) >= PROBE_EVERY - 1
