@@ -165,7 +165,7 @@ def test_kernel_stages_skip_the_masks_their_layers_would_not_read(monkeypatch):
 
 
 def test_eager_kernel_stages_draft_a_greedy_round_in_one_chain_call():
-    from leapfx.runtime.compiled import EagerChain
+    from leapfx.lower.cpu_kernels import EagerChain
 
     model = tiny_model("llama", layers=4)
     sm = rewrite.apply(model, "layerskip", exit_layer=2, num_speculations=3, cpu_kernels=True)

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from leapfx import rewrite
 from leapfx.bench.harness import BenchConfig, use_cpu_kernels
 from leapfx.kernels import cpu
+from leapfx.lower.inductor import CompileOptions
 from leapfx.modules.fused import (
     FusedDecoderLayer,
     KernelDecoderLayer,
@@ -23,7 +24,6 @@ from leapfx.modules.fused import (
     KernelRMSNorm,
     RotaryTable,
 )
-from leapfx.runtime.compiled import CompileOptions
 
 
 @pytest.fixture(scope="module", autouse=True)

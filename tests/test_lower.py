@@ -8,10 +8,10 @@ import torch
 
 from leapfx import rewrite
 from leapfx.lower import BACKENDS, lower
+from leapfx.lower.chain import chain_length
 from leapfx.rewrite.recipes import RECIPES
 from leapfx.runtime import executor
 from leapfx.runtime.capabilities import Capabilities
-from leapfx.runtime.compiled import chain_length
 from tests.conftest import tiny_model
 
 

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..runtime.stage_signature import step_present
+from ..lower.stage_signature import step_present
 
 PAST = "past_key_values."
 PRESENT = "present."

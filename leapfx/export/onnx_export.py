@@ -4,7 +4,7 @@ Steps, per stage (``full``, ``draft``, ``verify``, whichever the recipe cut):
 
 1. *discover* which KV-cache layers the stage touches and which position input feeds each: one
    eager call on a few tokens over empty pasts, with a different token count per position input
-   (a cache layer's present length then says which input fed it; ``runtime.stage_signature``,
+   (a cache layer's present length then says which input fed it; ``lower.stage_signature``,
    shared with the compiled stages);
 2. wrap the stage as an :class:`~leapfx.export.stage_module.ExportableStage` (tensors in,
    tensors out, masks built in the graph, the KV cache as whole static buffers written in
@@ -53,11 +53,10 @@ import torch
 from torch import fx
 
 from .. import __version__
+from ..lower.chain import chain_length
 from ..lower.manifest import FORMAT, FORMAT_VERSION, MANIFEST, is_export_dir, layer_ranges
-from ..options import check_bool, check_int
-from ..passes.capture import LAYER, ROLE
-from ..runtime.compiled import chain_length
-from ..runtime.stage_signature import (  # discovery, shared with the compiled stages
+from ..lower.stage_signature import (  # discovery, shared with the compiled stages
+    EAGLE_STAGES,
     MASK_INPUTS,  # noqa: F401
     POSITION_INPUTS,
     StageSignature,
@@ -65,7 +64,10 @@ from ..runtime.stage_signature import (  # discovery, shared with the compiled s
     example_generator,
     example_inputs,
     kv_shapes,
+    refuse_stages,
 )
+from ..options import check_bool, check_int
+from ..passes.capture import LAYER, ROLE
 from .stage_module import ExportableStage
 
 if TYPE_CHECKING:
@@ -487,8 +489,6 @@ def _check_options(sm: SpeculativeModel, path: Any, opset: Any, overwrite: Any) 
         raise ValueError(f"path: {path!r} is invalid; allowed: a directory path (str or PathLike)")
     check_int("opset", opset, MIN_OPSET, MAX_OPSET)
     check_bool("overwrite", overwrite)
-    from ..runtime.compiled import EAGLE_STAGES, refuse_stages
-
     refuse_stages(sm, "onnxruntime", EAGLE_STAGES)
     if sm.hf_model.training:
         raise ValueError(

@@ -49,8 +49,8 @@ from ..runtime.generation import GenerateFrontEnd, GenerationSource
 from ..runtime.metrics import DecodeMetrics
 from ..runtime.runner import AttentionLayout, StageRunner
 from ..runtime.schedules import DecodeRequest
-from ..runtime.stage_signature import past_names, present_names, step_present
 from .manifest import read_manifest
+from .stage_signature import past_names, present_names, step_present
 
 if TYPE_CHECKING:
     from ..runtime.model import SpeculativeModel

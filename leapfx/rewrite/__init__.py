@@ -25,7 +25,6 @@ from ..options import check_bool
 from ..passes.base import PassPipeline
 from ..passes.capture import EXTRA_CACHE_LAYERS, capture, check_supported
 from ..passes.offload import OffloadExperts
-from ..runtime.compiled import BACKENDS
 from ..runtime.model import RecipeInfo, SpeculativeModel
 from ..runtime.offload import OffloadOptions, build_offload
 from ..runtime.offload.checkpoint import checkpoint_only
@@ -33,6 +32,8 @@ from .defaults import kernels_choice, shipped_options
 from .recipes import RECIPES, Recipe, lookup_recipes
 
 __all__ = ["apply", "recipes", "get_recipe", "Recipe", "OffloadOptions"]
+
+BACKENDS = ("eager", "inductor")  # apply's backend=; ONNX is an export (leapfx.lower.lower)
 
 log = logging.getLogger(__name__)
 
@@ -212,7 +213,7 @@ def apply(
         lossless=r.lossless(opts) if callable(r.lossless) else r.lossless,
         capabilities=r.capabilities,
     )
-    sm = SpeculativeModel(model, gm, stages, info, offload=runtime)
+    sm = SpeculativeModel(model, gm, stages, info, offload=runtime, lower=lower)
     if backend == "inductor":  # compile() resolves cpu_kernels the same way
         lower(sm, "inductor", cpu_kernels=cpu_kernels)
         log.info("%s: cpu_kernels=%s (inductor, given %s)", r.name, sm.cpu_kernels, cpu_kernels)

@@ -24,12 +24,14 @@ from typing import Any, Protocol
 import torch
 from torch import fx, nn
 
+from ..modules.fused import KernelDecoderLayer, KernelExperts, KernelLinear
 from ..options import check_bool, check_int
 from ..passes.capture import decoder_parts
 from ..passes.partition import Stages
 from .cache import StaticKVCache, cache_for
 from .capabilities import Capabilities
 from .decode import cache_length, check_prompt, decode
+from .executor import Lower
 from .generation import GenerateFrontEnd, GenerationSource
 from .masks import SUPPORTED_ATTENTION
 from .metrics import DecodeMetrics
@@ -80,6 +82,10 @@ class SpeculativeModel(GenerateFrontEnd):
         last_metrics: ``DecodeMetrics`` of the latest ``generate`` call (None before one).
         offload: the expert-offload runtime of an MoE model applied with ``offload=`` (an
             ``ExpertOffload``), else None.
+
+    ``lower`` is ``leapfx.lower.lower``, which ``compile`` and ``use_cpu_kernels`` run: lowering
+    sits a floor above the runtime, so ``rewrite.apply`` hands it in rather than the runtime
+    importing it.
     """
 
     def __init__(
@@ -90,6 +96,7 @@ class SpeculativeModel(GenerateFrontEnd):
         recipe: RecipeInfo,
         *,
         offload: Any = None,
+        lower: Lower | None = None,
     ) -> None:
         impl = model.config._attn_implementation
         if impl not in SUPPORTED_ATTENTION:
@@ -123,6 +130,7 @@ class SpeculativeModel(GenerateFrontEnd):
         # generate call lands in last_offload_report.
         self.offload = offload
         self.last_offload_report = None
+        self._lower = lower
         # swift: what the latest calibrate() measured (None before one).
         self.calibration = None
 
@@ -187,23 +195,11 @@ class SpeculativeModel(GenerateFrontEnd):
         False
         """
         check_bool("enabled", enabled)
-        if self.backend != "eager":
-            raise ValueError(
-                f"use_cpu_kernels: the stages run on {self.backend!r}; pass cpu_kernels= to "
-                "compile() instead (allowed here: an eager SpeculativeModel)"
-            )
-        from .compiled import kernel_stages
-
-        self._executors = kernel_stages(self) if enabled else None
-        if self.offload is not None:  # an MoE model's offloaded experts: over the slots
-            self.offload.kernels = enabled
-        return self
+        return self._lowering("use_cpu_kernels")(self, "cpu_kernels" if enabled else "eager")
 
     @property
     def cpu_kernels(self) -> bool:
         """Whether the stages that ``generate`` runs use the ``leapfx_cpu`` kernels."""
-        from ..modules.fused import KernelDecoderLayer, KernelExperts, KernelLinear
-
         kinds = (KernelDecoderLayer, KernelExperts, KernelLinear)
         for stage in (self._executors or {}).values():
             module = getattr(getattr(stage, "pure", None), "stage", stage)
@@ -237,7 +233,7 @@ class SpeculativeModel(GenerateFrontEnd):
         ``warmup`` compiles every shape a decode uses now (minutes on a CPU for a real model),
         so that ``generate`` never compiles. The cache is sized once (``max_cache_len``, or
         the first rounding step of 256 positions); a longer generation grows it, which
-        compiles again once. See ``leapfx.runtime.compiled.CompileOptions`` for ``mode``,
+        compiles again once. See ``leapfx.lower.inductor.CompileOptions`` for ``mode``,
         ``verify_shapes``, ``transpose_weights`` and ``cpu_kernels`` (on a CPU the compiled
         stages keep a transposed copy of the projection weights, taken here: call
         ``compile()`` again after training the model in place; with float32 weights they
@@ -247,25 +243,24 @@ class SpeculativeModel(GenerateFrontEnd):
 
         >>> sm = rewrite.apply(hf_model, "layerskip", exit_layer=4).compile()
         """
-        from .compiled import CompileOptions, compile_stages
+        return self._lowering("compile")(
+            self, "inductor", mode=mode, verify_shapes=verify_shapes, warmup=warmup,
+            transpose_weights=transpose_weights, cpu_kernels=cpu_kernels, draft_chain=draft_chain,
+        )  # fmt: skip
 
-        self._check_compiles("compile")
-        if self.offload is not None:
+    def _lowering(self, what: str) -> Lower:
+        if self._lower is None:
             raise ValueError(
-                "compile: the experts of this model are offloaded (data-dependent transfers "
-                "that torch.compile cannot trace); allowed: the eager backend"
+                f"{what}: this SpeculativeModel was built without a lowering; build it with "
+                "leapfx.rewrite.apply, or call leapfx.lower.lower(model, backend)"
             )
-        options = CompileOptions(
-            mode=mode,
-            verify_shapes=verify_shapes,
-            warmup=warmup,
-            transpose_weights=transpose_weights,
-            cpu_kernels=cpu_kernels,
-            draft_chain=draft_chain,
-        )
-        self._executors = compile_stages(self, options)
-        self.backend = "inductor"
-        return self
+        return self._lower
+
+    def set_executors(self, executors: dict[str, Any] | None, backend: str) -> None:
+        """Run ``executors`` (None: the eager stages) on ``backend`` from now on: what
+        ``leapfx.lower`` calls once it has lowered the stages."""
+        self._executors = executors
+        self.backend = backend
 
     def _compile_cache_len(self) -> int:
         """The cache length compiled graphs are specialised to: the current cache's, or the
@@ -471,10 +466,11 @@ class SpeculativeModel(GenerateFrontEnd):
         # of the upward imports tools/check_layers.py allows (sm.export_onnx is a convenience).
         from ..export import export_onnx
 
-        self._check_compiles("export_onnx")
+        self.check_compiles("export_onnx")
         return export_onnx(self, path, opset=opset, overwrite=overwrite, optimize=optimize)
 
-    def _check_compiles(self, what: str) -> None:
+    def check_compiles(self, what: str) -> None:
+        """ValueError naming ``what`` where the recipe's stages run eager only."""
         if not self.recipe.compiles:
             raise ValueError(
                 f"{what}: recipe {self.recipe.name!r} runs its stages eager only (a stage takes "
