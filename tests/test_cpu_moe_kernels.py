@@ -20,8 +20,8 @@ from leapfx.modules.fused import (
     KernelExperts,
     experts_kernel_covers,
 )
+from leapfx.offload import OffloadOptions
 from leapfx.passes.capture import nodes_by_role
-from leapfx.runtime.offload import OffloadOptions
 from tests.conftest import MOE_ARCHS, tiny_moe_model
 from tests.greedy_check import check_random_prompts
 

@@ -280,7 +280,7 @@ def test_moe_reference_trainer_runs_and_reports_routing(tmp_path):
     # The saved model captures and runs with offload.
     from transformers import AutoModelForCausalLM
 
-    from leapfx.runtime.offload import OffloadOptions
+    from leapfx.offload import OffloadOptions
 
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "model", dtype=torch.float32).eval()
     sm = rewrite.apply(model, "layerskip", exit_layer=1, offload=OffloadOptions(slots=2))
@@ -323,7 +323,7 @@ def test_balance_loss_balances_each_layer_not_their_aggregate():
 def test_golden_moe_stage_text():
     """The stages of an MoE model: its parts, with qwen2_moe's shared expert and a dense layer,
     and the offloaded experts with next-gate prefetch nodes."""
-    from leapfx.runtime.offload import OffloadOptions
+    from leapfx.offload import OffloadOptions
     from tests.test_partition import _check_golden
 
     model = tiny_moe_model("qwen2_moe", layers=3, dense_layers=(1,))

@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 from leapfx import rewrite
 from leapfx.bench.offload import summarize
 from leapfx.bench.routing import moe_layers
+from leapfx.offload import DiskStore, OffloadOptions, ReuseProbe, SlotCache
 from leapfx.passes.capture import decoder_parts, nodes_by_role
-from leapfx.runtime.offload import DiskStore, OffloadOptions, ReuseProbe, SlotCache
 from tests.conftest import MOE_ARCHS, tiny_moe_model
 from tests.distribution_check import assert_sampled_from
 from tests.greedy_check import assert_greedy_equal, hf_greedy
@@ -537,10 +537,10 @@ def test_the_offload_pass_only_rewrites_and_build_offload_binds(prefetch):
     import threading
 
     from leapfx.modules.moe import OffloadModule
+    from leapfx.offload import build_offload
     from leapfx.passes.base import PassPipeline
     from leapfx.passes.capture import capture
     from leapfx.passes.offload import OffloadExperts
-    from leapfx.runtime.offload import build_offload
 
     model = tiny_moe_model("olmoe", layers=4)
     threads = threading.active_count()
@@ -590,7 +590,7 @@ def test_disk_store_falls_back_where_o_direct_is_refused(tmp_path, monkeypatch):
 def test_disk_store_reads_straight_into_aligned_slots(tmp_path):
     """Block-sized expert slices land in ``aligned_pool`` slots by one preadv (no bounce
     buffer); unaligned targets still get the same bytes through the bounce buffer."""
-    from leapfx.runtime.offload.store import ALIGN, aligned_pool
+    from leapfx.offload.store import ALIGN, aligned_pool
 
     gate_up, down = torch.randn(3, 32, 64), torch.randn(3, 64, 16)  # 8 KiB and 4 KiB slices
     store = DiskStore({0: (gate_up, down)}, path=tmp_path / "experts.bin")
@@ -639,7 +639,7 @@ def test_the_bench_slow_dtype_choices_are_the_runtime_ones():
     """``leapfx bench --offload-slow-dtype`` spells OffloadOptions' choices (the parser does
     not import the runtime): "none" stands for None."""
     from leapfx.cli import build_parser
-    from leapfx.runtime.offload.runtime import SLOW_DTYPES
+    from leapfx.offload.runtime import SLOW_DTYPES
 
     bench = next(a for a in build_parser()._actions if a.dest == "command").choices["bench"]
     action = next(a for a in bench._actions if a.dest == "offload_slow_dtype")

@@ -52,9 +52,9 @@ from torch import nn
 
 from .. import rewrite
 from ..lower import lower
+from ..offload import DEFAULT_PREFETCH_LEAD
 from ..options import check_bool
 from ..runtime.metrics import DecodeMetrics
-from ..runtime.offload import DEFAULT_PREFETCH_LEAD
 from .agreement import teacher_forced_agreement
 from .report import Row, progress_bar
 

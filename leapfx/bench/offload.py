@@ -42,8 +42,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..offload import DEFAULT_PREFETCH_LEAD, OffloadOptions
 from ..rewrite import apply
-from ..runtime.offload import DEFAULT_PREFETCH_LEAD, OffloadOptions
 
 
 def random_moe(

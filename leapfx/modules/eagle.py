@@ -53,7 +53,7 @@ class EagleHead(nn.Module):
         if held:
             raise ValueError(
                 f"init_layer: the host layer {init_layer}'s {held[0]} is in the checkpoint only "
-                "(leapfx.runtime.offload.load_offloaded), and the EAGLE head starts as a copy of "
+                "(leapfx.offload.load_offloaded), and the EAGLE head starts as a copy of "
                 "that layer; allowed: a model loaded with its weights (e.g. from_pretrained)"
             )
         weight = next(layer.parameters())

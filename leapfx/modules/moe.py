@@ -5,11 +5,11 @@ The pass (``leapfx.passes.offload``) rewrites the graph: each MoE layer's ``expe
 the ``M2R2Prefetcher`` (below) that holds several). A pass only rewrites graphs, so
 these modules are inserted *unbound*: they hold what the graph gives them (a layer index, a
 norm and a router) but not the expert-offload runtime (slot pools, a slow tier on disk or in
-host memory, reader threads), which ``leapfx.runtime.offload.build_offload`` builds once the
+host memory, reader threads), which ``leapfx.offload.build_offload`` builds once the
 passes have run and binds to every ``OffloadModule`` of the graph (``rewrite.apply`` does both).
 A module called before it is bound raises RuntimeError saying so.
 
-What an offload runtime provides to them (``leapfx.runtime.offload.ExpertOffload``):
+What an offload runtime provides to them (``leapfx.offload.ExpertOffload``):
 ``run(layer, experts, hidden, top_k_index, top_k_weights)``, ``prefetch(layer, scores,
 union=)``, ``candidates(scores)``, ``queue_prefetches(predictions, tokens=)``, ``top_k`` and
 ``kernels``.
@@ -87,7 +87,7 @@ class OffloadModule(nn.Module):
         if runtime is None:
             raise RuntimeError(
                 f"{type(self).__name__}: no expert-offload runtime is bound to it; build one "
-                "with leapfx.runtime.offload.build_offload(graph_module, options) after the "
+                "with leapfx.offload.build_offload(graph_module, options) after the "
                 "offload-experts pass (rewrite.apply(..., offload=OffloadOptions(...)) does)"
             )
         return runtime

@@ -21,13 +21,13 @@ import logging
 from torch import nn
 
 from ..lower import lower
+from ..offload import OffloadOptions, build_offload
+from ..offload.checkpoint import checkpoint_only
 from ..options import check_bool
 from ..passes.base import PassPipeline
 from ..passes.capture import EXTRA_CACHE_LAYERS, capture, check_supported
 from ..passes.offload import OffloadExperts
 from ..runtime.model import RecipeInfo, SpeculativeModel
-from ..runtime.offload import OffloadOptions, build_offload
-from ..runtime.offload.checkpoint import checkpoint_only
 from .defaults import kernels_choice, shipped_options
 from .recipes import RECIPES, Recipe, lookup_recipes
 
@@ -146,7 +146,7 @@ def apply(
     they were trained with); every recipe with trained parts takes it. ``offload``: run an
     MoE model's experts from a fast tier of expert slots per layer over a slow tier (disk on a
     CPU, pinned host memory on a GPU); any recipe, same tokens (see
-    ``leapfx.runtime.offload.OffloadOptions``; the eager backend only, with or without
+    ``leapfx.offload.OffloadOptions``; the eager backend only, with or without
     ``cpu_kernels``). A drafting recipe whose draft length is left unset then drafts no more
     tokens a round than a verify pass can route within the slots (``fit_drafts_to_slots``).
 
@@ -161,8 +161,7 @@ def apply(
     if offload is not None:
         if not isinstance(offload, OffloadOptions):
             raise ValueError(
-                f"offload: {offload!r} is invalid; allowed: None or a "
-                "leapfx.runtime.offload.OffloadOptions"
+                f"offload: {offload!r} is invalid; allowed: None or a leapfx.offload.OffloadOptions"
             )
         offload.validate()
         if backend != "eager":
@@ -177,7 +176,7 @@ def apply(
     if offload is None and (held := checkpoint_only(model)):
         raise ValueError(
             f"offload: None, and the experts of {held[0]!r} (and {len(held) - 1} more) are in "
-            "the checkpoint only (leapfx.runtime.offload.load_offloaded); allowed: "
+            "the checkpoint only (leapfx.offload.load_offloaded); allowed: "
             "offload=OffloadOptions(...)"
         )
     given = options

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ...options import check_int
+from ..options import check_int
 
 FORMAT = "leapfx-reuse-probe-1"
 
@@ -128,8 +128,8 @@ def experts_inputs(
 ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     """Per MoE layer, what its experts module received over ``batches`` (teacher forced, each
     [1, S] token ids): (input [T, H] float32, top-k [T, k]), in token order."""
-    from ...models.routing import moe_layers
-    from ...passes.capture import decoder_parts
+    from ..models.routing import moe_layers
+    from ..passes.capture import decoder_parts
 
     layers = decoder_parts(model).layers
     seen: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {i: [] for i in moe_layers(model)}
@@ -242,6 +242,6 @@ def fit_layer(
 
 
 def _experts_of(model, layer: int) -> int:
-    from ...passes.capture import decoder_parts
+    from ..passes.capture import decoder_parts
 
     return decoder_parts(model).layers[layer].mlp.experts.gate_up_proj.shape[0]

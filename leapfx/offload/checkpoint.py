@@ -5,7 +5,7 @@ experts that are already in RAM: the slow tier is written from them and the slot
 them, but the model's own expert tensors stay. ``load_offloaded`` is the path for a model whose
 experts do not fit::
 
-    >>> from leapfx.runtime.offload import OffloadOptions, load_offloaded
+    >>> from leapfx.offload import OffloadOptions, load_offloaded
     >>> model = load_offloaded("path/to/olmoe")          # experts stay in the checkpoint
     >>> sm = rewrite.apply(model, "autoregressive", offload=OffloadOptions(slots=0.5))
 
@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ...modules.hf import EXPERT_SOURCE, expert_tensors  # noqa: F401
+from ..modules.hf import EXPERT_SOURCE, expert_tensors  # noqa: F401
 
 _SAFETENSORS_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
 
@@ -164,7 +164,7 @@ def _expert_keys(handles, prefix: str, num_experts: int):
     raise ValueError(
         f"path: the checkpoint has no experts for {prefix!r} (looked for {fused[0]!r}, "
         f"'{prefix}.0.gate_proj.weight' and '{mixtral}.0.w1.weight'); allowed: the layouts of "
-        "leapfx.runtime.offload.checkpoint's docstring"
+        "leapfx.offload.checkpoint's docstring"
     )
 
 
@@ -187,7 +187,7 @@ def load_offloaded(
     """
     import transformers
 
-    from ...passes.capture import decoder_parts, is_moe_layer
+    from ..passes.capture import decoder_parts, is_moe_layer
 
     path = Path(path)
     if not (path / "config.json").is_file():

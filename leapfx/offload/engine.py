@@ -52,7 +52,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ...kernels import cpu_reader
+from ..kernels import cpu_reader
 
 Job = Callable[[], int]
 
