@@ -20,7 +20,7 @@ from leapfx import rewrite
 from leapfx.bench.offload import summarize
 from leapfx.bench.routing import moe_layers
 from leapfx.offload import DiskStore, OffloadOptions, ReuseProbe, SlotCache
-from leapfx.passes.capture import decoder_parts, nodes_by_role
+from leapfx.passes.capture import decoder_pieces, nodes_by_role
 from tests.conftest import MOE_ARCHS, tiny_moe_model
 from tests.distribution_check import assert_sampled_from
 from tests.greedy_check import assert_greedy_equal, hf_greedy
@@ -204,7 +204,7 @@ def test_victim_key_replaces_the_policy_but_not_the_pins():
 def random_probe(model, seed: int = 0) -> ReuseProbe:
     """A reuse probe of random weights for ``model``'s MoE layers (any order is lossless)."""
     layers = moe_layers(model)
-    experts = decoder_parts(model).layers[layers[0]].mlp.experts.gate_up_proj.shape[0]
+    experts = decoder_pieces(model).layers[layers[0]].mlp.experts.gate_up_proj.shape[0]
     g = torch.Generator().manual_seed(seed)
     weight = torch.randn(len(layers), experts, model.config.hidden_size, generator=g)
     return ReuseProbe(layers, weight, torch.randn(len(layers), experts, generator=g), horizon=2)

@@ -289,7 +289,7 @@ def _export_chain(directory: Path, length: int, rewrites: dict[str, dict[str, in
 
 
 def _chain_spec(draft: dict, length: int, rewrites: dict[str, dict[str, int]]) -> dict:
-    """The manifest entry of ``draft_chain``: the draft's layers, cache slots and position
+    """The manifest entry of ``draft_chain``: the draft's layers, cache layers and position
     group, one token in, ``tokens`` and ``hidden`` out."""
     from .chain import chain_outputs
 
@@ -301,7 +301,7 @@ def _chain_spec(draft: dict, length: int, rewrites: dict[str, dict[str, int]]) -
         "rewrites": rewrites.get(CHAIN_STAGE, {}),
         # input_ids [batch, 1] at position_ids [batch, 1]: tokens [batch, length] (greedy:
         # each the argmax of the draft logits after the one before), hidden [batch, length, H]
-        # (the draft's hidden of each token fed); the cache slots written at length positions
+        # (the draft's hidden of each token fed); the cache layers written at length positions
         "chain": {
             "stage": "draft",
             "length": length,

@@ -4,11 +4,11 @@ The schedules of ``leapfx.runtime`` call a StageRunner, which calls ``stages[nam
 and ``runner.cache.crop(n)``. This module puts onnxruntime behind exactly that interface:
 
 - :class:`OrtKVCache` holds keys/values as preallocated buffers ``[B, H_kv, max_len, D]`` per
-  cache slot (OrtValues: over numpy arrays on a CPU, in device memory on a GPU), each with its
+  cache layer (OrtValues: over numpy arrays on a CPU, in device memory on a GPU), each with its
   own fill length, and rolls back with ``crop`` in O(1) (moves lengths, copies nothing), like
   ``StaticKVCache``;
-- :class:`OrtStage` is a stage executor over one session and an IO binding: each slot's
-  ``past_key_values.{i}.*`` input and ``present.{i}.*`` output are bound to the slot's one
+- :class:`OrtStage` is a stage executor over one session and an IO binding: each cache layer's
+  ``past_key_values.{i}.*`` input and ``present.{i}.*`` output are bound to the layer's one
   buffer, so a call writes only its new positions in place (the export's ScatterND) and
   moves nothing else; the token ids and positions are bound per call, and the stage's own
   outputs (logits, hidden states: small) come back as torch tensors. Masks are computed inside
@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from ..options import check_bool
-from ..runtime.cache import SlotLengths
+from ..runtime.cache import LayerLengths
 from ..runtime.decode import cache_length, decode
 from ..runtime.generation import GenerateFrontEnd, GenerationSource
 from ..runtime.metrics import DecodeMetrics
@@ -117,8 +117,8 @@ def _thread_pool(thread_pool: str | None, threads: int | None, *, switch: bool =
     return True
 
 
-class OrtKVCache(SlotLengths):
-    """Key/value buffers per cache slot with per-slot lengths and O(1) rollback.
+class OrtKVCache(LayerLengths):
+    """Key/value buffers per cache layer with per-layer lengths and O(1) rollback.
 
     ``keys[i]`` / ``values[i]`` are OrtValues ``[B, H_kv, max_len, D]`` on ``device``
     (``"cpu"``: views of numpy arrays; ``"cuda"``: device memory), zero-filled: a masked slot
@@ -154,7 +154,7 @@ class OrtKVCache(SlotLengths):
         self.lengths = [0] * len(self.keys)
 
     def filled(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
-        """Copies of slot ``layer``'s filled prefix [B, H_kv, length, D] (for inspection)."""
+        """Copies of cache layer ``layer``'s filled prefix [B, H_kv, length, D] (for inspection)."""
         n = self.lengths[layer]
         return self.keys[layer].numpy()[:, :, :n], self.values[layer].numpy()[:, :, :n]
 
@@ -187,7 +187,7 @@ class OrtStage:
         self._bound_key: tuple | None = None  # the shapes whose buffers _binding holds
 
     def _bind_cache(self, cache: OrtKVCache):
-        """An IO binding with each slot's past input and present output on its one buffer."""
+        """An IO binding with each cache layer's past input and present output on its one buffer."""
         if cache is not self._bound:
             io = self.session.io_binding()
             for layer in self.cache_layers:
@@ -248,11 +248,11 @@ class OrtStage:
         return {name: torch.from_numpy(r) for name, r in zip(self.outputs, results, strict=True)}
 
     def _presents(self, present: str) -> list[str]:
-        """The outputs bound, with the past input, to the buffer of ``present``'s slot."""
+        """The outputs bound, with the past input, to the buffer of ``present``'s cache layer."""
         return [present]
 
     def _written(self, positions: torch.Tensor) -> int:
-        """Positions a call writes into each cache slot of the group that ``positions`` feeds."""
+        """Positions a call writes into each cache layer of the group that ``positions`` feeds."""
         return positions.shape[1]
 
     def _run_unbuffered(self, io, values: list[torch.Tensor]) -> list[np.ndarray]:
@@ -277,9 +277,9 @@ class OrtChainStage(OrtStage):
     Called like the draft stage on one token (``input_ids`` and ``position_ids`` [1, 1]); returns
     ``tokens`` [1, D] int64 (each the argmax of the draft logits after the one before) and
     ``hidden`` [1, D, H] (the draft's exit states of the D tokens fed: the first input and all
-    tokens but the last), and writes the draft's cache slots at the D positions from
+    tokens but the last), and writes the draft's cache layers at the D positions from
     ``position_ids``: what D draft calls do, in one session call. Each step's presents are
-    outputs of their own (``present.{l}.key.step{i}``), bound with the slot's past and present
+    outputs of their own (``present.{l}.key.step{i}``), bound with the layer's past and present
     to its one buffer: the steps write the cache in place, one after the other.
     """
 
@@ -288,7 +288,7 @@ class OrtChainStage(OrtStage):
         self.chain_length: int = int(spec["chain"]["length"])
 
     def _presents(self, present: str) -> list[str]:
-        # every step writes its position into the slot's one buffer, where the next reads it
+        # every step writes its position into the layer's one buffer, where the next reads it
         return [*(step_present(present, i) for i in range(self.chain_length - 1)), present]
 
     def _written(self, positions: torch.Tensor) -> int:
@@ -305,7 +305,7 @@ class SplitVerify:
 
     A verify call runs the round's new tokens (the last draft) through the layers below the exit
     and then every row through the layers from the exit up. The draft stage runs exactly those
-    lower layers (same weights, same cache slots, same positions) and returns their exit states
+    lower layers (same weights, same cache layers, same positions) and returns their exit states
     as ``hidden``; ``upper`` is the verify graph from the join of the exit states on
     (``onnx_graph.remainder_graph``). The outputs and cache writes are verify's.
 

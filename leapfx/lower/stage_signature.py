@@ -113,7 +113,7 @@ def placeholders(stage: fx.GraphModule) -> list[str]:
 
 
 def kv_shapes(sm: SpeculativeModel) -> list[tuple[int, int]]:
-    """(kv heads, head dim) of every cache slot (the model's layers, then extra slots)."""
+    """(kv heads, head dim) of every cache layer (the model's layers, then extra ones)."""
     cache = cache_for(sm.hf_model, 1, extra_layers=sm.recipe.extra_cache_layers)
     return [(k.shape[1], k.shape[3]) for k in cache.keys]
 

@@ -38,7 +38,8 @@ FUSABLE = frozenset(
         "Qwen2DecoderLayer",
         "Qwen3DecoderLayer",
         "GemmaDecoderLayer",
-        # Dense layers of MoE models (mlp_only_layers); their MoE layers are captured as parts.
+        # Dense layers of MoE models (mlp_only_layers); their MoE layers are captured as
+        # several nodes.
         "Qwen2MoeDecoderLayer",
         "Qwen3MoeDecoderLayer",
     }
@@ -161,7 +162,7 @@ class FusedAttention(nn.Module):
 
     """An MoE layer's ``attention`` node: HF's self-attention math without module dispatch.
 
-    Capture splits an MoE decoder layer into parts (see capture.py), so the layer cannot be
+    Capture splits an MoE decoder layer into several nodes (see capture.py), so the layer cannot be
     fused whole; its attention can. The same operations in the same order on the same (shared)
     weights as the HF attention module: per-head q/k norms (Qwen3-MoE), full-width q/k norms
     and ``clip_qkv`` (OLMoE). Returns ``(output, None)`` like the HF module.
@@ -277,7 +278,7 @@ def fusable(layer: nn.Module) -> bool:
 SILU = frozenset({"SiLU", "SiLUActivation"})  # torch's and transformers' SiLU modules
 
 
-def _kernel_attention_parts(owner: nn.Module, attn: nn.Module) -> None:
+def _kernel_attention_weights(owner: nn.Module, attn: nn.Module) -> None:
     """What ``KernelDecoderLayer`` and ``KernelAttention`` share: q, k and v packed side by side
     and the output projection packed (``leapfx_cpu::small_mm``), SDPA without ``repeat_kv``,
     ``leapfx_cpu::attention`` for plain causal attention where it builds, and the rotary as one
@@ -328,7 +329,7 @@ class KernelDecoderLayer(FusedDecoderLayer):
 
         super().__init__(layer)
         mlp = layer.mlp
-        _kernel_attention_parts(self, layer.self_attn)
+        _kernel_attention_weights(self, layer.self_attn)
         self._silu = type(mlp.act_fn).__name__ in SILU and all(
             getattr(mlp, p).bias is None for p in ("gate_proj", "up_proj", "down_proj")
         )
@@ -421,7 +422,7 @@ class KernelAttention(FusedAttention):
     def __init__(self, fused: FusedAttention) -> None:
         super().__init__(fused.attn)
         attn = self.attn
-        _kernel_attention_parts(self, attn)
+        _kernel_attention_weights(self, attn)
         if self._norm is not None:
             self._q_norm, self._k_norm = _rms_norm(attn.q_norm), _rms_norm(attn.k_norm)
 

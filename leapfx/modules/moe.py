@@ -242,7 +242,7 @@ class M2R2Prefetcher(OffloadModule):
             or embedding.dtype != torch.float32
             or embedding.shape[0] != 1
             or not isinstance(keys, list)
-            or keys[self._kernel.slots[0]].shape[0] != 1  # one sequence: the op reads row 0
+            or keys[self._kernel.cache_layers[0]].shape[0] != 1  # one sequence: the op reads row 0
             or (torch.is_grad_enabled() and self.layers[0].gate.requires_grad)
         ):
             return None
@@ -258,7 +258,7 @@ class _KernelPredict:
         self.owner = owner
         layers = owner.layers
         first = layers[0]
-        self.slots = [m.cache_slot for m in layers]
+        self.cache_layers = [m.cache_layer for m in layers]
         self.inv_freq, self.rope_scale = rope_table(owner.rotary, first.head_dim)
         self.hidden = first.w_o.shape[0]
         self.qk = [0, 0]
@@ -328,8 +328,8 @@ class _KernelPredict:
             self._pack()
             self._key = key
         keys, values = cache.keys, cache.values
-        kv = [t for s in self.slots for t in (keys[s], values[s])]
-        lengths = [cache.lengths[s] for s in self.slots]  # not yet written: all of < t
+        kv = [t for s in self.cache_layers for t in (keys[s], values[s])]
+        lengths = [cache.lengths[s] for s in self.cache_layers]  # not yet written: all of < t
         return torch.ops.leapfx_cpu.m2r2_predict.default(
             embedding.contiguous(), position_ids.contiguous(), self.weights, self.dims,
             self.params, kv, lengths, self.qk, self.qk_params, self.owner.sources,

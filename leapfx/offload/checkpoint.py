@@ -187,7 +187,7 @@ def load_offloaded(
     """
     import transformers
 
-    from ..passes.capture import decoder_parts, is_moe_layer
+    from ..passes.capture import decoder_pieces, is_moe_layer
 
     path = Path(path)
     if not (path / "config.json").is_file():
@@ -203,9 +203,9 @@ def load_offloaded(
     config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
-    parts = decoder_parts(model)  # checks the architecture is supported
-    experts = {f"{parts.prefix}.layers.{i}.mlp.experts": layer.mlp.experts
-               for i, layer in enumerate(parts.layers) if is_moe_layer(layer)}  # fmt: skip
+    pieces = decoder_pieces(model)  # checks the architecture is supported
+    experts = {f"{pieces.prefix}.layers.{i}.mlp.experts": layer.mlp.experts
+               for i, layer in enumerate(pieces.layers) if is_moe_layer(layer)}  # fmt: skip
     if not experts:
         raise ValueError(
             f"path: {str(path)!r} holds a {config.model_type} model without MoE layers; "

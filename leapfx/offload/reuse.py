@@ -129,9 +129,9 @@ def experts_inputs(
     """Per MoE layer, what its experts module received over ``batches`` (teacher forced, each
     [1, S] token ids): (input [T, H] float32, top-k [T, k]), in token order."""
     from ..models.routing import moe_layers
-    from ..passes.capture import decoder_parts
+    from ..passes.capture import decoder_pieces
 
-    layers = decoder_parts(model).layers
+    layers = decoder_pieces(model).layers
     seen: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {i: [] for i in moe_layers(model)}
     hooks = []
     for i in seen:
@@ -242,6 +242,6 @@ def fit_layer(
 
 
 def _experts_of(model, layer: int) -> int:
-    from ..passes.capture import decoder_parts
+    from ..passes.capture import decoder_pieces
 
-    return decoder_parts(model).layers[layer].mlp.experts.gate_up_proj.shape[0]
+    return decoder_pieces(model).layers[layer].mlp.experts.gate_up_proj.shape[0]

@@ -1,6 +1,6 @@
 """M2R2's trained accelerator on disk, and the pass that loads it into a rewritten graph.
 
-The same format as every leapfx part (``adapter_checkpoint``): a directory with
+A one-module parts directory (``parts_io.write_module_parts``, as Kangaroo's adapter):
 ``adapter.safetensors`` (the Accelerator's state dict: ``layers.<i>.<name>``, trainable tensors
 only) and ``adapter.json`` (``recipe``, the ``options`` it was trained with -- gates, heads,
 rank --, the ``host`` signature), written to a temporary directory and renamed into place.
@@ -20,20 +20,23 @@ from safetensors.torch import load_file
 from torch import fx, nn
 
 from .accelerator import accelerator_of, compatible_layers
-from .adapter_checkpoint import WEIGHTS, host_signature, read_adapter_config
-from .parts_io import LoadParts
+from .parts_io import MODULE_WEIGHTS, LoadParts, host_signature, read_module_parts_config
 
 RECIPES = ("m2r2", "m2r2_exit")
 
 
 def read_parts_config(path) -> dict[str, Any]:
     """The JSON of an M2R2 parts directory (either recipe); ValueError naming ``parts``."""
+    missing = (
+        "is not an M2R2 parts directory (missing {files}); pass a directory written by "
+        "SpeculativeModel.save_parts"
+    )
     errors = []
     for recipe in RECIPES:
         try:
-            return read_adapter_config(path, recipe=recipe)
+            return read_module_parts_config(path, recipe=recipe, option="parts", missing=missing)
         except ValueError as exc:
-            errors.append(str(exc).replace("adapter:", "parts:", 1))
+            errors.append(str(exc))
     raise ValueError(errors[-1])
 
 
@@ -45,7 +48,7 @@ class LoadAccelerator(LoadParts):
     name: ClassVar[str] = "load-accelerator"
     requires: ClassVar[frozenset[str]] = frozenset({"m2r2-accelerator"})
     provides: ClassVar[frozenset[str]] = frozenset({"m2r2-accelerator-weights"})
-    weights: ClassVar[str] = WEIGHTS
+    weights: ClassVar[str] = MODULE_WEIGHTS
     subset: ClassVar[bool] = True
 
     def module_of(self, gm: fx.GraphModule) -> nn.Module:
@@ -93,7 +96,7 @@ def load_compatible(gm: fx.GraphModule, path) -> list[int]:
         raise ValueError(f"parts: {str(path)!r} were trained for another model")
     saved_gates = meta.get("options", {}).get("gates", [])
     layers = compatible_layers(saved_gates, host["num_hidden_layers"], acc.gates, acc.num_layers)
-    tensors = load_file(str(Path(path) / WEIGHTS))
+    tensors = load_file(str(Path(path) / MODULE_WEIGHTS))
     own = acc.state_dict()
     wanted = {
         k: v

@@ -14,6 +14,9 @@ Example::
 
     >>> write_adapter(adapter_of(gm), "kangaroo-adapter/", recipe="kangaroo",
     ...               options={"exit_layer": 2}, host=host_signature(hf_model.config))
+
+The files are those of every one-module parts directory (``parts_io.write_module_parts``, which
+M2R2's accelerators are saved with too).
     >>> gm = LoadKangarooAdapter(path="kangaroo-adapter/").run(gm).graph_module
 """
 
@@ -27,32 +30,18 @@ from typing import Any, ClassVar
 from torch import fx
 
 from .adapter import KangarooAdapter, adapter_of
-from .parts_io import (
+from .parts_io import (  # host_signature: imported from here too
+    MODULE_CONFIG,
+    MODULE_WEIGHTS,
     LoadParts,
     check_host,
-    module_tensors,
-    read_parts_meta,
-    write_dir_atomic,
-    write_parts_files,
+    host_signature,
+    read_module_parts_config,
+    write_module_parts,
 )
 
-FORMAT = 1
-WEIGHTS = "adapter.safetensors"
-CONFIG = "adapter.json"
-
-
-def host_signature(config) -> dict[str, Any]:
-    """What an adapter checkpoint must match in the model it is loaded into."""
-    heads = config.num_attention_heads
-    return {
-        "model_type": config.model_type,
-        "num_hidden_layers": config.num_hidden_layers,
-        "hidden_size": config.hidden_size,
-        "num_attention_heads": heads,
-        "num_key_value_heads": getattr(config, "num_key_value_heads", None) or heads,
-        "head_dim": getattr(config, "head_dim", None) or config.hidden_size // heads,
-        "vocab_size": config.vocab_size,
-    }
+WEIGHTS = MODULE_WEIGHTS  # the file names of every one-module parts directory (parts_io)
+CONFIG = MODULE_CONFIG
 
 
 def write_adapter(
@@ -63,19 +52,9 @@ def write_adapter(
     options: dict[str, Any],
     host: dict[str, Any],
 ) -> Path:
-    """Write ``adapter`` and its metadata to the directory ``path`` (replaced if it exists)."""
-    tensors = module_tensors(adapter)
-    meta = {
-        "format": FORMAT,
-        "recipe": recipe,
-        "options": options,
-        "host": host,
-        "parameters": sum(t.numel() for t in tensors.values()),
-    }
-
-    return write_dir_atomic(
-        path, lambda tmp: write_parts_files(tmp, WEIGHTS, CONFIG, tensors, meta)
-    )
+    """Write Kangaroo's ``adapter`` and its metadata to the directory ``path`` (replaced if it
+    exists)."""
+    return write_module_parts(adapter, path, recipe=recipe, options=options, host=host)
 
 
 def read_adapter_config(path: str | os.PathLike, *, recipe: str = "kangaroo") -> dict[str, Any]:
@@ -84,13 +63,7 @@ def read_adapter_config(path: str | os.PathLike, *, recipe: str = "kangaroo") ->
         "is not an adapter checkpoint (missing {files}); pass a directory written by "
         "SpeculativeModel.save_adapter, or None"
     )
-    meta = read_parts_meta(path, (WEIGHTS, CONFIG), CONFIG, option="adapter", fmt=FORMAT,
-                           missing=missing)  # fmt: skip
-    if meta.get("recipe") != recipe:
-        raise ValueError(
-            f"adapter: {str(path)!r} was saved by recipe {meta.get('recipe')!r}, not {recipe!r}"
-        )
-    return meta
+    return read_module_parts_config(path, recipe=recipe, option="adapter", missing=missing)
 
 
 @dataclass(frozen=True)

@@ -29,11 +29,11 @@ from typing import Any, ClassVar
 
 from torch import fx
 
-from .adapter_checkpoint import host_signature
 from .eagle_head import EagleHead, eagle_head_of
 from .parts_io import (
     LoadParts,
     check_host,
+    host_signature,
     module_tensors,
     read_parts_meta,
     write_dir_atomic,

@@ -26,7 +26,7 @@ from torch import fx, nn
 
 from ..modules.fused import KernelDecoderLayer, KernelExperts, KernelLinear
 from ..options import check_bool, check_int
-from ..passes.capture import decoder_parts
+from ..passes.capture import decoder_pieces
 from ..passes.partition import Stages
 from .cache import StaticKVCache, cache_for
 from .capabilities import Capabilities
@@ -60,7 +60,7 @@ class RecipeInfo:
     options: Any  # the recipe's frozen options dataclass
     schedule: Schedule
     lookahead: int  # positions a schedule may write past the last emitted token
-    extra_cache_layers: int = 0  # KV-cache slots for attention blocks the rewrite added
+    extra_cache_layers: int = 0  # KV-cache layers for attention blocks the rewrite added
     lossless: bool = True  # token-identical to greedy; lossy recipes support teacher forcing
     # Trains/saves what the recipe inserted; a factory so that decoding never imports training.
     training: Callable[[], RecipeTraining] | None = None
@@ -112,12 +112,12 @@ class SpeculativeModel(GenerateFrontEnd):
         self.stages = stages
         self.recipe = recipe
         self.last_metrics: DecodeMetrics | None = None
-        parts = decoder_parts(model)
+        pieces = decoder_pieces(model)
         param = next(model.parameters())
         self._layout = AttentionLayout(
             impl=impl,
-            kinds=tuple(parts.attn_kinds),
-            window=parts.sliding_window,
+            kinds=tuple(pieces.attn_kinds),
+            window=pieces.sliding_window,
             dtype=param.dtype,
             device=param.device,
         )

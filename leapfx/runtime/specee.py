@@ -372,7 +372,7 @@ class SpecEEDecoder:
         """
         d = len(steps)
         m = min(s.exit_layer for s in steps)
-        if self.eagle:  # the head's KV slot holds every position: fill the last draft's
+        if self.eagle:  # the head's cache layer holds every position: fill the last draft's
             self._candidates(last, c + d, {})
         out = self.runner.chunk("draft", last, c + d)
         h = out["hidden"]
