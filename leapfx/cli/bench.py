@@ -221,8 +221,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 # The bench's budget when --prompts, --max-new-tokens or --repeats are not given: the same on
 # every model, except where a shipped model is too slow for it to finish in about ten minutes
-# on a 2-core CPU (SmolLM2-135M decodes ~10 tok/s under HF, and HF's early-exit assistant at
-# a quarter of that).
+# on a 2-core CPU (SmolLM2-135M under HF, and HF's early-exit assistant slower still).
 BENCH_BUDGET = {"prompts": 8, "max_new_tokens": 128, "repeats": 3}
 
 

@@ -42,6 +42,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from ..lower.stage_signature import step_present
 
 PAST = "past_key_values."
@@ -181,6 +183,4 @@ def unroll_draft(draft, length: int) -> Any:
 
 
 def _int64(value: int):
-    import numpy as np
-
     return np.array(value, dtype=np.int64)

@@ -68,6 +68,8 @@ from ..lower.stage_signature import (  # discovery, shared with the compiled sta
 )
 from ..options import check_bool, check_int
 from ..passes.capture import LAYER, ROLE
+from .chain import chain_outputs, unroll_draft
+from .onnx_optimize import optimize_model
 from .stage_module import ExportableStage
 
 if TYPE_CHECKING:
@@ -77,9 +79,9 @@ log = logging.getLogger(__name__)
 
 MIN_OPSET = 18
 # The default: opset 23 has RMSNormalization and RotaryEmbedding, so each decoder layer exports
-# as about half the nodes it takes at 18 (reference model: 614 nodes per full step against
-# 1202), and onnxruntime, which pays a fixed cost per node, runs a step ~25% faster (measured
-# with onnxruntime 1.32). opset=18 still exports for an older onnxruntime.
+# as about half the nodes it takes at 18, and onnxruntime pays a fixed cost per node (the
+# counts and step times: docs/benchmarks.md, "Why the defaults"). opset=18 still exports for an
+# older onnxruntime.
 DEFAULT_OPSET = 23
 # The newest opset checked end to end here (torch 2.13's exporter, onnxruntime 1.32; 1.23 is the
 # oldest that loads it, and the onnx extra asks for it; 1.22 refuses opset 23). An older
@@ -253,8 +255,6 @@ def _optimize(path: Path, max_positions: int | None = None) -> dict[str, int]:
         uses_external_data,
     )
 
-    from .onnx_optimize import optimize_model
-
     model = onnx.load(str(path), load_external_data=False)
     external = {t.name for t in model.graph.initializer if uses_external_data(t)}
     load_external_data_for_model(model, str(path.parent))  # the rewrites regroup weights
@@ -280,8 +280,6 @@ def _export_chain(directory: Path, length: int, rewrites: dict[str, dict[str, in
     which ``share_weights`` then collects with the others."""
     import onnx
 
-    from .chain import unroll_draft
-
     draft = onnx.load(str(directory / "draft.onnx"), load_external_data=False)
     onnx.save(unroll_draft(draft, length), str(directory / f"{CHAIN_STAGE}.onnx"))
     # every step is the draft graph, rewrites included
@@ -291,8 +289,6 @@ def _export_chain(directory: Path, length: int, rewrites: dict[str, dict[str, in
 def _chain_spec(draft: dict, length: int, rewrites: dict[str, dict[str, int]]) -> dict:
     """The manifest entry of ``draft_chain``: the draft's layers, cache layers and position
     group, one token in, ``tokens`` and ``hidden`` out."""
-    from .chain import chain_outputs
-
     presents = [n for n in draft["outputs"] if n.startswith("present.")]
     return {
         **draft,

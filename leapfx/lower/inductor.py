@@ -140,10 +140,10 @@ class CompileOptions:
 def inductor_options(options: CompileOptions, device: torch.device) -> dict:
     """``torch.compile`` options for a stage on ``device``.
 
-    Measured on the reference model (one CPU thread, one-token decode step of all 16 layers):
-    eager 8.4 ms; compiled 6.4 ms; with ``cpp_wrapper`` (the graph's kernel calls in C++ rather
-    than Python) 4.4 ms; skipping dynamo's guards on the stage's modules removes ~0.6 ms of
-    guard checks per call. The guards dropped are identity checks on the modules: the weights
+    On a CPU, ``cpp_wrapper`` makes the graph's kernel calls in C++ rather than Python, and
+    dynamo's guards on the stage's modules are skipped: both are fixed costs of every call that
+    a one-token step pays in full (the step times: docs/benchmarks.md, "Why the defaults").
+    The guards dropped are identity checks on the modules: the weights
     are still read at every call (they are graph inputs), so training the model in place after
     compiling is seen; replacing its modules is not (compile again).
     """

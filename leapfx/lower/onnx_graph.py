@@ -8,6 +8,7 @@ it is used: it comes with the ``onnx`` extra.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 
@@ -55,8 +56,6 @@ def remainder_graph(model, lower_layers: list[int]):
     computes; a runtime with one copy of packed weights per session then keeps the lower
     layers' weights in the draft session only (see ``leapfx.lower.onnxruntime.SplitVerify``).
     """
-    import copy
-
     graph = model.graph
     joins = [n for n in graph.node if n.op_type == "Concat" and n.input[:1] == ["exit_hidden"]]
     if len(joins) != 1 or len(joins[0].input) != 2 or attr(joins[0], "axis") not in (1, -2):

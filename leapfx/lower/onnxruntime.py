@@ -31,6 +31,7 @@ Example::
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import inspect
 import logging
@@ -41,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+from transformers import GenerationConfig
 
 from ..options import check_bool
 from ..runtime.cache import LayerLengths
@@ -50,6 +52,7 @@ from ..runtime.metrics import DecodeMetrics
 from ..runtime.runner import AttentionLayout, StageRunner
 from ..runtime.schedules import DecodeRequest
 from .manifest import read_manifest
+from .onnx_graph import remainder_graph
 from .stage_signature import past_names, present_names, step_present
 
 if TYPE_CHECKING:
@@ -351,8 +354,6 @@ def _upper_stage(path: Path, manifest: dict, options, providers) -> OrtStage | N
     import onnx
     import onnxruntime as ort
 
-    from .onnx_graph import remainder_graph
-
     stages = manifest["stages"]
     if (
         "draft" not in stages
@@ -416,8 +417,6 @@ def default_providers() -> list[str]:
 def _cuda_device_present() -> bool:
     # onnxruntime-gpu lists the CUDA provider whether or not a device exists; ask the driver.
     try:
-        import ctypes
-
         lib = ctypes.CDLL("libcuda.so.1")
         count = ctypes.c_int(0)
         return (
@@ -438,29 +437,25 @@ class OnnxModel(GenerateFrontEnd):
         threads: onnxruntime intra-op threads per session; None lets onnxruntime decide.
         spin: whether onnxruntime's worker threads busy-wait for the next op within a call
             (they stop at the end of each call: ``session.force_spinning_stop``). With more
-            than one thread, handing each small op to a sleeping worker costs more than the op:
-            on a 2-core Xeon the reference model's autoregressive step ran 1.3x faster on two
-            spinning threads than on one, and slower on two sleeping ones. The stop at the end
-            of a call matters as much: a schedule alternates sessions (draft, verify) and runs
-            torch and Python work between calls, and workers left spinning after a call took
-            the cores it needed (2 threads on 2 cores: layerskip 0.57x the two-thread
-            autoregressive schedule with workers left spinning, 1.16x with the stop, same
-            machine). Off by default (``threads=None`` leaves the count to onnxruntime).
+            than one thread, handing each small op to a sleeping worker costs more than the op.
+            The stop at the end of a call matters as much: a schedule alternates sessions
+            (draft, verify) and runs torch and Python work between calls, and workers left
+            spinning after a call take the cores it needs (docs/benchmarks.md, "Why the
+            defaults"). Off by default (``threads=None`` leaves the count to onnxruntime).
         recipe: whose schedule to run; None: the exported recipe's. ``"autoregressive"`` runs
             the baseline over the ``full`` stage and ``"early_exit"`` every token from the
             ``draft`` stage, so one export also serves the baselines a benchmark compares.
         split_verify: run layerskip's verify as the draft stage on the new tokens and then
             verify's upper part (:class:`SplitVerify`: one copy of the lower layers' packed
             weights in a round instead of two). False runs the exported verify graph as is.
-            Which is faster depends on the CPU's cache: split won where the two copies did not
-            fit a 32 MB L3 (AMD EPYC), the one graph won by ~3% on a Xeon with a large L3
-            (`leapfx bench --onnx-split-verify auto` times both per export).
+            Which is faster depends on the CPU's cache: split wins where the two copies do not
+            fit the last-level cache (`leapfx bench --onnx-split-verify auto` times both per
+            export).
         thread_pool: where the sessions' intra-op threads live. ``"shared"``: switch this
             process's onnxruntime to one process-wide pool of ``threads`` threads, one set of
             workers for every stage (a decode alternates the draft and verify sessions: with a
             pool per session each call woke workers that had slept through the other
-            session's calls; on a 2-core Xeon, interleaved in one process, layerskip's decode
-            ran 1.12x faster and the autoregressive one 1.07x). onnxruntime sizes that pool
+            session's calls). onnxruntime sizes that pool
             once and from then on refuses sessions with pools of their own, in this process,
             leapfx's or not: every later OnnxModel shares it (``threads`` must then be its size
             or None), and ``spin`` and a different ``verify_threads`` do not apply (its workers
@@ -668,8 +663,6 @@ class OnnxModel(GenerateFrontEnd):
 def _generation_config(saved: dict[str, Any], eos_token_ids: list[int]):
     """The export's generation config; its EOS falls back to the model config's, as saved in
     the manifest's ``eos_token_ids`` (what the exported model stops at)."""
-    from transformers import GenerationConfig
-
     config = GenerationConfig.from_dict(dict(saved))
     if config.eos_token_id is None and eos_token_ids:
         config.eos_token_id = list(eos_token_ids)

@@ -66,6 +66,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels import cpu_m2r2
 from ..kernels.cpu_m2r2 import pack_predict
 from ..options import check_int
 from .fused import rms_params
@@ -277,8 +278,6 @@ class _KernelPredict:
     def build(cls, owner: M2R2Prefetcher) -> _KernelPredict | None:
         """The caller where the op computes what the torch path does, else None (the op did
         not build, or the model has what it does not cover)."""
-        from ..kernels import cpu_m2r2
-
         if not owner.predictors or not _covered(owner) or not cpu_m2r2.available():
             return None
         return cls(owner)

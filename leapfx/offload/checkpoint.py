@@ -37,9 +37,12 @@ import os
 from pathlib import Path
 
 import torch
+import transformers
+from safetensors import safe_open
 from torch import nn
 
 from ..modules.hf import EXPERT_SOURCE, expert_tensors  # noqa: F401
+from ..passes.capture import decoder_pieces, is_moe_layer
 
 _SAFETENSORS_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
 
@@ -110,8 +113,6 @@ def checkpoint_only(model: nn.Module) -> list[str]:
 
 def _open_checkpoint(path: Path) -> dict[str, object]:
     """key -> an open safetensors handle holding it (one file or a sharded index)."""
-    from safetensors import safe_open
-
     index = path / "model.safetensors.index.json"
     if index.is_file():
         weight_map = json.loads(index.read_text())["weight_map"]
@@ -185,9 +186,6 @@ def load_offloaded(
     Raises ValueError naming the problem for a directory that is no safetensors checkpoint,
     a model without MoE layers, or a weight the checkpoint lacks.
     """
-    import transformers
-
-    from ..passes.capture import decoder_pieces, is_moe_layer
 
     path = Path(path)
     if not (path / "config.json").is_file():

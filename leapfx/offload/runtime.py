@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import cpu_reader
+from ..modules.fused import experts_kernel_covers
 from ..modules.moe import (  # the modules bound to this runtime, imported from here
     NextGatePrefetch,  # noqa: F401
     OffloadedExperts,  # noqa: F401
@@ -328,7 +329,6 @@ class ExpertOffload:
                            for i in self.layers}  # fmt: skip
         # Layers whose experts leapfx_cpu::moe_experts computes over the slots once
         # ``kernels`` is on (SpeculativeModel.use_cpu_kernels); the others run HF's code.
-        from ..modules.fused import experts_kernel_covers
 
         self._kernel_layers = {i for i, m in experts.items() if experts_kernel_covers(m)}
         self.kernels = False

@@ -22,6 +22,7 @@ from typing import Any, ClassVar
 
 from torch import fx, nn
 
+from .eagle_checkpoint import write_eagle_files
 from .parts_io import (
     LoadParts,
     module_tensors,
@@ -57,8 +58,6 @@ def write_parts(
         write_parts_files(tmp, WEIGHTS, CONFIG, tensors, meta)
         head = getattr(gm, "eagle_head", None)
         if head is not None:
-            from .eagle_checkpoint import write_eagle_files
-
             (tmp / EAGLE_DIR).mkdir()
             write_eagle_files(head, tmp / EAGLE_DIR, recipe="eagle", options={}, host=host)
         adapter = getattr(gm, "kangaroo_adapter", None)

@@ -98,9 +98,8 @@ def fit_drafts_to_slots(recipe: Recipe, opts, given: dict, runtime):
     only: greedy tokens are the same for every d, sampled ones equal in distribution.
 
     A verify pass of d + 1 tokens routes to up to (d + 1) * top_k experts a layer; past the
-    slots it runs in waves and evicts what the round's drafts prefetched. On the MoE
-    reference model (8 of 16 slots, top-2) LayerSkip at exit layer 3 ran 0.84x on-demand
-    decoding with 6 drafts a round and 1.20x with 3 (docs/recipes.md).
+    slots it runs in waves and evicts what the round's drafts prefetched, which can make
+    speculation slower than on-demand decoding (docs/recipes.md).
     """
     name = recipe.draft_option
     if name is None or given.get(name) is not None:

@@ -28,6 +28,8 @@ from ..modules.fused import KernelDecoderLayer, KernelExperts, KernelLinear
 from ..options import check_bool, check_int
 from ..passes.capture import decoder_pieces
 from ..passes.partition import Stages
+from ..passes.skip_layers import DRAFT_SKIP, swift_stages
+from . import schedules, swift
 from .cache import StaticKVCache, cache_for
 from .capabilities import Capabilities
 from .decode import cache_length, check_prompt, decode
@@ -179,8 +181,8 @@ class SpeculativeModel(GenerateFrontEnd):
         """Run the eager stages' projections through leapfx's small-M CPU kernels; returns self.
 
         The kernels (``leapfx.kernels.cpu``, C++ built on first use) read each weight once for
-        all the rows of a verify pass, where MKL's cost grows about linearly with the rows:
-        on the reference model they make eager decoding ~1.3x faster. The stages keep packed
+        all the rows of a verify pass, where MKL's cost grows about linearly with the rows
+        (docs/benchmarks.md has the speedups). The stages keep packed
         copies of the projection weights, taken here (call it again after training the model
         in place); the math is the same up to summation order, so outputs are the same tokens
         except where two logits tie to rounding. Needs a float32 model on a CPU (ValueError
@@ -371,8 +373,6 @@ class SpeculativeModel(GenerateFrontEnd):
         (3, 5, 8)
         >>> sm.save_parts("swift-parts/")
         """
-        from . import schedules, swift
-
         if self.recipe.name != "swift":
             raise ValueError(
                 f"calibrate: recipe {self.recipe.name!r} has no skip set to calibrate; allowed: "
@@ -432,8 +432,6 @@ class SpeculativeModel(GenerateFrontEnd):
         """swift: cut the ``draft`` stage again without layers ``skip`` and record the set in
         the options (``parts``, where the set came from a directory, no longer applies); the
         CPU kernels' executors, where on, are packed again from the stages."""
-        from ..passes.skip_layers import DRAFT_SKIP, swift_stages
-
         if skip == self.options.skip_layers:
             return
         kernels = self._executors is not None
