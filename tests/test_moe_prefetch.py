@@ -20,7 +20,7 @@ from leapfx import rewrite
 from leapfx.offload import OffloadOptions
 from leapfx.passes.capture import LAYER, nodes_by_role
 from leapfx.runtime.expert_prediction import predicted_layers
-from tests.conftest import MOE_ARCHS, tiny_moe_model
+from tests.conftest import MOE_ARCHS, examples, tiny_moe_model
 from tests.greedy_check import hf_greedy
 from tests.test_offload import _generate as _run
 
@@ -39,7 +39,7 @@ def _perturb(module: torch.nn.Module, seed: int = 0) -> None:
             p.add_(0.2 * torch.randn(p.shape, generator=g))
 
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=examples(6, 24), deadline=None)
 @given(data=st.data())
 def test_m2r2_and_verify_union_decode_like_resident(data):
     arch = data.draw(st.sampled_from(MOE_ARCHS), label="arch")

@@ -21,7 +21,7 @@ from leapfx.bench.offload import summarize
 from leapfx.bench.routing import moe_layers
 from leapfx.offload import DiskStore, OffloadOptions, ReuseProbe, SlotCache
 from leapfx.passes.capture import decoder_pieces, nodes_by_role
-from tests.conftest import MOE_ARCHS, tiny_moe_model
+from tests.conftest import MOE_ARCHS, examples, tiny_moe_model
 from tests.distribution_check import assert_sampled_from
 from tests.greedy_check import assert_greedy_equal, hf_greedy
 
@@ -134,7 +134,7 @@ def cache_programs(draw):
     return slots, draw(st.sampled_from(["lru", "lfu", "reuse"])), ops
 
 
-@settings(max_examples=300)
+@settings(max_examples=examples(300, 300))
 @given(program=cache_programs())
 def test_slot_cache_matches_the_pure_python_model(program):
     slots, policy, ops = program
@@ -250,7 +250,7 @@ def test_lossy_layer_by_layer_recipes_exit_alike_offloaded(recipe, opts):
         assert sm.last_offload_report.hit_rate < 1.0 or slots == 6
 
 
-@settings(max_examples=40)
+@settings(max_examples=examples(40, 160))
 @given(data=st.data())
 def test_offloaded_decoding_is_token_identical_to_resident(data):
     arch = data.draw(st.sampled_from(MOE_ARCHS), label="arch")

@@ -26,7 +26,7 @@ from leapfx.kernels import cpu_reader
 from leapfx.offload import DiskStore, NativeEngine, OffloadOptions, ReadJob, ThreadEngine
 from leapfx.offload import runtime as offload_runtime
 from leapfx.offload.store import aligned_pool
-from tests.conftest import MOE_ARCHS, tiny_moe_model
+from tests.conftest import MOE_ARCHS, examples, tiny_moe_model
 from tests.test_moe_prefetch import _perturb
 from tests.test_offload import _generate
 
@@ -76,7 +76,7 @@ def test_native_engine_decodes_like_resident(recipe, prefetch, delay):
         assert report.prefetch_bytes_per_token > 0 and report.prefetch_hit_rate > 0
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=examples(12, 48), deadline=None)
 @given(data=st.data())
 def test_native_engine_decodes_like_resident_property(data):
     arch = data.draw(st.sampled_from(MOE_ARCHS), label="arch")

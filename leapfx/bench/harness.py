@@ -224,6 +224,17 @@ class BenchConfig:
         each, every row once."""
         return tuple(r.strip() for r in self.recipe.split(",") if r.strip())
 
+    def offload_systems(self, exit_layer: int) -> dict:
+        """The offload rows of this run (``leapfx.bench.offload.offload_systems``: row name ->
+        recipe, offload options, recipe options), speculative ones exiting at ``exit_layer``."""
+        return offload_systems(
+            self.offload_slots, exit_layer=exit_layer,
+            num_speculations=self.offload_num_speculations,
+            m2r2_parts=self.offload_m2r2_parts, path=self.offload_dir,
+            engine=self.offload_engine, reuse_probe=self.offload_reuse_probe,
+            prefetch_lead=self.offload_prefetch_lead, slow_dtype=self.offload_slow_dtype,
+        )  # fmt: skip
+
     @property
     def backends(self) -> tuple[str, ...]:
         """The backends of ``backend`` (a name, or several separated by commas)."""
@@ -520,13 +531,7 @@ def _offload_systems(model, config: BenchConfig, exit_layer: int, n: int, sampli
     says: the experts then run ``leapfx_cpu::moe_experts`` over the weights or the slots), the
     resident one first. Speculative rows draft at the run's E and d."""
     extra = {"generator": gen} if sampling["do_sample"] else {}
-    specs = offload_systems(
-        config.offload_slots, exit_layer=exit_layer,
-        num_speculations=config.offload_num_speculations,
-        m2r2_parts=config.offload_m2r2_parts, path=config.offload_dir,
-        engine=config.offload_engine, reuse_probe=config.offload_reuse_probe,
-        prefetch_lead=config.offload_prefetch_lead, slow_dtype=config.offload_slow_dtype,
-    )  # fmt: skip
+    specs = config.offload_systems(exit_layer)
     if sampling["do_sample"] or config.warmup < 1:
         # The oracle replays each prompt's routing, recorded in the warm-up pass: greedy only.
         del specs[ORACLE_ROW]

@@ -347,7 +347,7 @@ def _offload_report(model, rows, config, prompts, exit_layer: int, plot: str | N
     autoregressive offloaded row, drawn as timelines beside every row's hit rate per layer."""
     import torch
 
-    from ..bench.offload import ORACLE_ROW, bench_table, offload_systems, plot_offload, trace_call
+    from ..bench.offload import ORACLE_ROW, bench_table, plot_offload, trace_call
     from ..rewrite import apply
 
     print(bench_table(rows))
@@ -384,13 +384,7 @@ def _offload_report(model, rows, config, prompts, exit_layer: int, plot: str | N
         )
     if not plot:
         return
-    specs = offload_systems(
-        config.offload_slots, exit_layer=exit_layer,
-        num_speculations=config.offload_num_speculations,
-        m2r2_parts=config.offload_m2r2_parts, path=config.offload_dir,
-        engine=config.offload_engine, reuse_probe=config.offload_reuse_probe,
-        prefetch_lead=config.offload_prefetch_lead, slow_dtype=config.offload_slow_dtype,
-    )  # fmt: skip
+    specs = config.offload_systems(exit_layer)
     traces = {}
     for name in ("leapfx_offload_none", "leapfx_offload_next_gate", "leapfx_offload_m2r2"):
         recipe, options, kw = specs[name]

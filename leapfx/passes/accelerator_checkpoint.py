@@ -20,7 +20,13 @@ from safetensors.torch import load_file
 from torch import fx, nn
 
 from .accelerator import accelerator_of, compatible_layers
-from .parts_io import MODULE_WEIGHTS, LoadParts, host_signature, read_module_parts_config
+from .parts_io import (
+    MODULE_WEIGHTS,
+    LoadParts,
+    check_host,
+    host_signature,
+    read_module_parts_config,
+)
 
 RECIPES = ("m2r2", "m2r2_exit")
 
@@ -57,17 +63,15 @@ class LoadAccelerator(LoadParts):
     def read(self, path: str) -> dict[str, Any]:
         return read_parts_config(path)
 
+    def host_config(self, acc: nn.Module) -> Any:
+        return next(iter(acc.layers.values())).host.self_attn.config
+
     def check(self, acc: nn.Module, meta: dict[str, Any]) -> None:
-        first = next(iter(acc.layers.values()))
-        host = host_signature(first.host.self_attn.config)
-        saved_host = meta.get("host", {})
-        diff = sorted(k for k in host if saved_host.get(k) != host[k])
-        if diff:
-            pairs = ", ".join(f"{k}={saved_host.get(k)!r} (model: {host[k]!r})" for k in diff)
-            raise ValueError(f"parts: {self.path!r} were trained for another model: {pairs}")
+        super().check(acc, meta)
         options = meta.get("options", {})
         saved_gates = options.get("gates", [])
-        ok = compatible_layers(saved_gates, host["num_hidden_layers"], acc.gates, acc.num_layers)
+        layers = self.host_config(acc).num_hidden_layers
+        ok = compatible_layers(saved_gates, layers, acc.gates, acc.num_layers)
         if ok != sorted(int(i) for i in acc.layers):
             raise ValueError(
                 f"gates: the accelerator at {self.path!r} was trained for gates {saved_gates}, "
@@ -92,8 +96,7 @@ def load_compatible(gm: fx.GraphModule, path) -> list[int]:
     meta = read_parts_config(path)
     first = next(iter(acc.layers.values()))
     host = host_signature(first.host.self_attn.config)
-    if any(meta.get("host", {}).get(k) != v for k, v in host.items()):
-        raise ValueError(f"parts: {str(path)!r} were trained for another model")
+    check_host("parts", path, host, meta.get("host", {}))
     saved_gates = meta.get("options", {}).get("gates", [])
     layers = compatible_layers(saved_gates, host["num_hidden_layers"], acc.gates, acc.num_layers)
     tensors = load_file(str(Path(path) / MODULE_WEIGHTS))

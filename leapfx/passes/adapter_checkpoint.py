@@ -30,12 +30,11 @@ from typing import Any, ClassVar
 from torch import fx
 
 from .adapter import KangarooAdapter, adapter_of
-from .parts_io import (  # host_signature: imported from here too
+from .parts_io import (
     MODULE_CONFIG,
     MODULE_WEIGHTS,
     LoadParts,
-    check_host,
-    host_signature,
+    host_signature,  # noqa: F401  (train/ and swift import it from here)
     read_module_parts_config,
     write_module_parts,
 )
@@ -74,6 +73,7 @@ class LoadKangarooAdapter(LoadParts):
     requires: ClassVar[frozenset[str]] = frozenset({"kangaroo-adapter"})
     provides: ClassVar[frozenset[str]] = frozenset({"kangaroo-adapter-weights"})
     weights: ClassVar[str] = WEIGHTS
+    option: ClassVar[str] = "adapter"
 
     def module_of(self, gm: fx.GraphModule) -> KangarooAdapter:
         return adapter_of(gm)
@@ -81,9 +81,11 @@ class LoadKangarooAdapter(LoadParts):
     def read(self, path: str) -> dict[str, Any]:
         return read_adapter_config(path)
 
+    def host_config(self, adapter: KangarooAdapter) -> Any:
+        return adapter.attention.config
+
     def check(self, adapter: KangarooAdapter, meta: dict[str, Any]) -> None:
-        host = host_signature(adapter.attention.config)
-        check_host("adapter", self.path, host, meta.get("host", {}))
+        super().check(adapter, meta)
         saved_exit = meta.get("options", {}).get("exit_layer")
         if saved_exit != adapter.exit_layer:
             raise ValueError(

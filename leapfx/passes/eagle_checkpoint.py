@@ -32,12 +32,9 @@ from torch import fx
 from .eagle_head import EagleHead, eagle_head_of
 from .parts_io import (
     LoadParts,
-    check_host,
-    host_signature,
-    module_tensors,
     read_parts_meta,
     write_dir_atomic,
-    write_parts_files,
+    write_module_files,
 )
 
 FORMAT = 1
@@ -55,17 +52,10 @@ def write_eagle_files(
     extra: dict[str, Any] | None = None,
 ) -> None:
     """Write the head's two files into ``directory`` (which exists; not atomic by itself)."""
-    tensors = module_tensors(head)
-    meta = {
-        "format": FORMAT,
-        "recipe": recipe,
-        "options": options,
-        "host": host,
-        "init_layer": head.init_layer,
-        "parameters": sum(t.numel() for t in tensors.values()),
-        **(extra or {}),
-    }
-    write_parts_files(directory, WEIGHTS, CONFIG, tensors, meta)
+    write_module_files(
+        directory, head, weights=WEIGHTS, config=CONFIG, fmt=FORMAT, recipe=recipe,
+        options=options, host=host, extra={"init_layer": head.init_layer, **(extra or {})},
+    )  # fmt: skip
 
 
 def write_eagle_head(head: EagleHead, path: str | os.PathLike, **meta: Any) -> Path:
@@ -98,9 +88,8 @@ class LoadEagleHead(LoadParts):
     def read(self, path: str) -> dict[str, Any]:
         return read_eagle_config(path)
 
-    def check(self, head: EagleHead, meta: dict[str, Any]) -> None:
-        host = host_signature(head.layer.self_attn.config)
-        check_host("parts", self.path, host, meta.get("host", {}))
+    def host_config(self, head: EagleHead) -> Any:
+        return head.layer.self_attn.config
 
     def misfit(self, head: EagleHead, meta: dict[str, Any]) -> str:
         return (

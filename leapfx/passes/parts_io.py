@@ -160,8 +160,14 @@ class LoadParts(GraphPass):
 
     weights: ClassVar[str]
     subset: ClassVar[bool] = False
+    option: ClassVar[str] = "parts"  # the user's option that errors name
 
     path: str
+
+    def host_config(self, module: nn.Module) -> Any:
+        """The HF config of the model ``module`` sits in, whose ``host_signature`` the parts
+        must have been saved with; None: no host to check."""
+        return None
 
     def module_of(self, gm: fx.GraphModule) -> nn.Module:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -170,7 +176,11 @@ class LoadParts(GraphPass):
         raise NotImplementedError
 
     def check(self, module: nn.Module, meta: dict[str, Any]) -> None:
-        """Refuse parts that do not fit ``module`` (ValueError naming the option)."""
+        """Refuse parts that do not fit ``module`` (ValueError naming the option): by default,
+        parts trained for another model (``host_config``)."""
+        config = self.host_config(module)
+        if config is not None:
+            check_host(self.option, self.path, host_signature(config), meta.get("host", {}))
 
     def misfit(self, module: nn.Module, meta: dict[str, Any]) -> str:  # pragma: no cover
         raise NotImplementedError
@@ -189,6 +199,33 @@ class LoadParts(GraphPass):
         return PassResult(gm, modified=True, matches=len(tensors))
 
 
+def write_module_files(
+    directory: Path,
+    module: nn.Module,
+    *,
+    weights: str,
+    config: str,
+    fmt: int,
+    recipe: str,
+    options: dict[str, Any],
+    host: dict[str, Any],
+    extra: dict[str, Any] | None = None,
+) -> None:
+    """Write ``module``'s state dict to ``directory/weights`` and the metadata every trained
+    module records (``format``, ``recipe``, ``options``, ``host``, ``parameters``, then
+    ``extra``) to ``directory/config``; the directory exists (not atomic by itself)."""
+    tensors = module_tensors(module)
+    meta = {
+        "format": fmt,
+        "recipe": recipe,
+        "options": options,
+        "host": host,
+        "parameters": sum(t.numel() for t in tensors.values()),
+        **(extra or {}),
+    }
+    write_parts_files(directory, weights, config, tensors, meta)
+
+
 def write_module_parts(
     module: nn.Module,
     path: str | os.PathLike,
@@ -203,16 +240,12 @@ def write_module_parts(
     >>> write_module_parts(adapter_of(gm), "kangaroo-adapter/", recipe="kangaroo",
     ...                    options={"exit_layer": 2}, host=host_signature(hf_model.config))
     """
-    tensors = module_tensors(module)
-    meta = {
-        "format": MODULE_FORMAT,
-        "recipe": recipe,
-        "options": options,
-        "host": host,
-        "parameters": sum(t.numel() for t in tensors.values()),
-    }
+    names = {"weights": MODULE_WEIGHTS, "config": MODULE_CONFIG, "fmt": MODULE_FORMAT}
     return write_dir_atomic(
-        path, lambda tmp: write_parts_files(tmp, MODULE_WEIGHTS, MODULE_CONFIG, tensors, meta)
+        path,
+        lambda tmp: write_module_files(
+            tmp, module, **names, recipe=recipe, options=options, host=host
+        ),
     )
 
 
