@@ -182,15 +182,15 @@ class SpeculativeModel(GenerateFrontEnd):
 
         The kernels (``leapfx.kernels.cpu``, C++ built on first use) read each weight once for
         all the rows of a verify pass, where MKL's cost grows about linearly with the rows
-        (docs/benchmarks.md has the speedups). The stages keep packed
-        copies of the projection weights, taken here (call it again after training the model
-        in place); the math is the same up to summation order, so outputs are the same tokens
+        (docs/benchmarks.md has the speedups). The stages keep packed copies of the projection
+        weights, taken here (call it again after training the model in place); the math is the same up to summation order, so outputs are the same tokens
         except where two logits tie to rounding. Needs a float32 model on a CPU (ValueError
         otherwise). ``enabled=False`` returns to the plain eager stages. ``rewrite.apply``
         calls it where its ``cpu_kernels`` (auto by default) says so. For compiled stages pass
         ``cpu_kernels`` to ``compile()`` (there too they are on by default where they run).
         MoE layers run their attention (``KernelAttention``) and experts (``KernelExperts``:
-        ``leapfx_cpu::moe_experts``) on them too, offloaded experts over the slot pools.
+        ``leapfx_cpu::moe_experts``) on them too, offloaded experts over the slot pools. It runs
+        ``leapfx.lower.lower(self, "cpu_kernels" | "eager")``.
 
         >>> sm = rewrite.apply(hf_model, "layerskip", exit_layer=4)  # on: a float32 CPU model
         >>> sm.use_cpu_kernels(False).cpu_kernels  # back to the plain eager stages
@@ -241,7 +241,8 @@ class SpeculativeModel(GenerateFrontEnd):
         ``compile()`` again after training the model in place; with float32 weights they
         multiply through leapfx's small-M C++ kernels, built on first use). ``draft_chain``:
         LayerSkip's greedy rounds draft their d tokens in one compiled call of d unrolled draft
-        steps (``CompiledChain``) instead of d calls; same tokens.
+        steps (``CompiledChain``) instead of d calls; same tokens. It runs
+        ``leapfx.lower.lower(self, "inductor", ...)``.
 
         >>> sm = rewrite.apply(hf_model, "layerskip", exit_layer=4).compile()
         """
