@@ -180,17 +180,17 @@ class SpeculativeModel(GenerateFrontEnd):
     def use_cpu_kernels(self, enabled: bool = True) -> SpeculativeModel:
         """Run the eager stages' projections through leapfx's small-M CPU kernels; returns self.
 
-        The kernels (``leapfx.kernels.cpu``, C++ built on first use) read each weight once for
-        all the rows of a verify pass, where MKL's cost grows about linearly with the rows
+        The kernels (``leapfx.kernels.cpu``, C++ built on first use) read each weight once for all
+        the rows of a verify pass, where MKL's cost grows about linearly with the rows
         (docs/benchmarks.md has the speedups). The stages keep packed copies of the projection
-        weights, taken here (call it again after training the model in place); the math is the same up to summation order, so outputs are the same tokens
-        except where two logits tie to rounding. Needs a float32 model on a CPU (ValueError
-        otherwise). ``enabled=False`` returns to the plain eager stages. ``rewrite.apply``
-        calls it where its ``cpu_kernels`` (auto by default) says so. For compiled stages pass
-        ``cpu_kernels`` to ``compile()`` (there too they are on by default where they run).
-        MoE layers run their attention (``KernelAttention``) and experts (``KernelExperts``:
-        ``leapfx_cpu::moe_experts``) on them too, offloaded experts over the slot pools. It runs
-        ``leapfx.lower.lower(self, "cpu_kernels" | "eager")``.
+        weights, taken here (call it again after training the model in place); the math is the same
+        up to summation order, so outputs are the same tokens except where two logits tie to
+        rounding. Needs a float32 model on a CPU (ValueError otherwise). ``enabled=False`` returns
+        to the plain eager stages. ``rewrite.apply`` calls it where its ``cpu_kernels`` (auto by
+        default) says so. For compiled stages pass ``cpu_kernels`` to ``compile()`` (there too they
+        are on by default where they run). MoE layers run their attention (``KernelAttention``) and
+        experts (``KernelExperts``: ``leapfx_cpu::moe_experts``) on them too, offloaded experts over
+        the slot pools. It runs ``leapfx.lower.lower(self, "cpu_kernels" | "eager")``.
 
         >>> sm = rewrite.apply(hf_model, "layerskip", exit_layer=4)  # on: a float32 CPU model
         >>> sm.use_cpu_kernels(False).cpu_kernels  # back to the plain eager stages
