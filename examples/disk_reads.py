@@ -26,8 +26,8 @@ import time
 import torch
 
 from leapfx.kernels import cpu_reader
-from leapfx.runtime.offload.runtime import IDLE_SPIN_S, reader_cpu
-from leapfx.runtime.offload.store import ALIGN, aligned_pool
+from leapfx.offload.runtime import IDLE_SPIN_S, reader_cpu
+from leapfx.offload.store import ALIGN, aligned_pool
 
 SIZES = (1, 2, 3, 4, 6, 8)
 

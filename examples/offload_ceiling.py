@@ -47,8 +47,8 @@ import torch
 from leapfx import rewrite
 from leapfx.bench import MOE_REFERENCE_M2R2, bench_prompts, load_model
 from leapfx.bench.offload import RoutingOracle, summarize
+from leapfx.offload import OffloadOptions
 from leapfx.passes.offload import M2R2_STREAM
-from leapfx.runtime.offload import OffloadOptions
 from leapfx.train.reuse_probe import model_probe
 
 

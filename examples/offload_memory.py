@@ -11,7 +11,7 @@ slots, and whether the tokens match:
 - ``resident``: ``from_pretrained``, every expert in memory, no offload;
 - ``offload``: ``from_pretrained``, then ``rewrite.apply(..., offload=OffloadOptions(slots=S))``:
   the model's own expert tensors stay, so the slots come on top of them;
-- ``load_offloaded``: ``leapfx.runtime.offload.load_offloaded(DIR)``, the experts never loaded:
+- ``load_offloaded``: ``leapfx.offload.load_offloaded(DIR)``, the experts never loaded:
   the slow tier is written from the checkpoint an expert at a time, and only the slots hold
   experts in memory.
 
@@ -36,7 +36,7 @@ def _child(args: argparse.Namespace) -> None:
 
     from leapfx import rewrite
     from leapfx.bench import bench_prompts, load_model, resolve_model
-    from leapfx.runtime.offload import OffloadOptions, load_offloaded
+    from leapfx.offload import OffloadOptions, load_offloaded
 
     torch.set_num_threads(1)
     path = resolve_model(args.model)

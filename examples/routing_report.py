@@ -14,7 +14,7 @@ eviction's doing, and the optimal hit rate bounds every eviction policy.
 
 ``--probe K`` also fits, per layer, a linear probe from what the layer sees at token t (its
 experts' input) to which experts tokens t+1..t+K will use (logistic regression on
-``--probe-tokens`` training tokens; ``leapfx.runtime.offload.fit_reuse_probe``, what
+``--probe-tokens`` training tokens; ``leapfx.offload.fit_reuse_probe``, what
 ``leapfx train-reuse-probe`` ships as ``OffloadOptions(policy="reuse")``), and replays its
 scores as the eviction order on the held-out tokens (``routing.scored_hit_rate``: the lowest
 score at token t goes first): how much of the gap to the optimal eviction it closes.
@@ -29,7 +29,7 @@ import torch
 
 from leapfx.bench import load_model
 from leapfx.bench.routing import routing_stats
-from leapfx.runtime.offload import fit_reuse_probe
+from leapfx.offload import fit_reuse_probe
 from leapfx.train.data import encode_documents
 from leapfx.train.evaluate import eval_windows
 from leapfx.train.reference import reference_corpus

@@ -6,18 +6,18 @@ import pytest
 import torch
 import transformers
 
-from leapfx.passes.capture import LAYER, ROLE, capture, decoder_parts
+from leapfx.passes.capture import LAYER, ROLE, capture, decoder_pieces
 from leapfx.runtime.cache import cache_for
 from leapfx.runtime.masks import masks_for
 from tests.conftest import ARCHS, tiny_model
 
 
 def _run(model, gm, ids, start=0, cache=None):
-    parts = decoder_parts(model)
+    pieces = decoder_pieces(model)
     n = ids.shape[1]
     masks = masks_for(
-        model.config._attn_implementation, parts.attn_kinds, start, n,
-        window=parts.sliding_window, dtype=torch.float32, device="cpu",
+        model.config._attn_implementation, pieces.attn_kinds, start, n,
+        window=pieces.sliding_window, dtype=torch.float32, device="cpu",
     )  # fmt: skip
     pos = torch.arange(start, start + n)[None]
     return gm(ids, pos, masks, cache)["logits"]

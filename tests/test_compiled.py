@@ -16,7 +16,8 @@ from torch._dynamo.utils import counters
 
 from leapfx import rewrite
 from leapfx.bench.harness import BenchConfig
-from leapfx.runtime.compiled import CompileOptions, SlotKVCache, chain_length
+from leapfx.lower.chain import chain_length
+from leapfx.lower.inductor import CompileOptions, SlotKVCache
 from leapfx.runtime.masks import chunk_mask, position_mask
 
 

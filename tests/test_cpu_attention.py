@@ -13,6 +13,7 @@ from leapfx import rewrite
 from leapfx.kernels import cpu_attention
 from leapfx.modules.fused import FusedDecoderLayer, KernelDecoderLayer
 from leapfx.runtime.cache import StaticKVCache
+from tests.conftest import examples
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -28,7 +29,7 @@ def _inputs(b, hq, hkv, s, length, d, seed):
     return q, k, v
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40, 160), deadline=None)
 @given(
     b=st.integers(1, 2), hkv=st.sampled_from([1, 2, 4]), group=st.sampled_from([1, 2, 3]),
     s=st.integers(1, 9), extra=st.integers(0, 70), d=st.sampled_from([4, 16, 33, 48, 64]),
@@ -165,7 +166,7 @@ def test_kernel_stages_skip_the_masks_their_layers_would_not_read(monkeypatch):
 
 
 def test_eager_kernel_stages_draft_a_greedy_round_in_one_chain_call():
-    from leapfx.runtime.compiled import EagerChain
+    from leapfx.lower.cpu_kernels import EagerChain
 
     model = tiny_model("llama", layers=4)
     sm = rewrite.apply(model, "layerskip", exit_layer=2, num_speculations=3, cpu_kernels=True)

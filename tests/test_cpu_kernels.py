@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from leapfx import rewrite
 from leapfx.bench.harness import BenchConfig, use_cpu_kernels
 from leapfx.kernels import cpu
+from leapfx.lower.inductor import CompileOptions
 from leapfx.modules.fused import (
     FusedDecoderLayer,
     KernelDecoderLayer,
@@ -23,7 +24,7 @@ from leapfx.modules.fused import (
     KernelRMSNorm,
     RotaryTable,
 )
-from leapfx.runtime.compiled import CompileOptions
+from tests.conftest import examples
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -40,7 +41,7 @@ def test_pack_weight_blocks_columns_and_pads_with_zeros():
     assert not p[1, :, 4:].any()
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60, 240), deadline=None)
 @given(
     m=st.integers(1, 20),
     k=st.integers(1, 70),
@@ -96,7 +97,7 @@ def test_bad_inputs_are_refused_with_the_reason():
         torch.ops.leapfx_cpu.small_mm(torch.randn(2, 8), torch.randn(8, 20), 20)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40, 160), deadline=None)
 @given(rows=st.integers(1, 9), h=st.integers(1, 70), offset=st.sampled_from([0.0, 1.0]),
        seed=st.integers(0, 2**16))  # fmt: skip
 def test_rms_norm_op_matches_torch_and_rows_are_independent(rows, h, offset, seed):

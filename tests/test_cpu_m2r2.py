@@ -144,8 +144,8 @@ def test_draft_op_computes_the_torch_draft(arch):
         got = draft(**inputs)
         for key in ("logits", "hidden"):
             torch.testing.assert_close(got[key], want[key], rtol=1e-4, atol=1e-5)
-        for slot in draft.slots:  # the draft's own fast keys/values, for the round's next drafts
-            for a, b in zip(scratch.kv[slot][-1], copy.kv[slot][-1], strict=True):
+        for layer in draft.cache_layers:  # the draft's own fast keys/values, for the next drafts
+            for a, b in zip(scratch.kv[layer][-1], copy.kv[layer][-1], strict=True):
                 torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
         calls.append(len(scratch))
         return got

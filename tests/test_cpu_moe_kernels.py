@@ -20,9 +20,9 @@ from leapfx.modules.fused import (
     KernelExperts,
     experts_kernel_covers,
 )
+from leapfx.offload import OffloadOptions
 from leapfx.passes.capture import nodes_by_role
-from leapfx.runtime.offload import OffloadOptions
-from tests.conftest import MOE_ARCHS, tiny_moe_model
+from tests.conftest import MOE_ARCHS, examples, tiny_moe_model
 from tests.greedy_check import check_random_prompts
 
 
@@ -41,7 +41,7 @@ def _routing(tokens: int, experts: int, k: int, seed: int):
     return index, torch.rand(tokens, k, generator=g)
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30, 120), deadline=None)
 @given(arch=st.sampled_from(MOE_ARCHS), tokens=st.integers(1, 20), experts=st.integers(2, 8),
        k=st.integers(1, 3), seed=st.integers(0, 999))  # fmt: skip
 def test_moe_experts_op_computes_the_hf_experts_module(arch, tokens, experts, k, seed):

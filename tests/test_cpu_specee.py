@@ -16,7 +16,7 @@ from leapfx import rewrite
 from leapfx.kernels import cpu_specee
 from leapfx.modules.specee import KernelLayerExit, LayerExit
 from leapfx.passes.predictor import predictors_of
-from tests.conftest import tiny_model
+from tests.conftest import examples, tiny_model
 from tests.greedy_check import check_random_prompts
 
 
@@ -73,7 +73,7 @@ def test_kernel_check_computes_the_torch_check(arch):
         assert ref.check(row, cands, p_prev[:1], threshold=0.0)[2] is None  # the torch path
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40, 160), deadline=None)
 @given(
     hidden=st.integers(1, 70),
     vocab=st.integers(4, 40),

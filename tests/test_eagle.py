@@ -13,7 +13,7 @@ from leapfx.passes.capture import EXTRA_CACHE_LAYERS, capture, nodes_by_role
 from leapfx.passes.eagle_head import (
     InsertEagleHead,
     eagle_head_of,
-    eagle_slot_of,
+    eagle_layer_of,
     eagle_stages,
 )
 from leapfx.runtime.eagle import head_step, target_step
@@ -34,7 +34,7 @@ def test_pass_inserts_a_head_the_graph_owns():
     gm.graph.lint()
     head = eagle_head_of(gm)
     assert isinstance(head, EagleHead) and head.init_layer == 3
-    assert eagle_slot_of(gm) == 4 and head.cache_slot == 4 and gm.meta[EXTRA_CACHE_LAYERS] == 1
+    assert eagle_layer_of(gm) == 4 and head.cache_layer == 4 and gm.meta[EXTRA_CACHE_LAYERS] == 1
     # A copy of the last layer, not a reference; the user's model gains nothing.
     assert torch.equal(head.layer.mlp.up_proj.weight, model.model.layers[3].mlp.up_proj.weight)
     assert (

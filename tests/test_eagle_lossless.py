@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from leapfx import rewrite
-from tests.conftest import tiny_model
+from tests.conftest import examples, tiny_model
 from tests.distribution_check import assert_sampled_from, sample_counts
 from tests.greedy_check import hf_greedy
 from tests.test_kangaroo_lossless import (
@@ -44,7 +44,7 @@ def _spy_rounds(sm) -> list[int]:
     return rounds
 
 
-@settings(max_examples=150)
+@settings(max_examples=examples(150, 300))
 @given(spec=model_specs(), data=st.data())
 def test_eagle_greedy_identical_to_hf(spec, data):
     model = tiny_model(**spec)

@@ -30,7 +30,7 @@ from leapfx import __version__, rewrite  # noqa: E402
 from leapfx.bench import load_model  # noqa: E402
 from leapfx.cli import main  # noqa: E402
 from leapfx.export import MANIFEST, OnnxModel, OrtKVCache, export_onnx, read_manifest  # noqa: E402
-from tests.conftest import ARCHS, tiny_model  # noqa: E402
+from tests.conftest import ARCHS, examples, tiny_model  # noqa: E402
 from tests.greedy_check import assert_greedy_equal, hf_greedy  # noqa: E402
 
 
@@ -122,7 +122,7 @@ if os.environ.get("HYPOTHESIS_PROFILE") == "thorough":
 
 
 @pytest.mark.parametrize(("arch", "recipe"), MATRIX)
-@settings(max_examples=3)
+@settings(max_examples=examples(3, 12))
 @given(data=st.data())
 def test_onnx_identical_to_eager(exported, onnx_model, arch, recipe, data):
     model, sm, _ = exported(arch, recipe)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from leapfx.modules.fused import FusedDecoderLayer
-from leapfx.passes.capture import capture, decoder_parts
+from leapfx.passes.capture import capture, decoder_pieces
 from leapfx.passes.fuse_layers import FuseDecoderLayers
 from leapfx.runtime.cache import cache_for
 from leapfx.runtime.masks import masks_for
@@ -17,11 +17,11 @@ FUSED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma")
 
 def _decode(model, gm, ids, attn):
     """Prefill 7 tokens, then 3 one-token steps and one 3-token chunk (the verify shape)."""
-    parts = decoder_parts(model)
+    pieces = decoder_pieces(model)
     cache = cache_for(model, 32)
     outs, start = [], 0
     for n in (7, 1, 1, 1, 3):
-        masks = masks_for(attn, parts.attn_kinds, start, n, window=parts.sliding_window,
+        masks = masks_for(attn, pieces.attn_kinds, start, n, window=pieces.sliding_window,
                           dtype=torch.float32, device="cpu")  # fmt: skip
         pos = torch.arange(start, start + n)[None]
         outs.append(gm(ids[:, start : start + n], pos, masks, cache)["logits"])

@@ -16,7 +16,7 @@ import torch
 from leapfx import rewrite
 from leapfx.passes.adapter import ADAPTER_MODULE, InsertKangarooAdapter, adapter_of
 from leapfx.passes.base import PassError
-from leapfx.passes.capture import ROLE, capture, decoder_parts
+from leapfx.passes.capture import ROLE, capture, decoder_pieces
 from leapfx.passes.exit_head import InsertExitHead
 from leapfx.rewrite.recipes import default_kangaroo_exit_layer
 from leapfx.runtime.cache import cache_for
@@ -31,8 +31,8 @@ from tests.test_partition import _check_golden
 
 
 def _masks(model, start, n):
-    parts = decoder_parts(model)
-    return masks_for("sdpa", parts.attn_kinds, start, n, window=parts.sliding_window,
+    pieces = decoder_pieces(model)
+    return masks_for("sdpa", pieces.attn_kinds, start, n, window=pieces.sliding_window,
                      dtype=torch.float32, device="cpu")  # fmt: skip
 
 
@@ -59,7 +59,7 @@ def test_adapter_pass_numerics(arch):
         hf = model(ids, output_hidden_states=True)
         h = hf.hidden_states[e]
         layer = model.model.layers[e]
-        kind = decoder_parts(model).attn_kinds[e]
+        kind = decoder_pieces(model).attn_kinds[e]
         rope = model.model.rotary_emb(h, torch.arange(n)[None])
         attn, _ = layer.self_attn(layer.input_layernorm(h), position_embeddings=rope,
                                   attention_mask=_masks(model, 0, n)[kind])  # fmt: skip
@@ -72,7 +72,7 @@ def test_adapter_pass_numerics(arch):
     assert torch.equal(out["exit_logits"], direct)  # KangarooAdapter.forward == the graph
     torch.testing.assert_close(out["exit_logits"], expected)
     assert type(adapter.attention) is type(layer.self_attn)  # the host's own class (GQA)
-    assert adapter.cache_slot == 4 and adapter.attn_kind == kind
+    assert adapter.cache_layer == 4 and adapter.attn_kind == kind
 
 
 def test_adapter_has_two_norms_and_one_attention_and_shares_host_weights():

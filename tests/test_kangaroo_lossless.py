@@ -22,7 +22,7 @@ from transformers.generation.logits_process import (
 )
 
 from leapfx import rewrite
-from tests.conftest import tiny_model
+from tests.conftest import examples, tiny_model
 from tests.distribution_check import assert_sampled_from
 from tests.greedy_check import assert_greedy_equal, hf_greedy
 from tests.test_kangaroo import _spy_rounds
@@ -31,7 +31,7 @@ from tests.test_lossless import _prompt, model_specs
 TEMPERATURE, TOP_K, TOP_P = 0.9, 3, 0.95
 
 
-@settings(max_examples=200)
+@settings(max_examples=examples(200, 300))
 @given(spec=model_specs(), data=st.data())
 def test_kangaroo_greedy_identical_to_hf(spec, data):
     model = tiny_model(**spec)

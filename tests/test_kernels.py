@@ -35,6 +35,7 @@ from hypothesis import strategies as st
 import leapfx.kernels as K
 from leapfx.kernels import _triton, greedy, speculative, subset
 from leapfx.kernels import reference as verify
+from tests.conftest import examples
 
 INTERP_REASON = (
     "Triton runs compiled in this process (TRITON_INTERPRET=1 was not set when triton was first "
@@ -439,7 +440,7 @@ def test_triton_kernels_compile_for_sm90():
             assert "div.full" not in compiled.asm["ptx"], "division must be correctly rounded"
 
 
-INTERP = dict(max_examples=30, deadline=None)
+INTERP = dict(max_examples=examples(30, 120), deadline=None)
 
 
 @needs_interp
@@ -498,7 +499,7 @@ def test_triton_interpreter_in_subprocess():
 # ---------------------------------------------------------------- on a GPU (compiled Triton)
 
 
-GPU = dict(max_examples=60, deadline=None)
+GPU = dict(max_examples=examples(60, 240), deadline=None)
 
 
 def _require_triton_on_cuda():

@@ -22,7 +22,7 @@ from tests.test_moe import moe_specs
 from tests.test_sampling_e2e import TEMPERATURE, TOP_K, TOP_P, VOCAB, _exact_distribution
 
 
-@settings(max_examples=300)
+@settings(max_examples=examples(300, 300))
 @given(
     chunks=st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=6), min_size=1, max_size=8),
     max_ngram=st.integers(1, 4),

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from leapfx import rewrite
 from leapfx.runtime.sampling import SamplingParams, warp_logits
-from tests.conftest import ARCHS, tiny_model
+from tests.conftest import ARCHS, examples, tiny_model
 from tests.greedy_check import assert_greedy_equal, hf_greedy
 
 
@@ -47,7 +47,7 @@ def _prompt(data, vocab: int) -> torch.Tensor:
     return torch.tensor([ids])
 
 
-@settings(max_examples=200)
+@settings(max_examples=examples(200, 300))
 @given(spec=model_specs(), data=st.data())
 def test_layerskip_greedy_identical_to_hf(spec, data):
     model = tiny_model(**spec)
@@ -89,7 +89,7 @@ def test_layerskip_confidence_threshold_shortens_rounds():
     assert md.verify_calls > mf.verify_calls
 
 
-@settings(max_examples=80)
+@settings(max_examples=examples(80, 300))
 @given(spec=model_specs(), data=st.data())
 def test_autoregressive_schedule_identical_to_hf(spec, data):
     model = tiny_model(**spec)
@@ -101,7 +101,7 @@ def test_autoregressive_schedule_identical_to_hf(spec, data):
     assert torch.equal(ours, ref), f"ours {ours.tolist()}\nHF   {ref.tolist()}"
 
 
-@settings(max_examples=40)
+@settings(max_examples=examples(40, 160))
 @given(spec=model_specs(), data=st.data())
 def test_early_exit_is_greedy_over_the_exit_head(spec, data):
     """The lossy early-exit schedule decodes greedily with norm + head after layer E."""

@@ -8,10 +8,11 @@ import torch
 
 from leapfx import rewrite
 from leapfx.lower import BACKENDS, lower
+from leapfx.lower.chain import chain_length
 from leapfx.rewrite.recipes import RECIPES
 from leapfx.runtime import executor
 from leapfx.runtime.capabilities import Capabilities
-from leapfx.runtime.compiled import chain_length
+from leapfx.runtime.model import SpeculativeModel
 from tests.conftest import tiny_model
 
 
@@ -72,3 +73,26 @@ def test_eager_stages_provide_the_protocol_defaults():
     assert isinstance(full, executor.StageExecutor)
     assert not executor.builds_masks(full) and executor.mask_free(full) is None
     assert executor.chain_length(full) == 0 and executor.chain_length(None) == 0
+
+
+def test_the_model_lowers_through_the_lower_apply_hands_it():
+    # The runtime sits below lower/ and does not import it: rewrite.apply hands the model
+    # leapfx.lower.lower, which compile() and use_cpu_kernels() run.
+    model = tiny_model("llama", layers=2)
+    sm = rewrite.apply(model, "autoregressive", cpu_kernels=False)
+    calls = []
+
+    def recording(target, backend, **options):
+        calls.append((backend, options))
+        return lower(target, backend, **options)
+
+    handed = SpeculativeModel(sm.hf_model, sm.graph_module, sm.stages, sm.recipe, lower=recording)
+    assert handed.use_cpu_kernels() is handed and handed.cpu_kernels
+    assert handed.use_cpu_kernels(False) is handed and not handed.cpu_kernels
+    assert calls == [("cpu_kernels", {}), ("eager", {})]
+    bare = SpeculativeModel(sm.hf_model, sm.graph_module, sm.stages, sm.recipe)
+    with pytest.raises(ValueError, match="use_cpu_kernels: this SpeculativeModel was built "):
+        bare.use_cpu_kernels()
+    with pytest.raises(ValueError, match="compile: this SpeculativeModel was built without"):
+        bare.compile(warmup=False)
+    assert lower(bare, "cpu_kernels") is bare and bare.cpu_kernels  # lower() needs no hand-off

@@ -22,7 +22,7 @@ from leapfx.passes.base import PassPipeline
 from leapfx.passes.capture import capture
 from leapfx.runtime.cache import cache_for
 from leapfx.runtime.masks import masks_for
-from tests.conftest import ARCHS, MOE_ARCHS, tiny_model, tiny_moe_model
+from tests.conftest import ARCHS, MOE_ARCHS, examples, tiny_model, tiny_moe_model
 from tests.distribution_check import assert_sampled_from
 from tests.greedy_check import assert_greedy_equal, check_random_prompts, hf_greedy
 from tests.test_kangaroo_lossless import TEMPERATURE, TOP_K, TOP_P, _exact_distribution
@@ -319,7 +319,7 @@ def test_fit_with_a_draft_chain_trains_and_validates():
         sm.fit(tokens, steps=1, chain=0)
 
 
-@settings(max_examples=120)
+@settings(max_examples=examples(120, 300))
 @given(spec=model_specs(), data=st.data())
 def test_m2r2_greedy_identical_to_hf(spec, data):
     model = tiny_model(**spec)

@@ -15,7 +15,7 @@ from leapfx.rewrite.recipes import default_exit_gates
 from leapfx.runtime.cache import cache_for
 from leapfx.runtime.masks import masks_for
 from leapfx.runtime.runner import StageRunner
-from tests.conftest import tiny_model
+from tests.conftest import examples, tiny_model
 from tests.greedy_check import assert_greedy_equal, hf_greedy
 from tests.test_lossless import _prompt, model_specs
 from tests.test_m2r2 import _randomize
@@ -40,7 +40,7 @@ def test_exit_stages_and_options():
             rewrite.apply(model, "m2r2_exit", **bad)
 
 
-@settings(max_examples=60)
+@settings(max_examples=examples(60, 240))
 @given(spec=model_specs(), data=st.data())
 def test_never_exit_is_token_identical_to_greedy(spec, data):
     model = tiny_model(**spec)

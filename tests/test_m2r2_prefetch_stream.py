@@ -21,9 +21,9 @@ import torch.nn.functional as F
 from leapfx import rewrite
 from leapfx.kernels import cpu_m2r2
 from leapfx.modules.m2r2 import AcceleratedLayer
+from leapfx.offload import DEFAULT_PREFETCH_LEAD, OffloadOptions
 from leapfx.passes.capture import ROLE, nodes_by_role
 from leapfx.runtime.cache import StaticKVCache
-from leapfx.runtime.offload import DEFAULT_PREFETCH_LEAD, OffloadOptions
 from tests.conftest import tiny_moe_model
 from tests.test_moe_prefetch import _perturb
 from tests.test_offload import _generate as _resident

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from leapfx import rewrite
 from leapfx.passes.capture import LAYER, capture, layer_module, nodes_by_role
 from leapfx.runtime.masks import masks_for
-from tests.conftest import MOE_ARCHS, tiny_moe_model
+from tests.conftest import MOE_ARCHS, examples, tiny_moe_model
 from tests.greedy_check import assert_greedy_equal, hf_greedy
 
 
@@ -98,7 +98,7 @@ def test_stages_split_moe_layers_at_the_exit():
     assert sorted(n.meta[LAYER] for n in verify_experts) == [0, 1, 2, 3]
 
 
-@settings(max_examples=30)
+@settings(max_examples=examples(30, 120))
 @given(spec=moe_specs(), data=st.data())
 def test_autoregressive_identical_to_hf_on_moe(spec, data):
     model = tiny_moe_model(**spec)
@@ -112,7 +112,7 @@ def test_autoregressive_identical_to_hf_on_moe(spec, data):
     assert torch.equal(ours, ref), f"ours {ours.tolist()}\nHF   {ref.tolist()}"
 
 
-@settings(max_examples=30)
+@settings(max_examples=examples(30, 120))
 @given(spec=moe_specs(), data=st.data())
 def test_speculative_recipes_lossless_on_moe(spec, data):
     model = tiny_moe_model(**spec)
@@ -132,7 +132,7 @@ def test_speculative_recipes_lossless_on_moe(spec, data):
     assert_greedy_equal(model, ours, hf_greedy(model, prompt, max_new), prompt.shape[1])
 
 
-@settings(max_examples=15)
+@settings(max_examples=examples(15, 60))
 @given(spec=moe_specs(), data=st.data())
 def test_early_exit_on_moe_is_the_truncated_model(spec, data):
     model = tiny_moe_model(**spec)
@@ -146,7 +146,7 @@ def test_early_exit_on_moe_is_the_truncated_model(spec, data):
     assert_greedy_equal(short, ours, hf_greedy(short, prompt, max_new), prompt.shape[1])
 
 
-@settings(max_examples=20)
+@settings(max_examples=examples(20, 80))
 @given(spec=moe_specs(), data=st.data())
 def test_layer_by_layer_recipes_on_moe(spec, data):
     """SpecEE's and M2R2's exit stages cut an MoE layer from its parts: SpecEE verified and
@@ -234,7 +234,7 @@ def _most_hits(rows: list[list[int]], slots: int, resident: frozenset = frozense
     )
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60, 240), deadline=None)
 @given(
     rows=st.lists(
         st.lists(st.integers(0, 4), min_size=1, max_size=2, unique=True), min_size=1, max_size=8
@@ -280,7 +280,7 @@ def test_moe_reference_trainer_runs_and_reports_routing(tmp_path):
     # The saved model captures and runs with offload.
     from transformers import AutoModelForCausalLM
 
-    from leapfx.runtime.offload import OffloadOptions
+    from leapfx.offload import OffloadOptions
 
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "model", dtype=torch.float32).eval()
     sm = rewrite.apply(model, "layerskip", exit_layer=1, offload=OffloadOptions(slots=2))
@@ -323,7 +323,7 @@ def test_balance_loss_balances_each_layer_not_their_aggregate():
 def test_golden_moe_stage_text():
     """The stages of an MoE model: its parts, with qwen2_moe's shared expert and a dense layer,
     and the offloaded experts with next-gate prefetch nodes."""
-    from leapfx.runtime.offload import OffloadOptions
+    from leapfx.offload import OffloadOptions
     from tests.test_partition import _check_golden
 
     model = tiny_moe_model("qwen2_moe", layers=3, dense_layers=(1,))

@@ -17,10 +17,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from leapfx import rewrite
+from leapfx.offload import OffloadOptions
 from leapfx.passes.capture import LAYER, nodes_by_role
 from leapfx.runtime.expert_prediction import predicted_layers
-from leapfx.runtime.offload import OffloadOptions
-from tests.conftest import MOE_ARCHS, tiny_moe_model
+from tests.conftest import MOE_ARCHS, examples, tiny_moe_model
 from tests.greedy_check import hf_greedy
 from tests.test_offload import _generate as _run
 
@@ -39,7 +39,7 @@ def _perturb(module: torch.nn.Module, seed: int = 0) -> None:
             p.add_(0.2 * torch.randn(p.shape, generator=g))
 
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=examples(6, 24), deadline=None)
 @given(data=st.data())
 def test_m2r2_and_verify_union_decode_like_resident(data):
     arch = data.draw(st.sampled_from(MOE_ARCHS), label="arch")
@@ -374,7 +374,7 @@ def test_one_token_prediction_ranks_like_the_norm_and_softmax(arch):
     # A decode step's next-gate prediction skips the RMSNorm's reduction and the softmax (the
     # router over norm-weight * hidden ranks the experts the same way); several tokens, and a
     # norm that is not an RMSNorm, take the full path. Both hand prefetch the same ranking.
-    from leapfx.runtime.offload.runtime import NextGatePrefetch
+    from leapfx.offload.runtime import NextGatePrefetch
 
     class Record:
         def prefetch(self, target, scores, *, union=False):

@@ -19,9 +19,9 @@ from hypothesis import strategies as st
 from leapfx import rewrite
 from leapfx.bench.offload import summarize
 from leapfx.bench.routing import moe_layers
-from leapfx.passes.capture import decoder_parts, nodes_by_role
-from leapfx.runtime.offload import DiskStore, OffloadOptions, ReuseProbe, SlotCache
-from tests.conftest import MOE_ARCHS, tiny_moe_model
+from leapfx.offload import DiskStore, OffloadOptions, ReuseProbe, SlotCache
+from leapfx.passes.capture import decoder_pieces, nodes_by_role
+from tests.conftest import MOE_ARCHS, examples, tiny_moe_model
 from tests.distribution_check import assert_sampled_from
 from tests.greedy_check import assert_greedy_equal, hf_greedy
 
@@ -134,7 +134,7 @@ def cache_programs(draw):
     return slots, draw(st.sampled_from(["lru", "lfu", "reuse"])), ops
 
 
-@settings(max_examples=300)
+@settings(max_examples=examples(300, 300))
 @given(program=cache_programs())
 def test_slot_cache_matches_the_pure_python_model(program):
     slots, policy, ops = program
@@ -204,7 +204,7 @@ def test_victim_key_replaces_the_policy_but_not_the_pins():
 def random_probe(model, seed: int = 0) -> ReuseProbe:
     """A reuse probe of random weights for ``model``'s MoE layers (any order is lossless)."""
     layers = moe_layers(model)
-    experts = decoder_parts(model).layers[layers[0]].mlp.experts.gate_up_proj.shape[0]
+    experts = decoder_pieces(model).layers[layers[0]].mlp.experts.gate_up_proj.shape[0]
     g = torch.Generator().manual_seed(seed)
     weight = torch.randn(len(layers), experts, model.config.hidden_size, generator=g)
     return ReuseProbe(layers, weight, torch.randn(len(layers), experts, generator=g), horizon=2)
@@ -250,7 +250,7 @@ def test_lossy_layer_by_layer_recipes_exit_alike_offloaded(recipe, opts):
         assert sm.last_offload_report.hit_rate < 1.0 or slots == 6
 
 
-@settings(max_examples=40)
+@settings(max_examples=examples(40, 160))
 @given(data=st.data())
 def test_offloaded_decoding_is_token_identical_to_resident(data):
     arch = data.draw(st.sampled_from(MOE_ARCHS), label="arch")
@@ -537,10 +537,10 @@ def test_the_offload_pass_only_rewrites_and_build_offload_binds(prefetch):
     import threading
 
     from leapfx.modules.moe import OffloadModule
+    from leapfx.offload import build_offload
     from leapfx.passes.base import PassPipeline
     from leapfx.passes.capture import capture
     from leapfx.passes.offload import OffloadExperts
-    from leapfx.runtime.offload import build_offload
 
     model = tiny_moe_model("olmoe", layers=4)
     threads = threading.active_count()
@@ -590,7 +590,7 @@ def test_disk_store_falls_back_where_o_direct_is_refused(tmp_path, monkeypatch):
 def test_disk_store_reads_straight_into_aligned_slots(tmp_path):
     """Block-sized expert slices land in ``aligned_pool`` slots by one preadv (no bounce
     buffer); unaligned targets still get the same bytes through the bounce buffer."""
-    from leapfx.runtime.offload.store import ALIGN, aligned_pool
+    from leapfx.offload.store import ALIGN, aligned_pool
 
     gate_up, down = torch.randn(3, 32, 64), torch.randn(3, 64, 16)  # 8 KiB and 4 KiB slices
     store = DiskStore({0: (gate_up, down)}, path=tmp_path / "experts.bin")
@@ -639,7 +639,7 @@ def test_the_bench_slow_dtype_choices_are_the_runtime_ones():
     """``leapfx bench --offload-slow-dtype`` spells OffloadOptions' choices (the parser does
     not import the runtime): "none" stands for None."""
     from leapfx.cli import build_parser
-    from leapfx.runtime.offload.runtime import SLOW_DTYPES
+    from leapfx.offload.runtime import SLOW_DTYPES
 
     bench = next(a for a in build_parser()._actions if a.dest == "command").choices["bench"]
     action = next(a for a in bench._actions if a.dest == "offload_slow_dtype")

@@ -18,8 +18,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from leapfx import rewrite
-from leapfx.runtime.offload import CheckpointExperts, DiskStore, OffloadOptions, load_offloaded
-from leapfx.runtime.offload.checkpoint import EXPERT_SOURCE, checkpoint_only
+from leapfx.offload import CheckpointExperts, DiskStore, OffloadOptions, load_offloaded
+from leapfx.offload.checkpoint import EXPERT_SOURCE, checkpoint_only
 from tests.conftest import MOE_ARCHS, tiny_model, tiny_moe_model
 
 PROMPT = torch.tensor([[5, 17, 3, 99, 42, 8, 61, 23]])

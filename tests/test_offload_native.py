@@ -23,10 +23,10 @@ from hypothesis import strategies as st
 
 from leapfx import rewrite
 from leapfx.kernels import cpu_reader
-from leapfx.runtime.offload import DiskStore, NativeEngine, OffloadOptions, ReadJob, ThreadEngine
-from leapfx.runtime.offload import runtime as offload_runtime
-from leapfx.runtime.offload.store import aligned_pool
-from tests.conftest import MOE_ARCHS, tiny_moe_model
+from leapfx.offload import DiskStore, NativeEngine, OffloadOptions, ReadJob, ThreadEngine
+from leapfx.offload import runtime as offload_runtime
+from leapfx.offload.store import aligned_pool
+from tests.conftest import MOE_ARCHS, examples, tiny_moe_model
 from tests.test_moe_prefetch import _perturb
 from tests.test_offload import _generate
 
@@ -76,7 +76,7 @@ def test_native_engine_decodes_like_resident(recipe, prefetch, delay):
         assert report.prefetch_bytes_per_token > 0 and report.prefetch_hit_rate > 0
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=examples(12, 48), deadline=None)
 @given(data=st.data())
 def test_native_engine_decodes_like_resident_property(data):
     arch = data.draw(st.sampled_from(MOE_ARCHS), label="arch")
@@ -328,7 +328,7 @@ def test_a_narrowed_disk_tier_decodes_like_resident(engine, rounded, slow_dtype)
 def test_a_narrowed_disk_tier_only_where_exact(tmp_path):
     """``auto`` keeps float32 where no 2-byte dtype holds the experts; asked for one that does
     not, the store refuses (decoding would change); the host tier narrows nothing."""
-    from leapfx.runtime.offload.store import aligned_pool
+    from leapfx.offload.store import aligned_pool
 
     model = tiny_moe_model("olmoe", layers=2, experts=4, intermediate=64, seed=1)
     sm = rewrite.apply(model, "autoregressive", offload=OffloadOptions(slots=2, slow_dtype="auto"))
@@ -377,7 +377,7 @@ def test_auto_selects_native_for_direct_readable_disk_tiers():
 def test_auto_falls_back_to_thread_and_logs_why(model_kw, tier, why, caplog):
     offload_runtime._note_fallback.cache_clear()
     model = tiny_moe_model("olmoe", layers=2, experts=4, **model_kw)
-    with caplog.at_level(logging.INFO, logger="leapfx.runtime.offload.runtime"):
+    with caplog.at_level(logging.INFO, logger="leapfx.offload.runtime"):
         sm = rewrite.apply(model, "autoregressive", offload=OffloadOptions(slots=2, tier=tier))
     assert type(sm.offload.engine) is ThreadEngine
     assert any("ThreadEngine" in r.message and why in r.message for r in caplog.records)

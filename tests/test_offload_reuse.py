@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from leapfx import rewrite
-from leapfx.runtime.offload import OffloadOptions, ReuseProbe, fit_reuse_probe
-from leapfx.runtime.offload.reuse import fit_layer, reuse_targets
+from leapfx.offload import OffloadOptions, ReuseProbe, fit_reuse_probe
+from leapfx.offload.reuse import fit_layer, reuse_targets
 from leapfx.train.reuse_probe import evaluate_reuse_probe
 from tests.conftest import tiny_moe_model
 from tests.test_offload import random_probe
@@ -38,7 +38,7 @@ def test_fit_layer_learns_a_linear_rule_with_the_standardisation_folded_in():
 
 
 def test_slot_cache_evicts_the_lowest_score_and_breaks_ties_by_recency():
-    from leapfx.runtime.offload import SlotCache
+    from leapfx.offload import SlotCache
 
     cache = SlotCache(3, "reuse")
     for expert in (0, 1, 2):

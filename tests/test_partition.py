@@ -12,7 +12,7 @@ import torch
 
 from leapfx import rewrite
 from leapfx.modules.hf import cache_kwarg
-from leapfx.passes.capture import decoder_parts
+from leapfx.passes.capture import decoder_pieces
 from leapfx.runtime.cache import cache_for
 from leapfx.runtime.masks import masks_for
 from tests.conftest import tiny_model
@@ -52,8 +52,8 @@ def test_golden_sliding_window_masks():
 
 
 def _masks(model, start, n):
-    parts = decoder_parts(model)
-    return masks_for("sdpa", parts.attn_kinds, start, n, window=parts.sliding_window,
+    pieces = decoder_pieces(model)
+    return masks_for("sdpa", pieces.attn_kinds, start, n, window=pieces.sliding_window,
                      dtype=torch.float32, device="cpu")  # fmt: skip
 
 

@@ -10,16 +10,16 @@ import pytest
 import torch
 
 from leapfx.passes.base import GraphPass, PassError, PassPipeline, PassResult
-from leapfx.passes.capture import ROLE, capture, decoder_parts
+from leapfx.passes.capture import ROLE, capture, decoder_pieces
 from leapfx.passes.exit_head import InsertExitHead
 from leapfx.runtime.masks import masks_for
 from tests.conftest import tiny_model
 
 
 def _inputs(model, n=9):
-    parts = decoder_parts(model)
+    pieces = decoder_pieces(model)
     ids = torch.randint(0, 128, (1, n), generator=torch.Generator().manual_seed(0))
-    masks = masks_for("sdpa", parts.attn_kinds, 0, n, window=None, dtype=torch.float32,
+    masks = masks_for("sdpa", pieces.attn_kinds, 0, n, window=None, dtype=torch.float32,
                       device="cpu")  # fmt: skip
     return ids, torch.arange(n)[None], masks
 

@@ -18,6 +18,7 @@ from transformers.generation.logits_process import (
 
 from leapfx.runtime import sampling
 from leapfx.runtime.sampling import SamplingParams, probs, sample, warp_logits
+from tests.conftest import examples
 
 # ---------------------------------------------------------------- warp_logits vs HF's warpers
 
@@ -65,14 +66,14 @@ def assert_same_warp(ours: torch.Tensor, theirs: torch.Tensor) -> None:
     torch.testing.assert_close(ours[kept], theirs[kept])
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300, 300), deadline=None)
 @given(logits_and_params())
 def test_warp_logits_matches_hf_warpers(case):
     logits, params = case
     assert_same_warp(warp_logits(logits, params), hf_warp(logits, params))
 
 
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=examples(50, 200), deadline=None)
 @given(logits_and_params())
 def test_warp_logits_any_leading_shape(case):
     logits, params = case
@@ -268,7 +269,7 @@ def probs_and_u(draw):
     return p, u
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300, 300), deadline=None)
 @given(probs_and_u())
 def test_sample_is_inverse_cdf(case):
     p, u = case

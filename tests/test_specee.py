@@ -19,7 +19,7 @@ from leapfx.modules.specee import ExitMLP, exit_features
 from leapfx.passes.predictor import InsertExitPredictors, predictors_of
 from leapfx.runtime.specee import LayerScheduler
 from leapfx.train.specee import offline_subset
-from tests.conftest import tiny_model
+from tests.conftest import examples, tiny_model
 from tests.distribution_check import assert_sampled_from, sample_counts
 from tests.greedy_check import assert_greedy_equal, hf_greedy
 from tests.test_kangaroo_lossless import TEMPERATURE, TOP_K, TOP_P, _exact_distribution
@@ -157,7 +157,7 @@ def test_kv_fill_next_leaves_the_exact_cache_of_the_emitted_tokens():
         assert torch.allclose(cache.keys[layer][:, :, :n], k_ref, atol=1e-10), layer
 
 
-@settings(max_examples=40)
+@settings(max_examples=examples(40, 160))
 @given(spec=model_specs(), data=st.data())
 def test_threshold_one_never_exits_and_is_greedy(spec, data):
     model = tiny_model(**spec)
@@ -170,7 +170,7 @@ def test_threshold_one_never_exits_and_is_greedy(spec, data):
     assert set(sm.last_metrics.layers_per_token) == {spec["layers"]}
 
 
-@settings(max_examples=60)
+@settings(max_examples=examples(60, 240))
 @given(spec=model_specs(), data=st.data())
 def test_verified_specee_greedy_identical_to_hf(spec, data):
     model = tiny_model(**spec)
@@ -230,7 +230,7 @@ def test_verified_specee_sampling_matches_target_distribution():
     assert_sampled_from(counts, exact, n)
 
 
-@settings(max_examples=3)
+@settings(max_examples=examples(3, 12))
 @given(spec=model_specs(), data=st.data())
 def test_verified_specee_sampling_distribution_over_architectures(spec, data):
     """verify=True samples the target's distribution on every architecture and drafter.

@@ -20,11 +20,12 @@ from leapfx.kernels.reference import (
     speculative_accept_random,
 )
 from leapfx.runtime.sampling import sample
+from tests.conftest import examples
 
 # ---------------------------------------------------------------- greedy
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=examples(80, 300), deadline=None)
 @given(d=st.integers(1, 8), V=st.integers(1, 6), seed=st.integers(0, 2**16))
 def test_greedy_accept_host_is_the_device_rule(d, V, seed):
     # small V: the drafts often match, and the logits often tie (argmax takes the first)
@@ -172,7 +173,7 @@ def assert_same_distribution(got: dict, want: dict) -> None:
     np.testing.assert_allclose(got_v, want_v, rtol=0, atol=1e-6)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200, 300), deadline=None)
 @given(
     V=st.integers(2, 6),
     d=st.integers(1, 3),

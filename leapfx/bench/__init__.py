@@ -22,6 +22,7 @@ from ..models import (  # noqa: F401  (re-exported: where models come from lives
 )
 from ..models import model_device as bench_device  # noqa: F401
 from ..models import model_dtype as bench_dtype  # noqa: F401
+from ..train.data import held_out_prompts, stdlib_corpus
 
 REFERENCE_ADAPTER = REFERENCE_MODEL / "kangaroo_adapter"  # trained with sm.fit, see its model card
 REFERENCE_M2R2 = REFERENCE_MODEL / "m2r2"  # the self-speculation drafter, `leapfx train-m2r2`
@@ -33,8 +34,6 @@ MOE_REFERENCE_M2R2 = MOE_REFERENCE_MODEL / "m2r2"
 
 def bench_prompts(tokenizer, *, count: int, num_tokens: int, device="cpu") -> list[torch.Tensor]:
     """The first ``num_tokens`` tokens of ``count`` held-out stdlib functions."""
-    from ..train.data import held_out_prompts, stdlib_corpus
-
     if count < 1:
         raise ValueError(f"--prompts: {count} is invalid; allowed: an integer >= 1")
     if num_tokens < 2:

@@ -42,6 +42,7 @@ from __future__ import annotations
 import logging
 import math
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -51,13 +52,22 @@ import torch
 from torch import nn
 
 from .. import rewrite
+from ..kernels import cpu
 from ..lower import lower
+from ..lower.onnxruntime import OnnxModel, shared_pool_threads
+from ..offload import DEFAULT_PREFETCH_LEAD
 from ..options import check_bool
+from ..passes.accelerator_checkpoint import read_parts_config
 from ..passes.draft_vocab import read_ranking
 from ..runtime.metrics import DecodeMetrics
-from ..runtime.offload import DEFAULT_PREFETCH_LEAD
 from .agreement import teacher_forced_agreement
+from .offload import ORACLE_ROW, RoutingOracle, offload_systems, summarize
 from .report import Row, progress_bar
+from .sweep import (
+    autoregressive_steps,  # sweep imports this module
+    predicted_speedup,
+)
+from .ties import first_difference
 
 log = logging.getLogger(__name__)
 
@@ -214,6 +224,17 @@ class BenchConfig:
         """The recipes of ``recipe`` (a name, or several separated by commas): the rows of
         each, every row once."""
         return tuple(r.strip() for r in self.recipe.split(",") if r.strip())
+
+    def offload_systems(self, exit_layer: int) -> dict:
+        """The offload rows of this run (``leapfx.bench.offload.offload_systems``: row name ->
+        recipe, offload options, recipe options), speculative ones exiting at ``exit_layer``."""
+        return offload_systems(
+            self.offload_slots, exit_layer=exit_layer,
+            num_speculations=self.offload_num_speculations,
+            m2r2_parts=self.offload_m2r2_parts, path=self.offload_dir,
+            engine=self.offload_engine, reuse_probe=self.offload_reuse_probe,
+            prefetch_lead=self.offload_prefetch_lead, slow_dtype=self.offload_slow_dtype,
+        )  # fmt: skip
 
     @property
     def backends(self) -> tuple[str, ...]:
@@ -529,16 +550,8 @@ def _offload_systems(model, config: BenchConfig, exit_layer: int, n: int, sampli
     """The offload rows (eager; all of them with the CPU kernels or none, as ``--cpu-kernels``
     says: the experts then run ``leapfx_cpu::moe_experts`` over the weights or the slots), the
     resident one first. Speculative rows draft at the run's E and d."""
-    from .offload import ORACLE_ROW, RoutingOracle, offload_systems
-
     extra = {"generator": gen} if sampling["do_sample"] else {}
-    specs = offload_systems(
-        config.offload_slots, exit_layer=exit_layer,
-        num_speculations=config.offload_num_speculations,
-        m2r2_parts=config.offload_m2r2_parts, path=config.offload_dir,
-        engine=config.offload_engine, reuse_probe=config.offload_reuse_probe,
-        prefetch_lead=config.offload_prefetch_lead, slow_dtype=config.offload_slow_dtype,
-    )  # fmt: skip
+    specs = config.offload_systems(exit_layer)
     if sampling["do_sample"] or config.warmup < 1:
         # The oracle replays each prompt's routing, recorded in the warm-up pass: greedy only.
         del specs[ORACLE_ROW]
@@ -571,8 +584,6 @@ def _has_routers(parts: str | None) -> bool:
     """Whether ``parts`` (None: untrained, routers included) serve ``m2r2_exit``."""
     if parts is None:
         return True
-    from ..passes.accelerator_checkpoint import read_parts_config
-
     return read_parts_config(parts).get("recipe") == "m2r2_exit"
 
 
@@ -592,8 +603,6 @@ CPU_KERNELS_FLAG = {"option": "--cpu-kernels", "on": "on", "allowed": "auto or o
 
 def use_cpu_kernels(config: BenchConfig, sm) -> bool:
     """Whether ``sm``'s eager or compiled stages run leapfx's CPU kernels in this run."""
-    from ..kernels import cpu
-
     lay = sm._layout
     return cpu.resolve(config.cpu_kernels, lay.device, lay.dtype, **CPU_KERNELS_FLAG)
 
@@ -617,12 +626,9 @@ def _backend(config: BenchConfig, backend: str):
             return lower(sm, "inductor", cpu_kernels=use_cpu_kernels(config, sm))
 
         return compile_
-    import tempfile
 
     root = config.export_dir or tempfile.mkdtemp(prefix="leapfx-bench-onnx-")
     chosen: dict = {}  # one thread count for every onnxruntime row of the run
-
-    from ..lower.onnxruntime import shared_pool_threads
 
     # A process already on onnxruntime's shared pool (an earlier run in it) keeps it and its size.
     pool = None if shared_pool_threads() is not None else config.onnx_thread_pool
@@ -684,8 +690,6 @@ def _onnx_model(path: str, threads: int | None, **kw):
     process not switched to the shared pool) more than one thread spins within a call
     (``spin``: handing each small op to a sleeping worker costs more than the op); on
     onnxruntime's process-wide pool (``"shared"``) its workers spin as onnxruntime says."""
-    from ..lower.onnxruntime import OnnxModel
-
     return OnnxModel(path, threads=threads, spin=threads is not None and threads > 1, **kw)
 
 
@@ -820,8 +824,6 @@ def baseline_name(config: BenchConfig) -> str:
 
 
 def _rows(systems, prompts, config, times, first) -> list[Row]:
-    from .sweep import autoregressive_steps  # sweep imports this module
-
     greedy = config.temperature == 0
     base = baseline_name(config)
     baseline = first[base]
@@ -852,8 +854,6 @@ def _rows(systems, prompts, config, times, first) -> list[Row]:
                         system.model, prompts, baseline.outputs
                     ).agreement
         if run.offload:
-            from .offload import summarize
-
             row.extra["offload"] = summarize(run.offload)
         resident = first.get("leapfx_resident")
         if greedy and resident is not None and system.name.startswith("leapfx_offload_"):
@@ -898,8 +898,6 @@ def _rows(systems, prompts, config, times, first) -> list[Row]:
 def _formula_check(rows: list[Row]) -> None:
     """For each speculative row: the speedup over ``leapfx_autoregressive`` that the standard
     formula predicts from this run's own alpha and cost ratio c, beside the measured one."""
-    from .sweep import predicted_speedup
-
     by_name = {r.system: r for r in rows}
     for row in rows:
         suffix = row.system[row.system.index("@") :] if "@" in row.system else ""
@@ -969,8 +967,6 @@ def _explain_differences(model, rows, systems, first, prompts) -> None:
     """Greedy runs: for each prompt where a lossless row differs from the baseline, where the
     outputs part and whether the full model (the baseline's model) puts the two candidates
     within float tolerance of a tie there (a near-tie flip, not a bug)."""
-    from .ties import first_difference
-
     base = first[rows[0].system].outputs
     for row, system in zip(rows, systems, strict=True):
         if row.identical_to_greedy is not False:

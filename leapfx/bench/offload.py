@@ -41,9 +41,15 @@ import time
 from dataclasses import dataclass
 
 import torch
+import transformers
+from transformers import AutoModelForCausalLM
 
+from ..kernels import cpu
+from ..offload import DEFAULT_PREFETCH_LEAD, OffloadOptions
 from ..rewrite import apply
-from ..runtime.offload import DEFAULT_PREFETCH_LEAD, OffloadOptions
+from ..train.data import byte_tokenizer, held_out_prompts
+from ..train.reference import reference_corpus
+from .report import columns, write_figure
 
 
 def random_moe(
@@ -57,8 +63,6 @@ def random_moe(
     seed: int = 0,
 ):
     """An OLMoE-shaped causal LM with random weights (eval, float32, CPU)."""
-    import transformers
-
     config = transformers.OlmoeConfig(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
         num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=8,
@@ -280,7 +284,6 @@ def offload_rows(
     exit_layer = exit_layer or max(1, model.config.num_hidden_layers // 4)
     systems = offload_systems(slots, exit_layer=exit_layer, m2r2_parts=m2r2_parts,
                               policy=policy, path=path, reuse_probe=reuse_probe)  # fmt: skip
-    from ..kernels import cpu
 
     param = next(model.parameters())
     kernels = cpu.resolve(cpu_kernels, param.device, param.dtype)
@@ -389,8 +392,6 @@ def plot_offload(traces: dict[str, list], hit_rates: dict[str, dict], path, *,
     bx.set_title(title, fontsize=10)
     bx.legend(fontsize=7, loc="lower left")
     fig.tight_layout()
-    from .report import write_figure
-
     write_figure(path, fig, dpi=90)  # written whole or not at all
     return path
 
@@ -418,7 +419,6 @@ def bench_table(rows) -> str:
             f(o.get("wasted_bytes_per_token"), 2**20), f(o.get("prefetch_precision")),
             f(o.get("prefetch_recall")),
         ])  # fmt: skip
-    from .report import columns  # report imports the harness, which imports this module
 
     return columns(head, lines)
 
@@ -500,11 +500,6 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"--device: {a.device!r} asks for CUDA, which this torch build cannot use")
     torch.set_num_threads(1)
     if a.model is not None:
-        from transformers import AutoModelForCausalLM
-
-        from ..train.data import byte_tokenizer, held_out_prompts
-        from ..train.reference import reference_corpus
-
         model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).eval()
         found = held_out_prompts(byte_tokenizer(), reference_corpus(), num_tokens=32,
                                  count=a.prompts)  # fmt: skip

@@ -28,6 +28,7 @@ import torch
 
 from ..models.chat import encode, has_chat_template
 from ..options import check_int
+from . import bench_prompts
 
 PROMPT_SETS = ("stdlib", "humaneval", "chat")
 HUMANEVAL_INSTRUCTION = "Complete the following Python function."
@@ -97,8 +98,6 @@ def load_prompt_set(
     """``count`` prompts of set ``name`` (see the module docstring) as [1, n] token ids."""
     check_int("--prompts", count, 1)
     if name == "stdlib":
-        from . import bench_prompts
-
         return bench_prompts(tokenizer, count=count, num_tokens=num_tokens, device=device)
     if name == "humaneval":
         items = [_code_item(p, tokenizer, raw) for p in humaneval_prompts()]

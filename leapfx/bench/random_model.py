@@ -28,6 +28,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import transformers
+
+from ..train.data import byte_tokenizer
+from . import bench_device, bench_dtype
 
 
 @dataclass(frozen=True)
@@ -54,9 +58,6 @@ def random_config(size: str):
 
     No EOS token: every run generates exactly ``max_new_tokens``, so tokens/s compare.
     """
-    import transformers
-
-    from ..train.data import byte_tokenizer
 
     if size not in RANDOM_MODELS:
         raise ValueError(
@@ -84,8 +85,6 @@ def random_config(size: str):
 
 def parameter_count(size: str) -> int:
     """Parameters of a size, counted on the meta device (no memory allocated)."""
-    import transformers
-
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(random_config(size))
     return sum(p.numel() for p in model.parameters())
@@ -94,10 +93,6 @@ def parameter_count(size: str) -> int:
 def random_model(size: str, *, device: str | torch.device = "cpu", dtype=None, seed: int = 0):
     """A ``size`` Llama with random weights (``torch.manual_seed(seed)``; HF's initialisation),
     in ``dtype`` on ``device``, in eval mode, and the byte-level tokenizer of its prompts."""
-    import transformers
-
-    from ..train.data import byte_tokenizer
-    from . import bench_device, bench_dtype
 
     dev = bench_device(device)
     dtype = bench_dtype(dtype, dev)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import importlib.metadata
+import io
 import json
 import os
 import platform
@@ -19,6 +20,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 from tqdm.auto import tqdm
 
 
@@ -150,8 +152,6 @@ def _umask() -> int:
 
 def write_figure(path: str | Path, fig, dpi: int = 110) -> None:
     """Render a matplotlib figure to PNG bytes, close it, and write it with ``write_atomic``."""
-    import io
-
     import matplotlib.pyplot as plt
 
     buf = io.BytesIO()
@@ -196,8 +196,6 @@ MARKDOWN_END = "<!-- bench:end -->"
 
 def machine(device: str = "cpu", threads: int | None = None) -> str:
     """What ran the bench, in words: the GPU's name, or the CPU model and its core count."""
-    import torch
-
     if device.startswith("cuda") and torch.cuda.is_available():
         return f"{torch.cuda.get_device_name(torch.device(device))} (CUDA {torch.version.cuda})"
     name = platform.processor() or platform.machine()

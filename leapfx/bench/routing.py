@@ -15,6 +15,9 @@ from ..models.routing import (  # noqa: F401
     routing_stats,
     scored_hit_rate,
 )
+from ..rewrite import apply
+from ..runtime.expert_prediction import predicted_layers
+from ..train.m2r2 import fast_states, slow_pass
 
 
 @torch.no_grad()
@@ -26,9 +29,6 @@ def fast_stream_precision(model, parts, batches: list[torch.Tensor]) -> dict[str
 
     >>> fast_stream_precision(moe_model, "assets/moe-reference/m2r2", [ids])["4"]["m2r2"]
     """
-    from ..rewrite import apply  # bench sits above all three: imported here only to stay light
-    from ..runtime.expert_prediction import predicted_layers
-    from ..train.m2r2 import fast_states, slow_pass
 
     moe = moe_layers(model)
     sm = apply(model, "m2r2", parts=str(parts))

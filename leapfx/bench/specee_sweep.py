@@ -25,6 +25,7 @@ import torch
 
 from .. import rewrite
 from .agreement import teacher_forced_agreement
+from .report import write_figure
 
 
 @dataclass(frozen=True)
@@ -253,6 +254,4 @@ def write_curve_plot(path: str | Path, points: list[CurvePoint]) -> None:
     axes[0].set_ylabel("teacher-forced agreement with greedy")
     axes[0].legend()
     fig.tight_layout()
-    from .report import write_figure
-
     write_figure(path, fig)

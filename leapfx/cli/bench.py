@@ -287,8 +287,7 @@ def _batch_bench(args, model, tokenizer, prompts, exit_layer, d, kernels, quiet)
 
 # The bench's budget when --prompts, --max-new-tokens or --repeats are not given: the same on
 # every model, except where a shipped model is too slow for it to finish in about ten minutes
-# on a 2-core CPU (SmolLM2-135M decodes ~10 tok/s under HF, and HF's early-exit assistant at
-# a quarter of that).
+# on a 2-core CPU (SmolLM2-135M under HF, and HF's early-exit assistant slower still).
 BENCH_BUDGET = {"prompts": 8, "max_new_tokens": 128, "repeats": 3}
 
 
@@ -414,7 +413,7 @@ def _offload_report(model, rows, config, prompts, exit_layer: int, plot: str | N
     autoregressive offloaded row, drawn as timelines beside every row's hit rate per layer."""
     import torch
 
-    from ..bench.offload import ORACLE_ROW, bench_table, offload_systems, plot_offload, trace_call
+    from ..bench.offload import ORACLE_ROW, bench_table, plot_offload, trace_call
     from ..rewrite import apply
 
     print(bench_table(rows))
@@ -451,13 +450,7 @@ def _offload_report(model, rows, config, prompts, exit_layer: int, plot: str | N
         )
     if not plot:
         return
-    specs = offload_systems(
-        config.offload_slots, exit_layer=exit_layer,
-        num_speculations=config.offload_num_speculations,
-        m2r2_parts=config.offload_m2r2_parts, path=config.offload_dir,
-        engine=config.offload_engine, reuse_probe=config.offload_reuse_probe,
-        prefetch_lead=config.offload_prefetch_lead, slow_dtype=config.offload_slow_dtype,
-    )  # fmt: skip
+    specs = config.offload_systems(exit_layer)
     traces = {}
     for name in ("leapfx_offload_none", "leapfx_offload_next_gate", "leapfx_offload_m2r2"):
         recipe, options, kw = specs[name]

@@ -39,7 +39,7 @@ def _export(args: argparse.Namespace) -> int:
     model = model.to(getattr(torch, args.dtype))
     sm = rewrite.apply(model, args.recipe, **options)
     path = sm.export_onnx(args.out, opset=args.opset, overwrite=args.overwrite)
-    from ..runtime.compiled import chain_length  # the stages with a draft_chain.onnx
+    from ..lower.chain import chain_length  # the stages with a draft_chain.onnx
 
     names = [*sm.stages.modules, *(["draft_chain"] if chain_length(sm) else [])]
     stages = ", ".join(f"{name}.onnx" for name in names)

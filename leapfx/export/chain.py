@@ -23,7 +23,7 @@ for bit. The weights are the draft's initializers, referenced by every step unde
 names: one copy in the graph and in ``weights.bin``.
 
 The cache: every step reads the graph's ``past_key_values.{l}.*`` inputs and writes outputs of
-its own, and a runtime binds the past input and all D presents of a slot to the slot's one
+its own, and a runtime binds the past input and all D presents of a cache layer to its one
 buffer (IO binding, as for every stage). Each step then writes its position in place and the
 next step reads it there: step i+1 runs on the argmax of step i's logits, so it starts after
 every write of step i. (Threading step i's presents into step i+1 as its pasts instead makes
@@ -42,7 +42,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..runtime.stage_signature import step_present
+import numpy as np
+
+from ..lower.stage_signature import step_present
 
 PAST = "past_key_values."
 PRESENT = "present."
@@ -181,6 +183,4 @@ def unroll_draft(draft, length: int) -> Any:
 
 
 def _int64(value: int):
-    import numpy as np
-
     return np.array(value, dtype=np.int64)

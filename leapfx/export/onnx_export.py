@@ -4,7 +4,7 @@ Steps, per stage (``full``, ``draft``, ``verify``, whichever the recipe cut):
 
 1. *discover* which KV-cache layers the stage touches and which position input feeds each: one
    eager call on a few tokens over empty pasts, with a different token count per position input
-   (a cache layer's present length then says which input fed it; ``runtime.stage_signature``,
+   (a cache layer's present length then says which input fed it; ``lower.stage_signature``,
    shared with the compiled stages);
 2. wrap the stage as an :class:`~leapfx.export.stage_module.ExportableStage` (tensors in,
    tensors out, masks built in the graph, the KV cache as whole static buffers written in
@@ -53,11 +53,10 @@ import torch
 from torch import fx
 
 from .. import __version__
+from ..lower.chain import chain_length
 from ..lower.manifest import FORMAT, FORMAT_VERSION, MANIFEST, is_export_dir, layer_ranges
-from ..options import check_bool, check_int
-from ..passes.capture import LAYER, ROLE
-from ..runtime.compiled import chain_length
-from ..runtime.stage_signature import (  # discovery, shared with the compiled stages
+from ..lower.stage_signature import (  # discovery, shared with the compiled stages
+    EAGLE_STAGES,
     MASK_INPUTS,  # noqa: F401
     POSITION_INPUTS,
     StageSignature,
@@ -65,7 +64,12 @@ from ..runtime.stage_signature import (  # discovery, shared with the compiled s
     example_generator,
     example_inputs,
     kv_shapes,
+    refuse_stages,
 )
+from ..options import check_bool, check_int
+from ..passes.capture import LAYER, ROLE
+from .chain import chain_outputs, unroll_draft
+from .onnx_optimize import optimize_model
 from .stage_module import ExportableStage
 
 if TYPE_CHECKING:
@@ -75,9 +79,9 @@ log = logging.getLogger(__name__)
 
 MIN_OPSET = 18
 # The default: opset 23 has RMSNormalization and RotaryEmbedding, so each decoder layer exports
-# as about half the nodes it takes at 18 (reference model: 614 nodes per full step against
-# 1202), and onnxruntime, which pays a fixed cost per node, runs a step ~25% faster (measured
-# with onnxruntime 1.32). opset=18 still exports for an older onnxruntime.
+# as about half the nodes it takes at 18, and onnxruntime pays a fixed cost per node (the
+# counts and step times: docs/benchmarks.md, "Why the defaults"). opset=18 still exports for an
+# older onnxruntime.
 DEFAULT_OPSET = 23
 # The newest opset checked end to end here (torch 2.13's exporter, onnxruntime 1.32; 1.23 is the
 # oldest that loads it, and the onnx extra asks for it; 1.22 refuses opset 23). An older
@@ -251,8 +255,6 @@ def _optimize(path: Path, max_positions: int | None = None) -> dict[str, int]:
         uses_external_data,
     )
 
-    from .onnx_optimize import optimize_model
-
     model = onnx.load(str(path), load_external_data=False)
     external = {t.name for t in model.graph.initializer if uses_external_data(t)}
     load_external_data_for_model(model, str(path.parent))  # the rewrites regroup weights
@@ -278,8 +280,6 @@ def _export_chain(directory: Path, length: int, rewrites: dict[str, dict[str, in
     which ``share_weights`` then collects with the others."""
     import onnx
 
-    from .chain import unroll_draft
-
     draft = onnx.load(str(directory / "draft.onnx"), load_external_data=False)
     onnx.save(unroll_draft(draft, length), str(directory / f"{CHAIN_STAGE}.onnx"))
     # every step is the draft graph, rewrites included
@@ -287,10 +287,8 @@ def _export_chain(directory: Path, length: int, rewrites: dict[str, dict[str, in
 
 
 def _chain_spec(draft: dict, length: int, rewrites: dict[str, dict[str, int]]) -> dict:
-    """The manifest entry of ``draft_chain``: the draft's layers, cache slots and position
+    """The manifest entry of ``draft_chain``: the draft's layers, cache layers and position
     group, one token in, ``tokens`` and ``hidden`` out."""
-    from .chain import chain_outputs
-
     presents = [n for n in draft["outputs"] if n.startswith("present.")]
     return {
         **draft,
@@ -299,7 +297,7 @@ def _chain_spec(draft: dict, length: int, rewrites: dict[str, dict[str, int]]) -
         "rewrites": rewrites.get(CHAIN_STAGE, {}),
         # input_ids [batch, 1] at position_ids [batch, 1]: tokens [batch, length] (greedy:
         # each the argmax of the draft logits after the one before), hidden [batch, length, H]
-        # (the draft's hidden of each token fed); the cache slots written at length positions
+        # (the draft's hidden of each token fed); the cache layers written at length positions
         "chain": {
             "stage": "draft",
             "length": length,
@@ -487,8 +485,6 @@ def _check_options(sm: SpeculativeModel, path: Any, opset: Any, overwrite: Any) 
         raise ValueError(f"path: {path!r} is invalid; allowed: a directory path (str or PathLike)")
     check_int("opset", opset, MIN_OPSET, MAX_OPSET)
     check_bool("overwrite", overwrite)
-    from ..runtime.compiled import EAGLE_STAGES, refuse_stages
-
     refuse_stages(sm, "onnxruntime", EAGLE_STAGES)
     if sm.hf_model.training:
         raise ValueError(

@@ -32,6 +32,8 @@ from __future__ import annotations
 import collections
 from typing import Any
 
+import numpy as np
+
 from ..lower.onnx_graph import attr, drop_dead_nodes, drop_unused_initializers
 
 _LAYOUT_PERM = [0, 2, 1, 3]  # [B, S, H, D] <-> [B, H, S, D]
@@ -57,7 +59,6 @@ def fuse_sibling_matmuls(model, external: set[str] | None = None) -> int:
     ``external``: names of the initializers stored as external data; a fused weight of
     external parts is added to it.
     """
-    import numpy as np
     from onnx import helper, numpy_helper
 
     graph = model.graph
@@ -124,7 +125,6 @@ def slot_writes_as_scatter_nd(model) -> int:
     ``index`` is the write position of every element, ``[B, H, S, D]``; ScatterND takes one
     ``(b, h, position)`` per row of ``D`` instead, built once per index tensor in the graph.
     """
-    import numpy as np
     from onnx import helper, numpy_helper
 
     graph = model.graph
@@ -290,7 +290,6 @@ def group_query_attention(model, external: set[str] | None = None, *, max_positi
     multiple of 16 (onnxruntime's kernel requires it), keys and values written only into their
     slot. The tables (``2 * max_positions * D / 2`` numbers) are stored once beside the weights.
     """
-    import numpy as np
     from onnx import TensorProto, helper, numpy_helper
 
     graph = model.graph

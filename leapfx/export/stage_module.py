@@ -32,12 +32,12 @@ from __future__ import annotations
 import torch
 from torch import fx, nn
 
-from ..runtime.masks import position_masks
-from ..runtime.stage_signature import (  # the discovery's cache and the names, imported from here
+from ..lower.stage_signature import (  # the discovery's cache and the names, imported from here
     FunctionalKVCache,  # noqa: F401
     past_names,  # noqa: F401
     present_names,  # noqa: F401
 )
+from ..runtime.masks import position_masks
 
 
 class SlotWriteKVCache:

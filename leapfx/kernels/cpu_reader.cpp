@@ -1,5 +1,5 @@
 // The disk tier's reader for CPU expert offload: preadv jobs on C++ threads that never take the
-// GIL (see leapfx/kernels/cpu_reader.py and leapfx/runtime/offload/engine.py's NativeEngine).
+// GIL (see leapfx/kernels/cpu_reader.py and leapfx/offload/engine.py's NativeEngine).
 //
 // A Python worker thread reading experts makes every torch call of the computing thread slower:
 // each torch op releases the GIL, the waiting worker takes it, and the computing thread waits

@@ -8,10 +8,10 @@ backend           what runs each stage
 ================  ================================================================================
 ``eager``         the stage GraphModules themselves (fused layers, no module dispatch)
 ``cpu_kernels``   eager copies whose projections, attention, norms and rotary run the
-                  ``leapfx_cpu`` kernels (``SpeculativeModel.use_cpu_kernels``; a float32 CPU
-                  model); a draft chain where the recipe has one (``Capabilities.has_chain``)
+                  ``leapfx_cpu`` kernels (``cpu_kernels.py``; a float32 CPU model); a draft
+                  chain where the recipe has one (``Capabilities.has_chain``, ``chain.py``)
 ``inductor``      ``torch.compile(fullgraph=True)`` graphs over the static cache
-                  (``SpeculativeModel.compile``; its keyword options pass through)
+                  (``inductor.py``, built by ``compile.py``; ``CompileOptions``' keywords)
 ``onnxruntime``   onnxruntime sessions over the stages exported to ``export_dir``
                   (``sm.export_onnx``), loaded as an ``OnnxModel`` (``onnxruntime.py``), which
                   decodes under the same schedules
@@ -21,7 +21,11 @@ What a recipe's stages can be lowered to is declared on the recipe
 (``leapfx.runtime.capabilities.Capabilities``, ``sm.recipe.capabilities``) and asked here and by
 the export, never read off the recipe's name. Writing the ONNX graphs is ``leapfx.export``'s (a
 floor above, reached through ``sm.export_onnx``); reading an export back (``manifest.py``) and
-running it (``onnxruntime.py``: ``OnnxModel(dir)`` opens an existing export) live here.
+running it (``onnxruntime.py``: ``OnnxModel(dir)`` opens an existing export) live here, as does
+what a stage takes and returns (``stage_signature.py``), which the compiled stages and the
+export both start from. ``SpeculativeModel.compile`` and ``use_cpu_kernels`` run this
+``lower``: ``rewrite.apply`` hands it to the model it builds (the runtime, a floor below, does
+not import it).
 
     >>> sm = lower(rewrite.apply(hf_model, "layerskip", exit_layer=4), "inductor")
     >>> sm.generate(input_ids, max_new_tokens=64)
@@ -35,6 +39,8 @@ from typing import Any
 from ..runtime.capabilities import Capabilities
 from ..runtime.executor import ChainExecutor, StageExecutor
 from ..runtime.model import SpeculativeModel
+from .compile import compile_model
+from .cpu_kernels import use_kernels
 from .onnxruntime import OnnxModel, lower_onnxruntime
 
 BACKENDS = ("eager", "cpu_kernels", "inductor")  # lowered in place: lower returns the model
@@ -78,9 +84,9 @@ def lower(
     if backend == "onnxruntime":
         return lower_onnxruntime(sm, **options)
     if backend == "inductor":
-        return sm.compile(**options)
+        return compile_model(sm, **options)
     if options:
         raise ValueError(
             f"{next(iter(options))}: backend {backend!r} takes no options; allowed: none"
         )
-    return sm.use_cpu_kernels(backend == "cpu_kernels")
+    return use_kernels(sm, backend == "cpu_kernels")

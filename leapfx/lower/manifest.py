@@ -1,7 +1,7 @@
 """``manifest.json``: what an ONNX export holds and how to run it, written last.
 
 The manifest is the one file a runtime reads before opening any model: the recipe and its options
-(so the runtime picks the same schedule), the attention layout, the KV-cache slots and their
+(so the runtime picks the same schedule), the attention layout, the KV-cache layers and their
 shapes, the vocabulary and stop tokens, the generation defaults, and per stage its file, the
 decoder layers it runs, the cache layers it reads and writes and the names of its inputs and
 outputs. Its presence marks a complete export: the exporter writes it after every model file

@@ -8,6 +8,7 @@ it is used: it comes with the ``onnx`` extra.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 
@@ -46,17 +47,15 @@ def remainder_graph(model, lower_layers: list[int]):
     """A verify stage's graph without its lower part, or None where its shape differs.
 
     Verify runs the round's last new tokens through the layers below the exit
-    (``position_ids``, cache slots ``lower_layers``), joins their exit states to the cached
+    (``position_ids``, cache layers ``lower_layers``), joins their exit states to the cached
     ones (``Concat(exit_hidden, h)``) and runs the rows through the layers from the exit up.
     The returned copy starts at that join: its ``exit_hidden`` input holds all the rows (the
-    cached states and the new tokens' ones), and the lower layers, their cache slots and
+    cached states and the new tokens' ones), and the lower layers, their cache layers and
     ``input_ids`` / ``position_ids`` are gone. Run after the draft stage on the new tokens (the
     same lower layers, which return the exit states as ``hidden``), it computes what verify
     computes; a runtime with one copy of packed weights per session then keeps the lower
     layers' weights in the draft session only (see ``leapfx.lower.onnxruntime.SplitVerify``).
     """
-    import copy
-
     graph = model.graph
     joins = [n for n in graph.node if n.op_type == "Concat" and n.input[:1] == ["exit_hidden"]]
     if len(joins) != 1 or len(joins[0].input) != 2 or attr(joins[0], "axis") not in (1, -2):

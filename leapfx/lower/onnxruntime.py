@@ -4,11 +4,11 @@ The schedules of ``leapfx.runtime`` call a StageRunner, which calls ``stages[nam
 and ``runner.cache.crop(n)``. This module puts onnxruntime behind exactly that interface:
 
 - :class:`OrtKVCache` holds keys/values as preallocated buffers ``[B, H_kv, max_len, D]`` per
-  cache slot (OrtValues: over numpy arrays on a CPU, in device memory on a GPU), each with its
+  cache layer (OrtValues: over numpy arrays on a CPU, in device memory on a GPU), each with its
   own fill length, and rolls back with ``crop`` in O(1) (moves lengths, copies nothing), like
   ``StaticKVCache``;
-- :class:`OrtStage` is a stage executor over one session and an IO binding: each slot's
-  ``past_key_values.{i}.*`` input and ``present.{i}.*`` output are bound to the slot's one
+- :class:`OrtStage` is a stage executor over one session and an IO binding: each cache layer's
+  ``past_key_values.{i}.*`` input and ``present.{i}.*`` output are bound to the layer's one
   buffer, so a call writes only its new positions in place (the export's ScatterND) and
   moves nothing else; the token ids and positions are bound per call, and the stage's own
   outputs (logits, hidden states: small) come back as torch tensors. Masks are computed inside
@@ -31,6 +31,7 @@ Example::
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import inspect
 import logging
@@ -41,16 +42,18 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+from transformers import GenerationConfig
 
 from ..options import check_bool
-from ..runtime.cache import SlotLengths
+from ..runtime.cache import LayerLengths
 from ..runtime.decode import cache_length, decode
 from ..runtime.generation import GenerateFrontEnd, GenerationSource
 from ..runtime.metrics import DecodeMetrics
 from ..runtime.runner import AttentionLayout, StageRunner
 from ..runtime.schedules import DecodeRequest
-from ..runtime.stage_signature import past_names, present_names, step_present
 from .manifest import read_manifest
+from .onnx_graph import remainder_graph
+from .stage_signature import past_names, present_names, step_present
 
 if TYPE_CHECKING:
     from ..runtime.model import SpeculativeModel
@@ -117,8 +120,8 @@ def _thread_pool(thread_pool: str | None, threads: int | None, *, switch: bool =
     return True
 
 
-class OrtKVCache(SlotLengths):
-    """Key/value buffers per cache slot with per-slot lengths and O(1) rollback.
+class OrtKVCache(LayerLengths):
+    """Key/value buffers per cache layer with per-layer lengths and O(1) rollback.
 
     ``keys[i]`` / ``values[i]`` are OrtValues ``[B, H_kv, max_len, D]`` on ``device``
     (``"cpu"``: views of numpy arrays; ``"cuda"``: device memory), zero-filled: a masked slot
@@ -154,7 +157,7 @@ class OrtKVCache(SlotLengths):
         self.lengths = [0] * len(self.keys)
 
     def filled(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
-        """Copies of slot ``layer``'s filled prefix [B, H_kv, length, D] (for inspection)."""
+        """Copies of cache layer ``layer``'s filled prefix [B, H_kv, length, D] (for inspection)."""
         n = self.lengths[layer]
         return self.keys[layer].numpy()[:, :, :n], self.values[layer].numpy()[:, :, :n]
 
@@ -187,7 +190,7 @@ class OrtStage:
         self._bound_key: tuple | None = None  # the shapes whose buffers _binding holds
 
     def _bind_cache(self, cache: OrtKVCache):
-        """An IO binding with each slot's past input and present output on its one buffer."""
+        """An IO binding with each cache layer's past input and present output on its one buffer."""
         if cache is not self._bound:
             io = self.session.io_binding()
             for layer in self.cache_layers:
@@ -248,11 +251,11 @@ class OrtStage:
         return {name: torch.from_numpy(r) for name, r in zip(self.outputs, results, strict=True)}
 
     def _presents(self, present: str) -> list[str]:
-        """The outputs bound, with the past input, to the buffer of ``present``'s slot."""
+        """The outputs bound, with the past input, to the buffer of ``present``'s cache layer."""
         return [present]
 
     def _written(self, positions: torch.Tensor) -> int:
-        """Positions a call writes into each cache slot of the group that ``positions`` feeds."""
+        """Positions a call writes into each cache layer of the group that ``positions`` feeds."""
         return positions.shape[1]
 
     def _run_unbuffered(self, io, values: list[torch.Tensor]) -> list[np.ndarray]:
@@ -277,9 +280,9 @@ class OrtChainStage(OrtStage):
     Called like the draft stage on one token (``input_ids`` and ``position_ids`` [1, 1]); returns
     ``tokens`` [1, D] int64 (each the argmax of the draft logits after the one before) and
     ``hidden`` [1, D, H] (the draft's exit states of the D tokens fed: the first input and all
-    tokens but the last), and writes the draft's cache slots at the D positions from
+    tokens but the last), and writes the draft's cache layers at the D positions from
     ``position_ids``: what D draft calls do, in one session call. Each step's presents are
-    outputs of their own (``present.{l}.key.step{i}``), bound with the slot's past and present
+    outputs of their own (``present.{l}.key.step{i}``), bound with the layer's past and present
     to its one buffer: the steps write the cache in place, one after the other.
     """
 
@@ -288,7 +291,7 @@ class OrtChainStage(OrtStage):
         self.chain_length: int = int(spec["chain"]["length"])
 
     def _presents(self, present: str) -> list[str]:
-        # every step writes its position into the slot's one buffer, where the next reads it
+        # every step writes its position into the layer's one buffer, where the next reads it
         return [*(step_present(present, i) for i in range(self.chain_length - 1)), present]
 
     def _written(self, positions: torch.Tensor) -> int:
@@ -305,7 +308,7 @@ class SplitVerify:
 
     A verify call runs the round's new tokens (the last draft) through the layers below the exit
     and then every row through the layers from the exit up. The draft stage runs exactly those
-    lower layers (same weights, same cache slots, same positions) and returns their exit states
+    lower layers (same weights, same cache layers, same positions) and returns their exit states
     as ``hidden``; ``upper`` is the verify graph from the join of the exit states on
     (``onnx_graph.remainder_graph``). The outputs and cache writes are verify's.
 
@@ -350,8 +353,6 @@ def _upper_stage(path: Path, manifest: dict, options, providers) -> OrtStage | N
     stages do not have the shapes it needs."""
     import onnx
     import onnxruntime as ort
-
-    from .onnx_graph import remainder_graph
 
     stages = manifest["stages"]
     if (
@@ -416,8 +417,6 @@ def default_providers() -> list[str]:
 def _cuda_device_present() -> bool:
     # onnxruntime-gpu lists the CUDA provider whether or not a device exists; ask the driver.
     try:
-        import ctypes
-
         lib = ctypes.CDLL("libcuda.so.1")
         count = ctypes.c_int(0)
         return (
@@ -438,29 +437,25 @@ class OnnxModel(GenerateFrontEnd):
         threads: onnxruntime intra-op threads per session; None lets onnxruntime decide.
         spin: whether onnxruntime's worker threads busy-wait for the next op within a call
             (they stop at the end of each call: ``session.force_spinning_stop``). With more
-            than one thread, handing each small op to a sleeping worker costs more than the op:
-            on a 2-core Xeon the reference model's autoregressive step ran 1.3x faster on two
-            spinning threads than on one, and slower on two sleeping ones. The stop at the end
-            of a call matters as much: a schedule alternates sessions (draft, verify) and runs
-            torch and Python work between calls, and workers left spinning after a call took
-            the cores it needed (2 threads on 2 cores: layerskip 0.57x the two-thread
-            autoregressive schedule with workers left spinning, 1.16x with the stop, same
-            machine). Off by default (``threads=None`` leaves the count to onnxruntime).
+            than one thread, handing each small op to a sleeping worker costs more than the op.
+            The stop at the end of a call matters as much: a schedule alternates sessions
+            (draft, verify) and runs torch and Python work between calls, and workers left
+            spinning after a call take the cores it needs (docs/benchmarks.md, "Why the
+            defaults"). Off by default (``threads=None`` leaves the count to onnxruntime).
         recipe: whose schedule to run; None: the exported recipe's. ``"autoregressive"`` runs
             the baseline over the ``full`` stage and ``"early_exit"`` every token from the
             ``draft`` stage, so one export also serves the baselines a benchmark compares.
         split_verify: run layerskip's verify as the draft stage on the new tokens and then
             verify's upper part (:class:`SplitVerify`: one copy of the lower layers' packed
             weights in a round instead of two). False runs the exported verify graph as is.
-            Which is faster depends on the CPU's cache: split won where the two copies did not
-            fit a 32 MB L3 (AMD EPYC), the one graph won by ~3% on a Xeon with a large L3
-            (`leapfx bench --onnx-split-verify auto` times both per export).
+            Which is faster depends on the CPU's cache: split wins where the two copies do not
+            fit the last-level cache (`leapfx bench --onnx-split-verify auto` times both per
+            export).
         thread_pool: where the sessions' intra-op threads live. ``"shared"``: switch this
             process's onnxruntime to one process-wide pool of ``threads`` threads, one set of
             workers for every stage (a decode alternates the draft and verify sessions: with a
             pool per session each call woke workers that had slept through the other
-            session's calls; on a 2-core Xeon, interleaved in one process, layerskip's decode
-            ran 1.12x faster and the autoregressive one 1.07x). onnxruntime sizes that pool
+            session's calls). onnxruntime sizes that pool
             once and from then on refuses sessions with pools of their own, in this process,
             leapfx's or not: every later OnnxModel shares it (``threads`` must then be its size
             or None), and ``spin`` and a different ``verify_threads`` do not apply (its workers
@@ -668,8 +663,6 @@ class OnnxModel(GenerateFrontEnd):
 def _generation_config(saved: dict[str, Any], eos_token_ids: list[int]):
     """The export's generation config; its EOS falls back to the model config's, as saved in
     the manifest's ``eos_token_ids`` (what the exported model stops at)."""
-    from transformers import GenerationConfig
-
     config = GenerationConfig.from_dict(dict(saved))
     if config.eos_token_id is None and eos_token_ids:
         config.eos_token_id = list(eos_token_ids)

@@ -25,6 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import transformers
+
+from ..passes.capture import check_supported
+from .gguf import gguf_checkpoint
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 REFERENCE_MODEL = ASSETS / "reference"
@@ -162,16 +166,11 @@ def load_model(
     for a missing path, a folder that is no checkpoint, an unsupported architecture or a hub
     id that is not available offline.
     """
-    import transformers
-
-    from ..passes.capture import check_supported
 
     source = resolve(spec)
     dev = model_device(device)
     dt = model_dtype(dtype, dev)
     if source.kind == "gguf":
-        from .gguf import gguf_checkpoint
-
         folder = gguf_checkpoint(source.path, dt, cache_dir=cache_dir, progress=progress)
         where, local = str(folder), True
     elif source.kind == "folder":

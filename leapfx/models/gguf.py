@@ -17,6 +17,7 @@ model loaded this way is the quantized model's, not the original checkpoint's.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import logging
 import os
@@ -25,6 +26,8 @@ import tempfile
 from pathlib import Path
 
 import torch
+import transformers
+from safetensors import safe_open
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +98,6 @@ def _complete(folder: Path, key: dict) -> bool:
     try:
         if json.loads((folder / KEY_FILE).read_text()) != key:
             return False
-        from safetensors import safe_open
 
         with safe_open(str(folder / "model.safetensors"), "pt") as f:  # header + index only
             return len(list(f.keys())) > 0
@@ -108,8 +110,6 @@ def _complete(folder: Path, key: dict) -> bool:
 
 def _convert(path: Path, dtype: torch.dtype, out: Path, *, progress: bool) -> None:
     """Dequantize ``path`` with transformers' GGUF loader and save it to ``out``."""
-    import transformers
-
     missing = [m for m in ("gguf", "accelerate") if not _installed(m)]
     if missing:
         raise ValueError(
@@ -135,6 +135,4 @@ def _convert(path: Path, dtype: torch.dtype, out: Path, *, progress: bool) -> No
 
 
 def _installed(module: str) -> bool:
-    import importlib.util
-
     return importlib.util.find_spec(module) is not None

@@ -29,12 +29,12 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..passes.capture import decoder_parts, is_moe_layer
+from ..passes.capture import decoder_pieces, is_moe_layer
 
 
 def moe_layers(model) -> list[int]:
-    parts = decoder_parts(model)
-    moe = [i for i, layer in enumerate(parts.layers) if is_moe_layer(layer)]
+    pieces = decoder_pieces(model)
+    moe = [i for i, layer in enumerate(pieces.layers) if is_moe_layer(layer)]
     if not moe:
         raise ValueError("model: has no MoE layers; allowed: an MoE model (olmoe, mixtral, ...)")
     return moe
@@ -42,7 +42,7 @@ def moe_layers(model) -> list[int]:
 
 def route_hidden(model, target: int, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Layer ``target``'s norm and router on ``hidden`` [T, H]: (probs [T, E], top-k [T, k])."""
-    layer = decoder_parts(model).layers[target]
+    layer = decoder_pieces(model).layers[target]
     x = layer.post_attention_layernorm(hidden)
     probs = torch.softmax(F.linear(x, layer.mlp.gate.weight).float(), dim=-1)
     return probs, probs.topk(layer.mlp.gate.top_k, dim=-1).indices
@@ -158,7 +158,7 @@ def _replay(rows: list[list[int]], slots: int, key, evict) -> float:
 
 def post_attention_residuals(model, moe: list[int], batches) -> dict[int, torch.Tensor]:
     """Each MoE layer's post-attention residual (its router's input, before the norm) [T, H]."""
-    layers = decoder_parts(model).layers
+    layers = decoder_pieces(model).layers
     residuals: dict[int, list[torch.Tensor]] = {i: [] for i in moe}
     hooks = []
     for i in moe:

@@ -31,13 +31,13 @@ class EagleHead(nn.Module):
         self.attn_kind = attn_kind  # which of the host's attention masks it reads
 
     @property
-    def cache_slot(self) -> int:
+    def cache_layer(self) -> int:
         """The head attention's layer index in the shared KV cache."""
         return self.layer.self_attn.layer_idx
 
     @classmethod
     def from_host(
-        cls, layer: nn.Module, *, init_layer: int, cache_slot: int, attn_kind: str
+        cls, layer: nn.Module, *, init_layer: int, cache_layer: int, attn_kind: str
     ) -> EagleHead:
         """A head whose decoder layer is a copy of the host's layer ``init_layer``.
 
@@ -53,14 +53,14 @@ class EagleHead(nn.Module):
         if held:
             raise ValueError(
                 f"init_layer: the host layer {init_layer}'s {held[0]} is in the checkpoint only "
-                "(leapfx.runtime.offload.load_offloaded), and the EAGLE head starts as a copy of "
+                "(leapfx.offload.load_offloaded), and the EAGLE head starts as a copy of "
                 "that layer; allowed: a model loaded with its weights (e.g. from_pretrained)"
             )
         weight = next(layer.parameters())
         config = layer.self_attn.config
         # Built on the meta device (no random init, the caller's RNG is untouched), then filled
         # with the host layer's weights. layer_idx=init_layer lets the class read per-layer
-        # config (sliding window, layer type); the attention's slot is set after.
+        # config (sliding window, layer type); the attention's cache layer is set after.
         with torch.device("meta"):
             fresh = _decoder_layer_class(layer)(config, layer_idx=init_layer)
             fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=True)
@@ -71,7 +71,7 @@ class EagleHead(nn.Module):
                 "whose state is all parameters"
             )
         fresh.load_state_dict(layer.state_dict())
-        fresh.self_attn.layer_idx = cache_slot
+        fresh.self_attn.layer_idx = cache_layer
         fc = fc.to(dtype=weight.dtype).to_empty(device=weight.device)
         with torch.no_grad():
             eye = torch.eye(config.hidden_size, dtype=weight.dtype, device=weight.device)
@@ -102,7 +102,7 @@ class EagleHead(nn.Module):
 
 def _decoder_layer_class(layer: nn.Module) -> type[nn.Module]:
     """The HF decoder-layer class of ``layer``: its own, or for an MoE layer (which capture
-    holds as a plain container of its parts, ``layer_module``) the ``*DecoderLayer`` class of
+    holds as a plain container of its submodules, ``layer_module``) the ``*DecoderLayer`` class of
     its attention's modeling module."""
     if type(layer) is not nn.Module:
         return type(layer)

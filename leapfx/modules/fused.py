@@ -27,8 +27,11 @@ import sys
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.activations import SiLUActivation
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from ..kernels import cpu, cpu_attention
+from ..kernels.cpu import pack_weight
 from .hf import expert_tensors
 
 FUSABLE = frozenset(
@@ -38,7 +41,8 @@ FUSABLE = frozenset(
         "Qwen2DecoderLayer",
         "Qwen3DecoderLayer",
         "GemmaDecoderLayer",
-        # Dense layers of MoE models (mlp_only_layers); their MoE layers are captured as parts.
+        # Dense layers of MoE models (mlp_only_layers); their MoE layers are captured as
+        # several nodes.
         "Qwen2MoeDecoderLayer",
         "Qwen3MoeDecoderLayer",
     }
@@ -87,8 +91,8 @@ def _attend(
         ):
             # One query row; several over a short prefix; or a compiled stage's rows over the
             # whole buffer (the other choice there is masked attention over every slot). Several
-            # rows over a long prefix stay with SDPA, whose blocked products are ~2x faster at 5
-            # rows over 1024 keys.
+            # rows over a long prefix stay with SDPA, whose blocked products are faster there
+            # (KERNEL_ROWS_MAX_KEYS).
             out = torch.ops.leapfx_cpu.attention(q, k, v, position_ids[0], attn.scaling)
             return out.reshape(*shape, -1)  # [B, S, heads, D], contiguous
     out, _ = owner._attention(
@@ -162,7 +166,7 @@ class FusedAttention(nn.Module):
 
     """An MoE layer's ``attention`` node: HF's self-attention math without module dispatch.
 
-    Capture splits an MoE decoder layer into parts (see capture.py), so the layer cannot be
+    Capture splits an MoE decoder layer into several nodes (see capture.py), so the layer cannot be
     fused whole; its attention can. The same operations in the same order on the same (shared)
     weights as the HF attention module: per-head q/k norms (Qwen3-MoE), full-width q/k norms
     and ``clip_qkv`` (OLMoE). Returns ``(output, None)`` like the HF module.
@@ -238,12 +242,12 @@ PROJECTIONS = {
 class TransposedDecoderLayer(FusedDecoderLayer):
     """A fused layer whose projections multiply by a transposed, contiguous weight copy.
 
-    ``x @ W.T`` from a ``[in, out]`` contiguous copy is what the compiled CPU backend runs: on
-    a 2-core x86 CPU, MKL takes ~33 us for a 1 x 192 by 192 x 512 product this way against
-    ~47 us through ``F.linear``'s ``[out, in]`` weight, and 43 against 74 us for two rows (the
-    verify pass). The copies are buffers of this module: the same math up to summation order
-    (not bitwise equal to the HF layer), at the cost of one more copy of the layer's weights,
-    taken when the module is built (later in-place training is not seen; rebuild it).
+    ``x @ W.T`` from a ``[in, out]`` contiguous copy is what the compiled CPU backend runs:
+    MKL's small-row products are faster this way than through ``F.linear``'s ``[out, in]``
+    weight (docs/benchmarks.md, "Why the defaults"). The copies are buffers of this module: the
+    same math up to summation order (not bitwise equal to the HF layer), at the cost of one more
+    copy of the layer's weights, taken when the module is built (later in-place training is not
+    seen; rebuild it).
     """
 
     def __init__(self, layer: nn.Module) -> None:
@@ -278,13 +282,11 @@ def fusable(layer: nn.Module) -> bool:
 SILU = frozenset({"SiLU", "SiLUActivation"})  # torch's and transformers' SiLU modules
 
 
-def _kernel_attention_parts(owner: nn.Module, attn: nn.Module) -> None:
+def _kernel_attention_weights(owner: nn.Module, attn: nn.Module) -> None:
     """What ``KernelDecoderLayer`` and ``KernelAttention`` share: q, k and v packed side by side
     and the output projection packed (``leapfx_cpu::small_mm``), SDPA without ``repeat_kv``,
     ``leapfx_cpu::attention`` for plain causal attention where it builds, and the rotary as one
     op where it gives HF's values. ``owner`` is a FusedDecoderLayer or a FusedAttention."""
-    from ..kernels.cpu import pack_weight
-
     require_kernels()
     qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
     owner._split = [p.out_features for p in qkv]
@@ -325,11 +327,9 @@ class KernelDecoderLayer(FusedDecoderLayer):
     """
 
     def __init__(self, layer: nn.Module) -> None:
-        from ..kernels.cpu import pack_weight
-
         super().__init__(layer)
         mlp = layer.mlp
-        _kernel_attention_parts(self, layer.self_attn)
+        _kernel_attention_weights(self, layer.self_attn)
         self._silu = type(mlp.act_fn).__name__ in SILU and all(
             getattr(mlp, p).bias is None for p in ("gate_proj", "up_proj", "down_proj")
         )
@@ -375,8 +375,6 @@ def _plain_causal(attn: nn.Module, attn_kwargs: dict) -> bool:
 
 
 def _attention_kernel() -> bool:
-    from ..kernels import cpu_attention
-
     return cpu_attention.available()
 
 
@@ -399,8 +397,6 @@ class KernelLinear(nn.Module):
     """``linear`` through ``leapfx_cpu::small_mm`` on a packed weight copy."""
 
     def __init__(self, linear: nn.Linear) -> None:
-        from ..kernels.cpu import pack_weight
-
         super().__init__()
         require_kernels()
         self.out_features = linear.out_features
@@ -422,7 +418,7 @@ class KernelAttention(FusedAttention):
     def __init__(self, fused: FusedAttention) -> None:
         super().__init__(fused.attn)
         attn = self.attn
-        _kernel_attention_parts(self, attn)
+        _kernel_attention_weights(self, attn)
         if self._norm is not None:
             self._q_norm, self._k_norm = _rms_norm(attn.q_norm), _rms_norm(attn.k_norm)
 
@@ -439,8 +435,6 @@ def experts_kernel_covers(module: nn.Module) -> bool:
     """Whether ``leapfx_cpu::moe_experts`` computes ``module`` (an HF ``<X>Experts``): fused
     ``gate_up_proj [E, 2I, H]`` ([gate | up] rows) and ``down_proj [E, H, I]`` in float32 on a
     CPU, no biases, SiLU gating, HF's default gate and no post-expert norm. Others run HF's."""
-    from transformers.activations import SiLUActivation
-
     gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
     if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)):
         return False
@@ -457,6 +451,7 @@ def experts_kernel_covers(module: nn.Module) -> bool:
              "is_concatenated": True, "has_post_expert_norm": False}  # fmt: skip
     if any(getattr(module, k, v) != v for k, v in flags.items()):
         return False
+    # Lazy: transformers' MoE integration module, read only for a fused <X>Experts module.
     from transformers.integrations import moe
 
     gate = getattr(type(module), "_apply_gate", moe._default_apply_gate)
@@ -468,8 +463,8 @@ def experts_kernel_covers(module: nn.Module) -> bool:
 class KernelExperts(nn.Module):
     """An MoE layer's experts (HF ``<X>Experts``, see :func:`experts_kernel_covers`) as one
     ``leapfx_cpu::moe_experts`` call on the module's own weights: HF's math up to summation
-    order, without HF's sort, histogram and grouped products (~230 us against ~12 us for one
-    token's two experts of the MoE reference model)."""
+    order, without HF's sort, histogram and grouped products, which cost a one-token call
+    many times the products themselves (docs/benchmarks.md, "Why the defaults")."""
 
     def __init__(self, experts: nn.Module) -> None:
         super().__init__()
@@ -617,7 +612,5 @@ class RotaryTable(nn.Module):
 
 
 def require_kernels() -> None:
-    from ..kernels import cpu
-
     if not cpu.available():
         raise RuntimeError("the leapfx_cpu kernels did not build here (see the warning above)")

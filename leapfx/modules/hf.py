@@ -44,7 +44,7 @@ def rename_cache_kwarg(kwargs: dict, name: str) -> dict:
     return out
 
 
-# On an <X>Experts module whose weights stay in a checkpoint (leapfx.runtime.offload's
+# On an <X>Experts module whose weights stay in a checkpoint (leapfx.offload's
 # load_offloaded): its (gate_up, down) sources beside the meta tensors.
 EXPERT_SOURCE = "leapfx_expert_source"
 

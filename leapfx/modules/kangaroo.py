@@ -42,7 +42,7 @@ class KangarooAdapter(nn.Module):
         self.attn_kind = attn_kind  # which of the host's attention masks it reads
 
     @property
-    def cache_slot(self) -> int:
+    def cache_layer(self) -> int:
         """The adapter attention's layer index in the shared KV cache."""
         return self.attention.layer_idx
 
@@ -53,7 +53,7 @@ class KangarooAdapter(nn.Module):
         final_norm: nn.Module,
         *,
         exit_layer: int,
-        cache_slot: int,
+        cache_layer: int,
         attn_kind: str,
     ) -> KangarooAdapter:
         """An adapter initialised from the host's decoder layer ``exit_layer`` and final norm.
@@ -71,7 +71,7 @@ class KangarooAdapter(nn.Module):
         weight = next(src.parameters())
         # Built on the meta device, so no random init runs (it would advance the caller's RNG),
         # then materialised and filled with layer l's weights. layer_idx=exit_layer lets the
-        # class read per-layer config (sliding window, layer type); the slot is set after.
+        # class read per-layer config (sliding window, layer type); the cache layer is set after.
         with torch.device("meta"):
             attention = type(src)(src.config, layer_idx=exit_layer)
         attention = attention.to(dtype=weight.dtype).to_empty(device=weight.device)
@@ -81,7 +81,7 @@ class KangarooAdapter(nn.Module):
                 "classes whose state is all parameters"
             )
         attention.load_state_dict(src.state_dict())
-        attention.layer_idx = cache_slot
+        attention.layer_idx = cache_layer
         adapter = cls(
             copy.deepcopy(layer.input_layernorm),
             attention,

@@ -8,7 +8,7 @@ slow layers ahead, so that at the gate ``p^{E_{j+1}} ~ h^N``. There is no fast s
 ``E_J``. One accelerated layer i computes (eq. 2)::
 
     a   = gate_i * A_i(p)              A_i: layer i's own attention, sliced to a few heads
-    p'  = p + a + M_i(p + a)           M_i: a rank-r adapter in place of the layer's MLP
+    p'  = p + a + M_i(p + a)           M_i: a rank-r MLP in place of the layer's own
 
 - ``A_i`` reads the slow stream's keys/values of layer i for positions < t plus ONE key/value
   computed from the fast state at t (the shared KV cache of sec. 2.2): the fast query never sees
@@ -79,16 +79,17 @@ def target_layers(gates: tuple[int, ...], num_layers: int) -> dict[int, int]:
 
 @dataclass
 class FastScratch:
-    """Temporary fast keys/values of a drafting round: slot -> [(k, v)] ([B, h_kv, 1, D] each).
+    """Temporary fast keys/values of a drafting round: cache layer -> [(k, v)] ([B, h_kv, 1, D]
+    each).
 
     They belong to draft positions the slow stream has not verified; the schedule makes a new
     scratch every round, so they are discarded after verification (the shared cache is never
     written by the fast stream)."""
 
     kv: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
-    # slot -> (positions [B, h_kv, k], their keys, their values [B, h_kv, k, D]): the slow keys
-    # a ``fast_keys`` layer reads this round, chosen and gathered once at the round's first
-    # draft (sec. 2.5's top-k keys; the slow cache does not change within a round)
+    # cache layer -> (positions [B, h_kv, k], their keys, their values [B, h_kv, k, D]): the
+    # slow keys a ``fast_keys`` layer reads this round, chosen and gathered once at the round's
+    # first draft (sec. 2.5's top-k keys; the slow cache does not change within a round)
     top: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     # the same fast keys/values packed for ``leapfx_cpu::m2r2_draft`` ([L, 2, m, h_kv, D]; see
     # ``modules.m2r2_kernels.KernelDraft``), None until the op drafts
@@ -101,7 +102,7 @@ class FastScratch:
 @dataclass
 class ChainScratch:
     """Training's unrolled draft chain (the "training-time test" of EAGLE-3 / HASS): the fast
-    keys/values of every earlier chain step, all positions at once: slot -> [(k, v)]
+    keys/values of every earlier chain step, all positions at once: cache layer -> [(k, v)]
     ([B, h_kv, S, D] each, with autograd), one entry per step already run.
 
     Drafting reads what training with teacher-forced slow keys never shows: draft j of a round
@@ -128,10 +129,10 @@ def _head_index(heads: list[int], total: int) -> slice | torch.Tensor:
 
 
 class AcceleratedLayer(nn.Module):
-    """The fast stream through decoder layer ``index`` (eq. 2): sliced attention + adapter.
+    """The fast stream through decoder layer ``index`` (eq. 2): sliced attention + rank-r MLP.
 
     Parameters (all trainable, all that ``state_dict`` holds): LoRA on q (``q_a``, ``q_b``) and o
-    (``o_a``, ``o_b``), the attention gate, the adapter's ``down`` and ``up``. The host layer is
+    (``o_a``, ``o_b``), the attention gate, the rank-r MLP's ``down`` and ``up``. The host layer is
     held without registering it, and its sliced projections are non-persistent buffers.
     """
 
@@ -150,12 +151,12 @@ class AcceleratedLayer(nn.Module):
         config = attn.config
         object.__setattr__(self, "host", layer)  # shared, frozen, not a submodule
         self.index = index
-        self.cache_slot = attn.layer_idx
+        self.cache_layer = attn.layer_idx
         self.window = window
         self.fast_keys = fast_keys
         self.scaling = attn.scaling
         # The attention's module, not the layer's: an MoE layer in a captured graph is a plain
-        # container of its parts (see capture.layer_module).
+        # container of its submodules (see capture.layer_module).
         self._rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
         nh = config.num_attention_heads
         nkv = getattr(config, "num_key_value_heads", None) or nh
@@ -198,8 +199,8 @@ class AcceleratedLayer(nn.Module):
         self._qk_norm = hasattr(attn, "q_norm")
         # OLMoE normalises q and k over the full projection width (all heads at once), before
         # the per-head reshape; the fast stream has only its heads' channels, so it normalises
-        # those with their rows of the norm's weight (an approximation the adapters train
-        # around; exact for k when every KV head is kept).
+        # those with their rows of the norm's weight (an approximation LoRA and the MLP
+        # train around; exact for k when every KV head is kept).
         self._full_width = self._qk_norm and attn.q_norm.weight.numel() != d
         if self._full_width:
             q_cols = torch.tensor([h * d + j for h in q_heads for j in range(d)])
@@ -281,9 +282,9 @@ class AcceleratedLayer(nn.Module):
             qk = qk * cos.unsqueeze(2) + _rotate_half(qk) * sin.unsqueeze(2)
             q, k = qk[:, :, :nq].transpose(1, 2), qk[:, :, nq:].transpose(1, 2)
         # Slow keys/values of layer i, read in place (the fast stream writes no cache).
-        n = cache.lengths[self.cache_slot]
-        slow_k = cache.keys[self.cache_slot][:, self.kv_index, :n]  # [B?, h_kv, n, D]
-        slow_v = cache.values[self.cache_slot][:, self.kv_index, :n]
+        n = cache.lengths[self.cache_layer]
+        slow_k = cache.keys[self.cache_layer][:, self.kv_index, :n]  # [B?, h_kv, n, D]
+        slow_v = cache.values[self.cache_layer][:, self.kv_index, :n]
         if slow_k.shape[0] != B:
             slow_k, slow_v = slow_k.expand(B, -1, -1, -1), slow_v.expand(B, -1, -1, -1)
         assert not ahead or (scratch is None and S == 1), "ahead: one row, no scratch"
@@ -301,7 +302,7 @@ class AcceleratedLayer(nn.Module):
             # Parallel rows (full graph, training): the slow layer has written every row's key;
             # row t sees slow columns < t and its own fast column only; at step j of a training
             # chain, slow columns < t - j and the earlier steps' fast columns (ChainScratch).
-            earlier = [] if scratch is None else scratch.kv.setdefault(self.cache_slot, [])
+            earlier = [] if scratch is None else scratch.kv.setdefault(self.cache_layer, [])
             keys = torch.cat([slow_k, *(e[0] for e in earlier), k], dim=2)
             values = torch.cat([slow_v, *(e[1] for e in earlier), v], dim=2)
             mask = self._parallel_mask(position_ids, n, S, q.device, len(earlier))
@@ -312,7 +313,7 @@ class AcceleratedLayer(nn.Module):
             # the round's earlier fast keys, then its own.
             if S != 1:
                 raise ValueError(f"drafting runs one token at a time, got {S}")
-            earlier = scratch.kv.setdefault(self.cache_slot, [])
+            earlier = scratch.kv.setdefault(self.cache_layer, [])
             if self.fast_keys is not None:
                 slow_k, slow_v = self._top_keys(q, slow_k, slow_v, scratch, len(earlier))
             keys = torch.cat([slow_k, *(e[0] for e in earlier), k], dim=2)
@@ -328,7 +329,7 @@ class AcceleratedLayer(nn.Module):
             q, keys, values, attn_mask=mask, scale=self.scaling, enable_gqa=self.gqa
         )
         p = p + ops.out(out.transpose(1, 2).reshape(B, S, -1))  # [B, S, h*D] -> [B, S, H]
-        return p + ops.adapter(p)
+        return p + ops.low_rank_mlp(p)
 
     def _top_keys(self, q, slow_k, slow_v, scratch: FastScratch, drafted: int):
         """Sec. 2.5: the draft reads only ``fast_keys`` slow keys per KV head, those the round's
@@ -341,7 +342,7 @@ class AcceleratedLayer(nn.Module):
         query: one read of every key a round, then g - 1 drafts over k keys. With at most
         ``fast_keys`` visible slow keys all are read. A sliding-window layer ranks the keys in
         its window at the first draft."""
-        chosen = scratch.top.get(self.cache_slot)  # fixed for the round once chosen
+        chosen = scratch.top.get(self.cache_layer)  # fixed for the round once chosen
         if chosen is None:
             n = slow_k.shape[2]
             lo = 0
@@ -356,7 +357,7 @@ class AcceleratedLayer(nn.Module):
             top = pooled.topk(self.fast_keys, dim=-1).indices.sort(dim=-1).values + lo
             idx = top[..., None].expand(-1, -1, -1, slow_k.shape[-1])
             chosen = (top, slow_k.gather(2, idx), slow_v.gather(2, idx))
-            scratch.top[self.cache_slot] = chosen
+            scratch.top[self.cache_layer] = chosen
         return chosen[1], chosen[2]
 
     def _merged(self) -> tuple:
@@ -419,7 +420,7 @@ class _TrainingOps:
         m = self.m
         return m.gate * (F.linear(o, m.w_o, m.b_o) + F.linear(F.linear(o, m.o_a), m.o_b))
 
-    def adapter(self, p):
+    def low_rank_mlp(self, p):  # M_i
         m = self.m
         h = m.host.post_attention_layernorm.forward(p)
         return F.linear(F.silu(F.linear(h, m.down)), m.up)
@@ -491,7 +492,7 @@ class KernelAcceleratedLayer(nn.Module):
             return _rms(x, weight, eps)
         return torch.ops.leapfx_cpu.rms_norm(x, weight, eps, 0.0)
 
-    def adapter(self, p):
+    def low_rank_mlp(self, p):  # M_i
         mm = torch.ops.leapfx_cpu.small_mm
         h = F.silu(mm(self._norms[1](p), self.w_down, self._sizes[2]))
         return mm(h, self.w_up, self._sizes[3])
@@ -550,10 +551,10 @@ def _qkv_weights(attn: nn.Module, nh: int, nkv: int, d: int):
     if hasattr(attn, "qkv_proj"):  # Phi-3: one fused projection, [q | k | v] rows
         w, b = attn.qkv_proj.weight, attn.qkv_proj.bias
         cuts = [0, nh * d, nh * d + nkv * d, nh * d + 2 * nkv * d]
-        parts = [
+        slices = [
             (w[a:z], None if b is None else b[a:z]) for a, z in zip(cuts, cuts[1:], strict=False)
         ]
-        return (*parts[0], *parts[1], *parts[2])
+        return (*slices[0], *slices[1], *slices[2])
     return (
         attn.q_proj.weight, attn.q_proj.bias, attn.k_proj.weight, attn.k_proj.bias,
         attn.v_proj.weight, attn.v_proj.bias,

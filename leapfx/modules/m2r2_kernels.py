@@ -69,7 +69,7 @@ def pack_fast_layers(layers, hidden: int) -> tuple[list[list], list[float], list
 
 def op_dims(layers, hidden: int, latent: int = 0, vocab: int = 0) -> list[int]:
     """A ``leapfx_cpu.m2r2_*`` op's ``dims``: layers, hidden, head dim, query and KV heads,
-    adapter rank, router latent, vocabulary, then the kept KV heads and each query head's."""
+    MLP rank, router latent, vocabulary, then the kept KV heads and each query head's."""
     first = layers[0]
     return [len(layers), hidden, first.head_dim, len(first.q_heads), len(first.kv_heads),
             first.down.shape[0], latent, vocab, *first.kv_heads,
@@ -85,7 +85,7 @@ class KernelGate(nn.Module):
     def __init__(self, rotary, layers, router, norm, head, *, fallback: nn.Module) -> None:
         super().__init__()
         self.fallback = fallback
-        self.slots = [m.cache_slot for m in layers]
+        self.cache_layers = [m.cache_layer for m in layers]
         first = layers[0]
         inv_freq, rope_scale = rope_table(rotary, first.head_dim)
         hidden = head.weight.shape[1]
@@ -108,11 +108,12 @@ class KernelGate(nn.Module):
             or hidden.numel() != hidden.shape[-1]
             or (torch.is_grad_enabled() and hidden.requires_grad)
             or not isinstance(keys, list)
-            or keys[self.slots[0]].shape[0] != 1  # one sequence: the op reads batch row 0
+            or keys[self.cache_layers[0]].shape[0] != 1  # one sequence: the op reads batch row 0
         ):
             return self.fallback(hidden=hidden, position_ids=position_ids, cache=cache)
-        kv = [t for s in self.slots for t in (keys[s], cache.values[s])]
-        lengths = [cache.lengths[s] - 1 for s in self.slots]  # slow keys < t (the row's own: t)
+        kv = [t for s in self.cache_layers for t in (keys[s], cache.values[s])]
+        # slow keys < t (the row's own: t)
+        lengths = [cache.lengths[s] - 1 for s in self.cache_layers]
         score, logits = torch.ops.leapfx_cpu.m2r2_gate.default(
             hidden.contiguous(), position_ids.contiguous(), self.weights, self.dims,
             self.params, kv, lengths,
@@ -141,7 +142,7 @@ class KernelDraft(KernelGate):
             type(scratch) is not FastScratch
             or input_ids.numel() != 1
             or not isinstance(keys, list)
-            or keys[self.slots[0]].shape[0] != 1
+            or keys[self.cache_layers[0]].shape[0] != 1
             or (torch.is_grad_enabled() and self.embed.weight.requires_grad)
         ):
             return self.fallback(
@@ -153,17 +154,17 @@ class KernelDraft(KernelGate):
                 input_ids=input_ids, position_ids=position_ids, cache=cache, scratch=scratch
             )
         earlier = scratch.packed
-        drafted = len(scratch.kv.get(self.slots[0], []))
+        drafted = len(scratch.kv.get(self.cache_layers[0], []))
         if earlier is None or earlier.shape[2] != drafted:
             earlier = self._packed(scratch, drafted)
-        kv = [t for s in self.slots for t in (keys[s], cache.values[s])]
-        lengths = [cache.lengths[s] for s in self.slots]  # every verified slow key
+        kv = [t for s in self.cache_layers for t in (keys[s], cache.values[s])]
+        lengths = [cache.lengths[s] for s in self.cache_layers]  # every verified slow key
         logits, out, new = torch.ops.leapfx_cpu.m2r2_draft.default(
             hidden.contiguous(), position_ids.contiguous(), self.weights, self.dims,
             self.params, kv, lengths, earlier,
         )  # fmt: skip
         scratch.packed = torch.cat([earlier, new[:, :, None]], dim=2)
-        for i, s in enumerate(self.slots):
+        for i, s in enumerate(self.cache_layers):
             scratch.kv.setdefault(s, []).append(
                 (new[i, 0][None, :, None], new[i, 1][None, :, None])
             )
@@ -174,7 +175,7 @@ class KernelDraft(KernelGate):
         if drafted == 0:
             return torch.zeros(self.kv_shape)
         per_layer = []
-        for s in self.slots:
+        for s in self.cache_layers:
             ks, vs = zip(*scratch.kv[s], strict=True)  # each [1, h_kv, 1, D]
             per_layer.append(torch.stack([torch.cat(ks, 2)[0], torch.cat(vs, 2)[0]]))
         return torch.stack(per_layer).transpose(2, 3).contiguous()  # [L, 2, m, h_kv, D]

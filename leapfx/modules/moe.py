@@ -5,11 +5,11 @@ The pass (``leapfx.passes.offload``) rewrites the graph: each MoE layer's ``expe
 the ``M2R2Prefetcher`` (below) that holds several). A pass only rewrites graphs, so
 these modules are inserted *unbound*: they hold what the graph gives them (a layer index, a
 norm and a router) but not the expert-offload runtime (slot pools, a slow tier on disk or in
-host memory, reader threads), which ``leapfx.runtime.offload.build_offload`` builds once the
+host memory, reader threads), which ``leapfx.offload.build_offload`` builds once the
 passes have run and binds to every ``OffloadModule`` of the graph (``rewrite.apply`` does both).
 A module called before it is bound raises RuntimeError saying so.
 
-What an offload runtime provides to them (``leapfx.runtime.offload.ExpertOffload``):
+What an offload runtime provides to them (``leapfx.offload.ExpertOffload``):
 ``run(layer, experts, hidden, top_k_index, top_k_weights)``, ``prefetch(layer, scores,
 union=)``, ``candidates(scores)``, ``queue_prefetches(predictions, tokens=)``, ``top_k`` and
 ``kernels``.
@@ -66,6 +66,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels import cpu_m2r2
 from ..kernels.cpu_m2r2 import pack_predict
 from ..options import check_int
 from .fused import rms_params
@@ -87,7 +88,7 @@ class OffloadModule(nn.Module):
         if runtime is None:
             raise RuntimeError(
                 f"{type(self).__name__}: no expert-offload runtime is bound to it; build one "
-                "with leapfx.runtime.offload.build_offload(graph_module, options) after the "
+                "with leapfx.offload.build_offload(graph_module, options) after the "
                 "offload-experts pass (rewrite.apply(..., offload=OffloadOptions(...)) does)"
             )
         return runtime
@@ -242,7 +243,7 @@ class M2R2Prefetcher(OffloadModule):
             or embedding.dtype != torch.float32
             or embedding.shape[0] != 1
             or not isinstance(keys, list)
-            or keys[self._kernel.slots[0]].shape[0] != 1  # one sequence: the op reads row 0
+            or keys[self._kernel.cache_layers[0]].shape[0] != 1  # one sequence: the op reads row 0
             or (torch.is_grad_enabled() and self.layers[0].gate.requires_grad)
         ):
             return None
@@ -258,7 +259,7 @@ class _KernelPredict:
         self.owner = owner
         layers = owner.layers
         first = layers[0]
-        self.slots = [m.cache_slot for m in layers]
+        self.cache_layers = [m.cache_layer for m in layers]
         self.inv_freq, self.rope_scale = rope_table(owner.rotary, first.head_dim)
         self.hidden = first.w_o.shape[0]
         self.qk = [0, 0]
@@ -277,8 +278,6 @@ class _KernelPredict:
     def build(cls, owner: M2R2Prefetcher) -> _KernelPredict | None:
         """The caller where the op computes what the torch path does, else None (the op did
         not build, or the model has what it does not cover)."""
-        from ..kernels import cpu_m2r2
-
         if not owner.predictors or not _covered(owner) or not cpu_m2r2.available():
             return None
         return cls(owner)
@@ -328,8 +327,8 @@ class _KernelPredict:
             self._pack()
             self._key = key
         keys, values = cache.keys, cache.values
-        kv = [t for s in self.slots for t in (keys[s], values[s])]
-        lengths = [cache.lengths[s] for s in self.slots]  # not yet written: all of < t
+        kv = [t for s in self.cache_layers for t in (keys[s], values[s])]
+        lengths = [cache.lengths[s] for s in self.cache_layers]  # not yet written: all of < t
         return torch.ops.leapfx_cpu.m2r2_predict.default(
             embedding.contiguous(), position_ids.contiguous(), self.weights, self.dims,
             self.params, kv, lengths, self.qk, self.qk_params, self.owner.sources,

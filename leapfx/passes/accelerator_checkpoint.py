@@ -1,6 +1,6 @@
 """M2R2's trained accelerator on disk, and the pass that loads it into a rewritten graph.
 
-The same format as every leapfx part (``adapter_checkpoint``): a directory with
+A one-module parts directory (``parts_io.write_module_parts``, as Kangaroo's adapter):
 ``adapter.safetensors`` (the Accelerator's state dict: ``layers.<i>.<name>``, trainable tensors
 only) and ``adapter.json`` (``recipe``, the ``options`` it was trained with -- gates, heads,
 rank --, the ``host`` signature), written to a temporary directory and renamed into place.
@@ -20,20 +20,29 @@ from safetensors.torch import load_file
 from torch import fx, nn
 
 from .accelerator import accelerator_of, compatible_layers
-from .adapter_checkpoint import WEIGHTS, host_signature, read_adapter_config
-from .parts_io import LoadParts
+from .parts_io import (
+    MODULE_WEIGHTS,
+    LoadParts,
+    check_host,
+    host_signature,
+    read_module_parts_config,
+)
 
 RECIPES = ("m2r2", "m2r2_exit")
 
 
 def read_parts_config(path) -> dict[str, Any]:
     """The JSON of an M2R2 parts directory (either recipe); ValueError naming ``parts``."""
+    missing = (
+        "is not an M2R2 parts directory (missing {files}); pass a directory written by "
+        "SpeculativeModel.save_parts"
+    )
     errors = []
     for recipe in RECIPES:
         try:
-            return read_adapter_config(path, recipe=recipe)
+            return read_module_parts_config(path, recipe=recipe, option="parts", missing=missing)
         except ValueError as exc:
-            errors.append(str(exc).replace("adapter:", "parts:", 1))
+            errors.append(str(exc))
     raise ValueError(errors[-1])
 
 
@@ -45,7 +54,7 @@ class LoadAccelerator(LoadParts):
     name: ClassVar[str] = "load-accelerator"
     requires: ClassVar[frozenset[str]] = frozenset({"m2r2-accelerator"})
     provides: ClassVar[frozenset[str]] = frozenset({"m2r2-accelerator-weights"})
-    weights: ClassVar[str] = WEIGHTS
+    weights: ClassVar[str] = MODULE_WEIGHTS
     subset: ClassVar[bool] = True
 
     def module_of(self, gm: fx.GraphModule) -> nn.Module:
@@ -54,17 +63,15 @@ class LoadAccelerator(LoadParts):
     def read(self, path: str) -> dict[str, Any]:
         return read_parts_config(path)
 
+    def host_config(self, acc: nn.Module) -> Any:
+        return next(iter(acc.layers.values())).host.self_attn.config
+
     def check(self, acc: nn.Module, meta: dict[str, Any]) -> None:
-        first = next(iter(acc.layers.values()))
-        host = host_signature(first.host.self_attn.config)
-        saved_host = meta.get("host", {})
-        diff = sorted(k for k in host if saved_host.get(k) != host[k])
-        if diff:
-            pairs = ", ".join(f"{k}={saved_host.get(k)!r} (model: {host[k]!r})" for k in diff)
-            raise ValueError(f"parts: {self.path!r} were trained for another model: {pairs}")
+        super().check(acc, meta)
         options = meta.get("options", {})
         saved_gates = options.get("gates", [])
-        ok = compatible_layers(saved_gates, host["num_hidden_layers"], acc.gates, acc.num_layers)
+        layers = self.host_config(acc).num_hidden_layers
+        ok = compatible_layers(saved_gates, layers, acc.gates, acc.num_layers)
         if ok != sorted(int(i) for i in acc.layers):
             raise ValueError(
                 f"gates: the accelerator at {self.path!r} was trained for gates {saved_gates}, "
@@ -89,11 +96,10 @@ def load_compatible(gm: fx.GraphModule, path) -> list[int]:
     meta = read_parts_config(path)
     first = next(iter(acc.layers.values()))
     host = host_signature(first.host.self_attn.config)
-    if any(meta.get("host", {}).get(k) != v for k, v in host.items()):
-        raise ValueError(f"parts: {str(path)!r} were trained for another model")
+    check_host("parts", path, host, meta.get("host", {}))
     saved_gates = meta.get("options", {}).get("gates", [])
     layers = compatible_layers(saved_gates, host["num_hidden_layers"], acc.gates, acc.num_layers)
-    tensors = load_file(str(Path(path) / WEIGHTS))
+    tensors = load_file(str(Path(path) / MODULE_WEIGHTS))
     own = acc.state_dict()
     wanted = {
         k: v

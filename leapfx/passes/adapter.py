@@ -9,7 +9,7 @@ authors' code (``h + attn(norm(h))``); the paper's text does not spell it out.
 The adapter's modules live in a ``KangarooAdapter`` (``leapfx.modules.kangaroo``) that the
 rewritten GraphModule owns (``gm.kangaroo_adapter``); nothing is added to the user's model, and
 every host weight (layers, LM head) stays shared by reference. The adapter's attention has
-its own slot in the shared KV cache: ``layer_idx = num_hidden_layers``, one past the host's
+its own layer in the shared KV cache: ``layer_idx = num_hidden_layers``, one past the host's
 layers, so a crop rolls it back with the rest. The pass records that in
 ``gm.meta["leapfx.extra_cache_layers"]``.
 
@@ -22,7 +22,7 @@ Graph after the pass (nodes inserted right after layer l-1, roles ``adapter_*``)
 and the graph gains two outputs, like an exit head: ``exit_logits`` (the adapter's logits) and
 ``exit_hidden`` (layer l-1's output, the early feature the verify stage reuses). The attention
 node is marked ``leapfx.writes_cache``, so a stage that runs the shallow layers keeps it (and
-fills the adapter's KV slot) even where the adapter's output is not needed (prefill, verify).
+fills the adapter's cache layer) even where the adapter's output is not needed (prefill, verify).
 
 Example::
 
@@ -57,7 +57,7 @@ from .capture import (
 from .exit_head import EXIT_LAYER
 
 ADAPTER_MODULE = "kangaroo_adapter"  # attribute of the rewritten GraphModule
-CACHE_SLOT = "leapfx.cache_slot"  # node.meta: the KV-cache layer index an attention writes
+CACHE_LAYER = "leapfx.cache_layer"  # node.meta: the KV-cache layer index an attention writes
 
 
 def adapter_of(gm: fx.GraphModule) -> KangarooAdapter:
@@ -116,7 +116,7 @@ class InsertKangarooAdapter(GraphPass):
             host_layer,
             gm.get_submodule(norm.target),
             exit_layer=self.exit_layer,
-            cache_slot=num_layers,  # one past the host's layers
+            cache_layer=num_layers,  # one past the host's layers
             attn_kind=kind,
         )
         gm.add_submodule(ADAPTER_MODULE, adapter)
@@ -146,7 +146,7 @@ class InsertKangarooAdapter(GraphPass):
         normed = emit("adapter_norm", "call_module", module + "output_norm", (res,))
         logits = emit("adapter_logits", "call_module", head.target, (normed,), role="adapter_head")
         attn.meta[WRITES_CACHE] = True
-        attn.meta[CACHE_SLOT] = num_layers
+        attn.meta[CACHE_LAYER] = num_layers
         attn.meta[ATTN_KIND] = kind
         source.meta["leapfx.exit_source"] = True
         outputs = dict(output_dict(gm))

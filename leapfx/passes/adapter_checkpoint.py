@@ -17,6 +17,9 @@ Example::
 
     >>> write_adapter(adapter_of(gm), "kangaroo-adapter/", recipe="kangaroo",
     ...               options={"exit_layer": 2}, host=host_signature(hf_model.config))
+
+The files are those of every one-module parts directory (``parts_io.write_module_parts``, which
+M2R2's accelerators are saved with too).
     >>> gm = LoadKangarooAdapter(path="kangaroo-adapter/").run(gm).graph_module
 """
 
@@ -32,31 +35,16 @@ from torch import fx
 from .adapter import KangarooAdapter, adapter_of
 from .draft_vocab import write_ranking
 from .parts_io import (
+    MODULE_CONFIG,
+    MODULE_WEIGHTS,
     LoadParts,
-    check_host,
-    module_tensors,
-    read_parts_meta,
-    write_dir_atomic,
-    write_parts_files,
+    host_signature,  # noqa: F401  (train/ and swift import it from here)
+    read_module_parts_config,
+    write_module_parts,
 )
 
-FORMAT = 1
-WEIGHTS = "adapter.safetensors"
-CONFIG = "adapter.json"
-
-
-def host_signature(config) -> dict[str, Any]:
-    """What an adapter checkpoint must match in the model it is loaded into."""
-    heads = config.num_attention_heads
-    return {
-        "model_type": config.model_type,
-        "num_hidden_layers": config.num_hidden_layers,
-        "hidden_size": config.hidden_size,
-        "num_attention_heads": heads,
-        "num_key_value_heads": getattr(config, "num_key_value_heads", None) or heads,
-        "head_dim": getattr(config, "head_dim", None) or config.hidden_size // heads,
-        "vocab_size": config.vocab_size,
-    }
+WEIGHTS = MODULE_WEIGHTS  # the file names of every one-module parts directory (parts_io)
+CONFIG = MODULE_CONFIG
 
 
 def write_adapter(
@@ -69,24 +57,12 @@ def write_adapter(
     ranking=None,
     extra: dict[str, Any] | None = None,
 ) -> Path:
-    """Write ``adapter`` and its metadata to the directory ``path`` (replaced if it exists),
-    and the token ranking [V] (``passes.draft_vocab``) when given."""
-    tensors = module_tensors(adapter)
-    meta = {
-        "format": FORMAT,
-        "recipe": recipe,
-        "options": options,
-        "host": host,
-        "parameters": sum(t.numel() for t in tensors.values()),
-        **(extra or {}),
-    }
-
-    def write(tmp: Path) -> None:
-        write_parts_files(tmp, WEIGHTS, CONFIG, tensors, meta)
-        if ranking is not None:
-            write_ranking(tmp, ranking)
-
-    return write_dir_atomic(path, write)
+    """Write Kangaroo's ``adapter`` and its metadata to the directory ``path`` (replaced if it
+    exists), and the token ranking [V] (``passes.draft_vocab``) when given."""
+    also = None if ranking is None else (lambda tmp: write_ranking(tmp, ranking))
+    return write_module_parts(
+        adapter, path, recipe=recipe, options=options, host=host, extra=extra, also=also
+    )
 
 
 def read_adapter_config(path: str | os.PathLike, *, recipe: str = "kangaroo") -> dict[str, Any]:
@@ -95,13 +71,7 @@ def read_adapter_config(path: str | os.PathLike, *, recipe: str = "kangaroo") ->
         "is not an adapter checkpoint (missing {files}); pass a directory written by "
         "SpeculativeModel.save_adapter, or None"
     )
-    meta = read_parts_meta(path, (WEIGHTS, CONFIG), CONFIG, option="adapter", fmt=FORMAT,
-                           missing=missing)  # fmt: skip
-    if meta.get("recipe") != recipe:
-        raise ValueError(
-            f"adapter: {str(path)!r} was saved by recipe {meta.get('recipe')!r}, not {recipe!r}"
-        )
-    return meta
+    return read_module_parts_config(path, recipe=recipe, option="adapter", missing=missing)
 
 
 @dataclass(frozen=True)
@@ -112,6 +82,7 @@ class LoadKangarooAdapter(LoadParts):
     requires: ClassVar[frozenset[str]] = frozenset({"kangaroo-adapter"})
     provides: ClassVar[frozenset[str]] = frozenset({"kangaroo-adapter-weights"})
     weights: ClassVar[str] = WEIGHTS
+    option: ClassVar[str] = "adapter"
 
     def module_of(self, gm: fx.GraphModule) -> KangarooAdapter:
         return adapter_of(gm)
@@ -119,9 +90,11 @@ class LoadKangarooAdapter(LoadParts):
     def read(self, path: str) -> dict[str, Any]:
         return read_adapter_config(path)
 
+    def host_config(self, adapter: KangarooAdapter) -> Any:
+        return adapter.attention.config
+
     def check(self, adapter: KangarooAdapter, meta: dict[str, Any]) -> None:
-        host = host_signature(adapter.attention.config)
-        check_host("adapter", self.path, host, meta.get("host", {}))
+        super().check(adapter, meta)
         saved_exit = meta.get("options", {}).get("exit_layer")
         if saved_exit != adapter.exit_layer:
             raise ValueError(

@@ -1,6 +1,6 @@
 """Capture: a HuggingFace decoder-only causal LM as a layer-level ``torch.fx.GraphModule``.
 
-The graph is built by hand rather than traced: one ``call_module`` node per decoder-level part
+The graph is built by hand rather than traced: one ``call_module`` node per decoder-level piece
 (token embedding, rotary embedding, each decoder layer, final norm, LM head), each annotated in
 ``node.meta`` with ``leapfx.role`` and, for layers, ``leapfx.layer``. The nodes call the HF
 model's own submodules, so the graph computes exactly what the HF model computes and shares its
@@ -51,7 +51,7 @@ ATTN_KIND = "leapfx.attn_kind"
 WRITES_CACHE = "leapfx.writes_cache"
 # A node run for its side effect other than the KV cache (an expert prefetch): stages keep it.
 SIDE_EFFECT = "leapfx.side_effect"
-# GraphModule meta: KV-cache slots the rewrite adds past the host's layers (an adapter attention).
+# GraphModule meta: KV-cache layers the rewrite adds past the host's layers (an adapter attention).
 EXTRA_CACHE_LAYERS = "leapfx.extra_cache_layers"
 
 # A node's module path in the HF model (a decoder layer's, for every node of that layer): passes
@@ -80,8 +80,11 @@ _MODEL_WIDE_WINDOW = ("mistral", "phi3", "mixtral", "qwen3_moe")
 
 
 @dataclass(frozen=True)
-class DecoderParts:
-    """The decoder-level submodules of a HF causal LM, by reference, with their paths."""
+class DecoderPieces:
+    """The decoder-level submodules of a HF causal LM, by reference, with their paths.
+
+    "Pieces", not "parts": in leapfx "parts" are the trained parts a recipe inserts and saves
+    (``save_parts``, ``apply(..., parts=dir)``); these are the host model's own."""
 
     embed: nn.Module
     rotary: nn.Module
@@ -95,6 +98,10 @@ class DecoderParts:
     @property
     def num_layers(self) -> int:
         return len(self.layers)
+
+
+# The names train/ still imports (the same class and function).
+DecoderParts = DecoderPieces
 
 
 def check_supported(model: nn.Module) -> str:
@@ -115,11 +122,11 @@ def check_supported(model: nn.Module) -> str:
     return model_type
 
 
-def decoder_parts(model: nn.Module) -> DecoderParts:
+def decoder_pieces(model: nn.Module) -> DecoderPieces:
     """Find the embedding, rotary embedding, layers, final norm and LM head of ``model``.
 
-    >>> parts = decoder_parts(hf_model)
-    >>> parts.num_layers == hf_model.config.num_hidden_layers
+    >>> pieces = decoder_pieces(hf_model)
+    >>> pieces.num_layers == hf_model.config.num_hidden_layers
     True
     """
     check_supported(model)
@@ -134,7 +141,7 @@ def decoder_parts(model: nn.Module) -> DecoderParts:
     if not window:  # qwen2_moe stores 0 when use_sliding_window is off
         layer_types = ["full_attention"] * n
         window = None
-    return DecoderParts(
+    return DecoderPieces(
         embed=inner.embed_tokens,
         rotary=inner.rotary_emb,
         layers=list(inner.layers[:n]),
@@ -163,7 +170,7 @@ def capture(model: nn.Module) -> fx.GraphModule:
     >>> gm = capture(hf_model)
     >>> out = gm(input_ids, position_ids, masks, None)["logits"]   # == hf_model(input_ids).logits
     """
-    parts = decoder_parts(model)
+    pieces = decoder_pieces(model)
     graph = fx.Graph()
     input_ids = _annotate(graph.placeholder("input_ids"), "input")
     position_ids = _annotate(graph.placeholder("position_ids"), "input")
@@ -175,23 +182,23 @@ def capture(model: nn.Module) -> fx.GraphModule:
     rope = _annotate(graph.call_module("model.rotary_emb", (hidden, position_ids)), "rotary")
     rope.name = "rope"
     mask_nodes: dict[str, fx.Node] = {}
-    for kind in dict.fromkeys(parts.attn_kinds):
+    for kind in dict.fromkeys(pieces.attn_kinds):
         mask_nodes[kind] = _annotate(
             graph.call_function(operator.getitem, (masks, kind)), "mask", attn_kind=kind
         )
         mask_nodes[kind].name = f"mask_{kind}"
-    for i, kind in enumerate(parts.attn_kinds):
+    for i, kind in enumerate(pieces.attn_kinds):
         path = f"model.layers.{i}"
         context = {
             "attention_mask": mask_nodes[kind],
             "position_embeddings": rope,
             "position_ids": position_ids,
         }
-        if is_moe_layer(parts.layers[i]):
-            context[cache_kwarg(parts.layers[i].self_attn)] = cache
-            hidden = _moe_layer(graph, i, parts.layers[i], path, hidden, context, kind)
+        if is_moe_layer(pieces.layers[i]):
+            context[cache_kwarg(pieces.layers[i].self_attn)] = cache
+            hidden = _moe_layer(graph, i, pieces.layers[i], path, hidden, context, kind)
             continue
-        context[cache_kwarg(parts.layers[i])] = cache
+        context[cache_kwarg(pieces.layers[i])] = cache
         hidden = graph.call_module(path, (hidden,), context)
         hidden.name = f"layer_{i}"
         _annotate(hidden, "layer", i, attn_kind=kind, module=path)
@@ -203,7 +210,7 @@ def capture(model: nn.Module) -> fx.GraphModule:
     graph.lint()
     gm = fx.GraphModule(model, graph, class_name="DecoderGraph")
     gm.meta["leapfx.model_type"] = model.config.model_type
-    gm.meta["leapfx.num_layers"] = parts.num_layers
+    gm.meta["leapfx.num_layers"] = pieces.num_layers
     gm.meta["leapfx.stages"] = ["full"]
     return gm
 
@@ -218,7 +225,7 @@ def is_moe_layer(layer: nn.Module) -> bool:
 def _moe_layer(
     graph: fx.Graph, i: int, layer: nn.Module, path: str, hidden: fx.Node, context: dict, kind: str
 ) -> fx.Node:
-    """Emit MoE decoder layer ``i`` as its parts (the HF layer's forward, op for op)."""
+    """Emit MoE decoder layer ``i`` as its nodes (the HF layer's forward, op for op)."""
 
     def emit(name: str, role: str, op: str, target, args: tuple, kwargs=None) -> fx.Node:
         node = graph.create_node(op, target, args, kwargs or {}, name=f"layer_{i}_{name}")
@@ -256,7 +263,7 @@ def _moe_layer(
 
 
 def layer_module(gm: fx.GraphModule, index: int) -> nn.Module:
-    """The HF decoder layer ``index`` (or, for an MoE layer, a container of its parts).
+    """The HF decoder layer ``index`` (or, for an MoE layer, a container of its submodules).
 
     Passes that read a layer's own modules (Kangaroo copies its ``self_attn`` and
     ``input_layernorm``) use this rather than a node's target, which passes may retarget and
@@ -291,3 +298,6 @@ def output_dict(gm: fx.GraphModule) -> dict[str, fx.Node]:
 def set_output_dict(gm: fx.GraphModule, outputs: dict[str, fx.Node]) -> None:
     out = next(n for n in gm.graph.nodes if n.op == "output")
     out.args = (dict(outputs),)
+
+
+decoder_parts = decoder_pieces  # the name train/ still imports

@@ -31,16 +31,13 @@ from typing import Any, ClassVar
 
 from torch import fx
 
-from .adapter_checkpoint import host_signature
 from .draft_vocab import write_ranking
 from .eagle_head import EagleHead, eagle_head_of
 from .parts_io import (
     LoadParts,
-    check_host,
-    module_tensors,
     read_parts_meta,
     write_dir_atomic,
-    write_parts_files,
+    write_module_files,
 )
 
 FORMAT = 1
@@ -58,21 +55,7 @@ def write_eagle_files(
     extra: dict[str, Any] | None = None,
     ranking=None,
 ) -> None:
-    """Write the head's two files into ``directory`` (which exists; not atomic by itself), and
-    the token ranking [V] when given."""
-    tensors = module_tensors(head)
-    meta = {
-        "format": FORMAT,
-        "recipe": recipe,
-        "options": options,
-        "host": host,
-        "init_layer": head.init_layer,
-        "parameters": sum(t.numel() for t in tensors.values()),
-        **(extra or {}),
-    }
-    write_parts_files(directory, WEIGHTS, CONFIG, tensors, meta)
-    if ranking is not None:
-        write_ranking(directory, ranking)
+from .draft_vocab import write_ranking
 
 
 def write_eagle_head(head: EagleHead, path: str | os.PathLike, **meta: Any) -> Path:
@@ -105,9 +88,8 @@ class LoadEagleHead(LoadParts):
     def read(self, path: str) -> dict[str, Any]:
         return read_eagle_config(path)
 
-    def check(self, head: EagleHead, meta: dict[str, Any]) -> None:
-        host = host_signature(head.layer.self_attn.config)
-        check_host("parts", self.path, host, meta.get("host", {}))
+    def host_config(self, head: EagleHead) -> Any:
+        return head.layer.self_attn.config
 
     def misfit(self, head: EagleHead, meta: dict[str, Any]) -> str:
         return (

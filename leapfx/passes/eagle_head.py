@@ -20,8 +20,8 @@ hidden state of the layer a token exited at).
 
 The head's modules live in an :class:`EagleHead` that the rewritten GraphModule owns
 (``gm.eagle_head``); nothing is added to the user's model, and the embedding, final norm and LM
-head stay shared by reference. Its attention has its own slot in the shared KV cache (one past
-the host's layers and any slot an earlier pass added, recorded in
+head stay shared by reference. Its attention has its own layer in the shared KV cache (one past
+the host's layers and any cache layer an earlier pass added, recorded in
 ``gm.meta["leapfx.extra_cache_layers"]``), so ``crop`` rolls it back with the rest.
 
 Graph after the pass (nodes inserted after the last layer, roles ``eagle_*``)::
@@ -32,8 +32,8 @@ Graph after the pass (nodes inserted after the last layer, roles ``eagle_*``)::
 
 with outputs ``eagle_logits`` [B, S, V], ``eagle_hidden`` [B, S, D] (the head's g) and
 ``last_hidden`` [B, S, D] (layer L-1's output). ``eagle_layer`` is marked
-``leapfx.writes_cache``: a stage that runs the host also fills the head's slot from the host's
-true features (the teacher-forced head), so the head has KV for every committed position.
+``leapfx.writes_cache``: a stage that runs the host also fills the head's cache layer from the
+host's true features (the teacher-forced head), so the head has KV for every committed position.
 
 Stages (:func:`eagle_stages`; the ``eagle`` recipe and SpecEE use them)::
 
@@ -47,12 +47,12 @@ Stages (:func:`eagle_stages`; the ``eagle`` recipe and SpecEE use them)::
     head   (input_ids [B, S], position_ids, masks, hidden [B, S, D], cache)
         -> {logits [B, S, V], hidden [B, S, D]}
        the draft head alone: ``hidden`` is h_{t-1} for each token x_t (or the head's own g while
-       chaining), writes the head's KV slot for the S positions, returns the head's logits
+       chaining), writes the head's cache layer for the S positions, returns the head's logits
        (through the shared norm and LM head) and g.
 
 ``leapfx.runtime.eagle.head_step`` / ``target_step`` call them through a ``StageRunner``. A
 recipe with other stages (SpecEE) adds ``head_stage(gm)`` to its own under the name ``head``.
-The head's KV slot must hold every position before a head call reads it: either its stages
+The head's cache layer must hold every position before a head call reads it: either its stages
 keep the ``eagle_*`` nodes wherever the last layer runs (as ``target`` does), or it calls the
 head on the committed positions' true h (a multi-token ``head_step``) before drafting again.
 
@@ -92,8 +92,8 @@ from .capture import (
 from .partition import Stages, _finish, _placeholders
 
 HEAD_MODULE = "eagle_head"  # attribute of the rewritten GraphModule
-EAGLE_SLOT = "leapfx.eagle_slot"  # gm.meta: the head's KV-cache slot
-CACHE_SLOT = "leapfx.cache_slot"  # node.meta: the KV-cache layer index an attention writes
+EAGLE_LAYER = "leapfx.eagle_layer"  # gm.meta: the head's KV-cache layer
+CACHE_LAYER = "leapfx.cache_layer"  # node.meta: the KV-cache layer index an attention writes
 
 
 def previous_hidden(last_hidden: torch.Tensor, first: torch.Tensor | None = None) -> torch.Tensor:
@@ -151,8 +151,10 @@ class InsertEagleHead(GraphPass):
                 "insert-eagle-head before passes that replace decoder layers"
             )
         kind = source_node.meta[ATTN_KIND]
-        slot = num_layers + gm.meta.get(EXTRA_CACHE_LAYERS, 0)
-        head = EagleHead.from_host(host_layer, init_layer=init, cache_slot=slot, attn_kind=kind)
+        cache_layer = num_layers + gm.meta.get(EXTRA_CACHE_LAYERS, 0)
+        head = EagleHead.from_host(
+            host_layer, init_layer=init, cache_layer=cache_layer, attn_kind=kind
+        )
         gm.add_submodule(HEAD_MODULE, head)
 
         last = layers[-1]
@@ -186,12 +188,12 @@ class InsertEagleHead(GraphPass):
         normed = emit("eagle_norm", "call_module", norm.target, (hidden,))
         logits = emit("eagle_logits", "call_module", lm_head.target, (normed,), role="eagle_head")
         hidden.meta[WRITES_CACHE] = True
-        hidden.meta[CACHE_SLOT] = slot
+        hidden.meta[CACHE_LAYER] = cache_layer
         hidden.meta[ATTN_KIND] = kind
         outputs = dict(output_dict(gm))
         outputs.update(eagle_logits=logits, eagle_hidden=hidden, last_hidden=last)
         set_output_dict(gm, outputs)
-        gm.meta[EAGLE_SLOT] = slot
+        gm.meta[EAGLE_LAYER] = cache_layer
         gm.meta[EXTRA_CACHE_LAYERS] = gm.meta.get(EXTRA_CACHE_LAYERS, 0) + 1
         return PassResult(gm, modified=True, matches=1)
 
@@ -217,11 +219,11 @@ class FuseEagleHeadLayer(GraphPass):
         return PassResult(gm, modified=True, matches=1)
 
 
-def eagle_slot_of(gm: fx.GraphModule) -> int:
-    """The KV-cache slot of the EAGLE head of ``gm``."""
-    if EAGLE_SLOT not in gm.meta:
+def eagle_layer_of(gm: fx.GraphModule) -> int:
+    """The KV-cache layer of the EAGLE head of ``gm``."""
+    if EAGLE_LAYER not in gm.meta:
         raise ValueError("graph has no EAGLE head; run InsertEagleHead first")
-    return gm.meta[EAGLE_SLOT]
+    return gm.meta[EAGLE_LAYER]
 
 
 def _copy_with(graph: fx.Graph, nodes: list[fx.Node], env: dict[fx.Node, fx.Node]) -> None:
@@ -232,7 +234,7 @@ def _copy_with(graph: fx.Graph, nodes: list[fx.Node], env: dict[fx.Node, fx.Node
 
 def target_stage(gm: fx.GraphModule) -> fx.GraphModule:
     """The host and the teacher-forced head: see the module docstring (``target``)."""
-    eagle_slot_of(gm)
+    eagle_layer_of(gm)
     outputs = output_dict(gm)
     inputs = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
     graph = fx.Graph()
@@ -252,7 +254,7 @@ def target_stage(gm: fx.GraphModule) -> fx.GraphModule:
 
 def head_stage(gm: fx.GraphModule) -> fx.GraphModule:
     """The draft head alone: see the module docstring (``head``)."""
-    eagle_slot_of(gm)
+    eagle_layer_of(gm)
     outputs = output_dict(gm)
     inputs = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
     graph = fx.Graph()
@@ -278,7 +280,7 @@ __all__ = [
     "FuseEagleHeadLayer",
     "InsertEagleHead",
     "eagle_head_of",
-    "eagle_slot_of",
+    "eagle_layer_of",
     "eagle_stages",
     "head_stage",
     "previous_hidden",

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import fx, nn
 
+from ..kernels import cpu_m2r2
 from ..modules.fused import rms_params
 from ..modules.m2r2 import ARLARouter, fused_op_layers
 from ..modules.m2r2_kernels import KernelDraft, KernelGate, rope_table
@@ -29,7 +30,6 @@ def kernel_gate(stage: fx.GraphModule, fallback: nn.Module) -> KernelGate | Kern
     parts = _stage_parts(stage)
     if parts is None:
         return None
-    from ..kernels import cpu_m2r2
 
     if not cpu_m2r2.available():
         return None

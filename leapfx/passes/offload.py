@@ -11,7 +11,7 @@ their passes, on whatever stages they cut.
 The pass only rewrites the graph. The modules it inserts (``leapfx.modules.moe``) are
 unbound: the runtime they call into (one ``ExpertOffload`` for the model: slot pools, the slow
 tier's file or host copy, transfer threads) is built from the rewritten graph by
-``leapfx.runtime.offload.build_offload``, which binds it to them; ``rewrite.apply(...,
+``leapfx.offload.build_offload``, which binds it to them; ``rewrite.apply(...,
 offload=OffloadOptions(...))`` runs the pass, then the builder, and hands the runtime to the
 ``SpeculativeModel``. Nothing here opens a file or starts a thread.
 
@@ -40,7 +40,7 @@ Example::
     >>> gm = OffloadExperts(prefetch="next_gate").run(capture(moe_model)).graph_module
     >>> [n.target for n in nodes_by_role(gm, "experts")][:1]
     ['leapfx_offload.experts_0']
-    >>> runtime = build_offload(gm, OffloadOptions(slots=0.5))  # leapfx.runtime.offload
+    >>> runtime = build_offload(gm, OffloadOptions(slots=0.5))  # leapfx.offload
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ Stages are GraphModules with named inputs that share the model's modules by refe
 
 The draft head is whatever computes the graph's ``exit_logits`` from the lower layers: an exit
 head (norm + LM head) or the Kangaroo adapter (norms + attention + LM head). Nodes marked
-``leapfx.writes_cache`` (the adapter's attention) fill a KV-cache slot as a side effect, so every
+``leapfx.writes_cache`` (the adapter's attention) fill a KV-cache layer as a side effect, so every
 stage that runs the lower layers keeps them even where their output is unused: ``full`` and the
 lower part of ``verify`` write the adapter's KV for the positions they run.
 

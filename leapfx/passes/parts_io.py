@@ -10,6 +10,10 @@ of metadata (``{"format", "recipe", "options", "host", ...}``), nothing pickled.
   complete; one that existed is replaced);
 - ``read_parts_meta`` refuses a directory without its files, ``read_meta`` reads the JSON file
   with errors that name the user's option, ``check_host`` refuses parts of another model;
+- ``write_module_parts`` / ``read_module_parts_config``: the one-module directory Kangaroo's
+  adapter and M2R2's accelerators share (``adapter.safetensors`` + ``adapter.json``, the names
+  Kangaroo's adapter gave the format first; saved parts keep them); ``host_signature`` is what
+  every parts directory records of the model it fits;
 - ``LoadParts`` is the shape of every ``Load*`` pass: find the module in the graph, read the
   metadata, check it against the module, load the weights into the module (``load_weights``:
   same names and shapes, or a ValueError naming the option).
@@ -35,6 +39,25 @@ from safetensors.torch import load_file, save_file
 from torch import fx, nn
 
 from .base import GraphPass, PassResult
+
+# A one-module parts directory (Kangaroo's adapter, M2R2's accelerators): its files and format.
+MODULE_WEIGHTS = "adapter.safetensors"
+MODULE_CONFIG = "adapter.json"
+MODULE_FORMAT = 1
+
+
+def host_signature(config) -> dict[str, Any]:
+    """What parts must match in the model they are loaded into (``check_host``)."""
+    heads = config.num_attention_heads
+    return {
+        "model_type": config.model_type,
+        "num_hidden_layers": config.num_hidden_layers,
+        "hidden_size": config.hidden_size,
+        "num_attention_heads": heads,
+        "num_key_value_heads": getattr(config, "num_key_value_heads", None) or heads,
+        "head_dim": getattr(config, "head_dim", None) or config.hidden_size // heads,
+        "vocab_size": config.vocab_size,
+    }
 
 
 def write_dir_atomic(path: str | os.PathLike, write: Callable[[Path], None]) -> Path:
@@ -137,8 +160,14 @@ class LoadParts(GraphPass):
 
     weights: ClassVar[str]
     subset: ClassVar[bool] = False
+    option: ClassVar[str] = "parts"  # the user's option that errors name
 
     path: str
+
+    def host_config(self, module: nn.Module) -> Any:
+        """The HF config of the model ``module`` sits in, whose ``host_signature`` the parts
+        must have been saved with; None: no host to check."""
+        return None
 
     def module_of(self, gm: fx.GraphModule) -> nn.Module:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -147,7 +176,11 @@ class LoadParts(GraphPass):
         raise NotImplementedError
 
     def check(self, module: nn.Module, meta: dict[str, Any]) -> None:
-        """Refuse parts that do not fit ``module`` (ValueError naming the option)."""
+        """Refuse parts that do not fit ``module`` (ValueError naming the option): by default,
+        parts trained for another model (``host_config``)."""
+        config = self.host_config(module)
+        if config is not None:
+            check_host(self.option, self.path, host_signature(config), meta.get("host", {}))
 
     def misfit(self, module: nn.Module, meta: dict[str, Any]) -> str:  # pragma: no cover
         raise NotImplementedError
@@ -164,3 +197,74 @@ class LoadParts(GraphPass):
                                subset=self.subset)  # fmt: skip
         self.loaded(module)
         return PassResult(gm, modified=True, matches=len(tensors))
+
+
+def write_module_files(
+    directory: Path,
+    module: nn.Module,
+    *,
+    weights: str,
+    config: str,
+    fmt: int,
+    recipe: str,
+    options: dict[str, Any],
+    host: dict[str, Any],
+    extra: dict[str, Any] | None = None,
+) -> None:
+    """Write ``module``'s state dict to ``directory/weights`` and the metadata every trained
+    module records (``format``, ``recipe``, ``options``, ``host``, ``parameters``, then
+    ``extra``) to ``directory/config``; the directory exists (not atomic by itself)."""
+    tensors = module_tensors(module)
+    meta = {
+        "format": fmt,
+        "recipe": recipe,
+        "options": options,
+        "host": host,
+        "parameters": sum(t.numel() for t in tensors.values()),
+        **(extra or {}),
+    }
+    write_parts_files(directory, weights, config, tensors, meta)
+
+
+def write_module_parts(
+    module: nn.Module,
+    path: str | os.PathLike,
+    *,
+    recipe: str,
+    options: dict[str, Any],
+    host: dict[str, Any],
+    extra: dict[str, Any] | None = None,
+    also: Callable[[Path], None] | None = None,
+) -> Path:
+    """Write ``module``'s state dict and its metadata (``extra`` added) as a one-module parts
+    directory at ``path`` (replaced if it exists); ``also(dir)`` writes further files into it
+    before the rename (a draft-vocabulary ranking).
+
+    >>> write_module_parts(adapter_of(gm), "kangaroo-adapter/", recipe="kangaroo",
+    ...                    options={"exit_layer": 2}, host=host_signature(hf_model.config))
+    """
+    names = {"weights": MODULE_WEIGHTS, "config": MODULE_CONFIG, "fmt": MODULE_FORMAT}
+
+    def write(tmp: Path) -> None:
+        write_module_files(
+            tmp, module, **names, recipe=recipe, options=options, host=host, extra=extra
+        )
+        if also is not None:
+            also(tmp)
+
+    return write_dir_atomic(path, write)
+
+
+def read_module_parts_config(
+    path: str | os.PathLike, *, recipe: str, option: str, missing: str
+) -> dict[str, Any]:
+    """The metadata of the one-module parts directory at ``path``, saved by ``recipe``;
+    ValueError naming ``option`` (``missing``: see ``read_parts_meta``)."""
+    files = (MODULE_WEIGHTS, MODULE_CONFIG)
+    meta = read_parts_meta(path, files, MODULE_CONFIG, option=option, fmt=MODULE_FORMAT,
+                           missing=missing)  # fmt: skip
+    if meta.get("recipe") != recipe:
+        raise ValueError(
+            f"{option}: {str(path)!r} was saved by recipe {meta.get('recipe')!r}, not {recipe!r}"
+        )
+    return meta

@@ -3,7 +3,7 @@
 ``SkipLayers(layers)`` rewires every user of decoder layer i (i in ``layers``) to the hidden
 state that entered it, the output of the nearest kept layer below, and drops what no longer
 feeds the output. Layer 0 is never skipped (its input is the embedding, which some families
-scale in nodes of their own). A skipped layer writes no cache slot: the verify pass, the full
+scale in nodes of their own). A skipped layer writes no cache layer: the verify pass, the full
 model over [x, drafts], writes every layer's keys for those positions.
 
 ``DraftSkipSet(layers)`` only records the set on the graph (``leapfx.draft_skip``);

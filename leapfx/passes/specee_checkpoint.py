@@ -22,12 +22,13 @@ from typing import Any, ClassVar
 
 from torch import fx, nn
 
-from .adapter_checkpoint import write_adapter
+from .eagle_checkpoint import write_eagle_files
 from .parts_io import (
     LoadParts,
     module_tensors,
     read_parts_meta,
     write_dir_atomic,
+    write_module_parts,
     write_parts_files,
 )
 from .predictor import predictors_of
@@ -57,13 +58,11 @@ def write_parts(
         write_parts_files(tmp, WEIGHTS, CONFIG, tensors, meta)
         head = getattr(gm, "eagle_head", None)
         if head is not None:
-            from .eagle_checkpoint import write_eagle_files
-
             (tmp / EAGLE_DIR).mkdir()
             write_eagle_files(head, tmp / EAGLE_DIR, recipe="eagle", options={}, host=host)
         adapter = getattr(gm, "kangaroo_adapter", None)
         if adapter is not None:
-            write_adapter(
+            write_module_parts(
                 adapter, tmp / ADAPTER_DIR, recipe="kangaroo",
                 options={"exit_layer": options["exit_layer"]}, host=host,
             )  # fmt: skip

@@ -21,18 +21,19 @@ import logging
 from torch import nn
 
 from ..lower import lower
+from ..offload import OffloadOptions, build_offload
+from ..offload.checkpoint import checkpoint_only
 from ..options import check_bool
 from ..passes.base import PassPipeline
 from ..passes.capture import EXTRA_CACHE_LAYERS, capture, check_supported
 from ..passes.offload import OffloadExperts
-from ..runtime.compiled import BACKENDS
 from ..runtime.model import RecipeInfo, SpeculativeModel
-from ..runtime.offload import OffloadOptions, build_offload
-from ..runtime.offload.checkpoint import checkpoint_only
 from .defaults import kernels_choice, shipped_options
 from .recipes import RECIPES, Recipe, lookup_recipes
 
 __all__ = ["apply", "recipes", "get_recipe", "Recipe", "OffloadOptions"]
+
+BACKENDS = ("eager", "inductor")  # apply's backend=; ONNX is an export (leapfx.lower.lower)
 
 log = logging.getLogger(__name__)
 
@@ -97,9 +98,8 @@ def fit_drafts_to_slots(recipe: Recipe, opts, given: dict, runtime):
     only: greedy tokens are the same for every d, sampled ones equal in distribution.
 
     A verify pass of d + 1 tokens routes to up to (d + 1) * top_k experts a layer; past the
-    slots it runs in waves and evicts what the round's drafts prefetched. On the MoE
-    reference model (8 of 16 slots, top-2) LayerSkip at exit layer 3 ran 0.84x on-demand
-    decoding with 6 drafts a round and 1.20x with 3 (docs/recipes.md).
+    slots it runs in waves and evicts what the round's drafts prefetched, which can make
+    speculation slower than on-demand decoding (docs/recipes.md).
     """
     name = recipe.draft_option
     if name is None or given.get(name) is not None:
@@ -145,7 +145,7 @@ def apply(
     they were trained with); every recipe with trained parts takes it. ``offload``: run an
     MoE model's experts from a fast tier of expert slots per layer over a slow tier (disk on a
     CPU, pinned host memory on a GPU); any recipe, same tokens (see
-    ``leapfx.runtime.offload.OffloadOptions``; the eager backend only, with or without
+    ``leapfx.offload.OffloadOptions``; the eager backend only, with or without
     ``cpu_kernels``). A drafting recipe whose draft length is left unset then drafts no more
     tokens a round than a verify pass can route within the slots (``fit_drafts_to_slots``).
 
@@ -160,8 +160,7 @@ def apply(
     if offload is not None:
         if not isinstance(offload, OffloadOptions):
             raise ValueError(
-                f"offload: {offload!r} is invalid; allowed: None or a "
-                "leapfx.runtime.offload.OffloadOptions"
+                f"offload: {offload!r} is invalid; allowed: None or a leapfx.offload.OffloadOptions"
             )
         offload.validate()
         if backend != "eager":
@@ -176,7 +175,7 @@ def apply(
     if offload is None and (held := checkpoint_only(model)):
         raise ValueError(
             f"offload: None, and the experts of {held[0]!r} (and {len(held) - 1} more) are in "
-            "the checkpoint only (leapfx.runtime.offload.load_offloaded); allowed: "
+            "the checkpoint only (leapfx.offload.load_offloaded); allowed: "
             "offload=OffloadOptions(...)"
         )
     given = options
@@ -214,7 +213,7 @@ def apply(
         batch=r.batch(opts) if r.batch is not None else None,
         batch_refusal=r.batch_refusal,
     )
-    sm = SpeculativeModel(model, gm, stages, info, offload=runtime)
+    sm = SpeculativeModel(model, gm, stages, info, offload=runtime, lower=lower)
     if backend == "inductor":  # compile() resolves cpu_kernels the same way
         lower(sm, "inductor", cpu_kernels=cpu_kernels)
         log.info("%s: cpu_kernels=%s (inductor, given %s)", r.name, sm.cpu_kernels, cpu_kernels)

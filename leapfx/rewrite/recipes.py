@@ -15,7 +15,7 @@ from functools import partial
 from torch import fx
 
 from ..options import SavedOptions, check_bool, check_int, check_number
-from ..passes.accelerator import InsertAccelerator
+from ..passes.accelerator import InsertAccelerator, check_gates
 from ..passes.accelerator_checkpoint import LoadAccelerator, read_parts_config
 from ..passes.adapter import InsertKangarooAdapter
 from ..passes.adapter_checkpoint import LoadKangarooAdapter, read_adapter_config
@@ -503,8 +503,6 @@ class M2R2ExitOptions:
     fuse_layers: bool = True
 
     def validate(self, num_layers: int) -> M2R2ExitOptions:
-        from ..passes.accelerator import check_gates
-
         path, saved = _parts_meta(self.parts)
         gates = self.gates
         if gates is None:

@@ -57,8 +57,9 @@ class SpecEEOptions:
     threshold: float | None = None
     verify: bool = False  # True: exited tokens are drafts, verified by the remainder (lossless)
     # K/V of the layers an exited token skipped (see runtime.specee). None: "next" when lossy
-    # (measured: the complete cache keeps agreement >= 0.98 where "mask" loses ~8 points at the
-    # same threshold), "mask" with verify=True (the verify pass recomputes what drafts skipped).
+    # (the complete cache keeps agreement higher than "mask" at the same threshold:
+    # docs/benchmarks.md), "mask" with verify=True (the verify pass recomputes what drafts
+    # skipped).
     kv_fill: str | None = None
     max_draft_tokens: int = 6  # verify=True: drafts per round at most
     window: int = 2  # online schedule: layers within +-window of a recent exit are active

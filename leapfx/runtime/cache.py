@@ -24,10 +24,10 @@ from __future__ import annotations
 import torch
 
 
-class SlotLengths:
-    """Per-slot fill lengths with O(1) rollback, shared by every backend's KV cache.
+class LayerLengths:
+    """Per-layer fill lengths with O(1) rollback, shared by every backend's KV cache.
 
-    Subclasses set ``keys`` (one buffer per slot), ``max_len`` and ``lengths``.
+    Subclasses set ``keys`` (one buffer per cache layer), ``max_len`` and ``lengths``.
     """
 
     keys: list
@@ -40,7 +40,7 @@ class SlotLengths:
 
     @property
     def length(self) -> int:
-        """Tokens held by every slot (the committed prefix)."""
+        """Tokens held by every layer (the committed prefix)."""
         return min(self.lengths)
 
     def check_room(self, end: int) -> None:
@@ -52,14 +52,14 @@ class SlotLengths:
             )
 
     def crop(self, length: int) -> None:
-        """Forget every position >= ``length`` in every slot (O(1): moves lengths only)."""
+        """Forget every position >= ``length`` in every layer (O(1): moves lengths only)."""
         self.lengths = [min(n, length) for n in self.lengths]
 
     def reset(self) -> None:
         self.lengths = [0] * self.num_layers
 
 
-class StaticKVCache(SlotLengths):
+class StaticKVCache(LayerLengths):
     """Preallocated per-layer key/value tensors with O(1) rollback.
 
     >>> cache = StaticKVCache(num_layers=2, num_kv_heads=1, head_dim=4, max_len=16)
@@ -136,10 +136,10 @@ def cache_for(
 ) -> StaticKVCache:
     """A cache shaped for ``model`` (a supported HF causal LM).
 
-    ``extra_layers`` slots past the model's own layers serve attention blocks a rewrite added
-    (the Kangaroo adapter writes slot ``num_hidden_layers``); they have the model's KV shape and
-    roll back with the rest. ``static_addresses`` (None: on CUDA) marks the buffers for CUDA
-    graphs (see the module docstring).
+    ``extra_layers`` cache layers past the model's own layers serve attention blocks a rewrite
+    added (the Kangaroo adapter writes cache layer ``num_hidden_layers``); they have the model's
+    KV shape and roll back with the rest. ``static_addresses`` (None: on CUDA) marks the buffers
+    for CUDA graphs (see the module docstring).
     """
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

@@ -2,8 +2,8 @@
 
 A recipe (``leapfx.rewrite.recipes.Recipe``) declares its ``Capabilities``; ``rewrite.apply``
 hands them to the ``SpeculativeModel`` in its ``RecipeInfo`` (``sm.recipe.capabilities``), so
-that lowering (``leapfx.lower``, ``leapfx.runtime.compiled``) and export (``leapfx.export``),
-which sit below ``rewrite``, ask the model instead of branching on recipe names.
+that lowering (``leapfx.lower``) and export (``leapfx.export``), which sit below ``rewrite``,
+ask the model instead of branching on recipe names.
 
     >>> sm = rewrite.apply(hf_model, "layerskip", exit_layer=2)
     >>> sm.recipe.capabilities.has_chain
@@ -31,7 +31,7 @@ class Capabilities:
     # kernel and ONNX lowerings build one).
     has_chain: bool = False
     # Its per-layer stages (``layer_i`` ...) compile as segments of one call each
-    # (``leapfx.runtime.specee_compiled``) instead of one graph per stage.
+    # (``leapfx.lower.specee_segments``) instead of one graph per stage.
     layer_segments: bool = False
     # Its ``draft`` stage is verify's lower part (``hidden``: the exit states verify joins to
     # the cached ones), so onnxruntime may run verify as that stage plus an upper part.

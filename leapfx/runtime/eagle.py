@@ -3,22 +3,22 @@
 Stages (``leapfx.passes.eagle_head.eagle_stages``):
 
 - ``target``: every host layer, norm and head on a chunk, plus the head's fc + layer on the
-  host's true features (so the head's KV slot is filled wherever the host runs); returns the
+  host's true features (so the head's cache layer is filled wherever the host runs); returns the
   logits and the pre-norm last-layer hidden states h of the chunk;
 - ``head``: the draft head alone on (token x_t, h_{t-1}) -> (head logits, head state g_t).
 
-A round, with the newest token x at position p (not yet in the cache), every slot -- the host
+A round, with the newest token x at position p (not yet in the cache), every cache layer -- the host
 layers' and the head's -- holding positions 0..p-1, and h_{p-1} from the previous target call::
 
     draft:  y_1 from head(x, h_{p-1}) at p; y_{i+1} from head(y_i, g_{p+i-1}) at p+i (the head
             feeds its own state back). Stops after the first y_i whose top-1 probability is <=
             confidence_threshold, or at d = max_draft_tokens. Writes head KV for p..p+d-1.
-    verify: crop the head's slot back to p (its draft KV came from its own g, not from h; the
-            host's slots hold 0..p-1 anyway, so a plain crop(p) does it), then
+    verify: crop the head's cache layer back to p (its draft KV came from its own g, not from h; the
+            host's cache layers hold 0..p-1 anyway, so a plain crop(p) does it), then
             target on [x, y_1..y_d] at p..p+d with h_{p-1}: d+1 target distributions and the
             true h of every position; host and head KV for p..p+d, the head's now from h.
     accept: k drafts and a correction/bonus token z (``schedules.accept``: greedy prefix match
-            or rejection sampling); crop every slot to p+k+1 (O(1)); h_{p+k} is the state the
+            or rejection sampling); crop every cache layer to p+k+1 (O(1)); h_{p+k} is the state the
             next round's first draft reads, z the token.
 
 So the head always attends to KV computed from the host's true features for committed
@@ -56,7 +56,7 @@ def head_step(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The draft head on tokens ``input_ids`` [1, S] at positions start.. reading ``hidden``
     [1, S, D] (h_{t-1} of each token, or the head's own g); returns (logits [1, S, V],
-    g [1, S, D]) and writes the head's KV slot for those positions."""
+    g [1, S, D]) and writes the head's cache layer for those positions."""
     # Timed as "draft" / "verify" (``runner.seconds``), the names the bench's cost ratios read.
     out = runner.chunk("head", input_ids, start, key="draft", hidden=hidden)
     return out["logits"], out["hidden"]
@@ -135,7 +135,7 @@ class EagleDrafter(Drafter):
             return no_draft(x)
         drafts, q = draft_chain(runner, x, self.h, start, d, self.threshold, request)
         # The draft's head KV came from the head's own states; verify rewrites it from h.
-        # Only the head's slot holds positions >= start, so this crops it alone.
+        # Only the head's cache layer holds positions >= start, so this crops it alone.
         runner.cache.crop(start)
         return Draft(drafts, q, self.name)
 
@@ -156,7 +156,7 @@ def eagle(
 
     ``first`` (``lookup=True``): each round drafts by prompt lookup where the text so far has
     a match, else with the head. A lookup round is verified by the same ``target`` call, which
-    writes the head's slot from the true features and returns the h the next round reads, so
+    writes the head's cache layer from the true features and returns the h the next round reads, so
     it leaves the head's state as a head round does (and has no draft KV to crop)."""
     metrics.num_speculations = max_draft_tokens  # CTAR(w) for w = 1..d
     own = EagleDrafter(runner.layout, confidence_threshold)

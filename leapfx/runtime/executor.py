@@ -2,10 +2,11 @@
 
 A stage executor is called with the stage's named inputs (``input_ids``, ``position_ids``,
 ``masks``, ``cache``, and whatever else the stage's cut names) and returns a dict of tensors.
-The eager stages are the GraphModules themselves; ``leapfx.runtime.compiled`` wraps compiled
-graphs (``CompiledStage``, ``CompiledChain``) and eager kernel chains (``EagerChain``);
-``leapfx.lower.onnxruntime`` wraps onnxruntime sessions (``OrtStage``, ``OrtChainStage``,
-``SplitVerify``). Schedules never see which.
+The eager stages are the GraphModules themselves; ``leapfx.lower`` wraps compiled graphs
+(``inductor.py``: ``CompiledStage``, ``CompiledChain``), eager kernel chains (``cpu_kernels.py``:
+``EagerChain``) and onnxruntime sessions (``onnxruntime.py``: ``OrtStage``, ``OrtChainStage``,
+``SplitVerify``). Schedules never see which. ``Lower`` is the shape of ``leapfx.lower.lower``,
+which a ``SpeculativeModel`` is handed (lowering sits a floor above the runtime).
 
 Three things an executor may declare beyond the call, each with a default that an eager
 GraphModule gets without declaring anything:
@@ -70,3 +71,13 @@ def chain_length(executor: object | None) -> int:
     """The greedy drafts one call of ``executor`` (a ``draft_chain``) makes; 0 for None or a
     stage that is not a chain."""
     return int(getattr(executor, "chain_length", 0) or 0)
+
+
+class Lower(Protocol):
+    """``leapfx.lower.lower``: lowers ``sm``'s stages to ``backend`` and returns the model
+    (``SpeculativeModel.compile`` and ``use_cpu_kernels`` call it).
+
+    >>> lower(sm, "inductor", verify_shapes="padded")
+    """
+
+    def __call__(self, sm: Any, backend: str, **options: Any) -> Any: ...

@@ -28,6 +28,8 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
+from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMixin
 
 from .decode import check_prompt, decode_request, left_padding, teacher_sequence, with_teacher
 from .metrics import DecodeMetrics
@@ -126,8 +128,6 @@ class _Host:
 
     @staticmethod
     def _merge_criteria_processor_list(default, custom):
-        from transformers.generation.utils import GenerationMixin
-
         return GenerationMixin._merge_criteria_processor_list(None, default, custom)
 
 
@@ -141,8 +141,6 @@ class Call:
 
 def effective_config(model_config, generation_config, kwargs: dict[str, Any]):
     """HF's effective ``GenerationConfig`` for a call, and the leftover kwargs (not fields)."""
-    from transformers import GenerationConfig
-    from transformers.generation.utils import GenerationMixin
 
     if generation_config is not None and not isinstance(generation_config, GenerationConfig):
         raise ValueError(
@@ -187,8 +185,6 @@ def prepare(
     ``prompt`` is ``input_ids`` on the decode's device; ``model_config`` the model's (or the
     export's) generation config.
     """
-    from transformers import LogitsProcessorList, StoppingCriteriaList
-    from transformers.generation.utils import GenerationMixin
 
     logits_processor = LogitsProcessorList(logits_processor or [])
     stopping_criteria = StoppingCriteriaList(stopping_criteria or [])
@@ -257,8 +253,6 @@ def prepare(
 
 def _stopping(host: _Host, config, stopping_criteria, tokenizer):
     """HF's stopping criteria except those leapfx checks natively (max length, EOS)."""
-    from transformers.generation.utils import GenerationMixin
-
     native = copy.copy(config)
     native.max_length, native._eos_token_tensor = None, None
     return GenerationMixin._get_stopping_criteria(host, native, stopping_criteria, tokenizer)
@@ -273,7 +267,6 @@ def finish(input_ids: torch.Tensor, tokens: list[int], call: Call, metrics: Deco
     config = call.config
     if not config.return_dict_in_generate:
         return sequences
-    from transformers.generation.utils import GenerateDecoderOnlyOutput
 
     processing = call.request.processing
     scores = logits = None

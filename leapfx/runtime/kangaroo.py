@@ -9,14 +9,14 @@ Stages (``leapfx.passes.partition`` on a graph with a Kangaroo adapter):
   norm and head on the early features of the round (the "double early exit": the shallow
   sub-network's states are reused, never recomputed).
 
-A round, with the newest token x at position p (not yet in the cache) and every slot -- the host
-layers' and the adapter's -- holding positions 0..p-1::
+A round, with the newest token x at position p (not yet in the cache) and every cache layer --
+the host layers' and the adapter's -- holding positions 0..p-1::
 
     draft:  y_1..y_d from x, y_1, ..; stops after the first y_i whose draft confidence
             max_n M^s_n <= eta (eq. 4) or at d = gamma. Writes lower + adapter KV for p..p+d-1.
     verify: y_d through layers < l and the adapter's attention (KV for p+d), then the upper
             layers on p..p+d -> d+1 target distributions.
-    accept: k drafts and a correction/bonus token; crop every slot to p+k+1 (O(1)).
+    accept: k drafts and a correction/bonus token; crop every cache layer to p+k+1 (O(1)).
 
 So the adapter has KV for every committed position before it drafts again. This is the case of
 the paper's Figure 2: when all d drafts are accepted, the adapter has not yet seen y_d (it only
@@ -70,7 +70,7 @@ def kangaroo(
 
     ``first``: a drafter tried before the adapter each round (``lookup=True``). Its rounds are
     verified by the ``full`` stage, which also runs the adapter's attention on the positions
-    it covers, so the adapter's slot holds every committed position after them as after its
+    it covers, so the adapter's cache layer holds every committed position after them as after its
     own rounds."""
     metrics.num_speculations = max_draft_tokens  # CTAR(w) for w = 1..gamma
 

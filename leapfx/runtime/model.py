@@ -25,13 +25,17 @@ from typing import Any, Protocol
 import torch
 from torch import fx, nn
 
+from ..modules.fused import KernelDecoderLayer, KernelExperts, KernelLinear
 from ..options import check_bool, check_int
-from ..passes.capture import decoder_parts
+from ..passes.capture import decoder_pieces
 from ..passes.partition import Stages
+from ..passes.skip_layers import DRAFT_SKIP, swift_stages
+from . import schedules, swift
 from .batch import BatchPlan, BatchPolicy, RowRunner, batched_loop, row_cache_for
 from .cache import StaticKVCache, cache_for
 from .capabilities import Capabilities
 from .decode import cache_length, check_prompt, decode
+from .executor import Lower
 from .generation import GenerateFrontEnd, GenerationSource
 from .masks import SUPPORTED_ATTENTION
 from .metrics import DecodeMetrics
@@ -60,7 +64,7 @@ class RecipeInfo:
     options: Any  # the recipe's frozen options dataclass
     schedule: Schedule
     lookahead: int  # positions a schedule may write past the last emitted token
-    extra_cache_layers: int = 0  # KV-cache slots for attention blocks the rewrite added
+    extra_cache_layers: int = 0  # KV-cache layers for attention blocks the rewrite added
     lossless: bool = True  # token-identical to greedy; lossy recipes support teacher forcing
     # Trains/saves what the recipe inserted; a factory so that decoding never imports training.
     training: Callable[[], RecipeTraining] | None = None
@@ -86,6 +90,10 @@ class SpeculativeModel(GenerateFrontEnd):
         last_metrics: ``DecodeMetrics`` of the latest ``generate`` call (None before one).
         offload: the expert-offload runtime of an MoE model applied with ``offload=`` (an
             ``ExpertOffload``), else None.
+
+    ``lower`` is ``leapfx.lower.lower``, which ``compile`` and ``use_cpu_kernels`` run: lowering
+    sits a floor above the runtime, so ``rewrite.apply`` hands it in rather than the runtime
+    importing it.
     """
 
     def __init__(
@@ -96,6 +104,7 @@ class SpeculativeModel(GenerateFrontEnd):
         recipe: RecipeInfo,
         *,
         offload: Any = None,
+        lower: Lower | None = None,
     ) -> None:
         impl = model.config._attn_implementation
         if impl not in SUPPORTED_ATTENTION:
@@ -111,12 +120,12 @@ class SpeculativeModel(GenerateFrontEnd):
         self.stages = stages
         self.recipe = recipe
         self.last_metrics: DecodeMetrics | None = None
-        parts = decoder_parts(model)
+        pieces = decoder_pieces(model)
         param = next(model.parameters())
         self._layout = AttentionLayout(
             impl=impl,
-            kinds=tuple(parts.attn_kinds),
-            window=parts.sliding_window,
+            kinds=tuple(pieces.attn_kinds),
+            window=pieces.sliding_window,
             dtype=param.dtype,
             device=param.device,
         )
@@ -129,6 +138,7 @@ class SpeculativeModel(GenerateFrontEnd):
         # generate call lands in last_offload_report.
         self.offload = offload
         self.last_offload_report = None
+        self._lower = lower
         # swift: what the latest calibrate() measured (None before one).
         self.calibration = None
         # Batched decodes' draft-length policy (its costs are this model's on this machine).
@@ -186,40 +196,28 @@ class SpeculativeModel(GenerateFrontEnd):
     def use_cpu_kernels(self, enabled: bool = True) -> SpeculativeModel:
         """Run the eager stages' projections through leapfx's small-M CPU kernels; returns self.
 
-        The kernels (``leapfx.kernels.cpu``, C++ built on first use) read each weight once for
-        all the rows of a verify pass, where MKL's cost grows about linearly with the rows:
-        on the reference model they make eager decoding ~1.3x faster. The stages keep packed
-        copies of the projection weights, taken here (call it again after training the model
-        in place); the math is the same up to summation order, so outputs are the same tokens
-        except where two logits tie to rounding. Needs a float32 model on a CPU (ValueError
-        otherwise). ``enabled=False`` returns to the plain eager stages. ``rewrite.apply``
-        calls it where its ``cpu_kernels`` (auto by default) says so. For compiled stages pass
-        ``cpu_kernels`` to ``compile()`` (there too they are on by default where they run).
-        MoE layers run their attention (``KernelAttention``) and experts (``KernelExperts``:
-        ``leapfx_cpu::moe_experts``) on them too, offloaded experts over the slot pools.
+        The kernels (``leapfx.kernels.cpu``, C++ built on first use) read each weight once for all
+        the rows of a verify pass, where MKL's cost grows about linearly with the rows
+        (docs/benchmarks.md has the speedups). The stages keep packed copies of the projection
+        weights, taken here (call it again after training the model in place); the math is the same
+        up to summation order, so outputs are the same tokens except where two logits tie to
+        rounding. Needs a float32 model on a CPU (ValueError otherwise). ``enabled=False`` returns
+        to the plain eager stages. ``rewrite.apply`` calls it where its ``cpu_kernels`` (auto by
+        default) says so. For compiled stages pass ``cpu_kernels`` to ``compile()`` (there too they
+        are on by default where they run). MoE layers run their attention (``KernelAttention``) and
+        experts (``KernelExperts``: ``leapfx_cpu::moe_experts``) on them too, offloaded experts over
+        the slot pools. It runs ``leapfx.lower.lower(self, "cpu_kernels" | "eager")``.
 
         >>> sm = rewrite.apply(hf_model, "layerskip", exit_layer=4)  # on: a float32 CPU model
         >>> sm.use_cpu_kernels(False).cpu_kernels  # back to the plain eager stages
         False
         """
         check_bool("enabled", enabled)
-        if self.backend != "eager":
-            raise ValueError(
-                f"use_cpu_kernels: the stages run on {self.backend!r}; pass cpu_kernels= to "
-                "compile() instead (allowed here: an eager SpeculativeModel)"
-            )
-        from .compiled import kernel_stages
-
-        self._executors = kernel_stages(self) if enabled else None
-        if self.offload is not None:  # an MoE model's offloaded experts: over the slots
-            self.offload.kernels = enabled
-        return self
+        return self._lowering("use_cpu_kernels")(self, "cpu_kernels" if enabled else "eager")
 
     @property
     def cpu_kernels(self) -> bool:
         """Whether the stages that ``generate`` runs use the ``leapfx_cpu`` kernels."""
-        from ..modules.fused import KernelDecoderLayer, KernelExperts, KernelLinear
-
         kinds = (KernelDecoderLayer, KernelExperts, KernelLinear)
         for stage in (self._executors or {}).values():
             module = getattr(getattr(stage, "pure", None), "stage", stage)
@@ -253,35 +251,35 @@ class SpeculativeModel(GenerateFrontEnd):
         ``warmup`` compiles every shape a decode uses now (minutes on a CPU for a real model),
         so that ``generate`` never compiles. The cache is sized once (``max_cache_len``, or
         the first rounding step of 256 positions); a longer generation grows it, which
-        compiles again once. See ``leapfx.runtime.compiled.CompileOptions`` for ``mode``,
+        compiles again once. See ``leapfx.lower.inductor.CompileOptions`` for ``mode``,
         ``verify_shapes``, ``transpose_weights`` and ``cpu_kernels`` (on a CPU the compiled
         stages keep a transposed copy of the projection weights, taken here: call
         ``compile()`` again after training the model in place; with float32 weights they
         multiply through leapfx's small-M C++ kernels, built on first use). ``draft_chain``:
         LayerSkip's greedy rounds draft their d tokens in one compiled call of d unrolled draft
-        steps (``CompiledChain``) instead of d calls; same tokens.
+        steps (``CompiledChain``) instead of d calls; same tokens. It runs
+        ``leapfx.lower.lower(self, "inductor", ...)``.
 
         >>> sm = rewrite.apply(hf_model, "layerskip", exit_layer=4).compile()
         """
-        from .compiled import CompileOptions, compile_stages
+        return self._lowering("compile")(
+            self, "inductor", mode=mode, verify_shapes=verify_shapes, warmup=warmup,
+            transpose_weights=transpose_weights, cpu_kernels=cpu_kernels, draft_chain=draft_chain,
+        )  # fmt: skip
 
-        self._check_compiles("compile")
-        if self.offload is not None:
+    def _lowering(self, what: str) -> Lower:
+        if self._lower is None:
             raise ValueError(
-                "compile: the experts of this model are offloaded (data-dependent transfers "
-                "that torch.compile cannot trace); allowed: the eager backend"
+                f"{what}: this SpeculativeModel was built without a lowering; build it with "
+                "leapfx.rewrite.apply, or call leapfx.lower.lower(model, backend)"
             )
-        options = CompileOptions(
-            mode=mode,
-            verify_shapes=verify_shapes,
-            warmup=warmup,
-            transpose_weights=transpose_weights,
-            cpu_kernels=cpu_kernels,
-            draft_chain=draft_chain,
-        )
-        self._executors = compile_stages(self, options)
-        self.backend = "inductor"
-        return self
+        return self._lower
+
+    def set_executors(self, executors: dict[str, Any] | None, backend: str) -> None:
+        """Run ``executors`` (None: the eager stages) on ``backend`` from now on: what
+        ``leapfx.lower`` calls once it has lowered the stages."""
+        self._executors = executors
+        self.backend = backend
 
     def _compile_cache_len(self) -> int:
         """The cache length compiled graphs are specialised to: the current cache's, or the
@@ -445,8 +443,6 @@ class SpeculativeModel(GenerateFrontEnd):
         (3, 5, 8)
         >>> sm.save_parts("swift-parts/")
         """
-        from . import schedules, swift
-
         if self.recipe.name != "swift":
             raise ValueError(
                 f"calibrate: recipe {self.recipe.name!r} has no skip set to calibrate; allowed: "
@@ -512,8 +508,6 @@ class SpeculativeModel(GenerateFrontEnd):
         """swift: cut the ``draft`` stage again without layers ``skip`` and record the set in
         the options (``parts``, where the set came from a directory, no longer applies); the
         CPU kernels' executors, where on, are packed again from the stages."""
-        from ..passes.skip_layers import DRAFT_SKIP, swift_stages
-
         if skip == self.options.skip_layers:
             return
         kernels = self._executors is not None
@@ -546,10 +540,11 @@ class SpeculativeModel(GenerateFrontEnd):
         # of the upward imports tools/check_layers.py allows (sm.export_onnx is a convenience).
         from ..export import export_onnx
 
-        self._check_compiles("export_onnx")
+        self.check_compiles("export_onnx")
         return export_onnx(self, path, opset=opset, overwrite=overwrite, optimize=optimize)
 
-    def _check_compiles(self, what: str) -> None:
+    def check_compiles(self, what: str) -> None:
+        """ValueError naming ``what`` where the recipe's stages run eager only."""
         if not self.recipe.compiles:
             raise ValueError(
                 f"{what}: recipe {self.recipe.name!r} runs its stages eager only (a stage takes "

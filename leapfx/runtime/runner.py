@@ -135,7 +135,7 @@ class StageRunner:
         """M2R2's fast stream on one token [1, 1] at ``start``; returns logits [1, 1, V].
 
         Reads the cache's slow keys and extends ``scratch`` (a ``FastScratch``); writes no
-        cache slot."""
+        cache layer."""
         return self.call(
             "draft",
             input_ids=input_ids,

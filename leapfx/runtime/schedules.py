@@ -331,7 +331,7 @@ class Drafter:
     idle: bool = False
 
     def prefill(self, runner: StageRunner, prompt: torch.Tensor) -> torch.Tensor:
-        """Logits [1, n, V] of the prompt [1, n]; fills every slot the drafter reads."""
+        """Logits [1, n, V] of the prompt [1, n]; fills every cache layer the drafter reads."""
         return self.target(runner, prompt, 0)
 
     def target(

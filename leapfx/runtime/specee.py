@@ -167,7 +167,7 @@ class SpecEEDecoder:
         # EAGLE drafter: the head reads h of the previous position (pre-norm; for an exited
         # token the state at its exit layer, as the authors' code feeds the exit's state).
         self.eagle = "eagle_head" in runner.stages
-        # Compiled layer segments (runtime.specee_compiled) build their masks from positions
+        # Compiled layer segments (leapfx.lower.specee_segments) build their masks from positions
         # and take the validity bias as an input instead of a host-built mask.
         self.compiled = builds_masks(runner.stages[f"layer_{self.first}"])
         # Eager: each exit check's stage is one call_module node (a LayerExit); the decoder
@@ -372,7 +372,7 @@ class SpecEEDecoder:
         """
         d = len(steps)
         m = min(s.exit_layer for s in steps)
-        if self.eagle:  # the head's KV slot holds every position: fill the last draft's
+        if self.eagle:  # the head's cache layer holds every position: fill the last draft's
             self._candidates(last, c + d, {})
         out = self.runner.chunk("draft", last, c + d)
         h = out["hidden"]

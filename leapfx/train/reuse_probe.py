@@ -1,6 +1,6 @@
 """``leapfx train-reuse-probe``: fit the expert cache's learned eviction order for an MoE model.
 
-Fits ``leapfx.runtime.offload.ReuseProbe`` on teacher-forced windows of the reference corpus's
+Fits ``leapfx.offload.ReuseProbe`` on teacher-forced windows of the reference corpus's
 training split, then replays it on held-out windows (the tokens in order, one cache across the
 windows, as decoding prompt after prompt keeps its slots) beside LRU and Belady's optimal
 eviction, at each slot fraction, and writes the probe with those hit rates in its metadata.
@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 from ..models.routing import cache_hit_rates, scored_hit_rate
+from ..offload.reuse import ReuseProbe, experts_inputs, fit_reuse_probe
 from ..options import check_int
-from ..runtime.offload.reuse import ReuseProbe, experts_inputs, fit_reuse_probe
 from .data import encode_documents
 from .evaluate import eval_windows
 from .reference import reference_corpus

@@ -10,27 +10,22 @@ before queued prefetches.
 - ``ThreadEngine`` (CPU): a worker thread is the copy engine for prefetches, a
   ``concurrent.futures.Future`` is the ticket. On-demand reads run on the caller's thread by
   default (``inline_demand``): compute waits for them anyway, and handing one to a worker costs
-  two GIL handoffs, each a scheduling latency on a busy CPU (measured on the project's loaded
-  2-core machine: 2.4 ms of stall per token with a demand worker, 0 inline, the reads being the
-  same). Compute runs on the caller's thread and is synchronous, so a slot is free once
-  ``release`` returns: ``record_free`` has nothing to record. Disk reads and tensor copies
-  release the GIL, so the worker's reads overlap the caller's matmuls.
-- ``NativeEngine`` (CPU, disk tier): C++ reader threads (``leapfx.kernels.cpu_reader``) that
-  never take the GIL, several reads in flight (demand reads ahead of prefetch reads). On-demand
-  reads go to the workers too, and compute spins until they land: a computing thread that
-  blocks in a read of its own sleeps, and on the project's 2-core KVM guest it woke late. The
-  gain needs ``OffloadOptions.reader_cpu``'s polling worker on the other core (on-demand
-  decoding of the MoE reference model at half the slots, interleaved, median of 5: 5.48 ms a
-  token reading inline, 5.42 on sleeping workers, 4.40 on a polling one; docs/benchmarks.md).
-  ``inline_demand=True`` reads them on the caller's thread instead (the caller reads one, idle
-  workers the others). A Python worker takes
-  the GIL back after every read and the computing thread's torch calls hand it over, a context
-  switch each (measured: every torch call of a decode step ~1.5x slower while a prefetch ran, so
-  prefetch cost more than it saved). Its jobs are data, not code: a ``ReadJob``'s reads as
-  ``DiskStore`` describes them (fd, offset, slot addresses; ``direct_read``), one ``preadv``
-  each. The ticket keeps the job's slot views alive until the job is taken; per-read start and
-  end times (CLOCK_MONOTONIC, ``time.perf_counter``'s clock on Linux) reach the trace when it
-  is.
+  two GIL handoffs, each a scheduling latency on a busy CPU. Compute runs on the caller's thread
+  and is synchronous, so a slot is free once ``release`` returns: ``record_free`` has nothing to
+  record. Disk reads and tensor copies release the GIL, so the worker's reads overlap the caller's
+  matmuls.
+- ``NativeEngine`` (CPU, disk tier): C++ reader threads (``leapfx.kernels.cpu_reader``) that never
+  take the GIL, several reads in flight (demand reads ahead of prefetch reads). On-demand reads go
+  to the workers too, and compute spins until they land: a computing thread that blocks in a read
+  of its own sleeps, and on the project's 2-core KVM guest it woke late. The gain needs
+  ``OffloadOptions.reader_cpu``'s polling worker on the other core (docs/benchmarks.md, "Why the
+  defaults"). ``inline_demand=True`` reads them on the caller's thread instead (the caller reads
+  one, idle workers the others). A Python worker takes the GIL back after every read and the
+  computing thread's torch calls hand it over, a context switch each, which made prefetching cost
+  more than it saved. Its jobs are data, not code: a ``ReadJob``'s reads as ``DiskStore``
+  describes them (fd, offset, slot addresses; ``direct_read``), one ``preadv`` each. The ticket
+  keeps the job's slot views alive until the job is taken; per-read start and end times
+  (CLOCK_MONOTONIC, ``time.perf_counter``'s clock on Linux) reach the trace when it is.
 - ``CudaEngine``: copies on side streams (a high-priority stream for demand, a low-priority one
   for prefetch), a ``torch.cuda.Event`` per job as the ticket (the slot's ready event), waited
   on by the compute stream without a host sync. ``record_free`` records an event on the compute
@@ -52,7 +47,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ...kernels import cpu_reader
+from ..kernels import cpu_reader
 
 Job = Callable[[], int]
 

@@ -24,7 +24,7 @@ Rules (a pure-Python LRU/LFU model in tests/test_offload.py replays them exactly
   A clock that ticks on every event orders recency; it is exact, not wall time. ``reuse``:
   evict the expert with the lowest ``scores`` entry, ties to the least recent: the scores are
   a learned estimate of how likely each expert is to be used by the next few tokens
-  (``leapfx.runtime.offload.reuse.ReuseProbe``), set by the runtime from what the layer saw
+  (``leapfx.offload.reuse.ReuseProbe``), set by the runtime from what the layer saw
   last; before the first scores arrive, ``reuse`` is LRU.
   ``victim_key`` (None: the policy) replaces the policy's order: a function of an expert, the
   smallest key evicted first (``leapfx.bench.offload.RoutingOracle`` sets one that knows the

@@ -31,6 +31,10 @@ eager decoding up to float rounding: attention over a masked full buffer sums in
 order than attention over the filled prefix, so a near-tie between two logits may resolve
 differently, exactly as it may between two eager builds of PyTorch.
 
+``inductor.py`` holds the executors (``CompiledStage``, ``CompiledChain``) and the options
+(``CompileOptions``); ``compile.py`` builds them for a model (``compile_stages``), with SpecEE's
+per-layer segments from ``specee_segments.py``.
+
 Example::
 
     >>> sm = rewrite.apply(hf_model, "layerskip", exit_layer=4, backend="inductor")
@@ -39,10 +43,6 @@ Example::
 
 from __future__ import annotations
 
-import copy
-import logging
-import operator
-import time
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -50,34 +50,12 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from ..modules import fused
-from ..modules.fused import (
-    FusedAttention,
-    FusedDecoderLayer,
-    KernelAttention,
-    KernelDecoderLayer,
-    KernelExperts,
-    KernelLinear,
-    KernelRMSNorm,
-    RotaryTable,
-    TransposedDecoderLayer,
-    TransposedLinear,
-    experts_kernel_covers,
-)
-from ..modules.m2r2 import AcceleratedLayer, KernelAcceleratedLayer
-from ..modules.specee import KernelLayerExit, LayerExit
 from ..options import check_bool, check_choice
-from .cache import StaticKVCache
-from .executor import mask_free
-from .masks import position_masks
-from .runner import AttentionLayout
-from .stage_signature import discover  # which cache layers each position input feeds
-
-log = logging.getLogger(__name__)
-
-BACKENDS = ("eager", "inductor")
-# Position inputs of a stage and the mask input each one feeds.
-POSITION_MASKS = {"position_ids": "masks", "remainder_position_ids": "remainder_masks"}
+from ..runtime.cache import StaticKVCache
+from ..runtime.masks import position_masks
+from ..runtime.runner import AttentionLayout
+from .chain import greedy_chain
+from .stage_signature import EAGLE_STAGES, POSITION_MASKS
 
 
 class SlotKVCache:
@@ -162,10 +140,10 @@ class CompileOptions:
 def inductor_options(options: CompileOptions, device: torch.device) -> dict:
     """``torch.compile`` options for a stage on ``device``.
 
-    Measured on the reference model (one CPU thread, one-token decode step of all 16 layers):
-    eager 8.4 ms; compiled 6.4 ms; with ``cpp_wrapper`` (the graph's kernel calls in C++ rather
-    than Python) 4.4 ms; skipping dynamo's guards on the stage's modules removes ~0.6 ms of
-    guard checks per call. The guards dropped are identity checks on the modules: the weights
+    On a CPU, ``cpp_wrapper`` makes the graph's kernel calls in C++ rather than Python, and
+    dynamo's guards on the stage's modules are skipped: both are fixed costs of every call that
+    a one-token step pays in full (the step times: docs/benchmarks.md, "Why the defaults").
+    The guards dropped are identity checks on the modules: the weights
     are still read at every call (they are graph inputs), so training the model in place after
     compiling is seen; replacing its modules is not (compile again).
     """
@@ -182,7 +160,7 @@ def inductor_options(options: CompileOptions, device: torch.device) -> dict:
     return opts
 
 
-class _PureStage(torch.nn.Module):
+class PureStage(torch.nn.Module):
     """A stage as a function of tensors: the cache's key and value buffers, then the inputs.
 
     ``groups`` maps each position input to the cache layers whose keys it positions (as
@@ -220,12 +198,12 @@ class _PureStage(torch.nn.Module):
         return self.stage(**inputs, cache=SlotKVCache(keys, values, positions))
 
 
-def _own_code(module: torch.nn.Module, name: str):
+def own_code(module: torch.nn.Module, name: str):
     """``module.forward`` as a bound method with a code object of its own.
 
     Dynamo keeps its compiled graphs on the code object, and with the module guards skipped
     (``inductor_options``) nothing else tells two stages' modules apart: every stage shares
-    ``_PureStage.forward``, so the draft step would run the full stage's graph. A private copy
+    ``PureStage.forward``, so the draft step would run the full stage's graph. A private copy
     of the code per compiled callable gives each its own cache.
     """
     func = type(module).forward
@@ -249,7 +227,7 @@ class CompiledStage:
     def __init__(
         self,
         name: str,
-        pure: _PureStage,
+        pure: PureStage,
         *,
         options: CompileOptions,
         device: torch.device,
@@ -270,11 +248,11 @@ class CompiledStage:
         # modules (~2,400 on the reference model: 0.25 ms of a 2 ms verify call).
         opts = self.compile_options
         self._step = torch.compile(
-            _own_code(self.pure, f"{name}_step"), fullgraph=True, dynamic=False,
+            own_code(self.pure, f"{name}_step"), fullgraph=True, dynamic=False,
             options=dict(opts),
         )  # fmt: skip
         self._chunk = torch.compile(
-            _own_code(self.pure, f"{name}_chunk"),
+            own_code(self.pure, f"{name}_chunk"),
             fullgraph=True,
             dynamic=False if self._padded else None,
             options=dict(opts),
@@ -286,7 +264,7 @@ class CompiledStage:
         self._round = None
         if name == "verify" and not self._padded and max_hidden > 1:
             self._round = torch.compile(
-                _own_code(self.pure, f"{name}_round"), fullgraph=True, dynamic=False,
+                own_code(self.pure, f"{name}_round"), fullgraph=True, dynamic=False,
                 options=dict(opts),
             )  # fmt: skip
 
@@ -391,27 +369,12 @@ class CompiledStage:
         return calls
 
 
-def greedy_chain(step, input_ids: torch.Tensor, position_ids: torch.Tensor, length: int):
-    """``length`` greedy draft steps: ``step(ids, positions)`` (a draft stage's outputs) fed
-    ``input_ids`` at ``position_ids``, then each step the argmax of the one before at the next
-    position (as ``schedules.draft``). Returns the draft tokens [1, length] and the exit hidden
-    states of the tokens fed [1, length, H]: the chain executors' outputs."""
-    tokens, hidden = [], []
-    ids = input_ids
-    for i in range(length):
-        out = step(ids, position_ids + i)
-        ids = out["logits"][:, -1].argmax(dim=-1, keepdim=True)
-        tokens.append(ids)
-        hidden.append(out["hidden"])
-    return {"tokens": torch.cat(tokens, dim=1), "hidden": torch.cat(hidden, dim=1)}
-
-
 class _ChainStage(torch.nn.Module):
-    """``length`` greedy steps of the draft stage ``draft`` (a ``_PureStage``) as one function:
+    """``length`` greedy steps of the draft stage ``draft`` (a ``PureStage``) as one function:
     each step feeds the argmax of the one before at the next position. Returns the draft
     tokens [1, length] and the exit hidden states of the tokens fed [1, length, H]."""
 
-    def __init__(self, draft: _PureStage, length: int) -> None:
+    def __init__(self, draft: PureStage, length: int) -> None:
         super().__init__()
         self.draft = draft
         self.length = length
@@ -448,7 +411,7 @@ class CompiledChain:
         self.groups = draft.groups
         self.pure = _ChainStage(draft.pure, length)
         self._fn = torch.compile(
-            _own_code(self.pure, "draft_chain"), fullgraph=True, dynamic=False,
+            own_code(self.pure, "draft_chain"), fullgraph=True, dynamic=False,
             options=dict(draft.compile_options),
         )  # fmt: skip
 
@@ -472,268 +435,3 @@ class CompiledChain:
     def warmup(self, cache: StaticKVCache, example: dict[str, torch.Tensor]) -> None:
         ids = example["input_ids"][:, :1].clone(memory_format=torch.contiguous_format)
         self._fn(cache.keys, cache.values, ids, torch.zeros_like(ids))  # as __call__ passes them
-
-
-def chain_length(sm) -> int:
-    """The drafts of a ``draft_chain`` for ``sm``: d where its recipe's rounds draft d greedy
-    tokens through the draft stage (``Capabilities.has_chain``: LayerSkip) and no confidence
-    threshold cuts them short, else 0."""
-    if not sm.recipe.capabilities.has_chain or "draft" not in sm.stages.modules:
-        return 0
-    if getattr(sm.options, "confidence_threshold", 0) > 0:
-        return 0
-    d = getattr(sm.options, "num_speculations", 0)
-    return d if d >= 2 else 0
-
-
-def with_transposed_weights(
-    stage: fx.GraphModule, shared: dict, *, kernels: bool = False
-) -> fx.GraphModule:
-    """A copy of ``stage`` whose fused layers and plain linear heads use transposed weights.
-
-    ``shared`` maps original modules to their transposed versions, so that stages cut from
-    one model hold one copy of each weight. Other modules (unfused layers, an adapter) stay.
-    ``kernels``: multiply through the ``leapfx_cpu`` small-M kernels (KernelDecoderLayer,
-    KernelLinear, and KernelAcceleratedLayer for M2R2's fast layers) instead of
-    ``torch.matmul``, and run SpecEE's exit checks as one op each (KernelLayerExit).
-    """
-    layer_cls = KernelDecoderLayer if kernels else TransposedDecoderLayer
-    linear_cls = KernelLinear if kernels else TransposedLinear
-    gm = fx.GraphModule(stage, copy.deepcopy(stage.graph), class_name=type(stage).__name__)
-    for node in gm.graph.nodes:
-        if node.op != "call_module":
-            continue
-        module = gm.get_submodule(node.target)
-        if type(module) is FusedDecoderLayer:
-            make = layer_cls
-            source = module.layer
-        elif type(module) is torch.nn.Linear:
-            make, source = linear_cls, module
-        elif kernels and type(module) is AcceleratedLayer:  # M2R2's fast stream
-            make, source = KernelAcceleratedLayer, module
-        elif kernels and type(module) is LayerExit:  # SpecEE's exit checks: one call each
-            make, source = KernelLayerExit, module
-        elif kernels and type(module) is FusedAttention:  # an MoE layer's attention
-            make, source = KernelAttention, module
-        elif kernels and experts_kernel_covers(module):  # an MoE layer's experts (resident)
-            make, source = KernelExperts, module
-        else:
-            continue
-        if source not in shared:
-            shared[source] = make(source)
-        target = f"leapfx_transposed.{node.target.replace('.', '_')}"
-        gm.add_submodule(target, shared[source])
-        node.target = target
-    gm.graph.lint()
-    gm.recompile()
-    gm.meta.update(stage.meta)
-    return gm
-
-
-def kernel_stages(sm) -> dict[str, fx.GraphModule]:
-    """Eager copies of ``sm``'s stages whose projections run the ``leapfx_cpu`` kernels.
-
-    Raises ValueError when the model is not a float32 CPU model or the kernels did not build.
-    """
-    from ..kernels import cpu
-    from ..passes.kernel_gate import kernel_gate
-
-    cpu.resolve(True, sm._layout.device, sm._layout.dtype)  # raises where they cannot run
-    shared: dict = {}
-    out = {}
-    for name, stage in sm.stages.modules.items():
-        converted = with_transposed_weights(stage, shared, kernels=True)
-        converted = _eager_norms_and_rotary(converted, shared, sm)
-        if _masks_read_by_kernels_only(converted):
-            converted.mask_free = _mask_free
-        # M2R2's exit gates: the whole stage as one op where it covers the model
-        out[name] = kernel_gate(stage, converted) or converted
-    length = chain_length(sm)
-    if length and mask_free(out["draft"]) is not None:
-        out["draft_chain"] = EagerChain(out["draft"], length, sm._layout.kinds)
-    return out
-
-
-class EagerChain(torch.nn.Module):
-    """LayerSkip's d greedy draft steps as one executor call on eager kernel stages (the
-    runner's ``draft_chain``, as ``CompiledChain`` is for compiled ones). A module over the
-    draft stage, like the other eager executors.
-
-    The steps are the draft stage's own forward calls without the runner around each (its
-    timing, positions and mask bookkeeping: ~20 us of a ~0.7 ms draft step on the reference
-    model). A one-token step of a stage whose masks only the attention kernel reads needs none
-    (``mask_free``), so the tokens, exit states and cache writes are the d draft calls'.
-    """
-
-    builds_masks = True  # one-token steps of a mask-free stage: none to build
-
-    def __init__(self, draft: fx.GraphModule, length: int, kinds: tuple[str, ...]) -> None:
-        super().__init__()
-        self.draft = draft
-        self.chain_length = length
-        self._masks = dict.fromkeys(kinds)
-
-    def forward(
-        self, *, cache: StaticKVCache, input_ids: torch.Tensor, position_ids: torch.Tensor,
-        masks=None,
-    ) -> dict[str, torch.Tensor]:  # fmt: skip
-        del masks
-        forward = self.draft.forward  # a GraphModule has no hooks to run
-        return greedy_chain(
-            lambda ids, positions: forward(ids, positions, self._masks, cache),
-            input_ids, position_ids, self.chain_length,
-        )  # fmt: skip
-
-
-def _masks_read_by_kernels_only(gm: fx.GraphModule) -> bool:
-    """Whether every node that reads ``gm``'s masks is a kernel layer or attention that attends
-    through ``leapfx_cpu::attention`` (plain causal attention): for rows where that kernel runs,
-    the masks go unread, and the StageRunner need not build them (``_mask_free``)."""
-    for node in gm.graph.nodes:
-        if node.op != "placeholder" or node.name not in POSITION_MASKS.values():
-            continue
-        for item in node.users:
-            if item.op != "call_function" or item.target is not operator.getitem:
-                return False  # the masks go somewhere whole
-            for user in item.users:
-                module = gm.get_submodule(user.target) if user.op == "call_module" else None
-                if not isinstance(module, KernelDecoderLayer | KernelAttention):
-                    return False
-                if not module._kernel_attention:
-                    return False
-    return True
-
-
-def _mask_free(start: int, length: int) -> bool:
-    """Whether kernel layers attend to rows start..start+length-1 of one sequence through
-    ``leapfx_cpu::attention`` (one row, or rows over at most ``KERNEL_ROWS_MAX_KEYS`` keys:
-    ``fused._attend``), reading no mask. A kernel stage's ``mask_free``."""
-    return length == 1 or start + length <= fused.KERNEL_ROWS_MAX_KEYS
-
-
-ROTARY_TABLE_MAX = 4096  # positions a rotary table holds at most (2 x 4096 x head_dim floats)
-
-
-def _eager_norms_and_rotary(gm: fx.GraphModule, shared: dict, sm) -> fx.GraphModule:
-    """``gm`` (a kernel stage, edited in place) with its RMSNorm modules as one ATen op each
-    (KernelRMSNorm) and its rotary embedding read from a table (RotaryTable), where each gives
-    the HF module's own values; per-call ops that cost a one-token step as much as a layer's
-    worth of products on a CPU. ``shared``: one replacement per original module."""
-    lay = sm._layout
-    config = getattr(sm._hf_model, "config", None)
-    max_positions = min(getattr(config, "max_position_embeddings", 0) or 0, ROTARY_TABLE_MAX)
-    changed = False
-    for node in gm.graph.nodes:
-        if node.op != "call_module":
-            continue
-        module = gm.get_submodule(node.target)
-        key = ("eager", module)
-        if key not in shared:
-            if KernelRMSNorm.covers(module):
-                shared[key] = KernelRMSNorm(module)
-            elif type(module).__name__.endswith("RotaryEmbedding"):
-                shared[key] = RotaryTable.of(module, max_positions, lay.dtype, lay.device)
-            else:
-                shared[key] = None
-        if shared[key] is None:
-            continue
-        target = f"leapfx_eager.{node.target.replace('.', '_')}"
-        gm.add_submodule(target, shared[key])
-        node.target = target
-        changed = True
-    if changed:
-        gm.graph.lint()
-        gm.recompile()
-    return gm
-
-
-# The EAGLE stages: Inductor compiles them (their state inputs in the warm-up); the ONNX export
-# and runtime do not know their inputs and refuse them (``refuse_stages``).
-EAGLE_STAGES = ("target", "head")
-
-
-def refuse_stages(sm, backend: str, stages: tuple[str, ...]) -> None:
-    """ValueError naming the recipe and the stages of ``stages`` it has that ``backend``
-    cannot run."""
-    found = sorted(set(sm.stages.modules) & set(stages))
-    if found:
-        raise ValueError(
-            f"backend: {backend!r} does not run the stages {found} of recipe "
-            f"{sm.recipe.name!r} yet; allowed for this recipe: backend='eager' or 'inductor'"
-        )
-
-
-def compile_stages(sm, options: CompileOptions) -> dict[str, CompiledStage]:
-    """A CompiledStage for every stage of SpeculativeModel ``sm`` (warmed up if asked)."""
-    from ..kernels import cpu
-    from .specee_compiled import is_segment, specee_segments, warmup_segments
-
-    options = options.validate()
-    segmented = sm.recipe.capabilities.layer_segments  # SpecEE's per-layer stages
-    if segmented and "eagle_head" in sm.stages.modules:
-        raise ValueError(
-            "backend: 'inductor' is not implemented for specee with drafter='eagle' (missing: "
-            "the head's stage signature); allowed: 'eager', or drafter 'exit_head' / 'kangaroo'"
-        )
-    lay = sm._layout
-    cache_len = sm._compile_cache_len()
-    transpose = options.transpose_weights
-    if transpose is None:
-        transpose = lay.device.type == "cpu"
-    kernels = cpu.resolve(options.cpu_kernels, lay.device, lay.dtype)
-    transpose = transpose or kernels
-    shared: dict = {}
-    out: dict[str, CompiledStage] = {}
-    segments: dict = {}
-    for name, stage in sm.stages.modules.items():
-        if transpose:
-            stage_t = with_transposed_weights(stage, shared, kernels=kernels)
-        if segmented and is_segment(name):  # per-layer segments: runtime.specee_compiled
-            segments[name] = stage_t if transpose else stage
-            continue
-        sig = discover(sm, name, stage)
-        if transpose:
-            stage = stage_t
-        pure = _PureStage(stage, sig.tensor_inputs, sig.groups, lay)
-        out[name] = CompiledStage(
-            name,
-            pure,
-            options=options,
-            device=lay.device,
-            max_hidden=max(1, sm.recipe.lookahead - 1),
-        )
-    length = chain_length(sm) if options.draft_chain else 0
-    if length:
-        out["draft_chain"] = CompiledChain(out["draft"], length)
-    if options.warmup:
-        # Under inference mode, as generate() runs: dynamo guards on it (inference tensors).
-        # On the model's own cache, which generate() reuses: graphs recorded on its buffers'
-        # addresses (CUDA graphs) replay on them. What warm-up writes there is never read:
-        # generate() resets the lengths, and slots past a query are masked.
-        with torch.inference_mode():
-            cache = sm._cache_for(cache_len)
-            example = {
-                "input_ids": torch.zeros(1, 3, dtype=torch.long, device=lay.device),
-                "exit_hidden": torch.zeros(  # up to a full round's cached exit states
-                    (1, max(2, sm.recipe.lookahead - 1), sm.config.hidden_size),
-                    dtype=lay.dtype,
-                    device=lay.device,
-                ),
-            }
-            for name, executor in out.items():
-                start = time.perf_counter()
-                full_draft = name not in ("verify", *EAGLE_STAGES)
-                shapes = {"input_ids": example["input_ids"]} if full_draft else example
-                executor.warmup(cache, shapes)
-                log.info("compiled stage %s in %.1f s", name, time.perf_counter() - start)
-            cache.reset()
-    if segments:
-        compiled = specee_segments(sm, segments, options, lay.device)
-        if options.warmup:
-            with torch.inference_mode():
-                start = time.perf_counter()
-                warmup_segments(compiled, sm._cache_for(cache_len), sm.config.hidden_size,
-                                lay.dtype, lay.device)  # fmt: skip
-                log.info("compiled the specee segments in %.1f s", time.perf_counter() - start)
-        out.update(compiled)
-    return out

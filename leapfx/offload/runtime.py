@@ -46,13 +46,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...kernels import cpu_reader
-from ...modules.moe import (  # the modules bound to this runtime, imported from here
+from ..kernels import cpu_reader
+from ..modules.fused import experts_kernel_covers
+from ..modules.moe import (  # the modules bound to this runtime, imported from here
     NextGatePrefetch,  # noqa: F401
     OffloadedExperts,  # noqa: F401
 )
-from ...options import check_bool, check_choice, check_int, check_number, is_int
-from ...passes.offload import PREFETCH_POLICIES
+from ..options import check_bool, check_choice, check_int, check_number, is_int
+from ..passes.offload import PREFETCH_POLICIES
 from .checkpoint import expert_tensors
 from .engine import CudaEngine, NativeEngine, ReadJob, ThreadEngine, TransferEngine
 from .reuse import ReuseProbe
@@ -328,7 +329,6 @@ class ExpertOffload:
                            for i in self.layers}  # fmt: skip
         # Layers whose experts leapfx_cpu::moe_experts computes over the slots once
         # ``kernels`` is on (SpeculativeModel.use_cpu_kernels); the others run HF's code.
-        from ...modules.fused import experts_kernel_covers
 
         self._kernel_layers = {i for i, m in experts.items() if experts_kernel_covers(m)}
         self.kernels = False

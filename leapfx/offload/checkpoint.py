@@ -5,7 +5,7 @@ experts that are already in RAM: the slow tier is written from them and the slot
 them, but the model's own expert tensors stay. ``load_offloaded`` is the path for a model whose
 experts do not fit::
 
-    >>> from leapfx.runtime.offload import OffloadOptions, load_offloaded
+    >>> from leapfx.offload import OffloadOptions, load_offloaded
     >>> model = load_offloaded("path/to/olmoe")          # experts stay in the checkpoint
     >>> sm = rewrite.apply(model, "autoregressive", offload=OffloadOptions(slots=0.5))
 
@@ -37,9 +37,12 @@ import os
 from pathlib import Path
 
 import torch
+import transformers
+from safetensors import safe_open
 from torch import nn
 
-from ...modules.hf import EXPERT_SOURCE, expert_tensors  # noqa: F401
+from ..modules.hf import EXPERT_SOURCE, expert_tensors  # noqa: F401
+from ..passes.capture import decoder_pieces, is_moe_layer
 
 _SAFETENSORS_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
 
@@ -110,8 +113,6 @@ def checkpoint_only(model: nn.Module) -> list[str]:
 
 def _open_checkpoint(path: Path) -> dict[str, object]:
     """key -> an open safetensors handle holding it (one file or a sharded index)."""
-    from safetensors import safe_open
-
     index = path / "model.safetensors.index.json"
     if index.is_file():
         weight_map = json.loads(index.read_text())["weight_map"]
@@ -164,7 +165,7 @@ def _expert_keys(handles, prefix: str, num_experts: int):
     raise ValueError(
         f"path: the checkpoint has no experts for {prefix!r} (looked for {fused[0]!r}, "
         f"'{prefix}.0.gate_proj.weight' and '{mixtral}.0.w1.weight'); allowed: the layouts of "
-        "leapfx.runtime.offload.checkpoint's docstring"
+        "leapfx.offload.checkpoint's docstring"
     )
 
 
@@ -185,9 +186,6 @@ def load_offloaded(
     Raises ValueError naming the problem for a directory that is no safetensors checkpoint,
     a model without MoE layers, or a weight the checkpoint lacks.
     """
-    import transformers
-
-    from ...passes.capture import decoder_parts, is_moe_layer
 
     path = Path(path)
     if not (path / "config.json").is_file():
@@ -203,9 +201,9 @@ def load_offloaded(
     config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
-    parts = decoder_parts(model)  # checks the architecture is supported
-    experts = {f"{parts.prefix}.layers.{i}.mlp.experts": layer.mlp.experts
-               for i, layer in enumerate(parts.layers) if is_moe_layer(layer)}  # fmt: skip
+    pieces = decoder_pieces(model)  # checks the architecture is supported
+    experts = {f"{pieces.prefix}.layers.{i}.mlp.experts": layer.mlp.experts
+               for i, layer in enumerate(pieces.layers) if is_moe_layer(layer)}  # fmt: skip
     if not experts:
         raise ValueError(
             f"path: {str(path)!r} holds a {config.model_type} model without MoE layers; "

@@ -28,8 +28,13 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
 
-from ...options import check_int
+from ..models.routing import moe_layers
+from ..options import check_int
+from ..passes.capture import decoder_pieces
 
 FORMAT = "leapfx-reuse-probe-1"
 
@@ -83,8 +88,6 @@ class ReuseProbe:
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write the probe to ``path`` (a temporary name first, then renamed)."""
-        from safetensors.torch import save_file
-
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         meta = {"format": FORMAT, "layers": json.dumps(self.layers),
@@ -103,8 +106,6 @@ class ReuseProbe:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> ReuseProbe:
-        from safetensors import safe_open
-
         path = Path(path)
         if not path.is_file():
             raise ValueError(
@@ -128,10 +129,8 @@ def experts_inputs(
 ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     """Per MoE layer, what its experts module received over ``batches`` (teacher forced, each
     [1, S] token ids): (input [T, H] float32, top-k [T, k]), in token order."""
-    from ...models.routing import moe_layers
-    from ...passes.capture import decoder_parts
 
-    layers = decoder_parts(model).layers
+    layers = decoder_pieces(model).layers
     seen: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {i: [] for i in moe_layers(model)}
     hooks = []
     for i in seen:
@@ -198,8 +197,6 @@ def fit_reuse_probe(
     weights, biases, losses = [], [], {}
     bar = None
     if progress:
-        from tqdm.auto import tqdm
-
         bar = tqdm(total=len(layers), desc="reuse probe", unit="layer")
     for i in layers:
         x, top = data[i]
@@ -242,6 +239,4 @@ def fit_layer(
 
 
 def _experts_of(model, layer: int) -> int:
-    from ...passes.capture import decoder_parts
-
-    return decoder_parts(model).layers[layer].mlp.experts.gate_up_proj.shape[0]
+    return decoder_pieces(model).layers[layer].mlp.experts.gate_up_proj.shape[0]

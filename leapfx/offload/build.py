@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from torch import fx
 
-from ...modules.moe import OffloadedExperts, OffloadModule
-from ...passes.offload import nodes_by_layer
+from ..modules.moe import OffloadedExperts, OffloadModule
+from ..passes.offload import nodes_by_layer
 from .runtime import ExpertOffload, OffloadOptions
 
 

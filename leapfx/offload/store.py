@@ -40,6 +40,7 @@ import warnings
 from typing import NamedTuple
 
 import torch
+from tqdm.auto import tqdm
 
 log = logging.getLogger(__name__)
 
@@ -258,8 +259,6 @@ class DiskStore:
         total = len(self._offsets) * self.record
         bar = None
         if total >= PROGRESS_BYTES:
-            from tqdm.auto import tqdm
-
             bar = tqdm(
                 total=total, unit="B", unit_scale=True, desc="offload: disk tier", disable=None
             )  # fmt: skip (None: no bar where stderr is no terminal)

@@ -3,7 +3,7 @@
 The SpecEE schedule (``leapfx.runtime.specee``) calls one stage per decoder layer, one per
 exit check and a head, each with Python-int cache lengths and a mask built on the host. A
 compiled segment cannot take those (every new length would be a recompile), so, as
-``runtime.compiled`` does for whole stages:
+``inductor.py`` does for whole stages:
 
 - a layer segment writes its K/V at the positions given as a tensor (``SlotKVCache``) and
   builds its mask in the graph from those positions over every ``max_len`` slot; the per-layer
@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from .compiled import SlotKVCache, _own_code, inductor_options
-from .masks import position_mask
+from ..runtime.masks import position_mask
+from .inductor import SlotKVCache, inductor_options, own_code
 
 # Stages of the specee cut that are not whole-model stages (``passes.specee_stages``).
 SEGMENT_PREFIXES = ("layer_", "check_", "probs_")
@@ -62,9 +62,9 @@ class _PureLayer(torch.nn.Module):
 
 def _compiled_pair(fn, name: str, options: dict):
     """(one-row callable, dynamic-rows callable) of ``fn``, each with its own dynamo cache."""
-    step = torch.compile(_own_code(fn, f"{name}_step"), fullgraph=True, dynamic=False,
+    step = torch.compile(own_code(fn, f"{name}_step"), fullgraph=True, dynamic=False,
                          options=dict(options))  # fmt: skip
-    chunk = torch.compile(_own_code(fn, f"{name}_chunk"), fullgraph=True, options=dict(options))
+    chunk = torch.compile(own_code(fn, f"{name}_chunk"), fullgraph=True, options=dict(options))
     return step, chunk
 
 

@@ -5,7 +5,7 @@ inputs, a ``masks`` dict and a ``cache``; which cache layers it reads and writes
 queries each position input positions, are not written anywhere. ``discover`` finds out with
 one eager call on a few tokens over empty pasts, a different token count per position input (a
 cache layer's present length then says which input fed it). The compiled stages
-(``runtime.compiled``) and the ONNX export (``leapfx.export.onnx_export``) both start from it.
+(``lower.inductor``) and the ONNX export (``leapfx.export.onnx_export``) both start from it.
 The names of the cache inputs and outputs follow optimum (``past_key_values.{i}.key``,
 ``present.{i}.key``).
 
@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import fx
 
-from .cache import cache_for
-from .masks import position_masks
+from ..runtime.cache import cache_for
+from ..runtime.masks import position_masks
 
 if TYPE_CHECKING:
-    from .model import SpeculativeModel
+    from ..runtime.model import SpeculativeModel
 
 # Each position input of a stage, the mask input it feeds, and the name of its sequence axis.
 POSITION_INPUTS = {
@@ -34,6 +34,8 @@ POSITION_INPUTS = {
     "remainder_position_ids": ("remainder_masks", "remainder_sequence"),
 }
 MASK_INPUTS = frozenset(m for m, _ in POSITION_INPUTS.values())
+# Each position input and the mask input it feeds.
+POSITION_MASKS = {p: m for p, (m, _) in POSITION_INPUTS.items()}
 # Token counts of the discovery call (distinct, so that a present's length names its input).
 DISCOVERY_TOKENS = {"input_ids": 1, "exit_hidden": 2}
 
@@ -111,7 +113,7 @@ def placeholders(stage: fx.GraphModule) -> list[str]:
 
 
 def kv_shapes(sm: SpeculativeModel) -> list[tuple[int, int]]:
-    """(kv heads, head dim) of every cache slot (the model's layers, then extra slots)."""
+    """(kv heads, head dim) of every cache layer (the model's layers, then extra ones)."""
     cache = cache_for(sm.hf_model, 1, extra_layers=sm.recipe.extra_cache_layers)
     return [(k.shape[1], k.shape[3]) for k in cache.keys]
 
@@ -204,3 +206,19 @@ def discover(sm: SpeculativeModel, name: str, stage: fx.GraphModule) -> StageSig
         cache_layers=sorted(cache.present),
         groups={p: layers for p, layers in groups.items() if layers},
     )
+
+
+# The EAGLE stages: Inductor compiles them (their state inputs in the warm-up); the ONNX export
+# and runtime do not know their inputs and refuse them (``refuse_stages``).
+EAGLE_STAGES = ("target", "head")
+
+
+def refuse_stages(sm, backend: str, stages: tuple[str, ...]) -> None:
+    """ValueError naming the recipe and the stages of ``stages`` it has that ``backend``
+    cannot run."""
+    found = sorted(set(sm.stages.modules) & set(stages))
+    if found:
+        raise ValueError(
+            f"backend: {backend!r} does not run the stages {found} of recipe "
+            f"{sm.recipe.name!r} yet; allowed for this recipe: backend='eager' or 'inductor'"
+        )
