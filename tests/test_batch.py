@@ -80,7 +80,8 @@ def _check_rows(model, sm, rows: list[list[int]], max_new: int) -> None:
         assert_greedy_equal(model, mine, theirs, len(r))
     metrics = sm.last_metrics
     assert metrics.batch_size == len(rows)
-    assert metrics.new_tokens == sum(len(_new_tokens(ours, b, width, eos)) for b in range(len(rows)))
+    new = [_new_tokens(ours, b, width, eos) for b in range(len(rows))]
+    assert metrics.new_tokens == sum(len(t) for t in new)
 
 
 @settings(max_examples=examples(40, 300), deadline=None)
@@ -150,8 +151,10 @@ def test_batched_sampling_matches_each_rows_distribution(recipe):
     counts = [dict.fromkeys(e, 0) for e in exact]
     drafted = rejected = 0
     for _ in range(n):
-        out = sm.generate(ids, attention_mask=mask, do_sample=True, max_new_tokens=3,
-                          generator=g, temperature=TEMPERATURE, top_k=TOP_K, top_p=TOP_P)  # fmt: skip
+        out = sm.generate(
+            ids, attention_mask=mask, do_sample=True, max_new_tokens=3, generator=g,
+            temperature=TEMPERATURE, top_k=TOP_K, top_p=TOP_P,
+        )  # fmt: skip
         for b in range(2):
             counts[b][tuple(out[b, ids.shape[1] :].tolist())] += 1
         m = sm.last_metrics

@@ -239,7 +239,11 @@ def _batch_bench(args, model, tokenizer, prompts, exit_layer, d, kernels, quiet)
     import torch
 
     from ..bench.batch import (
-        BatchBenchConfig, batch_table, run_batch_bench, varied_lengths, write_batch_plot,
+        BatchBenchConfig,
+        batch_table,
+        run_batch_bench,
+        varied_lengths,
+        write_batch_plot,
     )  # fmt: skip
     from ..bench.report import write_json
 

@@ -100,10 +100,6 @@ class DecoderPieces:
         return len(self.layers)
 
 
-# The names train/ still imports (the same class and function).
-DecoderParts = DecoderPieces
-
-
 def check_supported(model: nn.Module) -> str:
     """Return the model's ``model_type`` or raise ValueError listing the supported ones."""
     config = getattr(model, "config", None)
@@ -298,6 +294,3 @@ def output_dict(gm: fx.GraphModule) -> dict[str, fx.Node]:
 def set_output_dict(gm: fx.GraphModule, outputs: dict[str, fx.Node]) -> None:
     out = next(n for n in gm.graph.nodes if n.op == "output")
     out.args = (dict(outputs),)
-
-
-decoder_parts = decoder_pieces  # the name train/ still imports

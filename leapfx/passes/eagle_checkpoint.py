@@ -55,7 +55,14 @@ def write_eagle_files(
     extra: dict[str, Any] | None = None,
     ranking=None,
 ) -> None:
-from .draft_vocab import write_ranking
+    """Write the head's two files into ``directory`` (which exists; not atomic by itself), and
+    the token ranking [V] when given."""
+    write_module_files(
+        directory, head, weights=WEIGHTS, config=CONFIG, fmt=FORMAT, recipe=recipe,
+        options=options, host=host, extra={"init_layer": head.init_layer, **(extra or {})},
+    )  # fmt: skip
+    if ranking is not None:
+        write_ranking(directory, ranking)
 
 
 def write_eagle_head(head: EagleHead, path: str | os.PathLike, **meta: Any) -> Path:

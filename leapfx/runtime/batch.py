@@ -248,9 +248,7 @@ class BatchPolicy:
             return 0
         return policy.choose(available)
 
-    def observe(
-        self, size: int, drafted: int, rows: list[tuple[int, int]], seconds: float
-    ) -> None:
+    def observe(self, size: int, drafted: int, rows: list[tuple[int, int]], seconds: float) -> None:
         """A round at batch ``size`` was ``drafted`` wide and took ``seconds``; ``rows``: (drafts,
         kept) of each row that drafted. Acceptance counts as the mean row's (a row rejects when
         it kept fewer than it drafted), the cost as this size's."""
@@ -367,7 +365,8 @@ def _choose(logits: torch.Tensor, request: DecodeRequest) -> torch.Tensor:
     """Each row's next token [B, 1] from logits [B, V]: argmax or a draw (one generator)."""
     if not request.sampling.do_sample:
         return logits.argmax(dim=-1, keepdim=True)
-    return torch.multinomial(probs(logits.float(), request.sampling), 1, generator=request.generator)
+    p = probs(logits.float(), request.sampling)
+    return torch.multinomial(p, 1, generator=request.generator)
 
 
 @dataclass(frozen=True)

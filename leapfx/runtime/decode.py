@@ -65,8 +65,10 @@ def left_padding(attention_mask: torch.Tensor | None) -> list[int] | None:
     ones = mask.long().sum(dim=1)
     for b, (pad, n) in enumerate(zip(pads.tolist(), ones.tolist(), strict=True)):
         if n == 0:
-            raise ValueError(f"attention_mask: row {b} has no token (all zeros); allowed: rows "
-                             "with at least one token")
+            raise ValueError(
+                f"attention_mask: row {b} has no token (all zeros); allowed: rows "
+                "with at least one token"
+            )
         if pad + n != mask.shape[1]:
             raise ValueError(
                 f"attention_mask: row {b} is padded on the right or in the middle; allowed: "

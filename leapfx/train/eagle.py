@@ -46,7 +46,7 @@ from torch.func import functional_call
 
 from leapfx.options import check_bool, check_int, check_number
 from leapfx.passes.adapter_checkpoint import host_signature
-from leapfx.passes.capture import decoder_parts
+from leapfx.passes.capture import decoder_pieces
 from leapfx.passes.draft_vocab import install_ranking, ranking_of, token_ranking
 from leapfx.passes.eagle_checkpoint import write_eagle_head
 from leapfx.passes.eagle_head import eagle_head_of, previous_hidden
@@ -114,7 +114,7 @@ class EagleFitResult:
 def teacher_features(sm, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One no-grad host forward: (h [B, S, D], pre-norm last-layer states; logits [B, S, V])."""
     model = sm.hf_model
-    norm = decoder_parts(model).norm
+    norm = decoder_pieces(model).norm
     seen: list[torch.Tensor] = []
     hook = norm.register_forward_hook(lambda module, args, out: seen.append(args[0]))
     try:
@@ -135,7 +135,7 @@ def head_outputs(
     """
     model = sm.hf_model
     head = eagle_head_of(sm.graph_module)
-    parts = decoder_parts(model)
+    parts = decoder_pieces(model)
     weight = next(model.parameters())
     n = input_ids.shape[1]
     with torch.no_grad():
@@ -218,7 +218,7 @@ def fit(
     # The training data's token ranking: the vocabulary subset of draft_vocab, saved with the
     # parts (any N can be chosen when they are applied).
     install_ranking(sm.graph_module, token_ranking(stream, sm.config.vocab_size),
-                    decoder_parts(sm.hf_model).head)  # fmt: skip
+                    decoder_pieces(sm.hf_model).head)  # fmt: skip
     result = EagleFitResult(steps=config.steps)
     optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
     generator = torch.Generator().manual_seed(config.seed)
@@ -274,7 +274,7 @@ def fit(
 def host_logits(sm, hidden: torch.Tensor) -> torch.Tensor:
     """The host's logits from its pre-norm last-layer states h [B, S, D]: head(norm(h)), the
     last step of its forward (what ``teacher_features`` returns beside h)."""
-    parts = decoder_parts(sm.hf_model)
+    parts = decoder_pieces(sm.hf_model)
     return parts.head(parts.norm(hidden))
 
 

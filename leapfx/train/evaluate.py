@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from leapfx.passes.capture import decoder_parts
+from leapfx.passes.capture import decoder_pieces
 from leapfx.train.layerskip import exit_logits, run_decoder
 
 
@@ -73,7 +73,7 @@ def evaluate_exits(
 
     Runs on the model's device; the sums stay there until the end (no host sync per layer).
     """
-    parts = decoder_parts(model)
+    parts = decoder_pieces(model)
     n = parts.num_layers
     device = next(model.parameters()).device
     was_training = model.training

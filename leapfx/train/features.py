@@ -42,7 +42,7 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from leapfx.options import check_int
-from leapfx.passes.capture import decoder_parts
+from leapfx.passes.capture import decoder_pieces
 
 
 @dataclass(frozen=True)
@@ -112,7 +112,7 @@ def collect_features(
     starts = window_starts(stream.numel(), seq_len, windows)
     tokens = torch.stack([stream[s : s + seq_len] for s in starts]).long()
     device = next(model.parameters()).device
-    norm = decoder_parts(model).norm
+    norm = decoder_pieces(model).norm
     seen: list[torch.Tensor] = []
     hook = norm.register_forward_hook(lambda module, args, out: seen.append(args[0]))
     kept: dict[int, list[torch.Tensor]] = {i: [] for i in layers}

@@ -43,7 +43,7 @@ from torch.func import functional_call
 from leapfx.options import check_bool, check_int, check_number
 from leapfx.passes.adapter import adapter_of
 from leapfx.passes.adapter_checkpoint import host_signature, write_adapter
-from leapfx.passes.capture import decoder_parts
+from leapfx.passes.capture import decoder_pieces
 from leapfx.passes.draft_vocab import install_ranking, ranking_of, token_ranking
 from leapfx.runtime.masks import masks_for
 from leapfx.train.features import TeacherFeatures, tokens_digest
@@ -174,7 +174,7 @@ def adapter_logits(sm, features: torch.Tensor) -> torch.Tensor:
     ``features`` [B, S, H] (a whole window from position 0)."""
     model = sm.hf_model
     adapter = adapter_of(sm.graph_module)
-    parts = decoder_parts(model)
+    parts = decoder_pieces(model)
     weight = next(model.parameters())
     n = features.shape[1]
     with torch.no_grad():
@@ -250,7 +250,7 @@ def fit(
             f"fit: the adapter is on {adapter_device} but the model on {model_device}; move the "
             "model to the device before rewrite.apply (the adapter is built where the model is)"
         )
-    parts = decoder_parts(sm.hf_model)
+    parts = decoder_pieces(sm.hf_model)
     # The training data's token ranking: the subset of draft_vocab, saved with the adapter.
     install_ranking(sm.graph_module, token_ranking(stream, sm.config.vocab_size), parts.head)
     optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)

@@ -1,6 +1,6 @@
 """LayerSkip training: layer dropout and early-exit loss (Elhoushi et al. 2024, section 4.1).
 
-The recipe works on any supported HF causal LM through ``decoder_parts``: we run the decoder
+The recipe works on any supported HF causal LM through ``decoder_pieces``: we run the decoder
 layers ourselves so that a layer can be skipped for some samples of a batch, and we unembed the
 output of every enabled layer through the model's own final norm and LM head (no extra heads).
 Notation follows the paper: ``L`` layers ``l = 0 .. L-1``, ``x_{l+1}`` the output of layer ``l``,
@@ -60,7 +60,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from leapfx.options import is_int
-from leapfx.passes.capture import DecoderParts, decoder_parts
+from leapfx.passes.capture import DecoderPieces, decoder_pieces
 from leapfx.runtime.masks import masks_for
 
 DROPOUT_CURRICULA = ("none", "exp")
@@ -332,7 +332,7 @@ def run_decoder(
     input_ids: torch.Tensor,
     keep: torch.Tensor | None = None,
     *,
-    parts: DecoderParts | None = None,
+    parts: DecoderPieces | None = None,
 ) -> list[torch.Tensor]:
     """Run the decoder with per-sample layer skipping; return ``[x_1, ..., x_L]``.
 
@@ -342,7 +342,7 @@ def run_decoder(
     >>> hs = run_decoder(model, input_ids)          # hs[-1] is the last layer's output
     >>> logits = exit_logits(model, hs[2])          # exit after 3 layers
     """
-    parts = parts or decoder_parts(model)
+    parts = parts or decoder_pieces(model)
     batch, seq = input_ids.shape  # input_ids: [B, S]
     n = parts.num_layers
     if keep is not None and tuple(keep.shape) != (n, batch):
@@ -384,10 +384,10 @@ def run_decoder(
 
 
 def exit_logits(
-    model: nn.Module, hidden: torch.Tensor, *, parts: DecoderParts | None = None
+    model: nn.Module, hidden: torch.Tensor, *, parts: DecoderPieces | None = None
 ) -> torch.Tensor:
     """``g(x)``: the shared final norm and LM head applied to any layer's output."""
-    parts = parts or decoder_parts(model)
+    parts = parts or decoder_pieces(model)
     return parts.head(parts.norm(hidden))  # [B, S, V]
 
 
@@ -428,7 +428,7 @@ def layerskip_loss(
     Inputs are ``batch[:, :-1]``, targets ``batch[:, 1:]``. ``generator`` drives the dropout
     draws (seed it per step for reproducible, resumable training).
     """
-    parts = decoder_parts(model)
+    parts = decoder_pieces(model)
     n = parts.num_layers
     inputs, targets = batch[:, :-1], batch[:, 1:]  # [B, S] each
     rates = dropout_rates(step, num_layers=n, total_steps=total_steps, config=config)

@@ -47,7 +47,7 @@ from leapfx.modules.m2r2 import ChainScratch, target_layers
 from leapfx.options import check_bool, check_int, check_number
 from leapfx.passes.accelerator import accelerator_of
 from leapfx.passes.adapter_checkpoint import host_signature, write_adapter
-from leapfx.passes.capture import decoder_parts
+from leapfx.passes.capture import decoder_pieces
 from leapfx.runtime.cache import StaticKVCache
 from leapfx.runtime.masks import masks_for
 from leapfx.train.fit_options import fit_config, on_plain_stages, optimizer_step
@@ -136,7 +136,7 @@ class SlowPass:
 def slow_pass(sm, ids: torch.Tensor) -> SlowPass:
     """Run the frozen model on ``ids`` [B, S], keeping each layer's output and keys/values."""
     model = sm.hf_model
-    parts = decoder_parts(model)
+    parts = decoder_pieces(model)
     config = model.config
     weight = next(model.parameters())
     ids = ids.to(weight.device)
@@ -207,7 +207,7 @@ def _gate_ce(logits, slow: SlowPass, ids: torch.Tensor, config: M2R2FitConfig, s
 
 def gate_logits(sm, p: torch.Tensor) -> torch.Tensor:
     """The final norm and LM head (frozen) on a fast state at a gate: [B, S, V]."""
-    parts = decoder_parts(sm.hf_model)
+    parts = decoder_pieces(sm.hf_model)
     return parts.head(parts.norm(p))
 
 

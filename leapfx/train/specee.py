@@ -40,7 +40,7 @@ from tqdm.auto import tqdm
 from ..modules.specee import NUM_SPECULATIVE_TOKENS
 from ..options import check_bool, check_int, check_number
 from ..passes.adapter_checkpoint import host_signature
-from ..passes.capture import decoder_parts
+from ..passes.capture import decoder_pieces
 from ..passes.predictor import predictors_of
 from ..passes.specee_checkpoint import write_parts
 from .fit_options import fit_config, on_plain_stages
@@ -144,7 +144,7 @@ def layer_features(sm, seq: torch.Tensor, start: int) -> dict[str, torch.Tensor]
     [L-E, N] (the layer's argmax is in S: the global check passes).
     """
     model = sm.hf_model
-    parts = decoder_parts(model)
+    parts = decoder_pieces(model)
     e = sm.options.exit_layer
     out = model(input_ids=seq, output_hidden_states=True, use_cache=False)
     final = out.logits[0, start:-1].argmax(-1)  # [N]: the full model's tokens
