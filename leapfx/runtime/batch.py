@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from .adaptive import DECAY, DraftPolicy
-from .cache import StaticKVCache
+from .cache import StaticKVCache, cache_for
 from .executor import StageExecutor
 from .lookup import NgramIndex
 from .masks import masks_for
@@ -139,13 +139,9 @@ class RowKVCache(StaticKVCache):
 
 def row_cache_for(model, max_len: int, batch_size: int, *, extra_layers: int = 0) -> RowKVCache:
     """A :class:`RowKVCache` shaped for ``model`` (a supported HF causal LM)."""
-    config = model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    param = next(model.parameters())
-    return RowKVCache(
-        config.num_hidden_layers + extra_layers, kv_heads, head_dim, max_len,
-        batch_size=batch_size, dtype=param.dtype, device=param.device, static_addresses=False,
+    return cache_for(
+        model, max_len, extra_layers=extra_layers, static_addresses=False,
+        cache_type=RowKVCache, batch_size=batch_size,
     )  # fmt: skip
 
 

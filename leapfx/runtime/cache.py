@@ -133,8 +133,12 @@ def cache_for(
     dtype=None,
     device=None,
     static_addresses: bool | None = None,
+    cache_type: type[StaticKVCache] | None = None,
+    **cache_options,
 ) -> StaticKVCache:
-    """A cache shaped for ``model`` (a supported HF causal LM).
+    """A cache shaped for ``model`` (a supported HF causal LM): a ``cache_type`` (default
+    ``StaticKVCache``) built with ``cache_options`` too (a batch's ``RowKVCache`` takes its
+    ``batch_size``).
 
     ``extra_layers`` cache layers past the model's own layers serve attention blocks a rewrite
     added (the Kangaroo adapter writes cache layer ``num_hidden_layers``); they have the model's
@@ -145,7 +149,7 @@ def cache_for(
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     param = next(model.parameters())
-    return StaticKVCache(
+    return (cache_type or StaticKVCache)(
         config.num_hidden_layers + extra_layers,
         kv_heads,
         head_dim,
@@ -153,4 +157,5 @@ def cache_for(
         dtype=dtype or param.dtype,
         device=device or param.device,
         static_addresses=static_addresses,
+        **cache_options,
     )
