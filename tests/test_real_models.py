@@ -264,3 +264,24 @@ def test_cache_root_default(monkeypatch, tmp_path):
     monkeypatch.delenv("LEAPFX_CACHE", raising=False)
     assert gguf_cache.cache_root() == Path.home() / ".cache" / "leapfx"
     assert gguf_cache.cache_root(tmp_path) == tmp_path
+
+
+def test_shipped_parts_per_model():
+    """The bench finds each shipped model's own drafter parts, and none for any other model."""
+    from leapfx.cli.common import _shipped
+    from leapfx.models import REFERENCE_MODEL, SMOLLM2_PARTS, shipped_parts
+
+    assert shipped_parts(None, "eagle") == REFERENCE_MODEL / "eagle"
+    assert shipped_parts("reference", "kangaroo_adapter") == REFERENCE_MODEL / "kangaroo_adapter"
+    assert shipped_parts("path/to/model.gguf", "eagle") is None
+    assert shipped_parts("smollm2", "no_such_part") is None
+    for name in ("eagle", "kangaroo_adapter", "m2r2"):
+        expected = SMOLLM2_PARTS / name if (SMOLLM2_PARTS / name).is_dir() else None
+        assert shipped_parts("smollm2", name) == expected
+
+    class Args:
+        model, random_model = None, "tiny"
+
+    assert _shipped(Args, "eagle") is None  # a random model never takes the reference's parts
+    Args.random_model = None
+    assert _shipped(Args, "eagle") == str(REFERENCE_MODEL / "eagle")

