@@ -144,3 +144,58 @@ def test_pipeline_lints_after_each_pass():
 
     with pytest.raises(PassError, match="breaks-graph"):
         PassPipeline([Breaks()])(capture(tiny_model("llama", layers=2)))
+
+
+@pytest.mark.parametrize("recipe", ["autoregressive", "eagle"])
+def test_head_at_last_gives_the_last_rows_logits_and_the_rest_unchanged(recipe):
+    """The prefill copy of a ``full`` stage: logits of the last position only, equal to the
+    stage's; its other outputs (EAGLE's hidden states) and cache writes the stage's own."""
+    from leapfx import rewrite
+    from leapfx.passes.last_logits import head_at_last
+    from leapfx.runtime.cache import cache_for
+    from leapfx.runtime.executor import prefill_stage
+
+    model = tiny_model("llama")
+    sm = rewrite.apply(model, recipe)
+    full = sm.stages.modules["target" if recipe == "eagle" else "full"]
+    prefill = head_at_last(full)
+    assert prefill is not None and prefill_stage(full) is prefill_stage(full)  # made once
+    ids = torch.randint(0, model.config.vocab_size, (1, 7))
+    outs, caches = [], []
+    for stage in (full, prefill):
+        cache = cache_for(model, 16, extra_layers=sm.recipe.extra_cache_layers)
+        signature = stage.code.split(")")[0]
+        extra = {"prev_hidden": torch.zeros(1, 1, 1)} if "prev_hidden" in signature else {}
+        masks = masks_for(model.config._attn_implementation, ["full_attention"], 0, 7,
+                          window=None, dtype=torch.float32, device="cpu")  # fmt: skip
+        outs.append(stage(input_ids=ids, position_ids=torch.arange(7)[None], masks=masks,
+                          cache=cache, **extra))  # fmt: skip
+        caches.append(cache)
+    assert outs[1]["logits"].shape == (1, 1, model.config.vocab_size)
+    torch.testing.assert_close(outs[1]["logits"], outs[0]["logits"][:, -1:])
+    for name in outs[0]:
+        if name != "logits":
+            torch.testing.assert_close(outs[1][name], outs[0][name])
+    for a, b in zip(caches[0].keys, caches[1].keys, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_head_at_last_leaves_other_heads_alone():
+    """A head that is not one module call on one tensor (here soft-capped) gives None, and the
+    runner then runs the stage as it is."""
+    from torch import fx
+
+    from leapfx.passes.last_logits import head_at_last
+    from leapfx.runtime.executor import prefill_stage
+
+    class Capped(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm_head = torch.nn.Linear(4, 8)
+
+        def forward(self, h):
+            return {"logits": torch.tanh(self.lm_head(h))}
+
+    gm = fx.symbolic_trace(Capped())
+    assert head_at_last(gm) is None
+    assert prefill_stage(gm) is gm

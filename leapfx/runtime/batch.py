@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import executor
 from .adaptive import DECAY, DraftPolicy
 from .cache import StaticKVCache, cache_for
 from .executor import StageExecutor
@@ -188,13 +189,18 @@ class RowRunner:
         self.seconds: defaultdict[str, float] = defaultdict(float)
 
     def call(self, name: str, ids: torch.Tensor, starts: list[int], key: str) -> torch.Tensor:
-        """Stage ``name`` on ``ids`` [B, n], row b at columns starts[b]..: logits [B, n, V]."""
+        """Stage ``name`` on ``ids`` [B, n], row b at columns starts[b]..: logits [B, n, V]
+        ([B, 1, V], the last column's, for the prefill where ``executor.prefill_stage``
+        allows)."""
         n = ids.shape[1]
         device = self.layout.device
         cols = torch.tensor(starts, device=device)[:, None] + torch.arange(n, device=device)
         positions = (cols - torch.tensor(self.pads, device=device)[:, None]).clamp(min=0)
+        stage = self.stages[name]
+        if key == "prefill":  # the prompts: the head on their last position only
+            stage = executor.prefill_stage(stage)
         begin = time.perf_counter()
-        out = self.stages[name](
+        out = stage(
             input_ids=ids,
             position_ids=positions,
             masks=row_masks(self.layout, starts, self.pads, n),
@@ -294,7 +300,7 @@ def batched_loop(
     if policy is not None:
         policy.restart()
     finished: dict[int, list[int]] = {}
-    logits = runner.call("full", prompt, [0] * B, "prefill")  # [B, S, V]
+    logits = runner.call("full", prompt, [0] * B, "prefill")  # [B, 1 or S, V]
     metrics.full_calls += 1
     x = _choose(logits[:, -1], request)  # [B, 1]
     _emit(rows, [[t] for t in x[:, 0].tolist()])

@@ -27,14 +27,22 @@ attribute            meaning                                default
 
 Read them through :func:`builds_masks`, :func:`mask_free` and :func:`chain_length`, not with
 ``getattr`` at each reader.
+
+:func:`prefill_stage` gives the copy of an eager ``full`` stage whose LM head reads the last
+position only (``passes.last_logits``), made once per stage: a prompt's prefill needs no
+other row of logits. Other backends run the stage as it is.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+from torch import fx
+
+from ..passes.last_logits import head_at_last
 
 
 @runtime_checkable
@@ -71,6 +79,25 @@ def chain_length(executor: object | None) -> int:
     """The greedy drafts one call of ``executor`` (a ``draft_chain``) makes; 0 for None or a
     stage that is not a chain."""
     return int(getattr(executor, "chain_length", 0) or 0)
+
+
+# stage -> its last-position-head copy (or None where it has none), made once per stage
+_PREFILL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def prefill_stage(executor: object) -> object:
+    """The copy of ``executor`` whose ``logits`` are the last position's only ([B, 1, V]) where
+    it is an eager GraphModule with a plain LM head, else ``executor`` itself."""
+    if not isinstance(executor, fx.GraphModule):
+        return executor
+    if executor not in _PREFILL:
+        variant = head_at_last(executor)
+        if variant is not None:
+            for name in ("builds_masks", "mask_free"):  # what the executor declared
+                if hasattr(executor, name):
+                    setattr(variant, name, getattr(executor, name))
+        _PREFILL[executor] = variant
+    return _PREFILL[executor] or executor
 
 
 class Lower(Protocol):

@@ -94,32 +94,27 @@ class StageRunner:
         """Run stage ``name`` on ``input_ids`` [1, S] at positions start..start+S-1.
 
         ``extra``: the stage's other inputs (e.g. the EAGLE head's ``hidden``); ``key``: the
-        name its time is counted under in ``seconds`` (default ``name``; "prefill" at 0)."""
+        name its time is counted under in ``seconds`` (default ``name``; "prefill" at 0).
+        At ``start`` 0 (a prompt) the ``logits`` are the last position's only, [1, 1, V], where
+        the stage allows (``executor.prefill_stage``): a prefill reads no other row."""
         n = input_ids.shape[1]
-        return self.call(
-            name,
-            key="prefill" if start == 0 else key,
-            input_ids=input_ids,
-            position_ids=self._positions(start, n),
-            masks=self._masks(name, start, n),
-            cache=self.cache,
-            **extra,
-        )
+        inputs = dict(input_ids=input_ids, position_ids=self._positions(start, n),
+                      masks=self._masks(name, start, n), cache=self.cache, **extra)  # fmt: skip
+        if start != 0:
+            return self.call(name, key=key, **inputs)
+        # a prompt: the stage's copy with its head on the last position only, where it has one
+        begin = time.perf_counter()
+        out = executor.prefill_stage(self.stages[name])(**inputs)
+        self.seconds["prefill"] += time.perf_counter() - begin
+        return out
 
     def full(self, input_ids: torch.Tensor, start: int, key: str | None = None) -> torch.Tensor:
-        """All layers on ``input_ids`` [1, S] at positions start..; returns logits [1, S, V].
+        """All layers on ``input_ids`` [1, S] at positions start..; returns logits [1, S, V],
+        or [1, 1, V] (the last position's) for a prompt (``start`` 0) where the stage allows it
+        (``executor.prefill_stage``).
 
         ``key`` names the call in ``seconds`` (M2R2's verify pass is a ``full`` call)."""
-        n = input_ids.shape[1]
-        key = "prefill" if start == 0 else key
-        return self.call(
-            "full",
-            key=key,
-            input_ids=input_ids,
-            position_ids=self._positions(start, n),
-            masks=self._masks("full", start, n),
-            cache=self.cache,
-        )["logits"]
+        return self.chunk("full", input_ids, start, key=key)["logits"]
 
     def rows(
         self, name: str, start: int, length: int, *, masks: bool = True, **inputs
