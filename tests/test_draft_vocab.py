@@ -196,7 +196,8 @@ def test_a_ranking_of_another_vocabulary_is_refused(tmp_path):
 @pytest.mark.slow
 def test_bench_adds_the_vocabulary_subset_row(tmp_path):
     """``leapfx bench --recipe eagle`` with parts that hold a ranking, on a vocabulary large
-    enough: leapfx_eagle_vocab beside leapfx_eagle, both lossless."""
+    enough: leapfx_eagle_vocab beside leapfx_eagle, then the head composed with prompt
+    lookup (leapfx_eagle_lookup), all lossless."""
     from leapfx.bench.harness import EAGLE_DRAFT_VOCAB
     from leapfx.cli import main
     from leapfx.train.data import byte_tokenizer
@@ -215,5 +216,6 @@ def test_bench_adds_the_vocabulary_subset_row(tmp_path):
             "--eagle-parts", str(tmp_path / "parts"), "--json", str(out)]  # fmt: skip
     assert main(argv) == 0
     rows = {r["system"]: r for r in json.loads(out.read_text())}
-    assert list(rows)[-2:] == ["leapfx_eagle", "leapfx_eagle_vocab"]
+    assert list(rows)[-3:] == ["leapfx_eagle", "leapfx_eagle_vocab", "leapfx_eagle_lookup"]
     assert rows["leapfx_eagle_vocab"]["identical_to_greedy"]
+    assert rows["leapfx_eagle_lookup"]["identical_to_greedy"]

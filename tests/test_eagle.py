@@ -102,7 +102,8 @@ def test_stages_and_head_slot_agree_with_the_whole_graph(arch):
         runner = StageRunner(sm.stages.modules, cache, sm._layout)
         m = 6
         t_logits, t_hidden = target_step(runner, ids[:, :m], None, 0)
-        torch.testing.assert_close(t_logits, logits[:, :m], rtol=1e-5, atol=1e-5)
+        # a prompt (position 0): the head on its last position only (executor.prefill_stage)
+        torch.testing.assert_close(t_logits, logits[:, m - 1 : m], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(t_hidden, h[:, :m], rtol=1e-5, atol=1e-5)
         assert cache.lengths == [m] * 4
         d_logits, g = head_step(runner, ids[:, m : m + 2], t_hidden[:, -1:].repeat(1, 2, 1), m)
@@ -276,10 +277,10 @@ def test_bench_eagle_rows(tmp_path, capsys):
             "--eagle-parts", str(tmp_path / "parts"), "--json", str(out)]  # fmt: skip
     assert main(argv) == 0
     rows = {r["system"]: r for r in json.loads(out.read_text())}
-    assert list(rows)[-2:] == ["leapfx_kangaroo", "leapfx_eagle"]
+    assert list(rows)[-3:] == ["leapfx_kangaroo", "leapfx_eagle", "leapfx_eagle_lookup"]
     eagle = rows["leapfx_eagle"]
     assert eagle["run"]["eagle_parts"] == str(tmp_path / "parts")
-    assert all(rows[n]["identical_to_greedy"] for n in list(rows)[-2:])
+    assert all(rows[n]["identical_to_greedy"] for n in list(rows)[-3:])
     assert len(eagle["ctar"]) == 3  # the parts' d
     assert "leapfx_eagle" in capsys.readouterr().out
 

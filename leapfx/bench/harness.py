@@ -503,9 +503,16 @@ def _eagle_rows(run: RowRun) -> list[System]:
     vocab = model.config.vocab_size
     if config.eagle_parts is not None and vocab >= 4 * EAGLE_DRAFT_VOCAB:
         if read_ranking(config.eagle_parts) is not None:
-            subset = rewrite.apply(model, "eagle", parts=config.eagle_parts,
-                                   draft_vocab=EAGLE_DRAFT_VOCAB, **kw)  # fmt: skip
+            kw["draft_vocab"] = EAGLE_DRAFT_VOCAB
+            subset = rewrite.apply(model, "eagle", parts=config.eagle_parts, **kw)
             rows.append(run.ours("leapfx_eagle_vocab", subset))
+    if config.eagle_parts is not None:
+        # Composed with prompt lookup: each round drafts with the head, with the prompt's
+        # n-grams or not at all, by measured tokens per cost (the subset head where it runs).
+        both = rewrite.apply(model, "eagle", parts=config.eagle_parts, lookup=True,
+                             adaptive=True, **kw)  # fmt: skip
+        rows.append(run.ours("leapfx_eagle_lookup", both))
+        rows[-1].info["dynamic_draft_length"] = True
     return rows
 
 

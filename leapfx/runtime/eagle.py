@@ -68,7 +68,8 @@ def target_step(
     """The full model (and the head's KV from true features) on ``input_ids`` [1, S] at
     positions start..; ``prev_hidden`` [1, 1, D] is h_{start-1} (at 0: zeros, [1, 1, 1] or None).
     Returns
-    (logits [1, S, V], h [1, S, D], pre-norm)."""
+    (logits [1, S, V], h [1, S, D], pre-norm); at ``start`` 0 (a prompt) the logits are the last
+    position's only, [1, 1, V] (``StageRunner.chunk``)."""
     out = runner.chunk("target", input_ids, start, key="verify", prev_hidden=prev_hidden)
     return out["logits"], out["hidden"]
 
