@@ -45,7 +45,7 @@ from .executor import StageExecutor
 from .lookup import NgramIndex
 from .masks import masks_for
 from .metrics import DecodeMetrics
-from .runner import AttentionLayout
+from .runner import PREFILL, AttentionLayout
 from .sampling import probs
 from .schedules import DecodeRequest, Output, accept, point_mass
 
@@ -197,7 +197,7 @@ class RowRunner:
         cols = torch.tensor(starts, device=device)[:, None] + torch.arange(n, device=device)
         positions = (cols - torch.tensor(self.pads, device=device)[:, None]).clamp(min=0)
         stage = self.stages[name]
-        if key == "prefill":  # the prompts: the head on their last position only
+        if key == PREFILL:  # the prompts: the head on their last position only
             stage = executor.prefill_stage(stage)
         begin = time.perf_counter()
         out = stage(
@@ -300,7 +300,7 @@ def batched_loop(
     if policy is not None:
         policy.restart()
     finished: dict[int, list[int]] = {}
-    logits = runner.call("full", prompt, [0] * B, "prefill")  # [B, 1 or S, V]
+    logits = runner.call("full", prompt, [0] * B, PREFILL)  # [B, 1 or S, V]
     metrics.full_calls += 1
     x = _choose(logits[:, -1], request)  # [B, 1]
     _emit(rows, [[t] for t in x[:, 0].tolist()])

@@ -19,7 +19,10 @@ from .cache import StaticKVCache
 from .executor import StageExecutor
 from .masks import masks_for
 
-__all__ = ["AttentionLayout", "StageExecutor", "StageRunner"]
+__all__ = ["PREFILL", "AttentionLayout", "StageExecutor", "StageRunner"]
+
+# The key a prompt's call is timed under; such a call reads the last position's logits only.
+PREFILL = "prefill"
 
 
 @dataclass(frozen=True)
@@ -51,9 +54,14 @@ class StageRunner:
 
     def call(self, name: str, key: str | None = None, **inputs) -> dict[str, torch.Tensor]:
         """Stage ``name`` on ``inputs`` as given (the caller builds positions and masks);
-        its wall time counts under ``key`` (default ``name``) in ``seconds``."""
+        its wall time counts under ``key`` (default ``name``) in ``seconds``. A ``PREFILL``
+        call (a prompt) runs the stage's copy whose logits are the last position's only,
+        where it has one (``executor.prefill_stage``)."""
+        stage = self.stages[name]
+        if key == PREFILL:
+            stage = executor.prefill_stage(stage)
         start = time.perf_counter()
-        out = self.stages[name](**inputs)
+        out = stage(**inputs)
         self.seconds[key or name] += time.perf_counter() - start
         return out
 
@@ -98,15 +106,15 @@ class StageRunner:
         At ``start`` 0 (a prompt) the ``logits`` are the last position's only, [1, 1, V], where
         the stage allows (``executor.prefill_stage``): a prefill reads no other row."""
         n = input_ids.shape[1]
-        inputs = dict(input_ids=input_ids, position_ids=self._positions(start, n),
-                      masks=self._masks(name, start, n), cache=self.cache, **extra)  # fmt: skip
-        if start != 0:
-            return self.call(name, key=key, **inputs)
-        # a prompt: the stage's copy with its head on the last position only, where it has one
-        begin = time.perf_counter()
-        out = executor.prefill_stage(self.stages[name])(**inputs)
-        self.seconds["prefill"] += time.perf_counter() - begin
-        return out
+        return self.call(
+            name,
+            key=PREFILL if start == 0 else key,
+            input_ids=input_ids,
+            position_ids=self._positions(start, n),
+            masks=self._masks(name, start, n),
+            cache=self.cache,
+            **extra,
+        )
 
     def full(self, input_ids: torch.Tensor, start: int, key: str | None = None) -> torch.Tensor:
         """All layers on ``input_ids`` [1, S] at positions start..; returns logits [1, S, V],
