@@ -14,8 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from leapfx import rewrite
+from leapfx.runtime import batch as batch_runtime
 from leapfx.runtime.adaptive import PROBE_EVERY
-from leapfx.runtime.batch import BatchPolicy, RowKVCache, row_masks
+from leapfx.runtime.batch import BatchPolicy, RowKVCache, RowRunner, row_cache_for, row_masks
 from leapfx.runtime.runner import AttentionLayout
 from tests.conftest import examples, tiny_model
 from tests.distribution_check import assert_sampled_from
@@ -228,6 +229,58 @@ def test_row_masks_show_each_query_its_own_rows_columns(rows, n, window):
                     if kind == "sliding_attention" and window is not None:
                         want = want and s + i - j < window
                     assert (mask[b, 0, i, j] == 0).item() == want
+
+
+@pytest.mark.parametrize("recipe", ["autoregressive", "kangaroo"])
+@pytest.mark.parametrize("kernels", [True, False])
+def test_a_prefill_a_row_at_a_time_equals_the_padded_prefill(recipe, kernels, monkeypatch):
+    # Heavily padded prompts are prefilled one row at a time over the row's own tokens: the same
+    # first-token logits and the same cache on every real column as one call over the padded
+    # batch (kangaroo: its adapter's cache layer too).
+    model = tiny_model("llama", layers=4, vocab=64, seed=11)
+    sm = rewrite.apply(model, recipe, **({"exit_layer": 2} if recipe == "kangaroo" else {}))
+    sm.use_cpu_kernels(kernels)
+    rows = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [3], [9, 8, 7, 6]]
+    ids, mask = _batch(rows)
+    pads = [ids.shape[1] - len(r) for r in rows]
+    stages = sm._executors or sm.stages.modules
+    results = []
+    for share in (0.0, 2.0):  # every padded batch a row at a time; never
+        monkeypatch.setattr(batch_runtime, "ROW_PREFILL_PADDING", share)
+        cache = row_cache_for(model, 32, len(rows), extra_layers=sm.recipe.extra_cache_layers)
+        runner = RowRunner(stages, cache, sm._layout, pads)
+        with torch.inference_mode():
+            logits = runner.prefill("full", ids)
+        results.append((logits[:, -1], cache))
+    (row_logits, row_cache), (padded_logits, padded_cache) = results
+    torch.testing.assert_close(row_logits, padded_logits, rtol=1e-5, atol=1e-5)
+    assert row_cache.rows == padded_cache.rows and row_cache.lengths == padded_cache.lengths
+    for layer, ends in enumerate(padded_cache.rows):
+        for b, pad in enumerate(pads):
+            for got, want in ((row_cache.keys, padded_cache.keys),
+                              (row_cache.values, padded_cache.values)):  # fmt: skip
+                torch.testing.assert_close(got[layer][b, :, pad : ends[b]],
+                                           want[layer][b, :, pad : ends[b]],
+                                           rtol=1e-5, atol=1e-5)  # fmt: skip
+
+
+def test_batched_kernel_attention_reads_each_rows_own_span(monkeypatch):
+    # with the CPU kernels, a batch's decode and verify calls attend through
+    # leapfx_cpu::attention_rows over RowKVCache.spans (ragged rows), and the rows still equal
+    # HF's padded batch
+    model = tiny_model("llama", layers=3, vocab=64, seed=2)
+    sm = rewrite.apply(model, "layerskip", exit_layer=1, num_speculations=3)
+    sm.use_cpu_kernels(True)
+    queries = []
+    spans = RowKVCache.spans
+
+    def counting(self, layer_idx, n):
+        queries.append(n)
+        return spans(self, layer_idx, n)
+
+    monkeypatch.setattr(RowKVCache, "spans", counting)
+    _check_rows(model, sm, [[1, 2, 3, 1, 2, 3, 1], [4, 5], [6, 7, 8, 9]], 12)
+    assert 1 in queries and max(queries) > 1  # plain steps and verify passes
 
 
 def test_batch_policy_stops_drafting_where_big_verifies_do_not_pay():

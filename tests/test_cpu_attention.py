@@ -68,6 +68,48 @@ def test_a_rows_result_does_not_depend_on_the_other_rows():
         assert torch.equal(alone[:, 0], together[:, i])
 
 
+@settings(max_examples=examples(40, 160), deadline=None)
+@given(
+    b=st.integers(1, 4), hkv=st.sampled_from([1, 3]), group=st.sampled_from([1, 3]),
+    s=st.integers(1, 7), width=st.integers(8, 40), d=st.sampled_from([16, 33, 64]),
+    seed=st.integers(0, 2**16), data=st.data(),
+)  # fmt: skip
+def test_attention_rows_matches_sdpa_over_each_rows_span(b, hkv, group, s, width, d, seed, data):
+    # ragged rows: row r's queries at its own columns, reading from its first real column on;
+    # a query before it (a padding column in a prefill) reads nothing and gets zeros
+    q, k, v = _inputs(b, hkv * group, hkv, s, width, d, seed)
+    first = torch.tensor(data.draw(st.lists(st.integers(0, width - 1), min_size=b, max_size=b)))
+    ends = data.draw(st.lists(st.integers(s - 1, width - 1), min_size=b, max_size=b))
+    last = torch.tensor(ends)[:, None] - s + 1 + torch.arange(s)  # [b, s]
+    got = torch.ops.leapfx_cpu.attention_rows(q, k, v, first, last, d**-0.5)
+    want = cpu_attention.attention_rows_reference(q, k, v, first, last, d**-0.5)
+    assert got.shape == (b, s, hkv * group, d)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert (got[last < first[:, None]] == 0).all()
+
+
+def test_a_padded_rows_result_equals_the_row_alone():
+    # a row behind 7 padding columns (garbage there): the same numbers, bit for bit, as
+    # leapfx_cpu::attention gives the unpadded row (its keys read in the same order), and
+    # beside another row in a batch
+    q, k, v = _inputs(1, 6, 2, 3, 30, 64, 4)
+    pad = 7
+    kp = torch.cat([torch.randn(1, 2, pad, 64), k], dim=2)
+    vp = torch.cat([torch.randn(1, 2, pad, 64), v], dim=2)
+    pos = torch.tensor([27, 28, 29])
+    alone = torch.ops.leapfx_cpu.attention(q, k, v, pos, 0.125)
+    padded = torch.ops.leapfx_cpu.attention_rows(
+        q, kp, vp, torch.tensor([pad]), (pos + pad)[None], 0.125
+    )
+    assert torch.equal(padded, alone)
+    other = _inputs(1, 6, 2, 3, 37, 64, 5)
+    batch = torch.ops.leapfx_cpu.attention_rows(
+        torch.cat([other[0], q]), torch.cat([other[1], kp]), torch.cat([other[2], vp]),
+        torch.tensor([0, pad]), torch.stack([pos + 5, pos + pad]), 0.125,
+    )  # fmt: skip
+    assert torch.equal(batch[1:], alone)
+
+
 def test_bad_inputs_are_refused_with_the_reason():
     q, k, v = _inputs(1, 4, 2, 2, 10, 8, 0)
     with pytest.raises(RuntimeError, match="position 10 outside the 10 key slots"):
@@ -79,6 +121,11 @@ def test_bad_inputs_are_refused_with_the_reason():
     with pytest.raises(RuntimeError, match="do not match q"):
         three = k[:, :1].expand(1, 3, 10, 8)  # 3 kv heads for 4 query heads
         torch.ops.leapfx_cpu.attention(q, three, three, torch.tensor([8, 9]), 1.0)
+    with pytest.raises(RuntimeError, match=r"row 0 query 1 reads slots 0..10, outside 0..9"):
+        torch.ops.leapfx_cpu.attention_rows(q, k, v, torch.tensor([0]), torch.tensor([[9, 10]]),
+                                            1.0)  # fmt: skip
+    with pytest.raises(RuntimeError, match=r"last must be \[B, S\] int64"):
+        torch.ops.leapfx_cpu.attention_rows(q, k, v, torch.tensor([0]), torch.tensor([9]), 1.0)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma"])

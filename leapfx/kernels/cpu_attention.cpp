@@ -8,6 +8,12 @@
 // follows the filled length, not the buffer's. Scores, softmax and the weighted sum of a query
 // row run in one order fixed by its own position, whatever S and the other rows: a row's result
 // does not depend on how many rows came with it.
+//
+// leapfx_cpu::attention_rows is the same for a batch of ragged rows (left padding, rows at
+// their own lengths): query (b, s) reads slots first[b] .. last[b, s]. A row's keys are read
+// from its first slot on, in the order an unpadded row's are, so a padded row's result equals
+// the same row's alone. A query before its row's first slot (a padding column) reads nothing
+// and gets zeros.
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -149,38 +155,47 @@ void attend_row(const float* qr, const float* kb, int64_t kl, const float* vb, i
   for (int64_t d = 0; d < D; ++d) o[d] *= inv;
 }
 
-at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                     const at::Tensor& positions, double scale) {
-  const char* op = "leapfx_cpu::attention";
-  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu() &&
-                  positions.device().is_cpu(), op, ": CPU tensors only");
+// Checks shared by both ops; returns q, k, v with unit stride in D.
+struct Inputs {
+  at::Tensor q, k, v;
+  int64_t B, Hq, S, D, Hkv, L;
+};
+
+Inputs checked(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), op,
+              ": CPU tensors only");
   TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat &&
                   v.scalar_type() == at::kFloat, op, ": float32 only");
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, op,
               ": q, k, v must be [B, heads, S or L, D]");
-  const int64_t B = q.size(0), Hq = q.size(1), S = q.size(2), D = q.size(3);
-  const int64_t Hkv = k.size(1), L = k.size(2);
-  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == B && k.size(3) == D && Hkv > 0 &&
-                  Hq % Hkv == 0, op, ": k/v ", k.sizes(), " do not match q ", q.sizes());
-  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.numel() == S, op,
-              ": positions must be ", S, " int64 values, got ", positions.sizes());
-  const at::Tensor qc = q.stride(3) == 1 ? q : q.contiguous();
-  const at::Tensor kc = k.stride(3) == 1 ? k : k.contiguous();
-  const at::Tensor vc = v.stride(3) == 1 ? v : v.contiguous();
-  const at::Tensor pc = positions.contiguous();
-  const int64_t* pos = pc.data_ptr<int64_t>();
+  Inputs in;
+  in.B = q.size(0), in.Hq = q.size(1), in.S = q.size(2), in.D = q.size(3);
+  in.Hkv = k.size(1), in.L = k.size(2);
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == in.B && k.size(3) == in.D && in.Hkv > 0 &&
+                  in.Hq % in.Hkv == 0, op, ": k/v ", k.sizes(), " do not match q ", q.sizes());
+  in.q = q.stride(3) == 1 ? q : q.contiguous();
+  in.k = k.stride(3) == 1 ? k : k.contiguous();
+  in.v = v.stride(3) == 1 ? v : v.contiguous();
+  return in;
+}
+
+// Query (b, s) reads slots first[b] .. last[b * last_b + s] (first null: from slot 0; last_b 0:
+// one set of query positions for every b).
+at::Tensor attend(const Inputs& in, const int64_t* first, const int64_t* last, int64_t last_b,
+                  double scale) {
+  const int64_t B = in.B, Hq = in.Hq, S = in.S, D = in.D;
   int64_t n_max = 0;
-  for (int64_t s = 0; s < S; ++s) {
-    TORCH_CHECK(pos[s] >= 0 && pos[s] < L, op, ": position ", pos[s], " outside the ", L,
-                " key slots");
-    n_max = std::max(n_max, pos[s] + 1);
-  }
-  at::Tensor out = at::empty({B, S, Hq, D}, q.options());
+  for (int64_t b = 0; b < (last_b ? B : 1); ++b)
+    for (int64_t s = 0; s < S; ++s)
+      n_max = std::max(n_max, last[b * last_b + s] + 1 - (first ? first[b] : 0));
+  n_max = std::max<int64_t>(n_max, 1);
+  at::Tensor out = at::empty({B, S, Hq, D}, in.q.options());
+  const at::Tensor &qc = in.q, &kc = in.k, &vc = in.v;
   const float* qp = qc.data_ptr<float>();
   const float* kp = kc.data_ptr<float>();
   const float* vp = vc.data_ptr<float>();
   float* outp = out.data_ptr<float>();
-  const int64_t group = Hq / Hkv, rows = B * Hq * S;
+  const int64_t group = Hq / in.Hkv, rows = B * Hq * S;
   const int64_t padded = (n_max + kLanes - 1) / kLanes * kLanes;
   const float sc = static_cast<float>(scale);
   // A decode step's few rows over a short prefix stay on one thread (handing them out costs
@@ -191,11 +206,16 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
     std::vector<float> scores(padded);
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t s = r % S, h = (r / S) % Hq, b = r / (S * Hq), hk = h / group;
+      const int64_t f = first ? first[b] : 0, kl = kc.stride(2), vl = vc.stride(2);
+      const int64_t n = last[b * last_b + s] + 1 - f;
       const float* qr = qp + b * qc.stride(0) + h * qc.stride(1) + s * qc.stride(2);
-      const float* kb = kp + b * kc.stride(0) + hk * kc.stride(1);
-      const float* vb = vp + b * vc.stride(0) + hk * vc.stride(1);
-      const int64_t kl = kc.stride(2), vl = vc.stride(2), n = pos[s] + 1;
+      const float* kb = kp + b * kc.stride(0) + hk * kc.stride(1) + f * kl;
+      const float* vb = vp + b * vc.stride(0) + hk * vc.stride(1) + f * vl;
       float* o = outp + ((b * S + s) * Hq + h) * D;
+      if (n <= 0) {  // a padding query (its column before its row's first): read by nothing
+        for (int64_t d = 0; d < D; ++d) o[d] = 0.0f;
+        continue;
+      }
       float* sp = scores.data();
       switch (D / kLanes) {
         case 1: attend_row<1>(qr, kb, kl, vb, vl, n, D, sc, sp, o); break;
@@ -211,10 +231,51 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   return out;
 }
 
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     const at::Tensor& positions, double scale) {
+  const char* op = "leapfx_cpu::attention";
+  const Inputs in = checked(op, q, k, v);
+  TORCH_CHECK(positions.device().is_cpu() && positions.scalar_type() == at::kLong &&
+                  positions.numel() == in.S, op, ": positions must be ", in.S,
+              " int64 values on the CPU, got ", positions.sizes());
+  const at::Tensor pc = positions.contiguous();
+  const int64_t* pos = pc.data_ptr<int64_t>();
+  for (int64_t s = 0; s < in.S; ++s)
+    TORCH_CHECK(pos[s] >= 0 && pos[s] < in.L, op, ": position ", pos[s], " outside the ", in.L,
+                " key slots");
+  return attend(in, nullptr, pos, 0, scale);
+}
+
+at::Tensor attention_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                          const at::Tensor& first, const at::Tensor& last, double scale) {
+  const char* op = "leapfx_cpu::attention_rows";
+  const Inputs in = checked(op, q, k, v);
+  TORCH_CHECK(first.device().is_cpu() && first.scalar_type() == at::kLong &&
+                  first.dim() == 1 && first.size(0) == in.B, op,
+              ": first must be [B] int64 on the CPU, got ", first.sizes());
+  TORCH_CHECK(last.device().is_cpu() && last.scalar_type() == at::kLong && last.dim() == 2 &&
+                  last.size(0) == in.B && last.size(1) == in.S, op,
+              ": last must be [B, S] int64 on the CPU, got ", last.sizes());
+  const at::Tensor fc = first.contiguous(), lc = last.contiguous();
+  const int64_t *f = fc.data_ptr<int64_t>(), *l = lc.data_ptr<int64_t>();
+  for (int64_t b = 0; b < in.B; ++b)
+    for (int64_t s = 0; s < in.S; ++s)
+      TORCH_CHECK(f[b] >= 0 && f[b] <= in.L && l[b * in.S + s] < in.L, op, ": row ", b,
+                  " query ", s, " reads slots ", f[b], "..", l[b * in.S + s], ", outside 0..",
+                  in.L - 1);
+  return attend(in, f, l, in.S, scale);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(leapfx_cpu, m) {
   m.def("attention(Tensor q, Tensor k, Tensor v, Tensor positions, float scale) -> Tensor");
+  m.def(
+      "attention_rows(Tensor q, Tensor k, Tensor v, Tensor first, Tensor last, float scale) -> "
+      "Tensor");
 }
 
-TORCH_LIBRARY_IMPL(leapfx_cpu, CPU, m) { m.impl("attention", &attention); }
+TORCH_LIBRARY_IMPL(leapfx_cpu, CPU, m) {
+  m.impl("attention", &attention);
+  m.impl("attention_rows", &attention_rows);
+}

@@ -13,6 +13,11 @@ op                             signature
                                positions [S] int64, scale) -> [B, S, Hq, D]``: query ``s``
                                attends to slots ``0 .. positions[s]`` (slot ``j`` holds
                                position ``j``), head ``h`` to kv head ``h // (Hq // Hkv)``
+``leapfx_cpu::attention_rows`` ``(q, k, v, first [B] int64, last [B, S] int64, scale)``: the
+                               same for ragged rows (a left-padded batch, each row at its own
+                               length): query ``(b, s)`` attends to slots ``first[b] ..
+                               last[b, s]``; a padded row's numbers equal the row's alone;
+                               a query before ``first[b]`` (padding) gets zeros
 =============================  ==================================================================
 
 float32 only; causal attention without a sliding window, soft-capping or sinks (the layers that
@@ -36,13 +41,18 @@ SOURCE = Path(__file__).with_name("cpu_attention.cpp")
 @functools.cache
 def available() -> bool:
     """True once ``leapfx_cpu::attention`` is built and registered (built on the first call)."""
-    if hasattr(torch.ops, "leapfx_cpu") and hasattr(torch.ops.leapfx_cpu, "attention"):
+    if hasattr(torch.ops, "leapfx_cpu") and hasattr(torch.ops.leapfx_cpu, "attention_rows"):
         return True
     if not cpu.load_extension("attention", SOURCE, "using SDPA", (cpu.VEC_HEADER,)):
         return False
 
     @torch.library.register_fake("leapfx_cpu::attention")
     def _fake(q, k, v, positions, scale):
+        b, h, s, d = q.shape
+        return q.new_empty((b, s, h, d))
+
+    @torch.library.register_fake("leapfx_cpu::attention_rows")
+    def _fake_rows(q, k, v, first, last, scale):
         b, h, s, d = q.shape
         return q.new_empty((b, s, h, d))
 
@@ -61,3 +71,20 @@ def attention_reference(
         scale=scale,
     )  # fmt: skip
     return out.transpose(1, 2).contiguous()
+
+
+def attention_rows_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: torch.Tensor, last: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:  # fmt: skip
+    """``leapfx_cpu::attention_rows``' contract in torch: SDPA with a boolean mask [B, 1, S, L]
+    (query (b, s) sees slots first[b] .. last[b, s]), [B, S, Hq, D]."""
+    group = q.shape[1] // k.shape[1]
+    slots = torch.arange(k.shape[2], device=q.device)
+    mask = (slots >= first[:, None, None]) & (slots <= last[:, :, None])  # [B, S, L]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), attn_mask=mask[:, None],
+        scale=scale,
+    )  # fmt: skip
+    empty = ~mask.any(-1)  # [B, S]: padding queries
+    return out.transpose(1, 2).masked_fill(empty[:, :, None, None], 0.0).contiguous()

@@ -72,7 +72,8 @@ def _attend(
 
     ``owner`` holds ``_rope``, ``_attention`` and ``_attn_kwargs`` (a fused layer or attention),
     and ``_kernel_attention``: attend with ``leapfx_cpu::attention`` at ``position_ids`` (one
-    sequence) over the cache, instead of the mask.
+    sequence) over the cache, or ``leapfx_cpu::attention_rows`` over a batch's ragged rows
+    (``RowKVCache.spans``), instead of the mask.
     """
     cos, sin = position_embeddings
     q, k = owner._rope(q, k, cos, sin)
@@ -95,6 +96,16 @@ def _attend(
             # (KERNEL_ROWS_MAX_KEYS).
             out = torch.ops.leapfx_cpu.attention(q, k, v, position_ids[0], attn.scaling)
             return out.reshape(*shape, -1)  # [B, S, heads, D], contiguous
+        if (
+            owner._kernel_attention
+            and getattr(past_key_values, "ragged", False)
+            and (q.shape[2] == 1 or k.shape[2] <= KERNEL_ROWS_MAX_KEYS)
+        ):
+            # A batch's ragged rows (runtime.batch.RowKVCache): each row from its first real
+            # column to each query's own, the same rule for query rows and keys as above.
+            first, last = past_key_values.spans(attn.layer_idx, q.shape[2])
+            out = torch.ops.leapfx_cpu.attention_rows(q, k, v, first, last, attn.scaling)
+            return out.reshape(*shape, -1)
     out, _ = owner._attention(
         attn, q, k, v, attention_mask, dropout=0.0, scaling=attn.scaling, **owner._attn_kwargs
     )

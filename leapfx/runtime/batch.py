@@ -7,7 +7,13 @@ per row (:class:`RowKVCache`): a call writes row b's new keys and values at that
 length (one slice write while the rows are aligned, one ``index_put`` when they are not) and
 reads the columns up to the longest row's end; the mask (:func:`row_masks`, from each row's
 query columns and its padding) hides this row's padding and every column past this row's own
-end. Rollback is per row and O(1): ``crop_rows`` moves lengths, nothing is copied.
+end. Rollback is per row and O(1): ``crop_rows`` moves lengths, nothing is copied. With the CPU
+kernels, attention reads each row's own span of columns (``leapfx_cpu::attention_rows`` over
+:meth:`RowKVCache.spans`) instead of attending through the mask.
+
+The prompts are prefilled in one call over the padded batch, or, on a CPU where the padding is a
+sizeable share of the batch (``ROW_PREFILL_PADDING``), a call a row over its own tokens: there a
+call's cost follows its rows, and the padded columns would be computed for nothing.
 
 A round, for every live row at once::
 
@@ -51,6 +57,11 @@ from .schedules import DecodeRequest, Output, accept, point_mass
 
 DRAFTERS = ("none", "lookup", "stage")
 
+# RowRunner.prefill: on a CPU, prompts whose padding is at least this share of the batch's
+# columns are prefilled a row at a time (a call's cost follows its rows there, so padding is
+# pure waste, and a row's call costs little more than its share of the padded one).
+ROW_PREFILL_PADDING = 0.1
+
 
 @dataclass(frozen=True)
 class BatchPlan:
@@ -75,7 +86,8 @@ class RowKVCache(StaticKVCache):
     """A static KV cache whose layers keep one fill length per row (ragged rows).
 
     ``ragged`` tells kernel attention (``modules.fused``) that a key's column is not its
-    position: attend through the mask.
+    position: attend through the mask, or through :meth:`spans` (``leapfx_cpu::attention_rows``).
+    ``first[b]``: row b's first real column (its left padding before it; the runner sets it).
 
     >>> cache = RowKVCache(num_layers=1, num_kv_heads=1, head_dim=2, max_len=8, batch_size=2)
     >>> _ = cache.update(torch.ones(2, 1, 3, 2), torch.ones(2, 1, 3, 2), 0)
@@ -91,8 +103,22 @@ class RowKVCache(StaticKVCache):
             num_layers, num_kv_heads, head_dim, max_len, batch_size=batch_size, **kwargs
         )
         self.rows: list[list[int]] = [[0] * batch_size for _ in range(num_layers)]
+        self.first: list[int] = [0] * batch_size
+        self._spans: tuple[tuple, tuple[torch.Tensor, torch.Tensor]] | None = None
 
     ragged = True
+
+    def spans(self, layer_idx: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """After a call wrote ``n`` columns a row to layer ``layer_idx``: each row's first real
+        column [B] and the columns of its n queries [B, n] (int64), what
+        ``leapfx_cpu::attention_rows`` reads. Built once for all the layers of a call."""
+        key = (tuple(self.rows[layer_idx]), n, tuple(self.first))
+        if self._spans is None or self._spans[0] != key:
+            device = self.keys[0].device
+            ends = torch.tensor(self.rows[layer_idx], device=device)
+            last = ends[:, None] - n + torch.arange(n, device=device)  # [B, n]
+            self._spans = key, (torch.tensor(self.first, device=device), last)
+        return self._spans[1]
 
     @property
     def batch_size(self) -> int:
@@ -120,6 +146,19 @@ class RowKVCache(StaticKVCache):
         self.lengths[layer_idx] = end
         return keys[:, :, :end], values[:, :, :end]
 
+    def row_view(self, b: int) -> RowKVCache:
+        """Row b alone, as a one-row cache over the same storage (its writes land in row b),
+        every layer filled to the row's first real column."""
+        view = object.__new__(RowKVCache)
+        view.__dict__.update(self.__dict__)
+        view.keys = [k[b : b + 1] for k in self.keys]
+        view.values = [v[b : b + 1] for v in self.values]
+        view.first = [self.first[b]]
+        view.rows = [[self.first[b]] for _ in self.rows]
+        view.lengths = [self.first[b]] * len(self.rows)
+        view._spans = None
+        return view
+
     def crop_rows(self, ends: list[int]) -> None:
         """Forget every column >= ``ends[b]`` of row b in every layer (O(1): lengths only)."""
         self.rows = [[min(n, e) for n, e in zip(layer, ends, strict=True)] for layer in self.rows]
@@ -131,6 +170,7 @@ class RowKVCache(StaticKVCache):
         self.keys = [k.index_select(0, index) for k in self.keys]
         self.values = [v.index_select(0, index) for v in self.values]
         self.rows = [[layer[r] for r in rows] for layer in self.rows]
+        self.first = [self.first[r] for r in rows]
         self.lengths = [max(layer) for layer in self.rows]
 
     def reset(self) -> None:
@@ -186,6 +226,7 @@ class RowRunner:
         pads: list[int],
     ) -> None:
         self.stages, self.cache, self.layout, self.pads = stages, cache, layout, list(pads)
+        cache.first = list(pads)
         self.seconds: defaultdict[str, float] = defaultdict(float)
 
     def call(self, name: str, ids: torch.Tensor, starts: list[int], key: str) -> torch.Tensor:
@@ -208,6 +249,37 @@ class RowRunner:
         )
         self.seconds[key] += time.perf_counter() - begin
         return out["logits"]
+
+    def prefill(self, name: str, prompt: torch.Tensor) -> torch.Tensor:
+        """Stage ``name`` over the left-padded prompts ``prompt`` [B, S] from column 0: logits
+        [B, 1 or S, V]. On a CPU, where a call's cost follows its rows, a batch whose padding
+        is at least ``ROW_PREFILL_PADDING`` of its columns runs a call a row over that row's own
+        tokens (no compute on padding; logits [B, 1, V]); otherwise one call over the padded
+        batch."""
+        B, S = prompt.shape
+        padding = sum(self.pads) / (B * S)
+        if B == 1 or prompt.device.type != "cpu" or padding < ROW_PREFILL_PADDING:
+            return self.call(name, prompt, [0] * B, PREFILL)
+        cache, logits = self.cache, []
+        written = [list(layer) for layer in cache.rows]
+        for b, pad in enumerate(self.pads):
+            view = cache.row_view(b)
+            n = S - pad
+            begin = time.perf_counter()
+            out = executor.prefill_stage(self.stages[name])(
+                input_ids=prompt[b : b + 1, pad:],
+                position_ids=torch.arange(n, device=prompt.device)[None],
+                masks=row_masks(self.layout, [pad], [pad], n),
+                cache=view,
+            )
+            self.seconds[PREFILL] += time.perf_counter() - begin
+            logits.append(out["logits"][:, -1:])
+            for layer, rows in enumerate(view.rows):
+                if rows[0] != pad:  # the stage wrote this layer
+                    written[layer][b] = rows[0]
+        cache.rows = written
+        cache.lengths = [max(layer) for layer in written]
+        return torch.cat(logits)
 
     def keep(self, rows: list[int]) -> None:
         self.cache.keep(rows)
@@ -300,7 +372,7 @@ def batched_loop(
     if policy is not None:
         policy.restart()
     finished: dict[int, list[int]] = {}
-    logits = runner.call("full", prompt, [0] * B, PREFILL)  # [B, 1 or S, V]
+    logits = runner.prefill("full", prompt)  # [B, 1 or S, V]
     metrics.full_calls += 1
     x = _choose(logits[:, -1], request)  # [B, 1]
     _emit(rows, [[t] for t in x[:, 0].tolist()])
