@@ -296,3 +296,17 @@ def test_batch_policy_stops_drafting_where_big_verifies_do_not_pay():
     assert policy.choose(1, 3) > 0
     choices = [policy.choose(8, 3) for _ in range(PROBE_EVERY)]
     assert choices.count(0) >= PROBE_EVERY - 1
+
+
+def test_batch_policy_weighs_the_drafts_by_the_rows_that_have_them():
+    # A verify of d + 1 tokens costs 1 + 0.3 d steps at batch 4, and a drafting row keeps 2 of
+    # 3 drafts: worth it when every row drafts (about 2.5 tokens a row for 1.9 steps), not when
+    # one row of four has a match (the other three pay the same verify for one token each).
+    policy = BatchPolicy(max_drafts=3)
+    for _ in range(60):
+        d = policy.choose(4, 3)
+        policy.observe(4, d, [(d, min(d, 2))] * 4 if d else [], 1.0 + 0.3 * d)
+    assert policy.choose(4, 3, share=1.0) > 0
+    choices = [policy.choose(4, 3, share=0.25) for _ in range(PROBE_EVERY)]
+    assert choices.count(0) >= PROBE_EVERY - 1
+    assert policy.choose(4, 3, share=0.0) == 0

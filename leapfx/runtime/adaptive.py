@@ -144,24 +144,28 @@ class DraftPolicy:
         base = max(my - slope * mx, 1e-9)
         return base + slope * d
 
-    def rate(self, d: int, key: int | None = None) -> float:
-        """E(d) / C(d): expected tokens per unit of cost (acceptance of ``key``'s rounds)."""
-        return expected_tokens(self.alpha_of(key), d) / self.cost(d)
+    def rate(self, d: int, key: int | None = None, share: float = 1.0) -> float:
+        """E(d) / C(d): expected tokens per unit of cost (acceptance of ``key``'s rounds).
+        ``share``: the part of a batch's rows that has drafts (the others emit one token for
+        the same verify): 1 + share (E(d) - 1) tokens a row."""
+        return (1.0 + share * (expected_tokens(self.alpha_of(key), d) - 1.0)) / self.cost(d)
 
-    def best(self, available: int, key: int | None = None) -> tuple[int, float]:
+    def best(
+        self, available: int, key: int | None = None, share: float = 1.0
+    ) -> tuple[int, float]:
         """(d, gain): the draft count in 1..``available`` with the most expected tokens per
         cost, and its rate over a plain step's (no side effects; (0, 1.0) where
-        ``available`` is 0)."""
+        ``available`` is 0 or no row drafts)."""
         limit = min(available, self.max_drafts)
-        if limit == 0:
+        if limit == 0 or share <= 0:
             return 0, 1.0
-        best = max(range(1, limit + 1), key=lambda d: self.rate(d, key))
-        return best, self.rate(best, key) / self.rate(0, key)
+        best = max(range(1, limit + 1), key=lambda d: self.rate(d, key, share))
+        return best, self.rate(best, key, share) / self.rate(0, key)
 
-    def choose(self, available: int, key: int | None = None) -> int:
+    def choose(self, available: int, key: int | None = None, share: float = 1.0) -> int:
         """Drafts for a round that could draft ``available`` (0: none possible) from a match
-        of kind ``key`` (the n-gram length; None: pooled)."""
-        best, gain = self.best(available, key)
+        of kind ``key`` (the n-gram length; None: pooled); ``share`` as in :meth:`rate`."""
+        best, gain = self.best(available, key, share)
         if best == 0:
             return 0
         return {"draft": best, "probe": 1, "decline": 0}[self.gate(gain)]

@@ -17,8 +17,9 @@ call's cost follows its rows, and the padded columns would be computed for nothi
 
 A round, for every live row at once::
 
-    choose d   the batch's policy (:class:`BatchPolicy`): live acceptance and the measured
-               cost of a verify of B x (d + 1) tokens at this batch size; 0 = a plain step
+    choose d   the batch's policy (:class:`BatchPolicy`): live acceptance, the share of rows
+               with drafts (lookup: those with a match), and the measured cost of a verify of
+               B x (d + 1) tokens at this batch size; 0 = a plain step
     propose    per row: prompt lookup (an n-gram index per row), or the recipe's draft
                stage, d calls over [B, 1] (layer-skip drafts: layerskip, kangaroo, swift), or
                lookup first and the draft stage for the rows without a match
@@ -312,15 +313,17 @@ class BatchPolicy:
         self.live = policy
         return policy
 
-    def choose(self, size: int, available: int) -> int:
-        """Drafts for a round at batch ``size`` that could draft ``available``. A size's first
+    def choose(self, size: int, available: int, share: float = 1.0) -> int:
+        """Drafts for a round at batch ``size`` that could draft ``available``, where a
+        ``share`` of the rows has drafts (prompt lookup: the rows with a match; the verify
+        costs the same for all, and a row without drafts gains nothing from it). A size's first
         rounds are plain steps until one has been timed (its first round is not counted): the
         cost of a plain step at this size is what every draft length is weighed against, and
         the prior's slope is far from a compute-bound batch's."""
         policy = self.at(size)
         if 0 not in policy.costs:
             return 0
-        return policy.choose(available)
+        return policy.choose(available, share=share)
 
     def observe(self, size: int, drafted: int, rows: list[tuple[int, int]], seconds: float) -> None:
         """A round at batch ``size`` was ``drafted`` wide and took ``seconds``; ``rows``: (drafts,
@@ -382,9 +385,13 @@ def batched_loop(
         begin = time.perf_counter()
         room = [row.out.remaining - 1 for row in rows]  # drafts past a row's budget are waste
         d = min(plan.num_speculations, max(room)) if plan.drafter != "none" else 0
+        copies = None  # each row's prompt-lookup match, up to d tokens
+        if d > 0 and (plan.drafter == "lookup" or plan.lookup):
+            copies = [_lookup_drafts(row, max(0, min(d, r))) for row, r in zip(rows, room)]
         if policy is not None and d > 0:
-            d = policy.choose(size, d)
-        proposal = _propose(runner, rows, x, d, room, plan, request)
+            share = 1.0 if plan.drafter == "stage" else sum(map(bool, copies)) / size
+            d = policy.choose(size, d, share)
+        proposal = _propose(runner, rows, x, d, room, plan, request, copies)
         starts = [row.pos for row in rows]
         runner.cache.crop_rows(starts)  # a draft stage wrote some layers past x
         width = proposal.tokens.shape[1]
@@ -464,11 +471,16 @@ def _propose(
     room: list[int],
     plan: BatchPlan,
     request: DecodeRequest,
+    matches: list[list[int]] | None = None,
 ) -> Proposal:
-    """Up to d drafts a row (at most ``room[b]`` for row b)."""
+    """Up to d drafts a row (at most ``room[b]`` for row b); ``matches``: each row's lookup
+    match, found already (cut to d here)."""
     B = len(rows)
     caps = [max(0, min(d, r)) for r in room]
-    copies = [_lookup_drafts(row, c) for row, c in zip(rows, caps, strict=True)]
+    if matches is None:
+        copies = [_lookup_drafts(row, c) for row, c in zip(rows, caps, strict=True)]
+    else:
+        copies = [m[:c] for m, c in zip(matches, caps, strict=True)]
     staged = None
     if plan.drafter == "stage" and d > 0 and not all(copies[b] for b in range(B) if caps[b]):
         staged = _stage_drafts(runner, rows, x, d, request)  # (tokens [B, d], q or None)
