@@ -150,9 +150,7 @@ class DraftPolicy:
         the same verify): 1 + share (E(d) - 1) tokens a row."""
         return (1.0 + share * (expected_tokens(self.alpha_of(key), d) - 1.0)) / self.cost(d)
 
-    def best(
-        self, available: int, key: int | None = None, share: float = 1.0
-    ) -> tuple[int, float]:
+    def best(self, available: int, key: int | None = None, share: float = 1.0) -> tuple[int, float]:
         """(d, gain): the draft count in 1..``available`` with the most expected tokens per
         cost, and its rate over a plain step's (no side effects; (0, 1.0) where
         ``available`` is 0 or no row drafts)."""

@@ -387,7 +387,9 @@ def batched_loop(
         d = min(plan.num_speculations, max(room)) if plan.drafter != "none" else 0
         copies = None  # each row's prompt-lookup match, up to d tokens
         if d > 0 and (plan.drafter == "lookup" or plan.lookup):
-            copies = [_lookup_drafts(row, max(0, min(d, r))) for row, r in zip(rows, room)]
+            copies = [
+                _lookup_drafts(row, max(0, min(d, r))) for row, r in zip(rows, room, strict=True)
+            ]
         if policy is not None and d > 0:
             share = 1.0 if plan.drafter == "stage" else sum(map(bool, copies)) / size
             d = policy.choose(size, d, share)
