@@ -310,3 +310,31 @@ def test_batch_policy_weighs_the_drafts_by_the_rows_that_have_them():
     choices = [policy.choose(4, 3, share=0.25) for _ in range(PROBE_EVERY)]
     assert choices.count(0) >= PROBE_EVERY - 1
     assert policy.choose(4, 3, share=0.0) == 0
+
+
+@pytest.mark.parametrize("kernels", [True, False])
+def test_batched_layerskip_verifies_the_drafts_exit_states_with_its_verify_stage(
+    kernels, monkeypatch
+):
+    # Every round drafts (the policy forced to): a round the draft stage drafted whole is
+    # verified by the verify stage over the draft's exit states (the upper layers on d + 1
+    # tokens, the lower ones on the last draft only), rows at their own columns; the rows
+    # equal HF's padded batch, and lookup rounds (copies) still take the full verify.
+    model = tiny_model("llama", layers=4, vocab=32, seed=8)
+    monkeypatch.setattr(BatchPolicy, "choose", lambda self, size, available, share=1.0: available)
+    splits = []
+    verify = RowRunner.verify
+
+    def counting(self, ids, exit_hidden, starts):
+        splits.append(exit_hidden.shape)
+        return verify(self, ids, exit_hidden, starts)
+
+    monkeypatch.setattr(RowRunner, "verify", counting)
+    rows = [[1, 2, 3, 4, 5, 6], [9, 8], [3, 3, 3, 3, 7], [11, 12]]
+    for lookup in (False, True):
+        sm = rewrite.apply(model, "layerskip", exit_layer=2, num_speculations=3, lookup=lookup)
+        sm.use_cpu_kernels(kernels)
+        splits.clear()
+        _check_rows(model, sm, rows, 14)
+        assert splits and all(1 <= shape[1] <= 3 for shape in splits)  # c = d drafts
+        assert sm.last_metrics.verify_calls > 0

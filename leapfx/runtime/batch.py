@@ -77,6 +77,9 @@ class BatchPlan:
     max_ngram: int = 3
     min_ngram: int = 1
     name: str = ""  # counted under this name in ``drafter_rounds`` (the recipe's)
+    # verify a round of stage drafts with the ``verify`` stage over their exit states (the
+    # upper layers on d + 1 tokens, the lower ones on the last draft only: LayerSkip's split)
+    split_verify: bool = False
 
     def __post_init__(self) -> None:
         if self.drafter not in DRAFTERS:
@@ -234,10 +237,14 @@ class RowRunner:
         """Stage ``name`` on ``ids`` [B, n], row b at columns starts[b]..: logits [B, n, V]
         ([B, 1, V], the last column's, for the prefill where ``executor.prefill_stage``
         allows)."""
+        return self.call_outputs(name, ids, starts, key)["logits"]
+
+    def call_outputs(
+        self, name: str, ids: torch.Tensor, starts: list[int], key: str
+    ) -> dict[str, torch.Tensor]:
+        """:meth:`call`'s stage outputs, all of them (a draft stage's ``hidden`` too)."""
         n = ids.shape[1]
-        device = self.layout.device
-        cols = torch.tensor(starts, device=device)[:, None] + torch.arange(n, device=device)
-        positions = (cols - torch.tensor(self.pads, device=device)[:, None]).clamp(min=0)
+        positions = self._positions(starts, n)
         stage = self.stages[name]
         if key == PREFILL:  # the prompts: the head on their last position only
             stage = executor.prefill_stage(stage)
@@ -249,6 +256,34 @@ class RowRunner:
             cache=self.cache,
         )
         self.seconds[key] += time.perf_counter() - begin
+        return out
+
+    def _positions(self, starts: list[int], n: int) -> torch.Tensor:
+        device = self.layout.device
+        cols = torch.tensor(starts, device=device)[:, None] + torch.arange(n, device=device)
+        return (cols - torch.tensor(self.pads, device=device)[:, None]).clamp(min=0)
+
+    def verify(
+        self, ids: torch.Tensor, exit_hidden: torch.Tensor, starts: list[int]
+    ) -> torch.Tensor:
+        """The ``verify`` stage (``passes.partition``) for every row: ``exit_hidden`` [B, c, H],
+        the exit states the draft stage computed at columns starts[b]..; ``ids`` [B, m], the
+        tokens after them, which run through the lower layers here. Returns the full model's
+        logits at all c + m columns, [B, c + m, V]; the cache's lower layers must hold the c
+        columns the draft wrote, the upper ones end at starts[b]."""
+        c, m = exit_hidden.shape[1], ids.shape[1]
+        new = [s + c for s in starts]
+        begin = time.perf_counter()
+        out = self.stages["verify"](
+            input_ids=ids,
+            position_ids=self._positions(new, m),
+            masks=row_masks(self.layout, new, self.pads, m),
+            exit_hidden=exit_hidden,
+            remainder_position_ids=self._positions(starts, c + m),
+            remainder_masks=row_masks(self.layout, starts, self.pads, c + m),
+            cache=self.cache,
+        )
+        self.seconds["verify"] += time.perf_counter() - begin
         return out["logits"]
 
     def prefill(self, name: str, prompt: torch.Tensor) -> torch.Tensor:
@@ -395,10 +430,15 @@ def batched_loop(
             d = policy.choose(size, d, share)
         proposal = _propose(runner, rows, x, d, room, plan, request, copies)
         starts = [row.pos for row in rows]
-        runner.cache.crop_rows(starts)  # a draft stage wrote some layers past x
         width = proposal.tokens.shape[1]
-        ids = torch.cat([x, proposal.tokens], dim=1)  # [B, width + 1]
-        logits = runner.call("full", ids, starts, "verify" if width else "full")
+        if plan.split_verify and proposal.hidden is not None and width == d > 0:
+            # the draft stage ran every row d steps (its lower layers hold x .. t_{d-1}):
+            # verify their exit states and t_d
+            logits = runner.verify(proposal.tokens[:, -1:], proposal.hidden, starts)
+        else:
+            runner.cache.crop_rows(starts)  # a draft stage wrote some layers past x
+            ids = torch.cat([x, proposal.tokens], dim=1)  # [B, width + 1]
+            logits = runner.call("full", ids, starts, "verify" if width else "full")
         if width:
             metrics.verify_calls += 1
         else:
@@ -456,13 +496,17 @@ def _choose(logits: torch.Tensor, request: DecodeRequest) -> torch.Tensor:
 class Proposal:
     """A round's drafts for every row: ``tokens`` [B, width] (a row's first ``valid[b]`` are
     its drafts, the rest filler), ``q`` [B, width, V] under sampling (None: greedy), ``copied``
-    per row (a lookup copy: its q is a point mass), ``drafters`` per row (who drafted)."""
+    per row (a lookup copy: its q is a point mass), ``drafters`` per row (who drafted),
+    ``hidden`` (see below)."""
 
     tokens: torch.Tensor
     valid: list[int]
     q: torch.Tensor | None
     copied: list[bool]
     drafters: list[str]
+    # where every row's tokens are the draft stage's d: their exit states [B, d, H] (the
+    # tokens fed: x .. t_{d-1}), for a split verify; else None
+    hidden: torch.Tensor | None = None
 
 
 def _propose(
@@ -504,22 +548,31 @@ def _propose(
             drafters.append("none")
     valid = [len(t) for t in tokens]
     width = max(valid, default=0)
-    filled = [t + [0] * (width - len(t)) for t in tokens]
-    ids = torch.tensor(filled, dtype=x.dtype, device=x.device).reshape(B, width)
     q = None
     if request.sampling.do_sample and width:
         q = staged[1][:, :width] if staged is not None else None
+    if staged is not None and width == d and not any(copied):
+        # every row's tokens are the stage's (a row with fewer valid drafts keeps the stage's
+        # in place of filler): its exit states serve a split verify
+        return Proposal(staged[0], valid, q, copied, drafters, staged[2])
+    filled = [t + [0] * (width - len(t)) for t in tokens]
+    ids = torch.tensor(filled, dtype=x.dtype, device=x.device).reshape(B, width)
     return Proposal(ids, valid, q, copied, drafters)
 
 
 def _stage_drafts(
     runner: RowRunner, rows: list[_Row], x: torch.Tensor, d: int, request: DecodeRequest
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """d drafts a row with the ``draft`` stage: tokens [B, d] and, sampling, q [B, d, V]."""
-    token, tokens, qs = x, [], []
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """d drafts a row with the ``draft`` stage: tokens [B, d], under sampling q [B, d, V],
+    and the exit states of the tokens fed (x .. t_{d-1}) [B, d, H] where the stage gives
+    them (else None)."""
+    token, tokens, qs, hidden = x, [], [], []
     starts = [row.pos for row in rows]
     for i in range(d):
-        logits = runner.call("draft", token, [s + i for s in starts], "draft")[:, -1]  # [B, V]
+        out = runner.call_outputs("draft", token, [s + i for s in starts], "draft")
+        logits = out["logits"][:, -1]  # [B, V]
+        if "hidden" in out:
+            hidden.append(out["hidden"])
         if request.sampling.do_sample:
             q = probs(logits.float(), request.sampling)
             token = torch.multinomial(q, 1, generator=request.generator)
@@ -527,7 +580,11 @@ def _stage_drafts(
         else:
             token = logits.argmax(dim=-1, keepdim=True)
         tokens.append(token)
-    return torch.cat(tokens, dim=1), (torch.stack(qs, dim=1) if qs else None)
+    return (
+        torch.cat(tokens, dim=1),
+        torch.stack(qs, dim=1) if qs else None,
+        torch.cat(hidden, dim=1) if len(hidden) == d else None,
+    )
 
 
 def _accept_rows(
