@@ -109,8 +109,22 @@ class RowKVCache(StaticKVCache):
         self.rows: list[list[int]] = [[0] * batch_size for _ in range(num_layers)]
         self.first: list[int] = [0] * batch_size
         self._spans: tuple[tuple, tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._indices: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     ragged = True
+
+    def _write_index(self, starts: list[int], n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row and column indices [B, 1], [B, n] of n columns a row from starts[b]: built once
+        for every layer of a call (a split verify's two parts: two entries)."""
+        key = (tuple(starts), n)
+        index = self._indices.get(key)
+        if index is None:
+            if len(self._indices) >= 4:
+                self._indices.clear()
+            device = self.keys[0].device
+            cols = torch.tensor(starts, device=device)[:, None] + torch.arange(n, device=device)
+            index = self._indices[key] = (torch.arange(len(starts), device=device)[:, None], cols)
+        return index
 
     def spans(self, layer_idx: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """After a call wrote ``n`` columns a row to layer ``layer_idx``: each row's first real
@@ -140,12 +154,9 @@ class RowKVCache(StaticKVCache):
             keys[:, :, starts[0] : end] = key_states
             values[:, :, starts[0] : end] = value_states
         else:
-            cols = torch.tensor(starts, device=keys.device)[:, None] + torch.arange(
-                n, device=keys.device
-            )  # [B, n]
-            b = torch.arange(len(starts), device=keys.device)[:, None]  # [B, 1]
-            keys[b, :, cols] = key_states.transpose(1, 2)  # indexed view: [B, n, H, D]
-            values[b, :, cols] = value_states.transpose(1, 2)
+            index = self._write_index(starts, n)  # ([B, 1], [B, n]): row, column
+            keys.transpose(1, 2).index_put_(index, key_states.transpose(1, 2))  # [B, n, H, D]
+            values.transpose(1, 2).index_put_(index, value_states.transpose(1, 2))
         self.rows[layer_idx] = ends
         self.lengths[layer_idx] = end
         return keys[:, :, :end], values[:, :, :end]
@@ -160,7 +171,7 @@ class RowKVCache(StaticKVCache):
         view.first = [self.first[b]]
         view.rows = [[self.first[b]] for _ in self.rows]
         view.lengths = [self.first[b]] * len(self.rows)
-        view._spans = None
+        view._spans, view._indices = None, {}
         return view
 
     def crop_rows(self, ends: list[int]) -> None:
@@ -252,11 +263,20 @@ class RowRunner:
         out = stage(
             input_ids=ids,
             position_ids=positions,
-            masks=row_masks(self.layout, starts, self.pads, n),
+            masks=self._masks(stage, starts, n),
             cache=self.cache,
         )
         self.seconds[key] += time.perf_counter() - begin
         return out
+
+    def _masks(self, stage, starts: list[int], n: int) -> dict[str, torch.Tensor | None]:
+        """:func:`row_masks` for ``stage``, or none where every mask reader of the stage attends
+        these rows through the kernels (``executor.mask_free``: one query a row, or rows over
+        few keys), which read each row's span instead."""
+        free = executor.mask_free(stage)
+        if free is not None and free(max(starts), n):
+            return dict.fromkeys(self.layout.kinds)
+        return row_masks(self.layout, starts, self.pads, n)
 
     def _positions(self, starts: list[int], n: int) -> torch.Tensor:
         device = self.layout.device
@@ -273,14 +293,15 @@ class RowRunner:
         columns the draft wrote, the upper ones end at starts[b]."""
         c, m = exit_hidden.shape[1], ids.shape[1]
         new = [s + c for s in starts]
+        stage = self.stages["verify"]
         begin = time.perf_counter()
-        out = self.stages["verify"](
+        out = stage(
             input_ids=ids,
             position_ids=self._positions(new, m),
-            masks=row_masks(self.layout, new, self.pads, m),
+            masks=self._masks(stage, new, m),
             exit_hidden=exit_hidden,
             remainder_position_ids=self._positions(starts, c + m),
-            remainder_masks=row_masks(self.layout, starts, self.pads, c + m),
+            remainder_masks=self._masks(stage, starts, c + m),
             cache=self.cache,
         )
         self.seconds["verify"] += time.perf_counter() - begin
@@ -301,11 +322,15 @@ class RowRunner:
         for b, pad in enumerate(self.pads):
             view = cache.row_view(b)
             n = S - pad
+            stage = executor.prefill_stage(self.stages[name])
+            free = executor.mask_free(stage)
             begin = time.perf_counter()
-            out = executor.prefill_stage(self.stages[name])(
+            out = stage(
                 input_ids=prompt[b : b + 1, pad:],
                 position_ids=torch.arange(n, device=prompt.device)[None],
-                masks=row_masks(self.layout, [pad], [pad], n),
+                masks=dict.fromkeys(self.layout.kinds)
+                if free is not None and free(pad, n)
+                else row_masks(self.layout, [pad], [pad], n),
                 cache=view,
             )
             self.seconds[PREFILL] += time.perf_counter() - begin
