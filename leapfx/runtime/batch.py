@@ -45,6 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..modules.fused import kernel_attends_ragged
 from . import executor
 from .adaptive import DECAY, DraftPolicy
 from .cache import StaticKVCache, cache_for
@@ -269,14 +270,16 @@ class RowRunner:
         self.seconds[key] += time.perf_counter() - begin
         return out
 
-    def _masks(self, stage, starts: list[int], n: int) -> dict[str, torch.Tensor | None]:
-        """:func:`row_masks` for ``stage``, or none where every mask reader of the stage attends
-        these rows through the kernels (``executor.mask_free``: one query a row, or rows over
-        few keys), which read each row's span instead."""
-        free = executor.mask_free(stage)
-        if free is not None and free(max(starts), n):
+    def _masks(
+        self, stage, starts: list[int], n: int, pads: list[int] | None = None
+    ) -> dict[str, torch.Tensor | None]:
+        """:func:`row_masks` for ``stage``, or none where every mask reader of the stage is a
+        kernel layer (``executor.mask_free``) and attends these rows through
+        ``leapfx_cpu::attention_rows`` (``fused.kernel_attends_ragged``), which reads each
+        row's span instead."""
+        if executor.mask_free(stage) is not None and kernel_attends_ragged(n, max(starts) + n):
             return dict.fromkeys(self.layout.kinds)
-        return row_masks(self.layout, starts, self.pads, n)
+        return row_masks(self.layout, starts, self.pads if pads is None else pads, n)
 
     def _positions(self, starts: list[int], n: int) -> torch.Tensor:
         device = self.layout.device
@@ -323,14 +326,11 @@ class RowRunner:
             view = cache.row_view(b)
             n = S - pad
             stage = executor.prefill_stage(self.stages[name])
-            free = executor.mask_free(stage)
             begin = time.perf_counter()
             out = stage(
                 input_ids=prompt[b : b + 1, pad:],
                 position_ids=torch.arange(n, device=prompt.device)[None],
-                masks=dict.fromkeys(self.layout.kinds)
-                if free is not None and free(pad, n)
-                else row_masks(self.layout, [pad], [pad], n),
+                masks=self._masks(stage, [pad], n, [pad]),  # the view: row b alone
                 cache=view,
             )
             self.seconds[PREFILL] += time.perf_counter() - begin
