@@ -90,6 +90,17 @@ def parts_options(recipe: Recipe, parts, options: dict) -> dict:
     return {recipe.parts_option: parts}
 
 
+def _batch_plan(recipe: Recipe, opts):
+    """How the applied recipe drafts in a batch (None: it does not batch); a draft stage whose
+    verify splits (``Capabilities.split_verify``) verifies whole rounds with it."""
+    if recipe.batch is None:
+        return None
+    plan = recipe.batch(opts)
+    if plan.drafter == "stage" and recipe.capabilities.split_verify:
+        plan = dataclasses.replace(plan, split_verify=True)
+    return plan
+
+
 def fit_drafts_to_slots(recipe: Recipe, opts, given: dict, runtime):
     """``opts`` with fewer drafts a round where a verify pass over the offloaded model
     (``runtime``: its ``ExpertOffload``) would check more tokens than
@@ -210,7 +221,7 @@ def apply(
         training=r.training,
         lossless=r.lossless(opts) if callable(r.lossless) else r.lossless,
         capabilities=r.capabilities,
-        batch=r.batch(opts) if r.batch is not None else None,
+        batch=_batch_plan(r, opts),
         batch_refusal=r.batch_refusal,
     )
     sm = SpeculativeModel(model, gm, stages, info, offload=runtime, lower=lower)

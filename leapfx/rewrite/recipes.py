@@ -702,16 +702,15 @@ def _batch_lookup(o) -> BatchPlan:
                      min_ngram=o.min_ngram, name="lookup")  # fmt: skip
 
 
-def _batch_stage(
-    name: str, drafts: str = "num_speculations", *, split_verify: bool = False
-) -> Callable[[object], BatchPlan]:
+def _batch_stage(name: str, drafts: str = "num_speculations") -> Callable[[object], BatchPlan]:
     """A batch drafts with the recipe's ``draft`` stage (after prompt lookup with
-    ``lookup=True``) and verifies with its ``full`` stage, or, with ``split_verify``, a round
-    the stage drafted whole with its ``verify`` stage over the draft's exit states."""
+    ``lookup=True``) and verifies with its ``full`` stage, or, where the recipe's
+    ``Capabilities.split_verify`` says so (``rewrite.apply`` sets the plan's), a round the stage
+    drafted whole with its ``verify`` stage over the draft's exit states."""
 
     def plan(o) -> BatchPlan:
         return BatchPlan("stage", getattr(o, drafts), lookup=o.lookup, max_ngram=o.max_ngram,
-                         min_ngram=o.min_ngram, name=name, split_verify=split_verify)  # fmt: skip
+                         min_ngram=o.min_ngram, name=name)  # fmt: skip
 
     return plan
 
@@ -803,7 +802,7 @@ RECIPES: dict[str, Recipe] = {
             draft_option="num_speculations",
             # greedy rounds of d exit-head drafts; its draft stage is verify's lower part
             capabilities=Capabilities(has_chain=True, split_verify=True),
-            batch=_batch_stage("layerskip", split_verify=True),
+            batch=_batch_stage("layerskip"),
         ),
         Recipe(
             name="kangaroo",

@@ -321,11 +321,11 @@ class RowRunner:
         if B == 1 or prompt.device.type != "cpu" or padding < ROW_PREFILL_PADDING:
             return self.call(name, prompt, [0] * B, PREFILL)
         cache, logits = self.cache, []
+        stage = executor.prefill_stage(self.stages[name])
         written = [list(layer) for layer in cache.rows]
         for b, pad in enumerate(self.pads):
             view = cache.row_view(b)
             n = S - pad
-            stage = executor.prefill_stage(self.stages[name])
             begin = time.perf_counter()
             out = stage(
                 input_ids=prompt[b : b + 1, pad:],
@@ -445,11 +445,8 @@ def batched_loop(
         begin = time.perf_counter()
         room = [row.out.remaining - 1 for row in rows]  # drafts past a row's budget are waste
         d = min(plan.num_speculations, max(room)) if plan.drafter != "none" else 0
-        copies = None  # each row's prompt-lookup match, up to d tokens
-        if d > 0 and (plan.drafter == "lookup" or plan.lookup):
-            copies = [
-                _lookup_drafts(row, max(0, min(d, r))) for row, r in zip(rows, room, strict=True)
-            ]
+        # each row's prompt-lookup match, up to d tokens (none without an n-gram index)
+        copies = [_lookup_drafts(row, max(0, min(d, r))) for row, r in zip(rows, room, strict=True)]
         if policy is not None and d > 0:
             share = 1.0 if plan.drafter == "stage" else sum(map(bool, copies)) / size
             d = policy.choose(size, d, share)
@@ -542,16 +539,13 @@ def _propose(
     room: list[int],
     plan: BatchPlan,
     request: DecodeRequest,
-    matches: list[list[int]] | None = None,
+    matches: list[list[int]],
 ) -> Proposal:
-    """Up to d drafts a row (at most ``room[b]`` for row b); ``matches``: each row's lookup
-    match, found already (cut to d here)."""
+    """Up to d drafts a row (at most ``room[b]`` for row b); ``matches``: each row's prompt
+    lookup match (cut to d here)."""
     B = len(rows)
     caps = [max(0, min(d, r)) for r in room]
-    if matches is None:
-        copies = [_lookup_drafts(row, c) for row, c in zip(rows, caps, strict=True)]
-    else:
-        copies = [m[:c] for m, c in zip(matches, caps, strict=True)]
+    copies = [m[:c] for m, c in zip(matches, caps, strict=True)]
     staged = None
     if plan.drafter == "stage" and d > 0 and not all(copies[b] for b in range(B) if caps[b]):
         staged = _stage_drafts(runner, rows, x, d, request)  # (tokens [B, d], q or None)
