@@ -199,6 +199,27 @@ def test_resumed_run_gives_the_uninterrupted_runs_parts(recipe, checkpoint, corp
     assert not list((tmp_path / "cache" / "checkpoints").iterdir())  # removed once written
 
 
+def test_resumed_m2r2_run_gives_the_uninterrupted_runs_parts(checkpoint, corpus, tmp_path):
+    common = ["train-m2r2", "--model", str(checkpoint), "--data", str(corpus), "--fast-layers",
+              "2", "--steps", "5", "--checkpoint-every", "2", "--batch-size", "2", "--seq-len",
+              "32", "--cache-dir", str(tmp_path / "cache"), "--quiet"]  # fmt: skip
+    assert main([*common, "--out", str(tmp_path / "whole")]) == 0
+    interrupted = [*common, "--out", str(tmp_path / "parts")]
+    for steps in (1, 2):  # stopped by its clock after every step, the parts so far written
+        assert main([*interrupted, "--minutes", "1e-9"]) == 0
+        report = json.loads((tmp_path / "parts" / "m2r2_report.json").read_text())
+        assert report["steps"] == steps and not report["finished"] and "checkpoint" in report
+    assert main(interrupted) == 0
+    a, b = (load_file(str(tmp_path / d / "adapter.safetensors")) for d in ("whole", "parts"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    report = json.loads((tmp_path / "parts" / "m2r2_report.json").read_text())
+    whole = json.loads((tmp_path / "whole" / "m2r2_report.json").read_text())
+    assert report["steps"] == 5 and report["finished"] and "checkpoint" not in report
+    assert report["held_out_before"] == whole["held_out_before"]  # kept from the first call
+    assert report["held_out_after"] == whole["held_out_after"]
+    assert not list((tmp_path / "cache" / "checkpoints").iterdir())  # removed once written
+
+
 def test_a_checkpoint_of_other_options_is_refused(tmp_path):
     from leapfx import rewrite
 

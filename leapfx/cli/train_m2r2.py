@@ -5,7 +5,16 @@ from __future__ import annotations
 import argparse
 import json
 
-from .common import _exit_gates, add_corpus_root, add_model, add_threads, set_threads
+from .common import (
+    _exit_gates,
+    _progress,
+    add_corpus_root,
+    add_model,
+    add_progress,
+    add_quiet,
+    add_threads,
+    set_threads,
+)
 from .train_parts import add_data, add_out, benchmark_texts, parts_out, self_options
 
 
@@ -28,6 +37,8 @@ def _train_m2r2(args: argparse.Namespace) -> int:
         batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr, ce_target=args.ce_target,
         seed=args.seed, router_steps=args.router_steps, mse_weight=args.mse_weight,
         route_weight=args.route_weight, chain=args.chain, greedy_data=args.greedy_data,
+        max_minutes=args.minutes, checkpoint_every=args.checkpoint_every, fresh=args.fresh,
+        progress=_progress(args),
     )  # fmt: skip
     print(json.dumps(report, indent=2, sort_keys=True))
     return 0
@@ -50,6 +61,15 @@ def add_parser(sub) -> None:
     m2r2.add_argument("--router-steps", type=int, default=300)
     m2r2.add_argument("--init", default=None, help="parts to start from (resume)")
     m2r2.add_argument("--steps", type=int, default=1500)
+    m2r2.add_argument(
+        "--minutes", type=float, default=0.0,
+        help="> 0: stop after this wall time (the parts so far are written); the same command "
+        "continues (resumable)",
+    )  # fmt: skip
+    m2r2.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints")
+    m2r2.add_argument(
+        "--fresh", action="store_true", help="drop this run's checkpoint and start over"
+    )
     m2r2.add_argument("--batch-size", type=int, default=8)
     m2r2.add_argument("--seq-len", type=int, default=128)
     m2r2.add_argument("--lr", type=float, default=2e-3)
@@ -93,4 +113,6 @@ def add_parser(sub) -> None:
     m2r2.add_argument("--seed", type=int, default=0)
     add_threads(m2r2)
     add_corpus_root(m2r2)
+    add_progress(m2r2)
+    add_quiet(m2r2, help="no progress bars")
     m2r2.set_defaults(func=_train_m2r2)

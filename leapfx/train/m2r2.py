@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -50,6 +49,8 @@ from leapfx.passes.adapter_checkpoint import host_signature, write_adapter
 from leapfx.passes.capture import decoder_pieces
 from leapfx.runtime.cache import StaticKVCache
 from leapfx.runtime.masks import masks_for
+from leapfx.train.features import tokens_digest
+from leapfx.train.fit_checkpoint import FitCheckpoint, fit_identity, run_steps
 from leapfx.train.fit_options import fit_config, on_plain_stages, optimizer_step
 from leapfx.train.kangaroo import kangaroo_loss, sample_windows, token_stream
 
@@ -84,16 +85,18 @@ class M2R2FitConfig:
     router_steps: int = 200
     router_lr: float = 1e-3
     seed: int = 0
-    progress: bool = True  # a tqdm bar, shown only when stderr is a terminal
+    progress: bool = True  # a tqdm bar
+    max_minutes: float = 0.0  # > 0: stop after this much wall time even if steps remain
+    checkpoint_every: int = 0  # with fit's checkpoint_dir: steps between checkpoints (0: at end)
 
     def __post_init__(self) -> None:
         ints = (("steps", 1), ("batch_size", 1), ("seq_len", 2), ("seed", 0), ("router_steps", 0),
-                ("chain", 1))  # fmt: skip
+                ("chain", 1), ("checkpoint_every", 0))  # fmt: skip
         for name, low in ints:
             value = getattr(self, name)
             check_int(name, value, low)
         for name in ("lr", "router_lr", "weight_decay", "ce_weight", "mse_weight", "grad_clip",
-                     "route_weight"):  # fmt: skip
+                     "route_weight", "max_minutes"):  # fmt: skip
             value = getattr(self, name)
             positive = name in ("lr", "router_lr")
             check_number(name, value, 0, low_open=positive)
@@ -108,13 +111,20 @@ class M2R2FitConfig:
 class FitResult:
     """What ``fit`` did: eq. 5's loss and its two terms on every step's batch."""
 
-    steps: int
+    steps: int  # steps asked for; len(losses) ran (fewer when max_minutes stopped it)
     losses: list[float] = field(default_factory=list)
     ce: list[float] = field(default_factory=list)
     mse: list[float] = field(default_factory=list)
     router_losses: list[float] = field(default_factory=list)  # BCE, summed over the gates
     tokens: int = 0
     seconds: float = 0.0
+    held_out_before: dict[str, Any] | None = None  # ``evaluate`` on eval_data, before training
+    held_out_after: dict[str, Any] | None = None
+
+    @property
+    def finished(self) -> bool:
+        """Every adapter step ran (the routers train only then)."""
+        return len(self.losses) >= self.steps
 
     @property
     def final_loss(self) -> float:
@@ -358,13 +368,28 @@ def evaluate(
 
 
 @on_plain_stages
-def fit(sm, data: Any, *, tokenizer=None, **options: Any) -> FitResult:
+def fit(
+    sm,
+    data: Any,
+    *,
+    tokenizer=None,
+    eval_data: Any = None,
+    checkpoint_dir: str | Path | None = None,
+    **options: Any,
+) -> FitResult:
     """Train the accelerator of ``sm`` on ``data`` (eq. 5); returns a FitResult.
 
     ``options`` are the fields of :class:`M2R2FitConfig`. Only the accelerator's parameters
-    change; the stages share them, so ``sm.generate`` drafts with them at once.
+    change; the stages share them, so ``sm.generate`` drafts with them at once. With
+    ``eval_data`` the result holds ``evaluate`` before and after training.
+    ``checkpoint_dir``: resumable (``train.fit_checkpoint``): a run finds its checkpoint there
+    and continues; every ``checkpoint_every`` steps and where it stops it writes one. Step i's
+    learning rate is the schedule's at i, so a resumed run takes the steps of a run never
+    stopped. ``max_minutes`` stops the adapters' steps early; the routers (``m2r2_exit``) train
+    only once every adapter step has run.
     """
-    config = fit_config(M2R2FitConfig, options, model=sm.hf_model)
+    also = ("tokenizer", "eval_data", "checkpoint_dir")
+    config = fit_config(M2R2FitConfig, options, also=also, model=sm.hf_model)
     stream = token_stream(data, vocab_size=sm.config.vocab_size, tokenizer=tokenizer)
     acc = accelerator_of(sm.graph_module)
     params = list(acc.parameters())
@@ -376,35 +401,46 @@ def fit(sm, data: Any, *, tokenizer=None, **options: Any) -> FitResult:
             return (step + 1) / warm
         return 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, config.steps - warm)))
 
-    lr = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     generator = torch.Generator().manual_seed(config.seed)
     result = FitResult(steps=config.steps)
+    checkpoint = None
+    if checkpoint_dir is not None:
+        identity = {**fit_identity(config), "recipe": sm.recipe.name,
+                    "options": parts_options(sm), "data": tokens_digest(stream)}  # fmt: skip
+        checkpoint = FitCheckpoint(checkpoint_dir, acc, optimizer, generator, identity=identity)
+    first = checkpoint.restore(result) if checkpoint is not None else 0
+    if eval_data is not None and first == 0:
+        result.held_out_before = evaluate(sm, eval_data, tokenizer=tokenizer)
+
+    def step() -> None:
+        for group in optimizer.param_groups:
+            group["lr"] = config.lr * schedule(len(result.losses))
+        batch = sample_windows(stream, config.batch_size, config.seq_len, generator)
+        loss, ce, mse = m2r2_loss(sm, batch, config)
+        optimizer_step(optimizer, loss, params, config.grad_clip)
+        result.losses.append(float(loss.detach()))
+        result.ce.append(float(ce.detach()))
+        result.mse.append(float(mse.detach()))
+        result.tokens += batch.numel()
+
     host = [p for p in sm.hf_model.parameters() if p.requires_grad]
-    start = time.perf_counter()
     acc.train()
     try:
         for p in host:  # no gradient into the user's model; restored in finally
             p.requires_grad_(False)
-        show = config.progress and sys.stderr.isatty()
-        bar = tqdm(range(config.steps), desc="m2r2 accelerator", disable=not show)
-        for _ in bar:
-            batch = sample_windows(stream, config.batch_size, config.seq_len, generator)
-            loss, ce, mse = m2r2_loss(sm, batch, config)
-            optimizer_step(optimizer, loss, params, config.grad_clip)
-            lr.step()
-            result.losses.append(float(loss.detach()))
-            result.ce.append(float(ce.detach()))
-            result.mse.append(float(mse.detach()))
-            result.tokens += batch.numel()
-            bar.set_postfix(ce=f"{result.ce[-1]:.3f}", mse=f"{result.mse[-1]:.3f}")
-        if len(acc.routers) and config.router_steps:
-            _fit_routers(sm, stream, config, generator, result, show)
+        run_steps(result, step, first=first, config=config, desc="m2r2 accelerator",
+                  checkpoint=checkpoint)  # fmt: skip
+        if result.finished and len(acc.routers) and config.router_steps:
+            start = time.perf_counter()
+            _fit_routers(sm, stream, config, generator, result, config.progress)
+            result.seconds += time.perf_counter() - start
     finally:
         for p in host:
             p.requires_grad_(True)
         acc.eval()
         optimizer.zero_grad(set_to_none=True)
-    result.seconds = time.perf_counter() - start
+    if eval_data is not None:
+        result.held_out_after = evaluate(sm, eval_data, tokenizer=tokenizer)
     return result
 
 
@@ -468,6 +504,7 @@ def train_parts(
     cache_dir: str | Path | None = None,
     exclude: Sequence[str] | None = None,
     self_options: Any = None,
+    fresh: bool = False,
     **options: Any,
 ) -> dict[str, Any]:
     """Train M2R2 parts for a checkpoint (default: the shipped reference model) on the stdlib
@@ -484,10 +521,18 @@ def train_parts(
     prompts ``self`` data is checked against, ``self_options`` its budget, ``cache_dir`` where
     it is cached). ``greedy_data`` > 0: train instead on that many windows of the training
     split (a quarter of ``seq_len``) each continued by the model's own greedy tokens (the
-    rest): the contexts drafting meets. ``options``: :class:`M2R2FitConfig` fields. What
-    ``leapfx train-m2r2`` runs."""
+    rest): the contexts drafting meets. ``options``: :class:`M2R2FitConfig` fields.
+
+    Resumable as ``train-eagle`` is (``train.parts_run``): the run's checkpoint lives under
+    ``cache_dir/checkpoints/m2r2-<key>`` (keyed by ``out``, the data, the recipe's options and
+    the fit's, not by ``max_minutes``); a run stopped by ``max_minutes`` writes the parts it
+    has (``"finished": false`` in the report) and the same call continues it; ``fresh`` drops
+    the checkpoint first. It is deleted once every step has run. What ``leapfx train-m2r2``
+    runs."""
+    import hashlib
     import json
     import platform
+    import shutil
 
     from leapfx import rewrite
     from leapfx.models import load_model
@@ -495,6 +540,7 @@ def train_parts(
     from leapfx.train.sources import check_data, training_data
 
     check_data(data)
+    config = M2R2FitConfig(**options)  # checked before anything is loaded
     model, tokenizer = load_model(model_path)
     cache = Path(cache_dir).expanduser() if cache_dir is not None else cache_root() / "train"
     text = training_data(data, model, tokenizer, cache_dir=cache, exclude=exclude,
@@ -520,32 +566,47 @@ def train_parts(
     shape.update({k: v for k, v in drafting.items() if v is not None})
     if exit_gates is not None:  # an m2r2_exit option only: the recipe refuses it elsewhere
         shape["exit_gates"] = tuple(exit_gates)
-    sm = rewrite.apply(model, recipe, **shape)
+    # The adapters' LoRA factors start random: seeded, so that the same seed gives the same
+    # parts whether or not the run was stopped and continued (the caller's RNG is untouched).
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(config.seed)
+        sm = rewrite.apply(model, recipe, **shape)
     initialised = [] if init is None else load_compatible(sm.graph_module, init)
-    before = evaluate(sm, held)
-    result = fit(sm, train, **options)
-    after = evaluate(sm, held)
+    steps_fit = fit_identity(config)
+    key = json.dumps([str(Path(out).resolve()), recipe, text.info.get("sha256"),
+                      parts_options(sm), steps_fit, init and str(init), greedy_data],
+                     sort_keys=True, default=str)  # fmt: skip
+    checkpoints = cache / "checkpoints" / f"m2r2-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    if fresh:
+        shutil.rmtree(checkpoints, ignore_errors=True)
+    result = fit(sm, train, eval_data=held, checkpoint_dir=checkpoints, **options)
     path = save_parts(sm, out)
     report = {
         "recipe": recipe,
         "options": parts_options(sm),
-        "fit": {**dataclasses.asdict(M2R2FitConfig(**options)), "init": init and str(init),
+        "fit": {**dataclasses.asdict(config), "init": init and str(init),
                 "initialised_layers": initialised},
         "greedy_data": greedy_data,
-        "steps": result.steps,
+        "steps": len(result.losses),
+        "steps_asked": result.steps,
+        "finished": result.finished,
         "tokens": result.tokens,
         "seconds": round(result.seconds, 1),
         "final_loss": result.final_loss,
         "final_ce": result.ce[-1],
         "final_mse": result.mse[-1],
         "final_router_bce": result.router_losses[-1] if result.router_losses else None,
-        "held_out_before": before,
-        "held_out_after": after,
+        "held_out_before": result.held_out_before,
+        "held_out_after": result.held_out_after,
         "torch": torch.__version__,
         "python": platform.python_version(),
         "data": text.info,
     }  # fmt: skip
+    if not result.finished:  # the parts so far are written; the same call continues
+        report["checkpoint"] = str(checkpoints)
     tmp = path / ".m2r2_report.json.tmp"
     tmp.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
     tmp.rename(path / "m2r2_report.json")
+    if result.finished:
+        shutil.rmtree(checkpoints, ignore_errors=True)
     return report
