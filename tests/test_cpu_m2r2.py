@@ -127,12 +127,18 @@ def _draft_model(arch: str, **options):
     return model, sm.use_cpu_kernels()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "phi3", "gemma"])
-def test_draft_op_computes_the_torch_draft(arch):
+@pytest.mark.parametrize(
+    ("arch", "draft_vocab"),
+    [("llama", None), ("qwen2", None), ("phi3", None), ("gemma", None), ("llama", 5),
+     ("qwen2", 9)],
+)  # fmt: skip
+def test_draft_op_computes_the_torch_draft(arch, draft_vocab):
+    """The op's draft equals the torch stage's; with ``draft_vocab`` the op reads the subset
+    head's rows and the logits come back over the whole vocabulary, -inf off the subset."""
     from leapfx.modules.m2r2 import FastScratch
     from leapfx.modules.m2r2_kernels import KernelDraft
 
-    model, sm = _draft_model(arch)
+    model, sm = _draft_model(arch, draft_vocab=draft_vocab)
     draft = sm._executors["draft"]
     assert isinstance(draft, KernelDraft), "the op covers " + arch
     calls = []
@@ -144,6 +150,8 @@ def test_draft_op_computes_the_torch_draft(arch):
         got = draft(**inputs)
         for key in ("logits", "hidden"):
             torch.testing.assert_close(got[key], want[key], rtol=1e-4, atol=1e-5)
+        off = torch.isneginf(got["logits"]).sum().item()
+        assert off == (0 if draft_vocab is None else model.config.vocab_size - draft_vocab)
         for layer in draft.cache_layers:  # the draft's own fast keys/values, for the next drafts
             for a, b in zip(scratch.kv[layer][-1], copy.kv[layer][-1], strict=True):
                 torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

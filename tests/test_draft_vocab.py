@@ -168,6 +168,49 @@ def test_kangaroo_adapter_saves_its_ranking(tmp_path):
                        token_ranking(tokens, 32)[:3])  # fmt: skip
 
 
+def test_m2r2_parts_save_their_ranking_and_draft_over_the_subset(tmp_path):
+    """M2R2's fit measures the ranking, its parts keep it (not draft_vocab: a decoding choice),
+    and drafts over the subset stay lossless, greedy."""
+    model = tiny_model("llama", layers=4, vocab=32, seed=5)
+    prompt = torch.tensor([[4, 8, 1]])
+    text = hf_greedy(model, prompt, 60)[0]
+    sm = rewrite.apply(model, "m2r2", fast_layers=2, draft_vocab=6)
+    sm.fit(text, steps=3, batch_size=2, seq_len=16, lr=1e-2, ce_target="model", progress=False)
+    ranking = token_ranking(text, 32)
+    assert torch.equal(sm.graph_module.draft_vocab_head.indices, ranking[:6])
+    sm.save_parts(tmp_path / "p")
+    assert torch.equal(read_ranking(tmp_path / "p"), ranking)
+    meta = json.loads((tmp_path / "p" / "adapter.json").read_text())
+    assert "draft_vocab" not in meta["options"]
+    loaded = rewrite.apply(model, "m2r2", parts=tmp_path / "p", draft_vocab=3)
+    assert torch.equal(loaded.graph_module.draft_vocab_head.indices, ranking[:3])
+    ref = hf_greedy(model, prompt, 30)
+    assert torch.equal(loaded.generate(prompt, max_new_tokens=30), ref)
+    assert loaded.last_metrics.drafted_tokens > 0
+
+
+def test_m2r2_subset_drafting_samples_the_target_distribution():
+    """As for EAGLE and Kangaroo: M2R2's fast stream drafting 2 of 4 tokens, sampled 3000
+    times against HF's exact distribution."""
+    vocab, length = 4, 4
+    model = tiny_model("llama", layers=3, vocab=vocab, heads=2, kv_heads=1, seed=11)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(0.25)
+    prompt = torch.tensor([[1, 3, 2]])
+    exact = _exact_distribution(model, prompt, vocab, length)
+    sm = rewrite.apply(model, "m2r2", fast_layers=1, num_speculations=2, draft_vocab=2)
+    tokens = torch.tensor([2, 0, 2, 0, 2, 1, 3, 2] * 8)  # ranking: 2, 0, then 1, 3
+    sm.fit(tokens, steps=3, batch_size=2, seq_len=16, lr=1e-2, progress=False)
+    assert sm.graph_module.draft_vocab_head.indices.tolist() == [2, 0]
+    n = 3000
+    counts, rejections, drafted = sample_counts(
+        sm, prompt, exact, length, n, temperature=TEMPERATURE, top_k=TOP_K, top_p=TOP_P
+    )
+    assert 0 < rejections < drafted
+    assert_sampled_from(counts, exact, n)
+    assert any(1 in c or 3 in c for c, k in counts.items() if k)
+
+
 @pytest.mark.parametrize(
     ("value", "message"),
     [
@@ -176,7 +219,7 @@ def test_kangaroo_adapter_saves_its_ranking(tmp_path):
         (33, "draft_vocab: 33 is invalid; allowed: None (the full head) or an integer in 1..32"),
     ],
 )
-@pytest.mark.parametrize("recipe", ["eagle", "kangaroo"])
+@pytest.mark.parametrize("recipe", ["eagle", "kangaroo", "m2r2"])
 def test_draft_vocab_errors(recipe, value, message):
     model = tiny_model("llama", layers=3, vocab=32)
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):

@@ -334,6 +334,7 @@ def test_m2r2_greedy_identical_to_hf(spec, data):
         heads=data.draw(st.one_of(st.none(), st.integers(1, spec["heads"])), label="heads"),
         rank=data.draw(st.integers(1, 8), label="rank"),
         fast_keys=data.draw(st.one_of(st.none(), st.integers(1, 8)), label="fast_keys"),
+        draft_vocab=data.draw(st.one_of(st.none(), st.integers(1, spec["vocab"])), label="N"),
     )
     max_new = data.draw(st.integers(1, 24), label="max_new_tokens")
     sm = rewrite.apply(model, "m2r2", **options)

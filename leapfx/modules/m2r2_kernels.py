@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ..kernels.cpu_m2r2 import pack_gate
+from .draft_vocab import SubsetLMHead
 from .fused import rms_params
 from .m2r2 import FastScratch
 
@@ -88,7 +89,11 @@ class KernelGate(nn.Module):
         self.cache_layers = [m.cache_layer for m in layers]
         first = layers[0]
         inv_freq, rope_scale = rope_table(rotary, first.head_dim)
-        hidden = head.weight.shape[1]
+        # A SubsetLMHead (draft_vocab): the op computes its N rows' logits, put back at their
+        # ids among -inf (``_vocab``) as the module does.
+        self.subset = head if isinstance(head, SubsetLMHead) else None
+        head_w = head.rows if self.subset is not None else head.weight
+        hidden = head_w.shape[1]
         packed, eps, offsets = pack_fast_layers(layers, hidden)
         final = rms_params(norm)
         eps.append(final[1])
@@ -97,8 +102,8 @@ class KernelGate(nn.Module):
         parts = [final[0]]
         for lin in () if router is None else (router.q, router.k, router.v, router.out):
             parts += [lin.weight, _bias(lin.bias, lin.weight.shape[0])]
-        self.weights = pack_gate(packed, parts, (head.weight, head.bias), inv_freq)
-        self.dims = op_dims(layers, hidden, latent, head.weight.shape[0])
+        self.weights = pack_gate(packed, parts, (head_w, head.bias), inv_freq)
+        self.dims = op_dims(layers, hidden, latent, head_w.shape[0])
         self.params = [rope_scale, float(first.scaling), *eps, *offsets]
 
     def forward(self, hidden, position_ids, cache):
@@ -118,7 +123,15 @@ class KernelGate(nn.Module):
             hidden.contiguous(), position_ids.contiguous(), self.weights, self.dims,
             self.params, kv, lengths,
         )  # fmt: skip
-        return {"logits": logits, "score": score}
+        return {"logits": self._vocab(logits), "score": score}
+
+    def _vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """The op's logits over the whole vocabulary (a subset head's: -inf off its rows)."""
+        head = self.subset
+        if head is None:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], head.vocab_size), float("-inf"))
+        return full.index_copy(logits.dim() - 1, head.indices, logits)
 
 
 class KernelDraft(KernelGate):
@@ -168,7 +181,7 @@ class KernelDraft(KernelGate):
             scratch.kv.setdefault(s, []).append(
                 (new[i, 0][None, :, None], new[i, 1][None, :, None])
             )
-        return {"logits": logits, "hidden": out}
+        return {"logits": self._vocab(logits), "hidden": out}
 
     def _packed(self, scratch: FastScratch, drafted: int) -> torch.Tensor:
         """The round's earlier fast keys/values as the op reads them: [L, 2, m, h_kv, D]."""

@@ -10,12 +10,13 @@ them for ``draft_vocab`` is refused. The whole ranking is saved, so any N can be
 parts are applied: N is a decoding option, not a trained one.
 
 The pass replaces the module of the drafter's logits node (``role``: ``eagle_head`` of an EAGLE
-head, ``adapter_head`` of Kangaroo's adapter) with a :class:`SubsetLMHead` of the ranking's first
-N ids; the verifying head (role ``head``) is untouched, so decoding stays lossless (see the
-module's docstring for sampling). The ranking comes from ``path`` (parts) when given, else from
-``gm.meta[TOKEN_RANKING]`` (what ``fit`` measured); without one the subset starts as ids
-0..N-1, and ``fit`` installs the measured ranking (``install_ranking``). With ``draft_vocab``
-None the pass only records the parts' ranking, so saving the parts again keeps it.
+head, ``adapter_head`` of Kangaroo's adapter, ``gate_head`` of M2R2's fast stream) with a
+:class:`SubsetLMHead` of the ranking's first N ids; the verifying head (role ``head``) is
+untouched, so decoding stays lossless (see the module's docstring for sampling). The ranking comes
+from ``path`` (parts) when given, else from ``gm.meta[TOKEN_RANKING]`` (what ``fit`` measured);
+without one the subset starts as ids 0..N-1, and ``fit`` installs the measured ranking
+(``install_ranking``). With ``draft_vocab`` None the pass only records the parts' ranking, so
+saving the parts again keeps it.
 
     >>> gm = SubsetDraftHead(role="eagle_head", draft_vocab=8192, path="parts/").run(gm)
 """
@@ -99,7 +100,7 @@ class SubsetDraftHead(GraphPass):
 
     name: ClassVar[str] = "subset-draft-head"
 
-    role: str  # the drafter's logits node: "eagle_head" or "adapter_head"
+    role: str  # the drafter's logits node: "eagle_head", "adapter_head" or "gate_head"
     draft_vocab: int | None
     path: str | None = None  # a parts directory that may hold a ranking
 

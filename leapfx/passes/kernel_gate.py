@@ -17,6 +17,7 @@ import torch
 from torch import fx, nn
 
 from ..kernels import cpu_m2r2
+from ..modules.draft_vocab import SubsetLMHead
 from ..modules.fused import rms_params
 from ..modules.m2r2 import ARLARouter, fused_op_layers
 from ..modules.m2r2_kernels import KernelDraft, KernelGate, rope_table
@@ -96,7 +97,11 @@ def _covered(rotary, layers, router, norm, head) -> bool:
         if m._qk_norm or m._clip is not None or m.window is not None or m.fast_keys is not None:
             return False
     first = layers[0]
-    linears = (head,) if router is None else (router.q, router.k, router.v, router.out, head)
+    linears = () if router is None else (router.q, router.k, router.v, router.out)
     if not all(type(x) is nn.Linear and x.weight.dtype == torch.float32 for x in linears):
+        return False
+    # the head: the LM head, or a draft's SubsetLMHead (draft_vocab) whose rows the op reads
+    subset = type(head) is SubsetLMHead and head.rows.dtype == torch.float32
+    if not (subset or (type(head) is nn.Linear and head.weight.dtype == torch.float32)):
         return False
     return rms_params(norm) is not None and rope_table(rotary, first.head_dim) is not None

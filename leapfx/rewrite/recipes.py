@@ -446,6 +446,10 @@ class M2R2Options(LookupFirstOptions):
     parts: str | os.PathLike | None = None
     max_cache_len: int | None = None
     fuse_layers: bool = True
+    # N: the draft's LM head computes the N most frequent tokens' logits only (FR-Spec,
+    # ``passes.draft_vocab``; the ranking is saved with the parts). Lossless either way. A
+    # decoding choice, never taken from the parts. None: the full head.
+    draft_vocab: int | None = None
 
     def validate(self, num_layers: int) -> M2R2Options:
         path, saved = _parts_meta(self.parts)
@@ -469,6 +473,7 @@ class M2R2Options(LookupFirstOptions):
         self.check_lookup()
         _check_cache(self.max_cache_len)
         check_bool("fuse_layers", self.fuse_layers)
+        check_int("draft_vocab", self.draft_vocab, 1, none=True)
         return dataclasses.replace(
             self, fast_layers=k, heads=heads, rank=rank, parts=path, num_speculations=gamma,
             confidence_threshold=float(eta),
@@ -550,6 +555,9 @@ def _m2r2_passes(o) -> list[GraphPass]:
     passes += _fuse(o)
     if o.parts is not None:
         passes.append(LoadAccelerator(path=o.parts))
+    if not exits and (o.parts is not None or o.draft_vocab is not None):
+        path = None if o.parts is None else os.fspath(o.parts)
+        passes.append(SubsetDraftHead(role="gate_head", draft_vocab=o.draft_vocab, path=path))
     return passes
 
 

@@ -47,6 +47,7 @@ from leapfx.options import check_bool, check_int, check_number
 from leapfx.passes.accelerator import accelerator_of
 from leapfx.passes.adapter_checkpoint import host_signature, write_adapter
 from leapfx.passes.capture import decoder_pieces
+from leapfx.passes.draft_vocab import install_ranking, ranking_of, token_ranking
 from leapfx.runtime.cache import StaticKVCache
 from leapfx.runtime.masks import masks_for
 from leapfx.train.features import tokens_digest
@@ -392,6 +393,9 @@ def fit(
     config = fit_config(M2R2FitConfig, options, also=also, model=sm.hf_model)
     stream = token_stream(data, vocab_size=sm.config.vocab_size, tokenizer=tokenizer)
     acc = accelerator_of(sm.graph_module)
+    # The training data's token ranking: the subset of draft_vocab, saved with the parts.
+    install_ranking(sm.graph_module, token_ranking(stream, sm.config.vocab_size),
+                    decoder_pieces(sm.hf_model).head)  # fmt: skip
     params = list(acc.parameters())
     optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
     warm = max(1, round(config.warmup * config.steps))
@@ -469,7 +473,9 @@ def parts_options(sm) -> dict[str, Any]:
     recipe's other options)."""
     acc = accelerator_of(sm.graph_module)
     first = next(iter(acc.layers.values()))
-    options = {k: v for k, v in dataclasses.asdict(sm.options).items() if k != "parts"}
+    # draft_vocab is a decoding choice (the ranking is saved whole), never a part's option
+    skip = ("parts", "draft_vocab")
+    options = {k: v for k, v in dataclasses.asdict(sm.options).items() if k not in skip}
     options.update(gates=list(acc.gates), heads=len(first.q_heads), rank=first.down.shape[0])
     return options
 
@@ -482,6 +488,7 @@ def save_parts(sm, path: str | Path) -> Path:
         recipe=sm.recipe.name,
         options=parts_options(sm),
         host=host_signature(sm.config),
+        ranking=ranking_of(sm.graph_module),
     )
 
 
