@@ -262,3 +262,37 @@ def test_bench_adds_the_vocabulary_subset_row(tmp_path):
     assert list(rows)[-3:] == ["leapfx_eagle", "leapfx_eagle_vocab", "leapfx_eagle_lookup"]
     assert rows["leapfx_eagle_vocab"]["identical_to_greedy"]
     assert rows["leapfx_eagle_lookup"]["identical_to_greedy"]
+
+
+@pytest.mark.slow
+def test_bench_adds_kangaroo_and_m2r2_subset_rows(tmp_path):
+    """``leapfx bench --recipe kangaroo,m2r2`` with parts that hold a ranking, on a vocabulary
+    large enough: each drafter over the subset and composed with prompt lookup, lossless."""
+    from leapfx.bench.harness import EAGLE_DRAFT_VOCAB
+    from leapfx.cli import main
+    from leapfx.train.data import byte_tokenizer
+
+    tok = byte_tokenizer()
+    vocab = 4 * EAGLE_DRAFT_VOCAB
+    model = tiny_model("llama", layers=4, vocab=vocab, eos=tok.eos_token_id, heads=2, head_dim=8)
+    model.save_pretrained(tmp_path / "ckpt")
+    tok.save_pretrained(tmp_path / "ckpt")
+    data = torch.randint(0, 259, (200,), generator=torch.Generator().manual_seed(0))
+    fit = {"steps": 2, "batch_size": 2, "seq_len": 16, "progress": False}
+    kangaroo = rewrite.apply(model, "kangaroo", exit_layer=1)
+    kangaroo.fit(data, **fit)
+    kangaroo.save_adapter(tmp_path / "adapter")
+    m2r2 = rewrite.apply(model, "m2r2", fast_layers=2)
+    m2r2.fit(data, **fit)
+    m2r2.save_parts(tmp_path / "m2r2")
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--model", str(tmp_path / "ckpt"), "--recipe", "kangaroo,m2r2",
+            "--prompts", "1", "--max-new-tokens", "8", "--repeats", "1", "--warmup", "0",
+            "--quiet", "--adapter", str(tmp_path / "adapter"), "--parts", str(tmp_path / "m2r2"),
+            "--kangaroo-exit-layer", "1", "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    rows = {r["system"]: r for r in json.loads(out.read_text())}
+    added = ["leapfx_kangaroo_vocab", "leapfx_kangaroo_lookup", "leapfx_m2r2_vocab",
+             "leapfx_m2r2_lookup"]  # fmt: skip
+    assert set(added) <= set(rows)
+    assert all(rows[name]["identical_to_greedy"] for name in added)

@@ -459,10 +459,10 @@ def _kangaroo_rows(run: RowRun) -> list[System]:
     if config.kangaroo_exit_layer is not None:
         kw["exit_layer"] = config.kangaroo_exit_layer
     fixed = rewrite.apply(model, "kangaroo", confidence_threshold=0.0, **kw)
-    dynamic = rewrite.apply(
-        model, "kangaroo", confidence_threshold=config.confidence_threshold, **kw
-    )
-    return [run.ours("leapfx_kangaroo_fixed", fixed), run.ours("leapfx_kangaroo", dynamic)]
+    kw["confidence_threshold"] = config.confidence_threshold
+    dynamic = rewrite.apply(model, "kangaroo", **kw)
+    rows = [run.ours("leapfx_kangaroo_fixed", fixed), run.ours("leapfx_kangaroo", dynamic)]
+    return rows + _subset_rows(run, "kangaroo", config.adapter, kw)
 
 
 def _m2r2_rows(run: RowRun) -> list[System]:
@@ -473,6 +473,7 @@ def _m2r2_rows(run: RowRun) -> list[System]:
     if config.m2r2_speculations is not None:
         kw["num_speculations"] = config.m2r2_speculations
     rows.append(ours("leapfx_m2r2", rewrite.apply(model, "m2r2", **kw)))
+    rows += _subset_rows(run, "m2r2", config.parts, kw)
     kw = {"parts": config.exit_parts or config.parts}
     if config.m2r2_threshold is not None:
         kw["threshold"] = config.m2r2_threshold
@@ -486,9 +487,28 @@ def _m2r2_rows(run: RowRun) -> list[System]:
     return rows
 
 
-# leapfx_eagle_vocab's draft vocabulary: FR-Spec's smallest setting for Llama-3's 128k
-# vocabulary, a sixth of SmolLM2's 49,152 ids.
+# The _vocab rows' draft vocabulary: FR-Spec's smallest setting for Llama-3's 128k vocabulary,
+# a sixth of SmolLM2's 49,152 ids.
 EAGLE_DRAFT_VOCAB = 8192
+
+
+def _subset_rows(run: RowRun, recipe: str, parts: str | None, kw: dict) -> list[System]:
+    """``leapfx_<recipe>_vocab`` (the drafter over the training data's most frequent tokens,
+    FR-Spec) and ``leapfx_<recipe>_lookup`` (that drafter composed with prompt lookup, each
+    round choosing by measured tokens per cost), where the parts hold a ranking and the
+    vocabulary is large enough for the subset to matter (kangaroo and m2r2; EAGLE's rows are
+    ``_eagle_rows``'). ``kw``: the recipe's options of its main row."""
+    model = run.model
+    if parts is None or model.config.vocab_size < 4 * EAGLE_DRAFT_VOCAB:
+        return []
+    if read_ranking(parts) is None:
+        return []
+    kw = {**kw, "draft_vocab": EAGLE_DRAFT_VOCAB}
+    rows = [run.ours(f"leapfx_{recipe}_vocab", rewrite.apply(model, recipe, **kw))]
+    both = rewrite.apply(model, recipe, lookup=True, adaptive=True, **kw)
+    rows.append(run.ours(f"leapfx_{recipe}_lookup", both))
+    rows[-1].info["dynamic_draft_length"] = True
+    return rows
 
 
 def _eagle_rows(run: RowRun) -> list[System]:
