@@ -316,6 +316,19 @@ def test_greedy_parity_with_hf_over_generation_configs(data):
     assert ours.tolist() == ref.tolist()
 
 
+@pytest.mark.parametrize("recipe", ["autoregressive", "layerskip"])
+def test_min_new_tokens_overrides_min_length_as_in_hf(recipe):
+    """HF's ``_prepare_generated_length``: ``min_new_tokens`` (even 0) sets ``min_length``, so
+    EOS is free at once here, where ``min_length=3`` alone would hold it back a step."""
+    model = _model64(0)
+    prompt = torch.tensor([[2]])
+    config = {"max_length": 3, "min_length": 3, "min_new_tokens": 0}
+    ref = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                         **config)  # fmt: skip
+    assert ref[0, -1] == 5  # the EOS token, which min_length=3 alone would have suppressed
+    assert _applied(0, recipe).generate(prompt, do_sample=False, **config).tolist() == ref.tolist()
+
+
 def test_processors_hold_inside_speculation():
     """The issue's example: a penalty the model's own generation_config sets changes HF's
     output, and every lossless recipe follows it."""

@@ -218,6 +218,8 @@ def prepare(
             )
     if isinstance(config.max_new_tokens, int):
         config.max_length = n + config.max_new_tokens  # as HF's _prepare_generated_length
+    if config.min_new_tokens is not None:  # HF: min_new_tokens (even 0) overrides min_length
+        config.min_length = n + config.min_new_tokens
     if config.eos_token_id == []:  # no EOS: HF's tensor of it would be empty
         config.eos_token_id = None
         # HF's length penalty raises the logits of an empty EOS set: it changes nothing
