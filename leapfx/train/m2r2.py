@@ -536,7 +536,6 @@ def train_parts(
     has (``"finished": false`` in the report) and the same call continues it; ``fresh`` drops
     the checkpoint first. It is deleted once every step has run. What ``leapfx train-m2r2``
     runs."""
-    import hashlib
     import json
     import platform
     import shutil
@@ -544,6 +543,7 @@ def train_parts(
     from leapfx import rewrite
     from leapfx.models import load_model
     from leapfx.models.gguf import cache_root
+    from leapfx.train.parts_run import run_checkpoints
     from leapfx.train.sources import check_data, training_data
 
     check_data(data)
@@ -579,11 +579,9 @@ def train_parts(
         torch.manual_seed(config.seed)
         sm = rewrite.apply(model, recipe, **shape)
     initialised = [] if init is None else load_compatible(sm.graph_module, init)
-    steps_fit = fit_identity(config)
-    key = json.dumps([str(Path(out).resolve()), recipe, text.info.get("sha256"),
-                      parts_options(sm), steps_fit, init and str(init), greedy_data],
-                     sort_keys=True, default=str)  # fmt: skip
-    checkpoints = cache / "checkpoints" / f"m2r2-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    key = (str(Path(out).resolve()), recipe, text.info.get("sha256"), parts_options(sm),
+           fit_identity(config), init and str(init), greedy_data)  # fmt: skip
+    checkpoints = run_checkpoints(cache, "m2r2", *key)
     if fresh:
         shutil.rmtree(checkpoints, ignore_errors=True)
     result = fit(sm, train, eval_data=held, checkpoint_dir=checkpoints, **options)

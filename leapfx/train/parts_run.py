@@ -83,6 +83,12 @@ def _key(*parts: Any) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def run_checkpoints(cache: Path, recipe: str, *parts: Any) -> Path:
+    """A training run's checkpoint folder, ``cache/checkpoints/<recipe>-<key>``, keyed by
+    ``parts`` (what changes the steps the run takes: never how it is watched or stopped)."""
+    return Path(cache) / "checkpoints" / f"{recipe}-{_key(*parts)}"
+
+
 def _subset_agreement(sm, recipe: str, held: torch.Tensor, draft_vocab: int) -> float:
     """Teacher-forced top-1 agreement with the draft's token restricted to the ranking's first
     ``draft_vocab`` ids (what ``draft_vocab`` drafts)."""
@@ -192,9 +198,9 @@ def train_drafter(
                                 key={"data": text.info["sha256"]}, progress=progress)  # fmt: skip
     # Keyed by what changes the steps, not by how the run is watched or stopped (--minutes).
     steps_fit = {k: v for k, v in fit.items() if k not in RUNTIME_FIELDS}
-    run_key = _key(str(Path(out).resolve()), recipe, text.info["sha256"], options, steps_fit,
-                   features, start_from is not None)  # fmt: skip
-    checkpoints = cache / "checkpoints" / f"{recipe}-{run_key}"
+    checkpoints = run_checkpoints(cache, recipe, str(Path(out).resolve()), recipe,
+                                  text.info["sha256"], options, steps_fit, features,
+                                  start_from is not None)  # fmt: skip
     if fresh:
         shutil.rmtree(checkpoints, ignore_errors=True)
     result = sm.fit(train, eval_data=text.held_out, checkpoint_dir=checkpoints, **fit)
