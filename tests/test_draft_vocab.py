@@ -49,6 +49,32 @@ def test_subset_head_logits_equal_the_full_heads_on_the_subset_rows():
     assert torch.equal(sub.argmax(-1), indices[full[..., indices].argmax(-1)])
 
 
+def test_the_kernel_subset_head_computes_the_modules_logits_and_follows_a_new_ranking():
+    """KernelSubsetHead (the cpu_kernels lowering's) equals SubsetLMHead, and after
+    set_ranking (a fit's new ranking, written in place) it computes the new subset's."""
+    from leapfx.kernels import cpu
+    from leapfx.modules.draft_vocab import KernelSubsetHead
+
+    if not cpu.available():
+        pytest.skip("the leapfx_cpu kernels did not build here")
+    torch.manual_seed(0)
+    head = torch.nn.Linear(24, 70, bias=True)
+    module = SubsetLMHead.from_head(head, torch.tensor([7, 0, 69, 3, 21, 40, 41, 5, 9, 11,
+                                                        12, 13, 14, 15, 16, 17, 18]))  # fmt: skip
+    kernel = KernelSubsetHead(module)
+    with torch.no_grad():
+        for shape in ((1, 1, 24), (2, 3, 24)):
+            hidden = torch.randn(shape)
+            want, got = module(hidden), kernel(hidden)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            assert torch.equal(torch.isneginf(got), torch.isneginf(want))
+        module.set_ranking(head, torch.arange(50, 67))
+        hidden = torch.randn(1, 1, 24)
+        got = kernel(hidden)
+    torch.testing.assert_close(got[..., 50:67], head(hidden)[..., 50:67], rtol=1e-5, atol=1e-5)
+    assert torch.isneginf(got[..., :50]).all()
+
+
 def test_the_graphs_draft_logits_are_the_full_heads_on_the_subset():
     """The head stage with draft_vocab computes the full head stage's logits on the subset."""
     model = tiny_model("llama", layers=3, vocab=40, dtype=torch.float64, seed=4)

@@ -24,6 +24,7 @@ from torch import fx
 
 from ..kernels import cpu
 from ..modules import fused
+from ..modules.draft_vocab import KernelSubsetHead, SubsetLMHead
 from ..modules.fused import (
     FusedAttention,
     FusedDecoderLayer,
@@ -69,7 +70,8 @@ def with_transposed_weights(
     ``shared`` maps original modules to their transposed versions, so that stages cut from
     one model hold one copy of each weight. Other modules (unfused layers, an adapter) stay.
     ``kernels``: multiply through the ``leapfx_cpu`` small-M kernels (KernelDecoderLayer,
-    KernelLinear, and KernelAcceleratedLayer for M2R2's fast layers) instead of
+    KernelLinear, KernelSubsetHead for a draft head over a vocabulary subset, and
+    KernelAcceleratedLayer for M2R2's fast layers) instead of
     ``torch.matmul``, and run SpecEE's exit checks as one op each (KernelLayerExit).
     """
     layer_cls = KernelDecoderLayer if kernels else TransposedDecoderLayer
@@ -86,6 +88,8 @@ def with_transposed_weights(
             make, source = linear_cls, module
         elif kernels and type(module) is AcceleratedLayer:  # M2R2's fast stream
             make, source = KernelAcceleratedLayer, module
+        elif kernels and type(module) is SubsetLMHead:  # a draft head over N rows
+            make, source = KernelSubsetHead, module
         elif kernels and type(module) is LayerExit:  # SpecEE's exit checks: one call each
             make, source = KernelLayerExit, module
         elif kernels and type(module) is FusedAttention:  # an MoE layer's attention

@@ -30,6 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.cpu import pack_weight
+from .fused import require_kernels
+
 
 class SubsetLMHead(nn.Module):
     """``lm_head`` restricted to the rows ``indices`` [N]; logits ``-inf`` off the subset."""
@@ -80,3 +83,35 @@ class SubsetLMHead(nn.Module):
 
     def extra_repr(self) -> str:
         return f"draft_vocab={self.draft_vocab}, vocab_size={self.vocab_size}"
+
+
+class KernelSubsetHead(nn.Module):
+    """A :class:`SubsetLMHead` whose N rows multiply through ``leapfx_cpu::small_mm`` on a
+    packed copy (``lower(sm, "cpu_kernels")``), as ``KernelLinear`` does for a full head: a
+    one-token draft reads the N x H rows once, as one sequential stream per 16 rows, where
+    ``F.linear``'s GEMV reads them at about two thirds of that rate. Same numbers up to
+    summation order. The copy follows the head: ``set_ranking`` (a fit measuring a new
+    ranking) writes its rows in place, which bumps their version, and the next call repacks."""
+
+    def __init__(self, head: SubsetLMHead) -> None:
+        super().__init__()
+        require_kernels()
+        self.head = head
+        self._pack()
+
+    def _pack(self) -> None:
+        rows = self.head.rows
+        self.register_buffer("rows_packed", pack_weight(rows), persistent=False)
+        self._packed_version = rows._version
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        head = self.head
+        if hidden.dtype != torch.float32 or (torch.is_grad_enabled() and hidden.requires_grad):
+            return head(hidden)  # the kernel is float32 and has no backward
+        if head.rows._version != self._packed_version:
+            self._pack()
+        sub = torch.ops.leapfx_cpu.small_mm(hidden, self.rows_packed, head.draft_vocab)
+        if head.bias is not None:
+            sub = sub + head.bias
+        full = sub.new_full((*sub.shape[:-1], head.vocab_size), float("-inf"))
+        return full.index_copy(sub.dim() - 1, head.indices, sub)
