@@ -58,15 +58,25 @@ def test_small_mm_matches_matmul(m, k, n, lead, seed):
     torch.testing.assert_close(got, x @ w.t(), rtol=1e-5, atol=1e-5)
 
 
-def test_a_rows_result_does_not_depend_on_the_other_rows():
-    # The property the verify pass relies on: row i of a 7-row product is bitwise the
+@pytest.mark.parametrize(
+    ("m", "k", "n"),
+    [
+        (7, 192, 259),
+        # more rows than the registers hold, and a K whose column blocks go a few at a time
+        # (the chunks of matmul_rows), the last chunk short: 19 blocks of 16 columns
+        (13, 1100, 300),
+    ],
+)
+def test_a_rows_result_does_not_depend_on_the_other_rows(m, k, n):
+    # The property the verify pass relies on: row i of an m-row product is bitwise the
     # one-row product of row i (same operations, same order).
     g = torch.Generator().manual_seed(0)
-    x, w = torch.randn(7, 192, generator=g), torch.randn(259, 192, generator=g)
+    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
     wp = cpu.pack_weight(w)
-    rows = torch.ops.leapfx_cpu.small_mm(x, wp, 259)
-    for i in range(7):
-        assert torch.equal(rows[i : i + 1], torch.ops.leapfx_cpu.small_mm(x[i : i + 1], wp, 259))
+    rows = torch.ops.leapfx_cpu.small_mm(x, wp, n)
+    torch.testing.assert_close(rows, x @ w.t(), rtol=1e-4, atol=1e-4)
+    for i in range(m):
+        assert torch.equal(rows[i : i + 1], torch.ops.leapfx_cpu.small_mm(x[i : i + 1], wp, n))
 
 
 def test_small_mm_reads_a_non_contiguous_input():

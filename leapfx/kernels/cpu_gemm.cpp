@@ -98,33 +98,54 @@ inline void span(const float* x, int64_t ldx, const float* wp, int64_t K, int64_
   if constexpr (NB > 1) span<R, NB / 2>(x, ldx, wp, K, N, y, ldy, b, b1);
 }
 
+// Blocks b0 .. b1 - 1 for R rows, as many blocks at once as the registers hold.
 template <int R>
-void rows(const float* x, int64_t ldx, const float* wp, int64_t K, int64_t N, float* y,
-          int64_t ldy) {
-  const int64_t blocks = (N + kBlock - 1) / kBlock;
-  // Grain: at least 4 blocks per task, so that tiny products stay on one thread.
-  at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
-    span<R, kBlocksAtOnce<R>>(x, ldx, wp, K, N, y, ldy, b0, b1);
-  });
+inline void rows_span(const float* x, int64_t ldx, const float* wp, int64_t K, int64_t N,
+                      float* y, int64_t ldy, int64_t b0, int64_t b1) {
+  span<R, kBlocksAtOnce<R>>(x, ldx, wp, K, N, y, ldy, b0, b1);
 }
 
-// y [M, N] (row stride ldy) = x [M, K] (row stride ldx) @ packed wp.
-void matmul_rows(const float* x, int64_t ldx, int64_t M, const float* wp, int64_t K, int64_t N,
-                 float* y, int64_t ldy) {
-  int64_t m = 0;
-  for (; m + kMaxRows <= M; m += kMaxRows) {
-    rows<kMaxRows>(x + m * ldx, ldx, wp, K, N, y + m * ldy, ldy);
-  }
-  const float* xm = x + m * ldx;
-  float* ym = y + m * ldy;
-  switch (M - m) {
-    case 5: rows<5>(xm, ldx, wp, K, N, ym, ldy); break;
-    case 4: rows<4>(xm, ldx, wp, K, N, ym, ldy); break;
-    case 3: rows<3>(xm, ldx, wp, K, N, ym, ldy); break;
-    case 2: rows<2>(xm, ldx, wp, K, N, ym, ldy); break;
-    case 1: rows<1>(xm, ldx, wp, K, N, ym, ldy); break;
+// Rows m .. m + R - 1 (R <= kMaxRows) over blocks b0 .. b1 - 1.
+inline void group_span(int R, const float* x, int64_t ldx, const float* wp, int64_t K, int64_t N,
+                       float* y, int64_t ldy, int64_t b0, int64_t b1) {
+  switch (R) {
+    case 6: rows_span<6>(x, ldx, wp, K, N, y, ldy, b0, b1); break;
+    case 5: rows_span<5>(x, ldx, wp, K, N, y, ldy, b0, b1); break;
+    case 4: rows_span<4>(x, ldx, wp, K, N, y, ldy, b0, b1); break;
+    case 3: rows_span<3>(x, ldx, wp, K, N, y, ldy, b0, b1); break;
+    case 2: rows_span<2>(x, ldx, wp, K, N, y, ldy, b0, b1); break;
+    case 1: rows_span<1>(x, ldx, wp, K, N, y, ldy, b0, b1); break;
     default: break;
   }
+}
+
+// Weights a chunk of column blocks may hold so that they are still in the core's L2 cache
+// when the next group of kMaxRows rows reads them (these CPUs have 512 KB - 2 MB of L2).
+constexpr int64_t kChunkBytes = 256 * 1024;
+
+// y [M, N] (row stride ldy) = x [M, K] (row stride ldx) @ packed wp.
+//
+// The rows go kMaxRows at a time (the registers hold no more). Over more rows than that (a
+// batch's decode step, its verify, a prefill), each thread walks its column blocks a chunk at
+// a time and runs every group of rows over a chunk before the next: the chunk's weights come
+// from memory once and from the cache for the other groups, where a pass of all the weights a
+// group would read them from memory once per group. The sums are the same either way.
+void matmul_rows(const float* x, int64_t ldx, int64_t M, const float* wp, int64_t K, int64_t N,
+                 float* y, int64_t ldy) {
+  const int64_t blocks = (N + kBlock - 1) / kBlock;
+  // a multiple of 4 blocks (one row's registers take 4 at once); one group: no chunks
+  const int64_t fit = kChunkBytes / (K * kBlock * static_cast<int64_t>(sizeof(float)));
+  const int64_t chunk = M <= kMaxRows ? blocks : std::max<int64_t>(4, fit / 4 * 4);
+  // Grain: at least 4 blocks per task, so that tiny products stay on one thread.
+  at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
+    for (int64_t c0 = b0; c0 < b1; c0 += chunk) {
+      const int64_t c1 = std::min(b1, c0 + chunk);
+      for (int64_t m = 0; m < M; m += kMaxRows) {
+        const int R = static_cast<int>(std::min<int64_t>(kMaxRows, M - m));
+        group_span(R, x + m * ldx, ldx, wp, K, N, y + m * ldy, ldy, c0, c1);
+      }
+    }
+  });
 }
 
 void check(const at::Tensor& x, const at::Tensor& wp, int64_t n, const char* op) {
