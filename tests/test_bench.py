@@ -163,6 +163,20 @@ def test_calibrate_and_choose(checkpoint):
     assert choose(cal).measured == max(c.measured for c in cal)
 
 
+def test_auto_says_whether_its_choice_beats_autoregressive_decoding():
+    from dataclasses import replace
+
+    from leapfx.bench.sweep import Calibration, pays
+
+    # SmolLM2's best LayerSkip setting: an exit after 15 of 30 layers agrees 8% of the time
+    slow = Calibration(15, 1, alpha=0.08, acceptance_rate=0.08, c=0.55, tokens_per_second=20.0,
+                       predicted=0.69, measured=0.73)  # fmt: skip
+    assert not pays(slow)
+    assert pays(replace(slow, measured=1.2))
+    assert not pays(replace(slow, measured=1.0))  # a tie does not pay for the drafts
+    assert pays(replace(slow, measured=None, predicted=1.1))  # unmeasured: the prediction
+
+
 def test_repeated_4gram_share():
     assert repeated_4gram_share([1, 2, 3, 4, 5, 6]) == 0.0
     assert repeated_4gram_share([1, 2, 3, 4, 1, 2, 3, 4]) == pytest.approx(1 / 5)

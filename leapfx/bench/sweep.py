@@ -127,6 +127,14 @@ def choose(calibrations: list[Calibration]) -> Calibration:
     return max(calibrations, key=lambda c: c.measured if c.measured is not None else c.predicted)
 
 
+def pays(calibration: Calibration) -> bool:
+    """Whether ``calibration``'s setting decoded faster than ``leapfx_autoregressive`` (its
+    measured speedup, else the predicted one, above 1): ``--auto`` says when no setting did,
+    since on such a model (no early exit agrees with the last layer) speculation only costs."""
+    speedup = calibration.measured if calibration.measured is not None else calibration.predicted
+    return speedup > 1.0
+
+
 def sweep_table(rows: list[Calibration]) -> str:
     head = f"{'E':>3} {'d':>3} {'alpha':>6} {'accept':>6} {'c':>6} {'tok/s':>8} "
     head += f"{'measured':>9} {'predicted':>9} {'ratio':>6}"

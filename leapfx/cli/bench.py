@@ -37,7 +37,7 @@ def _bench(args: argparse.Namespace) -> int:
     from ..bench.harness import BenchConfig, run_bench
     from ..bench.prompt_sets import load_prompt_set
     from ..bench.report import table, write_json, write_plot
-    from ..bench.sweep import calibrate, choose, sweep_table
+    from ..bench.sweep import calibrate, choose, pays, sweep_table
 
     set_threads(args)
     onnx_threads = _onnx_threads(args.onnx_threads)
@@ -89,7 +89,7 @@ def _bench(args: argparse.Namespace) -> int:
     kernels = CPU_KERNELS[args.cpu_kernels]
     if args.batch_size is not None:
         return _batch_bench(args, model, tokenizer, prompts, exit_layer, d, kernels, quiet)
-    calibration = []
+    calibration, auto = [], None
     offload = _offload_options(args)
     if args.sweep_threshold and not recipes & {"specee", "m2r2"}:
         raise ValueError(
@@ -116,6 +116,15 @@ def _bench(args: argparse.Namespace) -> int:
                 f"measured {best.measured:.2f}x over leapfx_autoregressive; alpha "
                 f"{best.alpha:.3f}, c {best.c:.3f}, predicted {best.predicted:.2f}x)"
             )
+            auto = {"exit_layer": exit_layer, "num_speculations": d, "pays": pays(best),
+                    "measured": best.measured, "predicted": best.predicted}  # fmt: skip
+            if not auto["pays"]:
+                print(
+                    "--auto: no setting of the calibration decoded faster than "
+                    "leapfx_autoregressive: on this model and machine LayerSkip's self-"
+                    "speculation only costs; decode without it (recipe autoregressive), or "
+                    "with adaptive=True, which drafts only where measured drafts pay"
+                )
     config = BenchConfig(
         recipe=args.recipe, exit_layer=exit_layer, num_speculations=d,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature,
@@ -192,6 +201,8 @@ def _bench(args: argparse.Namespace) -> int:
         **offload,
     }  # fmt: skip
     meta["dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
+    if auto is not None:
+        meta["auto"] = auto
     if args.random_model is not None:
         meta.update(model=f"random:{args.random_model}", throughput_only=True)
     curve = []
