@@ -74,6 +74,21 @@ def test_unmeasured_lengths_follow_the_measured_line():
     assert policy.cost(0) == pytest.approx(1.0)
 
 
+def test_a_plain_step_is_weighed_at_its_own_measured_cost():
+    # SmolLM2's 8-row costs: a verify of 2 tokens 1.46 plain steps, of 3 tokens 1.78 (the
+    # first extra token the dearest). The line through them starts at 1.02, above the plain
+    # step's own 1.0; weighed against the line, one draft at acceptance 0.42 looked 2.8%
+    # better than a plain step and was drafted, and ran slower. Against the step's own cost
+    # it is not.
+    policy = DraftPolicy(max_drafts=4)
+    policy.costs = {0: 1.0, 1: 1.46, 2: 1.78}
+    policy.accepted, policy.rejections = 0.42, 0.58
+    assert policy.cost(0) == 1.0
+    assert policy.line()[0] > 1.0
+    assert policy.best(2)[1] < 1.0 + MARGIN
+    assert policy.choose(2) == 0
+
+
 def _auto_drafter(prompt: list[int], policies: Policies) -> AdaptiveDrafter:
     """``auto``'s drafter: prompt lookup alone under the adaptive policy."""
     return AdaptiveDrafter(None, PromptLookup(prompt, 2, 1), policies)

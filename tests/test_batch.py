@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from leapfx import rewrite
 from leapfx.runtime import batch as batch_runtime
-from leapfx.runtime.adaptive import PROBE_EVERY
+from leapfx.runtime.adaptive import PRIOR_SLOPE, PROBE_EVERY
 from leapfx.runtime.batch import BatchPolicy, RowKVCache, RowRunner, row_cache_for, row_masks
 from leapfx.runtime.runner import AttentionLayout
 from tests.conftest import examples, tiny_model
@@ -296,6 +296,22 @@ def test_batch_policy_stops_drafting_where_big_verifies_do_not_pay():
     assert policy.choose(1, 3) > 0
     choices = [policy.choose(8, 3) for _ in range(PROBE_EVERY)]
     assert choices.count(0) >= PROBE_EVERY - 1
+
+
+def test_a_batch_size_rows_leave_for_starts_from_its_neighbours_costs():
+    # At 8 rows a verify of d + 1 tokens costs 1 + 0.5 d plain steps, and drafts are kept half
+    # the time: drafting does not pay. A row finishes: at 7 rows, with only plain steps timed,
+    # the policy reads 8 rows' line, not the prior (a draft 0.1 of a step), so it does not
+    # spend 7 rows' first rounds drafting.
+    policy = BatchPolicy(max_drafts=3)
+    for d in (0, 0, 1, 1, 2, 2, 3, 3):  # each length's first round is not counted
+        policy.observe(8, d, [(d, d // 2)] * 8 if d else [], 1.0 + 0.5 * d)
+    for _ in range(2):
+        policy.observe(7, 0, [], 0.95)
+    assert policy.at(7).prior_slope == pytest.approx(0.5)
+    assert policy.choose(7, 3) == 0
+    fresh = BatchPolicy(max_drafts=3)  # nothing measured anywhere: the prior
+    assert fresh.at(7).prior_slope == PRIOR_SLOPE
 
 
 def test_batch_policy_weighs_the_drafts_by_the_rows_that_have_them():

@@ -103,6 +103,9 @@ class DraftPolicy:
         self.max_drafts = max_drafts
         self.costs: dict[int, float] = {}  # d -> moving average of a round's seconds
         self._seen: set[int] = set()  # lengths that have run a round
+        # a draft's share of a plain step while fewer than two lengths are measured (a batch's
+        # policy borrows its neighbours' line: BatchPolicy)
+        self.prior_slope = PRIOR_SLOPE
         self.restart()
 
     def restart(self) -> None:
@@ -129,20 +132,35 @@ class DraftPolicy:
         """C(d) from the least-squares line through the measured lengths' averages (relative
         units before any measurement). The line, not a length's own average: a length whose
         few rounds ran slow (a busy machine, a first call at a new shape) would otherwise
-        never be chosen again, so never be measured again."""
+        never be chosen again, so never be measured again. A plain step (d = 0), once
+        measured, costs its own average: plain rounds are measured all the time, and where a
+        verify's first extra token costs more than each later one (a compute-bound batch) the
+        line's intercept lies above them, which would make every draft look cheaper than it
+        is."""
+        if d == 0 and 0 in self.costs:
+            return self.costs[0]
         points = sorted(self.costs.items())
         if not points:
-            return 1.0 + PRIOR_SLOPE * d
-        if len(points) == 1:
+            return 1.0 + self.prior_slope * d
+        line = self.line()
+        if line is None:
             (d1, c1) = points[0]
-            return c1 * (1.0 + PRIOR_SLOPE * d) / (1.0 + PRIOR_SLOPE * d1)
+            return c1 * (1.0 + self.prior_slope * d) / (1.0 + self.prior_slope * d1)
+        base, slope = line
+        return base + slope * d
+
+    def line(self) -> tuple[float, float] | None:
+        """(intercept, slope) of the least-squares line through the measured lengths' average
+        costs; None while fewer than two lengths are measured."""
+        points = sorted(self.costs.items())
+        if len(points) < 2:
+            return None
         n = len(points)
         mx = sum(x for x, _ in points) / n
         my = sum(y for _, y in points) / n
         slope = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
         slope = max(slope, 0.0)  # a longer verify never costs less
-        base = max(my - slope * mx, 1e-9)
-        return base + slope * d
+        return max(my - slope * mx, 1e-9), slope
 
     def rate(self, d: int, key: int | None = None, share: float = 1.0) -> float:
         """E(d) / C(d): expected tokens per unit of cost (acceptance of ``key``'s rounds).

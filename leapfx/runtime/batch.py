@@ -47,7 +47,7 @@ import torch
 
 from ..modules.fused import kernel_attends_ragged
 from . import executor
-from .adaptive import DECAY, DraftPolicy
+from .adaptive import DECAY, PRIOR_SLOPE, DraftPolicy
 from .cache import StaticKVCache, cache_for
 from .executor import StageExecutor
 from .lookup import NgramIndex
@@ -370,8 +370,27 @@ class BatchPolicy:
             policy = self.by_size[size] = DraftPolicy(self.max_drafts)
         if self.live is not None and policy is not self.live:
             policy.accepted, policy.rejections = self.live.accepted, self.live.rejections
+        if policy.line() is None:
+            policy.prior_slope = self._slope_near(size)
         self.live = policy
         return policy
+
+    def _slope_near(self, size: int) -> float:
+        """A draft's share of a plain step at the measured batch size nearest ``size`` (the
+        larger one on a tie: its verifies are the dearer, so drafting is judged no cheaper
+        than it is), or ``PRIOR_SLOPE`` where no size has measured two lengths. A size that
+        rows leave for (8 rows, then 7, 6, ...) would otherwise start from the prior, which
+        a compute-bound batch's verifies are several times steeper than, and spend its first
+        rounds drafting what does not pay."""
+        best = None
+        for other, policy in self.by_size.items():
+            line = policy.line() if other != size else None
+            if line is None:
+                continue
+            rank = (abs(other - size), -other)
+            if best is None or rank < best[0]:
+                best = rank, line[1] / line[0]
+        return PRIOR_SLOPE if best is None else best[1]
 
     def choose(self, size: int, available: int, share: float = 1.0) -> int:
         """Drafts for a round at batch ``size`` that could draft ``available``, where a
