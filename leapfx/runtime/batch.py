@@ -470,6 +470,7 @@ def batched_loop(
             share = 1.0 if plan.drafter == "stage" else sum(map(bool, copies)) / size
             d = policy.choose(size, d, share)
         proposal = _propose(runner, rows, x, d, room, plan, request, copies)
+        metrics.draft_calls += proposal.stage_calls
         starts = [row.pos for row in rows]
         width = proposal.tokens.shape[1]
         if plan.split_verify and proposal.hidden is not None and width == d > 0:
@@ -491,7 +492,7 @@ def batched_loop(
         ):
             row.pos += len(e)
             if v > 0:
-                metrics.record_verify(v, k)
+                metrics.record_drafts(v, k)
                 metrics.record_round(who)
         metrics.draft_lengths.append(width)
         x = torch.tensor([[e[-1]] for e in emitted], device=prompt.device)
@@ -548,6 +549,7 @@ class Proposal:
     # where every row's tokens are the draft stage's d: their exit states [B, d, H] (the
     # tokens fed: x .. t_{d-1}), for a split verify; else None
     hidden: torch.Tensor | None = None
+    stage_calls: int = 0  # draft-stage calls the round made (d [B, 1] calls, or none)
 
 
 def _propose(
@@ -589,13 +591,14 @@ def _propose(
     q = None
     if request.sampling.do_sample and width:
         q = staged[1][:, :width] if staged is not None else None
+    calls = d if staged is not None else 0
     if staged is not None and width == d and not any(copied):
         # every row's tokens are the stage's (a row with fewer valid drafts keeps the stage's
         # in place of filler): its exit states serve a split verify
-        return Proposal(staged[0], valid, q, copied, drafters, staged[2])
+        return Proposal(staged[0], valid, q, copied, drafters, staged[2], calls)
     filled = [t + [0] * (width - len(t)) for t in tokens]
     ids = torch.tensor(filled, dtype=x.dtype, device=x.device).reshape(B, width)
-    return Proposal(ids, valid, q, copied, drafters)
+    return Proposal(ids, valid, q, copied, drafters, stage_calls=calls)
 
 
 def _stage_drafts(

@@ -100,6 +100,11 @@ class DecodeMetrics:
 
     def record_verify(self, drafted: int, accepted: int) -> None:
         self.verify_calls += 1
+        self.record_drafts(drafted, accepted)
+
+    def record_drafts(self, drafted: int, accepted: int) -> None:
+        """One sequence's drafts of a verify pass (a batch's rows share one pass: the batched
+        loop counts the pass once in ``verify_calls`` and each row's drafts here)."""
         self.drafted_tokens += drafted
         self.accepted_drafts += accepted
         self.accepted_per_verify.append(accepted + 1)
