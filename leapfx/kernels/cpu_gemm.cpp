@@ -98,23 +98,16 @@ inline void span(const float* x, int64_t ldx, const float* wp, int64_t K, int64_
   if constexpr (NB > 1) span<R, NB / 2>(x, ldx, wp, K, N, y, ldy, b, b1);
 }
 
-// Blocks b0 .. b1 - 1 for R rows, as many blocks at once as the registers hold.
-template <int R>
-inline void rows_span(const float* x, int64_t ldx, const float* wp, int64_t K, int64_t N,
-                      float* y, int64_t ldy, int64_t b0, int64_t b1) {
-  span<R, kBlocksAtOnce<R>>(x, ldx, wp, K, N, y, ldy, b0, b1);
-}
-
-// Rows m .. m + R - 1 (R <= kMaxRows) over blocks b0 .. b1 - 1.
+// R (<= kMaxRows) rows over blocks b0 .. b1 - 1, as many blocks at once as the registers hold.
 inline void group_span(int R, const float* x, int64_t ldx, const float* wp, int64_t K, int64_t N,
                        float* y, int64_t ldy, int64_t b0, int64_t b1) {
   switch (R) {
-    case 6: rows_span<6>(x, ldx, wp, K, N, y, ldy, b0, b1); break;
-    case 5: rows_span<5>(x, ldx, wp, K, N, y, ldy, b0, b1); break;
-    case 4: rows_span<4>(x, ldx, wp, K, N, y, ldy, b0, b1); break;
-    case 3: rows_span<3>(x, ldx, wp, K, N, y, ldy, b0, b1); break;
-    case 2: rows_span<2>(x, ldx, wp, K, N, y, ldy, b0, b1); break;
-    case 1: rows_span<1>(x, ldx, wp, K, N, y, ldy, b0, b1); break;
+    case 6: span<6, kBlocksAtOnce<6>>(x, ldx, wp, K, N, y, ldy, b0, b1); break;
+    case 5: span<5, kBlocksAtOnce<5>>(x, ldx, wp, K, N, y, ldy, b0, b1); break;
+    case 4: span<4, kBlocksAtOnce<4>>(x, ldx, wp, K, N, y, ldy, b0, b1); break;
+    case 3: span<3, kBlocksAtOnce<3>>(x, ldx, wp, K, N, y, ldy, b0, b1); break;
+    case 2: span<2, kBlocksAtOnce<2>>(x, ldx, wp, K, N, y, ldy, b0, b1); break;
+    case 1: span<1, kBlocksAtOnce<1>>(x, ldx, wp, K, N, y, ldy, b0, b1); break;
     default: break;
   }
 }

@@ -77,7 +77,11 @@ class SubsetLMHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [B, S, H] -> logits [B, S, V], -inf off the subset
-        sub = F.linear(hidden, self.rows, self.bias)  # [B, S, N]
+        return self.spread(F.linear(hidden, self.rows, self.bias))  # [B, S, N] -> [B, S, V]
+
+    def spread(self, sub: torch.Tensor) -> torch.Tensor:
+        """The subset's logits ``sub`` [..., N] at their ids of the whole vocabulary, among
+        ``-inf`` elsewhere: [..., V] (what every computation of the subset's rows returns)."""
         full = sub.new_full((*sub.shape[:-1], self.vocab_size), float("-inf"))
         return full.index_copy(sub.dim() - 1, self.indices, sub)
 
@@ -111,7 +115,4 @@ class KernelSubsetHead(nn.Module):
         if head.rows._version != self._packed_version:
             self._pack()
         sub = torch.ops.leapfx_cpu.small_mm(hidden, self.rows_packed, head.draft_vocab)
-        if head.bias is not None:
-            sub = sub + head.bias
-        full = sub.new_full((*sub.shape[:-1], head.vocab_size), float("-inf"))
-        return full.index_copy(sub.dim() - 1, head.indices, sub)
+        return head.spread(sub if head.bias is None else sub + head.bias)

@@ -127,11 +127,7 @@ class KernelGate(nn.Module):
 
     def _vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """The op's logits over the whole vocabulary (a subset head's: -inf off its rows)."""
-        head = self.subset
-        if head is None:
-            return logits
-        full = logits.new_full((*logits.shape[:-1], head.vocab_size), float("-inf"))
-        return full.index_copy(logits.dim() - 1, head.indices, logits)
+        return logits if self.subset is None else self.subset.spread(logits)
 
 
 class KernelDraft(KernelGate):

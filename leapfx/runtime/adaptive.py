@@ -139,12 +139,11 @@ class DraftPolicy:
         is."""
         if d == 0 and 0 in self.costs:
             return self.costs[0]
-        points = sorted(self.costs.items())
-        if not points:
+        if not self.costs:
             return 1.0 + self.prior_slope * d
         line = self.line()
         if line is None:
-            (d1, c1) = points[0]
+            ((d1, c1),) = self.costs.items()
             return c1 * (1.0 + self.prior_slope * d) / (1.0 + self.prior_slope * d1)
         base, slope = line
         return base + slope * d
