@@ -17,6 +17,7 @@ from leapfx import rewrite
 from leapfx.runtime import batch as batch_runtime
 from leapfx.runtime.adaptive import PRIOR_SLOPE, PROBE_EVERY
 from leapfx.runtime.batch import BatchPolicy, RowKVCache, RowRunner, row_cache_for, row_masks
+from leapfx.runtime.masks import column_masks
 from leapfx.runtime.runner import AttentionLayout
 from tests.conftest import examples, tiny_model
 from tests.distribution_check import assert_sampled_from
@@ -35,6 +36,8 @@ BATCHED = [
     ("layerskip", {"num_speculations": 3, "lookup": True}),
     ("swift", {"num_speculations": 3}),
     ("kangaroo", {"max_draft_tokens": 3}),
+    ("eagle", {"max_draft_tokens": 3, "confidence_threshold": 0.0}),
+    ("eagle", {"max_draft_tokens": 3, "lookup": True}),
 ]
 
 
@@ -135,17 +138,23 @@ def test_a_left_padded_row_and_a_batch_of_one_equal_the_unbatched_decode():
     assert torch.equal(batch[:1], plain)
 
 
-@pytest.mark.parametrize("recipe", ["layerskip", "lookup"])
-def test_batched_sampling_matches_each_rows_distribution(recipe):
+@pytest.mark.parametrize("recipe", ["layerskip", "lookup", "eagle"])
+def test_batched_sampling_matches_each_rows_distribution(recipe, monkeypatch):
     # Two rows of different lengths (the second left-padded): each row's 3-token continuations
-    # must follow its own exact distribution under the warpers.
+    # must follow its own exact distribution under the warpers. Every round drafts (the
+    # policy, which chooses by measured time, forced to), so drafts are kept and rejected.
+    monkeypatch.setattr(BatchPolicy, "choose", lambda self, size, available, share=1.0: available)
     model = tiny_model("llama", layers=3, vocab=VOCAB, heads=2, kv_heads=1, seed=11)
     with torch.no_grad():
         model.lm_head.weight.mul_(0.25)
     rows = [[1, 4, 2, 1, 4], [2, 1, 4]]
     exact = [_exact_distribution(model, torch.tensor([r]), 3) for r in rows]
-    options = {"exit_layer": 1} if recipe == "layerskip" else {"max_ngram": 2}
-    sm = rewrite.apply(model, recipe, num_speculations=2, **options)
+    options = {
+        "layerskip": {"exit_layer": 1, "num_speculations": 2},
+        "lookup": {"max_ngram": 2, "num_speculations": 2},
+        "eagle": {"max_draft_tokens": 2, "confidence_threshold": 0.0},
+    }[recipe]
+    sm = rewrite.apply(model, recipe, **options)
     ids, mask = _batch(rows)
     g = torch.Generator().manual_seed(1234)
     n = 3000
@@ -186,6 +195,10 @@ def test_batch_refusals_name_what_is_not_supported():
         )
     out = sm.generate(ids, attention_mask=mask, max_new_tokens=2, return_dict_in_generate=True)
     assert out.sequences.shape == (2, 5) and out.metrics.batch_size == 2
+    onnx = rewrite.apply(model, "autoregressive")
+    onnx.set_executors(None, "onnxruntime")  # what lower(sm, "onnxruntime") leaves it on
+    with pytest.raises(ValueError, match="stages run on 'onnxruntime' .*allowed: one unpadded row"):
+        onnx.generate(ids, attention_mask=mask, max_new_tokens=2)
 
 
 def test_row_cache_writes_each_row_at_its_own_length_and_crops_per_row():
@@ -229,6 +242,53 @@ def test_row_masks_show_each_query_its_own_rows_columns(rows, n, window):
                     if kind == "sliding_attention" and window is not None:
                         want = want and s + i - j < window
                     assert (mask[b, 0, i, j] == 0).item() == want
+
+
+@settings(max_examples=examples(40, 200), deadline=None)
+@given(
+    rows=st.lists(st.tuples(st.integers(0, 6), st.integers(0, 6)), min_size=1, max_size=4),
+    n=st.integers(1, 4),
+    window=st.one_of(st.none(), st.integers(1, 6)),
+    impl=st.sampled_from(["sdpa", "eager"]),
+    slack=st.integers(0, 3),
+)
+def test_a_compiled_stages_column_masks_show_each_query_what_row_masks_do(
+    rows, n, window, impl, slack
+):
+    # A compiled stage over a batch builds its masks in the graph from each query's cache
+    # column and its row's first real column, over the whole buffer: a real query sees what
+    # the eager runner's row_masks shows it and no column past its own; a padding query (a
+    # prefill's) sees itself alone, so no softmax row is empty.
+    pads = [p for p, _ in rows]
+    starts = [p + s for p, s in rows]
+    layout = AttentionLayout("eager", ("full_attention", "sliding_attention"), window,
+                             torch.float32, torch.device("cpu"))  # fmt: skip
+    want = row_masks(layout, starts, pads, n)
+    end = max(starts) + n
+    columns = torch.tensor(starts)[:, None] + torch.arange(n)
+    got = column_masks(columns, torch.tensor(pads), end + slack, kinds=layout.kinds, impl=impl,
+                       window=window, dtype=torch.float32)  # fmt: skip
+    for kind in dict.fromkeys(layout.kinds):
+        seen = got[kind] if impl == "sdpa" else got[kind] == 0
+        assert seen.shape == (len(rows), 1, n, end + slack)
+        expected = (want[kind] == 0).expand(len(rows), 1, n, end)
+        assert torch.equal(seen[..., :end], expected)
+        assert not seen[..., end:].any()
+    prefill = column_masks(
+        torch.arange(4)[None],
+        torch.tensor([2]),
+        4,
+        kinds=["full_attention"],
+        impl="sdpa",
+        window=None,
+        dtype=torch.float32,
+    )["full_attention"]
+    assert prefill[0, 0].tolist() == [
+        [True, False, False, False],
+        [False, True, False, False],
+        [False, False, True, False],
+        [False, False, True, True],
+    ]
 
 
 @pytest.mark.parametrize("recipe", ["autoregressive", "kangaroo"])
@@ -358,3 +418,48 @@ def test_batched_layerskip_verifies_the_drafts_exit_states_with_its_verify_stage
         assert metrics.verify_calls == sum(1 for w in metrics.draft_lengths if w) > 0
         if not lookup:
             assert metrics.draft_calls == sum(metrics.draft_lengths)
+
+
+def test_the_batch_bench_names_each_row_by_system_backend_and_batch_size():
+    # One run at batch sizes 1 and 2: a row a system and size, named <system>@b<B>, every
+    # leapfx row counted identical per row against HF's own padded batch, the draft lengths the
+    # policy chose reported; a bad --backend is refused naming what batches.
+    from leapfx.bench.batch import (
+        BatchBenchConfig,
+        BatchSystem,
+        _size_rows,
+        pad_batch,
+        run_batch_bench,
+    )
+
+    model = tiny_model("llama", layers=3, vocab=32, seed=6)
+    prompts = [torch.tensor([r]) for r in ([1, 2, 3, 1, 2, 3], [4, 5], [6, 7, 6, 7, 6])]
+    config = BatchBenchConfig(batch_sizes=(1, 2), recipes=("lookup",), num_speculations=3,
+                              max_new_tokens=6, repeats=1, warmup=0)  # fmt: skip
+    rows = run_batch_bench(model, prompts, config, pad_token_id=PAD, progress=False)
+    names = [r.system for r in rows]
+    for size in (1, 2):
+        for system in ("hf_greedy", "hf_static", "leapfx_autoregressive", "leapfx_lookup"):
+            assert f"{system}@b{size}" in names
+    for r in rows:
+        if r.system.startswith("leapfx_"):
+            assert r.identical_prompts == r.prompts == 3
+        if r.system.startswith("leapfx_autoregressive"):
+            assert r.speedup == 1.0
+    assert "draft_lengths" in next(r for r in rows if r.system == "leapfx_lookup@b2").extra
+    with pytest.raises(ValueError, match="--backend: 'onnxruntime' with --batch-size is invalid"):
+        BatchBenchConfig(backends=("onnxruntime",)).validate()
+    # With several backends each leapfx row is <system>@<backend>@b<B>, and its ratio is over
+    # the autoregressive row on its own backend.
+    ids, mask = pad_batch([prompts[0]], PAD)
+    out = torch.cat([ids, torch.ones(1, 4, dtype=torch.long)], dim=1)
+    systems = [BatchSystem(f"{name}@{backend}", None, suffix=f"@{backend}")
+               for backend in ("eager", "inductor")
+               for name in ("leapfx_autoregressive", "leapfx_lookup")]  # fmt: skip
+    seconds = {"leapfx_autoregressive@eager": 1.0, "leapfx_lookup@eager": 0.5,
+               "leapfx_autoregressive@inductor": 2.0, "leapfx_lookup@inductor": 1.0}  # fmt: skip
+    rows = _size_rows(model, systems, 1, [(ids, mask)], {s.name: [out] for s in systems},
+                      {s.name: [] for s in systems}, {n: [t] for n, t in seconds.items()},
+                      set())  # fmt: skip
+    assert [r.system for r in rows] == [f"{s.name}@b1" for s in systems]
+    assert [r.speedup for r in rows] == [1.0, 2.0, 1.0, 2.0]

@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import tiny_model
 from greedy_check import assert_chain_is_draft_calls, assert_greedy_equal, hf_greedy
+from test_batch import _check_rows
 from torch._dynamo.utils import counters
 
 from leapfx import rewrite
@@ -247,3 +248,52 @@ def test_warm_up_runs_on_the_cache_generate_reuses():
         sm.generate(prompt, max_new_tokens=16)
     assert sm._cache is cache and [t.data_ptr() for t in cache.keys + cache.values] == pointers
     assert _graphs() == graphs
+
+
+@pytest.mark.slow
+def test_inductor_batches_write_each_row_at_its_own_columns_and_equal_hf():
+    # Default options (the CPU kernels: a batch's attention through attention_rows over each
+    # row's span of the whole buffer). Rows stop at their own EOS and leave the batch (the
+    # batch size shrinks to 1), LayerSkip rounds verify through the split verify stage; every
+    # row equals HF's generate on the same padded batch, up to measured float ties. With
+    # batches=True, compile() compiled every graph the batches use.
+    model = tiny_model("llama", layers=4, vocab=16, eos=7, seed=3)
+    sm = rewrite.apply(model, "layerskip", exit_layer=2, num_speculations=3)
+    sm.compile(batches=True)
+    graphs = _graphs()
+    rows = [[1, 2, 3, 4, 5, 6], [9, 8], [3, 3, 3, 3], [11, 12, 13, 14, 15, 1, 2, 3, 4]]
+    _check_rows(model, sm, rows, 20)
+    assert sm.last_metrics.verify_calls > 0
+    _check_rows(model, sm, [[3, 4], [5, 6, 7, 5, 6, 7]], 20)
+    assert _graphs() == graphs, "a batch compiled a graph that compile(batches=True) did not"
+
+
+@pytest.mark.slow
+def test_inductor_batches_of_any_size_share_their_graphs_under_a_sliding_window():
+    # Without the CPU kernels: the masks come from each row's columns over the whole buffer,
+    # with a sliding window narrower than the rows. Lookup drafts vary the verify width; a
+    # second batch of another size and other lengths compiles nothing new (the batch size is
+    # dynamic in a batch's graphs) and still equals HF.
+    model = tiny_model("mistral", layers=3, vocab=32, sliding_window=3, seed=4)
+    sm = rewrite.apply(model, "lookup", num_speculations=3, max_ngram=2)
+    sm.compile(cpu_kernels=False)
+    first = [[1, 2, 3, 1, 2, 3, 1, 2], [5, 6], [7, 7, 7, 7, 7], [9, 8, 9, 8]]
+    _check_rows(model, sm, first, 24)
+    assert any(sm.last_metrics.draft_lengths)
+    graphs = _graphs()
+    _check_rows(model, sm, [[4, 5, 4, 5, 4], [2, 2, 3], [6, 1, 6, 1, 6, 1, 6]], 24)
+    assert _graphs() == graphs, "a batch of another size compiled a new graph"
+
+
+@pytest.mark.slow
+def test_inductor_batches_draft_with_eagles_head_on_each_rows_state():
+    # EAGLE on a batch: the head drafts from each row's own last hidden state, the target
+    # verifies (its prefill's zero state and a row's state are two shapes, both compiled by
+    # batches=True); rows equal HF's padded batch and decoding compiles nothing.
+    model = tiny_model("qwen2", layers=3, vocab=32, seed=4)
+    sm = rewrite.apply(model, "eagle", max_draft_tokens=3, confidence_threshold=0.0)
+    sm.compile(batches=True)
+    graphs = _graphs()
+    _check_rows(model, sm, [[1, 2, 3, 1, 2, 3, 1, 2], [5, 6], [7, 7, 7, 7, 7], [9, 8, 9, 8]], 16)
+    assert sm.last_metrics.drafted_tokens > 0
+    assert _graphs() == graphs, "a batch compiled a graph that compile(batches=True) did not"

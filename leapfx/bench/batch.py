@@ -24,11 +24,12 @@ from torch import nn
 
 from .. import rewrite
 from ..options import check_int
+from ..runtime.batch import BATCH_BACKENDS
 from .report import Row, columns, progress_bar, write_figure
 from .ties import first_difference
 
 # Recipes a batch bench can run, with how their options come from the run's settings.
-BATCH_RECIPES = ("lookup", "auto", "swift", "layerskip", "kangaroo")
+BATCH_RECIPES = ("lookup", "auto", "swift", "layerskip", "kangaroo", "eagle")
 
 
 @dataclass
@@ -45,6 +46,9 @@ class BatchBenchConfig:
     hf_baselines: bool = True
     cpu_kernels: bool | None = None
     recipe_options: dict[str, dict] = field(default_factory=dict)  # per recipe: extra options
+    # the leapfx rows' backends (``runtime.batch.BATCH_BACKENDS``); several: a row each,
+    # named ``<system>@<backend>@b<B>``
+    backends: tuple[str, ...] = ("eager",)
 
     def validate(self) -> BatchBenchConfig:
         if not self.batch_sizes or len(set(self.batch_sizes)) < len(self.batch_sizes):
@@ -59,6 +63,13 @@ class BatchBenchConfig:
             raise ValueError(
                 f"--recipe: {bad!r} does not batch; allowed with --batch-size: "
                 f"{', '.join(BATCH_RECIPES)} (comma-separated)"
+            )
+        bad = next((b for b in self.backends if b not in BATCH_BACKENDS), None)
+        if bad is not None or not self.backends or len(set(self.backends)) < len(self.backends):
+            raise ValueError(
+                f"--backend: {','.join(self.backends)!r} with --batch-size is invalid; allowed: "
+                f"{', '.join(BATCH_BACKENDS)} (comma-separated, no repeats; onnxruntime "
+                "sessions take one row)"
             )
         check_int("--repeats", self.repeats, 1)
         check_int("--warmup", self.warmup, 0)
@@ -107,6 +118,7 @@ class BatchSystem:
     generate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     metrics: Callable[[], object] = lambda: None
     lossless: bool = True
+    suffix: str = ""  # "@<backend>" where the run has several backends
 
 
 def batch_systems(model: nn.Module, config: BatchBenchConfig) -> list[BatchSystem]:
@@ -127,24 +139,32 @@ def batch_systems(model: nn.Module, config: BatchBenchConfig) -> list[BatchSyste
         systems.append(BatchSystem("hf_greedy", hf()))
         systems.append(BatchSystem("hf_static", hf(cache_implementation="static")))
 
-    def ours(name: str, sm) -> BatchSystem:
-        if config.cpu_kernels is not None:
+    def ours(name: str, sm, backend: str) -> BatchSystem:
+        if backend == "inductor":  # every graph the batches run, compiled before the timing
+            sm.compile(cpu_kernels=config.cpu_kernels, batches=True)
+        elif config.cpu_kernels is not None:
             sm.use_cpu_kernels(config.cpu_kernels)
+        suffix = f"@{backend}" if len(config.backends) > 1 else ""
         return BatchSystem(
-            name,
+            name + suffix,
             lambda ids, mask: sm.generate(ids, attention_mask=mask, max_new_tokens=n),
             lambda: sm.last_metrics,
+            suffix=suffix,
         )
 
-    systems.append(ours("leapfx_autoregressive", rewrite.apply(model, "autoregressive")))
-    for recipe in config.recipes:
-        options = {"num_speculations": config.num_speculations}
-        if recipe == "kangaroo":
-            options = {"max_draft_tokens": config.num_speculations}
-        if recipe in ("layerskip", "kangaroo") and config.exit_layer is not None:
-            options["exit_layer"] = config.exit_layer
-        options.update(config.recipe_options.get(recipe, {}))
-        systems.append(ours(f"leapfx_{recipe}", rewrite.apply(model, recipe, **options)))
+    for backend in config.backends:
+        systems.append(
+            ours("leapfx_autoregressive", rewrite.apply(model, "autoregressive"), backend)
+        )
+        for recipe in config.recipes:
+            options = {"num_speculations": config.num_speculations}
+            if recipe in ("kangaroo", "eagle"):
+                options = {"max_draft_tokens": config.num_speculations}
+            if recipe in ("layerskip", "kangaroo") and config.exit_layer is not None:
+                options["exit_layer"] = config.exit_layer
+            options.update(config.recipe_options.get(recipe, {}))
+            sm = rewrite.apply(model, recipe, **options)
+            systems.append(ours(f"leapfx_{recipe}", sm, backend))
     return systems
 
 
@@ -239,9 +259,11 @@ def _size_rows(model, systems, size, groups, outputs, metrics, times, eos) -> li
             if drafted:
                 row.acceptance_rate = sum(m.accepted_drafts for m in ms) / drafted
         rows.append(row)
-    by_name = {r.system.split("@")[0]: r for r in rows}
-    for row in rows:
-        base = by_name.get("leapfx_autoregressive")
+    by_name = {s.name: r for s, r in zip(systems, rows, strict=True)}
+    first = next((s.suffix for s in systems if s.name.startswith("leapfx_")), "")
+    for system, row in zip(systems, rows, strict=True):
+        # over our autoregressive row on the same backend (HF's rows: the first backend's)
+        base = by_name.get("leapfx_autoregressive" + (system.suffix or first))
         row.speedup = row.tokens_per_second / base.tokens_per_second if base else 1.0
         hf = by_name.get("hf_greedy")
         if hf is not None:
@@ -281,7 +303,7 @@ def write_batch_plot(path, rows: list[Row]) -> None:
 
     series: dict[str, list[tuple[int, float]]] = {}
     for r in rows:
-        name = r.system.split("@")[0]
+        name = r.system.rsplit("@b", 1)[0]
         series.setdefault(name, []).append((r.extra["batch_size"], r.tokens_per_second))
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for name, points in series.items():

@@ -259,15 +259,12 @@ def _batch_bench(args, model, tokenizer, prompts, exit_layer, d, kernels, quiet)
     )  # fmt: skip
     from ..bench.report import write_json
 
-    if args.backend != "eager":
-        raise ValueError(
-            f"--backend: {args.backend!r} with --batch-size; allowed: eager (batched decoding "
-            "runs the eager stages, with or without the CPU kernels)"
-        )
     config = BatchBenchConfig(
         batch_sizes=args.batch_size, recipes=tuple(sorted(_bench_recipes(args))),
         exit_layer=exit_layer, num_speculations=d, max_new_tokens=args.max_new_tokens,
         repeats=args.repeats, warmup=args.warmup, cpu_kernels=kernels,
+        backends=tuple(args.backend.split(",")),
+        recipe_options={"eagle": _batch_eagle_options(args, model)},
     ).validate()  # fmt: skip
     prompts = varied_lengths(prompts)
     lengths = [p.shape[1] for p in prompts]
@@ -292,7 +289,7 @@ def _batch_bench(args, model, tokenizer, prompts, exit_layer, d, kernels, quiet)
             "num_speculations": d, "prompt_set": args.prompt_set, "prompts": len(prompts),
             "prompt_lengths": lengths, "max_new_tokens": args.max_new_tokens,
             "repeats": args.repeats, "threads": torch.get_num_threads(), "device": args.device,
-            "cpu_kernels": args.cpu_kernels,
+            "cpu_kernels": args.cpu_kernels, "backend": args.backend,
             "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         }  # fmt: skip
         write_json(args.json, rows, meta)
@@ -707,6 +704,22 @@ def _m2r2_parts(args: argparse.Namespace, exits: bool = False) -> str | None:
     if given is not None:
         return given
     return _shipped(args, "m2r2_exit" if exits else "m2r2")
+
+
+def _batch_eagle_options(args: argparse.Namespace, model) -> dict:
+    """The batch bench's EAGLE: the benchmarked model's head (``_eagle_parts``) with its own
+    draft length, over the subset vocabulary where its parts rank one (``EAGLE_DRAFT_VOCAB``),
+    and prompt lookup first (a row with a match copies, the others draft with the head)."""
+    from ..bench.harness import EAGLE_DRAFT_VOCAB
+    from ..passes.draft_vocab import read_ranking
+
+    parts = _eagle_parts(args) if "eagle" in _bench_recipes(args) else None
+    if parts is None:
+        return {}
+    options = {"parts": parts, "lookup": True, "max_draft_tokens": None}
+    if model.config.vocab_size >= 4 * EAGLE_DRAFT_VOCAB and read_ranking(parts) is not None:
+        options["draft_vocab"] = EAGLE_DRAFT_VOCAB
+    return options
 
 
 def _eagle_parts(args: argparse.Namespace) -> str | None:

@@ -19,6 +19,7 @@ import time
 import torch
 
 from ..kernels import cpu
+from ..runtime.batch import row_cache_for
 from .chain import chain_length
 from .cpu_kernels import with_transposed_weights
 from .inductor import CompiledChain, CompiledStage, CompileOptions, PureStage
@@ -102,6 +103,9 @@ def compile_stages(sm, options: CompileOptions) -> dict[str, CompiledStage]:
                 executor.warmup(cache, shapes)
                 log.info("compiled stage %s in %.1f s", name, time.perf_counter() - start)
             cache.reset()
+            plan = sm.recipe.batch
+            if options.batches and plan is not None:
+                _warmup_batches(sm, out, plan, example, cache_len)
     if segments:
         compiled = specee_segments(sm, segments, options, lay.device)
         if options.warmup:
@@ -112,3 +116,29 @@ def compile_stages(sm, options: CompileOptions) -> dict[str, CompiledStage]:
                 log.info("compiled the specee segments in %.1f s", time.perf_counter() - start)
         out.update(compiled)
     return out
+
+
+def _warmup_batches(sm, stages: dict, plan, example: dict, cache_len: int) -> None:
+    """Compile the graphs a batch of ``plan`` runs (``CompiledStage.warmup_rows``): the full
+    stage's steps and chunks (prefill, verify), the draft stage's steps where the recipe drafts
+    with it, the split verify's where it verifies with it (EAGLE: the target's and the
+    head's)."""
+
+    def cache_for_rows(batch: int):
+        extra = sm.recipe.extra_cache_layers
+        return row_cache_for(sm._hf_model, cache_len, batch, extra_layers=extra)
+
+    warm = {"full": True}
+    if plan.drafter == "eagle":  # the target verifies, the head drafts a token a call
+        warm = {"target": True, "head": False}
+    if plan.drafter == "stage":
+        warm["draft"] = False
+    if plan.split_verify:
+        warm["verify"] = True
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for name, chunks in warm.items():
+            if name in stages:
+                stages[name].warmup_rows(cache_for_rows, example, chunks)
+    log.info("compiled the batch graphs (%s) in %.1f s", ", ".join(warm),
+             time.perf_counter() - start)  # fmt: skip

@@ -52,7 +52,7 @@ from torch import fx
 
 from ..options import check_bool, check_choice
 from ..runtime.cache import StaticKVCache
-from ..runtime.masks import position_masks
+from ..runtime.masks import column_masks, position_masks
 from ..runtime.runner import AttentionLayout
 from .chain import greedy_chain
 from .stage_signature import EAGLE_STAGES, POSITION_MASKS
@@ -89,6 +89,44 @@ class SlotKVCache:
         return self.keys[layer_idx].shape[2]
 
 
+class RowSlotKVCache(SlotKVCache):
+    """:class:`SlotKVCache` for a batch's ragged rows (``runtime.batch.RowKVCache``): row b's
+    keys and values go to its own cache columns (``columns[layer]`` [B, S]), and ``ragged``
+    with :meth:`spans` lets kernel layers attend each row's own span
+    (``leapfx_cpu::attention_rows``) instead of the mask over the whole buffer.
+
+    >>> keys, values = [torch.zeros(2, 1, 6, 1)], [torch.zeros(2, 1, 6, 1)]
+    >>> cache = RowSlotKVCache(keys, values, {0: torch.tensor([[1], [4]])}, torch.tensor([1, 3]))
+    >>> k, _ = cache.update(torch.ones(2, 1, 1, 1), torch.ones(2, 1, 1, 1), 0)
+    >>> k[:, 0, :, 0].tolist()
+    [[0.0, 1.0, 0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0, 1.0, 0.0]]
+    """
+
+    ragged = True
+
+    def __init__(self, keys, values, columns: Mapping[int, torch.Tensor], first: torch.Tensor):
+        super().__init__(keys, values, columns)
+        self.first = first
+
+    def update(self, key_states, value_states, layer_idx, cache_kwargs=None, **kwargs):
+        cols = self.positions[layer_idx]  # [B, S]
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        b, h = key_states.shape[:2]
+        device = cols.device
+        index = (
+            torch.arange(b, device=device)[:, None, None],
+            torch.arange(h, device=device)[None, :, None],
+            cols[:, None, :],
+        )  # [B, H, S] each, broadcast: row, head, column
+        keys.index_put_(index, key_states.to(keys.dtype))
+        values.index_put_(index, value_states.to(values.dtype))
+        return keys, values
+
+    def spans(self, layer_idx: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's first real column [B] and its queries' columns [B, n]."""
+        return self.first, self.positions[layer_idx]
+
+
 VERIFY_SHAPES = ("dynamic", "padded")
 MODES = ("default", "reduce-overhead", "max-autotune")
 
@@ -121,6 +159,10 @@ class CompileOptions:
     # LayerSkip's greedy rounds draft their d tokens through one compiled call of d unrolled
     # draft steps (``CompiledChain``) instead of d calls: the same tokens, one call's overhead.
     draft_chain: bool = True
+    # With warmup: also compile the graphs a batch (``input_ids`` [B, S], ragged rows) runs,
+    # at one row and at two (which every larger batch shares). False: they compile on the
+    # first batched call.
+    batches: bool = False
 
     def validate(self) -> CompileOptions:
         if self.mode is not None and self.mode not in MODES:
@@ -134,6 +176,7 @@ class CompileOptions:
         allowed = "True, False or None (on a CPU with float32 weights when they build)"
         check_bool("cpu_kernels", self.cpu_kernels, none=True, allowed=allowed)
         check_bool("draft_chain", self.draft_chain)
+        check_bool("batches", self.batches)
         return self
 
 
@@ -196,6 +239,34 @@ class PureStage(torch.nn.Module):
                 pos, max_len, kinds=lay.kinds, impl=lay.impl, window=lay.window, dtype=lay.dtype
             )
         return self.stage(**inputs, cache=SlotKVCache(keys, values, positions))
+
+
+class RowsStage(torch.nn.Module):
+    """``pure`` (a :class:`PureStage`) over a batch's ragged rows: a function of the cache's
+    buffers, each row's first real column ``first`` [B], the stage's tensor inputs, then the
+    cache columns [B, S] of each position input's tokens (``positions``' order). Keys and
+    values are written at those columns (:class:`RowSlotKVCache`) and the masks come from them
+    (``masks.column_masks``); the position inputs themselves still feed the rotary tables."""
+
+    def __init__(self, pure: PureStage) -> None:
+        super().__init__()
+        self.pure = pure
+        self.tensor_inputs = pure.tensor_inputs
+        self.positions = [p for p in pure.tensor_inputs if p in POSITION_MASKS]
+
+    def forward(self, keys, values, first: torch.Tensor, *args: torch.Tensor):
+        lay = self.pure.layout
+        n = len(self.tensor_inputs)
+        inputs: dict[str, object] = dict(zip(self.tensor_inputs, args[:n], strict=True))
+        columns: dict[int, torch.Tensor] = {}
+        for pos_name, cols in zip(self.positions, args[n:], strict=True):
+            for layer in self.pure.groups.get(pos_name, ()):
+                columns[layer] = cols
+            inputs[POSITION_MASKS[pos_name]] = column_masks(
+                cols, first, keys[0].shape[2], kinds=lay.kinds, impl=lay.impl,
+                window=lay.window, dtype=lay.dtype,
+            )  # fmt: skip
+        return self.pure.stage(**inputs, cache=RowSlotKVCache(keys, values, columns, first))
 
 
 def own_code(module: torch.nn.Module, name: str):
@@ -261,6 +332,7 @@ class CompiledStage:
         # runs a static graph of its own, without the dynamic graph's per-call symbolic sizes
         # (on a CPU its wrapper turns ~30 of them into tensors every call); shorter rounds run
         # the dynamic one.
+        self._rows: tuple | None = None  # a batch's graphs (_compile_rows), on first use
         self._round = None
         if name == "verify" and not self._padded and max_hidden > 1:
             self._round = torch.compile(
@@ -272,6 +344,8 @@ class CompiledStage:
         self, *, cache: StaticKVCache, masks=None, remainder_masks=None, **tensors: torch.Tensor
     ) -> dict[str, torch.Tensor]:
         del masks, remainder_masks  # built inside the graph from the positions
+        if getattr(cache, "ragged", False):
+            return self._call_rows(cache, tensors)
         ends = {}
         for pos_name, layers in self.groups.items():
             n = tensors[pos_name].shape[1]
@@ -309,6 +383,99 @@ class CompiledStage:
             if tensors[n].shape[1] > 1:
                 torch._dynamo.maybe_mark_dynamic(tensors[n], 1)
         return self._chunk(keys, values, *(tensors[n] for n in self.tensor_inputs))
+
+    def _call_rows(self, cache, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A batch's call over a ``RowKVCache``: each position input's tokens go to the cache
+        columns from its layers' fill lengths on, row by row (where the eager stage's
+        ``RowKVCache.update`` writes them), and the rows' lengths advance as there."""
+        if self._rows is None:
+            self._rows = self._compile_rows()
+        device = cache.keys[0].device
+        batch = tensors["input_ids"].shape[0]
+        stage = self._rows[0]
+        columns, ends = [], {}
+        for pos_name in stage.positions:
+            n = tensors[pos_name].shape[1]
+            layers = self.groups.get(pos_name, ())
+            if layers:
+                starts = cache.rows[layers[0]]
+                if any(cache.rows[layer] != starts for layer in layers):
+                    raise RuntimeError(
+                        f"{self.name}: the cache layers {layers} that {pos_name} positions hold "
+                        f"different row lengths {[cache.rows[i] for i in layers]}"
+                    )
+                for layer in layers:
+                    ends[layer] = [s + n for s in starts]
+                cols = torch.tensor(starts, device=device)[:, None] + torch.arange(n, device=device)
+            else:  # no cache layer reads it: the tokens' own columns, for its mask alone
+                cols = tensors[pos_name] + torch.tensor(cache.first, device=device)[:, None]
+            columns.append(cols)
+        cache.check_room(max((max(e) for e in ends.values()), default=0))
+        first = torch.tensor(cache.first, device=device)
+        args = [t.clone(memory_format=torch.contiguous_format) for t in
+                (*(tensors[n] for n in self.tensor_inputs), *columns)]  # fmt: skip
+        one_token = all(t.shape[1] == 1 for t in args if t.dim() > 1)
+        if batch > 1:  # one graph for every batch size >= 2 (rows leave as they finish)
+            for t in (*cache.keys, *cache.values, first, *args):
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+        if not one_token:
+            for t in args:
+                if t.dim() > 1 and t.shape[1] > 1:
+                    torch._dynamo.maybe_mark_dynamic(t, 1)
+        fn = self._rows[1] if one_token else self._rows[2]
+        out = fn(cache.keys, cache.values, first, *args)
+        for layer, e in ends.items():
+            cache.rows[layer] = e
+        cache.lengths = [max(layer) for layer in cache.rows]
+        return out
+
+    def warmup_rows(self, cache_for_rows, example: dict[str, torch.Tensor], chunks: bool) -> None:
+        """Compile a batch's graphs: one-token steps (a verify over one exit state), and with
+        ``chunks`` multi-token calls (prefill, verify; a verify over several exit states), at
+        one row and at two rows (the graph every larger batch shares). ``cache_for_rows(B)``
+        gives an empty ``RowKVCache`` of B rows; ``example`` as :meth:`warmup`'s."""
+        ids, hidden = example["input_ids"], example["exit_hidden"]
+        device = ids.device
+        lengths = (1, 2) if chunks else (1,)
+        if chunks and self.name in EAGLE_STAGES:
+            # the first chunk graph specialises its length (a guard in the shifted state's
+            # cat), the second length makes dynamo compile it dynamic (as in _warmup_inputs)
+            lengths = (1, 2, 3)
+        for batch in (1, 2):
+            for n in lengths:
+                pos = torch.arange(n + 1, device=device)[None].expand(batch, -1)
+                states = hidden[:1, :1].expand(batch, n, -1)
+                if "exit_hidden" in self.tensor_inputs:  # verify: n exit states, a last draft
+                    tensors = {
+                        "input_ids": ids[:1, :1].expand(batch, -1),
+                        "position_ids": pos[:, n:],
+                        "exit_hidden": states,
+                        "remainder_position_ids": pos,
+                    }
+                else:
+                    tensors = {"input_ids": ids[:1, :n].expand(batch, -1),
+                               "position_ids": pos[:, :n]}  # fmt: skip
+                if "hidden" in self.tensor_inputs:  # EAGLE's head: h_{t-1} of every token
+                    tensors["hidden"] = states
+                calls = [tensors]
+                if "prev_hidden" in self.tensor_inputs:  # EAGLE's target: a prefill's zeros
+                    width = hidden.shape[-1]  # [B, 1, 1], then a row's h [B, 1, D]
+                    calls = [{**tensors, "prev_hidden": states[:, :1, :w]} for w in (1, width)]
+                for call in calls:
+                    self._call_rows(cache_for_rows(batch), call)
+
+    def _compile_rows(self) -> tuple[RowsStage, object, object]:
+        """The rows stage and its two compiled callables (one-token steps, chunks), made on a
+        batch's first call: a model that never decodes a batch never compiles them."""
+        stage = RowsStage(self.pure)
+        opts = self.compile_options
+        step = torch.compile(
+            own_code(stage, f"{self.name}_rows_step"), fullgraph=True, options=dict(opts)
+        )
+        chunk = torch.compile(
+            own_code(stage, f"{self.name}_rows_chunk"), fullgraph=True, options=dict(opts)
+        )
+        return stage, step, chunk
 
     def _run_padded(self, keys, values, tensors: dict[str, torch.Tensor]):
         # exit_hidden [1, c, H] -> [1, G, H]; remainder positions h..h+c-1, then the dummy

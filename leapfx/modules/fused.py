@@ -111,10 +111,14 @@ def _attend(
         if (
             owner._kernel_attention
             and getattr(past_key_values, "ragged", False)
-            and kernel_attends_ragged(q.shape[2], k.shape[2])
+            and (
+                kernel_attends_ragged(q.shape[2], k.shape[2])
+                or getattr(past_key_values, "whole_buffer", False)
+            )
         ):
-            # A batch's ragged rows (runtime.batch.RowKVCache): each row from its first real
-            # column to each query's own.
+            # A batch's ragged rows (runtime.batch.RowKVCache, or a compiled stage's
+            # RowSlotKVCache over the whole buffer): each row from its first real column to
+            # each query's own.
             first, last = past_key_values.spans(attn.layer_idx, q.shape[2])
             out = torch.ops.leapfx_cpu.attention_rows(q, k, v, first, last, attn.scaling)
             return out.reshape(*shape, -1)

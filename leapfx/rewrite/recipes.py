@@ -723,6 +723,15 @@ def _batch_stage(name: str, drafts: str = "num_speculations") -> Callable[[objec
     return plan
 
 
+def _batch_eagle(o) -> BatchPlan:
+    """A batch drafts with EAGLE's head on each row's own last hidden state (after prompt
+    lookup with ``lookup=True``), a row stopping at ``confidence_threshold``, and verifies with
+    the ``target`` stage."""
+    return BatchPlan("eagle", o.max_draft_tokens, lookup=o.lookup, max_ngram=o.max_ngram,
+                     min_ngram=o.min_ngram, name="eagle",
+                     threshold=o.confidence_threshold)  # fmt: skip
+
+
 _LOSSY_BATCH = "it is lossy: a batch decodes lossless recipes only"
 
 
@@ -882,7 +891,7 @@ RECIPES: dict[str, Recipe] = {
             training=partial(load_training, "eagle"),
             parts_option="parts",
             draft_option="max_draft_tokens",
-            batch_refusal="its draft head reads each row's last hidden state, not batched yet",
+            batch=_batch_eagle,
         ),
         Recipe(
             name="specee",

@@ -57,7 +57,11 @@ from .runner import PREFILL, AttentionLayout
 from .sampling import probs
 from .schedules import DecodeRequest, Output, accept, point_mass
 
-DRAFTERS = ("none", "lookup", "stage")
+DRAFTERS = ("none", "lookup", "stage", "eagle")
+# Backends whose stages take a batch's ragged rows: the eager stages, and the compiled ones
+# (``lower.inductor``: a batch's graphs write each row at its own columns). ONNX sessions take
+# one row.
+BATCH_BACKENDS = ("eager", "inductor")
 
 # RowRunner.prefill: on a CPU, prompts whose padding is at least this share of the batch's
 # columns are prefilled a row at a time (a call's cost follows its rows there, so padding is
@@ -68,9 +72,12 @@ ROW_PREFILL_PADDING = 0.1
 @dataclass(frozen=True)
 class BatchPlan:
     """How a recipe drafts in a batch (``Recipe.batch``): ``drafter`` "none" (plain steps),
-    "lookup" (prompt lookup) or "stage" (the recipe's ``draft`` stage, a layer-skip draft
-    verified by the ``full`` stage); ``lookup``: prompt lookup first for a "stage" drafter
-    (``lookup=True``); at most ``num_speculations`` drafts a round."""
+    "lookup" (prompt lookup), "stage" (the recipe's ``draft`` stage, a layer-skip draft
+    verified by the ``full`` stage) or "eagle" (EAGLE's ``head`` stage on each row's last
+    hidden state, verified by the ``target`` stage); ``lookup``: prompt lookup first for a
+    "stage" or "eagle" drafter (``lookup=True``); at most ``num_speculations`` drafts a round;
+    ``threshold``: an "eagle" row stops drafting after a draft whose top-1 probability is at
+    most this (0: never)."""
 
     drafter: str = "none"
     num_speculations: int = 0
@@ -81,6 +88,7 @@ class BatchPlan:
     # verify a round of stage drafts with the ``verify`` stage over their exit states (the
     # upper layers on d + 1 tokens, the lower ones on the last draft only: LayerSkip's split)
     split_verify: bool = False
+    threshold: float = 0.0
 
     def __post_init__(self) -> None:
         if self.drafter not in DRAFTERS:
@@ -252,9 +260,10 @@ class RowRunner:
         return self.call_outputs(name, ids, starts, key)["logits"]
 
     def call_outputs(
-        self, name: str, ids: torch.Tensor, starts: list[int], key: str
+        self, name: str, ids: torch.Tensor, starts: list[int], key: str, **extra: torch.Tensor
     ) -> dict[str, torch.Tensor]:
-        """:meth:`call`'s stage outputs, all of them (a draft stage's ``hidden`` too)."""
+        """:meth:`call`'s stage outputs, all of them (a draft stage's ``hidden`` too);
+        ``extra``: the stage's other inputs (EAGLE's ``hidden``, ``prev_hidden``)."""
         n = ids.shape[1]
         positions = self._positions(starts, n)
         stage = self.stages[name]
@@ -266,6 +275,7 @@ class RowRunner:
             position_ids=positions,
             masks=self._masks(stage, starts, n),
             cache=self.cache,
+            **extra,
         )
         self.seconds[key] += time.perf_counter() - begin
         return out
@@ -273,11 +283,14 @@ class RowRunner:
     def _masks(
         self, stage, starts: list[int], n: int, pads: list[int] | None = None
     ) -> dict[str, torch.Tensor | None]:
-        """:func:`row_masks` for ``stage``, or none where every mask reader of the stage is a
-        kernel layer (``executor.mask_free``) and attends these rows through
+        """:func:`row_masks` for ``stage``, or none where the stage builds its own (a compiled
+        stage, from the cache's row lengths) or every mask reader of the stage is a kernel
+        layer (``executor.mask_free``) and attends these rows through
         ``leapfx_cpu::attention_rows`` (``fused.kernel_attends_ragged``), which reads each
         row's span instead."""
-        if executor.mask_free(stage) is not None and kernel_attends_ragged(n, max(starts) + n):
+        if executor.builds_masks(stage) or (
+            executor.mask_free(stage) is not None and kernel_attends_ragged(n, max(starts) + n)
+        ):
             return dict.fromkeys(self.layout.kinds)
         return row_masks(self.layout, starts, self.pads if pads is None else pads, n)
 
@@ -312,15 +325,29 @@ class RowRunner:
 
     def prefill(self, name: str, prompt: torch.Tensor) -> torch.Tensor:
         """Stage ``name`` over the left-padded prompts ``prompt`` [B, S] from column 0: logits
-        [B, 1 or S, V]. On a CPU, where a call's cost follows its rows, a batch whose padding
-        is at least ``ROW_PREFILL_PADDING`` of its columns runs a call a row over that row's own
-        tokens (no compute on padding; logits [B, 1, V]); otherwise one call over the padded
-        batch."""
+        [B, 1 or S, V] (see :meth:`prefill_outputs`)."""
+        return self.prefill_outputs(name, prompt)["logits"]
+
+    def prefill_outputs(
+        self, name: str, prompt: torch.Tensor, *, alone: bool = False, **extra: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        """Stage ``name``'s outputs over the left-padded prompts ``prompt`` [B, S] from column
+        0, each output's last position at least ([B, 1, ...]; ``logits`` [B, 1 or S, V]).
+
+        On a CPU, where a call's cost follows its rows, a batch whose padding is at least
+        ``ROW_PREFILL_PADDING`` of its columns (any padding with ``alone``: a stage whose
+        state runs across positions, EAGLE's shifted hidden states, would read the padding's)
+        runs a call a row over that row's own tokens (no compute on padding; every output
+        [B, 1, ...]); otherwise, and for a compiled stage (whose graphs take the whole cache,
+        not a row's view of it), one call over the padded batch. ``extra``: the stage's other
+        inputs, [B, ...] (a call a row takes row b's)."""
         B, S = prompt.shape
         padding = sum(self.pads) / (B * S)
-        if B == 1 or prompt.device.type != "cpu" or padding < ROW_PREFILL_PADDING:
-            return self.call(name, prompt, [0] * B, PREFILL)
-        cache, logits = self.cache, []
+        compiled = executor.builds_masks(self.stages[name])
+        least = 1e-9 if alone else ROW_PREFILL_PADDING
+        if B == 1 or prompt.device.type != "cpu" or padding < least or compiled:
+            return self.call_outputs(name, prompt, [0] * B, PREFILL, **extra)
+        cache, outs = self.cache, []
         stage = executor.prefill_stage(self.stages[name])
         written = [list(layer) for layer in cache.rows]
         for b, pad in enumerate(self.pads):
@@ -332,15 +359,16 @@ class RowRunner:
                 position_ids=torch.arange(n, device=prompt.device)[None],
                 masks=self._masks(stage, [pad], n, [pad]),  # the view: row b alone
                 cache=view,
+                **{k: v[b : b + 1] for k, v in extra.items()},
             )
             self.seconds[PREFILL] += time.perf_counter() - begin
-            logits.append(out["logits"][:, -1:])
+            outs.append({k: v[:, -1:] for k, v in out.items()})
             for layer, rows in enumerate(view.rows):
                 if rows[0] != pad:  # the stage wrote this layer
                     written[layer][b] = rows[0]
         cache.rows = written
         cache.lengths = [max(layer) for layer in written]
-        return torch.cat(logits)
+        return {k: torch.cat([o[k] for o in outs]) for k in outs[0]}
 
     def keep(self, rows: list[int]) -> None:
         self.cache.keep(rows)
@@ -454,11 +482,15 @@ def batched_loop(
     if policy is not None:
         policy.restart()
     finished: dict[int, list[int]] = {}
-    logits = runner.prefill("full", prompt)  # [B, 1 or S, V]
+    eagle = _EagleRows(plan.threshold) if plan.drafter == "eagle" else None
+    if eagle is not None:
+        logits = eagle.prefill(runner, prompt)
+    else:
+        logits = runner.prefill("full", prompt)  # [B, 1 or S, V]
     metrics.full_calls += 1
     x = _choose(logits[:, -1], request)  # [B, 1]
     _emit(rows, [[t] for t in x[:, 0].tolist()])
-    rows, x = _drop_finished(runner, rows, x, finished)
+    rows, x = _drop_finished(runner, rows, x, finished, eagle)
     while rows:
         size = len(rows)
         begin = time.perf_counter()
@@ -467,9 +499,10 @@ def batched_loop(
         # each row's prompt-lookup match, up to d tokens (none without an n-gram index)
         copies = [_lookup_drafts(row, max(0, min(d, r))) for row, r in zip(rows, room, strict=True)]
         if policy is not None and d > 0:
-            share = 1.0 if plan.drafter == "stage" else sum(map(bool, copies)) / size
+            drafting = plan.drafter in ("stage", "eagle")
+            share = 1.0 if drafting else sum(map(bool, copies)) / size
             d = policy.choose(size, d, share)
-        proposal = _propose(runner, rows, x, d, room, plan, request, copies)
+        proposal = _propose(runner, rows, x, d, room, plan, request, copies, eagle)
         metrics.draft_calls += proposal.stage_calls
         starts = [row.pos for row in rows]
         width = proposal.tokens.shape[1]
@@ -480,13 +513,19 @@ def batched_loop(
         else:
             runner.cache.crop_rows(starts)  # a draft stage wrote some layers past x
             ids = torch.cat([x, proposal.tokens], dim=1)  # [B, width + 1]
-            logits = runner.call("full", ids, starts, "verify" if width else "full")
+            key = "verify" if width else "full"
+            if eagle is not None:
+                logits = eagle.verify(runner, ids, starts, key)
+            else:
+                logits = runner.call("full", ids, starts, key)
         if width:
             metrics.verify_calls += 1
         else:
             metrics.full_calls += 1
         emitted, kept = _accept_rows(proposal, logits, request)
         runner.cache.crop_rows([s + len(e) for s, e in zip(starts, emitted, strict=True)])
+        if eagle is not None:
+            eagle.accepted(kept)
         for row, e, v, k, who in zip(
             rows, emitted, proposal.valid, kept, proposal.drafters, strict=True
         ):
@@ -500,7 +539,7 @@ def batched_loop(
         if policy is not None:
             drafted = [(v, k) for v, k in zip(proposal.valid, kept, strict=True) if v > 0]
             policy.observe(size, width, drafted, time.perf_counter() - begin)
-        rows, x = _drop_finished(runner, rows, x, finished)
+        rows, x = _drop_finished(runner, rows, x, finished, eagle)
     return [finished[b] for b in range(B)]
 
 
@@ -512,9 +551,11 @@ def _emit(rows: list[_Row], emitted: list[list[int]]) -> None:
 
 
 def _drop_finished(
-    runner: RowRunner, rows: list[_Row], x: torch.Tensor, finished: dict[int, list[int]]
-) -> tuple[list[_Row], torch.Tensor]:
-    """The rows still decoding (and their newest tokens); the cache keeps only theirs."""
+    runner: RowRunner, rows: list[_Row], x: torch.Tensor, finished: dict[int, list[int]],
+    eagle: _EagleRows | None = None,
+) -> tuple[list[_Row], torch.Tensor]:  # fmt: skip
+    """The rows still decoding (and their newest tokens); the cache (and EAGLE's states)
+    keep only theirs."""
     live = [i for i, row in enumerate(rows) if not row.out.done]
     if len(live) == len(rows):
         return rows, x
@@ -523,7 +564,79 @@ def _drop_finished(
             finished[row.index] = row.out.tokens
     if live:
         runner.keep(live)
+        if eagle is not None:
+            eagle.keep(live)
     return [rows[i] for i in live], x[live]
+
+
+class _EagleRows:
+    """EAGLE in a batch (``runtime.eagle``'s schedule, a row at a time): ``h`` [B, 1, D] is
+    each row's pre-norm last-layer state of its newest kept token, what the row's next first
+    draft reads; ``hidden`` [B, n, D], the states of the latest ``target`` call."""
+
+    def __init__(self, threshold: float) -> None:
+        self.threshold = threshold
+        self.h: torch.Tensor | None = None
+        self.hidden: torch.Tensor | None = None
+
+    def prefill(self, runner: RowRunner, prompt: torch.Tensor) -> torch.Tensor:
+        """``target`` over the prompts (each row's own tokens wherever a row is padded, so
+        that its first token's h_{-1} is zeros, as a row alone gets): logits [B, 1 or S, V]."""
+        zeros = torch.zeros(prompt.shape[0], 1, 1, dtype=runner.layout.dtype,
+                            device=prompt.device)  # fmt: skip
+        out = runner.prefill_outputs("target", prompt, alone=True, prev_hidden=zeros)
+        self.h = out["hidden"][:, -1:]
+        return out["logits"]
+
+    def verify(self, runner: RowRunner, ids: torch.Tensor, starts: list[int], key: str):
+        """``target`` on [x, drafts] [B, n] at each row's columns (host and head KV from the
+        true features): logits [B, n, V]."""
+        out = runner.call_outputs("target", ids, starts, key, prev_hidden=self.h)
+        self.hidden = out["hidden"]
+        return out["logits"]
+
+    def accepted(self, kept: list[int]) -> None:
+        """Row b kept ``kept[b]`` drafts: its h is the target's state at that position."""
+        device = self.hidden.device
+        rows = torch.arange(len(kept), device=device)
+        self.h = self.hidden[rows, torch.tensor(kept, device=device)][:, None]
+
+    def keep(self, live: list[int]) -> None:
+        self.h = self.h[live]
+
+    def drafts(
+        self, runner: RowRunner, rows: list[_Row], x: torch.Tensor, d: int,
+        request: DecodeRequest,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, None, list[int]]:  # fmt: skip
+        """Up to d drafts a row by the head on (token, h), feeding its own state g back: the
+        tokens [B, n], q [B, n, V] under sampling, no exit states, and each row's valid count
+        (with ``threshold``, a row stops after a draft whose top-1 probability is at most it;
+        the head stops once every row has). The head writes its cache layer past each row's
+        start; the verify crops it back (``crop_rows``) and rewrites it from the true h."""
+        token, hidden = x, self.h
+        tokens, qs = [], []
+        valid = [d] * len(rows)
+        starts = [row.pos for row in rows]
+        for i in range(d):
+            out = runner.call_outputs("head", token, [s + i for s in starts], "draft",
+                                      hidden=hidden)  # fmt: skip
+            logits, hidden = out["logits"][:, -1], out["hidden"]  # [B, V], [B, 1, D]
+            q = None
+            if request.sampling.do_sample:
+                q = probs(logits.float(), request.sampling)
+                token = torch.multinomial(q, 1, generator=request.generator)
+                qs.append(q)
+            else:
+                token = logits.argmax(dim=-1, keepdim=True)
+            tokens.append(token)
+            if self.threshold > 0 and i + 1 < d:
+                dist = q if q is not None else torch.softmax(logits.float(), dim=-1)
+                low = (dist.max(dim=-1).values <= self.threshold).tolist()  # host sync
+                stops = zip(valid, low, strict=True)
+                valid = [i + 1 if stop and v == d else v for v, stop in stops]
+                if all(v <= i + 1 for v in valid):
+                    break
+        return torch.cat(tokens, dim=1), torch.stack(qs, dim=1) if qs else None, None, valid
 
 
 def _choose(logits: torch.Tensor, request: DecodeRequest) -> torch.Tensor:
@@ -561,15 +674,24 @@ def _propose(
     plan: BatchPlan,
     request: DecodeRequest,
     matches: list[list[int]],
+    eagle: _EagleRows | None = None,
 ) -> Proposal:
     """Up to d drafts a row (at most ``room[b]`` for row b); ``matches``: each row's prompt
-    lookup match (cut to d here)."""
+    lookup match (cut to d here); ``eagle``: EAGLE's states, for an "eagle" drafter."""
     B = len(rows)
     caps = [max(0, min(d, r)) for r in room]
     copies = [m[:c] for m, c in zip(matches, caps, strict=True)]
     staged = None
-    if plan.drafter == "stage" and d > 0 and not all(copies[b] for b in range(B) if caps[b]):
-        staged = _stage_drafts(runner, rows, x, d, request)  # (tokens [B, d], q or None)
+    drafting = plan.drafter in ("stage", "eagle")
+    own = caps  # how many of the drafter's own drafts each row may take
+    if drafting and d > 0 and not all(copies[b] for b in range(B) if caps[b]):
+        # (tokens [B, n], q or None, exit states or None, each row's valid count or None)
+        if eagle is not None:
+            staged = eagle.drafts(runner, rows, x, d, request)
+        else:
+            staged = _stage_drafts(runner, rows, x, d, request)
+        if staged[3] is not None:
+            own = [min(c, v) for c, v in zip(caps, staged[3], strict=True)]
     tokens: list[list[int]] = []
     copied: list[bool] = []
     drafters: list[str] = []
@@ -578,8 +700,8 @@ def _propose(
             tokens.append(copies[b][: caps[b]])
             copied.append(True)
             drafters.append("lookup")
-        elif staged is not None and caps[b] > 0:
-            tokens.append(staged[0][b, : caps[b]].tolist())
+        elif staged is not None and own[b] > 0:
+            tokens.append(staged[0][b, : own[b]].tolist())
             copied.append(False)
             drafters.append(plan.name or "stage")
         else:
@@ -591,7 +713,7 @@ def _propose(
     q = None
     if request.sampling.do_sample and width:
         q = staged[1][:, :width] if staged is not None else None
-    calls = d if staged is not None else 0
+    calls = staged[0].shape[1] if staged is not None else 0
     if staged is not None and width == d and not any(copied):
         # every row's tokens are the stage's (a row with fewer valid drafts keeps the stage's
         # in place of filler): its exit states serve a split verify
@@ -603,10 +725,10 @@ def _propose(
 
 def _stage_drafts(
     runner: RowRunner, rows: list[_Row], x: torch.Tensor, d: int, request: DecodeRequest
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, None]:
     """d drafts a row with the ``draft`` stage: tokens [B, d], under sampling q [B, d, V],
     and the exit states of the tokens fed (x .. t_{d-1}) [B, d, H] where the stage gives
-    them (else None)."""
+    them (else None); every row's d drafts are valid (None)."""
     token, tokens, qs, hidden = x, [], [], []
     starts = [row.pos for row in rows]
     for i in range(d):
@@ -625,6 +747,7 @@ def _stage_drafts(
         torch.cat(tokens, dim=1),
         torch.stack(qs, dim=1) if qs else None,
         torch.cat(hidden, dim=1) if len(hidden) == d else None,
+        None,
     )
 
 

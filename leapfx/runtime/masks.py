@@ -116,3 +116,36 @@ def position_masks(
         )
         for kind in dict.fromkeys(kinds)
     }
+
+
+def column_masks(
+    columns: torch.Tensor,
+    first: torch.Tensor,
+    kv_len,
+    *,
+    kinds,
+    impl: str,
+    window: int | None,
+    dtype: torch.dtype,
+) -> dict[str, torch.Tensor]:
+    """Masks [B, 1, S, kv_len] of a batch's ragged rows (``runtime.batch``): query ``(b, s)``
+    sits in cache column ``columns[b, s]`` and sees the columns ``first[b] .. columns[b, s]``
+    (its row's tokens up to its own; the row's left padding before ``first[b]`` hidden), and
+    under a sliding window (``sliding_attention``) only those within it. A padding query
+    (column before ``first[b]``) sees itself alone, so that no row of the softmax is empty:
+    what it computes is never read. Built from tensors only (traces into compiled graphs)."""
+    q = columns[:, :, None]  # [B, S, 1]
+    k = torch.arange(kv_len, device=columns.device)[None, None, :]  # [1, 1, kv]
+    visible = (k <= q) & ((k >= first[:, None, None]) | (k == q))
+    out: dict[str, torch.Tensor] = {}
+    for kind in dict.fromkeys(kinds):
+        seen = visible
+        if kind == "sliding_attention" and window is not None:
+            seen = seen & (k > q - window)
+        seen = seen[:, None]  # [B, 1, S, kv]
+        if impl == "sdpa":
+            out[kind] = seen
+        else:
+            zero = torch.zeros((), dtype=dtype, device=columns.device)
+            out[kind] = torch.where(seen, zero, torch.finfo(dtype).min)
+    return out

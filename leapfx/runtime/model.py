@@ -31,7 +31,14 @@ from ..passes.capture import decoder_pieces
 from ..passes.partition import Stages
 from ..passes.skip_layers import DRAFT_SKIP, swift_stages
 from . import schedules, swift
-from .batch import BatchPlan, BatchPolicy, RowRunner, batched_loop, row_cache_for
+from .batch import (
+    BATCH_BACKENDS,
+    BatchPlan,
+    BatchPolicy,
+    RowRunner,
+    batched_loop,
+    row_cache_for,
+)
 from .cache import StaticKVCache, cache_for
 from .capabilities import Capabilities
 from .decode import cache_length, check_prompt, decode
@@ -244,6 +251,7 @@ class SpeculativeModel(GenerateFrontEnd):
         transpose_weights: bool | None = None,
         cpu_kernels: bool | None = None,
         draft_chain: bool = True,
+        batches: bool = False,
     ) -> SpeculativeModel:
         """Lower every stage through ``torch.compile(fullgraph=True)`` (Inductor); returns self.
 
@@ -257,14 +265,17 @@ class SpeculativeModel(GenerateFrontEnd):
         ``compile()`` again after training the model in place; with float32 weights they
         multiply through leapfx's small-M C++ kernels, built on first use). ``draft_chain``:
         LayerSkip's greedy rounds draft their d tokens in one compiled call of d unrolled draft
-        steps (``CompiledChain``) instead of d calls; same tokens. It runs
-        ``leapfx.lower.lower(self, "inductor", ...)``.
+        steps (``CompiledChain``) instead of d calls; same tokens. ``batches``: also compile
+        the graphs a batch (``input_ids`` [B, S] with left padding) runs, which otherwise
+        compile on the first batched call (one set for every batch size >= 2, one for a single
+        row). It runs ``leapfx.lower.lower(self, "inductor", ...)``.
 
         >>> sm = rewrite.apply(hf_model, "layerskip", exit_layer=4).compile()
         """
         return self._lowering("compile")(
             self, "inductor", mode=mode, verify_shapes=verify_shapes, warmup=warmup,
             transpose_weights=transpose_weights, cpu_kernels=cpu_kernels, draft_chain=draft_chain,
+            batches=batches,
         )  # fmt: skip
 
     def _lowering(self, what: str) -> Lower:
@@ -345,13 +356,14 @@ class SpeculativeModel(GenerateFrontEnd):
                 f"input_ids: {rows} rows (or a left-padded row) are not supported by recipe "
                 f"{self.recipe.name!r} ({self.recipe.batch_refusal}); allowed: one unpadded "
                 "row, or a recipe that batches (autoregressive, lookup, auto, layerskip, "
-                "kangaroo, swift)"
+                "kangaroo, swift, eagle)"
             )
-        if self.backend != "eager":
+        if self.backend not in BATCH_BACKENDS:
             raise ValueError(
-                f"input_ids: {rows} rows (or a left-padded row) run on the eager backend only, "
-                f"and this model's stages run on {self.backend!r}; allowed: one unpadded row, "
-                "or the model before compile()"
+                f"input_ids: {rows} rows (or a left-padded row) run on the "
+                f"{' and '.join(BATCH_BACKENDS)} backends, and this model's stages run on "
+                f"{self.backend!r} (its sessions take one row); allowed: one unpadded row, or "
+                "the model on 'eager' or 'inductor'"
             )
         if self.offload is not None:
             raise ValueError(
@@ -366,6 +378,9 @@ class SpeculativeModel(GenerateFrontEnd):
         needed = prompt.shape[1] + request.max_new_tokens + self.recipe.lookahead
         size = cache_length(needed, getattr(self.options, "max_cache_len", None),
                             self.recipe.lookahead)  # fmt: skip
+        if self.backend == "inductor":
+            # compiled graphs are specialised to the cache length: the model's own cache's
+            size = max(size, self._compile_cache_len())
         cache = row_cache_for(
             self._hf_model, size, rows, extra_layers=self.recipe.extra_cache_layers
         )
