@@ -393,6 +393,7 @@ class CompiledStage:
         device = cache.keys[0].device
         batch = tensors["input_ids"].shape[0]
         stage = self._rows[0]
+        first = torch.tensor(cache.first, device=device)
         columns, ends = [], {}
         for pos_name in stage.positions:
             n = tensors[pos_name].shape[1]
@@ -408,10 +409,9 @@ class CompiledStage:
                     ends[layer] = [s + n for s in starts]
                 cols = torch.tensor(starts, device=device)[:, None] + torch.arange(n, device=device)
             else:  # no cache layer reads it: the tokens' own columns, for its mask alone
-                cols = tensors[pos_name] + torch.tensor(cache.first, device=device)[:, None]
+                cols = tensors[pos_name] + first[:, None]
             columns.append(cols)
         cache.check_room(max((max(e) for e in ends.values()), default=0))
-        first = torch.tensor(cache.first, device=device)
         args = [t.clone(memory_format=torch.contiguous_format) for t in
                 (*(tensors[n] for n in self.tensor_inputs), *columns)]  # fmt: skip
         one_token = all(t.shape[1] == 1 for t in args if t.dim() > 1)

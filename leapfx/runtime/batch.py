@@ -344,8 +344,8 @@ class RowRunner:
         B, S = prompt.shape
         padding = sum(self.pads) / (B * S)
         compiled = executor.builds_masks(self.stages[name])
-        least = 1e-9 if alone else ROW_PREFILL_PADDING
-        if B == 1 or prompt.device.type != "cpu" or padding < least or compiled:
+        by_row = padding > 0 if alone else padding >= ROW_PREFILL_PADDING
+        if B == 1 or prompt.device.type != "cpu" or not by_row or compiled:
             return self.call_outputs(name, prompt, [0] * B, PREFILL, **extra)
         cache, outs = self.cache, []
         stage = executor.prefill_stage(self.stages[name])
@@ -621,13 +621,9 @@ class _EagleRows:
             out = runner.call_outputs("head", token, [s + i for s in starts], "draft",
                                       hidden=hidden)  # fmt: skip
             logits, hidden = out["logits"][:, -1], out["hidden"]  # [B, V], [B, 1, D]
-            q = None
-            if request.sampling.do_sample:
-                q = probs(logits.float(), request.sampling)
-                token = torch.multinomial(q, 1, generator=request.generator)
+            token, q = _draw(logits, request)
+            if q is not None:
                 qs.append(q)
-            else:
-                token = logits.argmax(dim=-1, keepdim=True)
             tokens.append(token)
             if self.threshold > 0 and i + 1 < d:
                 dist = q if q is not None else torch.softmax(logits.float(), dim=-1)
@@ -641,10 +637,16 @@ class _EagleRows:
 
 def _choose(logits: torch.Tensor, request: DecodeRequest) -> torch.Tensor:
     """Each row's next token [B, 1] from logits [B, V]: argmax or a draw (one generator)."""
+    return _draw(logits, request)[0]
+
+
+def _draw(logits: torch.Tensor, request: DecodeRequest) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Each row's token [B, 1] from logits [B, V] and, under sampling, the distribution it was
+    drawn from [B, V] (one generator; None greedy: the argmax)."""
     if not request.sampling.do_sample:
-        return logits.argmax(dim=-1, keepdim=True)
-    p = probs(logits.float(), request.sampling)
-    return torch.multinomial(p, 1, generator=request.generator)
+        return logits.argmax(dim=-1, keepdim=True), None
+    q = probs(logits.float(), request.sampling)
+    return torch.multinomial(q, 1, generator=request.generator), q
 
 
 @dataclass(frozen=True)
@@ -736,12 +738,9 @@ def _stage_drafts(
         logits = out["logits"][:, -1]  # [B, V]
         if "hidden" in out:
             hidden.append(out["hidden"])
-        if request.sampling.do_sample:
-            q = probs(logits.float(), request.sampling)
-            token = torch.multinomial(q, 1, generator=request.generator)
+        token, q = _draw(logits, request)
+        if q is not None:
             qs.append(q)
-        else:
-            token = logits.argmax(dim=-1, keepdim=True)
         tokens.append(token)
     return (
         torch.cat(tokens, dim=1),

@@ -88,10 +88,15 @@ def position_mask(
     visible = k_pos <= q_pos
     if window is not None:
         visible = visible & (k_pos > q_pos - window)
-    visible = visible[:, None]  # [B, 1, S, kv]
+    return _mask_of(visible[:, None], impl, dtype)  # [B, 1, S, kv]
+
+
+def _mask_of(visible: torch.Tensor, impl: str, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean visibility (True = attend) as ``impl`` takes its mask: as it is for
+    ``sdpa``, additive (0 / dtype min) for ``eager``, as HF uses."""
     if impl == "sdpa":
         return visible
-    zero = torch.zeros((), dtype=dtype, device=position_ids.device)
+    zero = torch.zeros((), dtype=dtype, device=visible.device)
     return torch.where(visible, zero, torch.finfo(dtype).min)
 
 
@@ -142,10 +147,5 @@ def column_masks(
         seen = visible
         if kind == "sliding_attention" and window is not None:
             seen = seen & (k > q - window)
-        seen = seen[:, None]  # [B, 1, S, kv]
-        if impl == "sdpa":
-            out[kind] = seen
-        else:
-            zero = torch.zeros((), dtype=dtype, device=columns.device)
-            out[kind] = torch.where(seen, zero, torch.finfo(dtype).min)
+        out[kind] = _mask_of(seen[:, None], impl, dtype)  # [B, 1, S, kv]
     return out
