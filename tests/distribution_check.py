@@ -15,6 +15,33 @@ from scipy.stats import chisquare
 def assert_sampled_from(counts: dict, exact: dict, n: int) -> None:
     """``counts``: continuation -> times sampled out of ``n``; ``exact``: continuation -> its
     probability under the target (every continuation with mass)."""
+    stat, pvalue, bins = _chi_square(counts, exact, n)
+    assert pvalue > P_MIN, f"chi-square {stat:.1f} over {bins} bins, p={pvalue:.2e}"
+
+
+def assert_sampler_draws_from(sample, exact: dict, n: int, seed: int) -> None:
+    """:func:`assert_sampled_from` for a test that draws its examples (hypothesis): over many
+    examples, one seeded draw of ``n`` falls below the bar by chance now and then. A draw below
+    it is followed by an independent one of ``4 n`` (seed ``seed + 1``), which must pass: a
+    chance tail fails both with probability ``P_MIN ** 2``, while a biased sampler fails the
+    larger draw with more power than the first. ``sample(n, seed)`` returns the counts."""
+    stat, pvalue, bins = _chi_square(sample(n, seed), exact, n)
+    if pvalue > P_MIN:
+        return
+    again = 4 * n
+    stat2, pvalue2, bins2 = _chi_square(sample(again, seed + 1), exact, again)
+    assert pvalue2 > P_MIN, (
+        f"chi-square {stat:.1f} over {bins} bins, p={pvalue:.2e} (n={n}); redrawn "
+        f"n={again}: chi-square {stat2:.1f} over {bins2} bins, p={pvalue2:.2e}"
+    )
+
+
+P_MIN = 1e-3  # the bar a chi-square p-value must clear
+
+
+def _chi_square(counts: dict, exact: dict, n: int) -> tuple[float, float, int]:
+    """(statistic, p-value, bins) of ``counts`` against ``exact``; sampling a continuation the
+    target gives no mass fails outright."""
     keys = sorted(exact, key=lambda k: -exact[k])
     expected = np.array([exact[k] * n for k in keys])
     observed = np.array([counts[k] for k in keys])
@@ -26,7 +53,7 @@ def assert_sampled_from(counts: dict, exact: dict, n: int) -> None:
         exp_b = np.append(exp_b, expected[tail].sum())
         obs_b = np.append(obs_b, observed[tail].sum())
     stat, pvalue = chisquare(obs_b, exp_b * obs_b.sum() / exp_b.sum())
-    assert pvalue > 1e-3, f"chi-square {stat:.1f} over {len(exp_b)} bins, p={pvalue:.2e}"
+    return float(stat), float(pvalue), len(exp_b)
 
 
 def sample_counts(

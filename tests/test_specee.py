@@ -20,7 +20,7 @@ from leapfx.passes.predictor import InsertExitPredictors, predictors_of
 from leapfx.runtime.specee import LayerScheduler
 from leapfx.train.specee import offline_subset
 from tests.conftest import examples, tiny_model
-from tests.distribution_check import assert_sampled_from, sample_counts
+from tests.distribution_check import assert_sampled_from, assert_sampler_draws_from, sample_counts
 from tests.greedy_check import assert_greedy_equal, hf_greedy
 from tests.test_kangaroo_lossless import TEMPERATURE, TOP_K, TOP_P, _exact_distribution
 from tests.test_lossless import _prompt, model_specs
@@ -254,9 +254,12 @@ def test_verified_specee_sampling_distribution_over_architectures(spec, data):
     )
     sm = rewrite.apply(model, "specee", verify=True, **options)
     exact = _exact_distribution(model, prompt, vocab, length)
-    n = 1000
-    counts, _, _ = _sampled_counts(sm, prompt, exact, length, n, spec["seed"])
-    assert_sampled_from(counts, exact, n)
+    assert_sampler_draws_from(
+        lambda n, seed: _sampled_counts(sm, prompt, exact, length, n, seed)[0],
+        exact,
+        1000,
+        spec["seed"],
+    )
 
 
 def test_lossy_teacher_forcing_counts_agreement():
