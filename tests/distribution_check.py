@@ -11,6 +11,8 @@ from __future__ import annotations
 import numpy as np
 from scipy.stats import chisquare
 
+P_MIN = 1e-3  # the bar a chi-square p-value must clear
+
 
 def assert_sampled_from(counts: dict, exact: dict, n: int) -> None:
     """``counts``: continuation -> times sampled out of ``n``; ``exact``: continuation -> its
@@ -34,9 +36,6 @@ def assert_sampler_draws_from(sample, exact: dict, n: int, seed: int) -> None:
         f"chi-square {stat:.1f} over {bins} bins, p={pvalue:.2e} (n={n}); redrawn "
         f"n={again}: chi-square {stat2:.1f} over {bins2} bins, p={pvalue2:.2e}"
     )
-
-
-P_MIN = 1e-3  # the bar a chi-square p-value must clear
 
 
 def _chi_square(counts: dict, exact: dict, n: int) -> tuple[float, float, int]:
