@@ -64,14 +64,15 @@ def lower(
     ``onnxruntime`` the ``OnnxModel`` of its export.
 
     ``options`` are the backend's: ``inductor`` takes ``SpeculativeModel.compile``'s keywords
-    (``mode``, ``verify_shapes``, ``warmup``, ``transpose_weights``, ``cpu_kernels``,
-    ``draft_chain``); ``eager`` and ``cpu_kernels`` take none; ``onnxruntime`` takes
-    ``export_dir`` (required), ``sm.export_onnx``'s keywords (``opset``, ``overwrite``,
-    ``optimize``) and ``OnnxModel``'s (``providers``, ``threads``, ``spin``, ``recipe``,
-    ``split_verify``, ``verify_threads``, ``thread_pool``). Lowering an eager model again
-    replaces its executors; a compiled model stays compiled (``SpeculativeModel.use_cpu_kernels``
-    says so). ValueError for an unknown backend, options it does not take, or a recipe whose
-    stages it cannot run (``Capabilities.compiles``, ``Capabilities.exportable``).
+    (``mode``, ``verify_shapes``, ``cuda_graphs``, ``warmup``, ``transpose_weights``,
+    ``cpu_kernels``, ``draft_chain``); ``eager`` and ``cpu_kernels`` take none;
+    ``onnxruntime`` takes ``export_dir`` (required), ``sm.export_onnx``'s keywords (``opset``,
+    ``overwrite``, ``optimize``) and ``OnnxModel``'s (``providers``, ``threads``, ``spin``,
+    ``recipe``, ``split_verify``, ``verify_threads``, ``thread_pool``). Lowering an eager model
+    again replaces its executors; a compiled model stays compiled
+    (``SpeculativeModel.use_cpu_kernels`` says so). ValueError for an unknown backend, options
+    it does not take, or a recipe whose stages it cannot run (``Capabilities.compiles``,
+    ``Capabilities.exportable``).
 
     >>> lower(sm, "cpu_kernels").cpu_kernels
     True

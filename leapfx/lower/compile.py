@@ -22,7 +22,8 @@ from ..kernels import cpu
 from ..runtime.batch import row_cache_for
 from .chain import chain_length
 from .cpu_kernels import with_transposed_weights
-from .inductor import CompiledChain, CompiledStage, CompileOptions, PureStage
+from .cuda_graphs import GraphSet
+from .inductor import CompiledChain, CompiledStage, CompileOptions, PureStage, graphs_kind
 from .specee_segments import is_segment, specee_segments, warmup_segments
 from .stage_signature import EAGLE_STAGES, discover
 
@@ -59,6 +60,8 @@ def compile_stages(sm, options: CompileOptions) -> dict[str, CompiledStage]:
     kernels = cpu.resolve(options.cpu_kernels, lay.device, lay.dtype)
     transpose = transpose or kernels
     shared: dict = {}
+    # One set of CUDA graphs (one memory pool) for every stage: manual capture (cuda_graphs.py)
+    graphs = GraphSet() if graphs_kind(options, lay.device) == "manual" else None
     out: dict[str, CompiledStage] = {}
     segments: dict = {}
     for name, stage in sm.stages.modules.items():
@@ -77,6 +80,7 @@ def compile_stages(sm, options: CompileOptions) -> dict[str, CompiledStage]:
             options=options,
             device=lay.device,
             max_hidden=max(1, sm.recipe.lookahead - 1),
+            graphs=graphs,
         )
     length = chain_length(sm) if options.draft_chain else 0
     if length:

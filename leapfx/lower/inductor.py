@@ -25,8 +25,9 @@ docs/benchmarks.md).
 The Python-int lengths of the cache are still kept (the schedules crop by them and the eager
 stages write at them): after a call each cache layer advances by the tokens its group ran.
 
-On CPU Inductor emits C++ (OpenMP); on a GPU, Triton, and ``mode="reduce-overhead"`` adds CUDA
-graphs (the buffers are static, so the graphs replay). Compiled decoding is token-identical to
+On CPU Inductor emits C++ (OpenMP); on a GPU, Triton, and every call of a few tokens replays a
+CUDA graph captured once per compiled callable and shape (``cuda_graphs.py``; the cache's
+buffers are static, so the graphs replay on them). Compiled decoding is token-identical to
 eager decoding up to float rounding: attention over a masked full buffer sums in a different
 order than attention over the filled prefix, so a near-tie between two logits may resolve
 differently, exactly as it may between two eager builds of PyTorch.
@@ -49,12 +50,14 @@ from dataclasses import dataclass
 
 import torch
 from torch import fx
+from torch.utils._pytree import tree_map
 
 from ..options import check_bool, check_choice
 from ..runtime.cache import StaticKVCache
 from ..runtime.masks import column_masks, position_masks
 from ..runtime.runner import AttentionLayout
 from .chain import greedy_chain
+from .cuda_graphs import MAX_TOKENS, GraphSet, graph_tokens
 from .stage_signature import EAGLE_STAGES, POSITION_MASKS
 
 
@@ -129,25 +132,33 @@ class RowSlotKVCache(SlotKVCache):
 
 VERIFY_SHAPES = ("dynamic", "padded")
 MODES = ("default", "reduce-overhead", "max-autotune")
+CUDA_GRAPHS = ("manual", "trees", "off")
 
 
 @dataclass(frozen=True)
 class CompileOptions:
     """How stages are compiled.
 
-    ``mode``: None picks ``reduce-overhead`` (CUDA graphs) on CUDA and ``default`` elsewhere.
+    ``mode``: Inductor's mode; None: ``default`` (``reduce-overhead`` sets ``cuda_graphs``
+    to ``"trees"``).
+    ``cuda_graphs`` (CUDA only): ``"manual"`` captures one graph per compiled callable and
+    static input shapes and replays it (``cuda_graphs.GraphSet``); ``"trees"`` lets Inductor's
+    CUDA graph trees do it (``mode="reduce-overhead"``); ``"off"``: none. None: ``"manual"``
+    on CUDA (measured faster: docs/gpu.md), ``"off"`` elsewhere.
     ``verify_shapes``: how verify takes a varying number ``c`` of cached exit states:
     ``"dynamic"`` compiles it once with ``c`` symbolic (plus the ``c = 1`` case, which dynamo
     always specialises, and ``c`` = the maximum, a full round's verify, as a static graph of its
     own); ``"padded"`` pads ``c`` to the recipe's maximum draft count with dummy
     rows at positions past the real ones (masked for every real query, overwritten before any
-    real query reads their slots) and compiles one static shape.
+    real query reads their slots) and compiles one static shape. None: ``"padded"`` where
+    stages replay CUDA graphs (one graph for every verify), ``"dynamic"`` elsewhere.
     ``warmup``: compile every shape a decode uses when ``compile()`` is called, so that
     ``generate`` never compiles; False compiles each shape at its first use.
     """
 
     mode: str | None = None
-    verify_shapes: str = "dynamic"
+    verify_shapes: str | None = None
+    cuda_graphs: str | None = None
     warmup: bool = True
     # Multiply by transposed contiguous weight copies (see TransposedDecoderLayer): faster on
     # a CPU, one more copy of the projection weights in memory. None: on CPU only.
@@ -169,7 +180,15 @@ class CompileOptions:
             raise ValueError(
                 f"mode: {self.mode!r} is invalid; allowed: None, {', '.join(map(repr, MODES))}"
             )
-        check_choice("verify_shapes", self.verify_shapes, VERIFY_SHAPES)
+        if self.verify_shapes is not None:
+            check_choice("verify_shapes", self.verify_shapes, VERIFY_SHAPES)
+        if self.cuda_graphs is not None:
+            check_choice("cuda_graphs", self.cuda_graphs, CUDA_GRAPHS)
+        if self.mode == "reduce-overhead" and self.cuda_graphs in ("manual", "off"):
+            raise ValueError(
+                f"cuda_graphs: {self.cuda_graphs!r} contradicts mode='reduce-overhead' (CUDA "
+                "graph trees); allowed with it: None or 'trees'"
+            )
         check_bool("warmup", self.warmup)
         allowed = "True, False or None (CPU only)"
         check_bool("transpose_weights", self.transpose_weights, none=True, allowed=allowed)
@@ -192,15 +211,29 @@ def inductor_options(options: CompileOptions, device: torch.device) -> dict:
     """
     opts: dict = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
     mode = options.mode
-    if mode is None:
-        mode = "reduce-overhead" if device.type == "cuda" else "default"
-    if mode == "reduce-overhead":
+    if graphs_kind(options, device) == "trees":
         opts["triton.cudagraphs"] = True
-    elif mode == "max-autotune":
+    if mode == "max-autotune":
         opts["max_autotune"] = True
     if device.type == "cpu":
         opts["cpp_wrapper"] = True
     return opts
+
+
+def graphs_kind(options: CompileOptions, device: torch.device) -> str:
+    """Which CUDA graphs the stages replay on ``device``: "manual", "trees" or "off"."""
+    if device.type != "cuda":
+        return "off"
+    if options.mode == "reduce-overhead":
+        return "trees"
+    return options.cuda_graphs or "manual"
+
+
+def verify_shapes_for(options: CompileOptions, device: torch.device) -> str:
+    """``options.verify_shapes``, or its default on ``device`` (padded under manual graphs)."""
+    if options.verify_shapes is not None:
+        return options.verify_shapes
+    return "padded" if graphs_kind(options, device) == "manual" else "dynamic"
 
 
 class PureStage(torch.nn.Module):
@@ -283,6 +316,13 @@ def own_code(module: torch.nn.Module, name: str):
     return types.MethodType(fresh, module)
 
 
+def _mark_tokens_dynamic(args: list[torch.Tensor]) -> None:
+    """A chunk's token count (dim 1) is dynamic wherever it is more than one."""
+    for t in args:
+        if t.dim() > 1 and t.shape[1] > 1:
+            torch._dynamo.maybe_mark_dynamic(t, 1)
+
+
 class CompiledStage:
     """A stage executor running one stage through ``torch.compile`` (see the module docstring).
 
@@ -303,6 +343,7 @@ class CompiledStage:
         options: CompileOptions,
         device: torch.device,
         max_hidden: int = 1,
+        graphs: GraphSet | None = None,
     ) -> None:
         self.name = name
         self.pure = pure
@@ -311,7 +352,12 @@ class CompiledStage:
         self.options = options
         self.max_hidden = max_hidden
         self.compile_options = inductor_options(options, device)
-        self._padded = name == "verify" and options.verify_shapes == "padded"
+        # The model's CUDA graphs (cuda_graphs.py; None: calls run the compiled code as is)
+        self.graphs = graphs
+        # Under graph trees a replay overwrites the outputs of the graph's last replay, which
+        # a caller may still hold (the draft loop keeps each step's hidden state): copy them.
+        self.clone_outputs = graphs_kind(options, device) == "trees"
+        self._padded = name == "verify" and verify_shapes_for(options, device) == "padded"
         # One compiled callable per role: one-token steps (static) and prefill/verify chunks
         # (the token count marked dynamic; static when padded), each with its own dynamo cache.
         # A fresh options dict per call: torch.compile pops "guard_filter_fn" from the one it
@@ -361,28 +407,40 @@ class CompiledStage:
         return out
 
     def _run(self, keys, values, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        # Dynamo guards on strides (even of size-1 dims) and on whether a tensor is an
-        # inference tensor; the schedules pass slices, fresh tensors and the user's prompt.
-        # A contiguous copy made here (under the caller's inference mode) looks the same every
-        # time, so one graph serves them all.
-        tensors = {n: t.clone(memory_format=torch.contiguous_format) for n, t in tensors.items()}
         if self._padded and tensors["exit_hidden"].shape[1] > 1:
             return self._run_padded(keys, values, tensors)
+        args = [tensors[n] for n in self.tensor_inputs]
         one_token = tensors["input_ids"].shape[1] == 1 and (
             "exit_hidden" not in tensors or tensors["exit_hidden"].shape[1] == 1
         )
         if one_token:
-            return self._step(keys, values, *(tensors[n] for n in self.tensor_inputs))
+            return self._invoke(self._step, keys, values, args)
         if (
             self._round is not None
             and tensors["exit_hidden"].shape[1] == self.max_hidden
             and tensors["input_ids"].shape[1] == 1
         ):
-            return self._round(keys, values, *(tensors[n] for n in self.tensor_inputs))
-        for n in self.tensor_inputs:
-            if tensors[n].shape[1] > 1:
-                torch._dynamo.maybe_mark_dynamic(tensors[n], 1)
-        return self._chunk(keys, values, *(tensors[n] for n in self.tensor_inputs))
+            return self._invoke(self._round, keys, values, args)
+        return self._invoke(self._chunk, keys, values, args, mark=_mark_tokens_dynamic)
+
+    def _invoke(self, fn, keys, values, args, mark=None) -> dict[str, torch.Tensor]:
+        """``fn(keys, values, *args)``: a graph replay where the stages have CUDA graphs and
+        the call is short (``cuda_graphs.MAX_TOKENS``), else the compiled code itself on
+        contiguous copies of ``args``; ``mark`` marks their dynamic dims first."""
+        if self.graphs is not None and graph_tokens(args) <= MAX_TOKENS:
+            return self.graphs(fn, keys, values, args, mark=mark)
+        # Dynamo guards on strides (even of size-1 dims) and on whether a tensor is an
+        # inference tensor; the schedules pass slices, fresh tensors and the user's prompt.
+        # A contiguous copy made here (under the caller's inference mode) looks the same every
+        # time, so one graph serves them all.
+        args = [t.clone(memory_format=torch.contiguous_format) for t in args]
+        if mark is not None:
+            mark(args)
+        return self._own(fn(keys, values, *args))
+
+    def _own(self, out):
+        """``out``, copied where the next call would overwrite it (graph trees)."""
+        return tree_map(torch.clone, out) if self.clone_outputs else out
 
     def _call_rows(self, cache, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A batch's call over a ``RowKVCache``: each position input's tokens go to the cache
@@ -412,18 +470,23 @@ class CompiledStage:
                 cols = tensors[pos_name] + first[:, None]
             columns.append(cols)
         cache.check_room(max((max(e) for e in ends.values()), default=0))
-        args = [t.clone(memory_format=torch.contiguous_format) for t in
-                (*(tensors[n] for n in self.tensor_inputs), *columns)]  # fmt: skip
+        args = [first, *(tensors[n] for n in self.tensor_inputs), *columns]
         one_token = all(t.shape[1] == 1 for t in args if t.dim() > 1)
-        if batch > 1:  # one graph for every batch size >= 2 (rows leave as they finish)
-            for t in (*cache.keys, *cache.values, first, *args):
-                torch._dynamo.maybe_mark_dynamic(t, 0)
-        if not one_token:
-            for t in args:
-                if t.dim() > 1 and t.shape[1] > 1:
-                    torch._dynamo.maybe_mark_dynamic(t, 1)
+
+        def mark(args: list[torch.Tensor]) -> None:
+            if batch > 1:  # one compiled graph for every batch size >= 2 (rows leave)
+                for t in (*cache.keys, *cache.values, *args):
+                    torch._dynamo.maybe_mark_dynamic(t, 0)
+            if not one_token:
+                _mark_tokens_dynamic(args[1:])
+
         fn = self._rows[1] if one_token else self._rows[2]
-        out = fn(cache.keys, cache.values, first, *args)
+        if self.graphs is not None and graph_tokens(args[1:]) <= MAX_TOKENS:  # graph per shape
+            out = self.graphs(fn, cache.keys, cache.values, args, mark=mark)
+        else:
+            args = [t.clone(memory_format=torch.contiguous_format) for t in args]
+            mark(args)
+            out = self._own(fn(cache.keys, cache.values, *args))
         for layer, e in ends.items():
             cache.rows[layer] = e
         cache.lengths = [max(layer) for layer in cache.rows]
@@ -489,7 +552,7 @@ class CompiledStage:
         padded = dict(tensors)
         padded["exit_hidden"] = torch.cat([hidden, hidden.new_zeros(1, g - c, hidden.shape[2])], 1)
         padded["remainder_position_ids"] = torch.cat([rem[:, :c], pad, rem[:, c:]], dim=1)
-        out = self._chunk(keys, values, *(padded[n] for n in self.tensor_inputs))
+        out = self._invoke(self._chunk, keys, values, [padded[n] for n in self.tensor_inputs])
         logits = out["logits"]  # [1, G + 1, V]: keep the c real rows and the last one
         return {**out, "logits": torch.cat([logits[:, :c], logits[:, g:]], dim=1)}
 
@@ -581,6 +644,8 @@ class CompiledChain:
             own_code(self.pure, "draft_chain"), fullgraph=True, dynamic=False,
             options=dict(draft.compile_options),
         )  # fmt: skip
+        self.graphs = draft.graphs
+        self._own = draft._own
 
     def __call__(
         self, *, cache: StaticKVCache, input_ids: torch.Tensor, position_ids: torch.Tensor,
@@ -590,15 +655,21 @@ class CompiledChain:
         layers = [layer for group in self.groups.values() for layer in group]
         ends = {layer: cache.lengths[layer] + self.chain_length for layer in layers}
         cache.check_room(max(ends.values(), default=0))
-        contiguous = torch.contiguous_format  # one graph for every caller (CompiledStage._run)
-        out = self._fn(
-            cache.keys, cache.values, input_ids.clone(memory_format=contiguous),
-            position_ids.clone(memory_format=contiguous),
-        )  # fmt: skip
+        if self.graphs is not None:
+            out = self.graphs(self._fn, cache.keys, cache.values, [input_ids, position_ids])
+        else:
+            contiguous = torch.contiguous_format  # one graph for every caller (see _invoke)
+            out = self._own(self._fn(
+                cache.keys, cache.values, input_ids.clone(memory_format=contiguous),
+                position_ids.clone(memory_format=contiguous),
+            ))  # fmt: skip
         for layer, end in ends.items():
             cache.lengths[layer] = end
         return out
 
     def warmup(self, cache: StaticKVCache, example: dict[str, torch.Tensor]) -> None:
         ids = example["input_ids"][:, :1].clone(memory_format=torch.contiguous_format)
-        self._fn(cache.keys, cache.values, ids, torch.zeros_like(ids))  # as __call__ passes them
+        if self.graphs is not None:
+            self.graphs(self._fn, cache.keys, cache.values, [ids, torch.zeros_like(ids)])
+        else:
+            self._fn(cache.keys, cache.values, ids, torch.zeros_like(ids))  # as __call__ does

@@ -246,7 +246,8 @@ class SpeculativeModel(GenerateFrontEnd):
         self,
         *,
         mode: str | None = None,
-        verify_shapes: str = "dynamic",
+        verify_shapes: str | None = None,
+        cuda_graphs: str | None = None,
         warmup: bool = True,
         transpose_weights: bool | None = None,
         cpu_kernels: bool | None = None,
@@ -260,7 +261,8 @@ class SpeculativeModel(GenerateFrontEnd):
         so that ``generate`` never compiles. The cache is sized once (``max_cache_len``, or
         the first rounding step of 256 positions); a longer generation grows it, which
         compiles again once. See ``leapfx.lower.inductor.CompileOptions`` for ``mode``,
-        ``verify_shapes``, ``transpose_weights`` and ``cpu_kernels`` (on a CPU the compiled
+        ``verify_shapes``, ``cuda_graphs`` (on CUDA: one captured graph per stage call and
+        shape, replayed), ``transpose_weights`` and ``cpu_kernels`` (on a CPU the compiled
         stages keep a transposed copy of the projection weights, taken here: call
         ``compile()`` again after training the model in place; with float32 weights they
         multiply through leapfx's small-M C++ kernels, built on first use). ``draft_chain``:
@@ -273,7 +275,8 @@ class SpeculativeModel(GenerateFrontEnd):
         >>> sm = rewrite.apply(hf_model, "layerskip", exit_layer=4).compile()
         """
         return self._lowering("compile")(
-            self, "inductor", mode=mode, verify_shapes=verify_shapes, warmup=warmup,
+            self, "inductor", mode=mode, verify_shapes=verify_shapes, cuda_graphs=cuda_graphs,
+            warmup=warmup,
             transpose_weights=transpose_weights, cpu_kernels=cpu_kernels, draft_chain=draft_chain,
             batches=batches,
         )  # fmt: skip
