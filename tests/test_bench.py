@@ -89,7 +89,8 @@ def test_speedup_per_pass_pairs_the_systems_of_each_pass(checkpoint, capsys):
     ]
     assert ls.extra["measured_vs_autoregressive_per_pass"] == pytest.approx(want)
     code = main([
-        "bench", "--model", str(checkpoint), "--prompts", "1", "--prompt-tokens", "8",
+        "bench", "--recipe", "layerskip", "--model", str(checkpoint), "--prompts", "1",
+        "--prompt-tokens", "8",
         "--max-new-tokens", "12", "--repeats", "2", "--warmup", "0", "--exit-layer", "2",
         "--num-speculations", "3", "--quiet", "--cpu-kernels", "off",
     ])  # fmt: skip
@@ -104,7 +105,8 @@ def test_speedup_per_pass_pairs_the_systems_of_each_pass(checkpoint, capsys):
 def test_cli_json_fields(checkpoint, tmp_path, capsys):
     out = tmp_path / "rows.json"
     code = main([
-        "bench", "--model", str(checkpoint), "--prompts", "2", "--prompt-tokens", "8",
+        "bench", "--recipe", "layerskip", "--model", str(checkpoint), "--prompts", "2",
+        "--prompt-tokens", "8",
         "--max-new-tokens", "8", "--repeats", "1", "--exit-layer", "2", "--quiet",
         "--json", str(out),
     ])  # fmt: skip
@@ -235,7 +237,8 @@ def test_layerskip_dynamic_row(checkpoint, capsys):
     ar = by["leapfx_autoregressive"].tokens_per_second
     assert dyn.extra["measured_vs_autoregressive"] == pytest.approx(dyn.tokens_per_second / ar)
     code = main([
-        "bench", "--model", str(checkpoint), "--prompts", "1", "--prompt-tokens", "8",
+        "bench", "--recipe", "layerskip", "--model", str(checkpoint), "--prompts", "1",
+        "--prompt-tokens", "8",
         "--max-new-tokens", "12", "--repeats", "1", "--warmup", "0", "--exit-layer", "2",
         "--num-speculations", "3", "--quiet", "--cpu-kernels", "off",
         "--confidence-threshold", "0.9",
@@ -378,9 +381,9 @@ def test_reference_bench_defaults_to_its_measured_setting(tmp_path, capsys):
     # Without --exit-layer / --num-speculations, layerskip on the shipped model runs E=6, d=4
     # (the sweep's best there); an explicit flag wins.
     out = tmp_path / "rows.json"
-    argv = ["bench", "--prompts", "1", "--prompt-tokens", "8", "--max-new-tokens", "6",
-            "--repeats", "1", "--warmup", "0", "--quiet", "--cpu-kernels", "off",
-            "--json", str(out)]  # fmt: skip
+    argv = ["bench", "--recipe", "layerskip", "--prompts", "1", "--prompt-tokens", "8",
+            "--max-new-tokens", "6", "--repeats", "1", "--warmup", "0", "--quiet",
+            "--cpu-kernels", "off", "--json", str(out)]  # fmt: skip
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "reference model: exit_layer=6 num_speculations=4" in printed

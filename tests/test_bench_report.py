@@ -15,7 +15,8 @@ from leapfx.train.data import byte_tokenizer
 from tests.conftest import tiny_model
 
 TINY_RUN = [
-    "bench", "--prompts", "1", "--prompt-tokens", "8", "--max-new-tokens", "8",
+    "bench", "--recipe", "layerskip", "--prompts", "1", "--prompt-tokens", "8",
+    "--max-new-tokens", "8",
     "--repeats", "1", "--warmup", "0", "--exit-layer", "2", "--num-speculations", "2",
     "--cpu-kernels", "off",
 ]  # fmt: skip
@@ -79,7 +80,8 @@ def test_markdown_report_is_written_between_the_markers(checkpoint, tmp_path, ca
     header = block.splitlines()[1]
     assert re.search(r"Measured \d{4}-\d\d-\d\d \d\d:\d\d UTC on .*cores", header), header
     assert all(f"{lib} " in header for lib in ("torch", "transformers", "onnxruntime"))
-    assert "leapfx bench --prompts 1 " in block and f"--markdown {new}" in block  # the command
+    command = "leapfx bench --recipe layerskip --prompts 1 "
+    assert command in block and f"--markdown {new}" in block
     # The report in the page is what the bench printed, line for line.
     report = block.split("```text\n", 1)[1].split("\n```", 1)[0]
     assert report == printed.rstrip("\n")

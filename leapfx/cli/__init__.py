@@ -10,8 +10,10 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .. import __version__
 from . import (
     bench,
+    chat,
     demo,
     export,
     generate,
@@ -30,6 +32,7 @@ COMMANDS = (
     demo,
     bench,
     generate,
+    chat,
     export,
     train_reference,
     train_m2r2,
@@ -41,11 +44,36 @@ COMMANDS = (
 )
 
 
+def _shown(default) -> bool:
+    """Whether ``--help`` states a default: not for None (unset), False (a flag's off) or a
+    suppressed one (0 and 0.0 are shown: ``in`` would take them for False)."""
+    return not (default is None or default is False or default is argparse.SUPPRESS)
+
+
+class DefaultsFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default, unless it states it already or has none
+    worth saying (None: unset, False: a flag)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        said = ("%(default)", f"default: {default}", f"default {default}")
+        if action.option_strings and _shown(default) and not any(x in text for x in said):
+            text += " (default: %(default)s)"
+        return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="leapfx", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"leapfx {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for command in COMMANDS:
         command.add_parser(sub)
+    for command_parser in sub.choices.values():
+        command_parser.formatter_class = DefaultsFormatter
+        for action in command_parser._actions:  # argparse prints no help line for help=None
+            if action.help is None and _shown(action.default):
+                action.help = "(default: %(default)s)"
     return parser
 
 

@@ -14,6 +14,8 @@ import sys
 
 from .common import (
     CPU_KERNELS,
+    DTYPE_NAMES,
+    RECIPE_NAMES,
     _adapter,
     _bench_recipes,
     _exit_gates,
@@ -757,9 +759,9 @@ def add_parser(sub) -> None:
     bench = sub.add_parser("bench", help="HF and leapfx systems side by side (the main job)")
     add_model(bench)
     bench.add_argument(
-        "--recipe", default="layerskip",
+        "--recipe", default="auto",
         help="the recipe whose rows run, or several separated by commas (lookup,layerskip); "
-        "each row once",
+        f"each row once; recipes: {', '.join(RECIPE_NAMES)}",
     )  # fmt: skip
     bench.add_argument("--exit-layer", type=int, default=None)
     bench.add_argument(
@@ -817,7 +819,8 @@ def add_parser(sub) -> None:
         "(default on the reference model: 0.5)",
     )  # fmt: skip
     bench.add_argument(
-        "--backend", default="eager", help="eager | inductor | onnxruntime (leapfx rows)"
+        "--backend", default="eager",
+        help="eager, inductor or onnxruntime, or several separated by commas (leapfx rows)",
     )
     add_cpu_kernels(
         bench,
@@ -826,8 +829,8 @@ def add_parser(sub) -> None:
     )  # fmt: skip
     add_device(bench)
     bench.add_argument(
-        "--dtype", default=None,
-        help="float32 | bfloat16 | float16 (default: float32 on cpu, bfloat16 on cuda)",
+        "--dtype", default=None, choices=DTYPE_NAMES,
+        help="weights and compute dtype (default: float32 on cpu, bfloat16 on cuda)",
     )  # fmt: skip
     bench.add_argument(
         "--random-model", default=None, metavar="SIZE",

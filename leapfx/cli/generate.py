@@ -9,6 +9,8 @@ import sys
 
 from .common import (
     CPU_KERNELS,
+    DTYPE_NAMES,
+    RECIPE_NAMES,
     add_cpu_kernels,
     add_device,
     add_model,
@@ -17,55 +19,84 @@ from .common import (
 )
 
 
-def _generate(args: argparse.Namespace) -> int:
-    """``leapfx generate``: a prompt in, the recipe's answer streamed out."""
+def load(args: argparse.Namespace):
+    """The model of ``--model`` through ``--recipe`` (``generate`` and ``chat``): the
+    SpeculativeModel and the tokenizer."""
     import time
 
-    import torch
     import transformers
 
     from .. import rewrite
     from ..models import load_model
-    from ..textgen import generate_text, summary
 
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
-    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
-    if not prompt.strip():
-        raise ValueError("prompt: empty; allowed: the prompt as an argument or on stdin")
-    if args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens: {args.max_new_tokens} is invalid; allowed: >= 1")
-    if args.temperature < 0:
-        raise ValueError(f"--temperature: {args.temperature} is invalid; allowed: >= 0")
     set_threads(args)
     start = time.perf_counter()
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
     options = dict(_option(o) for o in args.option or ())
+    parts = None if args.parts == "none" else args.parts
     sm = rewrite.apply(
-        model, args.recipe, backend=args.backend, parts=args.parts,
+        model, args.recipe, backend=args.backend, parts=parts,
         cpu_kernels=CPU_KERNELS[args.cpu_kernels], **options,
     )  # fmt: skip
-    log = logging.getLogger(__name__)
-    log.info("leapfx generate: ready in %.1f s", time.perf_counter() - start)
-    sampling: dict = {"do_sample": args.temperature > 0}
+    logging.getLogger(__name__).info(
+        "leapfx %s: %s ready in %.1f s", args.command, sm.recipe.name, time.perf_counter() - start
+    )
+    return sm, tokenizer
+
+
+def decoding(args: argparse.Namespace, tokenizer) -> dict:
+    """``sm.generate``'s keywords from the decoding flags (``add_decoding``), checked."""
+    import torch
+
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens: {args.max_new_tokens} is invalid; allowed: >= 1")
+    if args.temperature < 0:
+        raise ValueError(f"--temperature: {args.temperature} is invalid; allowed: >= 0")
+    kw: dict = {"max_new_tokens": args.max_new_tokens, "do_sample": args.temperature > 0}
     if args.temperature > 0:
-        sampling["temperature"] = args.temperature
-        sampling["generator"] = torch.Generator(device=args.device).manual_seed(args.seed)
+        kw["temperature"] = args.temperature
+        kw["generator"] = torch.Generator(device=args.device).manual_seed(args.seed)
         if args.top_k is not None:
-            sampling["top_k"] = args.top_k
+            kw["top_k"] = args.top_k
         if args.top_p is not None:
-            sampling["top_p"] = args.top_p
+            kw["top_p"] = args.top_p
+    elif args.top_k is not None or args.top_p is not None:
+        raise ValueError("--top-k/--top-p: they shape sampling; allowed with --temperature > 0")
+    if args.repetition_penalty is not None:
+        kw["repetition_penalty"] = args.repetition_penalty
+    if args.no_repeat_ngram_size is not None:
+        kw["no_repeat_ngram_size"] = args.no_repeat_ngram_size
+    if args.min_new_tokens is not None:
+        kw["min_new_tokens"] = args.min_new_tokens
+    if args.stop:
+        kw["stop_strings"] = list(args.stop)
+        kw["tokenizer"] = tokenizer
+    return kw
+
+
+def _generate(args: argparse.Namespace) -> int:
+    """``leapfx generate``: a prompt in, the recipe's answer streamed out."""
+    import transformers
+
+    from ..textgen import generate_text, summary
+
+    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    if not prompt.strip():
+        raise ValueError("prompt: empty; allowed: the prompt as an argument or on stdin")
+    sm, tokenizer = load(args)
+    kw = decoding(args, tokenizer)
     streamer = None
     if not args.no_stream:
         streamer = transformers.TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     result = generate_text(
-        sm, tokenizer, prompt, raw=args.raw, system=args.system, streamer=streamer,
-        max_new_tokens=args.max_new_tokens, **sampling,
-    )  # fmt: skip
+        sm, tokenizer, prompt, raw=args.raw, system=args.system, streamer=streamer, **kw
+    )
     if args.no_stream:
         print(result.text)
     sys.stdout.flush()
-    print(summary(result, args.recipe), file=sys.stderr)
+    print(summary(result, sm.recipe.name), file=sys.stderr)
     return 0
 
 
@@ -82,29 +113,63 @@ def _option(text: str) -> tuple[str, object]:
     return key.strip(), parsed
 
 
+def add_recipe_flags(parser: argparse.ArgumentParser, model: str | None = None) -> None:
+    """What decodes: ``--model`` (default ``model``; None: the reference), ``--recipe``, its
+    parts and options, the backend and device (``generate`` and ``chat``)."""
+    add_model(parser, default=model)
+    parser.add_argument(
+        "--recipe", default="auto", choices=RECIPE_NAMES, metavar="RECIPE",
+        help=f"one of {', '.join(RECIPE_NAMES)}; auto: the best drafting the model has (EAGLE "
+        "with prompt lookup where a head was trained for it, else adaptive prompt lookup)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--parts", default="auto",
+        help="trained parts dir for the recipe; auto: the shipped parts trained for this model "
+        "if any; none: untrained",
+    )  # fmt: skip
+    parser.add_argument(
+        "--option", "-o", action="append", metavar="KEY=VALUE",
+        help="a recipe option, e.g. -o exit_layer=8 -o num_speculations=4 (repeatable)",
+    )  # fmt: skip
+    parser.add_argument("--backend", default="eager", choices=("eager", "inductor"))
+    add_cpu_kernels(parser)
+    add_device(parser)
+    parser.add_argument(
+        "--dtype", default=None, choices=DTYPE_NAMES,
+        help="weights and compute dtype (default: float32 on a CPU, bfloat16 on CUDA)",
+    )  # fmt: skip
+    add_threads(parser, help="torch intra-op threads")
+
+
+def add_decoding(parser: argparse.ArgumentParser, max_new_tokens: int = 256) -> None:
+    """How tokens are chosen and when decoding stops (``decoding`` reads them)."""
+    parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+    parser.add_argument("--min-new-tokens", type=int, default=None, help="no EOS before it")
+    parser.add_argument("--temperature", type=float, default=0.0, help="> 0: sample")
+    parser.add_argument("--top-k", type=int, default=None, help="sampling: the k likeliest")
+    parser.add_argument("--top-p", type=float, default=None, help="sampling: nucleus mass")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed")
+    parser.add_argument(
+        "--repetition-penalty", type=float, default=None,
+        help="HF's repetition penalty (> 1 discourages repeats)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--no-repeat-ngram-size", type=int, default=None, help="no n-gram of this size twice"
+    )
+    parser.add_argument(
+        "--stop", action="append", metavar="TEXT",
+        help="stop once the text ends with TEXT (repeatable)",
+    )  # fmt: skip
+
+
 def add_parser(sub) -> None:
     gen = sub.add_parser(
         "generate", help="text in, text out: a prompt through a recipe, streamed to stdout"
     )
     gen.add_argument("prompt", nargs="?", default=None, help="the prompt (default: stdin)")
-    add_model(gen)
-    gen.add_argument("--recipe", default="autoregressive", help="any recipe (leapfx.rewrite)")
-    gen.add_argument("--parts", default=None, help="trained parts dir for the recipe")
-    gen.add_argument(
-        "--option", "-o", action="append", metavar="KEY=VALUE",
-        help="a recipe option, e.g. -o exit_layer=8 -o num_speculations=4 (repeatable)",
-    )  # fmt: skip
-    gen.add_argument("--max-new-tokens", type=int, default=256)
-    gen.add_argument("--temperature", type=float, default=0.0, help="> 0: sample")
-    gen.add_argument("--top-k", type=int, default=None)
-    gen.add_argument("--top-p", type=float, default=None)
-    gen.add_argument("--seed", type=int, default=0, help="sampling seed")
+    add_recipe_flags(gen)
+    add_decoding(gen)
     gen.add_argument("--raw", action="store_true", help="no chat template")
     gen.add_argument("--system", default=None, help="a system turn before the prompt")
     gen.add_argument("--no-stream", action="store_true", help="print the answer at the end")
-    gen.add_argument("--backend", default="eager", choices=("eager", "inductor"))
-    add_cpu_kernels(gen)
-    add_device(gen)
-    gen.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16")
-    add_threads(gen, help="torch intra-op threads")
     gen.set_defaults(func=_generate)

@@ -28,7 +28,7 @@ from ..passes.base import PassPipeline
 from ..passes.capture import EXTRA_CACHE_LAYERS, capture, check_supported
 from ..passes.offload import OffloadExperts
 from ..runtime.model import RecipeInfo, SpeculativeModel
-from .defaults import kernels_choice, shipped_options
+from .defaults import best_drafter, kernels_choice, resolve_parts, shipped_options
 from .recipes import RECIPES, Recipe, lookup_recipes
 
 __all__ = ["apply", "recipes", "get_recipe", "Recipe", "OffloadOptions"]
@@ -135,7 +135,7 @@ def apply(
     *,
     backend: str = "eager",
     cpu_kernels: bool | None = None,
-    parts=None,
+    parts="auto",
     offload: OffloadOptions | None = None,
     **options,
 ) -> SpeculativeModel:
@@ -153,7 +153,12 @@ def apply(
     where its folder has a ``leapfx_defaults.json`` (``leapfx.rewrite.defaults``; the reference
     model's: LayerSkip's measured exit layer and draft length). ``parts``: a directory written by
     ``SpeculativeModel.save_parts`` (the trained parts the recipe inserts, with the options
-    they were trained with); every recipe with trained parts takes it. ``offload``: run an
+    they were trained with); every recipe with trained parts takes it. ``"auto"`` (the
+    default): the shipped parts trained for this model, where there are some (logged), else
+    none, with a warning naming the command that trains them; None: none, silently
+    (``leapfx.rewrite.defaults.resolve_parts``). ``"auto"``, the recipe, runs the best drafting
+    the model has: EAGLE with prompt lookup where a head was trained for it, else adaptive
+    prompt lookup (``defaults.best_drafter``; ``sm.recipe.name`` says which). ``offload``: run an
     MoE model's experts from a fast tier of expert slots per layer over a slow tier (disk on a
     CPU, pinned host memory on a GPU); any recipe, same tokens (see
     ``leapfx.offload.OffloadOptions``; the eager backend only, with or without
@@ -183,6 +188,13 @@ def apply(
     if not isinstance(model, nn.Module):
         raise ValueError(f"model: expected a HuggingFace causal LM, got {type(model).__name__}")
     check_supported(model)
+    if r.name == "auto" and isinstance(parts, str) and parts == "auto" and offload is None:
+        best = best_drafter(model, options)
+        if best is not None:
+            name, chosen = best
+            log.info("auto: %s with %s", name, ", ".join(f"{k}={v!r}" for k, v in chosen.items()))
+            return apply(model, name, backend=backend, cpu_kernels=cpu_kernels, **chosen)
+    parts = resolve_parts(r, model, parts, options)
     if offload is None and (held := checkpoint_only(model)):
         raise ValueError(
             f"offload: None, and the experts of {held[0]!r} (and {len(held) - 1} more) are in "
