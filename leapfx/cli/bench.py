@@ -821,7 +821,7 @@ def add_parser(sub) -> None:
     bench.add_argument(
         "--backend", default="eager",
         help="eager, inductor or onnxruntime, or several separated by commas (leapfx rows)",
-    )
+    )  # fmt: skip
     add_cpu_kernels(
         bench,
         help="leapfx's small-M CPU kernels for the eager and inductor leapfx rows "
