@@ -124,8 +124,8 @@ def add_recipe_flags(parser: argparse.ArgumentParser, model: str | None = None) 
     )  # fmt: skip
     parser.add_argument(
         "--parts", default="auto",
-        help="trained parts dir for the recipe; auto: the shipped parts trained for this model "
-        "if any; none: untrained",
+        help="trained parts dir for the recipe; auto: parts trained for this model (yours under "
+        "$LEAPFX_CACHE/parts, then the shipped ones), if any; none: untrained",
     )  # fmt: skip
     parser.add_argument(
         "--option", "-o", action="append", metavar="KEY=VALUE",
