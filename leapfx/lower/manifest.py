@@ -23,6 +23,9 @@ from typing import Any
 FORMAT = "leapfx-onnx"
 FORMAT_VERSION = 2  # 2: static cache buffers written in place; 1: past + new concatenated
 MANIFEST = "manifest.json"
+# A standard decoder export (``export_onnx(..., format="genai")``): one graph that
+# onnxruntime-genai and optimum load; its manifest records what was written, nothing to run.
+GENAI_FORMAT = "leapfx-genai"
 
 
 def layer_ranges(layers: list[int]) -> list[list[int]]:
@@ -41,10 +44,13 @@ def layer_ranges(layers: list[int]) -> list[list[int]]:
 
 
 def is_export_dir(path: Path) -> bool:
-    """Whether ``path`` holds a leapfx ONNX export (a manifest of our format, any version:
+    """Whether ``path`` holds a leapfx ONNX export (a manifest of our formats, any version:
     an export of an older format may still be replaced by a new one)."""
     try:
-        return json.loads((Path(path) / MANIFEST).read_text()).get("format") == FORMAT
+        return json.loads((Path(path) / MANIFEST).read_text()).get("format") in (
+            FORMAT,
+            GENAI_FORMAT,
+        )
     except (OSError, ValueError, AttributeError):
         return False
 
@@ -58,6 +64,11 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
         manifest = json.loads(file.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ValueError(f"path: cannot read {str(file)!r}: {exc}") from None
+    if isinstance(manifest, dict) and manifest.get("format") == GENAI_FORMAT:
+        raise ValueError(
+            f"path: {str(path)!r} is a standard decoder export (format='genai'); open it with "
+            "onnxruntime_genai.Model, optimum's ORTModelForCausalLM or leapfx.deploy.Decoder"
+        )
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise ValueError(f"path: {str(file)!r} is not a {FORMAT} manifest")
     version = manifest.get("format_version")
