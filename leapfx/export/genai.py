@@ -59,9 +59,14 @@ import torch
 from torch import fx, nn
 
 from .. import __version__
-from ..lower.manifest import GENAI_FORMAT, MANIFEST
-from ..lower.stage_signature import FunctionalKVCache, discover, kv_shapes, past_names
-from ..lower.stage_signature import present_names as _present_names
+from ..lower.manifest import GENAI_FORMAT
+from ..lower.stage_signature import (
+    FunctionalKVCache,
+    discover,
+    kv_shapes,
+    past_names,
+    present_names,
+)
 from ..runtime.masks import _mask_of
 
 if TYPE_CHECKING:
@@ -115,9 +120,7 @@ class StandardDecoder(nn.Module):
                 seen = seen & (k > q - self.window)
             masks[kind] = _mask_of((seen | (k == q))[:, None], self.impl, self.dtype)
         cache = FunctionalKVCache(past)
-        out = self.stage(
-            input_ids=input_ids, position_ids=position_ids, masks=masks, cache=cache
-        )
+        out = self.stage(input_ids=input_ids, position_ids=position_ids, masks=masks, cache=cache)
         presents = [t for layer in self.cache_layers for t in cache.present[layer]]
         return (out["logits"], *presents)
 
@@ -192,7 +195,7 @@ def write_genai(
     )
     inputs = ["input_ids", "attention_mask", "position_ids"]
     inputs += [n for layer in sig.cache_layers for n in past_names(layer)]
-    outputs = ["logits", *(n for layer in sig.cache_layers for n in _present_names(layer))]
+    outputs = ["logits", *(n for layer in sig.cache_layers for n in present_names(layer))]
     try:
         with warnings.catch_warnings(), _grouped_query_sdpa():
             warnings.simplefilter("ignore")  # the exporter's notes on its own internals
@@ -356,12 +359,14 @@ def _save_tokenizer(tokenizer: Any, directory: Path) -> list[str]:
             "tokenizer, a folder with tokenizer.json, or None"
         )
     config_file = directory / "tokenizer_config.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    changed = False
     template_file = directory / "chat_template.jinja"
-    if config_file.is_file() and template_file.is_file():
-        config = json.loads(config_file.read_text())
-        if "chat_template" not in config:
-            config["chat_template"] = template_file.read_text()
-            _write_json(config_file, config)
+    if template_file.is_file() and "chat_template" not in config:
+        config["chat_template"] = template_file.read_text()
+        changed = True
+    if changed:
+        _write_json(config_file, config)
     return sorted(set(p.name for p in directory.iterdir()) - before)
 
 

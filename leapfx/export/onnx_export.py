@@ -582,9 +582,7 @@ def export_onnx(
     >>> export_onnx(sm, "out/layerskip-onnx", overwrite=True)
     """
     if format not in FORMATS:
-        raise ValueError(
-            f"format: {format!r} is invalid; allowed: {', '.join(map(repr, FORMATS))}"
-        )
+        raise ValueError(f"format: {format!r} is invalid; allowed: {', '.join(map(repr, FORMATS))}")
     can = sm.recipe.capabilities  # the recipe's schedule in a manifest: asked, not name-checked
     if format == "genai":
         refusal = genai_refusal(sm)
