@@ -203,6 +203,8 @@ def test_genai_refusals(tmp_path):
         rewrite.apply(model, "autoregressive").export_onnx(tmp_path / "a", format="onnx")
     with pytest.raises(ValueError, match="has no 'full' stage"):
         rewrite.apply(model, "early_exit", exit_layer=1).export_onnx(tmp_path / "b", format="genai")
-    with pytest.raises(ValueError, match="tokenizer: only format='genai'"):
-        rewrite.apply(model, "autoregressive").export_onnx(tmp_path / "c", tokenizer="x")
+    with pytest.raises(ValueError, match="tokenizer: 'x' holds no tokenizer.json"):
+        rewrite.apply(model, "autoregressive").export_onnx(
+            tmp_path / "c", format="genai", tokenizer="x"
+        )
     assert not any(tmp_path.iterdir())

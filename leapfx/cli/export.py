@@ -48,7 +48,9 @@ def _export(args: argparse.Namespace) -> int:
         print(f"leapfx export: the full model as one decoder -> {path} (model.onnx, "
               "genai_config.json, config.json, tokenizer files)")  # fmt: skip
         return 0
-    path = sm.export_onnx(args.out, opset=args.opset, overwrite=args.overwrite)
+    path = sm.export_onnx(
+        args.out, opset=args.opset, overwrite=args.overwrite, tokenizer=tokenizer
+    )  # with the tokenizer: leapfx.deploy.Decoder decodes text
     from ..lower.chain import chain_length  # the stages with a draft_chain.onnx
 
     names = [*sm.stages.modules, *(["draft_chain"] if chain_length(sm) else [])]

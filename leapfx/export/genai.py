@@ -227,7 +227,7 @@ def write_genai(
     (tmp / "generation_config.json").write_text(
         sm.hf_model.generation_config.to_json_string(use_diff=True)
     )
-    files = _save_tokenizer(tokenizer, tmp) if tokenizer is not None else []
+    files = save_tokenizer(tokenizer, tmp) if tokenizer is not None else []
     return {
         "format": GENAI_FORMAT,
         "format_version": 1,
@@ -335,7 +335,7 @@ def _hf_config(sm: SpeculativeModel) -> dict[str, Any]:
     return config
 
 
-def _save_tokenizer(tokenizer: Any, directory: Path) -> list[str]:
+def save_tokenizer(tokenizer: Any, directory: Path) -> list[str]:
     """The tokenizer's files (``save_pretrained``, or a folder's tokenizer files copied), its
     chat template also inside ``tokenizer_config.json``, where onnxruntime-genai reads it."""
     before = set(p.name for p in directory.iterdir())
@@ -375,4 +375,7 @@ def _write_json(path: Path, value: Any) -> None:
     path.write_text(json.dumps(value, indent=2) + "\n")
 
 
-__all__ = ["GENAI_CONFIG", "MODEL_FILE", "StandardDecoder", "genai_config", "write_genai"]
+__all__ = [
+    "GENAI_CONFIG", "MODEL_FILE", "StandardDecoder", "genai_config", "save_tokenizer",
+    "write_genai",
+]  # fmt: skip

@@ -69,7 +69,7 @@ from ..lower.stage_signature import (  # discovery, shared with the compiled sta
 from ..options import check_bool, check_int
 from ..passes.capture import LAYER, ROLE
 from .chain import chain_outputs, unroll_draft
-from .genai import genai_refusal, write_genai
+from .genai import genai_refusal, save_tokenizer, write_genai
 from .onnx_optimize import optimize_model
 from .stage_module import ExportableStage
 
@@ -569,11 +569,11 @@ def export_onnx(
     profile the difference).
 
     ``format``: ``"leapfx"`` (default) writes the recipe's stages and the manifest that
-    ``OnnxModel`` runs; ``"genai"`` writes the model (its ``full`` stage) as one standard
-    decoder with ``genai_config.json``, ``config.json`` and the tokenizer's files, the folder
+    ``OnnxModel`` and ``leapfx.deploy.Decoder`` run; ``"genai"`` writes the model (its ``full``
+    stage) as one standard decoder with ``genai_config.json`` and ``config.json``, the folder
     onnxruntime-genai's ``Model`` and optimum's ``ORTModelForCausalLM`` load
     (:mod:`leapfx.export.genai`). ``tokenizer``: a transformers tokenizer or a folder holding
-    ``tokenizer.json``, copied into a ``"genai"`` export (None: no tokenizer files).
+    ``tokenizer.json``, whose files are copied into the export (None: none).
 
     Returns the absolute path of the export. Raises ValueError for an existing target without
     ``overwrite``, an unwritable location or a stage the exporter cannot convert; in every case
@@ -591,11 +591,6 @@ def export_onnx(
     elif not can.exportable:
         raise ValueError(
             f"recipe: {sm.recipe.name!r} cannot be exported to ONNX: {can.export_refusal}"
-        )
-    elif tokenizer is not None:
-        raise ValueError(
-            "tokenizer: only format='genai' exports carry a tokenizer; allowed with "
-            "format='leapfx': None"
         )
     _require_onnx()
     check_bool("optimize", optimize)
@@ -630,6 +625,8 @@ def export_onnx(
         for name in files:
             _check(tmp / f"{name}.onnx", name)
         manifest = _manifest(sm, opset, signatures, weights, rewrites, chain)
+        if tokenizer is not None:  # text in, text out for leapfx.deploy.Decoder
+            manifest["tokenizer"] = save_tokenizer(tokenizer, tmp)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         _replace(tmp, target, overwrite)
     except OSError as exc:
