@@ -42,11 +42,13 @@ def tiny_export(tmp_path_factory):
     return model, path
 
 
-def genai_greedy(path: Path, prompt: list[int], new: int) -> list[int]:
+def genai_greedy(path: Path, prompt: list[int], new: int, **speculative) -> list[int]:
     og = pytest.importorskip("onnxruntime_genai")
     model = og.Model(str(path))
     params = og.GeneratorParams(model)
     params.set_search_options(do_sample=False, max_length=len(prompt) + new)
+    if speculative:
+        params.set_speculative_options(**speculative)
     generator = og.Generator(model, params)
     generator.append_tokens(np.array(prompt, dtype=np.int32))
     while not generator.is_done():
@@ -127,6 +129,15 @@ def test_onnxruntime_genai_matches_hf_greedy(tiny_export):
     model, path = tiny_export
     for prompt in PROMPTS:
         assert_matches_hf(model, prompt, genai_greedy(path, prompt, 24), 24)
+
+
+def test_onnxruntime_genai_ngram_speculation_matches_hf_greedy(tiny_export):
+    """onnxruntime-genai's own n-gram drafting (prompt lookup, verified by the decoder over
+    every drafted token) on the export: the same tokens."""
+    model, path = tiny_export
+    for prompt in [[5, 9, 2, 7, 5, 9, 2, 7, 5], *PROMPTS]:
+        ours = genai_greedy(path, prompt, 24, ngram_size=2, max_draft_tokens=4)
+        assert_matches_hf(model, prompt, ours, 24)
 
 
 def test_optimum_matches_hf_greedy(tiny_export):
