@@ -30,6 +30,7 @@ PACKAGE = "leapfx"
 
 FLOORS = [
     ("options",),  # leapfx/options.py: the option checks every floor shares; imports no leapfx
+    ("deploy",),  # onnxruntime, numpy and tokenizers only: no torch (the manifest lives here)
     ("kernels",),
     ("modules",),
     ("passes",),

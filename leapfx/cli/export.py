@@ -8,6 +8,7 @@ import logging
 from .common import _adapter, _reference_defaults, add_model
 
 EXPORT_DTYPES = ("float32", "float16")  # leapfx export --dtype
+EXPORT_FORMATS = ("leapfx", "genai")  # leapfx export --format (leapfx.export FORMATS)
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -35,10 +36,21 @@ def _export(args: argparse.Namespace) -> int:
             said = ", ".join(f"{k}={v}" for k, v in shipped.items())
             print(f"reference model: the shipped setting {said}")
         options.update(shipped)
-    model, _ = load_model(args.model)
+    model, tokenizer = load_model(args.model)
     model = model.to(getattr(torch, args.dtype))
     sm = rewrite.apply(model, args.recipe, **options)
-    path = sm.export_onnx(args.out, opset=args.opset, overwrite=args.overwrite)
+    if args.format == "genai":
+        # the model itself, with its tokenizer: what onnxruntime-genai and optimum load
+        path = sm.export_onnx(
+            args.out, opset=args.opset, overwrite=args.overwrite, format="genai",
+            tokenizer=tokenizer,
+        )  # fmt: skip
+        print(f"leapfx export: the full model as one decoder -> {path} (model.onnx, "
+              "genai_config.json, config.json, tokenizer files)")  # fmt: skip
+        return 0
+    path = sm.export_onnx(
+        args.out, opset=args.opset, overwrite=args.overwrite, tokenizer=tokenizer
+    )  # with the tokenizer: leapfx.deploy.Decoder decodes text
     from ..lower.chain import chain_length  # the stages with a draft_chain.onnx
 
     names = [*sm.stages.modules, *(["draft_chain"] if chain_length(sm) else [])]
@@ -55,6 +67,12 @@ def add_parser(sub) -> None:
     export.add_argument("--num-speculations", type=int, default=None)
     export.add_argument("--adapter", default=None, help="kangaroo adapter dir")
     export.add_argument("--out", required=True, help="output directory (must not exist)")
+    export.add_argument(
+        "--format", choices=EXPORT_FORMATS, default="leapfx",
+        help="leapfx: the recipe's stages + manifest (OnnxModel, leapfx.deploy); genai: the "
+        "model as one standard decoder + genai_config.json + tokenizer (onnxruntime-genai, "
+        "optimum's ORTModelForCausalLM)",
+    )  # fmt: skip
     export.add_argument("--overwrite", action="store_true", help="replace an existing export")
     export.add_argument(
         "--opset", type=int, default=23, help="ONNX opset, 18..23 (23: fewer nodes, faster)"

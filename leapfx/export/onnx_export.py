@@ -69,6 +69,7 @@ from ..lower.stage_signature import (  # discovery, shared with the compiled sta
 from ..options import check_bool, check_int
 from ..passes.capture import LAYER, ROLE
 from .chain import chain_outputs, unroll_draft
+from .genai import genai_refusal, save_tokenizer, write_genai
 from .onnx_optimize import optimize_model
 from .stage_module import ExportableStage
 
@@ -88,6 +89,9 @@ DEFAULT_OPSET = 23
 # onnxruntime needs opset=18..21.
 MAX_OPSET = 23
 SUPPORTED_DTYPES = (torch.float32, torch.float16)
+# "leapfx": the recipe's stages + manifest (OnnxModel); "genai": the model as one standard
+# decoder that onnxruntime-genai and optimum load (leapfx.export.genai).
+FORMATS = ("leapfx", "genai")
 
 # Example sizes for tracing: >= 2 (torch.export specialises 0/1) and pairwise distinct; the
 # positions start at "past" / "remainder_past" and end inside the "max_cache_len" buffers.
@@ -480,12 +484,15 @@ def _require_onnx() -> None:
         ) from None
 
 
-def _check_options(sm: SpeculativeModel, path: Any, opset: Any, overwrite: Any) -> Path:
+def _check_options(
+    sm: SpeculativeModel, path: Any, opset: Any, overwrite: Any, *, stages: bool = True
+) -> Path:
     if not isinstance(path, (str, os.PathLike)):
         raise ValueError(f"path: {path!r} is invalid; allowed: a directory path (str or PathLike)")
     check_int("opset", opset, MIN_OPSET, MAX_OPSET)
     check_bool("overwrite", overwrite)
-    refuse_stages(sm, "onnxruntime", EAGLE_STAGES)
+    if stages:
+        refuse_stages(sm, "onnxruntime", EAGLE_STAGES)
     if sm.hf_model.training:
         raise ValueError(
             "model: it is in training mode (dropout would be exported); call model.eval() first"
@@ -552,6 +559,8 @@ def export_onnx(
     opset: int = DEFAULT_OPSET,
     overwrite: bool = False,
     optimize: bool = True,
+    format: str = "leapfx",
+    tokenizer: Any = None,
 ) -> Path:
     """Export every stage of ``sm`` to ``path`` (a new directory) and write its manifest.
 
@@ -559,20 +568,33 @@ def export_onnx(
     outputs from fewer nodes; False keeps the graphs as torch's exporter wrote them, e.g. to
     profile the difference).
 
+    ``format``: ``"leapfx"`` (default) writes the recipe's stages and the manifest that
+    ``OnnxModel`` and ``leapfx.deploy.Decoder`` run; ``"genai"`` writes the model (its ``full``
+    stage) as one standard decoder with ``genai_config.json`` and ``config.json``, the folder
+    onnxruntime-genai's ``Model`` and optimum's ``ORTModelForCausalLM`` load
+    (:mod:`leapfx.export.genai`). ``tokenizer``: a transformers tokenizer or a folder holding
+    ``tokenizer.json``, whose files are copied into the export (None: none).
+
     Returns the absolute path of the export. Raises ValueError for an existing target without
     ``overwrite``, an unwritable location or a stage the exporter cannot convert; in every case
     nothing is left behind.
 
     >>> export_onnx(sm, "out/layerskip-onnx", overwrite=True)
     """
+    if format not in FORMATS:
+        raise ValueError(f"format: {format!r} is invalid; allowed: {', '.join(map(repr, FORMATS))}")
     can = sm.recipe.capabilities  # the recipe's schedule in a manifest: asked, not name-checked
-    if not can.exportable:
+    if format == "genai":
+        refusal = genai_refusal(sm)
+        if refusal is not None:
+            raise ValueError(f"format: 'genai' cannot export this model: {refusal}")
+    elif not can.exportable:
         raise ValueError(
             f"recipe: {sm.recipe.name!r} cannot be exported to ONNX: {can.export_refusal}"
         )
     _require_onnx()
     check_bool("optimize", optimize)
-    target = _check_options(sm, path, opset, overwrite)
+    target = _check_options(sm, path, opset, overwrite, stages=format == "leapfx")
     _check_target(target, overwrite)
     created = _make_parent(target.parent)
     try:
@@ -583,6 +605,11 @@ def export_onnx(
         _remove_dirs(created)
         raise ValueError(f"path: cannot write in {str(target.parent)!r}: {exc.strerror}") from None
     try:
+        if format == "genai":
+            manifest = write_genai(sm, tmp, opset=opset, optimize=optimize, tokenizer=tokenizer)
+            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+            _replace(tmp, target, overwrite)
+            return target
         signatures = {}
         rewrites: dict[str, dict[str, int]] = {}
         for name, stage in sm.stages.modules.items():
@@ -598,6 +625,8 @@ def export_onnx(
         for name in files:
             _check(tmp / f"{name}.onnx", name)
         manifest = _manifest(sm, opset, signatures, weights, rewrites, chain)
+        if tokenizer is not None:  # text in, text out for leapfx.deploy.Decoder
+            manifest["tokenizer"] = save_tokenizer(tokenizer, tmp)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         _replace(tmp, target, overwrite)
     except OSError as exc:

@@ -538,14 +538,23 @@ class SpeculativeModel(GenerateFrontEnd):
             self.use_cpu_kernels(True)
 
     def export_onnx(
-        self, path: Any, *, opset: int = 23, overwrite: bool = False, optimize: bool = True
+        self,
+        path: Any,
+        *,
+        opset: int = 23,
+        overwrite: bool = False,
+        optimize: bool = True,
+        format: str = "leapfx",
+        tokenizer: Any = None,
     ) -> Any:
         """Export every stage as an ONNX model with an explicit KV cache, plus ``manifest.json``.
 
         Run the export with ``leapfx.export.OnnxModel(path).generate(...)``; see
         ``leapfx.export`` for the format. Needs the ``onnx`` extra. Returns the export's path.
         ``optimize``: leapfx's graph rewrites (``leapfx.export.onnx_optimize``); False keeps
-        the graphs as traced.
+        the graphs as traced. ``format="genai"``: the model as one standard decoder that
+        onnxruntime-genai and optimum's ``ORTModelForCausalLM`` load, with ``tokenizer``'s
+        files (``leapfx.export.genai``).
 
         >>> sm.export_onnx("layerskip-onnx/", overwrite=True)
         """
@@ -559,7 +568,10 @@ class SpeculativeModel(GenerateFrontEnd):
         from ..export import export_onnx
 
         self.check_compiles("export_onnx")
-        return export_onnx(self, path, opset=opset, overwrite=overwrite, optimize=optimize)
+        return export_onnx(
+            self, path, opset=opset, overwrite=overwrite, optimize=optimize, format=format,
+            tokenizer=tokenizer,
+        )  # fmt: skip
 
     def check_compiles(self, what: str) -> None:
         """ValueError naming ``what`` where the recipe's stages run eager only."""
