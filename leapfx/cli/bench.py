@@ -875,7 +875,7 @@ def add_parser(sub) -> None:
         "--markdown", action="append", default=None, metavar="PATH",
         help="also write the report, headed by the command, date, machine and versions, into "
         "PATH between its <!-- bench:begin --> and <!-- bench:end --> lines (a new PATH: the "
-        "block alone); repeatable, e.g. --markdown README.md --markdown docs/benchmarks.md",
+        "block alone); repeatable, e.g. --markdown docs/benchmarks.md",
     )  # fmt: skip
     bench.add_argument(
         "--offload-slots", type=float, default=None, metavar="S",
