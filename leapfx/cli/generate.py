@@ -13,6 +13,7 @@ from .common import (
     add_device,
     add_model,
     add_threads,
+    add_weights,
     set_threads,
 )
 
@@ -39,7 +40,9 @@ def _generate(args: argparse.Namespace) -> int:
         raise ValueError(f"--temperature: {args.temperature} is invalid; allowed: >= 0")
     set_threads(args)
     start = time.perf_counter()
-    model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
+    model, tokenizer = load_model(
+        args.model, device=args.device, dtype=args.dtype, weights=args.weights
+    )
     options = dict(_option(o) for o in args.option or ())
     sm = rewrite.apply(
         model, args.recipe, backend=args.backend, parts=args.parts,
@@ -106,5 +109,6 @@ def add_parser(sub) -> None:
     add_cpu_kernels(gen)
     add_device(gen)
     gen.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16")
+    add_weights(gen)
     add_threads(gen, help="torch intra-op threads")
     gen.set_defaults(func=_generate)

@@ -9,7 +9,8 @@ A tied head is a BlockLinear over the embedding's own blocks.
 Code that needs a float weight (``module.weight``: HF paths without kernels, training, export,
 the transposed copies of a compiled stage without kernels) gets it dequantized on demand: the
 same floats, at float32's memory, logged once per module. ``forward`` never does: without the
-kernels (another dtype or device, or no build) it dequantizes per call.
+kernels (another dtype or device, or no build) it dequantizes per call, and so it does under
+an export or when a gradient flows to its input (the op has no backward).
 
     >>> lin = BlockLinear(blocks)               # a Blocks [n, k] weight
     >>> lin(x).shape == (*x.shape[:-1], blocks.n)
@@ -75,6 +76,10 @@ class BlockLinear(_BlockWeight):
         self.bias = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_exporting() or (torch.is_grad_enabled() and x.requires_grad):
+            # an export (the weight a constant of the graph) or a gradient to x (training
+            # inserted parts through the head): float weights, dequantized on demand
+            return F.linear(x, self.weight.to(x.dtype))
         if x.dtype == torch.float32 and x.device.type == "cpu" and cpu_blocks.available():
             w = self.weights
             return torch.ops.leapfx_cpu.block_mm(x, w.data, w.type_id, w.n, w.k)
