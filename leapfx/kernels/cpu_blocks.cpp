@@ -3,8 +3,9 @@
 //
 // A weight [N, K] is given as the file holds it: N rows of K / 32 blocks, each block 32 weights
 // (Q4_0: fp16 d + 16 bytes of 4-bit q; Q4_1: fp16 d, fp16 m + 16 bytes; Q8_0: fp16 d + 32 int8;
-// F16, BF16, F32: 32 plain values). A block is dequantized in registers into four vectors of
-// eight floats, each float bitwise the value gguf's numpy dequantize gives:
+// F16, BF16, F32: 32 plain values). A block is dequantized in registers (two AVX-512 registers
+// of 16 floats where the build has AVX-512, else four AVX2 ones of 8), each float bitwise the
+// value gguf's numpy dequantize gives:
 //   Q4_0: d * (q - 8)    Q4_1: d * q + m    Q8_0: q * d    F16, BF16: the value as float32
 // (d * q is exact in float32 here: d has 11 significant bits and q at most 8, so rounding the
 // product first, as numpy does, or not, gives the same float; the product is kept apart from
@@ -50,73 +51,113 @@ inline float half(const uint8_t* p) {
   return _cvtsh_ss(h);
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// AVX-512: a block is two registers of 16 floats.
+#define LEAPFX_BLOCKS_AVX512 1
+typedef __m512 reg;
+constexpr int kRegs = 2;
+inline reg set1(float v) { return _mm512_set1_ps(v); }
+inline reg mul(reg a, reg b) { return _mm512_mul_ps(a, b); }
+inline reg add(reg a, reg b) { return _mm512_add_ps(a, b); }
+inline reg loadu(const float* x) { return _mm512_loadu_ps(x); }
+inline reg fmadd(reg a, const float* x, reg acc) { return _mm512_fmadd_ps(a, loadu(x), acc); }
+inline reg zero() { return _mm512_setzero_ps(); }
+inline void storeu(float* p, reg v) { _mm512_storeu_ps(p, v); }
+#else
+// AVX2: a block is four registers of 8 floats.
+typedef __m256 reg;
+constexpr int kRegs = 4;
+inline reg set1(float v) { return _mm256_set1_ps(v); }
+inline reg mul(reg a, reg b) { return _mm256_mul_ps(a, b); }
+inline reg add(reg a, reg b) { return _mm256_add_ps(a, b); }
+inline reg loadu(const float* x) { return _mm256_loadu_ps(x); }
+inline reg fmadd(reg a, const float* x, reg acc) { return _mm256_fmadd_ps(a, loadu(x), acc); }
+inline reg zero() { return _mm256_setzero_ps(); }
+inline void storeu(float* p, reg v) { _mm256_storeu_ps(p, v); }
+#endif
+constexpr int kLanes = 32 / kRegs;  // floats per register
+
 // An empty asm that the compiler must treat as changing v: no multiply-add is fused across it.
-inline __m256 opaque(__m256 v) {
-  asm("" : "+x"(v));
+inline reg opaque(reg v) {
+  asm("" : "+v"(v));
   return v;
 }
 
-inline __m256 u8_to_ps(__m128i bytes8) {  // the low 8 bytes, unsigned
-  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes8));
+// 16 bytes -> the registers of their values as floats (signed or not), in byte order.
+template <bool Signed>
+inline void bytes_to_ps(__m128i b, reg* w) {
+#ifdef LEAPFX_BLOCKS_AVX512
+  w[0] = _mm512_cvtepi32_ps(Signed ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
+#else
+  const __m128i h = _mm_srli_si128(b, 8);
+  w[0] = _mm256_cvtepi32_ps(Signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
+  w[1] = _mm256_cvtepi32_ps(Signed ? _mm256_cvtepi8_epi32(h) : _mm256_cvtepu8_epi32(h));
+#endif
 }
 
-inline __m256 i8_to_ps(__m128i bytes8) {  // the low 8 bytes, signed
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes8));
-}
-
-// The 32 weights of one block into w[0..3] (weights 0-7, 8-15, 16-23, 24-31).
+// The 32 weights of one block into w[0 .. kRegs - 1], in order.
 template <int64_t FMT>
-inline void dequant(const uint8_t* b, __m256 w[4]) {
+inline void dequant(const uint8_t* b, reg w[kRegs]) {
+  constexpr int kHalf = kRegs / 2;  // registers per 16 weights
   if constexpr (FMT == Q4_0 || FMT == Q4_1) {
     const int off = FMT == Q4_1 ? 4 : 2;
     const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + off));
     const __m128i mask = _mm_set1_epi8(0x0F);
-    __m128i lo = _mm_and_si128(q, mask);                     // weights 0..15
-    __m128i hi = _mm_and_si128(_mm_srli_epi16(q, 4), mask);  // weights 16..31
+    const __m128i lo = _mm_and_si128(q, mask);                     // weights 0..15
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(q, 4), mask);  // weights 16..31
     if constexpr (FMT == Q4_0) {
       const __m128i eight = _mm_set1_epi8(8);
-      lo = _mm_sub_epi8(lo, eight);
-      hi = _mm_sub_epi8(hi, eight);
-      w[0] = i8_to_ps(lo);
-      w[1] = i8_to_ps(_mm_srli_si128(lo, 8));
-      w[2] = i8_to_ps(hi);
-      w[3] = i8_to_ps(_mm_srli_si128(hi, 8));
+      bytes_to_ps<true>(_mm_sub_epi8(lo, eight), w);
+      bytes_to_ps<true>(_mm_sub_epi8(hi, eight), w + kHalf);
     } else {
-      w[0] = u8_to_ps(lo);
-      w[1] = u8_to_ps(_mm_srli_si128(lo, 8));
-      w[2] = u8_to_ps(hi);
-      w[3] = u8_to_ps(_mm_srli_si128(hi, 8));
+      bytes_to_ps<false>(lo, w);
+      bytes_to_ps<false>(hi, w + kHalf);
     }
-    const __m256 d = _mm256_set1_ps(half(b));
+    const reg d = set1(half(b));
     if constexpr (FMT == Q4_1) {
-      const __m256 m = _mm256_set1_ps(half(b + 2));
-      for (int j = 0; j < 4; ++j) w[j] = _mm256_add_ps(opaque(_mm256_mul_ps(d, w[j])), m);
+      const reg m = set1(half(b + 2));
+      for (int j = 0; j < kRegs; ++j) w[j] = add(opaque(mul(d, w[j])), m);
     } else {
-      for (int j = 0; j < 4; ++j) w[j] = _mm256_mul_ps(d, w[j]);
+      for (int j = 0; j < kRegs; ++j) w[j] = mul(d, w[j]);
     }
   } else if constexpr (FMT == Q8_0) {
-    const __m256 d = _mm256_set1_ps(half(b));
-    for (int j = 0; j < 4; ++j) {
-      const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * j));
-      w[j] = _mm256_mul_ps(i8_to_ps(q), d);
-    }
+    const reg d = set1(half(b));
+    for (int j = 0; j < 2; ++j)
+      bytes_to_ps<true>(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2 + 16 * j)),
+                        w + j * kHalf);
+    for (int j = 0; j < kRegs; ++j) w[j] = mul(w[j], d);
   } else if constexpr (FMT == F16) {
+#ifdef LEAPFX_BLOCKS_AVX512
+    for (int j = 0; j < 2; ++j)
+      w[j] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32 * j)));
+#else
     for (int j = 0; j < 4; ++j)
       w[j] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16 * j)));
+#endif
   } else if constexpr (FMT == BF16) {
+#ifdef LEAPFX_BLOCKS_AVX512
+    for (int j = 0; j < 2; ++j) {
+      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32 * j));
+      w[j] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+#else
     for (int j = 0; j < 4; ++j) {
       const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16 * j));
       w[j] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
     }
+#endif
   } else {  // F32
-    for (int j = 0; j < 4; ++j) w[j] = _mm256_loadu_ps(reinterpret_cast<const float*>(b) + 8 * j);
+    for (int j = 0; j < kRegs; ++j) w[j] = loadu(reinterpret_cast<const float*>(b) + kLanes * j);
   }
 }
 
-inline float hsum(__m256 a) {
-  alignas(32) float t[8];
-  _mm256_store_ps(t, a);
-  return ((t[0] + t[4]) + (t[1] + t[5])) + ((t[2] + t[6]) + (t[3] + t[7]));
+// The lanes of a summed in a fixed order (halves, then halves of those ...).
+inline float hsum(reg a) {
+  alignas(64) float t[kLanes];
+  storeu(t, a);
+  for (int w = kLanes / 2; w >= 1; w /= 2)
+    for (int i = 0; i < w; ++i) t[i] = t[i] + t[i + w];
+  return t[0];
 }
 
 // y[r, n + i] = x[r, :] . W[n + i, :] for i < NW output rows and r < R rows of x.
@@ -125,17 +166,17 @@ inline void rows_dot(const uint8_t* W, int64_t row_bytes, int64_t blocks, const 
                      int64_t ldx, float* y, int64_t ldy) {
   constexpr int64_t bb = FMT == F32 ? 128 : FMT == F16 || FMT == BF16 ? 64
                                           : FMT == Q4_0 ? 18 : FMT == Q4_1 ? 20 : 34;
-  __m256 acc[NW][R];
+  reg acc[NW][R];
   for (int i = 0; i < NW; ++i)
-    for (int r = 0; r < R; ++r) acc[i][r] = _mm256_setzero_ps();
+    for (int r = 0; r < R; ++r) acc[i][r] = zero();
   for (int64_t blk = 0; blk < blocks; ++blk) {
     const float* xb = x + blk * kWeights;
     for (int i = 0; i < NW; ++i) {
-      __m256 w[4];
+      reg w[kRegs];
       dequant<FMT>(W + i * row_bytes + blk * bb, w);
       for (int r = 0; r < R; ++r)
-        for (int j = 0; j < 4; ++j)
-          acc[i][r] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(xb + r * ldx + 8 * j), acc[i][r]);
+        for (int j = 0; j < kRegs; ++j)
+          acc[i][r] = fmadd(w[j], xb + r * ldx + kLanes * j, acc[i][r]);
     }
   }
   for (int i = 0; i < NW; ++i)
@@ -146,7 +187,11 @@ inline void rows_dot(const uint8_t* W, int64_t row_bytes, int64_t blocks, const 
 template <int64_t FMT, int R>
 void rows_span(const uint8_t* W, int64_t row_bytes, int64_t blocks, const float* x, int64_t ldx,
                float* y, int64_t ldy, int64_t n0, int64_t n1) {
+#ifdef LEAPFX_BLOCKS_AVX512  // 32 registers: more output rows at once
+  constexpr int NW = R <= 2 ? 8 : R <= 4 ? 4 : 2;
+#else  // 16 registers
   constexpr int NW = R == 1 ? 8 : R == 2 ? 4 : R <= 4 ? 2 : 1;
+#endif
   int64_t n = n0;
   for (; n + NW <= n1; n += NW)
     rows_dot<FMT, R, NW>(W + n * row_bytes, row_bytes, blocks, x, ldx, y + n, ldy);
@@ -268,10 +313,10 @@ void dequant_rows(const uint8_t* W, int64_t row_bytes, int64_t blocks, float* ou
                                           : FMT == Q4_0 ? 18 : FMT == Q4_1 ? 20 : 34;
   for (int64_t n = n0; n < n1; ++n)
     for (int64_t blk = 0; blk < blocks; ++blk) {
-      __m256 w[4];
+      reg w[kRegs];
       dequant<FMT>(W + n * row_bytes + blk * bb, w);
       float* o = out + (n * blocks + blk) * kWeights;
-      for (int j = 0; j < 4; ++j) _mm256_storeu_ps(o + 8 * j, w[j]);
+      for (int j = 0; j < kRegs; ++j) storeu(o + kLanes * j, w[j]);
     }
 }
 
