@@ -140,3 +140,27 @@ def test_block_modules_match_float_ones():
     torch.testing.assert_close(
         lin(x.double()), x.double() @ dense.double().t(), rtol=1e-12, atol=1e-12
     )
+
+
+def test_subset_head_over_a_block_head_reads_its_blocks():
+    """A draft head over a vocabulary subset of a head held as blocks: the subset's rows stay
+    blocks (the kernel multiplies them), their floats are gguf's, and a new ranking moves both."""
+    from leapfx.modules.draft_vocab import KernelSubsetHead, SubsetLMHead
+
+    w, dense = quantized("Q8_0", 100, 64, seed=6)
+    dense = torch.from_numpy(dense)
+    head = BlockLinear(w)
+    sub = SubsetLMHead.from_head(head, torch.tensor([5, 1, 99, 40]))
+    assert sub.blocks is not None and torch.equal(sub.rows, dense[[5, 1, 99, 40]])
+    h = torch.randn(1, 2, 64)
+    want = torch.full((1, 2, 100), float("-inf"))
+    want[..., [5, 1, 99, 40]] = h @ dense[[5, 1, 99, 40]].t()
+    torch.testing.assert_close(sub(h), want)
+    if cpu_blocks.available():
+        kernel = KernelSubsetHead(sub)
+        assert kernel.rows_packed is None  # no float copy: the blocks are read
+        torch.testing.assert_close(kernel(h), want, rtol=1e-5, atol=1e-5)
+        sub.set_ranking(head, torch.tensor([0, 2, 3, 4]))
+        want = torch.full((1, 2, 100), float("-inf"))
+        want[..., [0, 2, 3, 4]] = h @ dense[[0, 2, 3, 4]].t()
+        torch.testing.assert_close(kernel(h), want, rtol=1e-5, atol=1e-5)
