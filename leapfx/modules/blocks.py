@@ -111,3 +111,13 @@ class BlockEmbedding(_BlockWeight):
 def is_blocks(module: nn.Module) -> bool:
     """Whether ``module`` holds its weight as blocks (BlockLinear or BlockEmbedding)."""
     return isinstance(module, _BlockWeight)
+
+
+def float_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """``module.state_dict()`` with each block module's ``weight`` dequantized in: what a float
+    copy of ``module`` (an inserted part that starts as a host layer) loads."""
+    out = dict(module.state_dict())
+    for name, sub in module.named_modules():
+        if is_blocks(sub):
+            out[f"{name}.weight" if name else "weight"] = sub.weight
+    return out
