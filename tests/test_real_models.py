@@ -75,8 +75,14 @@ def tiny_q4_gguf(tmp_path_factory):
 
 
 @needs_gguf
-@pytest.mark.parametrize("recipe", ["autoregressive", "layerskip", "lookup"])
-def test_native_blocks_decode_like_hf_on_the_dequantized_model(tiny_q4_gguf, tmp_path, recipe):
+@pytest.mark.parametrize(
+    "recipe, backend",
+    [("autoregressive", "eager"), ("layerskip", "eager"), ("lookup", "eager"),
+     ("layerskip", "inductor")],
+)  # fmt: skip
+def test_native_blocks_decode_like_hf_on_the_dequantized_model(
+    tiny_q4_gguf, tmp_path, recipe, backend
+):
     """Q4_1 projections and a tied Q8_0 head kept as blocks: lossless recipes on the kernels
     give HF greedy's tokens on transformers' dequantized model (ties classified)."""
     from tests.greedy_check import assert_greedy_equal, hf_greedy
@@ -91,7 +97,7 @@ def test_native_blocks_decode_like_hf_on_the_dequantized_model(tiny_q4_gguf, tmp
         assert torch.equal(got, floats.get_submodule(f"model.layers.1.{name}").weight), name
     assert torch.equal(native.lm_head.weight, floats.lm_head.weight)
     ids = torch.tensor([[5, 9, 30, 70, 100, 200, 9, 30]])
-    ours = rewrite.apply(native, recipe).generate(ids, max_new_tokens=24)
+    ours = rewrite.apply(native, recipe, backend=backend).generate(ids, max_new_tokens=24)
     assert_greedy_equal(floats, ours, hf_greedy(floats, ids, 24), ids.shape[1])
 
 
