@@ -161,8 +161,21 @@ def _blocks_of(mm: mmap.mmap, info: TensorInfo, rows: np.ndarray | None = None) 
         return None
     raw = tensor_bytes(mm, info)
     if rows is not None:
-        raw = np.ascontiguousarray(raw[rows])
+        copy = np.ascontiguousarray(raw[rows])
+        _unmap(mm, info.offset, raw.nbytes)  # the file's copy of these rows is not read again
+        raw = copy
     return Blocks(_torch_view(raw), name, info.shape[0], info.shape[1])
+
+
+def _unmap(mm: mmap.mmap, offset: int, length: int) -> None:
+    """Drop this process's mapping of the file's bytes ``offset .. offset + length`` (whole
+    pages inside it): they stay in the page cache, and a later read maps them again, so only
+    resident memory changes. Where the platform has no ``madvise``, nothing."""
+    page = mmap.PAGESIZE
+    start = -(-offset // page) * page
+    end = (offset + length) // page * page
+    if end > start and hasattr(mm, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
+        mm.madvise(mmap.MADV_DONTNEED, start, end - start)
 
 
 def _qk_rows(n: int, heads: int) -> np.ndarray:
