@@ -169,12 +169,17 @@ inline void rows_dot(const uint8_t* W, int64_t row_bytes, int64_t blocks, const 
   reg acc[NW][R];
   for (int i = 0; i < NW; ++i)
     for (int r = 0; r < R; ++r) acc[i][r] = zero();
+  // Fully unrolled over the NW rows and R rows (the accumulators stay in registers; GCC
+  // otherwise keeps them in memory and loops).
   for (int64_t blk = 0; blk < blocks; ++blk) {
     const float* xb = x + blk * kWeights;
+#pragma GCC unroll 8
     for (int i = 0; i < NW; ++i) {
       reg w[kRegs];
       dequant<FMT>(W + i * row_bytes + blk * bb, w);
+#pragma GCC unroll 8
       for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
         for (int j = 0; j < kRegs; ++j)
           acc[i][r] = fmadd(w[j], xb + r * ldx + kLanes * j, acc[i][r]);
     }
