@@ -104,21 +104,27 @@ def products() -> dict:
 
 
 def step(weights: str, tokens: int = 64) -> dict:
-    """leapfx autoregressive on SmolLM2: ms per token over ``tokens`` greedy tokens (prefill
-    excluded: the difference of two lengths)."""
+    """leapfx autoregressive on SmolLM2 (a HumanEval prompt): ms per token over ``tokens``
+    greedy tokens, the prefill and first token excluded (the difference of two lengths)."""
     from leapfx import rewrite
     from leapfx.bench.prompt_sets import load_prompt_set
     from leapfx.models import load_model
 
     model, tok = load_model("smollm2", weights=weights, progress=False)
     sm = rewrite.apply(model, "autoregressive")
-    ids = load_prompt_set("chat", tok, count=1)[0]
-    sm.generate(ids, max_new_tokens=8)
-    short = _time(lambda: sm.generate(ids, max_new_tokens=8), 1)
-    long = _time(lambda: sm.generate(ids, max_new_tokens=8 + tokens), 1)
-    ms = (long - short) / tokens * 1e3
-    print(f"weights {weights}: {ms:.2f} ms a token ({1e3 / ms:.1f} tok/s), prefill excluded")
-    return {"weights": weights, "ms_per_token": ms}
+    ids = load_prompt_set("humaneval", tok, count=1)[0]
+    new = sm.generate(ids, max_new_tokens=1 + tokens).shape[1] - ids.shape[1] - 1
+    short = min(_once(lambda: sm.generate(ids, max_new_tokens=1)) for _ in range(3))
+    long = min(_once(lambda: sm.generate(ids, max_new_tokens=1 + tokens)) for _ in range(3))
+    ms = (long - short) / new * 1e3
+    print(f"weights {weights}: {ms:.2f} ms a token ({1e3 / ms:.1f} tok/s) over {new} tokens")
+    return {"weights": weights, "ms_per_token": ms, "tokens": new}
+
+
+def _once(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
 LOAD = """
