@@ -30,10 +30,19 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     )
 
 
-def write_tiny_llama_gguf(path, model) -> None:
+def write_tiny_llama_gguf(path, model, *, quantized: bool = False) -> None:
     """Write ``model`` (a tied-embedding HF Llama whose vocab is ``len(vocabulary())``) to
-    ``path`` as a float32 GGUF file."""
+    ``path`` as a float32 GGUF file; ``quantized``: as SmolLM2's file is, the projections Q4_1
+    and the embedding Q8_0 (norms float32)."""
     import gguf
+    from gguf import quants
+
+    def add(name: str, t: np.ndarray, kind: str = "F32") -> None:
+        if kind == "F32":
+            w.add_tensor(name, np.ascontiguousarray(t))
+            return
+        qt = getattr(gguf.GGMLQuantizationType, kind)
+        w.add_tensor(name, quants.quantize(np.ascontiguousarray(t), qt), raw_dtype=qt)
 
     c = model.config
     assert c.vocab_size == len(vocabulary()) and c.tie_word_embeddings
@@ -49,7 +58,7 @@ def write_tiny_llama_gguf(path, model) -> None:
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_rope_dimension_count(c.head_dim)
     w.add_vocab_size(c.vocab_size)
-    w.add_file_type(0)  # all float32
+    w.add_file_type(3 if quantized else 0)  # mostly Q4_1, or all float32
     tokens = vocabulary()
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
@@ -62,8 +71,8 @@ def write_tiny_llama_gguf(path, model) -> None:
     w.add_add_bos_token(False)
     w.add_chat_template(CHAT_TEMPLATE)
     sd = {k: v.detach().to(torch.float32).numpy() for k, v in model.state_dict().items()}
-    w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
-    w.add_tensor("output_norm.weight", sd["model.norm.weight"])
+    add("token_embd.weight", sd["model.embed_tokens.weight"], "Q8_0" if quantized else "F32")
+    add("output_norm.weight", sd["model.norm.weight"])
     names = {
         "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
         "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
@@ -77,7 +86,8 @@ def write_tiny_llama_gguf(path, model) -> None:
                 t = _permute(t, c.num_attention_heads)
             elif gg == "attn_k":
                 t = _permute(t, c.num_key_value_heads)
-            w.add_tensor(f"blk.{i}.{gg}.weight", np.ascontiguousarray(t))
+            kind = "Q4_1" if quantized and "norm" not in gg else "F32"
+            add(f"blk.{i}.{gg}.weight", t, kind)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

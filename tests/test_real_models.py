@@ -14,6 +14,7 @@ from leapfx.bench import prompt_sets
 from leapfx.cli import main
 from leapfx.models import gguf as gguf_cache
 from leapfx.models import load_model, resolve
+from leapfx.modules.blocks import BlockLinear
 from tests.conftest import tiny_model
 
 needs_gguf = pytest.mark.skipif(
@@ -43,16 +44,73 @@ def tiny_gguf(tmp_path_factory):
 @needs_gguf
 def test_gguf_loads_the_same_weights(tiny_gguf, tmp_path):
     path, reference = tiny_gguf
-    model, tok = load_model(path, cache_dir=tmp_path, progress=False)
+    model, tok = load_model(path, cache_dir=tmp_path, progress=False, weights="float32")
     ids = torch.tensor([[5, 9, 30, 70, 100, 200]])
     with torch.no_grad():
         assert torch.equal(model(ids).logits, reference(ids).logits)
     assert model.generation_config.eos_token_id == 2
     assert tok.decode(tok("hello the world")["input_ids"]) == "hello the world"
     # A folder holding one .gguf file is the same model.
-    again, _ = load_model(path.parent, cache_dir=tmp_path, progress=False)
+    again, _ = load_model(path.parent, cache_dir=tmp_path, progress=False, weights="float32")
     with torch.no_grad():
         assert torch.equal(again(ids).logits, reference(ids).logits)
+    # Native (the default): the file's F32 tensors as blocks, the same up to summation order
+    native, tok = load_model(path, cache_dir=tmp_path, progress=False)
+    assert isinstance(native.model.layers[0].mlp.down_proj, BlockLinear)
+    assert native.lm_head.blocks is native.model.embed_tokens.blocks  # tied: one copy
+    with torch.no_grad():
+        torch.testing.assert_close(native(ids).logits, reference(ids).logits)
+    assert tok.decode(tok("hello the world")["input_ids"]) == "hello the world"
+
+
+@pytest.fixture(scope="module")
+def tiny_q4_gguf(tmp_path_factory):
+    from tests.gguf_writer import vocabulary, write_tiny_llama_gguf
+
+    pytest.importorskip("gguf")
+    folder = tmp_path_factory.mktemp("gguf_q4")
+    model = tiny_model("llama", layers=2, vocab=len(vocabulary()), tie=True, eos=2, seed=4)
+    write_tiny_llama_gguf(folder / "tiny-q4.gguf", model, quantized=True)
+    return folder / "tiny-q4.gguf"
+
+
+@needs_gguf
+@pytest.mark.parametrize(
+    "recipe, backend",
+    [("autoregressive", "eager"), ("layerskip", "eager"), ("lookup", "eager"),
+     ("layerskip", "inductor")],
+)  # fmt: skip
+def test_native_blocks_decode_like_hf_on_the_dequantized_model(
+    tiny_q4_gguf, tmp_path, recipe, backend
+):
+    """Q4_1 projections and a tied Q8_0 head kept as blocks: lossless recipes on the kernels
+    give HF greedy's tokens on transformers' dequantized model (ties classified)."""
+    from tests.greedy_check import assert_greedy_equal, hf_greedy
+
+    native, _ = load_model(tiny_q4_gguf, cache_dir=tmp_path, progress=False)
+    floats, _ = load_model(tiny_q4_gguf, cache_dir=tmp_path, progress=False, weights="float32")
+    layer = native.model.layers[1]
+    assert (layer.self_attn.q_proj.fmt, native.lm_head.fmt) == ("Q4_1", "Q8_0")
+    # the dequantized weights are transformers' own (q/k rows un-permuted alike)
+    for name in ("self_attn.q_proj", "self_attn.k_proj", "mlp.up_proj"):
+        got = native.get_submodule(f"model.layers.1.{name}").weight
+        assert torch.equal(got, floats.get_submodule(f"model.layers.1.{name}").weight), name
+    assert torch.equal(native.lm_head.weight, floats.lm_head.weight)
+    ids = torch.tensor([[5, 9, 30, 70, 100, 200, 9, 30]])
+    ours = rewrite.apply(native, recipe, backend=backend).generate(ids, max_new_tokens=24)
+    assert_greedy_equal(floats, ours, hf_greedy(floats, ids, 24), ids.shape[1])
+
+
+@needs_gguf
+def test_weights_option_is_checked(tiny_gguf, tmp_path):
+    path, _ = tiny_gguf
+    with pytest.raises(ValueError, match="--weights: 'int4' is invalid; allowed: native, float32"):
+        load_model(path, cache_dir=tmp_path, weights="int4")
+    with pytest.raises(ValueError, match="--weights: native needs a float32 model on the CPU"):
+        load_model(path, cache_dir=tmp_path, weights="native", dtype="bfloat16")
+    # bfloat16 by default takes the float path
+    model, _ = load_model(path, cache_dir=tmp_path, dtype="bfloat16", progress=False)
+    assert model.dtype == torch.bfloat16
 
 
 @needs_gguf
@@ -248,14 +306,45 @@ def test_leapfx_generate_reads_stdin(tmp_path, capsys, monkeypatch):
 def test_smollm2_loads_and_decodes_like_hf(tmp_path_factory):
     """The shipped real model: every lossless row of the bench rests on this (dequantized
     once into the user cache, ~40 s the first time)."""
-    model, tok = load_model("smollm2", progress=False)
-    assert model.config.num_hidden_layers == 30 and model.config.vocab_size == 49152
+    from tests.greedy_check import assert_greedy_equal
+
+    floats, tok = load_model("smollm2", progress=False, weights="float32")
+    assert floats.config.num_hidden_layers == 30 and floats.config.vocab_size == 49152
     ids = prompt_sets.load_prompt_set("chat", tok, count=1)[0]
-    expect = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
-                            do_sample=False)  # fmt: skip
-    for recipe in ("autoregressive", "layerskip"):
-        got = rewrite.apply(model, recipe).generate(ids, max_new_tokens=12)
-        assert torch.equal(got, expect), recipe
+    expect = floats.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
+                             do_sample=False)  # fmt: skip
+    native, _ = load_model("smollm2", progress=False)  # its Q4_1 / Q8_0 blocks
+    assert isinstance(native.model.layers[0].self_attn.q_proj, BlockLinear)
+    for model in (floats, native):
+        for recipe in ("autoregressive", "layerskip"):
+            got = rewrite.apply(model, recipe).generate(ids, max_new_tokens=12)
+            assert_greedy_equal(floats, got, expect, ids.shape[1])
+
+
+@needs_smollm2
+@needs_gguf
+def test_smollm2_native_loads_fast_and_small():
+    """Native weights: no float checkpoint; the resident memory grows by about the file's
+    size (the blocks, memory-mapped) and a load with the config cached takes seconds."""
+    import time
+
+    from leapfx.bench.memory import resident_bytes
+
+    load_model("smollm2", progress=False)  # builds the small config/tokenizer cache once
+    size = resolve("smollm2").path.stat().st_size
+    before = resident_bytes()
+    if before is None:
+        pytest.skip("no /proc/self/statm here")
+    start = time.perf_counter()
+    model, tok = load_model("smollm2", progress=False)
+    seconds = time.perf_counter() - start
+    with torch.no_grad():  # read every weight once
+        model(tok("Hello", return_tensors="pt").input_ids)
+    grown = resident_bytes() - before
+    assert seconds < 15, seconds  # ~1 s here; a loaded CI machine gets room
+    # the blocks (the file, memory-mapped), q/k's reordered copies and the tokenizer (~50 MB,
+    # as on the float path): ~1.65x the file here, against ~6x for float32 weights
+    assert grown < 2 * size, (grown, size)
 
 
 def test_cache_root_default(monkeypatch, tmp_path):

@@ -10,6 +10,10 @@ Every system decodes the same prompts with the same ``max_new_tokens`` and the s
                                num_assistant_tokens=d)``, constant schedule
 - ``hf_prompt_lookup``         HF's prompt lookup decoding: ``generate(
                                prompt_lookup_num_tokens=10)``, training-free n-gram drafts
+- ``llama_cpp``, ``llama_cpp_lookup``  llama.cpp (llama-cpp-python) on the same GGUF file, plain
+                               and with its prompt-lookup drafting (``leapfx.bench.llamacpp``;
+                               greedy runs of a GGUF model, the extra ``llamacpp`` installed):
+                               8-bit activations, so reported as lossy (their agreement)
 - ``leapfx_autoregressive``    the leapfx runtime without speculation
 - ``leapfx_early_exit``        exit after E layers for every token (lossy: ``agreement``, the
                                teacher-forced agreement with greedy, and ``avg_layers``)
@@ -60,6 +64,7 @@ from ..options import check_bool
 from ..passes.accelerator_checkpoint import read_parts_config
 from ..passes.draft_vocab import read_ranking
 from ..runtime.metrics import DecodeMetrics
+from . import llamacpp
 from .agreement import teacher_forced_agreement
 from .offload import ORACLE_ROW, RoutingOracle, offload_systems, summarize
 from .report import Row, progress_bar
@@ -140,6 +145,10 @@ class BenchConfig:
     # `leapfx bench` command's default: its process decodes with leapfx only); "session", a
     # pool per session (the default here: a library call must not switch its caller's process).
     onnx_thread_pool: str = "session"
+    # The GGUF file the model was loaded from: the llama_cpp and llama_cpp_lookup rows run
+    # llama.cpp on it (leapfx.bench.llamacpp; greedy runs, llama-cpp-python installed). None:
+    # no such rows.
+    llama_cpp: str | None = None
     # eager and inductor leapfx rows: projections through leapfx's small-M CPU kernels
     # (leapfx.kernels.cpu). None: where they apply (a float32 model on a CPU) and build.
     cpu_kernels: bool | None = None
@@ -353,6 +362,7 @@ def build_systems(model: nn.Module, config: BenchConfig, generator_seed: int = 0
         # HF's training-free drafting: n-gram matches in the prompt and the text so far.
         lookup = hf(prompt_lookup_num_tokens=HF_PROMPT_LOOKUP_TOKENS)
         systems.append(System("hf_prompt_lookup", lookup))
+    systems += _llama_cpp_systems(model, config)
     recipes = config.recipes
     bad = next((r for r in recipes if r not in BENCHED_RECIPES), None)
     if bad is not None or not recipes or len(set(recipes)) < len(recipes):
@@ -406,6 +416,27 @@ def build_systems(model: nn.Module, config: BenchConfig, generator_seed: int = 0
     if config.offload_slots is not None:
         systems += _offload_systems(model, config, exit_layer, n, sampling, gen)
     return systems
+
+
+def _llama_cpp_systems(model: nn.Module, config: BenchConfig) -> list[System]:
+    """llama.cpp's rows on ``config.llama_cpp`` (see ``leapfx.bench.llamacpp``): none without
+    a GGUF file, in a sampling run, or without llama-cpp-python (a warning says how to get it).
+    """
+    if config.llama_cpp is None:
+        return []
+    if config.temperature > 0:
+        log.warning("leapfx bench: llama_cpp rows run greedy runs only; skipped")
+        return []
+    if not llamacpp.available():
+        log.warning("leapfx bench: llama_cpp rows skipped: no llama-cpp-python; install with: %s",
+                    llamacpp.INSTALL)  # fmt: skip
+        return []
+    runs = llamacpp.llama_cpp_runs(
+        config.llama_cpp, threads=torch.get_num_threads(), max_new_tokens=config.max_new_tokens,
+        eos=llamacpp.eos_ids(model),
+    )  # fmt: skip
+    # lossy in the report's terms: 8-bit activations, its agreement is reported
+    return [System(name, run, lossless=False, info=info) for name, run, info in runs]
 
 
 @dataclass(frozen=True)

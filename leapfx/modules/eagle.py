@@ -13,6 +13,7 @@ import sys
 import torch
 from torch import nn
 
+from .blocks import float_state_dict
 from .hf import cache_kwarg
 
 
@@ -70,7 +71,7 @@ class EagleHead(nn.Module):
                 f"{type(layer).__name__} has buffers; the EAGLE head supports decoder layers "
                 "whose state is all parameters"
             )
-        fresh.load_state_dict(layer.state_dict())
+        fresh.load_state_dict(float_state_dict(layer))  # GGUF blocks: their floats
         fresh.self_attn.layer_idx = cache_layer
         fc = fc.to(dtype=weight.dtype).to_empty(device=weight.device)
         with torch.no_grad():

@@ -32,6 +32,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..kernels import cpu, cpu_attention
 from ..kernels.cpu import pack_weight
+from .blocks import BlockLinear
 from .hf import expert_tensors
 
 FUSABLE = frozenset(
@@ -149,6 +150,8 @@ class FusedDecoderLayer(nn.Module):
         self._norm_post = layer.post_attention_layernorm.forward
 
     def _linear(self, x: torch.Tensor, module: nn.Linear, name: str) -> torch.Tensor:
+        if isinstance(module, BlockLinear):  # GGUF blocks: its own kernel
+            return module(x)
         return F.linear(x, module.weight, module.bias)
 
     def forward(
@@ -216,12 +219,10 @@ class FusedAttention(nn.Module):
 
     def _qkv(self, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
         attn = self.attn
-        q = F.linear(h, attn.q_proj.weight, attn.q_proj.bias)
-        k = F.linear(h, attn.k_proj.weight, attn.k_proj.bias)
-        return q, k, F.linear(h, attn.v_proj.weight, attn.v_proj.bias)
+        return tuple(_apply(p, h) for p in (attn.q_proj, attn.k_proj, attn.v_proj))
 
     def _out(self, o: torch.Tensor) -> torch.Tensor:
-        return F.linear(o, self.attn.o_proj.weight, self.attn.o_proj.bias)
+        return _apply(self.attn.o_proj, o)
 
     def forward(
         self,
@@ -309,6 +310,42 @@ def fusable(layer: nn.Module) -> bool:
 SILU = frozenset({"SiLU", "SiLUActivation"})  # torch's and transformers' SiLU modules
 
 
+def _apply(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``linear(x)``: F.linear on a float weight, a BlockLinear's own kernel on blocks."""
+    if isinstance(linear, BlockLinear):
+        return linear(x)
+    return F.linear(x, linear.weight, linear.bias)
+
+
+def kernel_weight(owner: nn.Module, name: str, linears: list[nn.Module]) -> None:
+    """The weight of ``linears`` (stacked by rows) for the kernels, as ``owner``'s buffer
+    ``w_<name>``: packed float32 for ``leapfx_cpu::small_mm``, or, where every one holds GGUF
+    blocks of one format, the blocks as they are (``owner._blocks_<name>``: the ggml type id
+    and the parts' row counts, multiplied one by one: no copy of the file's bytes)."""
+    if all(isinstance(p, BlockLinear) for p in linears) and len({p.fmt for p in linears}) == 1:
+        ws = [p.weights for p in linears]
+        for i, w in enumerate(ws):
+            owner.register_buffer(f"w_{name}_{i}", w.data, persistent=False)
+        setattr(owner, f"_blocks_{name}", (ws[0].type_id, tuple(w.n for w in ws), ws[0].k))
+        return
+    weight = torch.cat([p.weight.detach() for p in linears])
+    owner.register_buffer(f"w_{name}", pack_weight(weight))
+    setattr(owner, f"_blocks_{name}", None)
+
+
+def kernel_mm(owner: nn.Module, name: str, x: torch.Tensor, n: int) -> list[torch.Tensor]:
+    """``x`` times the weight ``kernel_weight`` stored as ``name``: one [..., n] product for
+    a packed float weight, one per part (rows of q, k, v ...) for blocks."""
+    blocks = getattr(owner, f"_blocks_{name}")
+    if blocks is None:
+        return [torch.ops.leapfx_cpu.small_mm(x, getattr(owner, f"w_{name}"), n)]
+    fmt, rows, k = blocks
+    return [
+        torch.ops.leapfx_cpu.block_mm(x, getattr(owner, f"w_{name}_{i}"), fmt, r, k)
+        for i, r in enumerate(rows)
+    ]
+
+
 def _kernel_attention_weights(owner: nn.Module, attn: nn.Module) -> None:
     """What ``KernelDecoderLayer`` and ``KernelAttention`` share: q, k and v packed side by side
     and the output projection packed (``leapfx_cpu::small_mm``), SDPA without ``repeat_kv``,
@@ -317,14 +354,14 @@ def _kernel_attention_weights(owner: nn.Module, attn: nn.Module) -> None:
     require_kernels()
     qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
     owner._split = [p.out_features for p in qkv]
-    owner.register_buffer("w_qkv", pack_weight(torch.cat([p.weight.detach() for p in qkv])))
+    kernel_weight(owner, "qkv", qkv)
     biases = [p.bias for p in qkv]
     owner.register_buffer("b_qkv", None if all(b is None for b in biases) else torch.cat(
         [b.detach() if b is not None else p.weight.new_zeros(p.out_features)
          for b, p in zip(biases, qkv, strict=True)]
     ))  # fmt: skip
     owner._o_out = attn.o_proj.out_features
-    owner.register_buffer("w_o", pack_weight(attn.o_proj.weight))
+    kernel_weight(owner, "o", [attn.o_proj])
     if attn.config._attn_implementation == "sdpa":
         owner._attention = _sdpa_gqa
     owner._kernel_attention = _plain_causal(attn, owner._attn_kwargs) and _attention_kernel()
@@ -333,7 +370,12 @@ def _kernel_attention_weights(owner: nn.Module, attn: nn.Module) -> None:
 
 def _kernel_qkv(owner: nn.Module, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """q, k and v of ``h`` as one product over ``owner``'s packed weights (see above)."""
-    out = torch.ops.leapfx_cpu.small_mm(h, owner.w_qkv, sum(owner._split))
+    parts = kernel_mm(owner, "qkv", h, sum(owner._split))
+    if len(parts) == 3:  # blocks: q, k and v apart
+        if owner.b_qkv is not None:
+            parts = list(torch.cat(parts, dim=-1).add(owner.b_qkv).split(owner._split, dim=-1))
+        return tuple(parts)
+    out = parts[0]
     if owner.b_qkv is not None:
         out = out + owner.b_qkv
     return out.split(owner._split, dim=-1)
@@ -363,15 +405,14 @@ class KernelDecoderLayer(FusedDecoderLayer):
         # RMSNorms as one op each where they cover the model (see _rms_norm)
         self._norm_in = _rms_norm(layer.input_layernorm)
         self._norm_post = _rms_norm(layer.post_attention_layernorm)
-        gate_up = torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()])
-        self._gate_up_out = gate_up.shape[0]
+        self._gate_up_out = mlp.gate_proj.out_features + mlp.up_proj.out_features
         self._down_out = mlp.down_proj.out_features
-        self.register_buffer("w_gate_up", pack_weight(gate_up))
-        self.register_buffer("w_down", pack_weight(mlp.down_proj.weight))
+        kernel_weight(self, "gate_up", [mlp.gate_proj, mlp.up_proj])
+        kernel_weight(self, "down", [mlp.down_proj])
 
     def _linear(self, x: torch.Tensor, module: nn.Linear, name: str) -> torch.Tensor:
         # Only o_proj reaches _linear here: q/k/v go through _qkv, the MLP through _mlp.
-        out = torch.ops.leapfx_cpu.small_mm(x, self.w_o, self._o_out)
+        (out,) = kernel_mm(self, "o", x, self._o_out)
         return out if module.bias is None else out + module.bias
 
     def _qkv(self, h: torch.Tensor, attn: nn.Module) -> tuple[torch.Tensor, ...]:
@@ -379,12 +420,19 @@ class KernelDecoderLayer(FusedDecoderLayer):
 
     def _mlp(self, h: torch.Tensor, mlp: nn.Module) -> torch.Tensor:
         ops = torch.ops.leapfx_cpu
-        if self._silu:
+        gu, down = self._blocks_gate_up, self._blocks_down
+        if self._silu and gu is None and down is None:
             return ops.gated_mlp(h, self.w_gate_up, self._gate_up_out, self.w_down, self._down_out)
-        gate, up = ops.small_mm(h, self.w_gate_up, self._gate_up_out).chunk(2, dim=-1)
+        if self._silu and gu is not None and down is not None:  # GGUF blocks
+            return ops.block_gated_mlp(
+                h, self.w_gate_up_0, self.w_gate_up_1, gu[0], gu[1][0], self.w_down_0, down[0],
+                self._down_out,
+            )  # fmt: skip
+        parts = kernel_mm(self, "gate_up", h, self._gate_up_out)
+        gate, up = parts if len(parts) == 2 else parts[0].chunk(2, dim=-1)
         gate = mlp.act_fn.forward(gate if mlp.gate_proj.bias is None else gate + mlp.gate_proj.bias)
         up = up if mlp.up_proj.bias is None else up + mlp.up_proj.bias
-        out = ops.small_mm(gate * up, self.w_down, self._down_out)
+        (out,) = kernel_mm(self, "down", gate * up, self._down_out)
         return out if mlp.down_proj.bias is None else out + mlp.down_proj.bias
 
 
@@ -453,7 +501,7 @@ class KernelAttention(FusedAttention):
         return _kernel_qkv(self, h)
 
     def _out(self, o: torch.Tensor) -> torch.Tensor:
-        out = torch.ops.leapfx_cpu.small_mm(o, self.w_o, self._o_out)
+        (out,) = kernel_mm(self, "o", o, self._o_out)
         bias = self.attn.o_proj.bias
         return out if bias is None else out + bias
 

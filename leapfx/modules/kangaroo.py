@@ -15,6 +15,7 @@ import copy
 import torch
 from torch import nn
 
+from .blocks import float_state_dict
 from .hf import cache_kwarg
 
 
@@ -68,7 +69,8 @@ class KangarooAdapter(nn.Module):
         trains, the host must not change.
         """
         src = layer.self_attn
-        weight = next(src.parameters())
+        state = float_state_dict(src)  # GGUF blocks: their floats (the adapter trains)
+        weight = next(iter(state.values()))
         # Built on the meta device, so no random init runs (it would advance the caller's RNG),
         # then materialised and filled with layer l's weights. layer_idx=exit_layer lets the
         # class read per-layer config (sliding window, layer type); the cache layer is set after.
@@ -80,7 +82,7 @@ class KangarooAdapter(nn.Module):
                 f"{type(src).__name__} has buffers; the Kangaroo adapter supports attention "
                 "classes whose state is all parameters"
             )
-        attention.load_state_dict(src.state_dict())
+        attention.load_state_dict(state)
         attention.layer_idx = cache_layer
         adapter = cls(
             copy.deepcopy(layer.input_layernorm),

@@ -1,0 +1,397 @@
+// Small-M products over GGUF's block-quantized weights, float32 activations (see
+// leapfx/kernels/cpu_blocks.py).
+//
+// A weight [N, K] is given as the file holds it: N rows of K / 32 blocks, each block 32 weights
+// (Q4_0: fp16 d + 16 bytes of 4-bit q; Q4_1: fp16 d, fp16 m + 16 bytes; Q8_0: fp16 d + 32 int8;
+// F16, BF16, F32: 32 plain values). A block is dequantized in registers (two AVX-512 registers
+// of 16 floats where the build has AVX-512, else four AVX2 ones of 8), each float bitwise the
+// value gguf's numpy dequantize gives:
+//   Q4_0: d * (q - 8)    Q4_1: d * q + m    Q8_0: q * d    F16, BF16: the value as float32
+// (d * q is exact in float32 here: d has 11 significant bits and q at most 8, so rounding the
+// product first, as numpy does, or not, gives the same float; the product is kept apart from
+// the add anyway). The rows of x [M, K] multiply each dequantized block while it is in
+// registers: up to kMaxRows rows share one dequantization. Each (output, row) sum is one vector
+// accumulator fed in k order, then summed lane by lane in a fixed order: a row's result does not
+// depend on how many rows or output columns were computed with it.
+
+#include <ATen/Parallel.h>
+#include <ATen/ATen.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "cpu_vec.h"
+
+namespace {
+
+// ggml's type ids (gguf.GGMLQuantizationType)
+enum Format : int64_t { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, BF16 = 30 };
+
+constexpr int64_t kWeights = 32;  // weights per block
+constexpr int kMaxRows = 8;       // rows of x that share one dequantization
+
+int64_t block_bytes(int64_t fmt) {
+  switch (fmt) {
+    case F32: return 128;
+    case F16: return 64;
+    case BF16: return 64;
+    case Q4_0: return 18;
+    case Q4_1: return 20;
+    case Q8_0: return 34;
+    default: return 0;
+  }
+}
+
+inline float half(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// AVX-512: a block is two registers of 16 floats.
+#define LEAPFX_BLOCKS_AVX512 1
+typedef __m512 reg;
+constexpr int kRegs = 2;
+inline reg set1(float v) { return _mm512_set1_ps(v); }
+inline reg mul(reg a, reg b) { return _mm512_mul_ps(a, b); }
+inline reg add(reg a, reg b) { return _mm512_add_ps(a, b); }
+inline reg loadu(const float* x) { return _mm512_loadu_ps(x); }
+inline reg fmadd(reg a, const float* x, reg acc) { return _mm512_fmadd_ps(a, loadu(x), acc); }
+inline reg zero() { return _mm512_setzero_ps(); }
+inline void storeu(float* p, reg v) { _mm512_storeu_ps(p, v); }
+#else
+// AVX2: a block is four registers of 8 floats.
+typedef __m256 reg;
+constexpr int kRegs = 4;
+inline reg set1(float v) { return _mm256_set1_ps(v); }
+inline reg mul(reg a, reg b) { return _mm256_mul_ps(a, b); }
+inline reg add(reg a, reg b) { return _mm256_add_ps(a, b); }
+inline reg loadu(const float* x) { return _mm256_loadu_ps(x); }
+inline reg fmadd(reg a, const float* x, reg acc) { return _mm256_fmadd_ps(a, loadu(x), acc); }
+inline reg zero() { return _mm256_setzero_ps(); }
+inline void storeu(float* p, reg v) { _mm256_storeu_ps(p, v); }
+#endif
+constexpr int kLanes = 32 / kRegs;  // floats per register
+
+// An empty asm that the compiler must treat as changing v: no multiply-add is fused across it.
+inline reg opaque(reg v) {
+  asm("" : "+v"(v));
+  return v;
+}
+
+// 16 bytes -> the registers of their values as floats (signed or not), in byte order.
+template <bool Signed>
+inline void bytes_to_ps(__m128i b, reg* w) {
+#ifdef LEAPFX_BLOCKS_AVX512
+  w[0] = _mm512_cvtepi32_ps(Signed ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
+#else
+  const __m128i h = _mm_srli_si128(b, 8);
+  w[0] = _mm256_cvtepi32_ps(Signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
+  w[1] = _mm256_cvtepi32_ps(Signed ? _mm256_cvtepi8_epi32(h) : _mm256_cvtepu8_epi32(h));
+#endif
+}
+
+// The 32 weights of one block into w[0 .. kRegs - 1], in order.
+template <int64_t FMT>
+inline void dequant(const uint8_t* b, reg w[kRegs]) {
+  constexpr int kHalf = kRegs / 2;  // registers per 16 weights
+  if constexpr (FMT == Q4_0 || FMT == Q4_1) {
+    const int off = FMT == Q4_1 ? 4 : 2;
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + off));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_and_si128(q, mask);                     // weights 0..15
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(q, 4), mask);  // weights 16..31
+    if constexpr (FMT == Q4_0) {
+      const __m128i eight = _mm_set1_epi8(8);
+      bytes_to_ps<true>(_mm_sub_epi8(lo, eight), w);
+      bytes_to_ps<true>(_mm_sub_epi8(hi, eight), w + kHalf);
+    } else {
+      bytes_to_ps<false>(lo, w);
+      bytes_to_ps<false>(hi, w + kHalf);
+    }
+    const reg d = set1(half(b));
+    if constexpr (FMT == Q4_1) {
+      const reg m = set1(half(b + 2));
+      for (int j = 0; j < kRegs; ++j) w[j] = add(opaque(mul(d, w[j])), m);
+    } else {
+      for (int j = 0; j < kRegs; ++j) w[j] = mul(d, w[j]);
+    }
+  } else if constexpr (FMT == Q8_0) {
+    const reg d = set1(half(b));
+    for (int j = 0; j < 2; ++j)
+      bytes_to_ps<true>(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2 + 16 * j)),
+                        w + j * kHalf);
+    for (int j = 0; j < kRegs; ++j) w[j] = mul(w[j], d);
+  } else if constexpr (FMT == F16) {
+#ifdef LEAPFX_BLOCKS_AVX512
+    for (int j = 0; j < 2; ++j)
+      w[j] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32 * j)));
+#else
+    for (int j = 0; j < 4; ++j)
+      w[j] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16 * j)));
+#endif
+  } else if constexpr (FMT == BF16) {
+#ifdef LEAPFX_BLOCKS_AVX512
+    for (int j = 0; j < 2; ++j) {
+      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32 * j));
+      w[j] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+#else
+    for (int j = 0; j < 4; ++j) {
+      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16 * j));
+      w[j] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+#endif
+  } else {  // F32
+    for (int j = 0; j < kRegs; ++j) w[j] = loadu(reinterpret_cast<const float*>(b) + kLanes * j);
+  }
+}
+
+// The lanes of a summed in a fixed order (halves, then halves of those ...).
+inline float hsum(reg a) {
+  alignas(64) float t[kLanes];
+  storeu(t, a);
+  for (int w = kLanes / 2; w >= 1; w /= 2)
+    for (int i = 0; i < w; ++i) t[i] = t[i] + t[i + w];
+  return t[0];
+}
+
+// y[r, n + i] = x[r, :] . W[n + i, :] for i < NW output rows and r < R rows of x.
+template <int64_t FMT, int R, int NW>
+inline void rows_dot(const uint8_t* W, int64_t row_bytes, int64_t blocks, const float* x,
+                     int64_t ldx, float* y, int64_t ldy) {
+  constexpr int64_t bb = FMT == F32 ? 128 : FMT == F16 || FMT == BF16 ? 64
+                                          : FMT == Q4_0 ? 18 : FMT == Q4_1 ? 20 : 34;
+  reg acc[NW][R];
+  for (int i = 0; i < NW; ++i)
+    for (int r = 0; r < R; ++r) acc[i][r] = zero();
+  // Fully unrolled over the NW rows and R rows (the accumulators stay in registers; GCC
+  // otherwise keeps them in memory and loops).
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    const float* xb = x + blk * kWeights;
+#pragma GCC unroll 8
+    for (int i = 0; i < NW; ++i) {
+      reg w[kRegs];
+      dequant<FMT>(W + i * row_bytes + blk * bb, w);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+        for (int j = 0; j < kRegs; ++j)
+          acc[i][r] = fmadd(w[j], xb + r * ldx + kLanes * j, acc[i][r]);
+    }
+  }
+  for (int i = 0; i < NW; ++i)
+    for (int r = 0; r < R; ++r) y[r * ldy + i] = hsum(acc[i][r]);
+}
+
+// R rows of x over output rows n0 .. n1 - 1, NW at a time, the rest one by one.
+template <int64_t FMT, int R>
+void rows_span(const uint8_t* W, int64_t row_bytes, int64_t blocks, const float* x, int64_t ldx,
+               float* y, int64_t ldy, int64_t n0, int64_t n1) {
+#ifdef LEAPFX_BLOCKS_AVX512  // 32 registers: more output rows at once
+  constexpr int NW = R <= 2 ? 8 : R <= 4 ? 4 : 2;
+#else  // 16 registers
+  constexpr int NW = R == 1 ? 8 : R == 2 ? 4 : R <= 4 ? 2 : 1;
+#endif
+  int64_t n = n0;
+  for (; n + NW <= n1; n += NW)
+    rows_dot<FMT, R, NW>(W + n * row_bytes, row_bytes, blocks, x, ldx, y + n, ldy);
+  for (; n < n1; ++n)
+    rows_dot<FMT, R, 1>(W + n * row_bytes, row_bytes, blocks, x, ldx, y + n, ldy);
+}
+
+template <int64_t FMT>
+void group(int R, const uint8_t* W, int64_t row_bytes, int64_t blocks, const float* x,
+           int64_t ldx, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+  switch (R) {
+    case 8: rows_span<FMT, 8>(W, row_bytes, blocks, x, ldx, y, ldy, n0, n1); break;
+    case 7: rows_span<FMT, 7>(W, row_bytes, blocks, x, ldx, y, ldy, n0, n1); break;
+    case 6: rows_span<FMT, 6>(W, row_bytes, blocks, x, ldx, y, ldy, n0, n1); break;
+    case 5: rows_span<FMT, 5>(W, row_bytes, blocks, x, ldx, y, ldy, n0, n1); break;
+    case 4: rows_span<FMT, 4>(W, row_bytes, blocks, x, ldx, y, ldy, n0, n1); break;
+    case 3: rows_span<FMT, 3>(W, row_bytes, blocks, x, ldx, y, ldy, n0, n1); break;
+    case 2: rows_span<FMT, 2>(W, row_bytes, blocks, x, ldx, y, ldy, n0, n1); break;
+    default: rows_span<FMT, 1>(W, row_bytes, blocks, x, ldx, y, ldy, n0, n1); break;
+  }
+}
+
+// Output rows a chunk of the weight holds so that they are still in L2 when the next group of
+// kMaxRows rows of x reads them (over more rows than one group: a batch, a prefill).
+constexpr int64_t kChunkBytes = 256 * 1024;
+
+// y [M, N] (row stride ldy) = x [M, K] (row stride ldx) @ W.T, W [N, K] in blocks of fmt.
+void matmul_blocks(const float* x, int64_t ldx, int64_t M, const uint8_t* W, int64_t fmt,
+                   int64_t K, int64_t N, float* y, int64_t ldy) {
+  const int64_t blocks = K / kWeights, row_bytes = blocks * block_bytes(fmt);
+  const int64_t chunk = M <= kMaxRows ? N : std::max<int64_t>(8, kChunkBytes / row_bytes / 8 * 8);
+  // Grain: 32 output rows per task at least, so that tiny products stay on one thread.
+  at::parallel_for(0, N, 32, [&](int64_t a, int64_t b) {
+    for (int64_t c0 = a; c0 < b; c0 += chunk) {
+      const int64_t c1 = std::min(b, c0 + chunk);
+      for (int64_t m = 0; m < M; m += kMaxRows) {
+        const int R = static_cast<int>(std::min<int64_t>(kMaxRows, M - m));
+        const float* xm = x + m * ldx;
+        float* ym = y + m * ldy;
+        switch (fmt) {
+          case Q4_1: group<Q4_1>(R, W, row_bytes, blocks, xm, ldx, ym, ldy, c0, c1); break;
+          case Q8_0: group<Q8_0>(R, W, row_bytes, blocks, xm, ldx, ym, ldy, c0, c1); break;
+          case Q4_0: group<Q4_0>(R, W, row_bytes, blocks, xm, ldx, ym, ldy, c0, c1); break;
+          case F16: group<F16>(R, W, row_bytes, blocks, xm, ldx, ym, ldy, c0, c1); break;
+          case BF16: group<BF16>(R, W, row_bytes, blocks, xm, ldx, ym, ldy, c0, c1); break;
+          default: group<F32>(R, W, row_bytes, blocks, xm, ldx, ym, ldy, c0, c1); break;
+        }
+      }
+    }
+  });
+}
+
+void check(const at::Tensor& x, const at::Tensor& w, int64_t fmt, int64_t n, int64_t k,
+           const char* op) {
+  TORCH_CHECK(block_bytes(fmt) > 0, op, ": format ", fmt,
+              " is not one of F32 (0), F16 (1), Q4_0 (2), Q4_1 (3), Q8_0 (8), BF16 (30)");
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), op, ": CPU tensors only");
+  TORCH_CHECK(x.scalar_type() == at::kFloat, op, ": x must be float32, got ", x.scalar_type());
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.stride(1) == 1 &&
+                  w.stride(0) == w.size(1),
+              op, ": blocks must be a contiguous uint8 [N, K / 32 * block bytes]");
+  TORCH_CHECK(k > 0 && k % kWeights == 0, op, ": K=", k, " must be a positive multiple of 32");
+  TORCH_CHECK(n > 0 && w.size(0) == n && w.size(1) == k / kWeights * block_bytes(fmt), op,
+              ": blocks ", w.sizes(), " do not hold [", n, ", ", k, "] in format ", fmt);
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k, op, ": x [..., ", x.size(-1),
+              "] does not match K=", k);
+}
+
+std::vector<int64_t> out_shape(const at::Tensor& x, int64_t n) {
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n;
+  return shape;
+}
+
+// x [..., K] @ W.T -> [..., N], W [N, K] in blocks of fmt.
+at::Tensor block_mm(const at::Tensor& x, const at::Tensor& w, int64_t fmt, int64_t n, int64_t k) {
+  check(x, w, fmt, n, k, "leapfx_cpu::block_mm");
+  const at::Tensor xc = x.contiguous();
+  const int64_t M = xc.numel() / k;
+  at::Tensor y = at::empty(out_shape(x, n), x.options());
+  if (M > 0)
+    matmul_blocks(xc.data_ptr<float>(), k, M, w.data_ptr<uint8_t>(), fmt, k, n,
+                  y.data_ptr<float>(), n);
+  return y;
+}
+
+// down(silu(x @ gate.T) * (x @ up.T)): gate and up [I, K] in fmt_gu, down [k_out, I] in
+// fmt_down (each as the file holds it: no copy to put gate and up side by side).
+at::Tensor block_gated_mlp(const at::Tensor& x, const at::Tensor& w_gate, const at::Tensor& w_up,
+                           int64_t fmt_gu, int64_t I, const at::Tensor& w_down, int64_t fmt_down,
+                           int64_t k_out) {
+  const int64_t K = x.size(-1);
+  check(x, w_gate, fmt_gu, I, K, "leapfx_cpu::block_gated_mlp (gate)");
+  check(x, w_up, fmt_gu, I, K, "leapfx_cpu::block_gated_mlp (up)");
+  check(at::empty({1, I}, x.options()), w_down, fmt_down, k_out, I,
+        "leapfx_cpu::block_gated_mlp (down)");
+  const at::Tensor xc = x.contiguous();
+  const int64_t M = xc.numel() / K;
+  at::Tensor y = at::empty(out_shape(x, k_out), x.options());
+  if (M == 0) return y;
+  at::Tensor gu = at::empty({M, 2 * I}, x.options());
+  float* g = gu.data_ptr<float>();
+  const float* xp = xc.data_ptr<float>();
+  matmul_blocks(xp, K, M, w_gate.data_ptr<uint8_t>(), fmt_gu, K, I, g, 2 * I);
+  matmul_blocks(xp, K, M, w_up.data_ptr<uint8_t>(), fmt_gu, K, I, g + I, 2 * I);
+  for (int64_t m = 0; m < M; ++m) {  // silu(gate) * up, into the gate half
+    float* row = g + m * 2 * I;
+    leapfx_vec::silu_mul(row, row + I, I);
+  }
+  matmul_blocks(g, 2 * I, M, w_down.data_ptr<uint8_t>(), fmt_down, I, k_out,
+                y.data_ptr<float>(), k_out);
+  return y;
+}
+
+template <int64_t FMT>
+void dequant_rows(const uint8_t* W, int64_t row_bytes, int64_t blocks, float* out, int64_t n0,
+                  int64_t n1) {
+  constexpr int64_t bb = FMT == F32 ? 128 : FMT == F16 || FMT == BF16 ? 64
+                                          : FMT == Q4_0 ? 18 : FMT == Q4_1 ? 20 : 34;
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t blk = 0; blk < blocks; ++blk) {
+      reg w[kRegs];
+      dequant<FMT>(W + n * row_bytes + blk * bb, w);
+      float* o = out + (n * blocks + blk) * kWeights;
+      for (int j = 0; j < kRegs; ++j) storeu(o + kLanes * j, w[j]);
+    }
+}
+
+// W [N, K] in blocks of fmt -> float32 [N, K]: the kernels' own dequantization.
+at::Tensor block_dequantize(const at::Tensor& w, int64_t fmt, int64_t n, int64_t k) {
+  check(at::empty({1, k}, at::kFloat), w, fmt, n, k, "leapfx_cpu::block_dequantize");
+  at::Tensor out = at::empty({n, k}, at::kFloat);
+  const int64_t blocks = k / kWeights, row_bytes = blocks * block_bytes(fmt);
+  const uint8_t* W = w.data_ptr<uint8_t>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, n, 64, [&](int64_t a, int64_t b) {
+    switch (fmt) {
+      case Q4_1: dequant_rows<Q4_1>(W, row_bytes, blocks, o, a, b); break;
+      case Q8_0: dequant_rows<Q8_0>(W, row_bytes, blocks, o, a, b); break;
+      case Q4_0: dequant_rows<Q4_0>(W, row_bytes, blocks, o, a, b); break;
+      case F16: dequant_rows<F16>(W, row_bytes, blocks, o, a, b); break;
+      case BF16: dequant_rows<BF16>(W, row_bytes, blocks, o, a, b); break;
+      default: dequant_rows<F32>(W, row_bytes, blocks, o, a, b); break;
+    }
+  });
+  return out;
+}
+
+// Rows index [T] of W [N, K] in blocks, dequantized: an embedding lookup, [T, K].
+at::Tensor block_rows(const at::Tensor& w, int64_t fmt, int64_t n, int64_t k,
+                      const at::Tensor& index) {
+  check(at::empty({1, k}, at::kFloat), w, fmt, n, k, "leapfx_cpu::block_rows");
+  TORCH_CHECK(index.scalar_type() == at::kLong && index.device().is_cpu(),
+              "leapfx_cpu::block_rows: index must be int64 on the CPU");
+  const at::Tensor ic = index.contiguous();
+  const int64_t T = ic.numel();
+  std::vector<int64_t> shape(ic.sizes().begin(), ic.sizes().end());
+  shape.push_back(k);
+  at::Tensor out = at::empty(shape, at::kFloat);
+  const int64_t blocks = k / kWeights, row_bytes = blocks * block_bytes(fmt);
+  const int64_t* ip = ic.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(ip[t] >= 0 && ip[t] < n, "leapfx_cpu::block_rows: index ", ip[t],
+                " is outside 0 .. ", n - 1);
+  const uint8_t* W = w.data_ptr<uint8_t>();
+  float* o = out.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t) {
+    const uint8_t* row = W + ip[t] * row_bytes;
+    float* dst = o + t * k;
+    switch (fmt) {
+      case Q4_1: dequant_rows<Q4_1>(row, row_bytes, blocks, dst, 0, 1); break;
+      case Q8_0: dequant_rows<Q8_0>(row, row_bytes, blocks, dst, 0, 1); break;
+      case Q4_0: dequant_rows<Q4_0>(row, row_bytes, blocks, dst, 0, 1); break;
+      case F16: dequant_rows<F16>(row, row_bytes, blocks, dst, 0, 1); break;
+      case BF16: dequant_rows<BF16>(row, row_bytes, blocks, dst, 0, 1); break;
+      default: dequant_rows<F32>(row, row_bytes, blocks, dst, 0, 1); break;
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(leapfx_cpu, m) {
+  m.def("block_mm(Tensor x, Tensor w, int fmt, int n, int k) -> Tensor");
+  m.def(
+      "block_gated_mlp(Tensor x, Tensor w_gate, Tensor w_up, int fmt_gu, int i, Tensor w_down, "
+      "int fmt_down, int k_out) -> Tensor");
+  m.def("block_dequantize(Tensor w, int fmt, int n, int k) -> Tensor");
+  m.def("block_rows(Tensor w, int fmt, int n, int k, Tensor index) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(leapfx_cpu, CPU, m) {
+  m.impl("block_mm", &block_mm);
+  m.impl("block_gated_mlp", &block_gated_mlp);
+  m.impl("block_dequantize", &block_dequantize);
+  m.impl("block_rows", &block_rows);
+}

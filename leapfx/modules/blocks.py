@@ -1,0 +1,123 @@
+"""Linear layers and embeddings whose weights stay GGUF blocks (``leapfx.kernels.cpu_blocks``).
+
+A model loaded with ``weights="native"`` (``leapfx.models.load_model`` of a GGUF file) holds
+its projections as :class:`BlockLinear` and its embedding as :class:`BlockEmbedding`: the file's
+bytes (memory-mapped: the resident weights are about the file's size), multiplied by float32
+activations through ``leapfx_cpu::block_mm``, whose weights are bitwise gguf's dequantized ones.
+A tied head is a BlockLinear over the embedding's own blocks.
+
+Code that needs a float weight (``module.weight``: HF paths without kernels, training, export,
+the transposed copies of a compiled stage without kernels) gets it dequantized on demand: the
+same floats, at float32's memory, logged once per module. ``forward`` never does: without the
+kernels (another dtype or device, or no build) it dequantizes per call, and so it does under
+an export or when a gradient flows to its input (the op has no backward).
+
+    >>> lin = BlockLinear(blocks)               # a Blocks [n, k] weight
+    >>> lin(x).shape == (*x.shape[:-1], blocks.n)
+    True
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..kernels import cpu_blocks
+from ..kernels.cpu_blocks import Blocks
+
+log = logging.getLogger(__name__)
+
+
+class _BlockWeight(nn.Module):
+    """What BlockLinear and BlockEmbedding share: the blocks as a (non-persistent) buffer."""
+
+    def __init__(self, blocks: Blocks) -> None:
+        super().__init__()
+        self.register_buffer("blocks", blocks.data, persistent=False)  # uint8 [n, row bytes]
+        self.fmt = blocks.fmt
+        self._shape = (blocks.n, blocks.k)
+        self._said = False
+
+    @property
+    def weights(self) -> Blocks:
+        """The weight as :class:`Blocks` (no copy)."""
+        return Blocks(self.blocks, self.fmt, *self._shape)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The weight dequantized to float32 ``[n, k]`` (a new tensor on each read)."""
+        if not self._said:
+            self._said = True
+            log.info(
+                "leapfx: dequantizing a %s %s weight %s to float32 on demand (a path that "
+                "needs float weights; the kernels read the blocks)", self.fmt,
+                type(self).__name__, list(self._shape),
+            )  # fmt: skip
+        return dequantize(self.weights)
+
+
+def dequantize(w: Blocks) -> torch.Tensor:
+    """``w`` as float32: the kernels' own dequantization where they built, else torch's."""
+    if w.data.device.type == "cpu" and cpu_blocks.available():
+        return torch.ops.leapfx_cpu.block_dequantize(w.data, w.type_id, w.n, w.k)
+    return cpu_blocks.dequantize(w)
+
+
+class BlockLinear(_BlockWeight):
+    """``nn.Linear`` over a weight held as GGUF blocks (no bias: GGUF's projections have none
+    in the architectures leapfx loads natively)."""
+
+    def __init__(self, blocks: Blocks) -> None:
+        super().__init__(blocks)
+        self.out_features, self.in_features = blocks.n, blocks.k
+        self.bias = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_exporting() or (torch.is_grad_enabled() and x.requires_grad):
+            # an export (the weight a constant of the graph) or a gradient to x (training
+            # inserted parts through the head): float weights, dequantized on demand
+            return F.linear(x, self.weight.to(x.dtype))
+        if x.dtype == torch.float32 and x.device.type == "cpu" and cpu_blocks.available():
+            w = self.weights
+            return torch.ops.leapfx_cpu.block_mm(x, w.data, w.type_id, w.n, w.k)
+        return F.linear(x, dequantize(self.weights).to(x.dtype))
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.fmt}"
+
+
+class BlockEmbedding(_BlockWeight):
+    """``nn.Embedding`` over GGUF blocks: the looked-up rows dequantized (exactly)."""
+
+    def __init__(self, blocks: Blocks) -> None:
+        super().__init__(blocks)
+        self.num_embeddings, self.embedding_dim = blocks.n, blocks.k
+        self.padding_idx = None
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        w = self.weights
+        if ids.device.type == "cpu" and cpu_blocks.available():
+            return torch.ops.leapfx_cpu.block_rows(w.data, w.type_id, w.n, w.k, ids.long())
+        flat = ids.reshape(-1).long()
+        return cpu_blocks.dequantize(w.rows(flat)).reshape(*ids.shape, w.k)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, {self.fmt}"
+
+
+def is_blocks(module: nn.Module) -> bool:
+    """Whether ``module`` holds its weight as blocks (BlockLinear or BlockEmbedding)."""
+    return isinstance(module, _BlockWeight)
+
+
+def float_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """``module.state_dict()`` with each block module's ``weight`` dequantized in: what a float
+    copy of ``module`` (an inserted part that starts as a host layer) loads."""
+    out = dict(module.state_dict())
+    for name, sub in module.named_modules():
+        if is_blocks(sub):
+            out[f"{name}.weight" if name else "weight"] = sub.weight
+    return out

@@ -1,0 +1,206 @@
+"""Measure what bounds decoding SmolLM2 from its GGUF blocks on this machine (docs/quantized.md).
+
+    python tools/measure_blocks.py products     # bandwidth; float32 vs block products per shape
+    python tools/measure_blocks.py step         # a decode step, and its time outside products
+    python tools/measure_blocks.py load         # load time (cold / cached / first) and memory
+
+Each part prints one table; times are the minimum over 7 rounds of the mean of a batch of calls
+(a shared machine's noise only adds). ``load`` runs each load in a fresh process, the file's
+pages evicted first for the cold one (``posix_fadvise(DONTNEED)``), after loading the tiny
+reference model in that process (the imports and the kernels: resident memory that is no
+model's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+# SmolLM2-135M's products per layer (q|k|v, o, gate and up, down) and the tied head
+SHAPES = [
+    ("q, k, v", [576, 192, 192], 576, "Q4_1"),
+    ("o", [576], 576, "Q4_1"),
+    ("gate, up", [1536, 1536], 576, "Q4_1"),
+    ("down", [576], 1536, "Q4_1"),
+    ("head", [49152], 576, "Q8_0"),
+]
+LAYERS = 30
+
+
+def _time(fn, calls: int) -> float:
+    for _ in range(3):
+        fn()
+    best = float("inf")
+    for _ in range(7):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - start) / calls)
+    return best
+
+
+def bandwidth() -> float:
+    """GB/s of a sum over 1 GB of float32 (this process's threads)."""
+    a = torch.ones(1 << 28)
+    a.sum()
+    return 4 * a.numel() / _time(a.sum, 3) / 1e9
+
+
+def products() -> dict:
+    import gguf
+    import numpy as np
+    from gguf import quants
+
+    from leapfx.kernels import cpu, cpu_blocks
+
+    assert cpu.available() and cpu_blocks.available()
+    rng = np.random.default_rng(0)
+    ops = torch.ops.leapfx_cpu
+    out = {"threads": torch.get_num_threads(), "bandwidth_gbs": bandwidth(), "shapes": []}
+    print(f"threads {out['threads']}; memory bandwidth (1 GB sum): {out['bandwidth_gbs']:.1f} GB/s")
+    print(f"{'product':<10} {'[N x K]':<14} {'fmt':<5} {'rows':>4} {'float32 us':>11} "
+          f"{'blocks us':>10} {'ratio':>6}")  # fmt: skip
+    for name, ns, k, fmt in SHAPES:
+        qt = getattr(gguf.GGMLQuantizationType, fmt)
+        parts = []
+        for n in ns:
+            raw = quants.quantize(rng.standard_normal((n, k)).astype(np.float32), qt)
+            data = torch.from_numpy(np.ascontiguousarray(raw).view(np.uint8).reshape(n, -1))
+            dense = torch.from_numpy(quants.dequantize(raw, qt).astype(np.float32))
+            parts.append((cpu_blocks.Blocks(data, fmt, n, k), cpu.pack_weight(dense), n))
+        for rows in (1, 4, 8):
+            x = torch.randn(rows, k)
+            calls = 10 if name == "head" else 200
+
+            def floats(x=x, parts=parts):
+                for _, wp, n in parts:
+                    ops.small_mm(x, wp, n)
+
+            def blocks(x=x, parts=parts):
+                for b, _, _ in parts:
+                    ops.block_mm(x, b.data, b.type_id, b.n, b.k)
+
+            tf, tb = _time(floats, calls) * 1e6, _time(blocks, calls) * 1e6
+            shape = f"[{sum(ns)} x {k}]"
+            print(f"{name:<10} {shape:<14} {fmt:<5} {rows:>4} {tf:>11.1f} {tb:>10.1f} "
+                  f"{tf / tb:>5.2f}x")  # fmt: skip
+            out["shapes"].append({"product": name, "n": sum(ns), "k": k, "fmt": fmt,
+                                  "rows": rows, "float32_us": tf, "blocks_us": tb})  # fmt: skip
+    for kind in ("float32_us", "blocks_us"):
+        per_token = sum(
+            s[kind] * (1 if s["product"] == "head" else LAYERS)
+            for s in out["shapes"] if s["rows"] == 1
+        )  # fmt: skip
+        out[f"products_per_token_{kind}"] = per_token
+        print(f"one token's products ({kind[:-3]}): {per_token / 1e3:.2f} ms")
+    return out
+
+
+def step(weights: str, tokens: int = 64) -> dict:
+    """leapfx autoregressive on SmolLM2 (a HumanEval prompt): ms per token over ``tokens``
+    greedy tokens, the prefill and first token excluded (the difference of two lengths)."""
+    from leapfx import rewrite
+    from leapfx.bench.prompt_sets import load_prompt_set
+    from leapfx.models import load_model
+
+    model, tok = load_model("smollm2", weights=weights, progress=False)
+    sm = rewrite.apply(model, "autoregressive")
+    ids = load_prompt_set("humaneval", tok, count=1)[0]
+    new = sm.generate(ids, max_new_tokens=1 + tokens).shape[1] - ids.shape[1] - 1
+    short = min(_once(lambda: sm.generate(ids, max_new_tokens=1)) for _ in range(3))
+    long = min(_once(lambda: sm.generate(ids, max_new_tokens=1 + tokens)) for _ in range(3))
+    ms = (long - short) / new * 1e3
+    print(f"weights {weights}: {ms:.2f} ms a token ({1e3 / ms:.1f} tok/s) over {new} tokens")
+    return {"weights": weights, "ms_per_token": ms, "tokens": new}
+
+
+def _once(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+LOAD = """
+import json, sys, time
+from leapfx.bench.memory import resident_bytes
+import torch, transformers
+from leapfx.models import load_model
+from leapfx.kernels import cpu, cpu_blocks
+# the code a load imports and the kernels, first (on the project's tiny reference model):
+# what follows grows by the weights and what is per model only
+cpu.available(); cpu_blocks.available()
+load_model("reference", progress=False)
+before = resident_bytes(); start = time.perf_counter()
+model, tok = load_model("smollm2", weights=sys.argv[1], progress=False)
+seconds = time.perf_counter() - start; loaded = resident_bytes()
+with torch.no_grad():
+    model(tok("Hello", return_tensors="pt").input_ids)
+print(json.dumps({"seconds": seconds, "resident_after_load": loaded - before,
+                  "resident_after_a_token": resident_bytes() - before}))
+"""
+
+
+def _evict(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def load() -> dict:
+    from leapfx.models import resolve
+
+    path = str(resolve("smollm2").path)
+    size = os.path.getsize(path)
+    out = {"file_bytes": size}
+    print(f"SmolLM2 GGUF file: {size / 1e6:.1f} MB")
+    runs = [("native", "cold", None), ("native", "cached", None), ("native", "first", "empty"),
+            ("float32", "cached", None)]  # fmt: skip
+    for weights, state, cache in runs:
+        env = dict(os.environ)
+        if cache == "empty":
+            env["LEAPFX_CACHE"] = tempfile.mkdtemp()
+        if state == "cold":
+            _evict(path)
+        res = subprocess.run([sys.executable, "-c", LOAD, weights], env=env, check=True,
+                             capture_output=True, text=True)  # fmt: skip
+        r = json.loads(res.stdout.strip().splitlines()[-1])
+        out[f"{weights}_{state}"] = r
+        print(f"{weights:<8} {state:<7} (page cache {'evicted' if state == 'cold' else 'warm'}"
+              f"{', no leapfx cache' if cache else ''}): {r['seconds']:.2f} s; resident +"
+              f"{r['resident_after_load'] / 1e6:.0f} MB after load, +"
+              f"{r['resident_after_a_token'] / 1e6:.0f} MB after a token "
+              f"({r['resident_after_a_token'] / size:.2f}x the file)")  # fmt: skip
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("part", choices=("products", "step", "load"))
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--json", default=None, help="also write the numbers here")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.part == "products":
+        out = products()
+    elif args.part == "step":
+        out = {"steps": [step("native"), step("float32")]}
+    else:
+        out = load()
+    if args.json:
+        with open(args.json + ".tmp", "w") as f:
+            json.dump(out, f, indent=2)
+        os.replace(args.json + ".tmp", args.json)
+
+
+if __name__ == "__main__":
+    main()
