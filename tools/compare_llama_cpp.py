@@ -30,7 +30,7 @@ systems = {
 }
 times = {k: [] for k in systems}
 outs = {}
-for rep in range(3):
+for _ in range(3):
     for name, f in systems.items():
         t = time.perf_counter()
         new = 0
@@ -44,7 +44,9 @@ for k, v in times.items():
 same = all(
     torch.equal(a, b)
     for a, b in zip(
-        outs["leapfx_autoregressive native"][:2], outs["leapfx_autoregressive float32"][:2]
+        outs["leapfx_autoregressive native"][:2],
+        outs["leapfx_autoregressive float32"][:2],
+        strict=True,
     )
 )
 print("native tokens == float32 tokens:", same)
