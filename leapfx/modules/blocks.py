@@ -36,6 +36,7 @@ class _BlockWeight(nn.Module):
 
     def __init__(self, blocks: Blocks) -> None:
         super().__init__()
+        _kernels()  # built (first use) with the model, not inside a compiled stage's trace
         self.register_buffer("blocks", blocks.data, persistent=False)  # uint8 [n, row bytes]
         self.fmt = blocks.fmt
         self._shape = (blocks.n, blocks.k)
@@ -59,9 +60,20 @@ class _BlockWeight(nn.Module):
         return dequantize(self.weights)
 
 
+_KERNELS: list[bool] = []  # whether the block kernels built, once asked (see _kernels)
+
+
+def _kernels() -> bool:
+    """``cpu_blocks.available()``, remembered here as a plain value: a compiled stage reads it
+    without calling a cached function (which dynamo warns about)."""
+    if not _KERNELS:
+        _KERNELS.append(cpu_blocks.available())
+    return _KERNELS[0]
+
+
 def dequantize(w: Blocks) -> torch.Tensor:
     """``w`` as float32: the kernels' own dequantization where they built, else torch's."""
-    if w.data.device.type == "cpu" and cpu_blocks.available():
+    if w.data.device.type == "cpu" and _kernels():
         return torch.ops.leapfx_cpu.block_dequantize(w.data, w.type_id, w.n, w.k)
     return cpu_blocks.dequantize(w)
 
@@ -80,7 +92,7 @@ class BlockLinear(_BlockWeight):
             # an export (the weight a constant of the graph) or a gradient to x (training
             # inserted parts through the head): float weights, dequantized on demand
             return F.linear(x, self.weight.to(x.dtype))
-        if x.dtype == torch.float32 and x.device.type == "cpu" and cpu_blocks.available():
+        if x.dtype == torch.float32 and x.device.type == "cpu" and _kernels():
             w = self.weights
             return torch.ops.leapfx_cpu.block_mm(x, w.data, w.type_id, w.n, w.k)
         return F.linear(x, dequantize(self.weights).to(x.dtype))
@@ -99,7 +111,7 @@ class BlockEmbedding(_BlockWeight):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         w = self.weights
-        if ids.device.type == "cpu" and cpu_blocks.available():
+        if ids.device.type == "cpu" and _kernels():
             return torch.ops.leapfx_cpu.block_rows(w.data, w.type_id, w.n, w.k, ids.long())
         flat = ids.reshape(-1).long()
         return cpu_blocks.dequantize(w.rows(flat)).reshape(*ids.shape, w.k)
