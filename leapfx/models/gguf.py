@@ -76,15 +76,24 @@ def gguf_checkpoint(
         shutil.rmtree(folder)
     root.mkdir(parents=True, exist_ok=True)
     log.info("leapfx: dequantizing %s to %s once; cached in %s", path.name, key["dtype"], folder)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=root))
+    return publish_folder(folder, key, lambda tmp: _convert(path, dtype, tmp, progress=progress),
+                          _complete)  # fmt: skip
+
+
+def publish_folder(folder: Path, key: dict, fill, done) -> Path:
+    """Build cache entry ``folder`` atomically: ``fill(tmp)`` writes it under a temporary name
+    beside it, ``key`` goes into its ``KEY_FILE``, and a rename puts it in place; where another
+    process renamed a finished entry there first (``done(folder, key)``), that one stays. A
+    failure leaves nothing behind."""
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     os.chmod(tmp, 0o755)  # mkdtemp's 0700 would hide the cache from other users of the folder
     try:
-        _convert(path, dtype, tmp, progress=progress)
+        fill(tmp)
         (tmp / KEY_FILE).write_text(json.dumps(key, indent=2) + "\n")
         try:
             os.rename(tmp, folder)
         except OSError:  # another process finished the same folder first
-            if not _complete(folder, key):
+            if not done(folder, key):
                 raise
             shutil.rmtree(tmp, ignore_errors=True)
     except BaseException:

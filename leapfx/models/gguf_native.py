@@ -23,10 +23,8 @@ from __future__ import annotations
 import json
 import logging
 import mmap
-import os
 import shutil
 import struct
-import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +36,7 @@ from torch import nn
 
 from ..kernels.cpu_blocks import FORMATS, WEIGHTS_PER_BLOCK, Blocks
 from ..modules.blocks import BlockEmbedding, BlockLinear
-from .gguf import KEY_FILE, _installed, cache_root, file_key
+from .gguf import KEY_FILE, _installed, cache_root, file_key, publish_folder
 
 log = logging.getLogger(__name__)
 
@@ -310,9 +308,8 @@ def native_folder(path: Path, *, cache_dir: str | Path | None = None) -> Path:
         shutil.rmtree(folder)
     root.mkdir(parents=True, exist_ok=True)
     log.info("leapfx: reading %s's config and tokenizer once; cached in %s", path.name, folder)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=root))
-    os.chmod(tmp, 0o755)
-    try:
+
+    def fill(tmp: Path) -> None:
         kw = {"gguf_file": path.name, "local_files_only": True}
         try:
             config = transformers.AutoConfig.from_pretrained(path.parent, **kw)
@@ -323,17 +320,8 @@ def native_folder(path: Path, *, cache_dir: str | Path | None = None) -> Path:
         config.name_or_path = path.name
         config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        (tmp / KEY_FILE).write_text(json.dumps(key, indent=2) + "\n")
-        try:
-            os.rename(tmp, folder)
-        except OSError:  # another process finished the same folder first
-            if not _done(folder, key):
-                raise
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return folder
+
+    return publish_folder(folder, key, fill, _done)
 
 
 def _done(folder: Path, key: dict) -> bool:
