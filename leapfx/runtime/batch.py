@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -54,8 +54,14 @@ from .lookup import NgramIndex
 from .masks import masks_for
 from .metrics import DecodeMetrics
 from .runner import PREFILL, AttentionLayout
-from .sampling import probs
-from .schedules import DecodeRequest, Output, accept, point_mass
+from .schedules import (
+    DecodeRequest,
+    Output,
+    accept_rows,
+    choose,
+    draft_steps,
+    requests_of,
+)
 
 DRAFTERS = ("none", "lookup", "stage", "eagle")
 # Backends whose stages take a batch's ragged rows: the eager stages, and the compiled ones
@@ -453,6 +459,23 @@ class _Row:
     pos: int = 0
     ngrams: NgramIndex | None = None
 
+    @property
+    def request(self) -> DecodeRequest:
+        return self.out.request
+
+
+def _requests(rows: list[_Row]) -> list[DecodeRequest]:
+    return [row.request for row in rows]
+
+
+def choose_rows(logits: torch.Tensor, requests: list[DecodeRequest]) -> torch.Tensor:
+    """Each row's next token [B, 1] from logits [B, V] (``schedules.choose``): at once where
+    the rows share one request without processors, else a row at a time, in order."""
+    one = requests[0]
+    if all(r is one for r in requests) and (one.processing is None or not one.processing.active):
+        return choose(logits, one)
+    return torch.cat([choose(logits[b : b + 1], r) for b, r in enumerate(requests)])
+
 
 def _lookup_drafts(row: _Row, d: int) -> list[int]:
     if row.ngrams is None or d <= 0:
@@ -465,16 +488,21 @@ def batched_loop(
     runner: RowRunner,
     prompt: torch.Tensor,
     pads: list[int],
-    request: DecodeRequest,
+    request: DecodeRequest | Sequence[DecodeRequest],
     metrics: DecodeMetrics,
     plan: BatchPlan,
     policy: BatchPolicy | None,
 ) -> list[list[int]]:
     """Decode every row of ``prompt`` [B, S] (left-padded by ``pads``); returns each row's new
-    tokens (up to and including its EOS). ``policy`` chooses each round's draft length (None:
-    always ``plan.num_speculations``)."""
+    tokens (up to and including its EOS). ``request``: one for every row, or one a row (its
+    own budget, EOS, sampling, generator, processors and streamer). A row's streamer gets its
+    prompt row, each group of tokens the row emits, and ``end()`` when the row finishes.
+    ``policy`` chooses each round's draft length (None: always ``plan.num_speculations``)."""
     B, S = prompt.shape
-    rows = [_Row(b, Output(request), pos=S) for b in range(B)]
+    rows = [_Row(b, Output(r), pos=S) for b, r in enumerate(requests_of(request, B))]
+    for b, row in enumerate(rows):
+        if row.request.streamer is not None:
+            row.request.streamer.put(prompt[b : b + 1].cpu())  # [1, S]
     if plan.drafter == "lookup" or plan.lookup:
         for b, row in enumerate(rows):
             row.ngrams = NgramIndex(plan.max_ngram, plan.min_ngram)
@@ -488,7 +516,7 @@ def batched_loop(
     else:
         logits = runner.prefill("full", prompt)  # [B, 1 or S, V]
     metrics.full_calls += 1
-    x = _choose(logits[:, -1], request)  # [B, 1]
+    x = choose_rows(logits[:, -1], _requests(rows))  # [B, 1]
     _emit(rows, [[t] for t in x[:, 0].tolist()])
     rows, x = _drop_finished(runner, rows, x, finished, eagle)
     while rows:
@@ -502,7 +530,8 @@ def batched_loop(
             drafting = plan.drafter in ("stage", "eagle")
             share = 1.0 if drafting else sum(map(bool, copies)) / size
             d = policy.choose(size, d, share)
-        proposal = _propose(runner, rows, x, d, room, plan, request, copies, eagle)
+        requests = _requests(rows)
+        proposal = _propose(runner, rows, x, d, room, plan, requests, copies, eagle)
         metrics.draft_calls += proposal.stage_calls
         starts = [row.pos for row in rows]
         width = proposal.tokens.shape[1]
@@ -522,7 +551,9 @@ def batched_loop(
             metrics.verify_calls += 1
         else:
             metrics.full_calls += 1
-        emitted, kept = _accept_rows(proposal, logits, request)
+        emitted, kept = accept_rows(
+            proposal.tokens, proposal.valid, proposal.q, proposal.copied, logits, requests
+        )
         runner.cache.crop_rows([s + len(e) for s, e in zip(starts, emitted, strict=True)])
         if eagle is not None:
             eagle.accepted(kept)
@@ -562,6 +593,8 @@ def _drop_finished(
     for row in rows:
         if row.out.done:
             finished[row.index] = row.out.tokens
+            if row.request.streamer is not None:
+                row.request.streamer.end()
     if live:
         runner.keep(live)
         if eagle is not None:
@@ -606,47 +639,25 @@ class _EagleRows:
 
     def drafts(
         self, runner: RowRunner, rows: list[_Row], x: torch.Tensor, d: int,
-        request: DecodeRequest,
+        requests: list[DecodeRequest],
     ) -> tuple[torch.Tensor, torch.Tensor | None, None, list[int]]:  # fmt: skip
         """Up to d drafts a row by the head on (token, h), feeding its own state g back: the
         tokens [B, n], q [B, n, V] under sampling, no exit states, and each row's valid count
         (with ``threshold``, a row stops after a draft whose top-1 probability is at most it;
         the head stops once every row has). The head writes its cache layer past each row's
         start; the verify crops it back (``crop_rows``) and rewrites it from the true h."""
-        token, hidden = x, self.h
-        tokens, qs = [], []
-        valid = [d] * len(rows)
+        hidden = self.h
         starts = [row.pos for row in rows]
-        for i in range(d):
+
+        def step(token: torch.Tensor, i: int) -> torch.Tensor:
+            nonlocal hidden
             out = runner.call_outputs("head", token, [s + i for s in starts], "draft",
                                       hidden=hidden)  # fmt: skip
-            logits, hidden = out["logits"][:, -1], out["hidden"]  # [B, V], [B, 1, D]
-            token, q = _draw(logits, request)
-            if q is not None:
-                qs.append(q)
-            tokens.append(token)
-            if self.threshold > 0 and i + 1 < d:
-                dist = q if q is not None else torch.softmax(logits.float(), dim=-1)
-                low = (dist.max(dim=-1).values <= self.threshold).tolist()  # host sync
-                stops = zip(valid, low, strict=True)
-                valid = [i + 1 if stop and v == d else v for v, stop in stops]
-                if all(v <= i + 1 for v in valid):
-                    break
-        return torch.cat(tokens, dim=1), torch.stack(qs, dim=1) if qs else None, None, valid
+            hidden = out["hidden"]  # [B, 1, D]
+            return out["logits"][:, -1]  # [B, V]
 
-
-def _choose(logits: torch.Tensor, request: DecodeRequest) -> torch.Tensor:
-    """Each row's next token [B, 1] from logits [B, V]: argmax or a draw (one generator)."""
-    return _draw(logits, request)[0]
-
-
-def _draw(logits: torch.Tensor, request: DecodeRequest) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Each row's token [B, 1] from logits [B, V] and, under sampling, the distribution it was
-    drawn from [B, V] (one generator; None greedy: the argmax)."""
-    if not request.sampling.do_sample:
-        return logits.argmax(dim=-1, keepdim=True), None
-    q = probs(logits.float(), request.sampling)
-    return torch.multinomial(q, 1, generator=request.generator), q
+        tokens, q, valid = draft_steps(step, x, d, requests, threshold=self.threshold)
+        return tokens, q, None, valid
 
 
 @dataclass(frozen=True)
@@ -674,7 +685,7 @@ def _propose(
     d: int,
     room: list[int],
     plan: BatchPlan,
-    request: DecodeRequest,
+    requests: list[DecodeRequest],
     matches: list[list[int]],
     eagle: _EagleRows | None = None,
 ) -> Proposal:
@@ -689,9 +700,9 @@ def _propose(
     if drafting and d > 0 and not all(copies[b] for b in range(B) if caps[b]):
         # (tokens [B, n], q or None, exit states or None, each row's valid count or None)
         if eagle is not None:
-            staged = eagle.drafts(runner, rows, x, d, request)
+            staged = eagle.drafts(runner, rows, x, d, requests)
         else:
-            staged = _stage_drafts(runner, rows, x, d, request)
+            staged = _stage_drafts(runner, rows, x, d, requests)
         if staged[3] is not None:
             own = [min(c, v) for c, v in zip(caps, staged[3], strict=True)]
     tokens: list[list[int]] = []
@@ -713,8 +724,8 @@ def _propose(
     valid = [len(t) for t in tokens]
     width = max(valid, default=0)
     q = None
-    if request.sampling.do_sample and width:
-        q = staged[1][:, :width] if staged is not None else None
+    if width and staged is not None and staged[1] is not None:
+        q = staged[1][:, :width]
     calls = staged[0].shape[1] if staged is not None else 0
     if staged is not None and width == d and not any(copied):
         # every row's tokens are the stage's (a row with fewer valid drafts keeps the stage's
@@ -726,60 +737,19 @@ def _propose(
 
 
 def _stage_drafts(
-    runner: RowRunner, rows: list[_Row], x: torch.Tensor, d: int, request: DecodeRequest
+    runner: RowRunner, rows: list[_Row], x: torch.Tensor, d: int, requests: list[DecodeRequest]
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, None]:
-    """d drafts a row with the ``draft`` stage: tokens [B, d], under sampling q [B, d, V],
-    and the exit states of the tokens fed (x .. t_{d-1}) [B, d, H] where the stage gives
-    them (else None); every row's d drafts are valid (None)."""
-    token, tokens, qs, hidden = x, [], [], []
+    """d drafts a row with the ``draft`` stage (``draft_steps``): tokens [B, d], under
+    sampling q [B, d, V], and the exit states of the tokens fed (x .. t_{d-1}) [B, d, H] where
+    the stage gives them (else None); every row's d drafts are valid (None)."""
+    hidden = []
     starts = [row.pos for row in rows]
-    for i in range(d):
+
+    def step(token: torch.Tensor, i: int) -> torch.Tensor:
         out = runner.call_outputs("draft", token, [s + i for s in starts], "draft")
-        logits = out["logits"][:, -1]  # [B, V]
         if "hidden" in out:
             hidden.append(out["hidden"])
-        token, q = _draw(logits, request)
-        if q is not None:
-            qs.append(q)
-        tokens.append(token)
-    return (
-        torch.cat(tokens, dim=1),
-        torch.stack(qs, dim=1) if qs else None,
-        torch.cat(hidden, dim=1) if len(hidden) == d else None,
-        None,
-    )
+        return out["logits"][:, -1]  # [B, V]
 
-
-def _accept_rows(
-    proposal: Proposal, logits: torch.Tensor, request: DecodeRequest
-) -> tuple[list[list[int]], list[int]]:
-    """Each row's emitted tokens (its kept drafts and the token after them) and kept count."""
-    emitted, kept = [], []
-    if not request.sampling.do_sample:
-        targets = logits.argmax(dim=-1).tolist()  # [B, width + 1]: the round's one host sync
-        for b, v in enumerate(proposal.valid):
-            drafted = proposal.tokens[b, :v].tolist()
-            k = 0
-            while k < v and drafted[k] == targets[b][k]:
-                k += 1
-            emitted.append([*drafted[:k], targets[b][k]])
-            kept.append(k)
-        return emitted, kept
-    for b, v in enumerate(proposal.valid):
-        if v == 0:
-            token = torch.multinomial(
-                probs(logits[b, :1].float(), request.sampling), 1, generator=request.generator
-            )
-            emitted.append([int(token)])
-            kept.append(0)
-            continue
-        drafts = proposal.tokens[b : b + 1, :v]
-        if proposal.copied[b]:
-            q = point_mass(drafts, logits.shape[-1], request)
-        else:
-            q = proposal.q[b : b + 1, :v]
-        n, nxt = accept(drafts, q, logits[b : b + 1, : v + 1], request)
-        k = int(n)
-        emitted.append([*drafts[0, :k].tolist(), int(nxt)])
-        kept.append(k)
-    return emitted, kept
+    tokens, q, _ = draft_steps(step, x, d, requests)
+    return tokens, q, torch.cat(hidden, dim=1) if len(hidden) == d else None, None

@@ -350,7 +350,7 @@ class SpeculativeModel(GenerateFrontEnd):
         return self._decode(self.recipe.schedule, prompt, request)
 
     def _generate_batch(
-        self, prompt: torch.Tensor, pads: list[int], request: DecodeRequest
+        self, prompt: torch.Tensor, pads: list[int], requests: list[DecodeRequest]
     ) -> tuple[list[list[int]], DecodeMetrics]:
         plan = self.recipe.batch
         rows = prompt.shape[0]
@@ -378,7 +378,7 @@ class SpeculativeModel(GenerateFrontEnd):
                 "the model is in training mode (dropout active); call model.eval() first",
                 stacklevel=3,
             )
-        needed = prompt.shape[1] + request.max_new_tokens + self.recipe.lookahead
+        needed = prompt.shape[1] + max(r.max_new_tokens for r in requests) + self.recipe.lookahead
         size = cache_length(needed, getattr(self.options, "max_cache_len", None),
                             self.recipe.lookahead)  # fmt: skip
         if self.backend == "inductor":
@@ -399,7 +399,7 @@ class SpeculativeModel(GenerateFrontEnd):
         )  # fmt: skip
         start = time.perf_counter()
         with torch.inference_mode():
-            tokens = batched_loop(runner, prompt, pads, request, metrics, plan, policy)
+            tokens = batched_loop(runner, prompt, pads, requests, metrics, plan, policy)
         metrics.seconds = time.perf_counter() - start
         metrics.stage_seconds = dict(runner.seconds)
         metrics.new_tokens = sum(len(t) for t in tokens)
