@@ -57,7 +57,7 @@ def test_picks_the_length_with_the_most_tokens_per_cost(slope):
     # E(d) / C(d) (or 0 where no d beats a plain step by the margin).
     policy = DraftPolicy(max_drafts=8)
     policy.costs = {d: 1.0 + slope * d for d in range(9)}
-    policy.accepted, policy.rejections = 3.0, 2.0
+    policy.acceptance.accepted, policy.acceptance.rejections = 3.0, 2.0
     rates = {d: expected_tokens(0.6, d) / (1.0 + slope * d) for d in range(9)}
     best = max(range(1, 9), key=rates.get)
     want = best if rates[best] > (1 + MARGIN) * rates[0] else 0
@@ -82,7 +82,7 @@ def test_a_plain_step_is_weighed_at_its_own_measured_cost():
     # it is not.
     policy = DraftPolicy(max_drafts=4)
     policy.costs = {0: 1.0, 1: 1.46, 2: 1.78}
-    policy.accepted, policy.rejections = 0.42, 0.58
+    policy.acceptance.accepted, policy.acceptance.rejections = 0.42, 0.58
     assert policy.cost(0) == 1.0
     assert policy.line()[0] > 1.0
     assert policy.best(2)[1] < 1.0 + MARGIN
@@ -103,7 +103,7 @@ def _out(tokens: list[int]) -> Output:
 def test_auto_learns_each_rounds_outcome_from_the_verify():
     policies = Policies()
     drafter = _auto_drafter([1, 2, 3, 1, 2, 3], policies)
-    policies["lookup"].accepted = 100.0  # alpha near 1: the longest draft
+    policies["lookup"].acceptance.accepted = 100.0  # alpha near 1: the longest draft
     seen = []
     policies["lookup"].observe = lambda d, k, s, key=None: seen.append((d, k, key))
     x = torch.tensor([[1]])
@@ -135,8 +135,8 @@ def test_a_models_policies_keep_costs_across_decodes_and_restart_acceptance():
     first = _auto_drafter([1, 2, 3], policies)
     policy = policies["lookup"]
     policy.costs = {0: 1.0, 2: 1.6}
-    policy.accepted, policy.rejections = 0.1, 9.0
+    policy.acceptance.accepted, policy.acceptance.rejections = 0.1, 9.0
     second = _auto_drafter([4, 5], policies)
     assert second.policies is first.policies and policies["lookup"] is policy
     assert policy.costs == {0: 1.0, 2: 1.6}
-    assert policy.alpha == 0.5 and policy.by_key == {}
+    assert policy.alpha == 0.5 and policy.acceptance.by_key == {}

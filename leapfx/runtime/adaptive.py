@@ -88,6 +88,43 @@ class ProbeGate:
         return "decline"
 
 
+class Acceptance:
+    """Live acceptance: the decayed counts of kept drafts and rejections over the rounds that
+    drafted (pooled, and a key's own: an n-gram length's), from a prior of one of each.
+
+    >>> a = Acceptance(); a.observe(3.0, 0.0); round(a.alpha, 3)  # (0.9 + 3) / (3.9 + 0.9)
+    0.812
+    """
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.accepted, self.rejections = 1.0, 1.0  # pooled; prior: alpha 0.5
+        self.by_key: dict[int, list[float]] = {}  # n-gram length -> [accepted, rejections]
+
+    def observe(self, accepted: float, rejected: float, key: int | None = None) -> None:
+        """A drafting round kept ``accepted`` drafts and rejected one (``rejected`` 1) or none
+        (0); a batch's round: the mean row's counts."""
+        self.accepted = DECAY * self.accepted + accepted
+        self.rejections = DECAY * self.rejections + rejected
+        if key is not None:
+            counts = self.by_key.setdefault(key, [0.0, 0.0])
+            counts[0] = DECAY * counts[0] + accepted
+            counts[1] = DECAY * counts[1] + rejected
+
+    @property
+    def alpha(self) -> float:
+        return self.accepted / (self.accepted + self.rejections)
+
+    def alpha_of(self, key: int | None) -> float:
+        counts = self.by_key.get(key) if key is not None else None
+        if counts is None:
+            return self.alpha
+        accepted, rejections = counts
+        return (accepted + SHRINK * self.alpha) / (accepted + rejections + SHRINK)
+
+
 class DraftPolicy:
     """Chooses a round's draft count from acceptance and cost observed so far.
 
@@ -99,34 +136,32 @@ class DraftPolicy:
     15
     """
 
-    def __init__(self, max_drafts: int) -> None:
+    def __init__(self, max_drafts: int, acceptance: Acceptance | None = None) -> None:
         self.max_drafts = max_drafts
         self.costs: dict[int, float] = {}  # d -> moving average of a round's seconds
         self._seen: set[int] = set()  # lengths that have run a round
         # a draft's share of a plain step while fewer than two lengths are measured (a batch's
         # policy borrows its neighbours' line: BatchPolicy)
         self.prior_slope = PRIOR_SLOPE
+        # the text's acceptance: this policy's own, or one a batch's policies share (one a
+        # batch size, all reading the live rows' acceptance)
+        self.acceptance = Acceptance() if acceptance is None else acceptance
         self.restart()
 
     def restart(self) -> None:
         """A new decode: acceptance back to the prior (it is the text's); costs are kept."""
-        self.accepted, self.rejections = 1.0, 1.0  # pooled; prior: alpha 0.5
-        self.by_key: dict[int, list[float]] = {}  # n-gram length -> [accepted, rejections]
+        self.acceptance.reset()
         self.gate = ProbeGate()
 
     @property
     def alpha(self) -> float:
         """The pooled acceptance rate over every drafting round."""
-        return self.accepted / (self.accepted + self.rejections)
+        return self.acceptance.alpha
 
     def alpha_of(self, key: int | None) -> float:
         """Acceptance of a round whose match is ``key`` (its n-gram length): that length's own
         counts plus ``SHRINK`` pseudo-rounds at the pooled rate (the pooled rate for None)."""
-        counts = self.by_key.get(key) if key is not None else None
-        if counts is None:
-            return self.alpha
-        accepted, rejections = counts
-        return (accepted + SHRINK * self.alpha) / (accepted + rejections + SHRINK)
+        return self.acceptance.alpha_of(key)
 
     def cost(self, d: int) -> float:
         """C(d) from the least-squares line through the measured lengths' averages (relative
@@ -189,13 +224,7 @@ class DraftPolicy:
         """A round drafted ``drafted`` tokens from a match of kind ``key``, kept ``accepted``
         of them, took ``seconds``."""
         if drafted > 0:
-            rejected = float(accepted < drafted)
-            self.accepted = DECAY * self.accepted + accepted
-            self.rejections = DECAY * self.rejections + rejected
-            if key is not None:
-                counts = self.by_key.setdefault(key, [0.0, 0.0])
-                counts[0] = DECAY * counts[0] + accepted
-                counts[1] = DECAY * counts[1] + rejected
+            self.acceptance.observe(accepted, float(accepted < drafted), key)
         self.observe_cost(drafted, seconds)
 
     def observe_cost(self, drafted: int, seconds: float) -> None:

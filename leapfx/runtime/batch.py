@@ -47,7 +47,7 @@ import torch
 
 from ..modules.fused import kernel_attends_ragged
 from . import executor
-from .adaptive import DECAY, PRIOR_SLOPE, DraftPolicy
+from .adaptive import PRIOR_SLOPE, Acceptance, DraftPolicy
 from .cache import StaticKVCache, cache_for
 from .executor import StageExecutor
 from .lookup import NgramIndex
@@ -390,23 +390,21 @@ class BatchPolicy:
 
     def __init__(self, max_drafts: int) -> None:
         self.max_drafts = max_drafts
+        self.acceptance = Acceptance()  # the live rows', whatever their number
         self.by_size: dict[int, DraftPolicy] = {}
-        self.live: DraftPolicy | None = None
 
     def restart(self) -> None:
+        self.acceptance.reset()
         for policy in self.by_size.values():
             policy.restart()
-        self.live = None
 
     def at(self, size: int) -> DraftPolicy:
+        """The draft policy at batch ``size``: its own costs, the batch's acceptance."""
         policy = self.by_size.get(size)
         if policy is None:
-            policy = self.by_size[size] = DraftPolicy(self.max_drafts)
-        if self.live is not None and policy is not self.live:
-            policy.accepted, policy.rejections = self.live.accepted, self.live.rejections
+            policy = self.by_size[size] = DraftPolicy(self.max_drafts, self.acceptance)
         if policy.line() is None:
             policy.prior_slope = self._slope_near(size)
-        self.live = policy
         return policy
 
     def _slope_near(self, size: int) -> float:
@@ -445,8 +443,7 @@ class BatchPolicy:
         policy = self.at(size)
         if drafted > 0 and rows:
             n = len(rows)
-            policy.accepted = DECAY * policy.accepted + sum(k for _, k in rows) / n
-            policy.rejections = DECAY * policy.rejections + sum(k < v for v, k in rows) / n
+            self.acceptance.observe(sum(k for _, k in rows) / n, sum(k < v for v, k in rows) / n)
         policy.observe_cost(drafted, seconds)
 
 
