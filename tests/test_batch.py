@@ -334,6 +334,51 @@ def test_each_row_of_a_batch_decodes_its_own_request_as_it_would_alone(recipe):
     assert metrics.new_tokens == sum(map(len, solo))
 
 
+@settings(max_examples=examples(15, 100), deadline=None)
+@given(data=st.data())
+def test_rows_that_join_a_running_batch_decode_as_they_would_alone(data):
+    # Continuous batching: requests join between rounds, each with its own budget and EOS, and
+    # leave as they finish (or are cancelled); each greedy row equals its solo decode.
+    recipe, options = data.draw(st.sampled_from(BATCHED), label="recipe")
+    model = tiny_model("llama", layers=4, vocab=32, seed=7)
+    options = _options(recipe, options, 4, data)
+    sm = rewrite.apply(model, recipe, **options)
+    n = data.draw(st.integers(1, 5), label="requests")
+    prompts = [data.draw(st.lists(st.integers(0, 31), min_size=1, max_size=10), label="prompt")
+               for _ in range(n)]  # fmt: skip
+    budgets = [data.draw(st.integers(1, 10), label="budget") for _ in range(n)]
+    arrivals = sorted(data.draw(st.integers(0, 6), label="arrival round") for _ in range(n))
+    cancel = data.draw(st.sampled_from([None, *range(n)]), label="cancelled")
+    solo = [
+        sm.generate(torch.tensor([p]), max_new_tokens=m, eos_token_id=6)[0, len(p) :].tolist()
+        for p, m in zip(prompts, budgets, strict=True)
+    ]
+    decode = sm.batch_decode(max(map(len, prompts)) + max(budgets))
+    streamers = [_Streamer() for _ in range(n)]
+    waiting, rounds = list(range(n)), 0
+    while waiting or decode.rows:
+        while waiting and arrivals[waiting[0]] <= rounds:
+            i = waiting.pop(0)
+            request = decode_request(model.generation_config, len(prompts[i]),
+                                     max_new_tokens=budgets[i], eos_token_id=6,
+                                     sampling={"do_sample": False}, generator=None,
+                                     streamer=streamers[i])  # fmt: skip
+            decode.admit(torch.tensor([prompts[i]]), request, i)
+        if cancel is not None and rounds == 1:
+            decode.cancel(cancel)
+        if decode.rows:
+            decode.round()
+        rounds += 1
+    for i in range(n):
+        tokens = decode.finished.pop(i)
+        assert streamers[i].ended == 1 and [t for p in streamers[i].puts[1:] for t in p] == tokens
+        if i == cancel:
+            assert tokens == solo[i][: len(tokens)]  # a prefix: it stopped when cancelled
+        else:
+            assert tokens == solo[i]
+    assert not decode.finished and decode.runner.cache.batch_size == 0
+
+
 def test_row_cache_writes_each_row_at_its_own_length_and_crops_per_row():
     cache = RowKVCache(num_layers=2, num_kv_heads=1, head_dim=1, max_len=8, batch_size=3)
     for layer in range(2):

@@ -196,16 +196,35 @@ class RowKVCache(StaticKVCache):
 
     def keep(self, rows: list[int]) -> None:
         """Keep only ``rows`` (indices into the current batch), in that order."""
-        index = torch.tensor(rows, device=self.keys[0].device)
+        index = torch.tensor(rows, dtype=torch.long, device=self.keys[0].device)
         self.keys = [k.index_select(0, index) for k in self.keys]
         self.values = [v.index_select(0, index) for v in self.values]
         self.rows = [[layer[r] for r in rows] for layer in self.rows]
         self.first = [self.first[r] for r in rows]
-        self.lengths = [max(layer) for layer in self.rows]
+        self.lengths = [max(layer, default=0) for layer in self.rows]
+        self._spans, self._indices = None, {}
 
     def reset(self) -> None:
         super().reset()
         self.rows = [[0] * self.batch_size for _ in self.rows]
+
+    def blank(self, batch_size: int) -> RowKVCache:
+        """An empty cache of ``batch_size`` rows shaped as this one (layers, heads, length)."""
+        k = self.keys[0]
+        return RowKVCache(
+            len(self.keys), [t.shape[1] for t in self.keys], [t.shape[3] for t in self.keys],
+            self.max_len, batch_size=batch_size, dtype=k.dtype, device=k.device,
+            static_addresses=False,
+        )  # fmt: skip
+
+    def join(self, other: RowKVCache) -> None:
+        """Append ``other``'s rows (a cache of the same shape) after this one's."""
+        self.keys = [torch.cat([a, b]) for a, b in zip(self.keys, other.keys, strict=True)]
+        self.values = [torch.cat([a, b]) for a, b in zip(self.values, other.values, strict=True)]
+        self.rows = [a + b for a, b in zip(self.rows, other.rows, strict=True)]
+        self.first = self.first + other.first
+        self.lengths = [max(layer) for layer in self.rows]
+        self._spans, self._indices = None, {}
 
 
 def row_cache_for(model, max_len: int, batch_size: int, *, extra_layers: int = 0) -> RowKVCache:
@@ -380,6 +399,11 @@ class RowRunner:
         self.cache.keep(rows)
         self.pads = [self.pads[r] for r in rows]
 
+    def join(self, other: RowRunner) -> None:
+        """Append ``other``'s rows (its cache's and pads) after this runner's."""
+        self.cache.join(other.cache)
+        self.pads = self.pads + other.pads
+
 
 class BatchPolicy:
     """Draft lengths for batched rounds: one :class:`~leapfx.runtime.adaptive.DraftPolicy` a
@@ -455,6 +479,8 @@ class _Row:
     out: Output
     pos: int = 0
     ngrams: NgramIndex | None = None
+    drafted: int = 0  # drafts this row was given to verify, and of them kept
+    kept: int = 0
 
     @property
     def request(self) -> DecodeRequest:
@@ -495,28 +521,103 @@ def batched_loop(
     own budget, EOS, sampling, generator, processors and streamer). A row's streamer gets its
     prompt row, each group of tokens the row emits, and ``end()`` when the row finishes.
     ``policy`` chooses each round's draft length (None: always ``plan.num_speculations``)."""
-    B, S = prompt.shape
-    rows = [_Row(b, Output(r), pos=S) for b, r in enumerate(requests_of(request, B))]
-    for b, row in enumerate(rows):
-        if row.request.streamer is not None:
-            row.request.streamer.put(prompt[b : b + 1].cpu())  # [1, S]
-    if plan.drafter == "lookup" or plan.lookup:
+    decode = BatchDecode(runner, metrics, plan, policy)
+    decode.start(prompt, pads, requests_of(request, prompt.shape[0]))
+    while decode.rows:
+        decode.round()
+    return [decode.finished.pop(b) for b in range(prompt.shape[0])]
+
+
+class BatchDecode:
+    """A batch's decode a round at a time, over one :class:`RowRunner`: ``start`` prefills a
+    batch, ``admit`` prefills one more row (alone, in a one-row cache of the same length) and
+    joins it to the batch between rounds, ``round`` runs one draft-verify-accept round for
+    every live row, and a row that finished (or was ``cancel``-ed) leaves after it. What a
+    row emits goes to its Output (its streamer); a finished row's tokens wait in
+    ``finished`` under its index (``pop`` them).
+
+    ``batched_loop`` is ``start`` then rounds until no row is left; a server admits its
+    requests between rounds (continuous batching)."""
+
+    def __init__(
+        self,
+        runner: RowRunner,
+        metrics: DecodeMetrics,
+        plan: BatchPlan,
+        policy: BatchPolicy | None,
+    ) -> None:
+        self.runner, self.metrics, self.plan, self.policy = runner, metrics, plan, policy
+        self.rows: list[_Row] = []
+        self.x: torch.Tensor | None = None  # [B, 1]: each live row's newest token
+        self.finished: dict[int, list[int]] = {}
+        # a finished row's (drafts verified, drafts kept), under its index as ``finished``
+        self.acceptance: dict[int, tuple[int, int]] = {}
+        self.eagle = _EagleRows(plan.threshold) if plan.drafter == "eagle" else None
+        if policy is not None:
+            policy.restart()
+
+    def _new_rows(self, prompt: torch.Tensor, pads: list[int], requests, indices) -> list[_Row]:
+        S = prompt.shape[1]
+        rows = [_Row(i, Output(r), pos=S) for i, r in zip(indices, requests, strict=True)]
         for b, row in enumerate(rows):
-            row.ngrams = NgramIndex(plan.max_ngram, plan.min_ngram)
-            row.ngrams.extend(prompt[b, pads[b] :].tolist())
-    if policy is not None:
-        policy.restart()
-    finished: dict[int, list[int]] = {}
-    eagle = _EagleRows(plan.threshold) if plan.drafter == "eagle" else None
-    if eagle is not None:
-        logits = eagle.prefill(runner, prompt)
-    else:
-        logits = runner.prefill("full", prompt)  # [B, 1 or S, V]
-    metrics.full_calls += 1
-    x = choose_rows(logits[:, -1], _requests(rows))  # [B, 1]
-    _emit(rows, [[t] for t in x[:, 0].tolist()])
-    rows, x = _drop_finished(runner, rows, x, finished, eagle)
-    while rows:
+            if row.request.streamer is not None:
+                row.request.streamer.put(prompt[b : b + 1].cpu())  # [1, S]
+            if self.plan.drafter == "lookup" or self.plan.lookup:
+                row.ngrams = NgramIndex(self.plan.max_ngram, self.plan.min_ngram)
+                row.ngrams.extend(prompt[b, pads[b] :].tolist())
+        return rows
+
+    def _prefill(self, runner: RowRunner, prompt: torch.Tensor) -> torch.Tensor:
+        """The first new token of each row of ``prompt`` on ``runner``: [B, 1]."""
+        if self.eagle is not None:
+            logits = self.eagle.prefill(runner, prompt)
+        else:
+            logits = runner.prefill("full", prompt)  # [B, 1 or S, V]
+        self.metrics.full_calls += 1
+        return logits[:, -1]
+
+    def start(self, prompt: torch.Tensor, pads: list[int], requests: list[DecodeRequest]) -> None:
+        """Prefill the rows of ``prompt`` [B, S] (left-padded by ``pads``; the runner's) in one
+        batch, indices 0..B-1, and emit each row's first token."""
+        rows = self._new_rows(prompt, pads, requests, range(prompt.shape[0]))
+        x = choose_rows(self._prefill(self.runner, prompt), _requests(rows))  # [B, 1]
+        self.rows, self.x = rows, x
+        _emit(rows, [[t] for t in x[:, 0].tolist()])
+        self._drop_finished()
+
+    def admit(self, prompt: torch.Tensor, request: DecodeRequest, index: int) -> None:
+        """Join the row ``prompt`` [1, n] (no padding) under ``index``: its prefill runs alone,
+        on a one-row cache of the batch's length, which then joins the batch's cache; its first
+        token is emitted here."""
+        runner = self.runner
+        alone = RowRunner(runner.stages, runner.cache.blank(1), runner.layout, [0])
+        eagle, self.eagle = self.eagle, (None if self.eagle is None else _EagleRows(0.0))
+        try:
+            (row,) = self._new_rows(prompt, [0], [request], [index])
+            x = choose_rows(self._prefill(alone, prompt), [request])  # [1, 1]
+        finally:
+            joined, self.eagle = self.eagle, eagle
+        for key, seconds in alone.seconds.items():
+            runner.seconds[key] += seconds
+        runner.join(alone)
+        if eagle is not None:
+            eagle.join(joined)
+        self.rows.append(row)
+        self.x = x if self.x is None or not len(self.x) else torch.cat([self.x, x])
+        _emit([row], [[int(x[0, 0])]])
+        self._drop_finished()
+
+    def cancel(self, index: int) -> None:
+        """Stop the row ``index`` (a client that left): it leaves after this round."""
+        for row in self.rows:
+            if row.index == index:
+                row.out.done = True
+        self._drop_finished()
+
+    def round(self) -> None:
+        """One round for every live row: choose d, propose, verify, accept, crop, emit."""
+        runner, metrics, plan, policy = self.runner, self.metrics, self.plan, self.policy
+        rows, x, eagle = self.rows, self.x, self.eagle
         size = len(rows)
         begin = time.perf_counter()
         room = [row.out.remaining - 1 for row in rows]  # drafts past a row's budget are waste
@@ -561,14 +662,33 @@ def batched_loop(
             if v > 0:
                 metrics.record_drafts(v, k)
                 metrics.record_round(who)
+                row.drafted += v
+                row.kept += k
         metrics.draft_lengths.append(width)
-        x = torch.tensor([[e[-1]] for e in emitted], device=prompt.device)
+        self.x = torch.tensor([[e[-1]] for e in emitted], device=x.device)
         _emit(rows, emitted)
         if policy is not None:
             drafted = [(v, k) for v, k in zip(proposal.valid, kept, strict=True) if v > 0]
             policy.observe(size, width, drafted, time.perf_counter() - begin)
-        rows, x = _drop_finished(runner, rows, x, finished, eagle)
-    return [finished[b] for b in range(B)]
+        self._drop_finished()
+
+    def _drop_finished(self) -> None:
+        """Keep the rows still decoding (and their newest tokens); the cache (and EAGLE's
+        states) keep only theirs. A finished row's streamer ends."""
+        rows = self.rows
+        live = [i for i, row in enumerate(rows) if not row.out.done]
+        if len(live) == len(rows):
+            return
+        for row in rows:
+            if row.out.done:
+                self.finished[row.index] = row.out.tokens
+                self.acceptance[row.index] = (row.drafted, row.kept)
+                if row.request.streamer is not None:
+                    row.request.streamer.end()
+        self.runner.keep(live)
+        if self.eagle is not None:
+            self.eagle.keep(live)
+        self.rows, self.x = [rows[i] for i in live], self.x[live]
 
 
 def _emit(rows: list[_Row], emitted: list[list[int]]) -> None:
@@ -576,27 +696,6 @@ def _emit(rows: list[_Row], emitted: list[list[int]]) -> None:
         row.out.extend(tokens)
         if row.ngrams is not None:
             row.ngrams.extend(tokens)
-
-
-def _drop_finished(
-    runner: RowRunner, rows: list[_Row], x: torch.Tensor, finished: dict[int, list[int]],
-    eagle: _EagleRows | None = None,
-) -> tuple[list[_Row], torch.Tensor]:  # fmt: skip
-    """The rows still decoding (and their newest tokens); the cache (and EAGLE's states)
-    keep only theirs."""
-    live = [i for i, row in enumerate(rows) if not row.out.done]
-    if len(live) == len(rows):
-        return rows, x
-    for row in rows:
-        if row.out.done:
-            finished[row.index] = row.out.tokens
-            if row.request.streamer is not None:
-                row.request.streamer.end()
-    if live:
-        runner.keep(live)
-        if eagle is not None:
-            eagle.keep(live)
-    return [rows[i] for i in live], x[live]
 
 
 class _EagleRows:
@@ -633,6 +732,10 @@ class _EagleRows:
 
     def keep(self, live: list[int]) -> None:
         self.h = self.h[live]
+
+    def join(self, other: _EagleRows) -> None:
+        """Append ``other``'s rows' states after this batch's."""
+        self.h = other.h if self.h is None or not len(self.h) else torch.cat([self.h, other.h])
 
     def drafts(
         self, runner: RowRunner, rows: list[_Row], x: torch.Tensor, d: int,
