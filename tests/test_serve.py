@@ -165,6 +165,47 @@ def test_malformed_requests_get_4xx_bodies_and_the_server_goes_on(reference):
     assert ok.usage.completion_tokens >= 1 and server.health()["status"] == "ok"
 
 
+def test_a_failing_round_fails_its_requests_and_the_server_goes_on(reference, monkeypatch):
+    server, _, _ = reference
+    engine = server.app.state.engine
+    real = type(engine._decode).round
+    calls = {"n": 0}
+
+    def flaky(self):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected fault")
+        return real(self)
+
+    monkeypatch.setattr(type(engine._decode), "round", flaky)
+    with pytest.raises(openai.InternalServerError, match="injected fault"):
+        server.client.completions.create(model="reference", prompt="x", max_tokens=4)
+    ok = server.client.completions.create(model="reference", prompt="x", max_tokens=4)
+    assert ok.usage.completion_tokens >= 1 and server.health()["rows"] == 0
+
+
+def test_shutdown_finishes_the_streams_in_flight_and_takes_no_new_request():
+    # What SIGTERM does to uvicorn (should_exit): stop listening, let the requests in flight end.
+    from leapfx.models import load_model
+
+    model, tok = load_model(None, progress=False)
+    server = _Server(rewrite.apply(model, "autoregressive"), tok, "reference", max_len=256)
+    events: list[str] = []
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=60, json={
+        "prompt": PROMPTS[2], "max_tokens": 40, "temperature": 0, "stream": True,
+    }) as response:  # fmt: skip
+        lines = response.iter_lines()
+        events.append(next(line for line in lines if line.startswith("data: ")))
+        server.server.should_exit = True
+        time.sleep(0.5)
+        with pytest.raises(httpx.ConnectError):
+            httpx.post(server.url + "/v1/completions", json={"prompt": "x"}, timeout=5)
+        events.extend(line for line in lines if line.startswith("data: "))
+    server.thread.join(60)
+    assert events[-1] == "data: [DONE]" and len(events) > 3
+    assert not server.thread.is_alive()
+
+
 def test_a_full_queue_answers_429_with_retry_after():
     model = tiny_model("llama", layers=2, vocab=32)
     sm = rewrite.apply(model, "autoregressive")

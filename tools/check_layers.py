@@ -42,6 +42,7 @@ FLOORS = [
     ("rewrite",),
     ("train",),
     ("bench", "demo"),
+    ("serve",),
     ("textgen",),
     ("cli",),
 ]
