@@ -174,7 +174,8 @@ def llama_cpp_argv(gguf: str, port: int, max_batch: int, threads: int | None) ->
     server's design: one lock around the model); ``--interrupt_requests False`` so that a new
     request waits for the one streaming instead of cutting it off (its default)."""
     argv = [sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--port", str(port),
-            "--n_ctx", "4096", "--model_alias", "smollm2", "--interrupt_requests", "False"]  # fmt: skip
+            "--n_ctx", "4096", "--model_alias", "smollm2",
+            "--interrupt_requests", "False"]  # fmt: skip
     if threads:
         argv += ["--n_threads", str(threads), "--n_threads_batch", str(threads)]
     return argv
