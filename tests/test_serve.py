@@ -356,3 +356,18 @@ def test_chat_completions_on_smollm2_streamed_and_not():
         assert want.startswith(stop.choices[0].message.content)
     finally:
         server.close()
+
+
+@needs_smollm2
+def test_serve_bench_loads_the_server_and_reports_each_level(tmp_path):
+    from leapfx.cli import main
+
+    out = tmp_path / "load.json"
+    code = main(["serve-bench", "--model", "smollm2", "--recipe", "autoregressive",
+                 "--concurrency", "1,2", "--requests", "2", "--max-tokens", "4",
+                 "--no-llama-cpp", "--json", str(out)])  # fmt: skip
+    assert code == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["system"], r["concurrency"]) for r in rows] == [
+        ("leapfx_autoregressive", 1), ("leapfx_autoregressive", 2)]  # fmt: skip
+    assert all(r["errors"] == 0 and r["tokens"] > 0 and r["agreement"] == 1.0 for r in rows)
