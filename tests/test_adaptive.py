@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from leapfx.runtime.adaptive import (
+    COST_EMA,
     MARGIN,
+    OUTLIER,
     PROBE_EVERY,
     AdaptiveDrafter,
     DraftPolicy,
@@ -140,3 +142,25 @@ def test_a_models_policies_keep_costs_across_decodes_and_restart_acceptance():
     assert second.policies is first.policies and policies["lookup"] is policy
     assert policy.costs == {0: 1.0, 2: 1.6}
     assert policy.alpha == 0.5 and policy.acceptance.by_key == {}
+
+
+def test_one_stalled_round_does_not_hold_drafting_off():
+    # Drafts kept 3 of 4, a round of d drafts costs 1 + 0.1 d: the policy drafts 4. One round
+    # the machine stalls (22 steps long): it still drafts on the next round, and a stall on a
+    # length's first counted round is held to OUTLIER x (d + 1) plain steps.
+    policy = DraftPolicy(max_drafts=4)
+    chosen = _run(policy, 40, accept=lambda d: min(d, 3), cost=lambda d: 1.0 + 0.1 * d)
+    assert chosen[-1] == 4
+    policy.observe(4, 3, 22.0)
+    assert policy.choose(4) == 4
+    assert policy.costs[4] == pytest.approx(1.4 + COST_EMA * (OUTLIER * 1.4 - 1.4))
+
+    fresh = DraftPolicy(max_drafts=4)
+    fresh.observe(0, 0, 1.0)  # first call at a shape: not counted
+    fresh.observe(0, 0, 1.0)
+    fresh.observe(2, 2, 1.0)  # not counted
+    fresh.observe(2, 2, 50.0)  # a stall on the first counted round of d = 2
+    assert fresh.costs[2] == OUTLIER * 1.0 * 3
+    for _ in range(4):  # rounds at their true cost pull it down fast (halfway a round)
+        fresh.observe(2, 2, 1.2)
+    assert fresh.costs[2] < 2.0

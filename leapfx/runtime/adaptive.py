@@ -20,7 +20,8 @@ machine), the decode falls back to plain steps.
   than a one-token one), shrunk toward the pooled rate by ``SHRINK`` pseudo-rounds, so a length
   seen rarely reads as the pooled rate.
 - C(d): each round's wall time, from one ``propose`` to the next (the verify call, the
-  acceptance and its host sync, the crop, the lookup itself), as a moving average per d, read
+  acceptance and its host sync, the crop, the lookup itself), as a moving average per d (robust
+  to a stalled round: ``DraftPolicy.observe_cost``), read
   off the least-squares line through those averages (every d, measured or not), or from one
   measured point and ``PRIOR_SLOPE`` (a draft adds this share of a step); each length's first
   round is not counted (first-call costs at a new shape), nor a decode's last round (no
@@ -57,7 +58,9 @@ from .runner import StageRunner
 from .schedules import DecodeRequest, Draft, Drafter, Output, no_draft, speculative_loop
 
 DECAY = 0.9  # per drafting round: the acceptance counts' memory is ~10 rounds
-COST_EMA = 0.2  # weight of a new round's time in its length's moving average
+COST_EMA = 0.2  # weight of a new round's time in its length's moving average (slower)
+COST_EMA_DOWN = 0.5  # ... of a round faster than the average: stalls only lengthen rounds
+OUTLIER = 3.0  # a round counts at most this many times its length's average cost
 PRIOR_SLOPE = 0.1  # an unmeasured draft adds this share of a plain step's cost
 MARGIN = 0.02  # drafting must beat a plain step's tokens per second by 2%: ties go to d = 0
 PROBE_EVERY = 16
@@ -228,12 +231,29 @@ class DraftPolicy:
         self.observe_cost(drafted, seconds)
 
     def observe_cost(self, drafted: int, seconds: float) -> None:
-        """A round of ``drafted`` drafts took ``seconds`` (its acceptance counted apart)."""
+        """A round of ``drafted`` drafts took ``seconds`` (its acceptance counted apart).
+
+        Robust to a stall: a round the machine held up (another process, a page fault, the
+        collector) can be many steps long, and a length whose cost reads that high is never
+        chosen again, so only rare probes could bring it back down. So a round counts at most
+        ``OUTLIER`` times its length's average (its first counted round: ``OUTLIER`` times
+        what d + 1 plain steps cost, where a plain step is measured: no verify of d + 1
+        tokens costs more), and a round faster than the average pulls it down by
+        ``COST_EMA_DOWN``, more than a slower one pushes it up: stalls only ever lengthen
+        a round."""
         if drafted not in self._seen:  # its first round pays first-call costs: not counted
             self._seen.add(drafted)
             return
         old = self.costs.get(drafted)
-        self.costs[drafted] = seconds if old is None else old + COST_EMA * (seconds - old)
+        if old is None:
+            step = self.costs.get(0) if drafted > 0 else None
+            cap = None if step is None else OUTLIER * step * (drafted + 1)
+            self.costs[drafted] = seconds if cap is None else min(seconds, cap)
+            return
+        if seconds > old:
+            self.costs[drafted] = old + COST_EMA * (min(seconds, OUTLIER * old) - old)
+        else:
+            self.costs[drafted] = old + COST_EMA_DOWN * (seconds - old)
 
 
 class Policies(dict):
