@@ -90,20 +90,25 @@ def _check_rows(model, sm, rows: list[list[int]], max_new: int) -> None:
     assert metrics.new_tokens == sum(len(t) for t in new)
 
 
-@settings(max_examples=examples(40, 300), deadline=None)
-@given(spec=model_specs(), data=st.data())
-def test_batched_greedy_equals_hf_on_a_padded_batch(spec, data):
+def _draw_batch(spec: dict, data, *, length: int, rows: int):
+    """A model of ``spec``, a batching recipe applied to it, up to ``rows`` prompts of up to
+    ``length`` tokens and a budget of up to ``length`` new tokens, drawn."""
     model = tiny_model(**spec)
-    vocab = spec["vocab"]
-    rows = data.draw(
-        st.lists(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=16), min_size=1,
-                 max_size=4),
+    prompts = data.draw(
+        st.lists(st.lists(st.integers(0, spec["vocab"] - 1), min_size=1, max_size=length),
+                 min_size=1, max_size=rows),
         label="rows",
     )  # fmt: skip
     recipe, options = data.draw(st.sampled_from(BATCHED), label="recipe")
     options = _options(recipe, options, spec["layers"], data)
-    max_new = data.draw(st.integers(1, 16), label="max_new_tokens")
-    sm = rewrite.apply(model, recipe, **options)
+    max_new = data.draw(st.integers(1, length), label="max_new_tokens")
+    return model, rewrite.apply(model, recipe, **options), prompts, max_new
+
+
+@settings(max_examples=examples(40, 300), deadline=None)
+@given(spec=model_specs(), data=st.data())
+def test_batched_greedy_equals_hf_on_a_padded_batch(spec, data):
+    model, sm, rows, max_new = _draw_batch(spec, data, length=16, rows=4)
     _check_rows(model, sm, rows, max_new)
 
 
@@ -243,18 +248,8 @@ PROCESSORS = [
 @settings(max_examples=examples(20, 150), deadline=None)
 @given(spec=model_specs(), data=st.data())
 def test_batched_logits_processors_equal_hf_on_a_padded_batch(spec, data):
-    model = tiny_model(**spec)
-    vocab = spec["vocab"]
-    rows = data.draw(
-        st.lists(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=12), min_size=1,
-                 max_size=3),
-        label="rows",
-    )  # fmt: skip
-    recipe, options = data.draw(st.sampled_from(BATCHED), label="recipe")
-    options = _options(recipe, options, spec["layers"], data)
+    model, sm, rows, max_new = _draw_batch(spec, data, length=12, rows=3)
     processors = data.draw(st.sampled_from(PROCESSORS), label="processors")
-    max_new = data.draw(st.integers(1, 12), label="max_new_tokens")
-    sm = rewrite.apply(model, recipe, **options)
     ids, mask = _batch(rows)
     kw = dict(attention_mask=mask, max_new_tokens=max_new, **processors)
     ref = model.generate(ids, do_sample=False, **kw)

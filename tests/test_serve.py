@@ -371,3 +371,37 @@ def test_serve_bench_loads_the_server_and_reports_each_level(tmp_path):
     assert [(r["system"], r["concurrency"]) for r in rows] == [
         ("leapfx_autoregressive", 1), ("leapfx_autoregressive", 2)]  # fmt: skip
     assert all(r["errors"] == 0 and r["tokens"] > 0 and r["agreement"] == 1.0 for r in rows)
+
+
+def test_a_request_whose_listener_fails_fails_alone():
+    sm = rewrite.apply(tiny_model("llama", layers=2, vocab=32, seed=2), "autoregressive")
+    config = sm._hf_model.generation_config
+    engine = Engine(sm, max_len=64)
+    ends: dict[int, BaseException | None] = {}
+    done = threading.Event()
+
+    def request():
+        return decode_request(config, 2, max_new_tokens=10, eos_token_id=[], sampling={},
+                              generator=None)  # fmt: skip
+
+    def broken(tokens):
+        raise RuntimeError("client gone")
+
+    def end(i):
+        def on_end(error):
+            ends[i] = error
+            if len(ends) == 2:
+                done.set()
+
+        return on_end
+
+    bad = Job(torch.tensor([[1, 2]]), request(), broken, end(0))
+    good = Job(torch.tensor([[3, 4]]), request(), lambda t: None, end(1))
+    engine.submit(bad)
+    engine.submit(good)
+    engine.start()
+    assert done.wait(60)
+    engine.stop(10)
+    assert isinstance(ends[0], RuntimeError) and ends[1] is None
+    solo = sm.generate(torch.tensor([[3, 4]]), max_new_tokens=10, eos_token_id=[])
+    assert good.tokens == solo[0, 2:].tolist() and len(bad.tokens) < 10

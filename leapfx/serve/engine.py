@@ -10,9 +10,10 @@ for every row at once, each row at its own pace, and each row's new tokens go to
 the round emits them. A row leaves when it finishes. Greedy rows are the tokens the row would
 get alone: nothing in a round depends on what else shares it.
 
-Faults: a job whose prefill fails fails alone; a round that raises fails the rows of that
-round (each job hears the error) and the engine starts a fresh batch, so the next requests are
-served. ``stop()`` lets the jobs in flight finish and refuses new ones.
+Faults: a job whose prefill fails, or whose listener raises, fails alone (its row leaves after
+the round); a round that raises fails the rows of that round (each job hears the error) and
+the engine starts a fresh batch, so the next requests are served. ``stop()`` lets the jobs in
+flight finish and refuses new ones.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ class Job:
     drafted: int = 0
     kept: int = 0
     tokens: list[int] = field(default_factory=list)
+    failed: BaseException | None = None  # its own fault (a listener that raised)
 
 
 class _Streamer:
@@ -69,7 +71,13 @@ class _Streamer:
             return
         tokens = value.reshape(-1).tolist()
         self.job.tokens.extend(tokens)
-        self.job.on_tokens(tokens)
+        if self.job.failed is not None:
+            return
+        try:
+            self.job.on_tokens(tokens)
+        except Exception as error:  # noqa: BLE001 - one request's fault fails it alone
+            log.exception("request %d: its listener failed; the request is dropped", self.job.index)
+            self.job.failed = error
 
     def end(self) -> None:
         pass  # the engine ends the job once the round is over (with its acceptance)
@@ -208,13 +216,17 @@ class Engine:
 
     def _finish_rows(self) -> None:
         decode = self._decode
+        for row in list(decode.rows):
+            job = self._live.get(row.index)
+            if job is not None and job.failed is not None:
+                decode.cancel(row.index)
         for index in list(decode.finished):
             decode.finished.pop(index)
             drafted, kept = decode.acceptance.pop(index, (0, 0))
             job = self._rows_lost([index])
             if job is not None:
                 job.drafted, job.kept = drafted, kept
-                self._end(job, None)
+                self._end(job, job.failed)
 
     def _rows_lost(self, indices: list[int]) -> Job | None:
         job = None
