@@ -32,13 +32,11 @@ from .schedules import (
     Draft,
     Drafter,
     FirstDrafter,
-    Output,
-    _token,
-    choose,
+    Pass,
     draft_steps,
+    exit_loop,
     no_draft,
     run_drafter,
-    teacher_force,
 )
 
 
@@ -130,18 +128,14 @@ def m2r2_exit(
     num_layers = len(runner.layout.kinds)  # every decoder layer of the host
     edges = (0, *gates, num_layers)
     last = len(edges) - 2  # the last segment's index
-    out = Output(request)
-    logits = runner.full(prompt, 0)  # prefill: [1, n, V]
-    metrics.full_calls += 1
-    pos = prompt.shape[1]
-    token = teacher_force(choose(logits[:, -1], request), out, request, metrics)
-    metrics.record_layers(num_layers)
-    out.extend([_token(token)], logits[0, -1:])
     # (h^{E_k} [1, r, H] of positions start..start+r-1, start, k); k falls along the list.
     pending: list[tuple[torch.Tensor, int, int]] = []
     can_fire = threshold <= 1.0  # a score is a sigmoid: above 1 no gate fires, so none runs
     deciding = set(gates if exit_gates is None else exit_gates)
-    while not out.done:
+
+    def step(token: torch.Tensor, pos: int) -> Pass:
+        if pos == 0:
+            return Pass(runner.full(token, 0), "full_calls", num_layers)  # the prompt
         exited, gate_logits, start = None, None, pos
         o = runner.rows("slow_0", pos, 1, input_ids=token)  # no group waits below E_1
         h, reset = o["hidden"], o["reset"]  # [1, rows, H]; the current token's is the last
@@ -156,18 +150,12 @@ def m2r2_exit(
             h = runner.rows(f"slow_{j}", start, h.shape[1], hidden=h)["hidden"]
         if exited is None:
             logits = runner.rows("tail", pos, 1, masks=False, hidden=h[:, -1:])["logits"]
-            metrics.full_calls += 1
-            metrics.record_layers(num_layers)
-        else:
-            h, start = _join(runner, pending, h, start, exited, None)
-            pending.append((h, start, exited))
-            logits = gate_logits
-            metrics.draft_calls += 1
-            metrics.record_layers(edges[exited])
-        token = teacher_force(choose(logits[:, -1], request), out, request, metrics)
-        out.extend([_token(token)], logits[0, -1:])
-        pos += 1
-    return out.tokens
+            return Pass(logits, "full_calls", num_layers)
+        h, start = _join(runner, pending, h, start, exited, None)
+        pending.append((h, start, exited))
+        return Pass(gate_logits, "draft_calls", edges[exited])
+
+    return exit_loop(step, prompt, request, metrics)
 
 
 def _join(runner, pending, h, start: int, segment: int, layer: int | None):

@@ -145,7 +145,11 @@ def autoregressive(
 ) -> list[int]:
     """One full-model call per token: the reference schedule (token-identical to HF greedy)."""
     layers = len(runner.layout.kinds)  # every decoder layer of the host
-    return _one_stage_loop(runner.full, runner, prompt, request, metrics, "full_calls", layers)
+
+    def step(ids: torch.Tensor, start: int) -> Pass:
+        return Pass(runner.full(ids, start), "full_calls", layers)
+
+    return exit_loop(step, prompt, request, metrics)
 
 
 def early_exit(
@@ -157,25 +161,47 @@ def early_exit(
 ) -> list[int]:
     """LayerSkip sec. 4.2: every token from the exit head after layer E = ``exit_layer`` (lossy)."""
 
-    def stage(ids: torch.Tensor, start: int) -> torch.Tensor:
-        return runner.draft(ids, start)[0]
+    def step(ids: torch.Tensor, start: int) -> Pass:
+        return Pass(runner.draft(ids, start)[0], "draft_calls", exit_layer)
 
-    return _one_stage_loop(stage, runner, prompt, request, metrics, "draft_calls", exit_layer)
+    return exit_loop(step, prompt, request, metrics)
 
 
-def _one_stage_loop(stage, runner, prompt, request, metrics, counter, layers) -> list[int]:
-    """One ``stage`` call per token, each running ``layers`` decoder layers."""
+@dataclass(frozen=True)
+class Pass:
+    """One call of a token-at-a-time decode (``exit_loop``): its ``logits`` [1, S, V] (the
+    last row's choose the token), the metrics counter it adds one to (``full_calls``,
+    ``draft_calls``), the decoder layers it ran, and ``token`` [1, 1] where the pass chose it
+    itself (SpecEE's exit decision; None: ``choose`` on the logits)."""
+
+    logits: torch.Tensor
+    counter: str
+    layers: int
+    token: torch.Tensor | None = None
+
+
+def exit_loop(
+    step: Callable[[torch.Tensor, int], Pass],
+    prompt: torch.Tensor,
+    request: DecodeRequest,
+    metrics: DecodeMetrics,
+) -> list[int]:
+    """The one loop of every decode that emits a token a call (autoregressive, and the lossy
+    early exits: LayerSkip's, M2R2's, SpecEE's): ``step(prompt, 0)`` prefills, then
+    ``step(token [1, 1], position)`` a token at a time, each :class:`Pass` choosing (or
+    carrying) the next token, under teacher forcing where the request has it."""
     out = Output(request)
-    logits = stage(prompt, 0)  # prefill: [1, n, V]
+    one = step(prompt, 0)
     pos = prompt.shape[1]
     while True:
-        token = teacher_force(choose(logits[:, -1], request), out, request, metrics)
-        setattr(metrics, counter, getattr(metrics, counter) + 1)
-        metrics.record_layers(layers)
-        out.extend([_token(token)], logits[0, -1:])
+        token = one.token if one.token is not None else choose(one.logits[:, -1], request)
+        token = teacher_force(token, out, request, metrics)
+        setattr(metrics, one.counter, getattr(metrics, one.counter) + 1)
+        metrics.record_layers(one.layers)
+        out.extend([_token(token)], one.logits[0, -1:])
         if out.done:
             return out.tokens
-        logits = stage(token, pos)  # [1, 1, V]
+        one = step(token, pos)
         pos += 1
 
 

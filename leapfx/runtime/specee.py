@@ -55,13 +55,12 @@ from .schedules import (
     DecodeRequest,
     Draft,
     Drafter,
-    Output,
+    Pass,
     _drafted,
-    _token,
     choose,
     draft_probs,
+    exit_loop,
     speculative_loop,
-    teacher_force,
 )
 
 
@@ -414,22 +413,16 @@ def specee(
         )
         runner.seconds["predictor"] += dec.predictor_seconds
         return tokens
-    out = Output(request)
-    logits = dec.prefill(prompt)  # every layer, no exit
-    metrics.full_calls += 1
-    pos = prompt.shape[1]
-    x = teacher_force(choose(logits[:, -1], request), out, request, metrics)
-    metrics.record_layers(dec.num_layers)
-    out.extend([_token(x)], logits[0, -1:])
-    while not out.done:
-        s = dec.step(x, pos, request)
-        metrics.draft_calls += 1
-        metrics.record_layers(s.exit_layer + 1)
-        x = teacher_force(s.token, out, request, metrics)
-        out.extend([_token(x)], s.logits)
-        pos += 1
+
+    def step(x: torch.Tensor, pos: int) -> Pass:
+        if pos == 0:  # the prompt: every layer, no exit
+            return Pass(dec.prefill(x), "full_calls", dec.num_layers)
+        s = dec.step(x, pos, request)  # the pass chose its token at its exit
+        return Pass(s.logits[:, None], "draft_calls", s.exit_layer + 1, token=s.token)
+
+    tokens = exit_loop(step, prompt, request, metrics)
     runner.seconds["predictor"] += dec.predictor_seconds
-    return out.tokens
+    return tokens
 
 
 class SpecEEDrafter(Drafter):
