@@ -36,12 +36,13 @@ from .common import (
 def _bench(args: argparse.Namespace) -> int:
     import torch
 
-    from ..bench import llamacpp, load_model
+    from ..bench import llamacpp
     from ..bench.harness import BenchConfig, run_bench
     from ..bench.memory import timed_load
     from ..bench.prompt_sets import load_prompt_set
     from ..bench.report import table, write_json, write_plot
     from ..bench.sweep import calibrate, choose, pays, sweep_table
+    from ..models import load_model
 
     set_threads(args)
     onnx_threads = _onnx_threads(args.onnx_threads)
