@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "leapfx"
 
 FLOORS = [
-    ("options",),  # leapfx/options.py: the option checks every floor shares; imports no leapfx
+    ("options", "files"),  # option checks, atomic writes: every floor shares them; no leapfx
     ("deploy",),  # onnxruntime, numpy and tokenizers only: no torch (the manifest lives here)
     ("kernels",),
     ("modules",),

@@ -12,7 +12,7 @@ The names are the head's own, so a recipe with more parts (SpecEE's predictors) 
 files beside them in the same directory. ``options`` are the recipe options it was saved with
 (``rewrite.apply(..., parts=path)`` takes any it is not given from there); ``host`` describes
 the model it fits, and loading refuses another. The directory is written under a temporary
-name beside the target and renamed into place (``parts_io.write_dir_atomic``), so a directory
+name beside the target and renamed into place (``leapfx.files.write_atomic``), so a directory
 with the final name is always complete.
 
 Example::
@@ -31,12 +31,12 @@ from typing import Any, ClassVar
 
 from torch import fx
 
+from ..files import write_atomic
 from .draft_vocab import write_ranking
 from .eagle_head import EagleHead, eagle_head_of
 from .parts_io import (
     LoadParts,
     read_parts_meta,
-    write_dir_atomic,
     write_module_files,
 )
 
@@ -67,7 +67,7 @@ def write_eagle_files(
 
 def write_eagle_head(head: EagleHead, path: str | os.PathLike, **meta: Any) -> Path:
     """Write ``head`` and its metadata to the directory ``path`` (replaced if it exists)."""
-    return write_dir_atomic(path, lambda tmp: write_eagle_files(head, tmp, **meta))
+    return write_atomic(path, lambda tmp: write_eagle_files(head, tmp, **meta), folder=True)
 
 
 def read_eagle_config(path: str | os.PathLike, *, option: str = "parts") -> dict[str, Any]:

@@ -5,8 +5,8 @@ swift skip set) are directories of a safetensors file of one module's state dict
 of metadata (``{"format", "recipe", "options", "host", ...}``), nothing pickled. The four
 ``*_checkpoint.py`` modules name their files and checks; what they do alike lives here:
 
-- ``write_parts_files`` writes the two files, ``write_dir_atomic`` fills a temporary directory
-  beside the target and renames it into place (a directory with the final name is always
+- ``write_parts_files`` writes the two files, ``leapfx.files.write_atomic`` fills a temporary
+  directory beside the target and renames it into place (a directory with the final name is always
   complete; one that existed is replaced);
 - ``read_parts_meta`` refuses a directory without its files, ``read_meta`` reads the JSON file
   with errors that name the user's option, ``check_host`` refuses parts of another model;
@@ -18,7 +18,7 @@ of metadata (``{"format", "recipe", "options", "host", ...}``), nothing pickled.
   metadata, check it against the module, load the weights into the module (``load_weights``:
   same names and shapes, or a ValueError naming the option).
 
-    >>> write_dir_atomic("parts/", lambda tmp: write_parts_files(tmp, "w.safetensors",
+    >>> write_atomic("parts/", lambda tmp: write_parts_files(tmp, "w.safetensors",
     ...                  "w.json", module_tensors(module), {"format": 1, "recipe": "eagle"}))
     >>> meta = read_meta("parts/", "w.json", option="parts", fmt=1)
 """
@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +36,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import fx, nn
 
+from ..files import write_atomic
 from .base import GraphPass, PassResult
 
 # A one-module parts directory (Kangaroo's adapter, M2R2's accelerators): its files and format.
@@ -58,27 +57,6 @@ def host_signature(config) -> dict[str, Any]:
         "head_dim": getattr(config, "head_dim", None) or config.hidden_size // heads,
         "vocab_size": config.vocab_size,
     }
-
-
-def write_dir_atomic(path: str | os.PathLike, write: Callable[[Path], None]) -> Path:
-    """Call ``write(tmp_dir)``, then rename ``tmp_dir`` to ``path`` (replacing it)."""
-    final = Path(path)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-    tmp.chmod(0o755)  # mkdtemp's 0700 would survive the rename
-    try:
-        write(tmp)
-        if final.exists():
-            old = final.with_name(f".{final.name}.old-{os.getpid()}")
-            final.rename(old)
-            tmp.rename(final)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return final
 
 
 def read_meta(path: str | os.PathLike, config: str, *, option: str, fmt: int) -> dict[str, Any]:
@@ -115,7 +93,8 @@ def write_parts_files(
     meta: dict[str, Any],
 ) -> None:
     """Write ``tensors`` to ``directory/weights`` (unless ``weights`` is None) and ``meta`` to
-    ``directory/config``; the directory exists (not atomic by itself: ``write_dir_atomic``)."""
+    ``directory/config``; the directory exists (not atomic by itself:
+    ``leapfx.files.write_atomic``)."""
     if weights is not None:
         save_file(tensors, str(directory / weights), metadata={"format": str(meta["format"])})
     (directory / config).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
@@ -252,7 +231,7 @@ def write_module_parts(
         if also is not None:
             also(tmp)
 
-    return write_dir_atomic(path, write)
+    return write_atomic(path, write, folder=True)
 
 
 def read_module_parts_config(

@@ -22,12 +22,12 @@ from typing import Any, ClassVar
 
 from torch import fx, nn
 
+from ..files import write_atomic
 from .eagle_checkpoint import write_eagle_files
 from .parts_io import (
     LoadParts,
     module_tensors,
     read_parts_meta,
-    write_dir_atomic,
     write_module_parts,
     write_parts_files,
 )
@@ -67,7 +67,7 @@ def write_parts(
                 options={"exit_layer": options["exit_layer"]}, host=host,
             )  # fmt: skip
 
-    return write_dir_atomic(path, write)
+    return write_atomic(path, write, folder=True)
 
 
 def read_parts_config(path: str | os.PathLike) -> dict[str, Any]:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -38,11 +37,10 @@ from safetensors.torch import load_file, load_model, save_file, save_model
 from torch import nn
 from tqdm.auto import tqdm
 
+from leapfx.files import write_atomic
 from leapfx.train.trainer import (
     _load_optimizer,
     _optimizer_tensors,
-    move_into_place,
-    temp_dir_beside,
 )
 
 FORMAT = 1
@@ -105,8 +103,8 @@ class FitCheckpoint:
 
     def save(self, step: int, result: Any) -> Path:
         """Write the module, optimizer, generator and the fields of ``result`` at ``step``."""
-        tmp = temp_dir_beside(self.directory)
-        try:
+
+        def fill(tmp: Path) -> None:
             save_model(self.module, str(tmp / "module.safetensors"))
             tensors, groups = _optimizer_tensors(self.optimizer)
             save_file(tensors, str(tmp / "optimizer.safetensors"))
@@ -119,11 +117,8 @@ class FitCheckpoint:
                 "history": dataclasses.asdict(result),
             }
             (tmp / "state.json").write_text(json.dumps(state, indent=2) + "\n")
-            move_into_place(tmp, self.directory)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        return self.directory
+
+        return write_atomic(self.directory, fill, folder=True)
 
 
 def fit_identity(config: Any) -> dict[str, Any]:
