@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from leapfx import rewrite
 from leapfx.bench.agreement import teacher_forced_agreement
 from leapfx.passes.accelerator import accelerator_of
-from leapfx.rewrite.recipes import default_exit_gates
+from leapfx.recipes.table import default_exit_gates
 from leapfx.runtime.cache import cache_for
 from leapfx.runtime.masks import masks_for
 from leapfx.runtime.runner import StageRunner

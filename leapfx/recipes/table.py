@@ -35,7 +35,7 @@ from ..runtime.batch import BatchPlan
 from ..runtime.capabilities import Capabilities
 from ..runtime.model import RecipeTraining, Schedule
 from ..runtime.skip_search import OnlineSkipSearch
-from . import specee_recipe
+from . import specee as specee_recipe
 
 
 def default_exit_layer(num_layers: int) -> int:
@@ -658,20 +658,6 @@ def _eagle_schedule(o: EagleOptions, gm: fx.GraphModule | None = None):
     )
 
 
-def load_training(name: str) -> RecipeTraining:
-    """The trainer that ``leapfx.train.recipe_training`` has under ``name``; a recipe's
-    ``training`` is ``partial(load_training, name)``, called when ``fit`` or ``save_parts``
-    first asks for it (decoding never imports training code).
-
-    The one place rewrite reaches up into train (tools/check_layers.py allows it): ``sm.fit``
-    trains the parts in place for the user's convenience, and train sits above rewrite (its
-    trainers apply recipes).
-    """
-    from ..train.recipe_training import training
-
-    return training(name)
-
-
 @dataclass(frozen=True)
 class Recipe:
     """A named recipe: options type, passes, partition, schedule (and what trains, if any)."""
@@ -684,7 +670,11 @@ class Recipe:
     schedule: Callable[[object], Schedule]
     lookahead: Callable[[object], int]
     lossless: bool | Callable[[object], bool]  # a function of the options where they decide
-    training: Callable[[], RecipeTraining] | None = None  # fits/saves the inserted parts
+    # What fits and saves the inserted parts: a trainer's name in ``leapfx.train.recipe_training``
+    # (train sits above the recipes: ``rewrite.apply`` hands the model the trainer it names), or
+    # a factory of the runtime's own (swift's ``SwiftParts``: nothing trains, its skip set
+    # saves); None: no parts.
+    training: str | Callable[[], RecipeTraining] | None = None
     # The option that takes a directory written by ``SpeculativeModel.save_parts``;
     # ``apply(..., parts=dir)`` fills it. None: the recipe has no trained parts.
     parts_option: str | None = None
@@ -835,7 +825,7 @@ RECIPES: dict[str, Recipe] = {
             ),
             lookahead=lambda o: o.max_draft_tokens + 1,
             lossless=True,
-            training=partial(load_training, "kangaroo"),
+            training="kangaroo",
             parts_option="adapter",
             draft_option="max_draft_tokens",
             batch=_batch_stage("kangaroo", "max_draft_tokens"),
@@ -854,7 +844,7 @@ RECIPES: dict[str, Recipe] = {
             ),
             lookahead=lambda o: o.num_speculations + 1,
             lossless=True,
-            training=partial(load_training, "m2r2"),
+            training="m2r2",
             parts_option="parts",
             capabilities=Capabilities(compiles=False),
             draft_option="num_speculations",
@@ -874,7 +864,7 @@ RECIPES: dict[str, Recipe] = {
             ),  # fmt: skip
             lookahead=lambda o: 1,
             lossless=False,
-            training=partial(load_training, "m2r2"),
+            training="m2r2",
             parts_option="parts",
             capabilities=Capabilities(compiles=False),
             batch_refusal=_LOSSY_BATCH,
@@ -888,7 +878,7 @@ RECIPES: dict[str, Recipe] = {
             schedule=_eagle_schedule,
             lookahead=lambda o: o.max_draft_tokens + 1,
             lossless=True,
-            training=partial(load_training, "eagle"),
+            training="eagle",
             parts_option="parts",
             draft_option="max_draft_tokens",
             batch=_batch_eagle,
@@ -902,7 +892,7 @@ RECIPES: dict[str, Recipe] = {
             schedule=specee_recipe.specee_schedule,
             lookahead=specee_recipe.specee_lookahead,
             lossless=lambda o: o.verify,
-            training=partial(load_training, "specee"),
+            training="specee",
             parts_option="parts",
             capabilities=Capabilities(
                 layer_segments=True,
@@ -924,6 +914,13 @@ RECIPES: dict[str, Recipe] = {
         ),
     )
 }
+
+
+def get_recipe(name: str) -> Recipe:
+    """The recipe registered as ``name``; ValueError listing the registered ones."""
+    if name not in RECIPES:
+        raise ValueError(f"recipe: unknown recipe {name!r}; available: {', '.join(RECIPES)}")
+    return RECIPES[name]
 
 
 def lookup_recipes() -> list[str]:
