@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 
 from leapfx import rewrite
 from leapfx.modules.draft_vocab import SubsetLMHead
-from leapfx.passes.draft_vocab import RANKING_FILE, read_ranking, token_ranking, write_ranking
+from leapfx.parts.draft_vocab import RANKING_FILE, read_ranking, write_ranking
+from leapfx.passes.draft_vocab import token_ranking
 from leapfx.runtime.masks import masks_for
 from tests.conftest import examples, tiny_model
 from tests.distribution_check import assert_sampled_from, sample_counts

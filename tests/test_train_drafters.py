@@ -17,9 +17,9 @@ from safetensors.torch import load_file
 from leapfx.bench.prompt_sets import CHAT_PROMPTS, benchmark_texts, humaneval_prompts
 from leapfx.cli import main
 from leapfx.models import REFERENCE_MODEL
+from leapfx.runs.drafters import PACKAGE
 from leapfx.train.data import byte_tokenizer
 from leapfx.train.features import cached_features
-from leapfx.runs.drafters import PACKAGE
 from leapfx.train.self_data import BenchmarkFilter, self_pairs
 from leapfx.train.sources import training_data
 from tests.conftest import tiny_model

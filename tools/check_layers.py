@@ -32,6 +32,7 @@ FLOORS = [
     ("deploy",),  # onnxruntime, numpy and tokenizers only: no torch (the manifest lives here)
     ("kernels",),
     ("modules",),
+    ("parts",),  # trained parts on disk: one format, one reader and writer; never a graph
     ("passes",),
     ("models",),
     ("runtime",),

@@ -61,8 +61,8 @@ from ..lower import lower
 from ..lower.onnxruntime import OnnxModel, shared_pool_threads
 from ..offload import DEFAULT_PREFETCH_LEAD
 from ..options import check_bool
-from ..passes.accelerator_checkpoint import read_parts_config
-from ..passes.draft_vocab import read_ranking
+from ..parts.draft_vocab import read_ranking
+from ..parts.m2r2 import read_parts_config
 from ..runtime.metrics import DecodeMetrics
 from . import llamacpp
 from .agreement import teacher_forced_agreement

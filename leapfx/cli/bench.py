@@ -430,7 +430,7 @@ def _exit_curve(args, model, prompts, rows, config, num_layers: int) -> list:
     parts = config.exit_parts or config.parts
     gates = config.m2r2_exit_gates
     if gates is None and parts is not None:
-        from ..passes.accelerator_checkpoint import read_parts_config
+        from ..parts.m2r2 import read_parts_config
 
         gates = read_parts_config(parts).get("options", {}).get("exit_gates")
     print(f"m2r2_exit's deciding gates: {'every gate' if gates is None else list(gates)}")
@@ -767,7 +767,7 @@ def _batch_eagle_options(args: argparse.Namespace, model) -> dict:
     draft length, over the subset vocabulary where its parts rank one (``EAGLE_DRAFT_VOCAB``),
     and prompt lookup first (a row with a match copies, the others draft with the head)."""
     from ..bench.harness import EAGLE_DRAFT_VOCAB
-    from ..passes.draft_vocab import read_ranking
+    from ..parts.draft_vocab import read_ranking
 
     parts = _eagle_parts(args) if "eagle" in _bench_recipes(args) else None
     if parts is None:

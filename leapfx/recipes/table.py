@@ -15,19 +15,20 @@ from functools import partial
 from torch import fx
 
 from ..options import SavedOptions, check_bool, check_int, check_number
+from ..parts.eagle import read_eagle_config
+from ..parts.kangaroo import read_adapter_config
+from ..parts.m2r2 import read_parts_config
+from ..parts.swift import read_skip_set
 from ..passes.accelerator import InsertAccelerator, check_gates
-from ..passes.accelerator_checkpoint import LoadAccelerator, read_parts_config
 from ..passes.adapter import InsertKangarooAdapter
-from ..passes.adapter_checkpoint import LoadKangarooAdapter, read_adapter_config
 from ..passes.base import GraphPass
 from ..passes.draft_vocab import SubsetDraftHead
-from ..passes.eagle_checkpoint import LoadEagleHead, read_eagle_config
 from ..passes.eagle_head import FuseEagleHeadLayer, InsertEagleHead, eagle_stages
 from ..passes.exit_head import InsertExitHead
 from ..passes.fast_partition import exit_stages, fast_stream_stages
 from ..passes.fuse_layers import FuseDecoderLayers
+from ..passes.load_parts import LoadAccelerator, LoadEagleHead, LoadKangarooAdapter
 from ..passes.partition import Stages, early_exit_stages, full_stage, partition
-from ..passes.skip_checkpoint import read_skip_set
 from ..passes.skip_layers import DraftSkipSet, check_skip_set, swift_stages
 from ..passes.specee_stages import specee_stages
 from ..runtime import adaptive, eagle, kangaroo, lookup, m2r2, schedules, swift
@@ -46,6 +47,19 @@ def default_exit_layer(num_layers: int) -> int:
 def _check_cache(value) -> None:
     if value is not None:
         check_int("max_cache_len", value, 2)
+
+
+def _directory(option: str, value, allowed: str = "a directory written by "
+               "SpeculativeModel.save_parts") -> str | None:  # fmt: skip
+    """A saved-parts option's directory as a string (None stays None); ValueError naming
+    ``option`` for anything but a path."""
+    if value is None:
+        return None
+    if not isinstance(value, (str, os.PathLike)):
+        raise ValueError(
+            f"{option}: {value!r} is invalid; allowed: {allowed} (str or os.PathLike) or None"
+        )
+    return os.fspath(value)
 
 
 # Every recipe's options carry fuse_layers: run decoder layers through FuseDecoderLayers
@@ -241,14 +255,7 @@ class SwiftOptions(LookupFirstOptions):
     def validate(self, num_layers: int) -> SwiftOptions:
         if num_layers < 2:
             raise ValueError(f"swift: a {num_layers}-layer model has no layer to skip")
-        path = None
-        if self.parts is not None:
-            if not isinstance(self.parts, (str, os.PathLike)):
-                raise ValueError(
-                    f"parts: {self.parts!r} is invalid; allowed: a directory written by "
-                    "SpeculativeModel.save_parts (str or os.PathLike) or None"
-                )
-            path = os.fspath(self.parts)
+        path = _directory("parts", self.parts)
         saved = None if path is None else saved_skip_set(path, num_layers)
         skip = self.skip_layers
         if skip is None:
@@ -351,14 +358,8 @@ class KangarooOptions(LookupFirstOptions):
 
     def validate(self, num_layers: int) -> KangarooOptions:
         saved = SavedOptions(what="adapter")
-        path = None
-        if self.adapter is not None:
-            if not isinstance(self.adapter, (str, os.PathLike)):
-                raise ValueError(
-                    f"adapter: {self.adapter!r} is invalid; allowed: a checkpoint directory "
-                    "(str or os.PathLike) or None"
-                )
-            path = os.fspath(self.adapter)
+        path = _directory("adapter", self.adapter, "a checkpoint directory")
+        if path is not None:
             options = read_adapter_config(path, recipe="kangaroo").get("options", {})
             saved = SavedOptions(options, path, what="adapter")
 
@@ -406,14 +407,9 @@ def default_fast_layers(num_layers: int) -> int:
 
 
 def _parts_meta(parts) -> tuple[str | None, SavedOptions]:
-    if parts is None:
+    path = _directory("parts", parts)
+    if path is None:
         return None, SavedOptions()
-    if not isinstance(parts, (str, os.PathLike)):
-        raise ValueError(
-            f"parts: {parts!r} is invalid; allowed: a directory written by "
-            "SpeculativeModel.save_parts (str or os.PathLike) or None"
-        )
-    path = os.fspath(parts)
     return path, SavedOptions(read_parts_config(path).get("options", {}), path)
 
 
@@ -592,14 +588,8 @@ class EagleOptions(LookupFirstOptions):
 
     def validate(self, num_layers: int) -> EagleOptions:
         saved = SavedOptions(what="head")
-        path = None
-        if self.parts is not None:
-            if not isinstance(self.parts, (str, os.PathLike)):
-                raise ValueError(
-                    f"parts: {self.parts!r} is invalid; allowed: a parts directory "
-                    "(str or os.PathLike) or None"
-                )
-            path = os.fspath(self.parts)
+        path = _directory("parts", self.parts, "a parts directory")
+        if path is not None:
             meta = read_eagle_config(path)
             options = {**meta.get("options", {}), "init_layer": meta.get("init_layer")}
             saved = SavedOptions(options, path, what="head")

@@ -22,7 +22,7 @@ from ..files import write_text_atomic
 from ..models import load_model
 from ..models.gguf import cache_root
 from ..options import check_int
-from ..passes.accelerator_checkpoint import load_compatible
+from ..passes.load_parts import load_compatible
 from ..train.evaluate import greedy_continuations
 from ..train.fit_checkpoint import fit_identity
 from ..train.m2r2 import M2R2FitConfig, fit, parts_options, save_parts

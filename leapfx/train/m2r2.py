@@ -42,14 +42,15 @@ from tqdm.auto import tqdm
 from leapfx.modules.hf import cache_kwarg
 from leapfx.modules.m2r2 import ChainScratch, target_layers
 from leapfx.options import check_bool, check_int, check_number
+from leapfx.parts.io import host_signature
+from leapfx.parts.kangaroo import write_adapter
 from leapfx.passes.accelerator import accelerator_of
-from leapfx.passes.adapter_checkpoint import host_signature, write_adapter
 from leapfx.passes.capture import decoder_pieces
 from leapfx.passes.draft_vocab import install_ranking, ranking_of, token_ranking
 from leapfx.runtime.cache import StaticKVCache
 from leapfx.runtime.masks import masks_for
 from leapfx.train.features import tokens_digest
-from leapfx.train.fit_checkpoint import FitCheckpoint, fit_identity, run_steps
+from leapfx.train.fit_checkpoint import run_steps, start_fit
 from leapfx.train.fit_options import fit_config, on_plain_stages, optimizer_step
 from leapfx.train.kangaroo import kangaroo_loss, sample_windows, token_stream
 from leapfx.train.trainer import warmup_cosine
@@ -396,17 +397,13 @@ def fit(
     install_ranking(sm.graph_module, token_ranking(stream, sm.config.vocab_size),
                     decoder_pieces(sm.hf_model).head)  # fmt: skip
     params = list(acc.parameters())
-    optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
     warm = max(1, round(config.warmup * config.steps))
-
-    generator = torch.Generator().manual_seed(config.seed)
     result = FitResult(steps=config.steps)
-    checkpoint = None
-    if checkpoint_dir is not None:
-        identity = {**fit_identity(config), "recipe": sm.recipe.name,
-                    "options": parts_options(sm), "data": tokens_digest(stream)}  # fmt: skip
-        checkpoint = FitCheckpoint(checkpoint_dir, acc, optimizer, generator, identity=identity)
-    first = checkpoint.restore(result) if checkpoint is not None else 0
+    identity = {"recipe": sm.recipe.name, "options": parts_options(sm),
+                "data": tokens_digest(stream)}  # fmt: skip
+    optimizer, generator, checkpoint, first = start_fit(
+        acc, config, result, checkpoint_dir, identity
+    )
     if eval_data is not None and first == 0:
         result.held_out_before = evaluate(sm, eval_data, tokenizer=tokenizer)
 
@@ -475,7 +472,7 @@ def parts_options(sm) -> dict[str, Any]:
 
 
 def save_parts(sm, path: str | Path) -> Path:
-    """Write the accelerator of ``sm`` (see passes.accelerator_checkpoint)."""
+    """Write the accelerator of ``sm`` (see parts.m2r2)."""
     return write_adapter(
         accelerator_of(sm.graph_module),
         path,

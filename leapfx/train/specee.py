@@ -40,11 +40,11 @@ from tqdm.auto import tqdm
 from ..files import write_atomic
 from ..modules.specee import NUM_SPECULATIVE_TOKENS
 from ..options import check_bool, check_int, check_number
-from ..passes.adapter_checkpoint import host_signature
+from ..parts.io import host_signature
+from ..parts.specee import write_parts
 from ..passes.capture import capture, decoder_pieces
 from ..passes.partition import Stages, full_stage
 from ..passes.predictor import predictors_of
-from ..passes.specee_checkpoint import write_parts
 from ..recipes.specee import specee_schedule
 from ..runtime import schedules
 from ..runtime.model import RecipeInfo, SpeculativeModel
@@ -348,6 +348,8 @@ def save_parts(sm, path: str | Path) -> Path:
     options = {"drafter": o.drafter, "exit_layer": o.exit_layer, "threshold": o.threshold,
                "offline_layers": list(o.offline_layers)}  # fmt: skip
     report = getattr(sm, "_specee_report", None)
+    gm = sm.graph_module
     return write_parts(
-        sm.graph_module, path, options=options, host=host_signature(sm.config), report=report
-    )  # with the drafter's trained part: the Kangaroo adapter or the EAGLE head
+        predictors_of(gm), path, options=options, host=host_signature(sm.config), report=report,
+        eagle_head=getattr(gm, "eagle_head", None), adapter=getattr(gm, "kangaroo_adapter", None),
+    )  # fmt: skip  # with the drafter's trained part: the Kangaroo adapter or the EAGLE head

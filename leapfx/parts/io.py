@@ -1,9 +1,9 @@
-"""What every parts directory on disk shares: written atomically, read and loaded with checks.
+"""The one reader and writer of parts directories (the format: ``leapfx.parts``).
 
 Trained parts (Kangaroo's adapter, an EAGLE head, SpecEE's predictors, M2R2's accelerators, a
 swift skip set) are directories of a safetensors file of one module's state dict and a JSON file
-of metadata (``{"format", "recipe", "options", "host", ...}``), nothing pickled. The four
-``*_checkpoint.py`` modules name their files and checks; what they do alike lives here:
+of metadata (``{"format", "recipe", "options", "host", ...}``), nothing pickled. Each recipe's
+module of ``leapfx.parts`` names its files and checks; what they do alike lives here:
 
 - ``write_parts_files`` writes the two files, ``leapfx.files.write_atomic`` fills a temporary
   directory beside the target and renames it into place (a directory with the final name is always
@@ -14,9 +14,8 @@ of metadata (``{"format", "recipe", "options", "host", ...}``), nothing pickled.
   adapter and M2R2's accelerators share (``adapter.safetensors`` + ``adapter.json``, the names
   Kangaroo's adapter gave the format first; saved parts keep them); ``host_signature`` is what
   every parts directory records of the model it fits;
-- ``LoadParts`` is the shape of every ``Load*`` pass: find the module in the graph, read the
-  metadata, check it against the module, load the weights into the module (``load_weights``:
-  same names and shapes, or a ValueError naming the option).
+- ``load_weights`` puts a file's tensors into a module (same names and shapes, or a
+  ValueError naming the option): what every ``Load*`` pass (``passes.load_parts``) ends with.
 
     >>> write_atomic("parts/", lambda tmp: write_parts_files(tmp, "w.safetensors",
     ...                  "w.json", module_tensors(module), {"format": 1, "recipe": "eagle"}))
@@ -28,16 +27,14 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
-from torch import fx, nn
+from torch import nn
 
 from ..files import write_atomic
-from .base import GraphPass, PassResult
 
 # A one-module parts directory (Kangaroo's adapter, M2R2's accelerators): its files and format.
 MODULE_WEIGHTS = "adapter.safetensors"
@@ -127,55 +124,6 @@ def load_weights(
         raise ValueError(misfit)
     module.load_state_dict(tensors)
     return tensors
-
-
-@dataclass(frozen=True)
-class LoadParts(GraphPass):
-    """The shape of every ``Load*`` pass: ``module_of(gm)`` finds what the weights go into,
-    ``read(path)`` its metadata, ``check(module, meta)`` refuses parts that do not fit it, and
-    ``weights`` (a file in ``path``) is loaded into it (``load_weights``; ``misfit`` is the
-    error when its tensors do not fit, ``subset`` loads only those the module has). The pass
-    counts the tensors loaded."""
-
-    weights: ClassVar[str]
-    subset: ClassVar[bool] = False
-    option: ClassVar[str] = "parts"  # the user's option that errors name
-
-    path: str
-
-    def host_config(self, module: nn.Module) -> Any:
-        """The HF config of the model ``module`` sits in, whose ``host_signature`` the parts
-        must have been saved with; None: no host to check."""
-        return None
-
-    def module_of(self, gm: fx.GraphModule) -> nn.Module:  # pragma: no cover - abstract
-        raise NotImplementedError
-
-    def read(self, path: str) -> dict[str, Any]:  # pragma: no cover - abstract
-        raise NotImplementedError
-
-    def check(self, module: nn.Module, meta: dict[str, Any]) -> None:
-        """Refuse parts that do not fit ``module`` (ValueError naming the option): by default,
-        parts trained for another model (``host_config``)."""
-        config = self.host_config(module)
-        if config is not None:
-            check_host(self.option, self.path, host_signature(config), meta.get("host", {}))
-
-    def misfit(self, module: nn.Module, meta: dict[str, Any]) -> str:  # pragma: no cover
-        raise NotImplementedError
-
-    def loaded(self, module: nn.Module) -> None:
-        """Called after the weights are in ``module``."""
-
-    def run(self, gm: fx.GraphModule) -> PassResult:
-        module = self.module_of(gm)
-        meta = self.read(self.path)
-        self.check(module, meta)
-        misfit = self.misfit(module, meta)
-        tensors = load_weights(module, Path(self.path) / self.weights, misfit=misfit,
-                               subset=self.subset)  # fmt: skip
-        self.loaded(module)
-        return PassResult(gm, modified=True, matches=len(tensors))
 
 
 def write_module_files(

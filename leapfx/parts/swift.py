@@ -6,7 +6,7 @@ The parts directory of a layer-skip draft holds one file, nothing pickled::
                  "host", "calibration"}
 
 ``options.skip_layers`` is the set ``rewrite.apply(model, "swift", parts=dir)`` drafts with;
-``host`` describes the model it was chosen for (``parts_io.host_signature``; loading
+``host`` describes the model it was chosen for (``io.host_signature``; loading
 refuses a model of another depth, where the layer indices would mean other layers);
 ``calibration`` is what ``SpeculativeModel.calibrate`` measured (the set's tokens/s, the
 autoregressive baseline's, how many sets it measured), or null for a set saved uncalibrated.
@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ..files import write_atomic
-from .parts_io import read_meta, write_parts_files
+from .io import read_meta, write_parts_files
 
 FORMAT = 1
 CONFIG = "swift.json"
