@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from leapfx.runtime.adaptive import (
+    COST_EMA,
     MARGIN,
+    OUTLIER,
     PROBE_EVERY,
     AdaptiveDrafter,
     DraftPolicy,
@@ -57,7 +59,7 @@ def test_picks_the_length_with_the_most_tokens_per_cost(slope):
     # E(d) / C(d) (or 0 where no d beats a plain step by the margin).
     policy = DraftPolicy(max_drafts=8)
     policy.costs = {d: 1.0 + slope * d for d in range(9)}
-    policy.accepted, policy.rejections = 3.0, 2.0
+    policy.acceptance.accepted, policy.acceptance.rejections = 3.0, 2.0
     rates = {d: expected_tokens(0.6, d) / (1.0 + slope * d) for d in range(9)}
     best = max(range(1, 9), key=rates.get)
     want = best if rates[best] > (1 + MARGIN) * rates[0] else 0
@@ -82,7 +84,7 @@ def test_a_plain_step_is_weighed_at_its_own_measured_cost():
     # it is not.
     policy = DraftPolicy(max_drafts=4)
     policy.costs = {0: 1.0, 1: 1.46, 2: 1.78}
-    policy.accepted, policy.rejections = 0.42, 0.58
+    policy.acceptance.accepted, policy.acceptance.rejections = 0.42, 0.58
     assert policy.cost(0) == 1.0
     assert policy.line()[0] > 1.0
     assert policy.best(2)[1] < 1.0 + MARGIN
@@ -103,7 +105,7 @@ def _out(tokens: list[int]) -> Output:
 def test_auto_learns_each_rounds_outcome_from_the_verify():
     policies = Policies()
     drafter = _auto_drafter([1, 2, 3, 1, 2, 3], policies)
-    policies["lookup"].accepted = 100.0  # alpha near 1: the longest draft
+    policies["lookup"].acceptance.accepted = 100.0  # alpha near 1: the longest draft
     seen = []
     policies["lookup"].observe = lambda d, k, s, key=None: seen.append((d, k, key))
     x = torch.tensor([[1]])
@@ -135,8 +137,30 @@ def test_a_models_policies_keep_costs_across_decodes_and_restart_acceptance():
     first = _auto_drafter([1, 2, 3], policies)
     policy = policies["lookup"]
     policy.costs = {0: 1.0, 2: 1.6}
-    policy.accepted, policy.rejections = 0.1, 9.0
+    policy.acceptance.accepted, policy.acceptance.rejections = 0.1, 9.0
     second = _auto_drafter([4, 5], policies)
     assert second.policies is first.policies and policies["lookup"] is policy
     assert policy.costs == {0: 1.0, 2: 1.6}
-    assert policy.alpha == 0.5 and policy.by_key == {}
+    assert policy.alpha == 0.5 and policy.acceptance.by_key == {}
+
+
+def test_one_stalled_round_does_not_hold_drafting_off():
+    # Drafts kept 3 of 4, a round of d drafts costs 1 + 0.1 d: the policy drafts 4. One round
+    # the machine stalls (22 steps long): it still drafts on the next round, and a stall on a
+    # length's first counted round is held to OUTLIER x (d + 1) plain steps.
+    policy = DraftPolicy(max_drafts=4)
+    chosen = _run(policy, 40, accept=lambda d: min(d, 3), cost=lambda d: 1.0 + 0.1 * d)
+    assert chosen[-1] == 4
+    policy.observe(4, 3, 22.0)
+    assert policy.choose(4) == 4
+    assert policy.costs[4] == pytest.approx(1.4 + COST_EMA * (OUTLIER * 1.4 - 1.4))
+
+    fresh = DraftPolicy(max_drafts=4)
+    fresh.observe(0, 0, 1.0)  # first call at a shape: not counted
+    fresh.observe(0, 0, 1.0)
+    fresh.observe(2, 2, 1.0)  # not counted
+    fresh.observe(2, 2, 50.0)  # a stall on the first counted round of d = 2
+    assert fresh.costs[2] == OUTLIER * 1.0 * 3
+    for _ in range(4):  # rounds at their true cost pull it down fast (halfway a round)
+        fresh.observe(2, 2, 1.2)
+    assert fresh.costs[2] < 2.0

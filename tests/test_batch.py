@@ -12,11 +12,13 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from transformers import StoppingCriteriaList
 
 from leapfx import rewrite
 from leapfx.runtime import batch as batch_runtime
 from leapfx.runtime.adaptive import PRIOR_SLOPE, PROBE_EVERY
 from leapfx.runtime.batch import BatchPolicy, RowKVCache, RowRunner, row_cache_for, row_masks
+from leapfx.runtime.decode import decode_request
 from leapfx.runtime.masks import column_masks
 from leapfx.runtime.runner import AttentionLayout
 from tests.conftest import examples, tiny_model
@@ -184,8 +186,11 @@ def test_batch_refusals_name_what_is_not_supported():
         sm.generate(ids, attention_mask=right, max_new_tokens=2)
     with pytest.raises(ValueError, match="attention_mask: row 0 has no token"):
         sm.generate(ids, attention_mask=torch.tensor([[0, 0, 0], [1, 1, 1]]), max_new_tokens=2)
-    with pytest.raises(ValueError, match=r"logits processors \(RepetitionPenaltyLogitsProcessor"):
-        sm.generate(ids, attention_mask=mask, max_new_tokens=2, repetition_penalty=1.3)
+    with pytest.raises(ValueError, match="streamer: not supported with a batch of 2 rows"):
+        sm.generate(ids, attention_mask=mask, max_new_tokens=2, streamer=_Streamer())
+    with pytest.raises(ValueError, match=r"stopping_criteria \(_StopAfter\) with a batch of 2"):
+        sm.generate(ids, attention_mask=mask, max_new_tokens=2, eos_token_id=None,
+                    stopping_criteria=StoppingCriteriaList([_StopAfter(5)]))  # fmt: skip
     with pytest.raises(ValueError, match="output_scores/output_logits: not supported with a batch"):
         sm.generate(ids, attention_mask=mask, max_new_tokens=2, return_dict_in_generate=True,
                     output_scores=True)  # fmt: skip
@@ -199,6 +204,179 @@ def test_batch_refusals_name_what_is_not_supported():
     onnx.set_executors(None, "onnxruntime")  # what lower(sm, "onnxruntime") leaves it on
     with pytest.raises(ValueError, match="stages run on 'onnxruntime' .*allowed: one unpadded row"):
         onnx.generate(ids, attention_mask=mask, max_new_tokens=2)
+
+
+class _Streamer:
+    """HF's streamer protocol, recording what it is handed."""
+
+    def __init__(self) -> None:
+        self.puts: list[list[int]] = []
+        self.ended = 0
+
+    def put(self, value: torch.Tensor) -> None:
+        self.puts.append(value.reshape(-1).tolist())
+
+    def end(self) -> None:
+        self.ended += 1
+
+
+class _StopAfter:
+    """A stopping criterion a row at a time (HF's protocol: a bool a row): stop once the
+    sequence ends in ``token``."""
+
+    def __init__(self, token: int) -> None:
+        self.token = token
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        return input_ids[:, -1] == self.token
+
+
+# processors beyond the replayed warpers, which a batch applies a row at a time
+PROCESSORS = [
+    {"repetition_penalty": 1.5},
+    {"no_repeat_ngram_size": 2},
+    {"min_new_tokens": 4, "repetition_penalty": 1.2},
+    {"suppress_tokens": [3, 5], "begin_suppress_tokens": [7]},
+]
+
+
+@settings(max_examples=examples(20, 150), deadline=None)
+@given(spec=model_specs(), data=st.data())
+def test_batched_logits_processors_equal_hf_on_a_padded_batch(spec, data):
+    model = tiny_model(**spec)
+    vocab = spec["vocab"]
+    rows = data.draw(
+        st.lists(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=12), min_size=1,
+                 max_size=3),
+        label="rows",
+    )  # fmt: skip
+    recipe, options = data.draw(st.sampled_from(BATCHED), label="recipe")
+    options = _options(recipe, options, spec["layers"], data)
+    processors = data.draw(st.sampled_from(PROCESSORS), label="processors")
+    max_new = data.draw(st.integers(1, 12), label="max_new_tokens")
+    sm = rewrite.apply(model, recipe, **options)
+    ids, mask = _batch(rows)
+    kw = dict(attention_mask=mask, max_new_tokens=max_new, **processors)
+    ref = model.generate(ids, do_sample=False, **kw)
+    ours = sm.generate(ids, **kw)
+    assert torch.equal(ours, ref)
+
+
+@pytest.mark.parametrize("recipe", ["autoregressive", "layerskip", "eagle"])
+def test_batched_stopping_criteria_stop_each_row_as_hf_does(recipe):
+    model = tiny_model("llama", layers=4, vocab=16, seed=3)
+    options = {"layerskip": {"exit_layer": 2}, "eagle": {"max_draft_tokens": 3}}.get(recipe, {})
+    sm = rewrite.apply(model, recipe, **options)
+    rows = [[1, 2, 3, 4, 5, 6], [9, 8], [3, 3, 3, 3], [11, 12, 13, 14, 15, 1, 2, 3, 4]]
+    ids, mask = _batch(rows)
+    stop = StoppingCriteriaList([_StopAfter(5)])
+    # with an EOS set, HF fills a row a criterion stopped with the pad token (without one, its
+    # rows decode on to the longest row's end)
+    kw = dict(attention_mask=mask, max_new_tokens=16, pad_token_id=PAD, eos_token_id=15)
+    ref = model.generate(ids, do_sample=False, stopping_criteria=stop, **kw)
+    ours = sm.generate(ids, stopping_criteria=stop, **kw)
+    assert torch.equal(ours, ref)
+    ends = [out[ids.shape[1] :].tolist() for out in ours]
+    assert any(5 in e and e.index(5) < len(e) - 1 for e in ends), "a row should stop early"
+
+
+def test_a_left_padded_row_streams_what_the_unpadded_row_streams():
+    model = tiny_model("llama", layers=3, vocab=64, seed=5)
+    sm = rewrite.apply(model, "layerskip", exit_layer=1, num_speculations=3)
+    row = [5, 6, 7, 5, 6, 7, 5, 6]
+    plain, padded = _Streamer(), _Streamer()
+    sm.generate(torch.tensor([row]), max_new_tokens=10, streamer=plain)
+    sm.generate(torch.tensor([[PAD] * 3 + row]), streamer=padded, max_new_tokens=10,
+                attention_mask=torch.tensor([[0] * 3 + [1] * 8]))  # fmt: skip
+    assert padded.puts[0] == [PAD] * 3 + row and plain.puts[0] == row  # the prompt first
+    flat = [t for put in padded.puts[1:] for t in put]
+    assert flat == [t for put in plain.puts[1:] for t in put] and len(flat) == 10
+    assert padded.ended == plain.ended == 1
+
+
+@pytest.mark.parametrize("recipe", ["autoregressive", "lookup", "layerskip", "eagle"])
+def test_each_row_of_a_batch_decodes_its_own_request_as_it_would_alone(recipe):
+    # One batch whose rows have their own budget, EOS and streamer (what a server batches):
+    # each row's tokens are its solo decode's, each streamer ends when its row does.
+    model = tiny_model("llama", layers=4, vocab=32, seed=7)
+    options = {
+        "lookup": {"num_speculations": 3, "max_ngram": 2},
+        "layerskip": {"exit_layer": 2, "num_speculations": 3},
+        "eagle": {"max_draft_tokens": 3},
+    }.get(recipe, {})
+    sm = rewrite.apply(model, recipe, **options)
+    rows = [[1, 2, 3, 1, 2, 3], [9, 8], [4, 4, 5, 4, 4, 5, 4]]
+    budgets, eos = [3, 12, 7], [None, 6, 2]
+    solo = [
+        sm.generate(torch.tensor([r]), max_new_tokens=m, eos_token_id=e)[0, len(r) :].tolist()
+        for r, m, e in zip(rows, budgets, eos, strict=True)
+    ]
+    ids, mask = _batch(rows)
+    pads = [ids.shape[1] - len(r) for r in rows]
+    streamers = [_Streamer() for _ in rows]
+    requests = [
+        decode_request(
+            model.generation_config,
+            ids.shape[1],
+            max_new_tokens=m,
+            eos_token_id=e if e is not None else [],
+            sampling={"do_sample": False},
+            generator=None,
+            streamer=s,
+        )  # fmt: skip
+        for m, e, s in zip(budgets, eos, streamers, strict=True)
+    ]
+    tokens, metrics = sm._generate_batch(ids, pads, requests)
+    assert tokens == solo
+    for s, t, r in zip(streamers, tokens, rows, strict=True):
+        assert s.ended == 1 and [x for put in s.puts[1:] for x in put] == t
+        assert s.puts[0][-len(r) :] == r
+    assert metrics.new_tokens == sum(map(len, solo))
+
+
+@settings(max_examples=examples(15, 100), deadline=None)
+@given(data=st.data())
+def test_rows_that_join_a_running_batch_decode_as_they_would_alone(data):
+    # Continuous batching: requests join between rounds, each with its own budget and EOS, and
+    # leave as they finish (or are cancelled); each greedy row equals its solo decode.
+    recipe, options = data.draw(st.sampled_from(BATCHED), label="recipe")
+    model = tiny_model("llama", layers=4, vocab=32, seed=7)
+    options = _options(recipe, options, 4, data)
+    sm = rewrite.apply(model, recipe, **options)
+    n = data.draw(st.integers(1, 5), label="requests")
+    prompts = [data.draw(st.lists(st.integers(0, 31), min_size=1, max_size=10), label="prompt")
+               for _ in range(n)]  # fmt: skip
+    budgets = [data.draw(st.integers(1, 10), label="budget") for _ in range(n)]
+    arrivals = sorted(data.draw(st.integers(0, 6), label="arrival round") for _ in range(n))
+    cancel = data.draw(st.sampled_from([None, *range(n)]), label="cancelled")
+    solo = [
+        sm.generate(torch.tensor([p]), max_new_tokens=m, eos_token_id=6)[0, len(p) :].tolist()
+        for p, m in zip(prompts, budgets, strict=True)
+    ]
+    decode = sm.batch_decode(max(map(len, prompts)) + max(budgets))
+    streamers = [_Streamer() for _ in range(n)]
+    waiting, rounds = list(range(n)), 0
+    while waiting or decode.rows:
+        while waiting and arrivals[waiting[0]] <= rounds:
+            i = waiting.pop(0)
+            request = decode_request(model.generation_config, len(prompts[i]),
+                                     max_new_tokens=budgets[i], eos_token_id=6,
+                                     sampling={"do_sample": False}, generator=None,
+                                     streamer=streamers[i])  # fmt: skip
+            decode.admit(torch.tensor([prompts[i]]), request, i)
+        if cancel is not None and rounds == 1:
+            decode.cancel(cancel)
+        if decode.rows:
+            decode.round()
+        rounds += 1
+    for i in range(n):
+        tokens = decode.finished.pop(i)
+        assert streamers[i].ended == 1 and [t for p in streamers[i].puts[1:] for t in p] == tokens
+        if i == cancel:
+            assert tokens == solo[i][: len(tokens)]  # a prefix: it stopped when cancelled
+        else:
+            assert tokens == solo[i]
+    assert not decode.finished and decode.runner.cache.batch_size == 0
 
 
 def test_row_cache_writes_each_row_at_its_own_length_and_crops_per_row():

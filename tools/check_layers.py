@@ -44,6 +44,7 @@ FLOORS = [
     ("rewrite",),
     ("runs",),  # training runs: a model loaded, a recipe applied, its parts fitted and written
     ("bench", "demo"),
+    ("serve",),
     ("textgen",),
     ("cli",),
 ]

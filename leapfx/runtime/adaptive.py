@@ -20,7 +20,8 @@ machine), the decode falls back to plain steps.
   than a one-token one), shrunk toward the pooled rate by ``SHRINK`` pseudo-rounds, so a length
   seen rarely reads as the pooled rate.
 - C(d): each round's wall time, from one ``propose`` to the next (the verify call, the
-  acceptance and its host sync, the crop, the lookup itself), as a moving average per d, read
+  acceptance and its host sync, the crop, the lookup itself), as a moving average per d (robust
+  to a stalled round: ``DraftPolicy.observe_cost``), read
   off the least-squares line through those averages (every d, measured or not), or from one
   measured point and ``PRIOR_SLOPE`` (a draft adds this share of a step); each length's first
   round is not counted (first-call costs at a new shape), nor a decode's last round (no
@@ -57,7 +58,9 @@ from .runner import StageRunner
 from .schedules import DecodeRequest, Draft, Drafter, Output, no_draft, speculative_loop
 
 DECAY = 0.9  # per drafting round: the acceptance counts' memory is ~10 rounds
-COST_EMA = 0.2  # weight of a new round's time in its length's moving average
+COST_EMA = 0.2  # weight of a new round's time in its length's moving average (slower)
+COST_EMA_DOWN = 0.5  # ... of a round faster than the average: stalls only lengthen rounds
+OUTLIER = 3.0  # a round counts at most this many times its length's average cost
 PRIOR_SLOPE = 0.1  # an unmeasured draft adds this share of a plain step's cost
 MARGIN = 0.02  # drafting must beat a plain step's tokens per second by 2%: ties go to d = 0
 PROBE_EVERY = 16
@@ -88,6 +91,43 @@ class ProbeGate:
         return "decline"
 
 
+class Acceptance:
+    """Live acceptance: the decayed counts of kept drafts and rejections over the rounds that
+    drafted (pooled, and a key's own: an n-gram length's), from a prior of one of each.
+
+    >>> a = Acceptance(); a.observe(3.0, 0.0); round(a.alpha, 3)  # (0.9 + 3) / (3.9 + 0.9)
+    0.812
+    """
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.accepted, self.rejections = 1.0, 1.0  # pooled; prior: alpha 0.5
+        self.by_key: dict[int, list[float]] = {}  # n-gram length -> [accepted, rejections]
+
+    def observe(self, accepted: float, rejected: float, key: int | None = None) -> None:
+        """A drafting round kept ``accepted`` drafts and rejected one (``rejected`` 1) or none
+        (0); a batch's round: the mean row's counts."""
+        self.accepted = DECAY * self.accepted + accepted
+        self.rejections = DECAY * self.rejections + rejected
+        if key is not None:
+            counts = self.by_key.setdefault(key, [0.0, 0.0])
+            counts[0] = DECAY * counts[0] + accepted
+            counts[1] = DECAY * counts[1] + rejected
+
+    @property
+    def alpha(self) -> float:
+        return self.accepted / (self.accepted + self.rejections)
+
+    def alpha_of(self, key: int | None) -> float:
+        counts = self.by_key.get(key) if key is not None else None
+        if counts is None:
+            return self.alpha
+        accepted, rejections = counts
+        return (accepted + SHRINK * self.alpha) / (accepted + rejections + SHRINK)
+
+
 class DraftPolicy:
     """Chooses a round's draft count from acceptance and cost observed so far.
 
@@ -99,34 +139,32 @@ class DraftPolicy:
     15
     """
 
-    def __init__(self, max_drafts: int) -> None:
+    def __init__(self, max_drafts: int, acceptance: Acceptance | None = None) -> None:
         self.max_drafts = max_drafts
         self.costs: dict[int, float] = {}  # d -> moving average of a round's seconds
         self._seen: set[int] = set()  # lengths that have run a round
         # a draft's share of a plain step while fewer than two lengths are measured (a batch's
         # policy borrows its neighbours' line: BatchPolicy)
         self.prior_slope = PRIOR_SLOPE
+        # the text's acceptance: this policy's own, or one a batch's policies share (one a
+        # batch size, all reading the live rows' acceptance)
+        self.acceptance = Acceptance() if acceptance is None else acceptance
         self.restart()
 
     def restart(self) -> None:
         """A new decode: acceptance back to the prior (it is the text's); costs are kept."""
-        self.accepted, self.rejections = 1.0, 1.0  # pooled; prior: alpha 0.5
-        self.by_key: dict[int, list[float]] = {}  # n-gram length -> [accepted, rejections]
+        self.acceptance.reset()
         self.gate = ProbeGate()
 
     @property
     def alpha(self) -> float:
         """The pooled acceptance rate over every drafting round."""
-        return self.accepted / (self.accepted + self.rejections)
+        return self.acceptance.alpha
 
     def alpha_of(self, key: int | None) -> float:
         """Acceptance of a round whose match is ``key`` (its n-gram length): that length's own
         counts plus ``SHRINK`` pseudo-rounds at the pooled rate (the pooled rate for None)."""
-        counts = self.by_key.get(key) if key is not None else None
-        if counts is None:
-            return self.alpha
-        accepted, rejections = counts
-        return (accepted + SHRINK * self.alpha) / (accepted + rejections + SHRINK)
+        return self.acceptance.alpha_of(key)
 
     def cost(self, d: int) -> float:
         """C(d) from the least-squares line through the measured lengths' averages (relative
@@ -189,22 +227,33 @@ class DraftPolicy:
         """A round drafted ``drafted`` tokens from a match of kind ``key``, kept ``accepted``
         of them, took ``seconds``."""
         if drafted > 0:
-            rejected = float(accepted < drafted)
-            self.accepted = DECAY * self.accepted + accepted
-            self.rejections = DECAY * self.rejections + rejected
-            if key is not None:
-                counts = self.by_key.setdefault(key, [0.0, 0.0])
-                counts[0] = DECAY * counts[0] + accepted
-                counts[1] = DECAY * counts[1] + rejected
+            self.acceptance.observe(accepted, float(accepted < drafted), key)
         self.observe_cost(drafted, seconds)
 
     def observe_cost(self, drafted: int, seconds: float) -> None:
-        """A round of ``drafted`` drafts took ``seconds`` (its acceptance counted apart)."""
+        """A round of ``drafted`` drafts took ``seconds`` (its acceptance counted apart).
+
+        Robust to a stall: a round the machine held up (another process, a page fault, the
+        collector) can be many steps long, and a length whose cost reads that high is never
+        chosen again, so only rare probes could bring it back down. So a round counts at most
+        ``OUTLIER`` times its length's average (its first counted round: ``OUTLIER`` times
+        what d + 1 plain steps cost, where a plain step is measured: no verify of d + 1
+        tokens costs more), and a round faster than the average pulls it down by
+        ``COST_EMA_DOWN``, more than a slower one pushes it up: stalls only ever lengthen
+        a round."""
         if drafted not in self._seen:  # its first round pays first-call costs: not counted
             self._seen.add(drafted)
             return
         old = self.costs.get(drafted)
-        self.costs[drafted] = seconds if old is None else old + COST_EMA * (seconds - old)
+        if old is None:
+            step = self.costs.get(0) if drafted > 0 else None
+            cap = None if step is None else OUTLIER * step * (drafted + 1)
+            self.costs[drafted] = seconds if cap is None else min(seconds, cap)
+            return
+        if seconds > old:
+            self.costs[drafted] = old + COST_EMA * (min(seconds, OUTLIER * old) - old)
+        else:
+            self.costs[drafted] = old + COST_EMA_DOWN * (seconds - old)
 
 
 class Policies(dict):

@@ -40,22 +40,28 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from ..modules.fused import kernel_attends_ragged
 from . import executor
-from .adaptive import DECAY, PRIOR_SLOPE, DraftPolicy
+from .adaptive import PRIOR_SLOPE, Acceptance, DraftPolicy
 from .cache import StaticKVCache, cache_for
 from .executor import StageExecutor
 from .lookup import NgramIndex
 from .masks import masks_for
 from .metrics import DecodeMetrics
 from .runner import PREFILL, AttentionLayout
-from .sampling import probs
-from .schedules import DecodeRequest, Output, accept, point_mass
+from .schedules import (
+    DecodeRequest,
+    Output,
+    accept_rows,
+    choose,
+    draft_steps,
+    requests_of,
+)
 
 DRAFTERS = ("none", "lookup", "stage", "eagle")
 # Backends whose stages take a batch's ragged rows: the eager stages, and the compiled ones
@@ -190,16 +196,35 @@ class RowKVCache(StaticKVCache):
 
     def keep(self, rows: list[int]) -> None:
         """Keep only ``rows`` (indices into the current batch), in that order."""
-        index = torch.tensor(rows, device=self.keys[0].device)
+        index = torch.tensor(rows, dtype=torch.long, device=self.keys[0].device)
         self.keys = [k.index_select(0, index) for k in self.keys]
         self.values = [v.index_select(0, index) for v in self.values]
         self.rows = [[layer[r] for r in rows] for layer in self.rows]
         self.first = [self.first[r] for r in rows]
-        self.lengths = [max(layer) for layer in self.rows]
+        self.lengths = [max(layer, default=0) for layer in self.rows]
+        self._spans, self._indices = None, {}
 
     def reset(self) -> None:
         super().reset()
         self.rows = [[0] * self.batch_size for _ in self.rows]
+
+    def blank(self, batch_size: int) -> RowKVCache:
+        """An empty cache of ``batch_size`` rows shaped as this one (layers, heads, length)."""
+        k = self.keys[0]
+        return RowKVCache(
+            len(self.keys), [t.shape[1] for t in self.keys], [t.shape[3] for t in self.keys],
+            self.max_len, batch_size=batch_size, dtype=k.dtype, device=k.device,
+            static_addresses=False,
+        )  # fmt: skip
+
+    def join(self, other: RowKVCache) -> None:
+        """Append ``other``'s rows (a cache of the same shape) after this one's."""
+        self.keys = [torch.cat([a, b]) for a, b in zip(self.keys, other.keys, strict=True)]
+        self.values = [torch.cat([a, b]) for a, b in zip(self.values, other.values, strict=True)]
+        self.rows = [a + b for a, b in zip(self.rows, other.rows, strict=True)]
+        self.first = self.first + other.first
+        self.lengths = [max(layer) for layer in self.rows]
+        self._spans, self._indices = None, {}
 
 
 def row_cache_for(model, max_len: int, batch_size: int, *, extra_layers: int = 0) -> RowKVCache:
@@ -374,6 +399,11 @@ class RowRunner:
         self.cache.keep(rows)
         self.pads = [self.pads[r] for r in rows]
 
+    def join(self, other: RowRunner) -> None:
+        """Append ``other``'s rows (its cache's and pads) after this runner's."""
+        self.cache.join(other.cache)
+        self.pads = self.pads + other.pads
+
 
 class BatchPolicy:
     """Draft lengths for batched rounds: one :class:`~leapfx.runtime.adaptive.DraftPolicy` a
@@ -384,23 +414,21 @@ class BatchPolicy:
 
     def __init__(self, max_drafts: int) -> None:
         self.max_drafts = max_drafts
+        self.acceptance = Acceptance()  # the live rows', whatever their number
         self.by_size: dict[int, DraftPolicy] = {}
-        self.live: DraftPolicy | None = None
 
     def restart(self) -> None:
+        self.acceptance.reset()
         for policy in self.by_size.values():
             policy.restart()
-        self.live = None
 
     def at(self, size: int) -> DraftPolicy:
+        """The draft policy at batch ``size``: its own costs, the batch's acceptance."""
         policy = self.by_size.get(size)
         if policy is None:
-            policy = self.by_size[size] = DraftPolicy(self.max_drafts)
-        if self.live is not None and policy is not self.live:
-            policy.accepted, policy.rejections = self.live.accepted, self.live.rejections
+            policy = self.by_size[size] = DraftPolicy(self.max_drafts, self.acceptance)
         if policy.line() is None:
             policy.prior_slope = self._slope_near(size)
-        self.live = policy
         return policy
 
     def _slope_near(self, size: int) -> float:
@@ -439,8 +467,7 @@ class BatchPolicy:
         policy = self.at(size)
         if drafted > 0 and rows:
             n = len(rows)
-            policy.accepted = DECAY * policy.accepted + sum(k for _, k in rows) / n
-            policy.rejections = DECAY * policy.rejections + sum(k < v for v, k in rows) / n
+            self.acceptance.observe(sum(k for _, k in rows) / n, sum(k < v for v, k in rows) / n)
         policy.observe_cost(drafted, seconds)
 
 
@@ -452,6 +479,25 @@ class _Row:
     out: Output
     pos: int = 0
     ngrams: NgramIndex | None = None
+    drafted: int = 0  # drafts this row was given to verify, and of them kept
+    kept: int = 0
+
+    @property
+    def request(self) -> DecodeRequest:
+        return self.out.request
+
+
+def _requests(rows: list[_Row]) -> list[DecodeRequest]:
+    return [row.request for row in rows]
+
+
+def choose_rows(logits: torch.Tensor, requests: list[DecodeRequest]) -> torch.Tensor:
+    """Each row's next token [B, 1] from logits [B, V] (``schedules.choose``): at once where
+    the rows share one request without processors, else a row at a time, in order."""
+    one = requests[0]
+    if all(r is one for r in requests) and (one.processing is None or not one.processing.active):
+        return choose(logits, one)
+    return torch.cat([choose(logits[b : b + 1], r) for b, r in enumerate(requests)])
 
 
 def _lookup_drafts(row: _Row, d: int) -> list[int]:
@@ -465,33 +511,113 @@ def batched_loop(
     runner: RowRunner,
     prompt: torch.Tensor,
     pads: list[int],
-    request: DecodeRequest,
+    request: DecodeRequest | Sequence[DecodeRequest],
     metrics: DecodeMetrics,
     plan: BatchPlan,
     policy: BatchPolicy | None,
 ) -> list[list[int]]:
     """Decode every row of ``prompt`` [B, S] (left-padded by ``pads``); returns each row's new
-    tokens (up to and including its EOS). ``policy`` chooses each round's draft length (None:
-    always ``plan.num_speculations``)."""
-    B, S = prompt.shape
-    rows = [_Row(b, Output(request), pos=S) for b in range(B)]
-    if plan.drafter == "lookup" or plan.lookup:
+    tokens (up to and including its EOS). ``request``: one for every row, or one a row (its
+    own budget, EOS, sampling, generator, processors and streamer). A row's streamer gets its
+    prompt row, each group of tokens the row emits, and ``end()`` when the row finishes.
+    ``policy`` chooses each round's draft length (None: always ``plan.num_speculations``)."""
+    decode = BatchDecode(runner, metrics, plan, policy)
+    decode.start(prompt, pads, requests_of(request, prompt.shape[0]))
+    while decode.rows:
+        decode.round()
+    return [decode.finished.pop(b) for b in range(prompt.shape[0])]
+
+
+class BatchDecode:
+    """A batch's decode a round at a time, over one :class:`RowRunner`: ``start`` prefills a
+    batch, ``admit`` prefills one more row (alone, in a one-row cache of the same length) and
+    joins it to the batch between rounds, ``round`` runs one draft-verify-accept round for
+    every live row, and a row that finished (or was ``cancel``-ed) leaves after it. What a
+    row emits goes to its Output (its streamer); a finished row's tokens wait in
+    ``finished`` under its index (``pop`` them).
+
+    ``batched_loop`` is ``start`` then rounds until no row is left; a server admits its
+    requests between rounds (continuous batching)."""
+
+    def __init__(
+        self,
+        runner: RowRunner,
+        metrics: DecodeMetrics,
+        plan: BatchPlan,
+        policy: BatchPolicy | None,
+    ) -> None:
+        self.runner, self.metrics, self.plan, self.policy = runner, metrics, plan, policy
+        self.rows: list[_Row] = []
+        self.x: torch.Tensor | None = None  # [B, 1]: each live row's newest token
+        self.finished: dict[int, list[int]] = {}
+        # a finished row's (drafts verified, drafts kept), under its index as ``finished``
+        self.acceptance: dict[int, tuple[int, int]] = {}
+        self.eagle = _EagleRows(plan.threshold) if plan.drafter == "eagle" else None
+        if policy is not None:
+            policy.restart()
+
+    def _new_rows(self, prompt: torch.Tensor, pads: list[int], requests, indices) -> list[_Row]:
+        S = prompt.shape[1]
+        rows = [_Row(i, Output(r), pos=S) for i, r in zip(indices, requests, strict=True)]
         for b, row in enumerate(rows):
-            row.ngrams = NgramIndex(plan.max_ngram, plan.min_ngram)
-            row.ngrams.extend(prompt[b, pads[b] :].tolist())
-    if policy is not None:
-        policy.restart()
-    finished: dict[int, list[int]] = {}
-    eagle = _EagleRows(plan.threshold) if plan.drafter == "eagle" else None
-    if eagle is not None:
-        logits = eagle.prefill(runner, prompt)
-    else:
-        logits = runner.prefill("full", prompt)  # [B, 1 or S, V]
-    metrics.full_calls += 1
-    x = _choose(logits[:, -1], request)  # [B, 1]
-    _emit(rows, [[t] for t in x[:, 0].tolist()])
-    rows, x = _drop_finished(runner, rows, x, finished, eagle)
-    while rows:
+            if row.request.streamer is not None:
+                row.request.streamer.put(prompt[b : b + 1].cpu())  # [1, S]
+            if self.plan.drafter == "lookup" or self.plan.lookup:
+                row.ngrams = NgramIndex(self.plan.max_ngram, self.plan.min_ngram)
+                row.ngrams.extend(prompt[b, pads[b] :].tolist())
+        return rows
+
+    def _prefill(self, runner: RowRunner, prompt: torch.Tensor) -> torch.Tensor:
+        """The first new token of each row of ``prompt`` on ``runner``: [B, 1]."""
+        if self.eagle is not None:
+            logits = self.eagle.prefill(runner, prompt)
+        else:
+            logits = runner.prefill("full", prompt)  # [B, 1 or S, V]
+        self.metrics.full_calls += 1
+        return logits[:, -1]
+
+    def start(self, prompt: torch.Tensor, pads: list[int], requests: list[DecodeRequest]) -> None:
+        """Prefill the rows of ``prompt`` [B, S] (left-padded by ``pads``; the runner's) in one
+        batch, indices 0..B-1, and emit each row's first token."""
+        rows = self._new_rows(prompt, pads, requests, range(prompt.shape[0]))
+        x = choose_rows(self._prefill(self.runner, prompt), _requests(rows))  # [B, 1]
+        self.rows, self.x = rows, x
+        _emit(rows, [[t] for t in x[:, 0].tolist()])
+        self._drop_finished()
+
+    def admit(self, prompt: torch.Tensor, request: DecodeRequest, index: int) -> None:
+        """Join the row ``prompt`` [1, n] (no padding) under ``index``: its prefill runs alone,
+        on a one-row cache of the batch's length, which then joins the batch's cache; its first
+        token is emitted here."""
+        runner = self.runner
+        alone = RowRunner(runner.stages, runner.cache.blank(1), runner.layout, [0])
+        eagle, self.eagle = self.eagle, (None if self.eagle is None else _EagleRows(0.0))
+        try:
+            (row,) = self._new_rows(prompt, [0], [request], [index])
+            x = choose_rows(self._prefill(alone, prompt), [request])  # [1, 1]
+        finally:
+            joined, self.eagle = self.eagle, eagle
+        for key, seconds in alone.seconds.items():
+            runner.seconds[key] += seconds
+        runner.join(alone)
+        if eagle is not None:
+            eagle.join(joined)
+        self.rows.append(row)
+        self.x = x if self.x is None or not len(self.x) else torch.cat([self.x, x])
+        _emit([row], [[int(x[0, 0])]])
+        self._drop_finished()
+
+    def cancel(self, index: int) -> None:
+        """Stop the row ``index`` (a client that left): it leaves after this round."""
+        for row in self.rows:
+            if row.index == index:
+                row.out.done = True
+        self._drop_finished()
+
+    def round(self) -> None:
+        """One round for every live row: choose d, propose, verify, accept, crop, emit."""
+        runner, metrics, plan, policy = self.runner, self.metrics, self.plan, self.policy
+        rows, x, eagle = self.rows, self.x, self.eagle
         size = len(rows)
         begin = time.perf_counter()
         room = [row.out.remaining - 1 for row in rows]  # drafts past a row's budget are waste
@@ -502,7 +628,8 @@ def batched_loop(
             drafting = plan.drafter in ("stage", "eagle")
             share = 1.0 if drafting else sum(map(bool, copies)) / size
             d = policy.choose(size, d, share)
-        proposal = _propose(runner, rows, x, d, room, plan, request, copies, eagle)
+        requests = _requests(rows)
+        proposal = _propose(runner, rows, x, d, room, plan, requests, copies, eagle)
         metrics.draft_calls += proposal.stage_calls
         starts = [row.pos for row in rows]
         width = proposal.tokens.shape[1]
@@ -522,7 +649,9 @@ def batched_loop(
             metrics.verify_calls += 1
         else:
             metrics.full_calls += 1
-        emitted, kept = _accept_rows(proposal, logits, request)
+        emitted, kept = accept_rows(
+            proposal.tokens, proposal.valid, proposal.q, proposal.copied, logits, requests
+        )
         runner.cache.crop_rows([s + len(e) for s, e in zip(starts, emitted, strict=True)])
         if eagle is not None:
             eagle.accepted(kept)
@@ -533,14 +662,33 @@ def batched_loop(
             if v > 0:
                 metrics.record_drafts(v, k)
                 metrics.record_round(who)
+                row.drafted += v
+                row.kept += k
         metrics.draft_lengths.append(width)
-        x = torch.tensor([[e[-1]] for e in emitted], device=prompt.device)
+        self.x = torch.tensor([[e[-1]] for e in emitted], device=x.device)
         _emit(rows, emitted)
         if policy is not None:
             drafted = [(v, k) for v, k in zip(proposal.valid, kept, strict=True) if v > 0]
             policy.observe(size, width, drafted, time.perf_counter() - begin)
-        rows, x = _drop_finished(runner, rows, x, finished, eagle)
-    return [finished[b] for b in range(B)]
+        self._drop_finished()
+
+    def _drop_finished(self) -> None:
+        """Keep the rows still decoding (and their newest tokens); the cache (and EAGLE's
+        states) keep only theirs. A finished row's streamer ends."""
+        rows = self.rows
+        live = [i for i, row in enumerate(rows) if not row.out.done]
+        if len(live) == len(rows):
+            return
+        for row in rows:
+            if row.out.done:
+                self.finished[row.index] = row.out.tokens
+                self.acceptance[row.index] = (row.drafted, row.kept)
+                if row.request.streamer is not None:
+                    row.request.streamer.end()
+        self.runner.keep(live)
+        if self.eagle is not None:
+            self.eagle.keep(live)
+        self.rows, self.x = [rows[i] for i in live], self.x[live]
 
 
 def _emit(rows: list[_Row], emitted: list[list[int]]) -> None:
@@ -548,25 +696,6 @@ def _emit(rows: list[_Row], emitted: list[list[int]]) -> None:
         row.out.extend(tokens)
         if row.ngrams is not None:
             row.ngrams.extend(tokens)
-
-
-def _drop_finished(
-    runner: RowRunner, rows: list[_Row], x: torch.Tensor, finished: dict[int, list[int]],
-    eagle: _EagleRows | None = None,
-) -> tuple[list[_Row], torch.Tensor]:  # fmt: skip
-    """The rows still decoding (and their newest tokens); the cache (and EAGLE's states)
-    keep only theirs."""
-    live = [i for i, row in enumerate(rows) if not row.out.done]
-    if len(live) == len(rows):
-        return rows, x
-    for row in rows:
-        if row.out.done:
-            finished[row.index] = row.out.tokens
-    if live:
-        runner.keep(live)
-        if eagle is not None:
-            eagle.keep(live)
-    return [rows[i] for i in live], x[live]
 
 
 class _EagleRows:
@@ -604,49 +733,31 @@ class _EagleRows:
     def keep(self, live: list[int]) -> None:
         self.h = self.h[live]
 
+    def join(self, other: _EagleRows) -> None:
+        """Append ``other``'s rows' states after this batch's."""
+        self.h = other.h if self.h is None or not len(self.h) else torch.cat([self.h, other.h])
+
     def drafts(
         self, runner: RowRunner, rows: list[_Row], x: torch.Tensor, d: int,
-        request: DecodeRequest,
+        requests: list[DecodeRequest],
     ) -> tuple[torch.Tensor, torch.Tensor | None, None, list[int]]:  # fmt: skip
         """Up to d drafts a row by the head on (token, h), feeding its own state g back: the
         tokens [B, n], q [B, n, V] under sampling, no exit states, and each row's valid count
         (with ``threshold``, a row stops after a draft whose top-1 probability is at most it;
         the head stops once every row has). The head writes its cache layer past each row's
         start; the verify crops it back (``crop_rows``) and rewrites it from the true h."""
-        token, hidden = x, self.h
-        tokens, qs = [], []
-        valid = [d] * len(rows)
+        hidden = self.h
         starts = [row.pos for row in rows]
-        for i in range(d):
+
+        def step(token: torch.Tensor, i: int) -> torch.Tensor:
+            nonlocal hidden
             out = runner.call_outputs("head", token, [s + i for s in starts], "draft",
                                       hidden=hidden)  # fmt: skip
-            logits, hidden = out["logits"][:, -1], out["hidden"]  # [B, V], [B, 1, D]
-            token, q = _draw(logits, request)
-            if q is not None:
-                qs.append(q)
-            tokens.append(token)
-            if self.threshold > 0 and i + 1 < d:
-                dist = q if q is not None else torch.softmax(logits.float(), dim=-1)
-                low = (dist.max(dim=-1).values <= self.threshold).tolist()  # host sync
-                stops = zip(valid, low, strict=True)
-                valid = [i + 1 if stop and v == d else v for v, stop in stops]
-                if all(v <= i + 1 for v in valid):
-                    break
-        return torch.cat(tokens, dim=1), torch.stack(qs, dim=1) if qs else None, None, valid
+            hidden = out["hidden"]  # [B, 1, D]
+            return out["logits"][:, -1]  # [B, V]
 
-
-def _choose(logits: torch.Tensor, request: DecodeRequest) -> torch.Tensor:
-    """Each row's next token [B, 1] from logits [B, V]: argmax or a draw (one generator)."""
-    return _draw(logits, request)[0]
-
-
-def _draw(logits: torch.Tensor, request: DecodeRequest) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Each row's token [B, 1] from logits [B, V] and, under sampling, the distribution it was
-    drawn from [B, V] (one generator; None greedy: the argmax)."""
-    if not request.sampling.do_sample:
-        return logits.argmax(dim=-1, keepdim=True), None
-    q = probs(logits.float(), request.sampling)
-    return torch.multinomial(q, 1, generator=request.generator), q
+        tokens, q, valid = draft_steps(step, x, d, requests, threshold=self.threshold)
+        return tokens, q, None, valid
 
 
 @dataclass(frozen=True)
@@ -674,7 +785,7 @@ def _propose(
     d: int,
     room: list[int],
     plan: BatchPlan,
-    request: DecodeRequest,
+    requests: list[DecodeRequest],
     matches: list[list[int]],
     eagle: _EagleRows | None = None,
 ) -> Proposal:
@@ -689,9 +800,9 @@ def _propose(
     if drafting and d > 0 and not all(copies[b] for b in range(B) if caps[b]):
         # (tokens [B, n], q or None, exit states or None, each row's valid count or None)
         if eagle is not None:
-            staged = eagle.drafts(runner, rows, x, d, request)
+            staged = eagle.drafts(runner, rows, x, d, requests)
         else:
-            staged = _stage_drafts(runner, rows, x, d, request)
+            staged = _stage_drafts(runner, rows, x, d, requests)
         if staged[3] is not None:
             own = [min(c, v) for c, v in zip(caps, staged[3], strict=True)]
     tokens: list[list[int]] = []
@@ -713,8 +824,8 @@ def _propose(
     valid = [len(t) for t in tokens]
     width = max(valid, default=0)
     q = None
-    if request.sampling.do_sample and width:
-        q = staged[1][:, :width] if staged is not None else None
+    if width and staged is not None and staged[1] is not None:
+        q = staged[1][:, :width]
     calls = staged[0].shape[1] if staged is not None else 0
     if staged is not None and width == d and not any(copied):
         # every row's tokens are the stage's (a row with fewer valid drafts keeps the stage's
@@ -726,60 +837,19 @@ def _propose(
 
 
 def _stage_drafts(
-    runner: RowRunner, rows: list[_Row], x: torch.Tensor, d: int, request: DecodeRequest
+    runner: RowRunner, rows: list[_Row], x: torch.Tensor, d: int, requests: list[DecodeRequest]
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, None]:
-    """d drafts a row with the ``draft`` stage: tokens [B, d], under sampling q [B, d, V],
-    and the exit states of the tokens fed (x .. t_{d-1}) [B, d, H] where the stage gives
-    them (else None); every row's d drafts are valid (None)."""
-    token, tokens, qs, hidden = x, [], [], []
+    """d drafts a row with the ``draft`` stage (``draft_steps``): tokens [B, d], under
+    sampling q [B, d, V], and the exit states of the tokens fed (x .. t_{d-1}) [B, d, H] where
+    the stage gives them (else None); every row's d drafts are valid (None)."""
+    hidden = []
     starts = [row.pos for row in rows]
-    for i in range(d):
+
+    def step(token: torch.Tensor, i: int) -> torch.Tensor:
         out = runner.call_outputs("draft", token, [s + i for s in starts], "draft")
-        logits = out["logits"][:, -1]  # [B, V]
         if "hidden" in out:
             hidden.append(out["hidden"])
-        token, q = _draw(logits, request)
-        if q is not None:
-            qs.append(q)
-        tokens.append(token)
-    return (
-        torch.cat(tokens, dim=1),
-        torch.stack(qs, dim=1) if qs else None,
-        torch.cat(hidden, dim=1) if len(hidden) == d else None,
-        None,
-    )
+        return out["logits"][:, -1]  # [B, V]
 
-
-def _accept_rows(
-    proposal: Proposal, logits: torch.Tensor, request: DecodeRequest
-) -> tuple[list[list[int]], list[int]]:
-    """Each row's emitted tokens (its kept drafts and the token after them) and kept count."""
-    emitted, kept = [], []
-    if not request.sampling.do_sample:
-        targets = logits.argmax(dim=-1).tolist()  # [B, width + 1]: the round's one host sync
-        for b, v in enumerate(proposal.valid):
-            drafted = proposal.tokens[b, :v].tolist()
-            k = 0
-            while k < v and drafted[k] == targets[b][k]:
-                k += 1
-            emitted.append([*drafted[:k], targets[b][k]])
-            kept.append(k)
-        return emitted, kept
-    for b, v in enumerate(proposal.valid):
-        if v == 0:
-            token = torch.multinomial(
-                probs(logits[b, :1].float(), request.sampling), 1, generator=request.generator
-            )
-            emitted.append([int(token)])
-            kept.append(0)
-            continue
-        drafts = proposal.tokens[b : b + 1, :v]
-        if proposal.copied[b]:
-            q = point_mass(drafts, logits.shape[-1], request)
-        else:
-            q = proposal.q[b : b + 1, :v]
-        n, nxt = accept(drafts, q, logits[b : b + 1, : v + 1], request)
-        k = int(n)
-        emitted.append([*drafts[0, :k].tolist(), int(nxt)])
-        kept.append(k)
-    return emitted, kept
+    tokens, q, _ = draft_steps(step, x, d, requests)
+    return tokens, q, torch.cat(hidden, dim=1) if len(hidden) == d else None, None

@@ -44,8 +44,7 @@ from .schedules import (
     Draft,
     Drafter,
     FirstDrafter,
-    _drafted,
-    draft_probs,
+    draft_steps,
     no_draft,
     run_drafter,
 )
@@ -89,24 +88,15 @@ def draft_chain(
     (what rejection sampling compares with the target). With ``threshold`` > 0 drafting stops
     after the first token whose top-1 probability is <= threshold (that token is kept).
     """
-    tokens, qs = [], []
-    token, hidden = x, h_prev
-    for i in range(max_tokens):
+    hidden = h_prev
+
+    def step(token: torch.Tensor, i: int) -> torch.Tensor:
+        nonlocal hidden
         logits, hidden = head_step(runner, token, hidden, start + i)  # [1, 1, V], [1, 1, D]
-        q = None
-        if request.sampling.do_sample:
-            q = draft_probs(logits[:, -1], request, _drafted(tokens))  # [1, V]
-            token = torch.multinomial(q, 1, generator=request.generator)  # [1, 1]
-            qs.append(q)
-        else:
-            token = logits[:, -1].argmax(dim=-1, keepdim=True)  # [1, 1]
-        tokens.append(token)
-        if threshold > 0 and i + 1 < max_tokens:
-            dist = q if q is not None else torch.softmax(logits[:, -1].float(), dim=-1)
-            if float(dist.max()) <= threshold:  # host sync: the stop rule
-                break
-    q_all = torch.stack(qs, dim=1) if qs else None
-    return torch.cat(tokens, dim=1), q_all
+        return logits[:, -1]
+
+    tokens, q, _ = draft_steps(step, x, max_tokens, request, threshold=threshold)
+    return tokens, q
 
 
 class EagleDrafter(Drafter):

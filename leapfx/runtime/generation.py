@@ -137,6 +137,10 @@ class Call:
 
     config: Any  # the effective GenerationConfig (a copy)
     request: DecodeRequest
+    # a batched (or left-padded) call's request a row: the call's, with HF's processors built
+    # for the row (its padding and mask: HF's repetition penalty skips a row's left padding)
+    # and the stopping criteria over the row's own sequence; None for one unpadded row
+    rows: tuple[DecodeRequest, ...] | None = None
 
 
 def effective_config(model_config, generation_config, kwargs: dict[str, Any]):
@@ -179,11 +183,12 @@ def prepare(
     kwargs: dict[str, Any],
     recipe: str,
     lossless: bool,
+    attention_mask: torch.Tensor | None = None,
 ) -> Call:
     """Check a call's arguments and build its effective config and DecodeRequest.
 
     ``prompt`` is ``input_ids`` on the decode's device; ``model_config`` the model's (or the
-    export's) generation config.
+    export's) generation config; ``attention_mask`` the call's (checked), for a batch.
     """
 
     logits_processor = LogitsProcessorList(logits_processor or [])
@@ -233,11 +238,6 @@ def prepare(
     config.validate()
     host = _Host(config, vocab_size, max_positions)
     GenerationMixin._prepare_special_tokens(host, config, True, device=prompt.device)
-    processors = GenerationMixin._get_logits_processor(
-        host, config, input_ids_seq_length=n, prefix_allowed_tokens_fn=own[
-            "prefix_allowed_tokens_fn"], logits_processor=logits_processor,
-        device=prompt.device, model_kwargs={"attention_mask": torch.ones_like(prompt)},
-    )  # fmt: skip
     stopping = _stopping(host, config, stopping_criteria, own["tokenizer"])
     record = bool(config.return_dict_in_generate and (config.output_scores or config.output_logits))
     request = decode_request(
@@ -245,12 +245,31 @@ def prepare(
         sampling={}, generator=own["generator"], streamer=streamer,
     )  # fmt: skip
     criteria_scores = bool(config.return_dict_in_generate and config.output_scores)
-    processing = Processing(
-        prompt, processors, stopping, record=record, criteria_scores=criteria_scores
-    )
-    if processing.active or processing.stopping or record:
-        request = replace(request, processing=processing)
-    return Call(config, with_teacher(request, teacher))
+    mask = torch.ones_like(prompt) if attention_mask is None else attention_mask.to(prompt.device)
+
+    def processing_of(ids: torch.Tensor, row_mask: torch.Tensor) -> Processing:
+        processors = GenerationMixin._get_logits_processor(
+            host, config, input_ids_seq_length=n, prefix_allowed_tokens_fn=own[
+                "prefix_allowed_tokens_fn"], logits_processor=logits_processor,
+            device=prompt.device, model_kwargs={"attention_mask": row_mask},
+        )  # fmt: skip
+        return Processing(ids, processors, stopping, record=record, criteria_scores=criteria_scores)
+
+    def with_processing(processing: Processing) -> DecodeRequest:
+        if processing.active or processing.stopping or record:
+            return replace(request, processing=processing)
+        return request
+
+    rows = None
+    if prompt.shape[0] > 1 or not bool(mask.all()):
+        rows = tuple(
+            with_processing(processing_of(prompt[b : b + 1], mask[b : b + 1]))
+            for b in range(prompt.shape[0])
+        )
+        request = replace(request, processing=rows[0].processing)  # what the checks read
+    else:
+        request = with_processing(processing_of(prompt, mask))
+    return Call(config, with_teacher(request, teacher), rows)
 
 
 def _stopping(host: _Host, config, stopping_criteria, tokenizer):
@@ -284,34 +303,31 @@ def finish(input_ids: torch.Tensor, tokens: list[int], call: Call, metrics: Deco
 
 
 def check_batch_call(call: Call, rows: int) -> None:
-    """Refuse what a batched decode does not honour yet, naming it: HF logits processors beyond
-    the sampling warpers, extra stopping criteria, recorded scores, a streamer (HF's streamers
-    take one row too), teacher forcing."""
+    """Refuse what a batched decode does not honour, naming it: recorded scores, a streamer
+    for more than one row (HF's streamers take one row), teacher forcing. Logits processors
+    and stopping criteria apply a row at a time (``Call.rows``)."""
     request = call.request
     where = f"with a batch ({rows} rows, or a left-padded row)"
-    if request.streamer is not None:
-        raise ValueError(f"streamer: not supported {where}; allowed: streamer=None")
+    if request.streamer is not None and rows > 1:
+        raise ValueError(
+            f"streamer: not supported with a batch of {rows} rows (HF's streamers take one "
+            "row); allowed: streamer=None, or one (left-padded) row"
+        )
     if request.teacher_tokens is not None:
         raise ValueError(f"teacher_tokens: not supported {where}; allowed: one unpadded row")
     processing = request.processing
-    if processing is None:
-        return
-    if processing.record:
+    if processing is not None and processing.record:
         raise ValueError(
             f"output_scores/output_logits: not supported {where}; allowed: False (sequences "
             "and metrics only)"
         )
-    if processing.stopping:
+    if processing is not None and processing.stopping and not request.eos_token_ids and rows > 1:
         names = ", ".join(type(c).__name__ for c in processing.stopping)
         raise ValueError(
-            f"stopping_criteria: {names} not supported {where}; allowed: EOS and "
-            "max_new_tokens/max_length"
+            f"stopping_criteria ({names}) with a batch of {rows} rows and no EOS token: HF's "
+            "generate decodes a stopped row on to the longest row's end then; allowed: "
+            "eos_token_id set (a stopped row is then filled with the pad token, as HF does)"
         )
-    names = ", ".join(type(p).__name__ for p in processing.processors)
-    raise ValueError(
-        f"logits processors ({names}): not supported {where}; allowed: greedy decoding, or "
-        "sampling with temperature, top_k and top_p"
-    )
 
 
 def finish_batch(
@@ -412,20 +428,21 @@ class GenerateFrontEnd:
                 vocab_size=source.vocab_size, max_positions=source.max_positions,
                 generation_config=generation_config, logits_processor=logits_processor,
                 stopping_criteria=stopping_criteria, streamer=streamer, kwargs=kwargs,
-                recipe=source.recipe, lossless=source.lossless,
+                recipe=source.recipe, lossless=source.lossless, attention_mask=attention_mask,
             )  # fmt: skip
             if input_ids.shape[0] > 1 or any(pads):
                 check_batch_call(call, input_ids.shape[0])
-                rows, self.last_metrics = self._generate_batch(prompt, pads, call.request)
+                requests = list(call.rows)
+                rows, self.last_metrics = self._generate_batch(prompt, pads, requests)
                 return finish_batch(input_ids, rows, call, self.last_metrics)
             tokens, self.last_metrics = self._generate_decode(prompt, call.request)
             return finish(input_ids, tokens, call, self.last_metrics)
 
     def _generate_batch(
-        self, prompt: torch.Tensor, pads: list[int], request: DecodeRequest
+        self, prompt: torch.Tensor, pads: list[int], requests: list[DecodeRequest]
     ) -> tuple[list[list[int]], DecodeMetrics]:
         """Each row's new tokens of a batched (or left-padded) ``prompt`` [B, S] and the
-        decode's metrics; ``pads``: each row's left pad tokens."""
+        decode's metrics; ``pads``: each row's left pad tokens; ``requests``: each row's."""
         raise ValueError(
             f"input_ids: {prompt.shape[0]} rows (or a left-padded row) are not supported on the "
             f"onnxruntime backend ({type(self).__name__}: its exported stages and cache take one "

@@ -33,10 +33,9 @@ from .schedules import (
     Drafter,
     FirstDrafter,
     Output,
-    _drafted,
     _token,
     choose,
-    draft_probs,
+    draft_steps,
     no_draft,
     run_drafter,
     teacher_force,
@@ -59,23 +58,12 @@ def draft_fast(
     per draft; 0 drafts ``max_tokens`` with no sync.
     """
     scratch = FastScratch()  # this round's fast keys: discarded with the round
-    tokens, qs = [], []
-    token = x
-    for i in range(max_tokens):
-        logits = runner.fast_draft(token, start + i, scratch)  # [1, 1, V]
-        q = None
-        if request.sampling.do_sample:
-            q = draft_probs(logits[:, -1], request, _drafted(tokens))  # [1, V]
-            token = torch.multinomial(q, 1, generator=request.generator)
-            qs.append(q)
-        else:
-            token = logits[:, -1].argmax(dim=-1, keepdim=True)  # [1, 1]
-        tokens.append(token)
-        if threshold > 0 and i + 1 < max_tokens:
-            dist = q if q is not None else torch.softmax(logits[:, -1].float(), dim=-1)
-            if float(dist.max()) <= threshold:
-                break
-    return torch.cat(tokens, dim=1), (torch.stack(qs, dim=1) if qs else None)
+
+    def step(token: torch.Tensor, i: int) -> torch.Tensor:
+        return runner.fast_draft(token, start + i, scratch)[:, -1]  # [1, V]
+
+    tokens, q, _ = draft_steps(step, x, max_tokens, request, threshold=threshold)
+    return tokens, q
 
 
 class FastDrafter(Drafter):

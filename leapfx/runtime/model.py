@@ -33,10 +33,10 @@ from ..passes.skip_layers import DRAFT_SKIP, swift_stages
 from . import schedules, swift
 from .batch import (
     BATCH_BACKENDS,
+    BatchDecode,
     BatchPlan,
     BatchPolicy,
     RowRunner,
-    batched_loop,
     row_cache_for,
 )
 from .cache import StaticKVCache, cache_for
@@ -353,35 +353,58 @@ class SpeculativeModel(GenerateFrontEnd):
         return self._decode(self.recipe.schedule, prompt, request)
 
     def _generate_batch(
-        self, prompt: torch.Tensor, pads: list[int], request: DecodeRequest
+        self, prompt: torch.Tensor, pads: list[int], requests: list[DecodeRequest]
     ) -> tuple[list[list[int]], DecodeMetrics]:
-        plan = self.recipe.batch
         rows = prompt.shape[0]
+        needed = prompt.shape[1] + max(r.max_new_tokens for r in requests) + self.recipe.lookahead
+        decode = self.batch_decode(needed, rows, pads)
+        metrics = decode.metrics
+        metrics.prompt_tokens = prompt.shape[1]
+        start = time.perf_counter()
+        with torch.inference_mode():
+            decode.start(prompt, pads, requests)
+            while decode.rows:
+                decode.round()
+        tokens = [decode.finished.pop(b) for b in range(rows)]
+        metrics.seconds = time.perf_counter() - start
+        metrics.stage_seconds = dict(decode.runner.seconds)
+        metrics.new_tokens = sum(len(t) for t in tokens)
+        return tokens, metrics
+
+    def batch_decode(
+        self, needed: int, rows: int = 0, pads: list[int] | None = None
+    ) -> BatchDecode:
+        """A :class:`~leapfx.runtime.batch.BatchDecode` of this model (its recipe's batch plan,
+        the model's batch policy, eager or compiled stages) over a cache of ``rows`` rows of at
+        least ``needed`` positions each (left-padded by ``pads``): ``start`` a batch on it, or
+        ``admit`` rows one by one (``rows`` 0: an empty batch, a server's). Refuses, naming the
+        reason, a recipe, backend or offloaded model that does not batch."""
+        plan = self.recipe.batch
+        what = f"{rows} rows (or a left-padded row)" if rows else "a batch"
         if plan is None:
             raise ValueError(
-                f"input_ids: {rows} rows (or a left-padded row) are not supported by recipe "
+                f"input_ids: {what} are not supported by recipe "
                 f"{self.recipe.name!r} ({self.recipe.batch_refusal}); allowed: one unpadded "
                 "row, or a recipe that batches (autoregressive, lookup, auto, layerskip, "
                 "kangaroo, swift, eagle)"
             )
         if self.backend not in BATCH_BACKENDS:
             raise ValueError(
-                f"input_ids: {rows} rows (or a left-padded row) run on the "
+                f"input_ids: {what} run on the "
                 f"{' and '.join(BATCH_BACKENDS)} backends, and this model's stages run on "
                 f"{self.backend!r} (its sessions take one row); allowed: one unpadded row, or "
                 "the model on 'eager' or 'inductor'"
             )
         if self.offload is not None:
             raise ValueError(
-                f"input_ids: {rows} rows (or a left-padded row): an offloaded MoE model decodes "
+                f"input_ids: {what}: an offloaded MoE model decodes "
                 "one row at a time; allowed: one unpadded row"
             )
         if self._hf_model.training:
             warnings.warn(
                 "the model is in training mode (dropout active); call model.eval() first",
-                stacklevel=3,
+                stacklevel=4,
             )
-        needed = prompt.shape[1] + request.max_new_tokens + self.recipe.lookahead
         size = cache_length(needed, getattr(self.options, "max_cache_len", None),
                             self.recipe.lookahead)  # fmt: skip
         if self.backend == "inductor":
@@ -390,6 +413,7 @@ class SpeculativeModel(GenerateFrontEnd):
         cache = row_cache_for(
             self._hf_model, size, rows, extra_layers=self.recipe.extra_cache_layers
         )
+        pads = [0] * rows if pads is None else pads
         runner = RowRunner(self._executors or self.stages.modules, cache, self._layout, pads)
         policy = None
         if plan.drafter != "none":
@@ -397,17 +421,10 @@ class SpeculativeModel(GenerateFrontEnd):
                 self._batch_policy = BatchPolicy(plan.num_speculations)
             policy = self._batch_policy
         metrics = DecodeMetrics(
-            schedule=self.recipe.name, prompt_tokens=prompt.shape[1],
-            num_speculations=plan.num_speculations, batch_size=rows,
+            schedule=self.recipe.name, num_speculations=plan.num_speculations, batch_size=rows,
         )  # fmt: skip
-        start = time.perf_counter()
-        with torch.inference_mode():
-            tokens = batched_loop(runner, prompt, pads, request, metrics, plan, policy)
-        metrics.seconds = time.perf_counter() - start
-        metrics.stage_seconds = dict(runner.seconds)
-        metrics.new_tokens = sum(len(t) for t in tokens)
         metrics.cpu_kernels = self.cpu_kernels
-        return tokens, metrics
+        return BatchDecode(runner, metrics, plan, policy)
 
     def _decode(
         self, schedule: Schedule, prompt: torch.Tensor, request: DecodeRequest, name: str = ""

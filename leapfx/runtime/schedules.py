@@ -21,7 +21,7 @@ dynamic drafting (threshold > 0) syncs once per draft to decide whether to stop.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -179,6 +179,91 @@ def _one_stage_loop(stage, runner, prompt, request, metrics, counter, layers) ->
         pos += 1
 
 
+def requests_of(request: DecodeRequest | Sequence[DecodeRequest], rows: int) -> list[DecodeRequest]:
+    """One request a row: ``request`` for every row, or the per-row list itself."""
+    if isinstance(request, DecodeRequest):
+        return [request] * rows
+    if len(request) != rows:
+        raise ValueError(f"requests: {len(request)} for {rows} rows; allowed: one a row")
+    return list(request)
+
+
+def draw(
+    logits: torch.Tensor,
+    request: DecodeRequest | Sequence[DecodeRequest],
+    drafts: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A drafter's token a row [B, 1] from its logits [B, V], and under sampling the
+    distribution q [B, V] it was drawn from (``draft_probs``; None when every row is greedy:
+    greedy drafts are the raw argmax, the verify applies the processors). ``request``: one for
+    every row, or one a row (a batch whose rows have their own sampling, generator or
+    processors: drawn a row at a time, in order); ``drafts`` [B, i]: drafted this round so far.
+
+    Every drafting loop chooses its tokens here, so a drafter's q is always the processed
+    distribution the verify compares with."""
+    rows = None if isinstance(request, DecodeRequest) else list(request)
+    one = request if rows is None else rows[0]
+    if rows is None or all(r is one for r in rows):
+        if not one.sampling.do_sample:
+            return logits.argmax(dim=-1, keepdim=True), None  # no host sync
+        if logits.shape[0] == 1 or active(one) is None:
+            q = draft_probs(logits, one, drafts)  # [B, V]
+            return torch.multinomial(q, 1, generator=one.generator), q
+        rows = [one] * logits.shape[0]
+    tokens, qs = [], []
+    for b, r in enumerate(rows):
+        token, q = draw(logits[b : b + 1], r, None if drafts is None else drafts[b : b + 1])
+        tokens.append(token)
+        qs.append(q)
+    token = torch.cat(tokens)
+    if all(q is None for q in qs):
+        return token, None
+    # a greedy row's q is never read (its acceptance is greedy): its point mass stands in
+    V = logits.shape[-1]
+    fill = [
+        q if q is not None else torch.nn.functional.one_hot(t[0], V)[None].float()
+        for q, t in zip(qs, tokens, strict=True)
+    ]
+    return token, torch.cat(fill)
+
+
+def draft_steps(
+    step: Callable[[torch.Tensor, int], torch.Tensor],
+    x: torch.Tensor,
+    d: int,
+    request: DecodeRequest | Sequence[DecodeRequest],
+    *,
+    threshold: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
+    """The drafting loop of every drafter that drafts a token at a time (an exit head, a
+    layer-skipped stage, EAGLE's head, M2R2's fast stream; one row or a batch's).
+
+    ``step(token [B, 1], i)`` runs the drafter's i-th call on the previous token and returns
+    its logits [B, V]; ``x`` [B, 1]: each row's newest token. Returns the drafts [B, d'], under
+    sampling their distributions q [B, d', V] (``draw``), and each row's valid count. With
+    ``threshold`` 0 every row drafts d (d' = d; greedy tokens stay on the device: no host
+    sync). With ``threshold`` > 0 (Kangaroo eq. 4, EAGLE's confidence stop) a row stops after
+    its first draft whose top-1 probability is <= threshold (that draft is kept: its valid
+    count), one host sync a step, and the loop ends once every row has stopped (for one row:
+    d' is its count)."""
+    tokens, qs = [], []
+    valid = [d] * x.shape[0]
+    token = x
+    for i in range(d):
+        logits = step(token, i)  # [B, V]
+        token, q = draw(logits, request, _drafted(tokens))
+        tokens.append(token)
+        if q is not None:
+            qs.append(q)
+        if threshold > 0 and i + 1 < d:
+            dist = q if q is not None else torch.softmax(logits.float(), dim=-1)
+            low = (dist.max(dim=-1).values <= threshold).tolist()  # host sync: the stop rule
+            valid = [i + 1 if stop and v == d else v for v, stop in zip(valid, low, strict=True)]
+            if all(v <= i + 1 for v in valid):
+                break
+    return torch.cat(tokens, dim=1), (torch.stack(qs, dim=1) if qs else None), valid
+
+
 def draft(
     runner: StageRunner,
     x: torch.Tensor,
@@ -188,13 +273,12 @@ def draft(
     *,
     threshold: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Draft up to d tokens autoregressively from token x [1, 1] at position ``start``.
+    """Draft up to d tokens autoregressively from token x [1, 1] at position ``start`` with the
+    exit head (``draft_steps``).
 
     Returns draft tokens [1, d'], their exit hidden states [1, d', H] (the exit-query cache for
     positions start..start+d'-1) and, when sampling, the draft distributions q [1, d', V].
-    With ``threshold`` 0 (LayerSkip) d' = d and tokens stay on the device: no host sync inside
-    the loop. With ``threshold`` > 0 (Kangaroo eq. 4) drafting stops after the first token whose
-    top-1 probability is <= threshold (that token is kept), one host sync per draft step.
+    ``threshold``: ``draft_steps``' stop rule (0: LayerSkip's d drafts, no host sync).
     """
     if threshold <= 0 and not request.sampling.do_sample and runner.chain_length() == d:
         # stages that run the d greedy steps as one call (a ``draft_chain``: compiled, ONNX or
@@ -202,29 +286,19 @@ def draft(
         # hidden states
         tokens, hidden = runner.draft_chain(x, start)
         return tokens, hidden, None
-    tokens, hidden, qs = [], [], []
-    token = x
-    for i in range(d):
+    hidden: list[torch.Tensor] = []
+
+    def step(token: torch.Tensor, i: int) -> torch.Tensor:
         logits, h = runner.draft(token, start + i)  # logits: [1, 1, V], h: [1, 1, H]
-        q = None
-        if request.sampling.do_sample:
-            q = draft_probs(logits[:, -1], request, _drafted(tokens))  # [1, V]
-            token = torch.multinomial(q, 1, generator=request.generator)
-            qs.append(q)
-        else:  # greedy drafts stay raw (verify applies the processors): no host sync here
-            token = logits[:, -1].argmax(dim=-1, keepdim=True)  # [1, 1]
-        tokens.append(token)
         hidden.append(h)
-        if threshold > 0 and i + 1 < d:
-            dist = q if q is not None else torch.softmax(logits[:, -1].float(), dim=-1)
-            if float(dist.max()) <= threshold:
-                break
-    q_all = torch.stack(qs, dim=1) if qs else None
-    return torch.cat(tokens, dim=1), torch.cat(hidden, dim=1), q_all
+        return logits[:, -1]
+
+    tokens, q, _ = draft_steps(step, x, d, request, threshold=threshold)
+    return tokens, torch.cat(hidden, dim=1), q
 
 
 def _drafted(tokens: list[torch.Tensor]) -> torch.Tensor | None:
-    """A drafter's tokens so far as [1, i] (None before the first)."""
+    """A drafter's tokens so far as [B, i] (None before the first)."""
     return torch.cat(tokens, dim=1) if tokens else None
 
 
@@ -260,6 +334,15 @@ def accept(
     return kernels.speculative_accept(drafts, q, p, u_accept, u_sample)
 
 
+def greedy_rule(drafted: list[int], targets: list[int]) -> int:
+    """Greedy acceptance: how many of ``drafted`` equal the target's tokens ``targets`` (its
+    argmax at each drafted position and one past), up to the first that does not."""
+    k = 0
+    while k < len(drafted) and drafted[k] == targets[k]:
+        k += 1
+    return k
+
+
 def greedy_accept_host(
     drafts: torch.Tensor, target_logits: torch.Tensor
 ) -> tuple[int, int, list[int]]:
@@ -268,10 +351,54 @@ def greedy_accept_host(
     ``target_logits [1, d+1, V]`` (argmax ties: the first index, as ``torch.argmax``)."""
     targets = target_logits[0].argmax(dim=-1).tolist()
     drafted = drafts[0].tolist()
-    k = 0
-    while k < len(drafted) and drafted[k] == targets[k]:
-        k += 1
+    k = greedy_rule(drafted, targets)
     return k, targets[k], drafted
+
+
+def accept_rows(
+    drafts: torch.Tensor,
+    valid: list[int],
+    q: torch.Tensor | None,
+    copied: list[bool],
+    target_logits: torch.Tensor,
+    requests: Sequence[DecodeRequest],
+) -> tuple[list[list[int]], list[int]]:
+    """A round's acceptance for every row, on the host: each row's emitted tokens (its kept
+    drafts and the target's token after them) and kept count.
+
+    ``drafts`` [B, w]: row b's first ``valid[b]`` are its drafts (the rest filler, never
+    kept); ``q`` [B, w, V]: their draft distributions under sampling (a ``copied`` row's is a
+    point mass, built here); ``target_logits`` [B, w + 1, V]; ``requests``: one a row. Greedy
+    rows without processors: ``greedy_rule`` over the targets' argmax (one host sync for the
+    batch); every other row: ``accept`` (rejection sampling, processors) over its own drafts,
+    rows in order."""
+    plain = [not r.sampling.do_sample and active(r) is None for r in requests]
+    targets = target_logits.argmax(dim=-1).tolist() if any(plain) else None  # [B, w + 1]
+    emitted, kept = [], []
+    for b, (v, request) in enumerate(zip(valid, requests, strict=True)):
+        if plain[b]:
+            drafted = drafts[b, :v].tolist()
+            k = greedy_rule(drafted, targets[b])
+            emitted.append([*drafted[:k], targets[b][k]])
+            kept.append(k)
+            continue
+        row = drafts[b : b + 1, :v]
+        if not request.sampling.do_sample or v == 0:
+            row_q = None
+        elif copied[b]:
+            row_q = point_mass(row, target_logits.shape[-1], request)
+        else:
+            row_q = q[b : b + 1, :v]
+        if v == 0:
+            token = choose(target_logits[b, :1], request)
+            emitted.append([_token(token)])
+            kept.append(0)
+            continue
+        n, nxt = accept(row, row_q, target_logits[b : b + 1, : v + 1], request)
+        k = int(n)
+        emitted.append([*row[0, :k].tolist(), int(nxt)])
+        kept.append(k)
+    return emitted, kept
 
 
 # The exit-layer drafting function LayerSkip and Kangaroo pass (``draft`` above):

@@ -50,8 +50,16 @@ from ..parts.swift import write_skip_set
 from ..passes.skip_layers import skip_stage
 from .metrics import DecodeMetrics
 from .runner import StageRunner
-from .sampling import SamplingParams, probs
-from .schedules import DecodeRequest, Draft, Drafter, FirstDrafter, no_draft, run_drafter
+from .sampling import SamplingParams
+from .schedules import (
+    DecodeRequest,
+    Draft,
+    Drafter,
+    FirstDrafter,
+    draft_steps,
+    no_draft,
+    run_drafter,
+)
 from .skip_search import OnlineSkipSearch
 
 log = logging.getLogger(__name__)
@@ -60,20 +68,14 @@ log = logging.getLogger(__name__)
 def draft_skip(
     runner: StageRunner, x: torch.Tensor, start: int, d: int, request: DecodeRequest
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """d drafts from token x [1, 1] at ``start`` with the ``draft`` stage: drafts [1, d] and,
-    when sampling, their distributions q [1, d, V]."""
-    tokens, qs = [], []
-    token = x
-    for i in range(d):
-        logits = runner.chunk("draft", token, start + i)["logits"]  # [1, 1, V]
-        if request.sampling.do_sample:
-            q = probs(logits[:, -1].float(), request.sampling)  # [1, V]
-            token = torch.multinomial(q, 1, generator=request.generator)
-            qs.append(q)
-        else:
-            token = logits[:, -1].argmax(dim=-1, keepdim=True)  # [1, 1]
-        tokens.append(token)
-    return torch.cat(tokens, dim=1), (torch.stack(qs, dim=1) if qs else None)
+    """d drafts from token x [1, 1] at ``start`` with the ``draft`` stage (``draft_steps``):
+    drafts [1, d] and, when sampling, their distributions q [1, d, V]."""
+
+    def step(token: torch.Tensor, i: int) -> torch.Tensor:
+        return runner.chunk("draft", token, start + i)["logits"][:, -1]  # [1, V]
+
+    tokens, q, _ = draft_steps(step, x, d, request)
+    return tokens, q
 
 
 class SkipDrafter(Drafter):
