@@ -29,7 +29,7 @@ from matplotlib.patches import FancyArrowPatch, FancyBboxPatch  # noqa: E402
 
 from leapfx import rewrite  # noqa: E402
 from leapfx.passes.base import CAPTURED_FACTS, PassPipeline  # noqa: E402
-from leapfx.rewrite.recipes import RECIPES  # noqa: E402
+from leapfx.recipes.table import RECIPES  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "img"
 LAYERS, EXIT = 6, 2

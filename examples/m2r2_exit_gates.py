@@ -28,14 +28,9 @@ import time
 import torch
 
 from leapfx import rewrite
-from leapfx.bench import (
-    REFERENCE_ADAPTER,
-    REFERENCE_M2R2,
-    REFERENCE_M2R2_EXIT,
-    bench_prompts,
-    load_model,
-)
+from leapfx.bench import REFERENCE_ADAPTER, REFERENCE_M2R2, REFERENCE_M2R2_EXIT, bench_prompts
 from leapfx.bench.agreement import teacher_forced_agreement
+from leapfx.models import load_model
 from leapfx.modules.m2r2_kernels import KernelGate
 
 

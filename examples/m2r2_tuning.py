@@ -25,7 +25,8 @@ import time
 import torch
 
 from leapfx import rewrite
-from leapfx.bench import REFERENCE_ADAPTER, REFERENCE_M2R2, bench_prompts, load_model
+from leapfx.bench import REFERENCE_ADAPTER, REFERENCE_M2R2, bench_prompts
+from leapfx.models import load_model
 
 
 def decode_speed(model, prompts, args) -> None:

@@ -45,8 +45,9 @@ import time
 import torch
 
 from leapfx import rewrite
-from leapfx.bench import MOE_REFERENCE_M2R2, bench_prompts, load_model
+from leapfx.bench import MOE_REFERENCE_M2R2, bench_prompts
 from leapfx.bench.offload import RoutingOracle, summarize
+from leapfx.models import load_model
 from leapfx.offload import OffloadOptions
 from leapfx.passes.offload import M2R2_STREAM
 from leapfx.train.reuse_probe import model_probe

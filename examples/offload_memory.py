@@ -35,7 +35,8 @@ def _child(args: argparse.Namespace) -> None:
     import transformers
 
     from leapfx import rewrite
-    from leapfx.bench import bench_prompts, load_model, resolve_model
+    from leapfx.bench import bench_prompts
+    from leapfx.models import load_model, resolve_model
     from leapfx.offload import OffloadOptions, load_offloaded
 
     torch.set_num_threads(1)

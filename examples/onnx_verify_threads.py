@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 
 from leapfx import rewrite
-from leapfx.bench import load_model
 from leapfx.bench.sweep import predicted_speedup
 from leapfx.export import OnnxModel
+from leapfx.models import load_model
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--repeats", type=int, default=3)

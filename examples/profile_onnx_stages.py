@@ -27,9 +27,9 @@ import onnxruntime as ort
 import torch
 
 from leapfx import rewrite
-from leapfx.bench import load_model
 from leapfx.export import OnnxModel, onnx_export
 from leapfx.lower.onnxruntime import OrtStage
+from leapfx.models import load_model
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--exit-layer", type=int, default=6)

@@ -27,8 +27,8 @@ import math
 
 import torch
 
-from leapfx.bench import load_model
 from leapfx.bench.routing import routing_stats
+from leapfx.models import load_model
 from leapfx.offload import fit_reuse_probe
 from leapfx.train.data import encode_documents
 from leapfx.train.evaluate import eval_windows

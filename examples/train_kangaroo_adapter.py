@@ -23,7 +23,8 @@ import platform
 import torch
 
 from leapfx import rewrite
-from leapfx.bench import REFERENCE_ADAPTER, load_model
+from leapfx.bench import REFERENCE_ADAPTER
+from leapfx.models import load_model
 from leapfx.train.data import encode_documents
 from leapfx.train.kangaroo import evaluate_loss
 from leapfx.train.reference import corpus_digest, reference_corpus

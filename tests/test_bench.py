@@ -11,10 +11,10 @@ import pytest
 import torch
 import transformers
 
-from leapfx.bench import load_model
 from leapfx.bench.harness import SPLIT_MARGIN, BenchConfig, repeated_4gram_share, run_bench
 from leapfx.bench.sweep import calibrate, choose, predicted_speedup
 from leapfx.cli import main
+from leapfx.models import load_model
 from leapfx.train.data import byte_tokenizer
 from tests.conftest import tiny_model
 

@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 
 from leapfx import rewrite
 from leapfx.modules.draft_vocab import SubsetLMHead
-from leapfx.passes.draft_vocab import RANKING_FILE, read_ranking, token_ranking, write_ranking
+from leapfx.parts.draft_vocab import RANKING_FILE, read_ranking, write_ranking
+from leapfx.passes.draft_vocab import token_ranking
 from leapfx.runtime.masks import masks_for
 from tests.conftest import examples, tiny_model
 from tests.distribution_check import assert_sampled_from, sample_counts
@@ -251,7 +252,7 @@ def test_bench_adds_the_vocabulary_subset_row(tmp_path):
     """``leapfx bench --recipe eagle`` with parts that hold a ranking, on a vocabulary large
     enough: leapfx_eagle_vocab beside leapfx_eagle, then the head composed with prompt
     lookup (leapfx_eagle_lookup), all lossless."""
-    from leapfx.bench.harness import EAGLE_DRAFT_VOCAB
+    from leapfx.bench.systems import EAGLE_DRAFT_VOCAB
     from leapfx.cli import main
     from leapfx.train.data import byte_tokenizer
 
@@ -278,7 +279,7 @@ def test_bench_adds_the_vocabulary_subset_row(tmp_path):
 def test_bench_adds_kangaroo_and_m2r2_subset_rows(tmp_path):
     """``leapfx bench --recipe kangaroo,m2r2`` with parts that hold a ranking, on a vocabulary
     large enough: each drafter over the subset and composed with prompt lookup, lossless."""
-    from leapfx.bench.harness import EAGLE_DRAFT_VOCAB
+    from leapfx.bench.systems import EAGLE_DRAFT_VOCAB
     from leapfx.cli import main
     from leapfx.train.data import byte_tokenizer
 

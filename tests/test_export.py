@@ -27,9 +27,9 @@ pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxscript")
 
 from leapfx import __version__, rewrite  # noqa: E402
-from leapfx.bench import load_model  # noqa: E402
 from leapfx.cli import main  # noqa: E402
 from leapfx.export import MANIFEST, OnnxModel, OrtKVCache, export_onnx, read_manifest  # noqa: E402
+from leapfx.models import load_model  # noqa: E402
 from tests.conftest import ARCHS, examples, tiny_model  # noqa: E402
 from tests.greedy_check import assert_greedy_equal, hf_greedy  # noqa: E402
 
@@ -638,7 +638,7 @@ def test_split_verify_is_the_draft_stage_then_the_upper_part(exported):
     # OnnxModel runs layerskip's verify as the draft stage on the new tokens, then verify's
     # graph from the join of the exit states on (the lower layers' weights then live in one
     # session only). Same logits and cache writes as the one verify graph, same tokens.
-    from leapfx.export.ort_runtime import SplitVerify
+    from leapfx.lower.onnxruntime import SplitVerify
 
     model, sm, path = exported("llama", "layerskip")
     split, single = OnnxModel(path, threads=1), OnnxModel(path, threads=1, split_verify=False)
@@ -731,7 +731,8 @@ def test_spinning_workers_stop_at_the_end_of_each_call(exported):
 
 _SHARED_POOL_SCRIPT = """
 import sys, torch
-from leapfx.export import OnnxModel, ort_runtime
+from leapfx.export import OnnxModel
+from leapfx.lower import onnxruntime as ort_runtime
 path = sys.argv[1]
 own = OnnxModel(path, threads=2, thread_pool="session")  # before the switch: a pool per session
 assert not own.shared_threads and ort_runtime.shared_pool_threads() is None
@@ -767,7 +768,7 @@ def test_stages_share_the_process_thread_pool(exported):
     import subprocess
     import sys
 
-    from leapfx.export import ort_runtime
+    from leapfx.lower import onnxruntime as ort_runtime
 
     model, sm, path = exported("llama", "layerskip")
     before = ort_runtime.shared_pool_threads()

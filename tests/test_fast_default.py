@@ -170,7 +170,7 @@ def test_a_malformed_defaults_file_is_refused_naming_it(tmp_path):
 
 
 def test_the_reference_model_ships_the_benchs_setting():
-    from leapfx.bench import REFERENCE_MODEL
+    from leapfx.models import REFERENCE_MODEL
 
     shipped = read_defaults(REFERENCE_MODEL / DEFAULTS_FILE)
     assert shipped["recipes"]["layerskip"] == {"exit_layer": 6, "num_speculations": 4}

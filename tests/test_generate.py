@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer, StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer
 
 from leapfx import rewrite
-from leapfx.bench import REFERENCE_MODEL
+from leapfx.models import REFERENCE_MODEL
 from leapfx.runtime.generation import HONOURED, NO_EFFECT, REFUSED
 from tests.conftest import examples, tiny_model
 from tests.distribution_check import assert_sampled_from, sample_counts

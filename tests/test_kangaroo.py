@@ -18,7 +18,7 @@ from leapfx.passes.adapter import ADAPTER_MODULE, InsertKangarooAdapter, adapter
 from leapfx.passes.base import PassError
 from leapfx.passes.capture import ROLE, capture, decoder_pieces
 from leapfx.passes.exit_head import InsertExitHead
-from leapfx.rewrite.recipes import default_kangaroo_exit_layer
+from leapfx.recipes.table import default_kangaroo_exit_layer
 from leapfx.runtime.cache import cache_for
 from leapfx.runtime.kangaroo import draft_until_unsure
 from leapfx.runtime.masks import masks_for

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from leapfx import rewrite
-from leapfx.rewrite.recipes import RECIPES, lookup_recipes
+from leapfx.recipes.table import RECIPES, lookup_recipes
 from tests.conftest import examples, tiny_model
 from tests.distribution_check import assert_sampled_from, sample_counts
 from tests.greedy_check import assert_greedy_equal, hf_greedy

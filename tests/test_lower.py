@@ -9,7 +9,7 @@ import torch
 from leapfx import rewrite
 from leapfx.lower import BACKENDS, lower
 from leapfx.lower.chain import chain_length
-from leapfx.rewrite.recipes import RECIPES
+from leapfx.recipes.table import RECIPES
 from leapfx.runtime import executor
 from leapfx.runtime.capabilities import Capabilities
 from leapfx.runtime.model import SpeculativeModel

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from leapfx import rewrite
 from leapfx.bench.agreement import teacher_forced_agreement
 from leapfx.passes.accelerator import accelerator_of
-from leapfx.rewrite.recipes import default_exit_gates
+from leapfx.recipes.table import default_exit_gates
 from leapfx.runtime.cache import cache_for
 from leapfx.runtime.masks import masks_for
 from leapfx.runtime.runner import StageRunner
@@ -129,9 +129,9 @@ def test_routers_train_after_the_adapters_and_parts_serve_both_recipes(tmp_path)
 
 
 def test_bench_m2r2_rows_and_threshold_curve(tmp_path, capsys):
-    from leapfx.bench import load_model
     from leapfx.bench.harness import BenchConfig, run_bench
     from leapfx.cli import main
+    from leapfx.models import load_model
     from leapfx.train.data import byte_tokenizer
 
     tok = byte_tokenizer()

@@ -185,7 +185,7 @@ def test_op_computes_the_torch_stream(arch, kw, tmp_path):
 def test_op_predicts_the_torch_experts_on_moe_reference():
     # The shipped model and rate-2 parts, ~300 decode steps: the same experts as the torch
     # stream (an exact tie excepted, shown within 1e-5), the same tokens as resident decoding.
-    from leapfx.bench import load_model
+    from leapfx.models import load_model
 
     model = load_model("moe-reference")[0]
     parts = ROOT / "leapfx/assets/moe-reference/m2r2"

@@ -314,7 +314,7 @@ def test_routing_oracle_replays_exact_prefetches_and_the_optimal_eviction():
 
 
 def test_moe_reference_name_resolves():
-    from leapfx.bench import MOE_REFERENCE_MODEL, REFERENCE_MODEL, resolve_model
+    from leapfx.models import MOE_REFERENCE_MODEL, REFERENCE_MODEL, resolve_model
 
     assert resolve_model("moe-reference") == MOE_REFERENCE_MODEL
     assert resolve_model(None) == REFERENCE_MODEL == resolve_model("reference")

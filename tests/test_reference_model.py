@@ -7,7 +7,8 @@ import json
 import pytest
 
 from leapfx import rewrite
-from leapfx.bench import REFERENCE_ADAPTER, REFERENCE_MODEL, bench_prompts, load_model
+from leapfx.bench import REFERENCE_ADAPTER, bench_prompts
+from leapfx.models import REFERENCE_MODEL, load_model
 from tests.greedy_check import assert_greedy_equal, hf_greedy
 
 

@@ -17,9 +17,9 @@ from safetensors.torch import load_file
 from leapfx.bench.prompt_sets import CHAT_PROMPTS, benchmark_texts, humaneval_prompts
 from leapfx.cli import main
 from leapfx.models import REFERENCE_MODEL
+from leapfx.runs.drafters import PACKAGE
 from leapfx.train.data import byte_tokenizer
 from leapfx.train.features import cached_features
-from leapfx.train.parts_run import PACKAGE
 from leapfx.train.self_data import BenchmarkFilter, self_pairs
 from leapfx.train.sources import training_data
 from tests.conftest import tiny_model
@@ -75,7 +75,7 @@ def test_commands_refuse_to_write_into_the_package(command, checkpoint, capsys):
 
 def test_the_reference_models_own_parts_keep_their_default_place():
     """The documented regeneration of the shipped parts (--out omitted, or naming them)."""
-    from leapfx.train.parts_run import check_out
+    from leapfx.runs.drafters import check_out
 
     eagle = REFERENCE_MODEL / "eagle"
     assert check_out(None, None, shipped=eagle) == eagle

@@ -7,11 +7,10 @@ resolves relative imports, and reports
 - a circle between packages (imports that lead from a package back to itself).
 
 The floors are those of docs/architecture.md, lowest first. A top-level module
-(``textgen.py``, ``options.py``) is a package of its own. ``ALLOWED`` lists the lazy upward
-imports kept on purpose, each with its reason (at most three, each imported inside a
-function, each still made; else reported); they are left out of the circle search too (each
-closes the circle it names: the floor above imports the one below as it should). Exit status
-1 when anything is reported.
+(``textgen.py``, ``options.py``) is a package of its own. An import inside a function counts
+as one at the top does: none may climb a floor or close a circle (what a floor needs from
+one above is handed to it, as ``rewrite.apply`` hands a ``SpeculativeModel`` its lowering,
+its exporter and its trainer). Exit status 1 when anything is reported.
 
     python tools/check_layers.py            # the report
     python tools/check_layers.py --summary  # counts per pair of packages only
@@ -29,42 +28,27 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "leapfx"
 
 FLOORS = [
-    ("options",),  # leapfx/options.py: the option checks every floor shares; imports no leapfx
+    ("options", "files"),  # option checks, atomic writes: every floor shares them; no leapfx
     ("deploy",),  # onnxruntime, numpy and tokenizers only: no torch (the manifest lives here)
     ("kernels",),
     ("modules",),
+    ("parts",),  # trained parts on disk: one format, one reader and writer; never a graph
     ("passes",),
     ("models",),
     ("runtime",),
     ("offload",),
+    ("recipes",),  # the recipes as data: rewrite.apply builds with them, OnnxModel decodes
     ("lower",),
     ("export",),
+    ("train",),  # fits what a recipe inserted in a SpeculativeModel; never applies a recipe
     ("rewrite",),
-    ("train",),
+    ("runs",),  # training runs: a model loaded, a recipe applied, its parts fitted and written
     ("bench", "demo"),
     ("serve",),
     ("textgen",),
     ("cli",),
 ]
 FLOOR = {name: i for i, names in enumerate(FLOORS) for name in names}
-
-# (importing file, imported module) -> why the upward import stays: lazy (inside a function),
-# at most MAX_ALLOWED of them.
-MAX_ALLOWED = 3
-ALLOWED: dict[tuple[str, str], str] = {
-    ("leapfx/rewrite/recipes.py", "leapfx.train.recipe_training"): (
-        "sm.fit trains in place for the user's convenience; train sits above rewrite "
-        "(rewrite.recipes.load_training, the one site)"
-    ),
-    ("leapfx/runtime/model.py", "leapfx.export"): (
-        "sm.export_onnx writes the stages for the user's convenience (leapfx.export.export_onnx "
-        "is the same call); export sits above runtime and needs the optional onnx extra"
-    ),
-    ("leapfx/lower/onnxruntime.py", "leapfx.rewrite"): (
-        "OnnxModel(dir) decodes with the recipe its manifest names; the recipes (options "
-        "types, schedules) live in rewrite, a floor above lower"
-    ),
-}
 
 
 def package_of(module: str) -> str | None:
@@ -83,25 +67,13 @@ def module_name(path: Path) -> str:
     return ".".join(parts)
 
 
-def _in_functions(tree: ast.AST) -> set[ast.AST]:
-    """The import nodes of ``tree`` that sit inside a function (run when it is called)."""
-    inside = set()
-    for fn in ast.walk(tree):
-        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            inside.update(n for n in ast.walk(fn) if isinstance(n, (ast.Import, ast.ImportFrom)))
-    return inside
-
-
-def imports(path: Path, lazy: set | None = None) -> list[tuple[int, str]]:
-    """(line, absolute module) of every import in ``path``; ``lazy``, where given, collects
-    the (line, module) pairs imported inside a function."""
+def imports(path: Path) -> list[tuple[int, str]]:
+    """(line, absolute module) of every import in ``path``, at the top or in a function."""
     tree = ast.parse(path.read_text(), str(path))
     here = module_name(path)
     is_package = path.name == "__init__.py"
-    in_functions = _in_functions(tree)
     found = []
     for node in ast.walk(tree):
-        start = len(found)
         if isinstance(node, ast.Import):
             found += [(node.lineno, alias.name) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -113,50 +85,35 @@ def imports(path: Path, lazy: set | None = None) -> list[tuple[int, str]]:
             else:
                 target = node.module or ""
             found.append((node.lineno, target))
-            # `from . import x` may import a submodule x: count it as that module too.
-            if not node.module:
-                folder = ROOT.joinpath(*target.split("."))
-                found += [
-                    (node.lineno, f"{target}.{a.name}")
-                    for a in node.names
-                    if (folder / f"{a.name}.py").is_file() or (folder / a.name).is_dir()
-                ]
-        if lazy is not None and node in in_functions:
-            lazy.update(found[start:])
+            # `from . import x` and `from leapfx import x` may import a submodule x: count it
+            # as that module too.
+            folder = ROOT.joinpath(*target.split("."))
+            found += [
+                (node.lineno, f"{target}.{a.name}")
+                for a in node.names
+                if (folder / f"{a.name}.py").is_file() or (folder / a.name).is_dir()
+            ]
     return found
 
 
 def check(root: Path = ROOT) -> tuple[list[str], list[str], dict]:
-    """(upward imports and allowlist problems, circles, counts per package pair)."""
+    """(upward imports, circles, counts per package pair)."""
     upward, edges, counts = [], defaultdict(set), defaultdict(int)
-    if len(ALLOWED) > MAX_ALLOWED:
-        upward.append(f"ALLOWED: {len(ALLOWED)} entries; allowed: at most {MAX_ALLOWED}")
-    seen = set()
     for path in sorted((root / PACKAGE).rglob("*.py")):
         src = package_of(module_name(path))
         if src is None:
             continue
-        lazy: set[tuple[int, str]] = set()
-        for line, target in imports(path, lazy):
+        for line, target in imports(path):
             dst = package_of(target)
             if dst is None or dst == src:
                 continue
             counts[src, dst] += 1
-            key = (str(path.relative_to(root)), target)
-            if key in ALLOWED:
-                seen.add(key)
-                if (line, target) not in lazy:
-                    upward.append(f"{key[0]}:{line}: allowed import of {target} is not lazy "
-                                  "(allowed: inside the function that needs it)")  # fmt: skip
-                continue
             edges[src].add(dst)
             if FLOOR.get(dst, -1) > FLOOR.get(src, -1):
                 upward.append(
-                    f"{key[0]}:{line}: leapfx.{src} imports {target} (floor "
+                    f"{path.relative_to(root)}:{line}: leapfx.{src} imports {target} (floor "
                     f"{FLOOR.get(src, '?')} -> {FLOOR.get(dst, '?')})"
                 )
-    upward += [f"ALLOWED: {f} imports {m} no longer; remove the entry" for f, m in
-               sorted(set(ALLOWED) - seen)]  # fmt: skip
     return upward, _circles(edges), counts
 
 

@@ -13,15 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..models import (  # noqa: F401  (re-exported: where models come from lives below bench)
-    DTYPES,
-    MOE_REFERENCE_MODEL,
-    REFERENCE_MODEL,
-    load_model,
-    resolve_model,
-)
-from ..models import model_device as bench_device  # noqa: F401
-from ..models import model_dtype as bench_dtype  # noqa: F401
+from ..models import MOE_REFERENCE_MODEL, REFERENCE_MODEL
 from ..train.data import held_out_prompts, stdlib_corpus
 
 REFERENCE_ADAPTER = REFERENCE_MODEL / "kangaroo_adapter"  # trained with sm.fit, see its model card

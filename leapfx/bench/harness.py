@@ -39,6 +39,12 @@ Speedups are ratios of tokens/s measured in the same run.
 Greedy runs compare every lossless row with the baseline prompt by prompt (``identical n/m``);
 at the first differing token of each differing prompt the full model measures whether the two
 candidates were a near tie (``leapfx.bench.ties``): the row's ``differences`` in ``--json``.
+
+Here: ``build_systems`` (the run's systems on each backend: ``_backend`` lowers a row, and
+exports and tunes an onnxruntime one), ``run_bench`` and the checks of its rows. Beside it:
+``config.py`` (``BenchConfig``), ``systems.py`` (``System`` and ``RECIPE_ROWS``, the table of
+each recipe's rows), ``onnx_tuning.py`` (the onnxruntime rows' threads and verify graph) and
+``report.py`` (the table, JSON, plot and markdown).
 """
 
 from __future__ import annotations
@@ -47,271 +53,56 @@ import logging
 import math
 import statistics
 import tempfile
-import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from functools import partial
 
 import torch
 from torch import nn
 
 from .. import rewrite
-from ..kernels import cpu
 from ..lower import lower
-from ..lower.onnxruntime import OnnxModel, shared_pool_threads
-from ..offload import DEFAULT_PREFETCH_LEAD
-from ..options import check_bool
-from ..passes.accelerator_checkpoint import read_parts_config
-from ..passes.draft_vocab import read_ranking
+from ..lower.onnxruntime import shared_pool_threads
 from ..runtime.metrics import DecodeMetrics
-from . import llamacpp
 from .agreement import teacher_forced_agreement
-from .offload import ORACLE_ROW, RoutingOracle, offload_systems, summarize
+from .config import BENCHED_RECIPES, HF_PROMPT_LOOKUP_TOKENS, BenchConfig
+from .offload import summarize
+from .onnx_tuning import (
+    SPLIT_MARGIN,
+    fastest_onnx_threads,
+    fastest_split_verify,
+    fastest_verify_threads,
+    onnx_model,
+)
 from .report import Row, progress_bar
-from .sweep import (
-    autoregressive_steps,  # sweep imports this module
-    predicted_speedup,
+from .sweep import autoregressive_steps, predicted_speedup
+from .systems import (
+    RECIPE_ROWS,
+    RowRun,
+    System,
+    SystemRun,
+    hf_compiles_static,
+    llama_cpp_systems,
+    offload_rows,
+    sampling_kwargs,
+    use_cpu_kernels,
 )
 from .ties import first_difference
 
 log = logging.getLogger(__name__)
 
-
-BACKENDS = ("eager", "inductor", "onnxruntime")
-SPLIT_VERIFY = ("auto", "on", "off")  # --onnx-split-verify
-THREAD_POOLS = ("shared", "session")  # --onnx-thread-pool
-# How much faster a split verify must time than the whole graph for --onnx-split-verify auto
-# to choose it (fastest_split_verify): it makes two session calls a verify where the whole
-# graph makes one, which its short timing does not show: where the two tie in that timing, the
-# bench's decodes measure the split verify slower (numbers: docs/benchmarks.md).
-SPLIT_MARGIN = 0.03
-# hf_prompt_lookup's prompt_lookup_num_tokens: the value HF's assisted-generation docs use.
-HF_PROMPT_LOOKUP_TOKENS = 10
-# Training-free drafters: one leapfx_<name> row each, at the recipe's default options.
-TRAINING_FREE = ("lookup", "swift", "auto")
-BENCHED_RECIPES = (
-    "autoregressive", "early_exit", "layerskip", "kangaroo", "eagle", "specee", "m2r2", "lookup",
-    "swift", "auto",
-)  # fmt: skip
-
-
-@dataclass(frozen=True)
-class BenchConfig:
-    """Options of one benchmark run (the CLI's flags)."""
-
-    recipe: str = "layerskip"
-    exit_layer: int | None = None  # None: the recipe's default
-    num_speculations: int = 6
-    max_new_tokens: int = 128
-    temperature: float = 0.0  # 0: greedy; > 0: sampling rows with a distribution check
-    # kangaroo runs: the adapter (None: untrained, initialised from layer l), its exit layer
-    # (None: the adapter's or the recipe default) and eta (None: the adapter's or 0.6).
-    # layerskip runs: eta > 0 adds a leapfx_layerskip_dynamic row with that threshold.
-    adapter: str | None = None
-    kangaroo_exit_layer: int | None = None
-    confidence_threshold: float | None = None
-    # m2r2 runs: the accelerator parts (None: untrained) and gamma (None: the recipe's 3); the
-    # run also carries leapfx_layerskip (E, d) and leapfx_kangaroo (``adapter``, its own eta).
-    parts: str | None = None
-    m2r2_speculations: int | None = None
-    m2r2_threshold: float | None = None  # leapfx_m2r2_exit's tau (None: the recipe's 0.8)
-    m2r2_exit_gates: tuple[int, ...] | None = None  # its deciding gates (None: the parts')
-    exit_parts: str | None = None  # leapfx_m2r2_exit's parts (None: ``parts`` if they serve it)
-    # eagle runs: the EAGLE head's parts (None: untrained, copied from the last layer). The
-    # leapfx_eagle row drafts with the parts' options (d, threshold) unless
-    # confidence_threshold is given; the leapfx_kangaroo row beside it with the adapter's.
-    eagle_parts: str | None = None
-    # Which backend runs the leapfx stages: "eager" (PyTorch), "inductor" (every leapfx system's
-    # stages compiled with torch.compile and warmed up before timing) or "onnxruntime" (every
-    # leapfx system is exported to ONNX and runs in onnxruntime sessions). HF rows stay eager.
-    backend: str = "eager"
-    export_dir: str | None = None  # onnxruntime: where exports go (None: a temp dir)
-    # onnxruntime intra-op threads for every onnxruntime row. None (auto): the faster of 1 and
-    # torch's thread count, timed on the autoregressive export before the run (on a small
-    # model one thread can beat several: the work per op is too small to split).
-    onnx_threads: int | None = None
-    # intra-op threads of a split verify's upper part (OnnxModel verify_threads), spinning
-    # when above 1: None, the rows' own count; "auto", the faster of 1 and torch's thread count
-    # timed per speculative export. Off by default: it takes a second core that the
-    # autoregressive row does not use, and costs more than it gains when that core is busy.
-    onnx_verify_threads: int | str | None = None
-    # layerskip's verify on onnxruntime as two calls (OnnxModel split_verify: the draft stage,
-    # then verify's upper part: one copy of the lower layers' weights in a round) or as the one
-    # exported verify graph. "auto": the faster of the two, timed per export (which wins
-    # depends on whether both copies fit the CPU's cache); "on" / "off": fixed.
-    onnx_split_verify: str = "auto"
-    # Where the onnxruntime rows' intra-op threads live (OnnxModel thread_pool): "shared" switches
-    # this process's onnxruntime to one process-wide pool that every stage shares (the
-    # `leapfx bench` command's default: its process decodes with leapfx only); "session", a
-    # pool per session (the default here: a library call must not switch its caller's process).
-    onnx_thread_pool: str = "session"
-    # The GGUF file the model was loaded from: the llama_cpp and llama_cpp_lookup rows run
-    # llama.cpp on it (leapfx.bench.llamacpp; greedy runs, llama-cpp-python installed). None:
-    # no such rows.
-    llama_cpp: str | None = None
-    # eager and inductor leapfx rows: projections through leapfx's small-M CPU kernels
-    # (leapfx.kernels.cpu). None: where they apply (a float32 model on a CPU) and build.
-    cpu_kernels: bool | None = None
-    repeats: int = 3
-    warmup: int = 1
-    hf_baselines: bool = True
-    # Only the systems whose speed does not depend on acceptance (hf_greedy, hf_static,
-    # leapfx_autoregressive on each backend): a model with random weights (--random-model).
-    throughput_only: bool = False
-    # specee runs: the parts directory (None: untrained predictors) and the exit threshold
-    # (None: the parts' own).
-    specee_parts: str | None = None
-    specee_threshold: float | None = None
-    # MoE models: the offload rows (leapfx.bench.offload) with this many expert slots per
-    # layer (an integer, or a fraction in (0, 1] of each layer's experts); None: no such rows.
-    offload_slots: int | float | None = None
-    offload_m2r2_parts: str | None = None  # leapfx_offload_m2r2's rate-2 fast stream
-    offload_dir: str | None = None  # where the disk tiers' files go (None: temporary files)
-    offload_engine: str = "auto"  # OffloadOptions.engine: auto | native | thread
-    offload_prefetch_lead: int | None = DEFAULT_PREFETCH_LEAD  # None: all at once
-    offload_slow_dtype: str | None = None  # OffloadOptions.slow_dtype: None | auto | float16 | ...
-    # the *_reuse rows' learned eviction (a ReuseProbe file; None: no such rows)
-    offload_reuse_probe: str | None = None
-    # leapfx_offload_layerskip's drafts a round; None: fitted to the slots
-    # (``rewrite.fit_drafts_to_slots``), not the resident rows' num_speculations
-    offload_num_speculations: int | None = None
-
-    def validate(self) -> BenchConfig:
-        checks = [
-            ("--num-speculations", self.num_speculations, 1),
-            ("--max-new-tokens", self.max_new_tokens, 1),
-            ("--repeats", self.repeats, 1),
-            ("--warmup", self.warmup, 0),
-        ]
-        for name, value, low in checks:
-            if not isinstance(value, int) or value < low:
-                raise ValueError(f"{name}: {value!r} is invalid; allowed: an integer >= {low}")
-        if not self.temperature >= 0:
-            raise ValueError(f"--temperature: {self.temperature!r} is invalid; allowed: >= 0")
-        if self.onnx_threads is not None and (
-            not isinstance(self.onnx_threads, int) or self.onnx_threads < 1
-        ):
-            raise ValueError(
-                f"--onnx-threads: {self.onnx_threads!r} is invalid; allowed: auto or an "
-                "integer >= 1"
-            )
-        vt = self.onnx_verify_threads
-        if vt is not None and vt != "auto" and (not isinstance(vt, int) or vt < 1):
-            raise ValueError(
-                f"--onnx-verify-threads: {vt!r} is invalid; allowed: same, auto or an integer >= 1"
-            )
-        if self.onnx_split_verify not in SPLIT_VERIFY:
-            raise ValueError(
-                f"--onnx-split-verify: {self.onnx_split_verify!r} is invalid; allowed: "
-                f"{', '.join(SPLIT_VERIFY)}"
-            )
-        if self.onnx_thread_pool not in THREAD_POOLS:
-            raise ValueError(
-                f"--onnx-thread-pool: {self.onnx_thread_pool!r} is invalid; allowed: "
-                f"{', '.join(THREAD_POOLS)}"
-            )
-        if self.onnx_thread_pool == "shared" and self.onnx_verify_threads is not None:
-            raise ValueError(
-                f"--onnx-verify-threads: {self.onnx_verify_threads!r} gives verify's upper part a "
-                "pool of its own; allowed with --onnx-thread-pool shared: same (or pass "
-                "--onnx-thread-pool session)"
-            )
-        check_bool("--cpu-kernels", self.cpu_kernels, none=True, allowed="auto, on or off")
-        names = self.backends
-        bad = next((b for b in names if b not in BACKENDS), None)
-        if bad is None and (not names or len(set(names)) < len(names)):
-            bad = self.backend
-        if bad is not None:
-            raise ValueError(
-                f"--backend: {bad!r} is invalid; allowed: one or more of "
-                f"{', '.join(BACKENDS)}, comma-separated without repeats"
-            )
-        return self
-
-    @property
-    def recipes(self) -> tuple[str, ...]:
-        """The recipes of ``recipe`` (a name, or several separated by commas): the rows of
-        each, every row once."""
-        return tuple(r.strip() for r in self.recipe.split(",") if r.strip())
-
-    def offload_systems(self, exit_layer: int) -> dict:
-        """The offload rows of this run (``leapfx.bench.offload.offload_systems``: row name ->
-        recipe, offload options, recipe options), speculative ones exiting at ``exit_layer``."""
-        return offload_systems(
-            self.offload_slots, exit_layer=exit_layer,
-            num_speculations=self.offload_num_speculations,
-            m2r2_parts=self.offload_m2r2_parts, path=self.offload_dir,
-            engine=self.offload_engine, reuse_probe=self.offload_reuse_probe,
-            prefetch_lead=self.offload_prefetch_lead, slow_dtype=self.offload_slow_dtype,
-        )  # fmt: skip
-
-    @property
-    def backends(self) -> tuple[str, ...]:
-        """The backends of ``backend`` (a name, or several separated by commas)."""
-        return tuple(b.strip() for b in self.backend.split(",") if b.strip())
-
-
-@dataclass
-class SystemRun:
-    """What one system produced over all prompts in one pass."""
-
-    outputs: list[torch.Tensor]
-    seconds: float
-    metrics: list[DecodeMetrics]
-    offload: list = field(default_factory=list)  # OffloadReports of an offload row
-
-    @classmethod
-    def merge(cls, runs: list[SystemRun]) -> SystemRun:
-        """One pass's run from its per-prompt runs, in prompt order."""
-        return cls(
-            [o for r in runs for o in r.outputs],
-            sum(r.seconds for r in runs),
-            [m for r in runs for m in r.metrics],
-            [o for r in runs for o in r.offload],
-        )
-
-
-class System:
-    """A named way to decode: ``generate(prompt) -> (ids [1, n + new], metrics or None)``."""
-
-    def __init__(
-        self,
-        name: str,
-        generate: Callable[[torch.Tensor], torch.Tensor],
-        metrics: Callable[[], DecodeMetrics | None] = lambda: None,
-        lossless: bool = True,
-        info: dict | None = None,
-        model=None,
-        offload=None,
-    ) -> None:
-        self.name = name
-        self.generate = generate
-        self.metrics = metrics
-        self.lossless = lossless
-        # The SpeculativeModel or OnnxModel behind a lossy leapfx row: teacher-forced
-        # agreement runs on it.
-        self.model = model
-        self.info = info or {}  # copied into the row's extra (e.g. cpu_kernels)
-        # An offload row's SpeculativeModel: its last_offload_report is kept per prompt.
-        self.offload = offload
-
-    def run(self, prompts: list[torch.Tensor]) -> SystemRun:
-        outputs, metrics, reports = [], [], []
-        start = time.perf_counter()
-        for prompt in prompts:
-            outputs.append(self.generate(prompt))
-            m = self.metrics()
-            if m is not None:
-                metrics.append(m)
-            if self.offload is not None:
-                reports.append(self.offload.last_offload_report)
-        return SystemRun(outputs, time.perf_counter() - start, metrics, reports)
-
-
-def _sampling_kwargs(config: BenchConfig) -> dict:
-    if config.temperature > 0:
-        return {"do_sample": True, "temperature": config.temperature}
-    return {"do_sample": False}
+# What callers take from here; the run's options (config.py), its systems and rows
+# (systems.py) and the onnxruntime rows' tuning (onnx_tuning.py) live beside it.
+__all__ = [
+    "SPLIT_MARGIN",
+    "BenchConfig",
+    "Row",
+    "System",
+    "SystemRun",
+    "baseline_name",
+    "build_systems",
+    "fastest_onnx_threads",
+    "repeated_4gram_share",
+    "run_bench",
+    "use_cpu_kernels",
+]
 
 
 def build_systems(model: nn.Module, config: BenchConfig, generator_seed: int = 0) -> list[System]:
@@ -333,7 +124,7 @@ def build_systems(model: nn.Module, config: BenchConfig, generator_seed: int = 0
     layerskip_recipe = rewrite.get_recipe("layerskip")  # options only: nothing captured
     num_layers = model.config.num_hidden_layers
     exit_layer = rewrite.make_options(layerskip_recipe, num_layers, layerskip_opts).exit_layer
-    sampling = _sampling_kwargs(config)
+    sampling = sampling_kwargs(config)
     n = config.max_new_tokens
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(generator_seed)
 
@@ -362,7 +153,7 @@ def build_systems(model: nn.Module, config: BenchConfig, generator_seed: int = 0
         # HF's training-free drafting: n-gram matches in the prompt and the text so far.
         lookup = hf(prompt_lookup_num_tokens=HF_PROMPT_LOOKUP_TOKENS)
         systems.append(System("hf_prompt_lookup", lookup))
-    systems += _llama_cpp_systems(model, config)
+    systems += llama_cpp_systems(model, config)
     recipes = config.recipes
     bad = next((r for r in recipes if r not in BENCHED_RECIPES), None)
     if bad is not None or not recipes or len(set(recipes)) < len(recipes):
@@ -414,255 +205,8 @@ def build_systems(model: nn.Module, config: BenchConfig, generator_seed: int = 0
     # Recipes sharing a row (layerskip,kangaroo: leapfx_layerskip): each row once.
     systems = list({s.name: s for s in systems}.values())
     if config.offload_slots is not None:
-        systems += _offload_systems(model, config, exit_layer, n, sampling, gen)
+        systems += offload_rows(model, config, exit_layer, n, sampling, gen)
     return systems
-
-
-def _llama_cpp_systems(model: nn.Module, config: BenchConfig) -> list[System]:
-    """llama.cpp's rows on ``config.llama_cpp`` (see ``leapfx.bench.llamacpp``): none without
-    a GGUF file, in a sampling run, or without llama-cpp-python (a warning says how to get it).
-    """
-    if config.llama_cpp is None:
-        return []
-    if config.temperature > 0:
-        log.warning("leapfx bench: llama_cpp rows run greedy runs only; skipped")
-        return []
-    if not llamacpp.available():
-        log.warning("leapfx bench: llama_cpp rows skipped: no llama-cpp-python; install with: %s",
-                    llamacpp.INSTALL)  # fmt: skip
-        return []
-    runs = llamacpp.llama_cpp_runs(
-        config.llama_cpp, threads=torch.get_num_threads(), max_new_tokens=config.max_new_tokens,
-        eos=llamacpp.eos_ids(model),
-    )  # fmt: skip
-    # lossy in the report's terms: 8-bit activations, its agreement is reported
-    return [System(name, run, lossless=False, info=info) for name, run, info in runs]
-
-
-@dataclass(frozen=True)
-class RowRun:
-    """What a recipe's rows are built from on one backend: the model, the run's config,
-    ``ours(name, sm, lossless=True) -> System`` (the row on that backend) and layerskip's
-    options (E and d, shared with HF's assistant)."""
-
-    model: nn.Module
-    config: BenchConfig
-    ours: Callable[..., System]
-    layerskip_opts: dict
-
-
-def _layerskip_rows(run: RowRun) -> list[System]:
-    return [run.ours("leapfx_layerskip", rewrite.apply(run.model, "layerskip",
-                                                       **run.layerskip_opts))]  # fmt: skip
-
-
-def _layerskip_dynamic_rows(run: RowRun) -> list[System]:
-    eta = run.config.confidence_threshold
-    if not eta:
-        return []
-    dynamic = rewrite.apply(run.model, "layerskip", confidence_threshold=eta, **run.layerskip_opts)
-    return [run.ours("leapfx_layerskip_dynamic", dynamic)]
-
-
-def _specee_rows(run: RowRun) -> list[System]:
-    model, config, ours = run.model, run.config, run.ours
-    kw = specee_options(config)
-    lossy = rewrite.apply(model, "specee", **kw)
-    rows = [ours("leapfx_specee", lossy, lossless=False)]
-    # The paper's KV policy (exited tokens' skipped layers stay empty), beside it.
-    masked = rewrite.apply(model, "specee", kv_fill="mask", **kw)
-    rows.append(ours("leapfx_specee_mask", masked, lossless=False))
-    d = config.num_speculations
-    verified = rewrite.apply(model, "specee", verify=True, max_draft_tokens=d, **kw)
-    system = ours("leapfx_specee_verified", verified)
-    # Rounds end at the first pass that does not exit: no fixed d, no speedup formula.
-    system.info["dynamic_draft_length"] = True
-    rows.append(system)
-    # EAGLE's head alone as a lossless drafter: SpecEE's candidate source, beside it.
-    eagle = rewrite.apply(model, "eagle", parts=config.eagle_parts)
-    rows.append(ours("leapfx_eagle", eagle))
-    return rows
-
-
-def _kangaroo_rows(run: RowRun) -> list[System]:
-    model, config = run.model, run.config
-    kw = {"max_draft_tokens": config.num_speculations, "adapter": config.adapter}
-    if config.kangaroo_exit_layer is not None:
-        kw["exit_layer"] = config.kangaroo_exit_layer
-    fixed = rewrite.apply(model, "kangaroo", confidence_threshold=0.0, **kw)
-    kw["confidence_threshold"] = config.confidence_threshold
-    dynamic = rewrite.apply(model, "kangaroo", **kw)
-    rows = [run.ours("leapfx_kangaroo_fixed", fixed), run.ours("leapfx_kangaroo", dynamic)]
-    return rows + _subset_rows(run, "kangaroo", config.adapter, kw)
-
-
-def _m2r2_rows(run: RowRun) -> list[System]:
-    model, config, ours = run.model, run.config, run.ours
-    kangaroo = rewrite.apply(model, "kangaroo", adapter=config.adapter)
-    rows = [ours("leapfx_kangaroo", kangaroo)]
-    kw = {"parts": config.parts}
-    if config.m2r2_speculations is not None:
-        kw["num_speculations"] = config.m2r2_speculations
-    rows.append(ours("leapfx_m2r2", rewrite.apply(model, "m2r2", **kw)))
-    rows += _subset_rows(run, "m2r2", config.parts, kw)
-    kw = {"parts": config.exit_parts or config.parts}
-    if config.m2r2_threshold is not None:
-        kw["threshold"] = config.m2r2_threshold
-    if config.m2r2_exit_gates is not None:
-        kw["exit_gates"] = config.m2r2_exit_gates
-    if _has_routers(kw["parts"]):
-        exits = rewrite.apply(model, "m2r2_exit", **kw)
-        rows.append(ours("leapfx_m2r2_exit", exits, lossless=False))
-    else:
-        log.warning("parts %s hold no ARLA routers: no leapfx_m2r2_exit row", config.parts)
-    return rows
-
-
-# The _vocab rows' draft vocabulary: FR-Spec's smallest setting for Llama-3's 128k vocabulary,
-# a sixth of SmolLM2's 49,152 ids.
-EAGLE_DRAFT_VOCAB = 8192
-
-
-def _subset_rows(run: RowRun, recipe: str, parts: str | None, kw: dict) -> list[System]:
-    """``leapfx_<recipe>_vocab`` (the drafter over the training data's most frequent tokens,
-    FR-Spec) and ``leapfx_<recipe>_lookup`` (that drafter composed with prompt lookup, each
-    round choosing by measured tokens per cost), where the parts hold a ranking and the
-    vocabulary is large enough for the subset to matter (kangaroo and m2r2; EAGLE's rows are
-    ``_eagle_rows``'). ``kw``: the recipe's options of its main row."""
-    model = run.model
-    if parts is None or model.config.vocab_size < 4 * EAGLE_DRAFT_VOCAB:
-        return []
-    if read_ranking(parts) is None:
-        return []
-    kw = {**kw, "draft_vocab": EAGLE_DRAFT_VOCAB}
-    rows = [run.ours(f"leapfx_{recipe}_vocab", rewrite.apply(model, recipe, **kw))]
-    both = rewrite.apply(model, recipe, lookup=True, adaptive=True, **kw)
-    rows.append(run.ours(f"leapfx_{recipe}_lookup", both))
-    rows[-1].info["dynamic_draft_length"] = True
-    return rows
-
-
-def _eagle_rows(run: RowRun) -> list[System]:
-    model, config = run.model, run.config
-    kangaroo = rewrite.apply(model, "kangaroo", adapter=config.adapter)
-    rows = [run.ours("leapfx_kangaroo", kangaroo)]
-    kw = {"confidence_threshold": config.confidence_threshold}
-    eagle = rewrite.apply(model, "eagle", parts=config.eagle_parts, **kw)
-    rows.append(run.ours("leapfx_eagle", eagle))
-    # The same head drafting over the training data's most frequent tokens only (FR-Spec),
-    # where its parts hold the ranking and the vocabulary is large enough for it to matter.
-    vocab = model.config.vocab_size
-    if config.eagle_parts is not None and vocab >= 4 * EAGLE_DRAFT_VOCAB:
-        if read_ranking(config.eagle_parts) is not None:
-            kw["draft_vocab"] = EAGLE_DRAFT_VOCAB
-            subset = rewrite.apply(model, "eagle", parts=config.eagle_parts, **kw)
-            rows.append(run.ours("leapfx_eagle_vocab", subset))
-    if config.eagle_parts is not None:
-        # Composed with prompt lookup: each round drafts with the head, with the prompt's
-        # n-grams or not at all, by measured tokens per cost (the subset head where it runs).
-        both = rewrite.apply(model, "eagle", parts=config.eagle_parts, lookup=True,
-                             adaptive=True, **kw)  # fmt: skip
-        rows.append(run.ours("leapfx_eagle_lookup", both))
-        rows[-1].info["dynamic_draft_length"] = True
-    return rows
-
-
-def _training_free_rows(name: str, run: RowRun) -> list[System]:
-    """At the recipe's defaults (HF's d is not theirs); swift also as
-    ``leapfx_swift_adaptive`` (``lookup=True, adaptive=True``: each round chooses among the
-    layer-skipped drafter, prompt lookup and no drafting by measured tokens per cost) and as
-    ``leapfx_swift_online`` (``search="online"``: the skip set searched while decoding; its
-    search goes on across the warm-up and timed passes, as a user's later calls would)."""
-    system = run.ours(f"leapfx_{name}", rewrite.apply(run.model, name))
-    # lookup / auto: a round drafts what a match gives (or nothing): no fixed d for the
-    # formula; swift drafts d every round
-    system.info["dynamic_draft_length"] = name != "swift"
-    systems = [system]
-    if name == "swift":
-        sm = rewrite.apply(run.model, "swift", lookup=True, adaptive=True)
-        systems.append(run.ours("leapfx_swift_adaptive", sm))
-        systems[-1].info["dynamic_draft_length"] = True
-        # its sets and plain steps change while it searches: no fixed d for the formula
-        online = rewrite.apply(run.model, "swift", search="online")
-        systems.append(run.ours("leapfx_swift_online", online))
-        systems[-1].info["dynamic_draft_length"] = True
-    return systems
-
-
-# The leapfx rows after leapfx_autoregressive and leapfx_early_exit, in the order they run
-# and print: (the recipes whose runs carry them, how to build them on one backend). A row two
-# recipes carry (leapfx_layerskip in a layerskip,kangaroo run) is built for each entry and
-# kept once, at its first place (``build_systems``).
-RECIPE_ROWS: tuple[tuple[frozenset[str], Callable[[RowRun], list[System]]], ...] = (
-    (frozenset({"layerskip", "kangaroo", "m2r2"}), _layerskip_rows),
-    (frozenset({"layerskip"}), _layerskip_dynamic_rows),
-    (frozenset({"specee"}), _specee_rows),
-    (frozenset({"kangaroo"}), _kangaroo_rows),
-    (frozenset({"m2r2"}), _m2r2_rows),
-    (frozenset({"eagle"}), _eagle_rows),
-    *((frozenset({name}), partial(_training_free_rows, name)) for name in TRAINING_FREE),
-)
-
-
-def _offload_systems(model, config: BenchConfig, exit_layer: int, n: int, sampling, gen):
-    """The offload rows (eager; all of them with the CPU kernels or none, as ``--cpu-kernels``
-    says: the experts then run ``leapfx_cpu::moe_experts`` over the weights or the slots), the
-    resident one first. Speculative rows draft at the run's E and d."""
-    extra = {"generator": gen} if sampling["do_sample"] else {}
-    specs = config.offload_systems(exit_layer)
-    if sampling["do_sample"] or config.warmup < 1:
-        # The oracle replays each prompt's routing, recorded in the warm-up pass: greedy only.
-        del specs[ORACLE_ROW]
-    systems = []
-    for name, (recipe, offload, options) in specs.items():
-        sm = rewrite.apply(model, recipe, offload=offload, **options)
-        sm.use_cpu_kernels(use_cpu_kernels(config, sm))
-        generate = RoutingOracle(sm).generate if name == ORACLE_ROW else sm.generate
-
-        def run(prompt, generate=generate):
-            return generate(prompt, max_new_tokens=n, **sampling, **extra)
-
-        systems.append(System(name, run, lambda sm=sm: sm.last_metrics,
-                              offload=sm if offload is not None else None,
-                              info={"cpu_kernels": sm.cpu_kernels}))  # fmt: skip
-    return systems
-
-
-def specee_options(config: BenchConfig) -> dict:
-    """The specee options of a run: its parts and threshold, where given."""
-    kw: dict = {}
-    if config.specee_parts is not None:
-        kw["parts"] = config.specee_parts
-    if config.specee_threshold is not None:
-        kw["threshold"] = config.specee_threshold
-    return kw
-
-
-def _has_routers(parts: str | None) -> bool:
-    """Whether ``parts`` (None: untrained, routers included) serve ``m2r2_exit``."""
-    if parts is None:
-        return True
-    return read_parts_config(parts).get("recipe") == "m2r2_exit"
-
-
-def hf_compiles_static(model: nn.Module) -> bool:
-    """Whether HF ``generate`` compiles the decode step of a static-cache call on this model.
-
-    transformers 5 (``GenerationMixin._valid_auto_compile_criteria``) compiles it by itself
-    when the cache is compileable (a static one is) and the model sits on a CUDA, XPU, Neuron
-    or TPU device; on a CPU it runs eagerly unless the caller passes a ``CompileConfig``.
-    """
-    return next(model.parameters()).device.type in ("cuda", "xpu", "neuron", "tpu")
-
-
-# How --cpu-kernels names itself in errors (leapfx.kernels.cpu.resolve).
-CPU_KERNELS_FLAG = {"option": "--cpu-kernels", "on": "on", "allowed": "auto or off"}
-
-
-def use_cpu_kernels(config: BenchConfig, sm) -> bool:
-    """Whether ``sm``'s eager or compiled stages run leapfx's CPU kernels in this run."""
-    lay = sm._layout
-    return cpu.resolve(config.cpu_kernels, lay.device, lay.dtype, **CPU_KERNELS_FLAG)
 
 
 def _backend(config: BenchConfig, backend: str):
@@ -704,13 +248,13 @@ def _backend(config: BenchConfig, backend: str):
                 chosen.update(zip(("threads", "timing"), fastest_onnx_threads(path), strict=True))
         threads = chosen["threads"]
         split = config.onnx_split_verify != "off"
-        om = _onnx_model(path, threads, split_verify=split, thread_pool=pool)
+        om = onnx_model(path, threads, split_verify=split, thread_pool=pool)
         om.threads_timing = chosen["timing"]
         om.split_verify_timing = None
         if config.onnx_split_verify == "auto" and om.split_verify:
             split, timing = fastest_split_verify(path, threads)
             if not split:
-                om = _onnx_model(path, threads, split_verify=False)
+                om = onnx_model(path, threads, split_verify=False)
                 om.threads_timing = chosen["timing"]
             om.split_verify_timing = timing
         vt = config.onnx_verify_threads
@@ -720,96 +264,12 @@ def _backend(config: BenchConfig, backend: str):
                 vt, timing = fastest_verify_threads(path, threads)
             if vt != om.verify_threads:
                 kept = om.threads_timing, om.split_verify_timing
-                om = _onnx_model(path, threads, verify_threads=vt)
+                om = onnx_model(path, threads, verify_threads=vt)
                 om.threads_timing, om.split_verify_timing = kept
             om.verify_threads_timing = timing
         return om
 
     return export
-
-
-def fastest_onnx_threads(
-    path: str, *, new_tokens: int = 32, repeats: int = 3
-) -> tuple[int, dict[int, float]]:
-    """The faster of 1 and ``torch.get_num_threads()`` onnxruntime intra-op threads on the
-    export at ``path``, and each count's median seconds per token of its own schedule (a
-    ``new_tokens`` greedy decode of a fixed prompt, one untimed call first, the counts timed in
-    turn so drift on a shared machine falls on both)."""
-    # Each count on pools of its own: onnxruntime's shared pool is sized once per process, for
-    # the count this chooses (``_onnx_model``).
-    return _fastest_count(
-        lambda t: _onnx_model(path, t, thread_pool="session"), "threads",
-        new_tokens=new_tokens, repeats=repeats,
-    )  # fmt: skip
-
-
-def _onnx_model(path: str, threads: int | None, **kw):
-    """The bench's OnnxModel. On pools of their own (``thread_pool="session"``, or None in a
-    process not switched to the shared pool) more than one thread spins within a call
-    (``spin``: handing each small op to a sleeping worker costs more than the op); on
-    onnxruntime's process-wide pool (``"shared"``) its workers spin as onnxruntime says."""
-    return OnnxModel(path, threads=threads, spin=threads is not None and threads > 1, **kw)
-
-
-def fastest_verify_threads(
-    path: str, threads: int | None, *, new_tokens: int = 32, repeats: int = 3
-) -> tuple[int, dict[int, float]]:
-    """As :func:`fastest_onnx_threads`, for the intra-op threads of verify's upper part alone
-    (``OnnxModel(verify_threads=...)``; the other stages keep ``threads``): a verify call runs
-    d+1 rows through the upper layers, work a second core can share where a one-token step's
-    cannot."""
-
-    def make(t: int):
-        return _onnx_model(path, threads, verify_threads=t)
-
-    return _fastest_count(make, "verify threads", new_tokens=new_tokens, repeats=repeats)
-
-
-def fastest_split_verify(
-    path: str, threads: int | None, *, new_tokens: int = 64, repeats: int = 5
-) -> tuple[bool, dict[str, float]]:
-    """Whether layerskip's verify runs faster split (``OnnxModel(split_verify=True)``: the
-    draft stage on the last draft, then verify's upper part) than as the one exported verify
-    graph, on the export at ``path``, timed as :func:`fastest_onnx_threads` times thread
-    counts, and chosen only where faster by more than ``SPLIT_MARGIN``; and each one's median
-    seconds per token ({"split": s, "whole": s}).
-
-    Splitting keeps one copy of the lower layers' packed weights in a round, where the whole
-    graph reads its own copy besides the draft session's: it wins where both copies do not fit
-    the CPU's cache (a 32 MB L3: 3.73 -> 3.20 ms a round on the reference model), and loses a
-    session call where they do."""
-    models = {
-        "split": _onnx_model(path, threads, split_verify=True),
-        "whole": _onnx_model(path, threads, split_verify=False),
-    }
-    _, per_token = _fastest(models, "verify", new_tokens=new_tokens, repeats=repeats)
-    return per_token["split"] < per_token["whole"] * (1 - SPLIT_MARGIN), per_token
-
-
-def _fastest_count(make, what: str, *, new_tokens: int, repeats: int):
-    counts = sorted({1, torch.get_num_threads()})
-    if len(counts) == 1:
-        return counts[0], {}
-    return _fastest({t: make(t) for t in counts}, what, new_tokens=new_tokens, repeats=repeats)
-
-
-def _fastest(models: dict, what: str, *, new_tokens: int, repeats: int):
-    """The key of the fastest of ``models`` (OnnxModels) and each one's median seconds per
-    token: a ``new_tokens`` greedy decode of a fixed prompt, one untimed call of each first,
-    the models timed in turn so that drift on a shared machine falls on all of them."""
-    first = next(iter(models.values()))
-    prompt = torch.arange(1, 9).remainder(first.manifest["vocab_size"]).view(1, -1)
-    times: dict = {k: [] for k in models}
-    for r in range(repeats + 1):
-        for k, om in models.items():
-            start = time.perf_counter()
-            om.generate(prompt, max_new_tokens=new_tokens, do_sample=False, eos_token_id=[])
-            if r:  # the first call of each is a warm-up
-                times[k].append((time.perf_counter() - start) / new_tokens)
-    per_token = {k: statistics.median(v) for k, v in times.items()}
-    best = min(per_token, key=per_token.get)
-    log.info("onnxruntime %s: %s (seconds per token: %s)", what, best, per_token)
-    return best, per_token
 
 
 def repeated_4gram_share(new_tokens: list[int]) -> float:

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 import torch
 import transformers
 
+from ..models import model_device, model_dtype
 from ..train.data import byte_tokenizer
-from . import bench_device, bench_dtype
 
 
 @dataclass(frozen=True)
@@ -94,8 +94,8 @@ def random_model(size: str, *, device: str | torch.device = "cpu", dtype=None, s
     """A ``size`` Llama with random weights (``torch.manual_seed(seed)``; HF's initialisation),
     in ``dtype`` on ``device``, in eval mode, and the byte-level tokenizer of its prompts."""
 
-    dev = bench_device(device)
-    dtype = bench_dtype(dtype, dev)
+    dev = model_device(device)
+    dtype = model_dtype(dtype, dev)
     config = random_config(size)
     torch.manual_seed(seed)
     with torch.device(dev):

@@ -16,12 +16,13 @@ import json
 import os
 import platform
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
+
+from .. import files
 
 
 @dataclass
@@ -129,25 +130,11 @@ def columns(head: list[str], lines: list[list]) -> str:
 
 
 def write_atomic(path: str | Path, data: bytes) -> None:
-    """Write to a temp file beside ``path`` and rename it into place."""
+    """``data`` into ``path`` whole or not at all (``leapfx.files``); its directory exists."""
     path = Path(path)
     if not path.parent.is_dir():
         raise ValueError(f"output path {str(path)!r}: its directory does not exist")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp's 0600 would hide the file from others
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+    files.write_atomic(path, lambda tmp: tmp.write_bytes(data))
 
 
 def write_figure(path: str | Path, fig, dpi: int = 110) -> None:

@@ -26,7 +26,8 @@ from . import (
     train_reuse_probe,
     train_specee,
 )
-from .bench import _onnx_verify_threads, _prefetch_lead  # noqa: F401  (tests import them here)
+from .bench_options import onnx_verify_threads as _onnx_verify_threads  # noqa: F401
+from .bench_options import prefetch_lead as _prefetch_lead  # noqa: F401  (tests import both here)
 
 # The commands in the order ``leapfx --help`` lists them.
 COMMANDS = (

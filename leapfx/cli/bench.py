@@ -12,6 +12,7 @@ import os
 import shlex
 import sys
 
+from . import bench_batch, bench_curves, bench_offload, bench_options, bench_sweep
 from .common import (
     CPU_KERNELS,
     DTYPE_NAMES,
@@ -21,7 +22,6 @@ from .common import (
     _exit_gates,
     _progress,
     _reference_defaults,
-    _shipped,
     add_cpu_kernels,
     add_device,
     add_model,
@@ -36,15 +36,15 @@ from .common import (
 def _bench(args: argparse.Namespace) -> int:
     import torch
 
-    from ..bench import llamacpp, load_model
+    from ..bench import llamacpp
     from ..bench.harness import BenchConfig, run_bench
     from ..bench.memory import timed_load
     from ..bench.prompt_sets import load_prompt_set
     from ..bench.report import table, write_json, write_plot
-    from ..bench.sweep import calibrate, choose, pays, sweep_table
+    from ..models import load_model
 
     set_threads(args)
-    onnx_threads = _onnx_threads(args.onnx_threads)
+    onnx_threads = bench_options.onnx_threads(args.onnx_threads)
     import transformers
 
     # The CLI owns this process: HF's own progress bars and warnings would bury the report,
@@ -76,7 +76,7 @@ def _bench(args: argparse.Namespace) -> int:
             f"--exit-layer: {args.exit_layer} is out of range for this {num_layers}-layer "
             f"model; allowed: 1..{num_layers - 1}"
         )
-    _bench_budget(args)
+    bench_options.bench_budget(args)
     prompts = load_prompt_set(
         args.prompt_set, tokenizer, count=args.prompts, num_tokens=args.prompt_tokens,
         raw=args.raw, device=args.device,
@@ -99,12 +99,12 @@ def _bench(args: argparse.Namespace) -> int:
         if threshold is None and "layerskip" in recipes:
             threshold = shipped["bench"]["layerskip_dynamic_threshold"]
             print(f"reference model: leapfx_layerskip_dynamic at eta {threshold}")
-    d = DEFAULT_SPECULATIONS if d is None else d
+    d = bench_options.DEFAULT_SPECULATIONS if d is None else d
     kernels = CPU_KERNELS[args.cpu_kernels]
     if args.batch_size is not None:
-        return _batch_bench(args, model, tokenizer, prompts, exit_layer, d, kernels, quiet)
+        return bench_batch.run(args, model, tokenizer, prompts, exit_layer, d, kernels, quiet)
     calibration, auto = [], None
-    offload = _offload_options(args)
+    offload = bench_options.offload_options(args)
     if args.sweep_threshold and not recipes & {"specee", "m2r2"}:
         raise ValueError(
             "--sweep-threshold: sweeps the exit threshold of SpecEE or of m2r2_exit; allowed "
@@ -112,45 +112,22 @@ def _bench(args: argparse.Namespace) -> int:
         )
     offload_plot = args.plot and offload["offload_slots"] is not None  # their timelines
     if (args.sweep or args.auto or args.plot) and not (args.sweep_threshold or offload_plot):
-        exits = _grid(args.sweep_exit_layers, num_layers)
-        specs = _speculations(args.sweep_speculations) if args.sweep or args.auto else [d]
-        cal_prompts = prompts if args.sweep else prompts[:2]
-        calibration = calibrate(
-            model, cal_prompts, exits, specs, max_new_tokens=args.max_new_tokens,
-            repeats=args.repeats if args.sweep else 1, progress=not quiet,
-            cpu_kernels=_calibration_kernels(model, kernels),
-        )  # fmt: skip
-        if args.sweep:
-            print(sweep_table(calibration))
-        if args.auto:
-            best = choose(calibration)
-            exit_layer, d = best.exit_layer, best.num_speculations
-            print(
-                f"--auto: exit_layer={exit_layer} num_speculations={d} (calibration: "
-                f"measured {best.measured:.2f}x over leapfx_autoregressive; alpha "
-                f"{best.alpha:.3f}, c {best.c:.3f}, predicted {best.predicted:.2f}x)"
-            )
-            auto = {"exit_layer": exit_layer, "num_speculations": d, "pays": pays(best),
-                    "measured": best.measured, "predicted": best.predicted}  # fmt: skip
-            if not auto["pays"]:
-                print(
-                    "--auto: no setting of the calibration decoded faster than "
-                    "leapfx_autoregressive: on this model and machine LayerSkip's self-"
-                    "speculation only costs; decode without it (recipe autoregressive), or "
-                    "with adaptive=True, which drafts only where measured drafts pay"
-                )
+        calibration, auto = bench_sweep.report(args, model, prompts, d, kernels, quiet)
+        if auto is not None:
+            exit_layer, d = auto["exit_layer"], auto["num_speculations"]
     config = BenchConfig(
         recipe=args.recipe, exit_layer=exit_layer, num_speculations=d,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature,
         repeats=args.repeats, warmup=args.warmup, adapter=_adapter(args),
-        kangaroo_exit_layer=args.kangaroo_exit_layer, eagle_parts=_eagle_parts(args),
+        kangaroo_exit_layer=args.kangaroo_exit_layer, eagle_parts=bench_options.eagle_parts(args),
         confidence_threshold=threshold, backend=args.backend,
         cpu_kernels=kernels, onnx_threads=onnx_threads,
-        onnx_verify_threads=_onnx_verify_threads(args.onnx_verify_threads),
+        onnx_verify_threads=bench_options.onnx_verify_threads(args.onnx_verify_threads),
         onnx_split_verify=args.onnx_split_verify, onnx_thread_pool=args.onnx_thread_pool,
-        specee_parts=_specee_parts(args),
-        specee_threshold=args.specee_threshold, parts=_m2r2_parts(args),
-        exit_parts=_m2r2_parts(args, exits=True), m2r2_exit_gates=_exit_gates(args), **offload,
+        specee_parts=bench_options.specee_parts(args),
+        specee_threshold=args.specee_threshold, parts=bench_options.m2r2_parts(args),
+        exit_parts=bench_options.m2r2_parts(args, exits=True),
+        m2r2_exit_gates=_exit_gates(args), **offload,
         llama_cpp=None if args.no_llama_cpp or gguf_file is None else str(gguf_file),
     )  # fmt: skip
     config = dataclasses.replace(config, throughput_only=args.random_model is not None)
@@ -166,7 +143,7 @@ def _bench(args: argparse.Namespace) -> int:
         _show_text(rows, tokenizer)
     if offload["offload_slots"] is not None:
         e = exit_layer or max(1, num_layers // 4)  # only traced rows use it: autoregressive
-        _offload_report(model, rows, config, prompts, e, args.plot if offload_plot else None)
+        bench_offload.report(model, rows, config, prompts, e, args.plot if offload_plot else None)
     _hf_static_line(rows)
     used = sorted({r.extra["cpu_kernels"] for r in rows if "cpu_kernels" in r.extra})
     if used:
@@ -230,15 +207,15 @@ def _bench(args: argparse.Namespace) -> int:
         meta.update(model=f"random:{args.random_model}", throughput_only=True)
     curve = []
     if args.sweep_threshold and "specee" in _bench_recipes(args):
-        curve = _specee_curve(args, model, prompts, rows, config, num_layers, quiet)
+        curve = bench_curves.specee_curve(args, model, prompts, rows, config, num_layers, quiet)
         meta["specee_curve"] = [p.as_dict() for p in curve]
-        meta["specee_vs_early_exit"] = _vs_early_exit(curve, ("specee", "specee_mask"))
+        meta["specee_vs_early_exit"] = bench_curves.vs_early_exit(curve, ("specee", "specee_mask"))
     elif args.sweep_threshold:  # m2r2: m2r2_exit's curve
-        curve = _exit_curve(args, model, prompts, rows, config, num_layers)
+        curve = bench_curves.exit_curve(args, model, prompts, rows, config, num_layers)
         meta["m2r2_exit_curve"] = [p.as_dict() for p in curve]
-        meta["m2r2_exit_vs_early_exit"] = _vs_early_exit(curve, ("m2r2_exit",))
+        meta["m2r2_exit_vs_early_exit"] = bench_curves.vs_early_exit(curve, ("m2r2_exit",))
     for r in rows:
-        share = _predictor_share(r)
+        share = bench_curves.predictor_share(r)
         if share is not None:
             print(f"{r.system}: the exit predictors take {share:.1%} of decode time")
     meta["specee_parts"] = config.specee_parts
@@ -288,88 +265,6 @@ def _load_lines(rows, model_load) -> None:
         )
 
 
-def _batch_sizes(value: str) -> tuple[int, ...]:
-    try:
-        sizes = tuple(int(v) for v in value.split(",") if v.strip())
-    except ValueError:
-        sizes = ()
-    if not sizes or min(sizes) < 1 or len(set(sizes)) < len(sizes):
-        raise argparse.ArgumentTypeError(
-            f"{value!r} is invalid; allowed: distinct batch sizes >= 1, comma-separated "
-            "(e.g. 1,4,8)"
-        )
-    return sizes
-
-
-def _batch_bench(args, model, tokenizer, prompts, exit_layer, d, kernels, quiet) -> int:
-    """``--batch-size``: total throughput per system and batch size (``bench.batch``)."""
-    import torch
-
-    from ..bench.batch import (
-        BatchBenchConfig,
-        batch_table,
-        run_batch_bench,
-        varied_lengths,
-        write_batch_plot,
-    )  # fmt: skip
-    from ..bench.report import write_json
-
-    config = BatchBenchConfig(
-        batch_sizes=args.batch_size, recipes=tuple(sorted(_bench_recipes(args))),
-        exit_layer=exit_layer, num_speculations=d, max_new_tokens=args.max_new_tokens,
-        repeats=args.repeats, warmup=args.warmup, cpu_kernels=kernels,
-        backends=tuple(args.backend.split(",")),
-        recipe_options={"eagle": _batch_eagle_options(args, model)},
-    ).validate()  # fmt: skip
-    prompts = varied_lengths(prompts)
-    lengths = [p.shape[1] for p in prompts]
-    print(f"--batch-size {','.join(map(str, config.batch_sizes))}: {len(prompts)} prompts of "
-          f"{min(lengths)}..{max(lengths)} tokens, left-padded per batch")  # fmt: skip
-    config_pad = model.generation_config.pad_token_id
-    eos = model.generation_config.eos_token_id
-    pad = config_pad if config_pad is not None else (eos[0] if isinstance(eos, list) else eos)
-    rows = run_batch_bench(
-        model, prompts, config, pad_token_id=0 if pad is None else int(pad), progress=not quiet
-    )
-    print(batch_table(rows))
-    print(
-        "x leapfx_AR / x hf_greedy: tokens/s over that system's at the same batch size; "
-        "identical rows: per row against hf_greedy on the same padded batch; draft lengths: "
-        "rounds per draft length the batch policy chose (0: a plain step)"
-    )
-    if args.json:
-        meta = {
-            "model": str(args.model or "reference"), "recipe": args.recipe,
-            "batch_sizes": list(config.batch_sizes), "exit_layer": exit_layer,
-            "num_speculations": d, "prompt_set": args.prompt_set, "prompts": len(prompts),
-            "prompt_lengths": lengths, "max_new_tokens": args.max_new_tokens,
-            "repeats": args.repeats, "threads": torch.get_num_threads(), "device": args.device,
-            "cpu_kernels": args.cpu_kernels, "backend": args.backend,
-            "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
-        }  # fmt: skip
-        write_json(args.json, rows, meta)
-    if args.plot:
-        write_batch_plot(args.plot, rows)
-    return 0
-
-
-# The bench's budget when --prompts, --max-new-tokens or --repeats are not given: the same on
-# every model, except where a shipped model is too slow for it to finish in about ten minutes
-# on a 2-core CPU (SmolLM2-135M under HF, and HF's early-exit assistant slower still).
-BENCH_BUDGET = {"prompts": 8, "max_new_tokens": 128, "repeats": 3}
-
-
-BENCH_BUDGET_BY_MODEL = {"smollm2": {"prompts": 4, "max_new_tokens": 64, "repeats": 1}}
-
-
-def _bench_budget(args: argparse.Namespace) -> None:
-    """Fill the budget flags left unset from ``BENCH_BUDGET`` (and the model's own)."""
-    budget = {**BENCH_BUDGET, **BENCH_BUDGET_BY_MODEL.get(str(args.model), {})}
-    for name, value in budget.items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
-
-
 def _show_text(rows, tokenizer) -> None:
     """--show-text: each row's completion of the first prompt."""
     for r in rows:
@@ -379,195 +274,6 @@ def _show_text(rows, tokenizer) -> None:
         text = tokenizer.decode(ids, skip_special_tokens=True)
         print(f"--- {r.system} ({len(ids)} tokens) ---")
         print(text.rstrip())
-
-
-def _vs_early_exit(curve, systems: tuple[str, ...]) -> dict:
-    """The sweep's verdict for the JSON: each early-exit point against each curve of
-    ``systems`` at equal speed and at equal layers (``"system/key"``)."""
-    from ..bench.specee_sweep import above_early_exit
-
-    return {
-        f"{system}/{key}": [dataclasses.asdict(c) | {"above": c.above}
-                            for c in above_early_exit(curve, system, key)]
-        for system in systems for key in ("speedup", "avg_layers")
-    }  # fmt: skip
-
-
-def _exit_curve(args, model, prompts, rows, config, num_layers: int) -> list:
-    """--sweep-threshold with --recipe m2r2: m2r2_exit's agreement-vs-speed curve at each
-    --sweep-thresholds beside fixed early exit at --sweep-exit-layers."""
-    from ..bench.exit_curve import SYSTEM, exit_curve
-    from ..bench.specee_sweep import comparison_summary, sweep_threshold_table
-
-    try:
-        taus = [float(x) for x in args.sweep_thresholds.split(",")]
-    except ValueError:
-        taus = []
-    if not taus or min(taus) < 0:
-        raise ValueError(
-            f"--sweep-thresholds: {args.sweep_thresholds!r} is invalid; allowed: numbers >= 0, "
-            "comma-separated (e.g. 0.5,0.7,0.9)"
-        )
-    exits = _grid(args.sweep_exit_layers, num_layers)
-    greedy = rows[0].extra.get("outputs")
-    if greedy is None:  # the baseline's outputs are not kept in the rows: decode them again
-        import torch
-
-        with torch.inference_mode():
-            greedy = [
-                model.generate(p, attention_mask=torch.ones_like(p), do_sample=False,
-                               max_new_tokens=args.max_new_tokens)
-                for p in prompts
-            ]  # fmt: skip
-    kernels = bool(next((r.extra.get("cpu_kernels") for r in rows if "cpu_kernels" in r.extra),
-                        False))  # fmt: skip
-    points = exit_curve(
-        model, prompts, greedy, thresholds=taus, exit_layers=exits,
-        parts=config.exit_parts or config.parts, exit_gates=config.m2r2_exit_gates,
-        max_new_tokens=args.max_new_tokens, repeats=args.repeats, cpu_kernels=kernels,
-    )  # fmt: skip
-    parts = config.exit_parts or config.parts
-    gates = config.m2r2_exit_gates
-    if gates is None and parts is not None:
-        from ..passes.accelerator_checkpoint import read_parts_config
-
-        gates = read_parts_config(parts).get("options", {}).get("exit_gates")
-    print(f"m2r2_exit's deciding gates: {'every gate' if gates is None else list(gates)}")
-    print(sweep_threshold_table(points))
-    print(comparison_summary(points, (SYSTEM,)))
-    return points
-
-
-def _offload_options(args: argparse.Namespace) -> dict:
-    """--offload-slots/--offload-parts/--offload-dir as BenchConfig fields; the shipped rate-2
-    M2R2 parts when benchmarking moe-reference without --offload-parts."""
-    from ..bench import MOE_REFERENCE_M2R2
-    from ..train.reuse_probe import model_probe
-
-    slots = args.offload_slots
-    if slots is not None:
-        if not (slots >= 1 and slots == int(slots)) and not 0 < slots <= 1:
-            raise ValueError(
-                f"--offload-slots: {slots!r} is invalid; allowed: an integer >= 1 (slots per "
-                "MoE layer) or a fraction in (0, 1] of each layer's experts"
-            )
-        slots = int(slots) if slots > 1 else slots
-    parts = args.offload_parts
-    if parts is None and slots is not None and args.model == "moe-reference":
-        parts = str(MOE_REFERENCE_M2R2) if MOE_REFERENCE_M2R2.is_dir() else None
-    if slots is not None and parts is None:
-        print("--offload-parts: none given; leapfx_offload_m2r2 predicts with an untrained stream")
-    probe = args.offload_reuse_probe
-    if probe == "auto":  # the model's own, where it has one
-        probe = model_probe(args.model)
-    elif probe == "none":
-        probe = None
-    elif not os.path.isfile(probe):
-        raise ValueError(
-            f"--offload-reuse-probe: {probe!r} is not a file; allowed: auto, none, or a file "
-            "written by leapfx train-reuse-probe"
-        )
-    lead = _prefetch_lead(args.offload_prefetch_lead)
-    return {"offload_slots": slots, "offload_m2r2_parts": parts, "offload_dir": args.offload_dir,
-            "offload_engine": args.offload_engine, "offload_prefetch_lead": lead,
-            "offload_slow_dtype": None if args.offload_slow_dtype == "none"
-            else args.offload_slow_dtype,
-            "offload_reuse_probe": probe if slots is not None else None,
-            "offload_num_speculations": args.num_speculations}  # fmt: skip
-
-
-def _offload_report(model, rows, config, prompts, exit_layer: int, plot: str | None) -> None:
-    """The offload rows' table; with --plot, one untimed traced call (the last prompt) of each
-    autoregressive offloaded row, drawn as timelines beside every row's hit rate per layer."""
-    import torch
-
-    from ..bench.offload import ORACLE_ROW, bench_table, plot_offload, trace_call
-    from ..rewrite import apply
-
-    print(bench_table(rows))
-    engines = sorted({r.extra["offload"]["engine"] for r in rows if "offload" in r.extra})
-    dtypes = sorted({r.extra["offload"]["slow_dtype"] for r in rows if "offload" in r.extra})
-    threads = sorted({r.extra["offload"]["compute_threads"] for r in rows if "offload" in r.extra})
-    print(
-        f"offload rows: eager, disk tier, {config.offload_slots} expert slots per MoE layer, "
-        f"transfer engine {', '.join(engines)} (--offload-engine {config.offload_engine}), "
-        f"disk tier in {', '.join(dtypes)} (--offload-slow-dtype "
-        f"{config.offload_slow_dtype or 'none'}), decoding on "
-        f"{'/'.join(map(str, threads))} of torch's {torch.get_num_threads()} threads "
-        "(OffloadOptions.compute_threads 'auto': one CPU left to the readers where torch's "
-        "threads would take every CPU); "
-        "vs none: tokens/s over leapfx_offload_none; identical: every prompt equal to "
-        "leapfx_resident; hit rate: demanded experts resident; ready: resident and loaded when "
-        "their layer asked (a hit whose prefetch was still being read is late)"
-    )
-    layerskip = next((r for r in rows if r.system == "leapfx_offload_layerskip"), None)
-    if layerskip is not None:
-        how = ("--num-speculations" if config.offload_num_speculations is not None else
-               "fitted to the slots: a verify pass routes no more tokens than the slots hold "
-               "the experts of; --num-speculations N to choose")  # fmt: skip
-        print(
-            f"leapfx_offload_layerskip: exit layer {exit_layer}, "
-            f"{layerskip.extra['num_speculations']} drafts a round ({how})"
-        )
-    if any(r.system == ORACLE_ROW for r in rows):
-        print(
-            f"{ORACLE_ROW}: not a system, the ceiling of prefetching with these slots: on-demand "
-            "loading plus, at the first MoE layer of each step, a prediction of exactly the "
-            "experts the later layers use, replayed from the warm-up pass and loaded as m2r2's "
-            f"are (--offload-prefetch-lead {config.offload_prefetch_lead or 'none'})"
-        )
-    if not plot:
-        return
-    specs = config.offload_systems(exit_layer)
-    traces = {}
-    for name in ("leapfx_offload_none", "leapfx_offload_next_gate", "leapfx_offload_m2r2"):
-        recipe, options, kw = specs[name]
-        sm = apply(model, recipe, offload=options, **kw)
-        sm.generate(prompts[0], max_new_tokens=config.max_new_tokens)  # warm the slots
-        traces[name] = trace_call(sm, prompts[-1], config.max_new_tokens)
-        sm.offload.close()
-    offloaded = [r for r in rows if "offload" in r.extra]
-    rates = {r.system: r.extra["offload"]["hit_rate_per_layer"] for r in offloaded}
-    ready = {r.system: r.extra["offload"]["ready_rate_per_layer"] for r in offloaded
-             if r.extra["offload"].get("ready_rate_per_layer")}  # fmt: skip
-    plot_offload(traces, rates, plot, ready_rates=ready)
-    print(f"offload timelines and hit rates per layer: {plot}")
-
-
-def _prefetch_lead(value: str) -> int | None:
-    """``--offload-prefetch-lead``: none (None) or a count >= 1."""
-    if value == "none":
-        return None
-    if value.isdigit() and int(value) >= 1:
-        return int(value)
-    raise ValueError(
-        f"--offload-prefetch-lead: {value!r} is invalid; allowed: an integer >= 1 (layers ahead "
-        "of use) or none (every load at a step's start)"
-    )
-
-
-def _onnx_threads(value: str) -> int | None:
-    """``--onnx-threads``: auto (None) or a count."""
-    if value == "auto":
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(
-            f"--onnx-threads: {value!r} is invalid; allowed: auto or an integer >= 1"
-        ) from None
-
-
-def _onnx_verify_threads(value: str) -> int | str | None:
-    """``--onnx-verify-threads``: same (None), auto, or a count."""
-    if value in ("same", "auto"):
-        return None if value == "same" else value
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(
-            f"--onnx-verify-threads: {value!r} is invalid; allowed: same, auto or an integer >= 1"
-        ) from None
 
 
 def _onnx_threads_line(rows, flag: str) -> None:
@@ -655,9 +361,6 @@ class _Tee(io.TextIOBase):
         return self.streams[0].isatty()
 
 
-DEFAULT_SPECULATIONS = 6  # --num-speculations: the layerskip recipe's default and Kangaroo's gamma
-
-
 def _random_model(args: argparse.Namespace):
     """--random-model: the model and tokenizer, after refusing what such a run cannot mean; prints
     the run's header."""
@@ -694,118 +397,6 @@ def _hf_static_line(rows) -> None:
         how = ("its decode step compiled by HF" if static.extra.get("hf_compiled")
                else "eager: HF compiles it only on a GPU")  # fmt: skip
         print(f"hf_static: HF generate(cache_implementation='static'), {how}")
-
-
-def _calibration_kernels(model, kernels: bool | None) -> bool:
-    """--sweep/--auto calibrate on eager stages, with the CPU kernels when the run uses them."""
-    from ..bench.harness import CPU_KERNELS_FLAG
-    from ..kernels import cpu
-
-    param = next(model.parameters())
-    return cpu.resolve(kernels, param.device, param.dtype, **CPU_KERNELS_FLAG)
-
-
-def _specee_parts(args: argparse.Namespace) -> str | None:
-    """--specee-parts, else the benchmarked model's shipped predictors (reference, smollm2)."""
-    if "specee" not in _bench_recipes(args):
-        return None
-    if args.specee_parts is not None:
-        return args.specee_parts
-    return _shipped(args, "specee")
-
-
-def _predictor_share(row) -> float | None:
-    """Predictor time over decode time of a specee row (its stage timings)."""
-    stages = row.extra.get("stage_seconds") or {}
-    if "predictor" not in stages or not row.seconds:
-        return None
-    return stages["predictor"] / row.seconds
-
-
-def _specee_curve(args, model, prompts, rows, config, num_layers, quiet):
-    """--sweep-threshold: specee at each threshold beside early_exit at every E."""
-    from ..bench.harness import specee_options, use_cpu_kernels
-    from ..bench.specee_sweep import comparison_summary, sweep_threshold_table, threshold_sweep
-    from ..rewrite import apply
-
-    base = apply(model, "autoregressive")
-    greedy = [base.generate(p, max_new_tokens=args.max_new_tokens, do_sample=False)
-              for p in prompts]  # fmt: skip
-    try:
-        thresholds = [float(x) for x in args.sweep_thresholds.split(",")]
-    except ValueError:
-        thresholds = [-1.0]
-    if not thresholds or not all(0 <= t <= 1 for t in thresholds):
-        raise ValueError(
-            f"--sweep-thresholds: {args.sweep_thresholds!r} is invalid; allowed: numbers in "
-            "[0, 1], comma-separated"
-        )
-    points = threshold_sweep(
-        model, prompts, greedy, thresholds=thresholds, exits=list(range(1, num_layers)),
-        specee_options=specee_options(config), max_new_tokens=args.max_new_tokens,
-        repeats=args.repeats, cpu_kernels=use_cpu_kernels(config, base),
-    )  # fmt: skip
-    print(sweep_threshold_table(points))
-    print(comparison_summary(points))
-    return points
-
-
-def _m2r2_parts(args: argparse.Namespace, exits: bool = False) -> str | None:
-    """--parts (--exit-parts), else the benchmarked model's shipped M2R2 parts (its exit
-    parts; reference, smollm2)."""
-    if "m2r2" not in _bench_recipes(args):
-        return None
-    given = getattr(args, "exit_parts" if exits else "parts", None)
-    if given is not None:
-        return given
-    return _shipped(args, "m2r2_exit" if exits else "m2r2")
-
-
-def _batch_eagle_options(args: argparse.Namespace, model) -> dict:
-    """The batch bench's EAGLE: the benchmarked model's head (``_eagle_parts``) with its own
-    draft length, over the subset vocabulary where its parts rank one (``EAGLE_DRAFT_VOCAB``),
-    and prompt lookup first (a row with a match copies, the others draft with the head)."""
-    from ..bench.harness import EAGLE_DRAFT_VOCAB
-    from ..passes.draft_vocab import read_ranking
-
-    parts = _eagle_parts(args) if "eagle" in _bench_recipes(args) else None
-    if parts is None:
-        return {}
-    options = {"parts": parts, "lookup": True, "max_draft_tokens": None}
-    if model.config.vocab_size >= 4 * EAGLE_DRAFT_VOCAB and read_ranking(parts) is not None:
-        options["draft_vocab"] = EAGLE_DRAFT_VOCAB
-    return options
-
-
-def _eagle_parts(args: argparse.Namespace) -> str | None:
-    """--eagle-parts, else the benchmarked model's shipped EAGLE head (reference, smollm2)."""
-    if not _bench_recipes(args) & {"eagle", "specee"}:  # specee runs carry a leapfx_eagle row
-        return None
-    if args.eagle_parts is not None:
-        return args.eagle_parts
-    return _shipped(args, "eagle")
-
-
-def _speculations(spec: str) -> list[int]:
-    try:
-        values = [int(x) for x in spec.split(",")]
-    except ValueError:
-        values = [0]
-    if not values or min(values) < 1:
-        raise ValueError(f"--sweep-speculations: {spec!r} is invalid; allowed: e.g. 1,2,4,6")
-    return values
-
-
-def _grid(spec: str | None, num_layers: int) -> list[int]:
-    if spec:
-        exits = [int(x) for x in spec.split(",")]
-        bad = [e for e in exits if not 1 <= e <= num_layers - 1]
-        if bad:
-            raise ValueError(
-                f"--sweep-exit-layers: {bad[0]} is out of range; allowed: 1..{num_layers - 1}"
-            )
-        return exits
-    return list(range(1, min(num_layers, 9)))
 
 
 def add_parser(sub) -> None:
@@ -910,20 +501,20 @@ def add_parser(sub) -> None:
         "per export); it uses a core the autoregressive row does not",
     )  # fmt: skip
     bench.add_argument(
-        # the choices are harness.SPLIT_VERIFY (not imported here: the parser stays light)
+        # the choices are bench.config.SPLIT_VERIFY (not imported here: the parser stays light)
         "--onnx-split-verify", default="auto", choices=("auto", "on", "off"),
         help="layerskip's verify on onnxruntime as the draft stage then verify's upper part "
         "(on), or as the one exported verify graph (off); auto: the faster, timed per export",
     )  # fmt: skip
     bench.add_argument(
-        # the choices are harness.THREAD_POOLS
+        # the choices are bench.config.THREAD_POOLS
         "--onnx-thread-pool", default="shared", choices=("shared", "session"),
         help="where the onnxruntime rows' intra-op threads live: one process-wide pool shared "
         "by every stage (shared: no stage wakes workers that slept through another's calls), "
         "or a pool per session",
     )  # fmt: skip
     bench.add_argument(
-        "--batch-size", type=_batch_sizes, default=None,
+        "--batch-size", type=bench_options.batch_sizes, default=None,
         help="e.g. 1,4,8: decode the prompts in left-padded batches of each size; total "
         "tokens/s per system and size (recipes that batch: lookup, auto, swift, layerskip, "
         "kangaroo)",

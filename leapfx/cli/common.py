@@ -45,7 +45,7 @@ def _reference_defaults() -> dict:
     """The shipped reference model's ``leapfx_defaults.json``: its tuned recipe options
     (``rewrite.apply`` fills unset options from them) and the bench's own choices there (the
     threshold of the leapfx_layerskip_dynamic row; docs/benchmarks.md: eta 0.5 best)."""
-    from ..bench import REFERENCE_MODEL
+    from ..models import REFERENCE_MODEL
     from ..rewrite.defaults import DEFAULTS_FILE, read_defaults
 
     return read_defaults(REFERENCE_MODEL / DEFAULTS_FILE)

@@ -16,7 +16,7 @@ def _export(args: argparse.Namespace) -> int:
     import transformers
 
     from .. import rewrite
-    from ..bench import load_model
+    from ..models import load_model
 
     # The CLI owns this process: HF's and the ONNX exporter's chatter would bury the result.
     transformers.utils.logging.disable_progress_bar()

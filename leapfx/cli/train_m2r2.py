@@ -21,7 +21,7 @@ from .train_parts import add_data, add_out, benchmark_texts, parts_out, self_opt
 def _train_m2r2(args: argparse.Namespace) -> int:
 
     from ..bench import MOE_REFERENCE_M2R2, REFERENCE_M2R2
-    from ..train.m2r2 import train_parts
+    from ..runs.m2r2 import train_parts
 
     set_threads(args)
     # Without a folder: the shipped parts of the model trained for (the dense reference's

@@ -2,7 +2,7 @@
 ``train-m2r2``, ``train-specee``): ``--model``, ``--out`` (required for any model but a shipped
 one whose own parts it regenerates; never inside the installed package), ``--data
 stdlib|self|FILE`` and its ``self`` budget, the run's options, and the one function that runs
-``train-eagle`` and ``train-kangaroo`` (``leapfx.train.parts_run.train_drafter``).
+``train-eagle`` and ``train-kangaroo`` (``leapfx.runs.drafters.train_drafter``).
 
     leapfx train-eagle --model smollm2 --out runs/eagle-smollm2 --data self --steps 2000
 """
@@ -42,8 +42,8 @@ def add_out(parser: argparse.ArgumentParser, *, default_help: str, positional: b
 
 def parts_out(args: argparse.Namespace, shipped: Path | None) -> Path:
     """The checked parts directory of ``--out`` (or the positional ``out``); see
-    ``leapfx.train.parts_run.check_out``."""
-    from ..train.parts_run import check_out
+    ``leapfx.runs.drafters.check_out``."""
+    from ..runs.drafters import check_out
 
     positional = getattr(args, "out_positional", None)
     if positional is not None and args.out is not None and positional != args.out:
@@ -128,7 +128,7 @@ def run_drafter_training(
     args: argparse.Namespace, recipe: str, *, apply: dict, fit: dict | None = None
 ) -> int:
     """Run ``train-<recipe>`` from its parsed flags; prints the summary as JSON."""
-    from ..train.parts_run import train_drafter
+    from ..runs.drafters import train_drafter
 
     set_threads(args)
     names = ("steps", "batch_size", "seq_len", "lr", "seed")

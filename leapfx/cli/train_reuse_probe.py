@@ -10,7 +10,7 @@ from .common import add_corpus_root, add_model, add_progress, add_threads, set_t
 
 def _train_reuse_probe(args: argparse.Namespace) -> int:
 
-    from ..bench import resolve_model
+    from ..models import resolve_model
     from ..train.reuse_probe import PROBE_NAME, train_reuse_probe
 
     set_threads(args)

@@ -20,7 +20,7 @@ from .train_parts import add_data, add_out, benchmark_texts, parts_out, self_opt
 def _train_specee(args: argparse.Namespace) -> int:
     import torch
 
-    from ..bench import REFERENCE_MODEL, load_model
+    from ..models import REFERENCE_MODEL, load_model
     from ..models.gguf import cache_root
     from ..rewrite import apply
     from ..train.sources import check_data, training_data

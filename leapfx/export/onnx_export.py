@@ -44,7 +44,6 @@ import logging
 import os
 import re
 import shutil
-import tempfile
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -53,6 +52,7 @@ import torch
 from torch import fx
 
 from .. import __version__
+from ..files import move_into_place, temp_beside
 from ..lower.chain import chain_length
 from ..lower.manifest import FORMAT, FORMAT_VERSION, MANIFEST, is_export_dir, layer_ranges
 from ..lower.stage_signature import (  # discovery, shared with the compiled stages
@@ -598,9 +598,7 @@ def export_onnx(
     _check_target(target, overwrite)
     created = _make_parent(target.parent)
     try:
-        tmp = Path(
-            tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent)
-        )
+        tmp = temp_beside(target, folder=True, suffix=".partial")
     except OSError as exc:
         _remove_dirs(created)
         raise ValueError(f"path: cannot write in {str(target.parent)!r}: {exc.strerror}") from None
@@ -643,16 +641,4 @@ def export_onnx(
 def _replace(tmp: Path, target: Path, overwrite: bool) -> None:
     """Move the finished export into place; an old export is swapped out, then deleted."""
     _check_target(target, overwrite)  # again: something may have appeared meanwhile
-    os.chmod(tmp, 0o755)  # mkdtemp makes it private; an export is an ordinary directory
-    if not target.exists():
-        os.rename(tmp, target)
-        return
-    old = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".old", dir=target.parent))
-    os.rename(target, old / "export")
-    try:
-        os.rename(tmp, target)
-    except OSError:
-        os.rename(old / "export", target)  # put the previous export back
-        raise
-    finally:
-        shutil.rmtree(old, ignore_errors=True)
+    move_into_place(tmp, target)

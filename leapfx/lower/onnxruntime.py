@@ -45,6 +45,7 @@ import torch
 from transformers import GenerationConfig
 
 from ..options import check_bool
+from ..recipes import get_recipe
 from ..runtime.cache import LayerLengths
 from ..runtime.decode import cache_length, decode
 from ..runtime.generation import GenerateFrontEnd, GenerationSource
@@ -499,10 +500,6 @@ class OnnxModel(GenerateFrontEnd):
             raise ImportError(
                 "OnnxModel needs onnxruntime: pip install 'leapfx[onnx]' (or 'leapfx[onnx-gpu]')"
             ) from None
-        # The recipe the manifest names gives the options type and the schedule; the recipes
-        # live in rewrite, a floor above lower (an upward import tools/check_layers.py allows).
-        from ..rewrite import get_recipe
-
         self.path = Path(path)
         self.manifest = read_manifest(self.path)
         m = self.manifest

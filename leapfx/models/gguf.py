@@ -22,12 +22,13 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 import transformers
 from safetensors import safe_open
+
+from ..files import temp_beside
 
 log = logging.getLogger(__name__)
 
@@ -85,8 +86,7 @@ def publish_folder(folder: Path, key: dict, fill, done) -> Path:
     beside it, ``key`` goes into its ``KEY_FILE``, and a rename puts it in place; where another
     process renamed a finished entry there first (``done(folder, key)``), that one stays. A
     failure leaves nothing behind."""
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
-    os.chmod(tmp, 0o755)  # mkdtemp's 0700 would hide the cache from other users of the folder
+    tmp = temp_beside(folder, folder=True)
     try:
         fill(tmp)
         (tmp / KEY_FILE).write_text(json.dumps(key, indent=2) + "\n")

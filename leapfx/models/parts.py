@@ -1,7 +1,7 @@
 """Trained parts found for a model: the drafter parts whose host is this model.
 
 Every parts directory records the model it was trained for (``host``: architecture, layers,
-widths, heads, vocabulary; ``passes.parts_io.host_signature``). ``rewrite.apply(model,
+widths, heads, vocabulary; ``parts.io.host_signature``). ``rewrite.apply(model,
 "eagle")`` with ``parts`` left at ``"auto"`` looks for the recipe's folder whose host equals
 the model's, first among the user's parts, ``$LEAPFX_CACHE/parts/*/<folder>`` (default
 ``~/.cache/leapfx/parts``: e.g. ``leapfx train-eagle --model M --out
@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..passes.parts_io import host_signature
+from ..parts.io import host_signature
 from .gguf import cache_root
 
 USER_PARTS = "parts"  # $LEAPFX_CACHE/parts/<any name>/<recipe folder>: the user's own parts

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,6 +31,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
+from ..files import write_atomic
 from ..models.routing import moe_layers
 from ..options import check_int
 from ..passes.capture import decoder_pieces
@@ -88,21 +88,10 @@ class ReuseProbe:
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write the probe to ``path`` (a temporary name first, then renamed)."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
         meta = {"format": FORMAT, "layers": json.dumps(self.layers),
                 "horizon": str(self.horizon), "info": json.dumps(self.info)}  # fmt: skip
-        fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-        os.close(fd)
-        try:
-            save_file({"weight": self.weight.contiguous(), "bias": self.bias.contiguous()},
-                      tmp, metadata=meta)  # fmt: skip
-            os.chmod(tmp, 0o644)  # mkstemp's 0600 would keep the shipped file from others
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        return path
+        tensors = {"weight": self.weight.contiguous(), "bias": self.bias.contiguous()}
+        return write_atomic(path, lambda tmp: save_file(tensors, str(tmp), metadata=meta))
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> ReuseProbe:

@@ -37,10 +37,13 @@ import os
 import tempfile
 import threading
 import warnings
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
 from tqdm.auto import tqdm
+
+from ..files import write_atomic, write_text_atomic
 
 log = logging.getLogger(__name__)
 
@@ -216,10 +219,7 @@ class DiskStore:
                 os.unlink(self.manifest_path)
             self._write(layers)
             if manifest is not None:
-                tmp = f"{self.manifest_path}.tmp-{os.getpid()}"
-                with open(tmp, "w") as f:
-                    json.dump(manifest, f)
-                os.replace(tmp, self.manifest_path)
+                write_text_atomic(self.manifest_path, json.dumps(manifest))
         self.direct = False
         self._fd = self._open(direct_io)
         self._local = threading.local()  # one aligned bounce buffer per reading thread
@@ -255,14 +255,14 @@ class DiskStore:
             return False
 
     def _write(self, layers: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
-        tmp = f"{self.path}.tmp-{os.getpid()}"
         total = len(self._offsets) * self.record
         bar = None
         if total >= PROGRESS_BYTES:
             bar = tqdm(
                 total=total, unit="B", unit_scale=True, desc="offload: disk tier", disable=None
             )  # fmt: skip (None: no bar where stderr is no terminal)
-        try:
+
+        def fill(tmp: Path) -> None:
             with open(tmp, "wb") as f:
                 for _, (gate_up, down) in sorted(layers.items()):
                     for e in range(gate_up.shape[0]):
@@ -274,11 +274,9 @@ class DiskStore:
                             bar.update(self.record)
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(tmp, self.path)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
+
+        try:
+            write_atomic(self.path, fill)
         finally:
             if bar is not None:
                 bar.close()

@@ -1,9 +1,8 @@
 """SubsetDraftHead: a drafter's LM head over the N most frequent tokens (``draft_vocab=N``).
 
 The token ranking is measured on the training data (``token_ranking``: every id of the
-vocabulary, most frequent first, ties by id) and saved with the parts beside their own files::
-
-    draft_vocab.safetensors   {"ranking": [V] int64}
+vocabulary, most frequent first, ties by id) and saved with the parts beside their own files
+(``draft_vocab.safetensors``, ``leapfx.parts.draft_vocab``).
 
 Parts written before the ranking existed have no such file and load as before; only asking
 them for ``draft_vocab`` is refused. The whole ranking is saved, so any N can be chosen when the
@@ -24,23 +23,20 @@ saving the parts again keeps it.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import ClassVar
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import fx
 
 from ..modules.draft_vocab import SubsetLMHead
 from ..options import check_int
+from ..parts.draft_vocab import RANKING_FILE, read_ranking
 from .base import GraphPass, PassResult
 from .capture import nodes_by_role
 
 log = logging.getLogger(__name__)
 
-RANKING_FILE = "draft_vocab.safetensors"
 SUBSET_MODULE = "draft_vocab_head"  # attribute of the rewritten GraphModule
 TOKEN_RANKING = "leapfx.token_ranking"  # gm.meta: [V] int64, most frequent token first
 
@@ -56,23 +52,6 @@ def token_ranking(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
     if counts.numel() != vocab_size:
         raise ValueError(f"data: token ids reach {counts.numel() - 1}; vocab_size is {vocab_size}")
     return torch.sort(counts, descending=True, stable=True).indices
-
-
-def write_ranking(directory: str | os.PathLike, ranking: torch.Tensor) -> None:
-    """Write ``ranking`` [V] into ``directory`` (which exists; the caller renames it in place)."""
-    save_file({"ranking": ranking.detach().long().cpu().contiguous()},
-              str(Path(directory) / RANKING_FILE), metadata={"format": "1"})  # fmt: skip
-
-
-def read_ranking(path: str | os.PathLike) -> torch.Tensor | None:
-    """The ranking saved in the parts directory ``path``, or None when it has none."""
-    file = Path(path) / RANKING_FILE
-    if not file.is_file():
-        return None
-    tensors = load_file(str(file))
-    if set(tensors) != {"ranking"} or tensors["ranking"].dim() != 1:
-        raise ValueError(f"parts: {str(file)!r} is not a token ranking (one 1-D 'ranking')")
-    return tensors["ranking"].long()
 
 
 def ranking_of(gm: fx.GraphModule) -> torch.Tensor | None:

@@ -53,11 +53,12 @@ from torch import fx
 
 from ..modules.m2r2 import AcceleratedLayer, Accelerator, default_heads
 from ..modules.moe import M2R2Prefetcher, NextGatePrefetch, OffloadedExperts, predicted_layers
+from ..parts.m2r2 import read_parts_config
 from .accelerator import ACCELERATOR_MODULE
-from .accelerator_checkpoint import LoadAccelerator, read_parts_config
 from .base import GraphPass, PassResult
 from .capture import ATTN_KIND, LAYER, ROLE, SIDE_EFFECT, layer_module, layer_node, nodes_by_role
 from .exit_head import EXIT_LAYER
+from .load_parts import LoadAccelerator
 
 # "m2r2": M2R2's accelerated residual at rate 2, fast layer i predicting layers 2i+2, 2i+3,
 # the whole stream run before the slow pass (``modules.moe.M2R2Prefetcher``); "verify_union":

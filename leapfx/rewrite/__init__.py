@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from functools import partial
 
 from torch import nn
 
+from ..export import export_onnx
 from ..lower import lower
 from ..offload import OffloadOptions, build_offload
 from ..offload.checkpoint import checkpoint_only
@@ -27,9 +29,9 @@ from ..options import check_bool
 from ..passes.base import PassPipeline
 from ..passes.capture import EXTRA_CACHE_LAYERS, capture, check_supported
 from ..passes.offload import OffloadExperts
-from ..runtime.model import RecipeInfo, SpeculativeModel
+from ..recipes import RECIPES, Recipe, get_recipe, lookup_recipes
+from ..runtime.model import RecipeInfo, RecipeTraining, SpeculativeModel
 from .defaults import best_drafter, kernels_choice, resolve_parts, shipped_options
-from .recipes import RECIPES, Recipe, lookup_recipes
 
 __all__ = ["apply", "recipes", "get_recipe", "Recipe", "OffloadOptions"]
 
@@ -43,10 +45,13 @@ def recipes() -> dict[str, str]:
     return {name: r.description for name, r in RECIPES.items()}
 
 
-def get_recipe(name: str) -> Recipe:
-    if name not in RECIPES:
-        raise ValueError(f"recipe: unknown recipe {name!r}; available: {', '.join(RECIPES)}")
-    return RECIPES[name]
+def load_training(name: str) -> RecipeTraining:
+    """The trainer ``leapfx.train.recipe_training`` has under ``name`` (a recipe's
+    ``training``); the model's ``fit`` and ``save_parts`` call ``partial(load_training, name)``
+    when they first need it, so decoding never imports training code."""
+    from ..train.recipe_training import training
+
+    return training(name)
 
 
 def make_options(recipe: Recipe, num_layers: int, options: dict):
@@ -230,13 +235,13 @@ def apply(
         schedule=r.schedule(opts),
         lookahead=r.lookahead(opts),
         extra_cache_layers=gm.meta.get(EXTRA_CACHE_LAYERS, 0),
-        training=r.training,
+        training=partial(load_training, r.training) if isinstance(r.training, str) else r.training,
         lossless=r.lossless(opts) if callable(r.lossless) else r.lossless,
         capabilities=r.capabilities,
         batch=_batch_plan(r, opts),
         batch_refusal=r.batch_refusal,
     )
-    sm = SpeculativeModel(model, gm, stages, info, offload=runtime, lower=lower)
+    sm = SpeculativeModel(model, gm, stages, info, offload=runtime, lower=lower, export=export_onnx)
     if backend == "inductor":  # compile() resolves cpu_kernels the same way
         lower(sm, "inductor", cpu_kernels=cpu_kernels)
         log.info("%s: cpu_kernels=%s (inductor, given %s)", r.name, sm.cpu_kernels, cpu_kernels)

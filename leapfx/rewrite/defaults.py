@@ -37,7 +37,7 @@ from torch import nn
 
 from ..kernels import cpu
 from ..models.parts import TRAIN_COMMANDS, find_parts
-from ..passes.draft_vocab import read_ranking
+from ..parts.draft_vocab import read_ranking
 
 DEFAULTS_FILE = "leapfx_defaults.json"
 # The head over the N most frequent tokens (FR-Spec) where the vocabulary has 4N or more.

@@ -1,6 +1,6 @@
 """What a recipe's stages can be lowered to: declared on the recipe, asked by lowering and export.
 
-A recipe (``leapfx.rewrite.recipes.Recipe``) declares its ``Capabilities``; ``rewrite.apply``
+A recipe (``leapfx.recipes.Recipe``) declares its ``Capabilities``; ``rewrite.apply``
 hands them to the ``SpeculativeModel`` in its ``RecipeInfo`` (``sm.recipe.capabilities``), so
 that lowering (``leapfx.lower``) and export (``leapfx.export``), which sit below ``rewrite``,
 ask the model instead of branching on recipe names.

@@ -98,9 +98,10 @@ class SpeculativeModel(GenerateFrontEnd):
         offload: the expert-offload runtime of an MoE model applied with ``offload=`` (an
             ``ExpertOffload``), else None.
 
-    ``lower`` is ``leapfx.lower.lower``, which ``compile`` and ``use_cpu_kernels`` run: lowering
-    sits a floor above the runtime, so ``rewrite.apply`` hands it in rather than the runtime
-    importing it.
+    ``lower`` is ``leapfx.lower.lower``, which ``compile`` and ``use_cpu_kernels`` run, and
+    ``export`` is ``leapfx.export.export_onnx``, which ``export_onnx`` runs: both sit on floors
+    above the runtime, so ``rewrite.apply`` hands them in rather than the runtime importing
+    them (the recipe's ``training`` for ``fit`` comes the same way, in ``RecipeInfo``).
     """
 
     def __init__(
@@ -112,6 +113,7 @@ class SpeculativeModel(GenerateFrontEnd):
         *,
         offload: Any = None,
         lower: Lower | None = None,
+        export: Callable[..., Any] | None = None,
     ) -> None:
         impl = model.config._attn_implementation
         if impl not in SUPPORTED_ATTENTION:
@@ -146,6 +148,7 @@ class SpeculativeModel(GenerateFrontEnd):
         self.offload = offload
         self.last_offload_report = None
         self._lower = lower
+        self._export = export
         # swift: what the latest calibrate() measured (None before one).
         self.calibration = None
         # Batched decodes' draft-length policy (its costs are this model's on this machine).
@@ -580,12 +583,13 @@ class SpeculativeModel(GenerateFrontEnd):
                 "export_onnx: the experts of this model are offloaded (a runtime, not a graph); "
                 "allowed: a model applied without offload="
             )
-        # Optional dependencies, imported when used; export sits above runtime, and this is one
-        # of the upward imports tools/check_layers.py allows (sm.export_onnx is a convenience).
-        from ..export import export_onnx
-
+        if self._export is None:
+            raise ValueError(
+                "export_onnx: this SpeculativeModel was built without an exporter; build it with "
+                "leapfx.rewrite.apply, or call leapfx.export.export_onnx(model, path)"
+            )
         self.check_compiles("export_onnx")
-        return export_onnx(
+        return self._export(
             self, path, opset=opset, overwrite=overwrite, optimize=optimize, format=format,
             tokenizer=tokenizer,
         )  # fmt: skip

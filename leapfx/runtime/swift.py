@@ -18,7 +18,7 @@ measures fastest, while the measured speed improves. Host syncs: one a round.
 Calibration (``SpeculativeModel.calibrate``, offline): :func:`fastest_skip_set` runs that
 search over a measured score, :func:`measured_speed` (tokens/s of real greedy decodes of the
 calibration prompts), and :class:`SwiftParts` saves the set it found with the parts
-(``passes.skip_checkpoint``).
+(``parts.swift``).
 
 On the fly (``search="online"``, SWIFT sec. 4.1): ``skip_search.OnlineSkipSearch`` chooses
 each round's set during decoding, from the trials it measures, and ends on the fastest (or
@@ -45,8 +45,8 @@ from typing import Any
 import torch
 from torch import fx
 
-from ..passes.adapter_checkpoint import host_signature
-from ..passes.skip_checkpoint import write_skip_set
+from ..parts.io import host_signature
+from ..parts.swift import write_skip_set
 from ..passes.skip_layers import skip_stage
 from .metrics import DecodeMetrics
 from .runner import StageRunner

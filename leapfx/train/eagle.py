@@ -45,14 +45,14 @@ import torch.nn.functional as F
 from torch.func import functional_call
 
 from leapfx.options import check_bool, check_int, check_number
-from leapfx.passes.adapter_checkpoint import host_signature
+from leapfx.parts.eagle import write_eagle_head
+from leapfx.parts.io import host_signature
 from leapfx.passes.capture import decoder_pieces
 from leapfx.passes.draft_vocab import install_ranking, ranking_of, token_ranking
-from leapfx.passes.eagle_checkpoint import write_eagle_head
 from leapfx.passes.eagle_head import eagle_head_of, previous_hidden
 from leapfx.runtime.masks import masks_for
 from leapfx.train.features import TeacherFeatures, tokens_digest
-from leapfx.train.fit_checkpoint import FitCheckpoint, fit_identity, run_steps
+from leapfx.train.fit_checkpoint import start_fit, train_module
 from leapfx.train.fit_options import fit_config, on_plain_stages, optimizer_step
 from leapfx.train.kangaroo import kangaroo_loss, sample_windows, token_stream
 
@@ -220,13 +220,10 @@ def fit(
     install_ranking(sm.graph_module, token_ranking(stream, sm.config.vocab_size),
                     decoder_pieces(sm.hf_model).head)  # fmt: skip
     result = EagleFitResult(steps=config.steps)
-    optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
-    generator = torch.Generator().manual_seed(config.seed)
-    checkpoint = None
-    if checkpoint_dir is not None:
-        identity = {**fit_identity(config), "recipe": "eagle", "data": tokens_digest(stream)}
-        checkpoint = FitCheckpoint(checkpoint_dir, head, optimizer, generator, identity=identity)
-    first = checkpoint.restore(result) if checkpoint is not None else 0
+    identity = {"recipe": "eagle", "data": tokens_digest(stream)}
+    optimizer, generator, checkpoint, first = start_fit(
+        head, config, result, checkpoint_dir, identity
+    )
     if eval_data is not None and first == 0:
         result.agreement_before = evaluate_agreement(
             sm, eval_data, tokenizer=tokenizer, seq_len=config.eval_seq_len
@@ -256,13 +253,8 @@ def fit(
         result.cls_losses.append(float(cls.detach()))
         result.tokens += batch.numel()
 
-    head.train()
-    try:
-        run_steps(result, step, first=first, config=config, desc="eagle head",
-                  checkpoint=checkpoint)  # fmt: skip
-    finally:
-        head.eval()
-        optimizer.zero_grad(set_to_none=True)
+    train_module(head, optimizer, result, step, first=first, config=config, desc="eagle head",
+                 checkpoint=checkpoint)  # fmt: skip
     if eval_data is not None:
         result.agreement_after = evaluate_agreement(
             sm, eval_data, tokenizer=tokenizer, seq_len=config.eval_seq_len
@@ -279,7 +271,7 @@ def host_logits(sm, hidden: torch.Tensor) -> torch.Tensor:
 
 
 def save_parts(sm, path: str | Path, *, extra: dict[str, Any] | None = None) -> Path:
-    """Write the head of ``sm`` and its recipe options (see passes.eagle_checkpoint)."""
+    """Write the head of ``sm`` and its recipe options (see parts.eagle)."""
     options = {k: v for k, v in dataclasses.asdict(sm.options).items() if k != "parts"}
     return write_eagle_head(
         eagle_head_of(sm.graph_module),

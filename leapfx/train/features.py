@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +39,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
+from leapfx.files import write_atomic
 from leapfx.options import check_int
 from leapfx.passes.capture import decoder_pieces
 
@@ -168,14 +167,6 @@ def cached_features(
                 return TeacherFeatures(tokens, states)
     feats = collect_features(model, stream, seq_len=seq_len, windows=windows, layers=layers,
                              progress=progress)  # fmt: skip
-    root.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{file.name}.tmp-", dir=root)
-    os.close(fd)
-    try:
-        tensors = {"tokens": feats.tokens, **{f"layer.{i}": s for i, s in feats.states.items()}}
-        save_file(tensors, tmp, metadata={"key": text})
-        os.replace(tmp, file)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    tensors = {"tokens": feats.tokens, **{f"layer.{i}": s for i, s in feats.states.items()}}
+    write_atomic(file, lambda tmp: save_file(tensors, str(tmp), metadata={"key": text}))
     return feats

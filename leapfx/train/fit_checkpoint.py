@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -38,11 +37,10 @@ from safetensors.torch import load_file, load_model, save_file, save_model
 from torch import nn
 from tqdm.auto import tqdm
 
+from leapfx.files import write_atomic
 from leapfx.train.trainer import (
     _load_optimizer,
     _optimizer_tensors,
-    move_into_place,
-    temp_dir_beside,
 )
 
 FORMAT = 1
@@ -105,8 +103,8 @@ class FitCheckpoint:
 
     def save(self, step: int, result: Any) -> Path:
         """Write the module, optimizer, generator and the fields of ``result`` at ``step``."""
-        tmp = temp_dir_beside(self.directory)
-        try:
+
+        def fill(tmp: Path) -> None:
             save_model(self.module, str(tmp / "module.safetensors"))
             tensors, groups = _optimizer_tensors(self.optimizer)
             save_file(tensors, str(tmp / "optimizer.safetensors"))
@@ -119,11 +117,8 @@ class FitCheckpoint:
                 "history": dataclasses.asdict(result),
             }
             (tmp / "state.json").write_text(json.dumps(state, indent=2) + "\n")
-            move_into_place(tmp, self.directory)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        return self.directory
+
+        return write_atomic(self.directory, fill, folder=True)
 
 
 def fit_identity(config: Any) -> dict[str, Any]:
@@ -165,3 +160,36 @@ def run_steps(
     result.seconds = before + time.perf_counter() - start
     if checkpoint is not None and done != saved:
         checkpoint.save(done, result)
+
+
+def start_fit(
+    module: nn.Module, config: Any, result: Any, checkpoint_dir: str | Path | None,
+    identity: dict[str, Any],
+) -> tuple[torch.optim.Optimizer, torch.Generator, FitCheckpoint | None, int]:  # fmt: skip
+    """What every parts fit starts with: AdamW over ``module``'s parameters (``config.lr``,
+    ``config.weight_decay``), a generator seeded with ``config.seed``, and with
+    ``checkpoint_dir`` the run's checkpoint (``identity`` added to ``fit_identity(config)``)
+    restored into ``result``. Returns (optimizer, generator, checkpoint, the first step)."""
+    params = list(module.parameters())
+    optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
+    generator = torch.Generator().manual_seed(config.seed)
+    checkpoint = None
+    if checkpoint_dir is not None:
+        identity = {**fit_identity(config), **identity}
+        checkpoint = FitCheckpoint(checkpoint_dir, module, optimizer, generator, identity=identity)
+    first = checkpoint.restore(result) if checkpoint is not None else 0
+    return optimizer, generator, checkpoint, first
+
+
+def train_module(
+    module: nn.Module, optimizer: torch.optim.Optimizer, result: Any, step: Callable[[], None],
+    **run: Any,
+) -> None:  # fmt: skip
+    """``run_steps(result, step, **run)`` with ``module`` in training mode, put back in eval mode
+    and its gradients dropped however the run ends."""
+    module.train()
+    try:
+        run_steps(result, step, **run)
+    finally:
+        module.eval()
+        optimizer.zero_grad(set_to_none=True)

@@ -41,13 +41,14 @@ import torch.nn.functional as F
 from torch.func import functional_call
 
 from leapfx.options import check_bool, check_int, check_number
+from leapfx.parts.io import host_signature
+from leapfx.parts.kangaroo import write_adapter
 from leapfx.passes.adapter import adapter_of
-from leapfx.passes.adapter_checkpoint import host_signature, write_adapter
 from leapfx.passes.capture import decoder_pieces
 from leapfx.passes.draft_vocab import install_ranking, ranking_of, token_ranking
 from leapfx.runtime.masks import masks_for
 from leapfx.train.features import TeacherFeatures, tokens_digest
-from leapfx.train.fit_checkpoint import FitCheckpoint, fit_identity, run_steps
+from leapfx.train.fit_checkpoint import start_fit, train_module
 from leapfx.train.fit_options import fit_config, on_plain_stages, optimizer_step
 
 
@@ -253,16 +254,12 @@ def fit(
     parts = decoder_pieces(sm.hf_model)
     # The training data's token ranking: the subset of draft_vocab, saved with the adapter.
     install_ranking(sm.graph_module, token_ranking(stream, sm.config.vocab_size), parts.head)
-    optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
-    generator = torch.Generator().manual_seed(config.seed)
     result = FitResult(steps=config.steps)
-    checkpoint = None
-    if checkpoint_dir is not None:
-        identity = {**fit_identity(config), "recipe": "kangaroo", "data": tokens_digest(stream),
-                    "exit_layer": adapter.exit_layer}  # fmt: skip
-        checkpoint = FitCheckpoint(checkpoint_dir, adapter, optimizer, generator,
-                                   identity=identity)  # fmt: skip
-    first = checkpoint.restore(result) if checkpoint is not None else 0
+    identity = {"recipe": "kangaroo", "data": tokens_digest(stream),
+                "exit_layer": adapter.exit_layer}  # fmt: skip
+    optimizer, generator, checkpoint, first = start_fit(
+        adapter, config, result, checkpoint_dir, identity
+    )
     if eval_data is not None and first == 0:
         result.agreement_before = evaluate_agreement(sm, eval_data, tokenizer=tokenizer)
     layers = (adapter.exit_layer, sm.config.num_hidden_layers)
@@ -283,20 +280,15 @@ def fit(
         result.losses.append(float(loss.detach()))
         result.tokens += batch.numel()
 
-    adapter.train()
-    try:
-        run_steps(result, step, first=first, config=config, desc="kangaroo adapter",
-                  checkpoint=checkpoint)  # fmt: skip
-    finally:
-        adapter.eval()
-        optimizer.zero_grad(set_to_none=True)
+    train_module(adapter, optimizer, result, step, first=first, config=config,
+                 desc="kangaroo adapter", checkpoint=checkpoint)  # fmt: skip
     if eval_data is not None:
         result.agreement_after = evaluate_agreement(sm, eval_data, tokenizer=tokenizer)
     return result
 
 
 def save_adapter(sm, path: str | Path, *, extra: dict[str, Any] | None = None) -> Path:
-    """Write the adapter of ``sm`` and its recipe options (see passes.adapter_checkpoint);
+    """Write the adapter of ``sm`` and its recipe options (see parts.kangaroo);
     ``extra``: more entries of its JSON file (a training run's summary)."""
     options = {k: v for k, v in dataclasses.asdict(sm.options).items() if k != "adapter"}
     return write_adapter(

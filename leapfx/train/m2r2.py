@@ -30,9 +30,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,16 +42,18 @@ from tqdm.auto import tqdm
 from leapfx.modules.hf import cache_kwarg
 from leapfx.modules.m2r2 import ChainScratch, target_layers
 from leapfx.options import check_bool, check_int, check_number
+from leapfx.parts.io import host_signature
+from leapfx.parts.kangaroo import write_adapter
 from leapfx.passes.accelerator import accelerator_of
-from leapfx.passes.adapter_checkpoint import host_signature, write_adapter
 from leapfx.passes.capture import decoder_pieces
 from leapfx.passes.draft_vocab import install_ranking, ranking_of, token_ranking
 from leapfx.runtime.cache import StaticKVCache
 from leapfx.runtime.masks import masks_for
 from leapfx.train.features import tokens_digest
-from leapfx.train.fit_checkpoint import FitCheckpoint, fit_identity, run_steps
+from leapfx.train.fit_checkpoint import run_steps, start_fit
 from leapfx.train.fit_options import fit_config, on_plain_stages, optimizer_step
 from leapfx.train.kangaroo import kangaroo_loss, sample_windows, token_stream
+from leapfx.train.trainer import warmup_cosine
 
 CE_TARGETS = ("labels", "model")
 
@@ -397,28 +397,19 @@ def fit(
     install_ranking(sm.graph_module, token_ranking(stream, sm.config.vocab_size),
                     decoder_pieces(sm.hf_model).head)  # fmt: skip
     params = list(acc.parameters())
-    optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
     warm = max(1, round(config.warmup * config.steps))
-
-    def schedule(step: int) -> float:
-        if step < warm:
-            return (step + 1) / warm
-        return 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, config.steps - warm)))
-
-    generator = torch.Generator().manual_seed(config.seed)
     result = FitResult(steps=config.steps)
-    checkpoint = None
-    if checkpoint_dir is not None:
-        identity = {**fit_identity(config), "recipe": sm.recipe.name,
-                    "options": parts_options(sm), "data": tokens_digest(stream)}  # fmt: skip
-        checkpoint = FitCheckpoint(checkpoint_dir, acc, optimizer, generator, identity=identity)
-    first = checkpoint.restore(result) if checkpoint is not None else 0
+    identity = {"recipe": sm.recipe.name, "options": parts_options(sm),
+                "data": tokens_digest(stream)}  # fmt: skip
+    optimizer, generator, checkpoint, first = start_fit(
+        acc, config, result, checkpoint_dir, identity
+    )
     if eval_data is not None and first == 0:
         result.held_out_before = evaluate(sm, eval_data, tokenizer=tokenizer)
 
     def step() -> None:
         for group in optimizer.param_groups:
-            group["lr"] = config.lr * schedule(len(result.losses))
+            group["lr"] = config.lr * warmup_cosine(len(result.losses), config.steps, warm)
         batch = sample_windows(stream, config.batch_size, config.seq_len, generator)
         loss, ce, mse = m2r2_loss(sm, batch, config)
         optimizer_step(optimizer, loss, params, config.grad_clip)
@@ -481,7 +472,7 @@ def parts_options(sm) -> dict[str, Any]:
 
 
 def save_parts(sm, path: str | Path) -> Path:
-    """Write the accelerator of ``sm`` (see passes.accelerator_checkpoint)."""
+    """Write the accelerator of ``sm`` (see parts.m2r2)."""
     return write_adapter(
         accelerator_of(sm.graph_module),
         path,
@@ -490,128 +481,3 @@ def save_parts(sm, path: str | Path) -> Path:
         host=host_signature(sm.config),
         ranking=ranking_of(sm.graph_module),
     )
-
-
-def train_parts(
-    out: str | Path,
-    *,
-    model_path: str | Path | None = None,
-    recipe: str = "m2r2",
-    init: str | Path | None = None,
-    heads: int | None = None,
-    rank: int | None = None,
-    num_speculations: int | None = None,
-    confidence_threshold: float | None = None,
-    fast_layers: int | None = None,
-    exit_gates: tuple[int, ...] | None = None,
-    held_out_tokens: int = 16384,
-    corpus_root: str | None = None,
-    greedy_data: int = 0,
-    data: str = "stdlib",
-    cache_dir: str | Path | None = None,
-    exclude: Sequence[str] | None = None,
-    self_options: Any = None,
-    fresh: bool = False,
-    **options: Any,
-) -> dict[str, Any]:
-    """Train M2R2 parts for a checkpoint (default: the shipped reference model) on the stdlib
-    corpus's training split and write them to ``out`` with ``m2r2_report.json`` (the held-out
-    alignment before and after). ``init``: start from parts written earlier (a resumed run;
-    the optimizer starts fresh; only the fast layers of the same intervals load, see
-    ``load_compatible``). ``heads``, ``rank``, ``fast_layers`` (m2r2's gate; N/2 is the rate-2
-    stream of the MoE offload's ``m2r2`` prefetch policy), and for ``m2r2``
-    ``num_speculations`` and ``confidence_threshold`` (recorded in the parts, the drafting
-    setting they decode with unless ``apply`` is given another), for ``m2r2_exit``
-    ``exit_gates`` (the gates whose routers decide, recorded in the parts the same way): the
-    recipe's options.
-    ``data``: ``stdlib``, ``self`` or a file (``train.sources``; ``exclude``: the benchmark
-    prompts ``self`` data is checked against, ``self_options`` its budget, ``cache_dir`` where
-    it is cached). ``greedy_data`` > 0: train instead on that many windows of the training
-    split (a quarter of ``seq_len``) each continued by the model's own greedy tokens (the
-    rest): the contexts drafting meets. ``options``: :class:`M2R2FitConfig` fields.
-
-    Resumable as ``train-eagle`` is (``train.parts_run``): the run's checkpoint lives under
-    ``cache_dir/checkpoints/m2r2-<key>`` (keyed by ``out``, the data, the recipe's options and
-    the fit's, not by ``max_minutes``); a run stopped by ``max_minutes`` writes the parts it
-    has (``"finished": false`` in the report) and the same call continues it; ``fresh`` drops
-    the checkpoint first. It is deleted once every step has run. What ``leapfx train-m2r2``
-    runs."""
-    import json
-    import platform
-    import shutil
-
-    from leapfx import rewrite
-    from leapfx.models import load_model
-    from leapfx.models.gguf import cache_root
-    from leapfx.train.parts_run import run_checkpoints
-    from leapfx.train.sources import check_data, training_data
-
-    check_data(data)
-    config = M2R2FitConfig(**options)  # checked before anything is loaded
-    model, tokenizer = load_model(model_path)
-    cache = Path(cache_dir).expanduser() if cache_dir is not None else cache_root() / "train"
-    text = training_data(data, model, tokenizer, cache_dir=cache, exclude=exclude,
-                         corpus_root=corpus_root, self_options=self_options,
-                         held_out_tokens=held_out_tokens)  # fmt: skip
-    train, held = text.train, text.held_out
-    check_int("greedy_data", greedy_data, 0)
-    if greedy_data:
-        from leapfx.train.evaluate import greedy_continuations
-
-        seq_len = options.get("seq_len", M2R2FitConfig.seq_len)
-        prompt = max(1, seq_len // 4)
-        train = greedy_continuations(
-            model, train, count=greedy_data, prompt_tokens=prompt, new_tokens=seq_len - prompt,
-            seed=options.get("seed", 0),
-        ).reshape(-1)  # fmt: skip
-    from leapfx.passes.accelerator_checkpoint import load_compatible
-
-    shape = {"heads": heads, "rank": rank}
-    if fast_layers is not None:  # an m2r2 option only (m2r2_exit takes gates)
-        shape["fast_layers"] = fast_layers
-    drafting = {"num_speculations": num_speculations, "confidence_threshold": confidence_threshold}
-    shape.update({k: v for k, v in drafting.items() if v is not None})
-    if exit_gates is not None:  # an m2r2_exit option only: the recipe refuses it elsewhere
-        shape["exit_gates"] = tuple(exit_gates)
-    # The adapters' LoRA factors start random: seeded, so that the same seed gives the same
-    # parts whether or not the run was stopped and continued (the caller's RNG is untouched).
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(config.seed)
-        sm = rewrite.apply(model, recipe, **shape)
-    initialised = [] if init is None else load_compatible(sm.graph_module, init)
-    key = (str(Path(out).resolve()), recipe, text.info.get("sha256"), parts_options(sm),
-           fit_identity(config), init and str(init), greedy_data)  # fmt: skip
-    checkpoints = run_checkpoints(cache, "m2r2", *key)
-    if fresh:
-        shutil.rmtree(checkpoints, ignore_errors=True)
-    result = fit(sm, train, eval_data=held, checkpoint_dir=checkpoints, **options)
-    path = save_parts(sm, out)
-    report = {
-        "recipe": recipe,
-        "options": parts_options(sm),
-        "fit": {**dataclasses.asdict(config), "init": init and str(init),
-                "initialised_layers": initialised},
-        "greedy_data": greedy_data,
-        "steps": len(result.losses),
-        "steps_asked": result.steps,
-        "finished": result.finished,
-        "tokens": result.tokens,
-        "seconds": round(result.seconds, 1),
-        "final_loss": result.final_loss,
-        "final_ce": result.ce[-1],
-        "final_mse": result.mse[-1],
-        "final_router_bce": result.router_losses[-1] if result.router_losses else None,
-        "held_out_before": result.held_out_before,
-        "held_out_after": result.held_out_after,
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "data": text.info,
-    }  # fmt: skip
-    if not result.finished:  # the parts so far are written; the same call continues
-        report["checkpoint"] = str(checkpoints)
-    tmp = path / ".m2r2_report.json.tmp"
-    tmp.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
-    tmp.rename(path / "m2r2_report.json")
-    if result.finished:
-        shutil.rmtree(checkpoints, ignore_errors=True)
-    return report

@@ -29,13 +29,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from leapfx.files import write_text_atomic
 from leapfx.models.routing import routing_stats
 from leapfx.train.data import byte_tokenizer, encode_documents, token_byte_lengths
 from leapfx.train.evaluate import eval_windows, evaluate_exits
@@ -239,7 +239,5 @@ def train_moe_reference(
     }
     if size > 25 * 2**20:
         log.warning("MoE reference weights are %.1f MB, above the 25 MB target", size / 2**20)
-    tmp = final_dir / f".{REPORT_NAME}.tmp-{os.getpid()}"
-    tmp.write_text(json.dumps(report, indent=2) + "\n")
-    os.replace(tmp, final_dir / REPORT_NAME)
+    write_text_atomic(final_dir / REPORT_NAME, json.dumps(report, indent=2) + "\n")
     return report

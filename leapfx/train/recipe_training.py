@@ -1,10 +1,10 @@
 """The trainers of the recipes with trained parts, by the name a recipe gives them.
 
 ``SpeculativeModel.fit`` and ``save_parts`` call the recipe's ``training`` factory
-(``runtime.model.RecipeTraining``). The recipes (``leapfx.rewrite.recipes``) sit a floor below
-``train``, so they name their trainer instead of importing it, and ``rewrite.recipes.trainer``
-resolves the name here, in the one import of ``train`` that ``rewrite`` makes (lazily: decoding
-never imports training code).
+(``runtime.model.RecipeTraining``). The recipes (``leapfx.recipes``) sit a floor below
+``train``, so they name their trainer instead of importing it, and ``rewrite.load_training``
+(a floor above) resolves the name here when the model first asks (decoding never imports
+training code).
 
     >>> training("kangaroo").fit(sm, token_ids)  # what sm.fit(token_ids) does for kangaroo
 """

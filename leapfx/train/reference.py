@@ -70,7 +70,6 @@ import hashlib
 import json
 import logging
 import math
-import os
 import platform
 import time
 from dataclasses import dataclass
@@ -78,6 +77,7 @@ from pathlib import Path
 
 import torch
 
+from leapfx.files import write_atomic, write_text_atomic
 from leapfx.train.data import (
     CorpusSplit,
     byte_tokenizer,
@@ -96,13 +96,11 @@ from leapfx.train.trainer import (
     TrainResult,
     describe_device,
     make_optimizer,
-    move_into_place,
     resolve_device,
     sample_batch,
     save_pretrained_atomic,
     step_generator,
     synchronize,
-    temp_dir_beside,
 )
 
 log = logging.getLogger(__name__)
@@ -232,9 +230,7 @@ def _tokenizer(spec: ReferenceModelSpec, out_dir: Path, corpus):
         tok = byte_tokenizer()
     else:
         tok = train_bpe_tokenizer([d.text for d in corpus.train], vocab_size=spec.vocab_size)
-    tmp = temp_dir_beside(path)
-    tok.save_pretrained(tmp)
-    move_into_place(tmp, path)
+    write_atomic(path, tok.save_pretrained, folder=True)
     return tok
 
 
@@ -498,9 +494,7 @@ def train_reference(
     }
     if size > 25 * 2**20:
         log.warning("reference weights are %.1f MB, above the 25 MB target", size / 2**20)
-    tmp = final_dir / f".{REPORT_NAME}.tmp-{os.getpid()}"
-    tmp.write_text(json.dumps(report, indent=2) + "\n")
-    os.replace(tmp, final_dir / REPORT_NAME)
+    write_text_atomic(final_dir / REPORT_NAME, json.dumps(report, indent=2) + "\n")
     if not math.isfinite(exits.loss[exits.last]):
         raise RuntimeError(f"reference training diverged: held-out loss {exits.loss[exits.last]}")
     return report

@@ -27,7 +27,7 @@ PROBE_NAME = "reuse_probe.safetensors"  # its name beside a model (the bench loo
 
 
 def model_probe(model_path) -> str | None:
-    """The probe beside the model ``model_path`` names (``leapfx.bench.resolve_model``), if it
+    """The probe beside the model ``model_path`` names (``leapfx.models.resolve_model``), if it
     has one."""
     from ..models import resolve_model
 

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +28,7 @@ from typing import Any
 
 import torch
 
+from leapfx.files import write_text_atomic
 from leapfx.options import check_int
 from leapfx.train.data import Document, encode_documents, is_held_out, load_text_documents
 from leapfx.train.features import tokens_digest, weights_digest
@@ -132,18 +131,6 @@ def jsonl_documents(path: Path, tokenizer) -> list[Document]:
     return docs
 
 
-def _write_atomic(file: Path, text: str) -> None:
-    file.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{file.name}.tmp-", dir=file.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, file)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def self_documents(
     model, tokenizer, options: SelfDataOptions, *, cache_dir: Path, exclude: Sequence[str],
     progress: bool,
@@ -177,7 +164,7 @@ def self_documents(
             "seconds": round(generated.seconds, 1)}  # fmt: skip
     body = [json.dumps({"key": key, "generation": info})]
     body += [json.dumps(p) for p in generated.pairs]
-    _write_atomic(file, "\n".join(body) + "\n")
+    write_text_atomic(file, "\n".join(body) + "\n")
     docs = [Document(f"self:{i}", pair_text(p, tokenizer)) for i, p in enumerate(generated.pairs)]
     return docs, {**info, "cached": str(file)}
 

@@ -37,12 +37,17 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from ..files import write_atomic
 from ..modules.specee import NUM_SPECULATIVE_TOKENS
 from ..options import check_bool, check_int, check_number
-from ..passes.adapter_checkpoint import host_signature
-from ..passes.capture import decoder_pieces
+from ..parts.io import host_signature
+from ..parts.specee import write_parts
+from ..passes.capture import capture, decoder_pieces
+from ..passes.partition import Stages, full_stage
 from ..passes.predictor import predictors_of
-from ..passes.specee_checkpoint import write_parts
+from ..recipes.specee import specee_schedule
+from ..runtime import schedules
+from ..runtime.model import RecipeInfo, SpeculativeModel
 from .fit_options import fit_config, on_plain_stages
 from .kangaroo import adapter_and_target_logits, sample_windows, token_stream
 
@@ -129,11 +134,18 @@ class SpecEEFitResult:
 @torch.no_grad()
 def greedy_continuations(sm, prompts: list[torch.Tensor], new_tokens: int, progress: bool):
     """The full model's greedy continuation of each prompt [1, n] (leapfx autoregressive)."""
-    from ..rewrite import apply
-
-    full = apply(sm.hf_model, "autoregressive")
+    full = _autoregressive(sm.hf_model)
     bar = tqdm(prompts, desc="specee: greedy decoding", disable=not progress)
     return [full.generate(p, max_new_tokens=new_tokens, eos_token_id=[]) for p in bar]
+
+
+def _autoregressive(model) -> SpeculativeModel:
+    """``model`` decoding autoregressively through its captured ``full`` stage (eager): the
+    model ``rewrite.apply(model, "autoregressive")`` builds, made here without the floor above
+    (train sits beneath rewrite)."""
+    gm = capture(model)
+    info = RecipeInfo("autoregressive", None, schedules.autoregressive, lookahead=1)
+    return SpeculativeModel(model, gm, Stages({"full": full_stage(gm)}), info)
 
 
 @torch.no_grad()
@@ -265,10 +277,7 @@ def _collect(sm, data, tokenizer, config: SpecEEFitConfig) -> dict[str, torch.Te
     out = {"x": cat(train, "x"), "y": cat(train, "y"), "hx": cat(held, "x"),
            "hy": cat(held, "y"), "hhit": cat(held, "hit")}  # fmt: skip
     if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        save_file({k: v.cpu() for k, v in out.items()}, str(tmp))
-        tmp.replace(path)
+        write_atomic(path, lambda tmp: save_file({k: v.cpu() for k, v in out.items()}, str(tmp)))
     return out
 
 
@@ -329,8 +338,6 @@ def fit(sm, data: Any, *, tokenizer=None, **options: Any) -> SpecEEFitResult:
 
 def _set_options(sm, **changes) -> None:
     """New options for ``sm`` (the schedule reads the offline subset from them)."""
-    from ..rewrite.specee_recipe import specee_schedule
-
     options = dataclasses.replace(sm.options, **changes)
     sm.recipe = dataclasses.replace(sm.recipe, options=options, schedule=specee_schedule(options))
 
@@ -341,6 +348,8 @@ def save_parts(sm, path: str | Path) -> Path:
     options = {"drafter": o.drafter, "exit_layer": o.exit_layer, "threshold": o.threshold,
                "offline_layers": list(o.offline_layers)}  # fmt: skip
     report = getattr(sm, "_specee_report", None)
+    gm = sm.graph_module
     return write_parts(
-        sm.graph_module, path, options=options, host=host_signature(sm.config), report=report
-    )  # with the drafter's trained part: the Kangaroo adapter or the EAGLE head
+        predictors_of(gm), path, options=options, host=host_signature(sm.config), report=report,
+        eagle_head=getattr(gm, "eagle_head", None), adapter=getattr(gm, "kangaroo_adapter", None),
+    )  # fmt: skip  # with the drafter's trained part: the Kangaroo adapter or the EAGLE head

@@ -40,9 +40,7 @@ import hashlib
 import json
 import logging
 import math
-import os
 import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -53,6 +51,7 @@ from safetensors.torch import load_file, load_model, save_file, save_model
 from torch import nn
 from tqdm.auto import tqdm
 
+from leapfx.files import write_atomic
 from leapfx.options import is_int
 from leapfx.train.layerskip import LayerSkipTrainConfig, layerskip_loss
 
@@ -188,14 +187,29 @@ class TrainResult:
     final_dir: Path | None  # the save_pretrained() directory when finished
 
 
+def warmup_cosine(step: int, steps: int, warmup_steps: int, min_ratio: float = 0.0) -> float:
+    """The learning rate's factor at ``step`` of ``steps``: a linear warmup over
+    ``warmup_steps`` (from 1/warmup_steps at step 0), then a cosine from 1 to ``min_ratio``.
+
+    The schedule of both trainers that decay (``lr_at``, the LayerSkip trainer's; M2R2's
+    fit, which ends at 0). Not transformers' ``get_cosine_schedule_with_warmup``: its warmup starts
+    at a factor of 0, a first step that trains nothing, and the shipped parts and reference
+    models were trained (and resume) with this one.
+
+    >>> warmup_cosine(0, 100, 10), warmup_cosine(10, 100, 10), warmup_cosine(100, 100, 10, 0.1)
+    (0.1, 1.0, 0.1)
+    """
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    span = max(1, steps - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / span)
+    cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return min_ratio + (1.0 - min_ratio) * cosine
+
+
 def lr_at(step: int, config: TrainerConfig) -> float:
     """Linear warmup over ``warmup_steps``, then cosine from ``lr`` to ``lr * min_lr_ratio``."""
-    if step < config.warmup_steps:
-        return config.lr * (step + 1) / config.warmup_steps
-    span = max(1, config.steps - config.warmup_steps)
-    progress = min(1.0, (step - config.warmup_steps) / span)
-    cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
-    return config.lr * (config.min_lr_ratio + (1.0 - config.min_lr_ratio) * cosine)
+    return config.lr * warmup_cosine(step, config.steps, config.warmup_steps, config.min_lr_ratio)
 
 
 def step_generator(seed: int, step: int, stream: str) -> torch.Generator:
@@ -231,23 +245,6 @@ def make_optimizer(model: nn.Module, config: TrainerConfig) -> torch.optim.AdamW
     return torch.optim.AdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2))
 
 
-def temp_dir_beside(final: Path) -> Path:
-    """A new empty directory next to ``final`` (same filesystem, so a rename can move it)."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-
-
-def move_into_place(tmp: Path, final: Path) -> None:
-    """Move the complete directory ``tmp`` to ``final`` (replacing an older one)."""
-    old = None
-    if final.exists():
-        old = final.with_name(f".{final.name}.old-{os.getpid()}")
-        final.rename(old)
-    tmp.rename(final)
-    if old is not None:
-        shutil.rmtree(old)
-
-
 def save_pretrained_atomic(
     model: nn.Module,
     final_dir: str | Path,
@@ -263,9 +260,8 @@ def save_pretrained_atomic(
 
     >>> save_pretrained_atomic(model, "out/model", tokenizer=tok, dtype=torch.bfloat16)
     """
-    final_dir = Path(final_dir)
-    tmp = temp_dir_beside(final_dir)
-    try:
+
+    def fill(tmp: Path) -> None:
         on_cpu = all(t.device.type == "cpu" for t in model.state_dict().values())
         to_save = model
         if dtype is not None or not on_cpu:
@@ -275,11 +271,8 @@ def save_pretrained_atomic(
             tokenizer.save_pretrained(tmp)
         for name, obj in (extra_json or {}).items():
             (tmp / name).write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
-        move_into_place(tmp, final_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return final_dir
+
+    return write_atomic(final_dir, fill, folder=True)
 
 
 def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict, list[dict]]:
@@ -369,8 +362,8 @@ class LayerSkipTrainer:
     def save_checkpoint(self, elapsed_s: float = 0.0) -> Path:
         """Write the model, the optimizer and the step to ``checkpoints/step-NNNNNNN``."""
         final = self.checkpoint_root / f"step-{self.step:07d}"
-        tmp = temp_dir_beside(final)
-        try:
+
+        def fill(tmp: Path) -> None:
             # float32, as trained; safetensors copies each tensor to the CPU, and keeps one copy
             # of tied weights (which a plain CPU state dict would not).
             save_model(self.model, str(tmp / "model.safetensors"))
@@ -385,10 +378,8 @@ class LayerSkipTrainer:
                 **self._identity(),
             }
             (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2) + "\n")
-            move_into_place(tmp, final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+
+        write_atomic(final, fill, folder=True)
         for old in self.checkpoints()[: -self.config.keep_checkpoints]:
             shutil.rmtree(old, ignore_errors=True)
         return final

@@ -1,12 +1,12 @@
-"""What every parts directory on disk shares: written atomically, read and loaded with checks.
+"""The one reader and writer of parts directories (the format: ``leapfx.parts``).
 
 Trained parts (Kangaroo's adapter, an EAGLE head, SpecEE's predictors, M2R2's accelerators, a
 swift skip set) are directories of a safetensors file of one module's state dict and a JSON file
-of metadata (``{"format", "recipe", "options", "host", ...}``), nothing pickled. The four
-``*_checkpoint.py`` modules name their files and checks; what they do alike lives here:
+of metadata (``{"format", "recipe", "options", "host", ...}``), nothing pickled. Each recipe's
+module of ``leapfx.parts`` names its files and checks; what they do alike lives here:
 
-- ``write_parts_files`` writes the two files, ``write_dir_atomic`` fills a temporary directory
-  beside the target and renames it into place (a directory with the final name is always
+- ``write_parts_files`` writes the two files, ``leapfx.files.write_atomic`` fills a temporary
+  directory beside the target and renames it into place (a directory with the final name is always
   complete; one that existed is replaced);
 - ``read_parts_meta`` refuses a directory without its files, ``read_meta`` reads the JSON file
   with errors that name the user's option, ``check_host`` refuses parts of another model;
@@ -14,11 +14,10 @@ of metadata (``{"format", "recipe", "options", "host", ...}``), nothing pickled.
   adapter and M2R2's accelerators share (``adapter.safetensors`` + ``adapter.json``, the names
   Kangaroo's adapter gave the format first; saved parts keep them); ``host_signature`` is what
   every parts directory records of the model it fits;
-- ``LoadParts`` is the shape of every ``Load*`` pass: find the module in the graph, read the
-  metadata, check it against the module, load the weights into the module (``load_weights``:
-  same names and shapes, or a ValueError naming the option).
+- ``load_weights`` puts a file's tensors into a module (same names and shapes, or a
+  ValueError naming the option): what every ``Load*`` pass (``passes.load_parts``) ends with.
 
-    >>> write_dir_atomic("parts/", lambda tmp: write_parts_files(tmp, "w.safetensors",
+    >>> write_atomic("parts/", lambda tmp: write_parts_files(tmp, "w.safetensors",
     ...                  "w.json", module_tensors(module), {"format": 1, "recipe": "eagle"}))
     >>> meta = read_meta("parts/", "w.json", option="parts", fmt=1)
 """
@@ -27,18 +26,15 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
-from torch import fx, nn
+from torch import nn
 
-from .base import GraphPass, PassResult
+from ..files import write_atomic
 
 # A one-module parts directory (Kangaroo's adapter, M2R2's accelerators): its files and format.
 MODULE_WEIGHTS = "adapter.safetensors"
@@ -58,27 +54,6 @@ def host_signature(config) -> dict[str, Any]:
         "head_dim": getattr(config, "head_dim", None) or config.hidden_size // heads,
         "vocab_size": config.vocab_size,
     }
-
-
-def write_dir_atomic(path: str | os.PathLike, write: Callable[[Path], None]) -> Path:
-    """Call ``write(tmp_dir)``, then rename ``tmp_dir`` to ``path`` (replacing it)."""
-    final = Path(path)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-    tmp.chmod(0o755)  # mkdtemp's 0700 would survive the rename
-    try:
-        write(tmp)
-        if final.exists():
-            old = final.with_name(f".{final.name}.old-{os.getpid()}")
-            final.rename(old)
-            tmp.rename(final)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return final
 
 
 def read_meta(path: str | os.PathLike, config: str, *, option: str, fmt: int) -> dict[str, Any]:
@@ -115,7 +90,8 @@ def write_parts_files(
     meta: dict[str, Any],
 ) -> None:
     """Write ``tensors`` to ``directory/weights`` (unless ``weights`` is None) and ``meta`` to
-    ``directory/config``; the directory exists (not atomic by itself: ``write_dir_atomic``)."""
+    ``directory/config``; the directory exists (not atomic by itself:
+    ``leapfx.files.write_atomic``)."""
     if weights is not None:
         save_file(tensors, str(directory / weights), metadata={"format": str(meta["format"])})
     (directory / config).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
@@ -148,55 +124,6 @@ def load_weights(
         raise ValueError(misfit)
     module.load_state_dict(tensors)
     return tensors
-
-
-@dataclass(frozen=True)
-class LoadParts(GraphPass):
-    """The shape of every ``Load*`` pass: ``module_of(gm)`` finds what the weights go into,
-    ``read(path)`` its metadata, ``check(module, meta)`` refuses parts that do not fit it, and
-    ``weights`` (a file in ``path``) is loaded into it (``load_weights``; ``misfit`` is the
-    error when its tensors do not fit, ``subset`` loads only those the module has). The pass
-    counts the tensors loaded."""
-
-    weights: ClassVar[str]
-    subset: ClassVar[bool] = False
-    option: ClassVar[str] = "parts"  # the user's option that errors name
-
-    path: str
-
-    def host_config(self, module: nn.Module) -> Any:
-        """The HF config of the model ``module`` sits in, whose ``host_signature`` the parts
-        must have been saved with; None: no host to check."""
-        return None
-
-    def module_of(self, gm: fx.GraphModule) -> nn.Module:  # pragma: no cover - abstract
-        raise NotImplementedError
-
-    def read(self, path: str) -> dict[str, Any]:  # pragma: no cover - abstract
-        raise NotImplementedError
-
-    def check(self, module: nn.Module, meta: dict[str, Any]) -> None:
-        """Refuse parts that do not fit ``module`` (ValueError naming the option): by default,
-        parts trained for another model (``host_config``)."""
-        config = self.host_config(module)
-        if config is not None:
-            check_host(self.option, self.path, host_signature(config), meta.get("host", {}))
-
-    def misfit(self, module: nn.Module, meta: dict[str, Any]) -> str:  # pragma: no cover
-        raise NotImplementedError
-
-    def loaded(self, module: nn.Module) -> None:
-        """Called after the weights are in ``module``."""
-
-    def run(self, gm: fx.GraphModule) -> PassResult:
-        module = self.module_of(gm)
-        meta = self.read(self.path)
-        self.check(module, meta)
-        misfit = self.misfit(module, meta)
-        tensors = load_weights(module, Path(self.path) / self.weights, misfit=misfit,
-                               subset=self.subset)  # fmt: skip
-        self.loaded(module)
-        return PassResult(gm, modified=True, matches=len(tensors))
 
 
 def write_module_files(
@@ -252,7 +179,7 @@ def write_module_parts(
         if also is not None:
             also(tmp)
 
-    return write_dir_atomic(path, write)
+    return write_atomic(path, write, folder=True)
 
 
 def read_module_parts_config(

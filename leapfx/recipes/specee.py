@@ -17,15 +17,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..options import SavedOptions, check_bool, check_choice, check_int, check_number, is_int
+from ..parts.kangaroo import read_adapter_config
+from ..parts.specee import ADAPTER_DIR, EAGLE_DIR, read_parts_config
 from ..passes.adapter import InsertKangarooAdapter
-from ..passes.adapter_checkpoint import LoadKangarooAdapter, read_adapter_config
 from ..passes.base import GraphPass
-from ..passes.eagle_checkpoint import LoadEagleHead
 from ..passes.eagle_head import FuseEagleHeadLayer, InsertEagleHead
 from ..passes.exit_head import InsertExitHead
 from ..passes.fuse_layers import FuseDecoderLayers
+from ..passes.load_parts import LoadEagleHead, LoadKangarooAdapter, LoadSpecEEParts
 from ..passes.predictor import InsertExitPredictors
-from ..passes.specee_checkpoint import ADAPTER_DIR, EAGLE_DIR, LoadSpecEEParts, read_parts_config
 from ..runtime.specee import SpecEEConfig, specee
 
 # Where the speculative tokens come from. "eagle": an EAGLE draft head on the previous

@@ -1,18 +1,18 @@
-"""The EAGLE head on disk, and the pass that loads it into a rewritten graph.
+"""The EAGLE head on disk (the pass that loads it: ``passes.load_parts``).
 
 Trained parts are a directory; the head's two files in it, nothing pickled::
 
     eagle_head.safetensors  the EagleHead's state dict (fc.*, layer.*)
     eagle_head.json         {"format", "recipe", "options", "host", "init_layer", "parameters",
                              "eval"}
-    draft_vocab.safetensors the training data's token ranking (``passes.draft_vocab``), when
+    draft_vocab.safetensors the training data's token ranking (``parts.draft_vocab``), when
                             the head was fitted; older parts have none and load the same
 
 The names are the head's own, so a recipe with more parts (SpecEE's predictors) can write its
 files beside them in the same directory. ``options`` are the recipe options it was saved with
 (``rewrite.apply(..., parts=path)`` takes any it is not given from there); ``host`` describes
 the model it fits, and loading refuses another. The directory is written under a temporary
-name beside the target and renamed into place (``parts_io.write_dir_atomic``), so a directory
+name beside the target and renamed into place (``leapfx.files.write_atomic``), so a directory
 with the final name is always complete.
 
 Example::
@@ -25,18 +25,14 @@ Example::
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
-from torch import fx
-
+from ..files import write_atomic
+from ..modules.eagle import EagleHead
 from .draft_vocab import write_ranking
-from .eagle_head import EagleHead, eagle_head_of
-from .parts_io import (
-    LoadParts,
+from .io import (
     read_parts_meta,
-    write_dir_atomic,
     write_module_files,
 )
 
@@ -67,7 +63,7 @@ def write_eagle_files(
 
 def write_eagle_head(head: EagleHead, path: str | os.PathLike, **meta: Any) -> Path:
     """Write ``head`` and its metadata to the directory ``path`` (replaced if it exists)."""
-    return write_dir_atomic(path, lambda tmp: write_eagle_files(head, tmp, **meta))
+    return write_atomic(path, lambda tmp: write_eagle_files(head, tmp, **meta), folder=True)
 
 
 def read_eagle_config(path: str | os.PathLike, *, option: str = "parts") -> dict[str, Any]:
@@ -78,28 +74,3 @@ def read_eagle_config(path: str | os.PathLike, *, option: str = "parts") -> dict
     )
     return read_parts_meta(path, (WEIGHTS, CONFIG), CONFIG, option=option, fmt=FORMAT,
                            missing=missing)  # fmt: skip
-
-
-@dataclass(frozen=True)
-class LoadEagleHead(LoadParts):
-    """Load trained head weights from a parts directory into the graph's EAGLE head."""
-
-    name: ClassVar[str] = "load-eagle-head"
-    requires: ClassVar[frozenset[str]] = frozenset({"eagle-head"})
-    provides: ClassVar[frozenset[str]] = frozenset({"eagle-head-weights"})
-    weights: ClassVar[str] = WEIGHTS
-
-    def module_of(self, gm: fx.GraphModule) -> EagleHead:
-        return eagle_head_of(gm)
-
-    def read(self, path: str) -> dict[str, Any]:
-        return read_eagle_config(path)
-
-    def host_config(self, head: EagleHead) -> Any:
-        return head.layer.self_attn.config
-
-    def misfit(self, head: EagleHead, meta: dict[str, Any]) -> str:
-        return (
-            f"parts: the tensors in {self.path!r} do not fit this model's EAGLE head "
-            f"(expected {sorted(head.state_dict())})"
-        )

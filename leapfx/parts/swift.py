@@ -6,11 +6,11 @@ The parts directory of a layer-skip draft holds one file, nothing pickled::
                  "host", "calibration"}
 
 ``options.skip_layers`` is the set ``rewrite.apply(model, "swift", parts=dir)`` drafts with;
-``host`` describes the model it was chosen for (``parts_io.host_signature``; loading
+``host`` describes the model it was chosen for (``io.host_signature``; loading
 refuses a model of another depth, where the layer indices would mean other layers);
 ``calibration`` is what ``SpeculativeModel.calibrate`` measured (the set's tokens/s, the
 autoregressive baseline's, how many sets it measured), or null for a set saved uncalibrated.
-Written like every parts directory (``parts_io.write_dir_atomic``).
+Written like every parts directory (``leapfx.files.write_atomic``).
 
     >>> write_skip_set("swift-parts/", options={"skip_layers": [2, 5], "num_speculations": 4},
     ...                host=host_signature(hf_model.config), calibration=None)
@@ -24,7 +24,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .parts_io import read_meta, write_dir_atomic, write_parts_files
+from ..files import write_atomic
+from .io import read_meta, write_parts_files
 
 FORMAT = 1
 CONFIG = "swift.json"
@@ -46,7 +47,9 @@ def write_skip_set(
         "calibration": calibration,
     }
 
-    return write_dir_atomic(path, lambda tmp: write_parts_files(tmp, None, CONFIG, None, meta))
+    return write_atomic(
+        path, lambda tmp: write_parts_files(tmp, None, CONFIG, None, meta), folder=True
+    )
 
 
 def read_skip_set(path: str | os.PathLike) -> dict[str, Any]:

@@ -2,6 +2,10 @@
 
 Every recipe has one frozen options dataclass. Options are validated against the model when
 ``apply`` builds the recipe, so a bad value fails before anything is captured.
+
+Past 600 lines on purpose: the registry (``RECIPES``, at the end) reads as one table, each
+recipe's options dataclass and pass list a screen above it; a recipe whose options need more
+than a screen gets a module of its own beside this one (``specee.py``).
 """
 
 from __future__ import annotations
@@ -15,19 +19,20 @@ from functools import partial
 from torch import fx
 
 from ..options import SavedOptions, check_bool, check_int, check_number
+from ..parts.eagle import read_eagle_config
+from ..parts.kangaroo import read_adapter_config
+from ..parts.m2r2 import read_parts_config
+from ..parts.swift import read_skip_set
 from ..passes.accelerator import InsertAccelerator, check_gates
-from ..passes.accelerator_checkpoint import LoadAccelerator, read_parts_config
 from ..passes.adapter import InsertKangarooAdapter
-from ..passes.adapter_checkpoint import LoadKangarooAdapter, read_adapter_config
 from ..passes.base import GraphPass
 from ..passes.draft_vocab import SubsetDraftHead
-from ..passes.eagle_checkpoint import LoadEagleHead, read_eagle_config
 from ..passes.eagle_head import FuseEagleHeadLayer, InsertEagleHead, eagle_stages
 from ..passes.exit_head import InsertExitHead
 from ..passes.fast_partition import exit_stages, fast_stream_stages
 from ..passes.fuse_layers import FuseDecoderLayers
+from ..passes.load_parts import LoadAccelerator, LoadEagleHead, LoadKangarooAdapter
 from ..passes.partition import Stages, early_exit_stages, full_stage, partition
-from ..passes.skip_checkpoint import read_skip_set
 from ..passes.skip_layers import DraftSkipSet, check_skip_set, swift_stages
 from ..passes.specee_stages import specee_stages
 from ..runtime import adaptive, eagle, kangaroo, lookup, m2r2, schedules, swift
@@ -35,7 +40,7 @@ from ..runtime.batch import BatchPlan
 from ..runtime.capabilities import Capabilities
 from ..runtime.model import RecipeTraining, Schedule
 from ..runtime.skip_search import OnlineSkipSearch
-from . import specee_recipe
+from . import specee as specee_recipe
 
 
 def default_exit_layer(num_layers: int) -> int:
@@ -46,6 +51,19 @@ def default_exit_layer(num_layers: int) -> int:
 def _check_cache(value) -> None:
     if value is not None:
         check_int("max_cache_len", value, 2)
+
+
+def _directory(option: str, value, allowed: str = "a directory written by "
+               "SpeculativeModel.save_parts") -> str | None:  # fmt: skip
+    """A saved-parts option's directory as a string (None stays None); ValueError naming
+    ``option`` for anything but a path."""
+    if value is None:
+        return None
+    if not isinstance(value, (str, os.PathLike)):
+        raise ValueError(
+            f"{option}: {value!r} is invalid; allowed: {allowed} (str or os.PathLike) or None"
+        )
+    return os.fspath(value)
 
 
 # Every recipe's options carry fuse_layers: run decoder layers through FuseDecoderLayers
@@ -241,14 +259,7 @@ class SwiftOptions(LookupFirstOptions):
     def validate(self, num_layers: int) -> SwiftOptions:
         if num_layers < 2:
             raise ValueError(f"swift: a {num_layers}-layer model has no layer to skip")
-        path = None
-        if self.parts is not None:
-            if not isinstance(self.parts, (str, os.PathLike)):
-                raise ValueError(
-                    f"parts: {self.parts!r} is invalid; allowed: a directory written by "
-                    "SpeculativeModel.save_parts (str or os.PathLike) or None"
-                )
-            path = os.fspath(self.parts)
+        path = _directory("parts", self.parts)
         saved = None if path is None else saved_skip_set(path, num_layers)
         skip = self.skip_layers
         if skip is None:
@@ -351,14 +362,8 @@ class KangarooOptions(LookupFirstOptions):
 
     def validate(self, num_layers: int) -> KangarooOptions:
         saved = SavedOptions(what="adapter")
-        path = None
-        if self.adapter is not None:
-            if not isinstance(self.adapter, (str, os.PathLike)):
-                raise ValueError(
-                    f"adapter: {self.adapter!r} is invalid; allowed: a checkpoint directory "
-                    "(str or os.PathLike) or None"
-                )
-            path = os.fspath(self.adapter)
+        path = _directory("adapter", self.adapter, "a checkpoint directory")
+        if path is not None:
             options = read_adapter_config(path, recipe="kangaroo").get("options", {})
             saved = SavedOptions(options, path, what="adapter")
 
@@ -406,14 +411,9 @@ def default_fast_layers(num_layers: int) -> int:
 
 
 def _parts_meta(parts) -> tuple[str | None, SavedOptions]:
-    if parts is None:
+    path = _directory("parts", parts)
+    if path is None:
         return None, SavedOptions()
-    if not isinstance(parts, (str, os.PathLike)):
-        raise ValueError(
-            f"parts: {parts!r} is invalid; allowed: a directory written by "
-            "SpeculativeModel.save_parts (str or os.PathLike) or None"
-        )
-    path = os.fspath(parts)
     return path, SavedOptions(read_parts_config(path).get("options", {}), path)
 
 
@@ -592,14 +592,8 @@ class EagleOptions(LookupFirstOptions):
 
     def validate(self, num_layers: int) -> EagleOptions:
         saved = SavedOptions(what="head")
-        path = None
-        if self.parts is not None:
-            if not isinstance(self.parts, (str, os.PathLike)):
-                raise ValueError(
-                    f"parts: {self.parts!r} is invalid; allowed: a parts directory "
-                    "(str or os.PathLike) or None"
-                )
-            path = os.fspath(self.parts)
+        path = _directory("parts", self.parts, "a parts directory")
+        if path is not None:
             meta = read_eagle_config(path)
             options = {**meta.get("options", {}), "init_layer": meta.get("init_layer")}
             saved = SavedOptions(options, path, what="head")
@@ -658,20 +652,6 @@ def _eagle_schedule(o: EagleOptions, gm: fx.GraphModule | None = None):
     )
 
 
-def load_training(name: str) -> RecipeTraining:
-    """The trainer that ``leapfx.train.recipe_training`` has under ``name``; a recipe's
-    ``training`` is ``partial(load_training, name)``, called when ``fit`` or ``save_parts``
-    first asks for it (decoding never imports training code).
-
-    The one place rewrite reaches up into train (tools/check_layers.py allows it): ``sm.fit``
-    trains the parts in place for the user's convenience, and train sits above rewrite (its
-    trainers apply recipes).
-    """
-    from ..train.recipe_training import training
-
-    return training(name)
-
-
 @dataclass(frozen=True)
 class Recipe:
     """A named recipe: options type, passes, partition, schedule (and what trains, if any)."""
@@ -684,7 +664,11 @@ class Recipe:
     schedule: Callable[[object], Schedule]
     lookahead: Callable[[object], int]
     lossless: bool | Callable[[object], bool]  # a function of the options where they decide
-    training: Callable[[], RecipeTraining] | None = None  # fits/saves the inserted parts
+    # What fits and saves the inserted parts: a trainer's name in ``leapfx.train.recipe_training``
+    # (train sits above the recipes: ``rewrite.apply`` hands the model the trainer it names), or
+    # a factory of the runtime's own (swift's ``SwiftParts``: nothing trains, its skip set
+    # saves); None: no parts.
+    training: str | Callable[[], RecipeTraining] | None = None
     # The option that takes a directory written by ``SpeculativeModel.save_parts``;
     # ``apply(..., parts=dir)`` fills it. None: the recipe has no trained parts.
     parts_option: str | None = None
@@ -835,7 +819,7 @@ RECIPES: dict[str, Recipe] = {
             ),
             lookahead=lambda o: o.max_draft_tokens + 1,
             lossless=True,
-            training=partial(load_training, "kangaroo"),
+            training="kangaroo",
             parts_option="adapter",
             draft_option="max_draft_tokens",
             batch=_batch_stage("kangaroo", "max_draft_tokens"),
@@ -854,7 +838,7 @@ RECIPES: dict[str, Recipe] = {
             ),
             lookahead=lambda o: o.num_speculations + 1,
             lossless=True,
-            training=partial(load_training, "m2r2"),
+            training="m2r2",
             parts_option="parts",
             capabilities=Capabilities(compiles=False),
             draft_option="num_speculations",
@@ -874,7 +858,7 @@ RECIPES: dict[str, Recipe] = {
             ),  # fmt: skip
             lookahead=lambda o: 1,
             lossless=False,
-            training=partial(load_training, "m2r2"),
+            training="m2r2",
             parts_option="parts",
             capabilities=Capabilities(compiles=False),
             batch_refusal=_LOSSY_BATCH,
@@ -888,7 +872,7 @@ RECIPES: dict[str, Recipe] = {
             schedule=_eagle_schedule,
             lookahead=lambda o: o.max_draft_tokens + 1,
             lossless=True,
-            training=partial(load_training, "eagle"),
+            training="eagle",
             parts_option="parts",
             draft_option="max_draft_tokens",
             batch=_batch_eagle,
@@ -902,7 +886,7 @@ RECIPES: dict[str, Recipe] = {
             schedule=specee_recipe.specee_schedule,
             lookahead=specee_recipe.specee_lookahead,
             lossless=lambda o: o.verify,
-            training=partial(load_training, "specee"),
+            training="specee",
             parts_option="parts",
             capabilities=Capabilities(
                 layer_segments=True,
@@ -924,6 +908,13 @@ RECIPES: dict[str, Recipe] = {
         ),
     )
 }
+
+
+def get_recipe(name: str) -> Recipe:
+    """The recipe registered as ``name``; ValueError listing the registered ones."""
+    if name not in RECIPES:
+        raise ValueError(f"recipe: unknown recipe {name!r}; available: {', '.join(RECIPES)}")
+    return RECIPES[name]
 
 
 def lookup_recipes() -> list[str]:
