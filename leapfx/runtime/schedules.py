@@ -337,8 +337,8 @@ def accept(
     """Accepted draft count n [1] and the next token [1] (correction or bonus), on the device.
 
     No host sync: the ``leapfx`` acceptance ops (``leapfx.kernels``) compute the rules of
-    ``leapfx.runtime.verify``. Sampling draws ``u_accept`` [1, d] then ``u_sample`` [1] from the
-    request's generator (as ``verify.speculative_accept_random`` does). With processors the
+    ``leapfx.kernels.reference``. Sampling draws ``u_accept`` [1, d] then ``u_sample`` [1] from the
+    request's generator (as ``reference.speculative_accept_random`` does). With processors the
     target rows are first processed over their prefixes (``Processing.rows``: a host loop).
     """
     from .. import kernels  # on first use: it imports Triton where installed
@@ -372,7 +372,7 @@ def greedy_rule(drafted: list[int], targets: list[int]) -> int:
 def greedy_accept_host(
     drafts: torch.Tensor, target_logits: torch.Tensor
 ) -> tuple[int, int, list[int]]:
-    """``leapfx.runtime.verify.greedy_accept`` for one sequence, on the host: (accepted
+    """``leapfx.kernels.reference.greedy_accept`` for one sequence, on the host: (accepted
     count k, the target's token after them, the drafts as ints) from ``drafts [1, d]`` and
     ``target_logits [1, d+1, V]`` (argmax ties: the first index, as ``torch.argmax``)."""
     targets = target_logits[0].argmax(dim=-1).tolist()
