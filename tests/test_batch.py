@@ -8,6 +8,8 @@ masks and the batch policy on their own.
 
 from __future__ import annotations
 
+from unittest.mock import patch
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -16,6 +18,7 @@ from transformers import StoppingCriteriaList
 
 from leapfx import rewrite
 from leapfx.runtime import batch as batch_runtime
+from leapfx.runtime import model as model_runtime
 from leapfx.runtime.adaptive import PRIOR_SLOPE, PROBE_EVERY
 from leapfx.runtime.batch import BatchPolicy, RowKVCache, RowRunner, row_cache_for, row_masks
 from leapfx.runtime.decode import decode_request
@@ -348,7 +351,10 @@ def test_rows_that_join_a_running_batch_decode_as_they_would_alone(data):
         sm.generate(torch.tensor([p]), max_new_tokens=m, eos_token_id=6)[0, len(p) :].tolist()
         for p, m in zip(prompts, budgets, strict=True)
     ]
-    decode = sm.batch_decode(max(map(len, prompts)) + max(budgets))
+    # a growing cache (as a server's): from 4 columns, doubling as rows need
+    grow = data.draw(st.booleans(), label="grow")
+    with patch.object(model_runtime, "GROW_FROM", 4):
+        decode = sm.batch_decode(max(map(len, prompts)) + max(budgets), grow=grow)
     streamers = [_Streamer() for _ in range(n)]
     waiting, rounds = list(range(n)), 0
     while waiting or decode.rows:
@@ -372,6 +378,28 @@ def test_rows_that_join_a_running_batch_decode_as_they_would_alone(data):
         else:
             assert tokens == solo[i]
     assert not decode.finished and decode.runner.cache.batch_size == 0
+
+
+def test_a_growing_batch_cache_grows_as_rows_need_and_decodes_the_same():
+    model = tiny_model("llama", layers=3, vocab=32, seed=5)
+    sm = rewrite.apply(model, "layerskip", exit_layer=1, num_speculations=3)
+    prompts = [[1, 2, 3, 4, 5, 6], [7, 8], [9, 10, 11]]
+    solo = [sm.generate(torch.tensor([p]), max_new_tokens=12, eos_token_id=[])[0, len(p) :]
+            for p in prompts]  # fmt: skip
+    with patch.object(model_runtime, "GROW_FROM", 4):
+        decode = sm.batch_decode(6 + 12, grow=True)
+    assert decode.runner.cache.max_len == 4 and decode.runner.cache.grow_to >= 18
+    for i, p in enumerate(prompts):
+        request = decode_request(
+            model.generation_config, len(p), max_new_tokens=12, eos_token_id=[],
+            sampling={"do_sample": False}, generator=None,
+        )  # fmt: skip
+        decode.admit(torch.tensor([p]), request, i)
+        decode.round()
+    while decode.rows:
+        decode.round()
+    assert 8 <= decode.runner.cache.max_len <= decode.runner.cache.grow_to
+    assert [decode.finished[i] for i in range(3)] == [t.tolist() for t in solo]
 
 
 def test_row_cache_writes_each_row_at_its_own_length_and_crops_per_row():

@@ -117,10 +117,17 @@ class RowKVCache(StaticKVCache):
     ([[3, 4]], 4)
     """
 
-    def __init__(self, num_layers, num_kv_heads, head_dim, max_len, *, batch_size, **kwargs):
+    def __init__(
+        self, num_layers, num_kv_heads, head_dim, max_len, *, batch_size, grow_to=None, **kwargs
+    ):
         super().__init__(
             num_layers, num_kv_heads, head_dim, max_len, batch_size=batch_size, **kwargs
         )
+        # grow_to: the buffers hold max_len columns now and grow (doubling, at most to
+        # grow_to) when a row needs more: rows joining and leaving (a server's batch) then copy
+        # the columns in use, not the longest a row could reach. Eager stages only: compiled
+        # graphs are specialised to the cache length.
+        self.grow_to = grow_to
         self.rows: list[list[int]] = [[0] * batch_size for _ in range(num_layers)]
         self.first: list[int] = [0] * batch_size
         self._spans: tuple[tuple, tuple[torch.Tensor, torch.Tensor]] | None = None
@@ -181,6 +188,7 @@ class RowKVCache(StaticKVCache):
         every layer filled to the row's first real column."""
         view = object.__new__(RowKVCache)
         view.__dict__.update(self.__dict__)
+        view.grow_to = None  # its buffers are the batch's: it may not reallocate them
         view.keys = [k[b : b + 1] for k in self.keys]
         view.values = [v[b : b + 1] for v in self.values]
         view.first = [self.first[b]]
@@ -209,16 +217,34 @@ class RowKVCache(StaticKVCache):
         self.rows = [[0] * self.batch_size for _ in self.rows]
 
     def blank(self, batch_size: int) -> RowKVCache:
-        """An empty cache of ``batch_size`` rows shaped as this one (layers, heads, length)."""
+        """An empty cache of ``batch_size`` rows shaped as this one (layers, heads, length,
+        growth)."""
         k = self.keys[0]
         return RowKVCache(
             len(self.keys), [t.shape[1] for t in self.keys], [t.shape[3] for t in self.keys],
             self.max_len, batch_size=batch_size, dtype=k.dtype, device=k.device,
-            static_addresses=False,
+            static_addresses=False, grow_to=self.grow_to,
         )  # fmt: skip
 
+    def check_room(self, end: int) -> None:
+        if end > self.max_len and self.grow_to is not None and end <= self.grow_to:
+            self.grow(min(self.grow_to, max(end, 2 * self.max_len)))
+        super().check_room(end)
+
+    def grow(self, length: int) -> None:
+        """Hold ``length`` columns (copies the buffers; written columns keep their place)."""
+        if length <= self.max_len:
+            return
+        pad = (0, 0, 0, length - self.max_len)  # [B, H, L, D]: the L axis, at its end
+        self.keys = [torch.nn.functional.pad(k, pad) for k in self.keys]
+        self.values = [torch.nn.functional.pad(v, pad) for v in self.values]
+        self.max_len = length
+        self._spans, self._indices = None, {}
+
     def join(self, other: RowKVCache) -> None:
-        """Append ``other``'s rows (a cache of the same shape) after this one's."""
+        """Append ``other``'s rows (a cache of the same layers and heads) after this one's."""
+        self.grow(other.max_len)
+        other.grow(self.max_len)
         self.keys = [torch.cat([a, b]) for a, b in zip(self.keys, other.keys, strict=True)]
         self.values = [torch.cat([a, b]) for a, b in zip(self.values, other.values, strict=True)]
         self.rows = [a + b for a, b in zip(self.rows, other.rows, strict=True)]
@@ -227,11 +253,13 @@ class RowKVCache(StaticKVCache):
         self._spans, self._indices = None, {}
 
 
-def row_cache_for(model, max_len: int, batch_size: int, *, extra_layers: int = 0) -> RowKVCache:
+def row_cache_for(
+    model, max_len: int, batch_size: int, *, extra_layers: int = 0, grow_to: int | None = None
+) -> RowKVCache:
     """A :class:`RowKVCache` shaped for ``model`` (a supported HF causal LM)."""
     return cache_for(
         model, max_len, extra_layers=extra_layers, static_addresses=False,
-        cache_type=RowKVCache, batch_size=batch_size,
+        cache_type=RowKVCache, batch_size=batch_size, grow_to=grow_to,
     )  # fmt: skip
 
 

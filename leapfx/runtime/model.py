@@ -51,6 +51,9 @@ from .schedules import DecodeRequest
 
 log = logging.getLogger(__name__)
 
+# batch_decode(grow=True): the columns a growing batch cache starts with
+GROW_FROM = 256
+
 # A schedule: (runner, prompt [1, n], request, metrics) -> new token ids.
 Schedule = Callable[[StageRunner, torch.Tensor, DecodeRequest, DecodeMetrics], list[int]]
 
@@ -372,12 +375,14 @@ class SpeculativeModel(GenerateFrontEnd):
         return tokens, metrics
 
     def batch_decode(
-        self, needed: int, rows: int = 0, pads: list[int] | None = None
+        self, needed: int, rows: int = 0, pads: list[int] | None = None, *, grow: bool = False
     ) -> BatchDecode:
         """A :class:`~leapfx.runtime.batch.BatchDecode` of this model (its recipe's batch plan,
         the model's batch policy, eager or compiled stages) over a cache of ``rows`` rows of at
         least ``needed`` positions each (left-padded by ``pads``): ``start`` a batch on it, or
-        ``admit`` rows one by one (``rows`` 0: an empty batch, a server's). Refuses, naming the
+        ``admit`` rows one by one (``rows`` 0: an empty batch, a server's). ``grow`` (eager
+        stages): the cache starts at ``GROW_FROM`` columns and grows as rows need, up to
+        ``needed``, so that rows joining and leaving copy what is in use. Refuses, naming the
         reason, a recipe, backend or offloaded model that does not batch."""
         plan = self.recipe.batch
         what = f"{rows} rows (or a left-padded row)" if rows else "a batch"
@@ -410,9 +415,13 @@ class SpeculativeModel(GenerateFrontEnd):
         if self.backend == "inductor":
             # compiled graphs are specialised to the cache length: the model's own cache's
             size = max(size, self._compile_cache_len())
+        grow_to = None
+        if grow and self.backend == "eager" and size > GROW_FROM:
+            size, grow_to = GROW_FROM, size
         cache = row_cache_for(
-            self._hf_model, size, rows, extra_layers=self.recipe.extra_cache_layers
-        )
+            self._hf_model, size, rows, extra_layers=self.recipe.extra_cache_layers,
+            grow_to=grow_to,
+        )  # fmt: skip
         pads = [0] * rows if pads is None else pads
         runner = RowRunner(self._executors or self.stages.modules, cache, self._layout, pads)
         policy = None

@@ -101,7 +101,7 @@ class Engine:
                 raise ValueError(f"{name}: {value!r} is invalid; allowed: an int >= {low}")
         self.sm, self.max_batch, self.max_queue, self.max_len = sm, max_batch, max_queue, max_len
         self.lookahead = sm.recipe.lookahead
-        self._decode = sm.batch_decode(max_len)  # checks that the recipe and backend batch
+        self._decode = self._fresh()  # checks that the recipe and backend batch
         self._waiting: deque[Job] = deque()
         self._cancelled: set[int] = set()
         self._live: dict[int, Job] = {}
@@ -110,6 +110,10 @@ class Engine:
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self.rounds = 0
+
+    def _fresh(self):
+        """An empty batch of the model: its cache grows with the rows (to ``max_len``)."""
+        return self.sm.batch_decode(self.max_len, grow=True)
 
     # -- the caller's side (any thread) --------------------------------------------------
 
@@ -191,7 +195,7 @@ class Engine:
         except Exception as error:  # noqa: BLE001 - one request's fault fails that request
             log.exception("request %d: prefill failed", job.index)
             self._rows_lost([job.index])
-            self._decode = self.sm.batch_decode(self.max_len) if self._broken() else self._decode
+            self._decode = self._fresh() if self._broken() else self._decode
             self._end(job, error)
 
     def _broken(self) -> bool:
@@ -206,7 +210,7 @@ class Engine:
         except Exception as error:  # noqa: BLE001 - the round's rows fail, the server goes on
             log.exception("a decode round failed; failing its %d rows", len(self._decode.rows))
             lost = [row.index for row in self._decode.rows]
-            self._decode = self.sm.batch_decode(self.max_len)
+            self._decode = self._fresh()
             for index in lost:
                 job = self._rows_lost([index])
                 if job is not None:
