@@ -88,10 +88,10 @@ SPLIT_MARGIN = 0.03
 # hf_prompt_lookup's prompt_lookup_num_tokens: the value HF's assisted-generation docs use.
 HF_PROMPT_LOOKUP_TOKENS = 10
 # Training-free drafters: one leapfx_<name> row each, at the recipe's default options.
-TRAINING_FREE = ("lookup", "swift", "auto")
+TRAINING_FREE = ("lookup", "swift", "qspec", "auto")
 BENCHED_RECIPES = (
     "autoregressive", "early_exit", "layerskip", "kangaroo", "eagle", "specee", "m2r2", "lookup",
-    "swift", "auto",
+    "swift", "qspec", "auto",
 )  # fmt: skip
 
 
@@ -574,8 +574,8 @@ def _training_free_rows(name: str, run: RowRun) -> list[System]:
     ``leapfx_swift_online`` (``search="online"``: the skip set searched while decoding; its
     search goes on across the warm-up and timed passes, as a user's later calls would)."""
     system = run.ours(f"leapfx_{name}", rewrite.apply(run.model, name))
-    # lookup / auto: a round drafts what a match gives (or nothing): no fixed d for the
-    # formula; swift drafts d every round
+    # lookup / auto: a round drafts what a match gives (or nothing), qspec as many as its
+    # adaptive policy chooses: no fixed d for the formula; swift drafts d every round
     system.info["dynamic_draft_length"] = name != "swift"
     systems = [system]
     if name == "swift":
