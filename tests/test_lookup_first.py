@@ -27,6 +27,8 @@ TAKERS = ("swift", "qspec", "layerskip", "kangaroo", "m2r2", "eagle")
 # Options that make a taker draft every round with its own drafter (qspec's default is the
 # adaptive policy, which may decline rounds)
 FIXED = {"qspec": {"adaptive": False}}
+# Takers whose own drafts are kept about as long as lookup's copied ones (a copy of the model)
+ACCURATE = ("qspec",)
 
 
 def _eta(data) -> float:
@@ -112,7 +114,9 @@ def test_lookup_rounds_happen_and_stay_lossless(recipe):
     assert rounds.get("lookup", 0) > 0 and rounds.get(recipe, 0) > 0, rounds
     _check_rounds(sm, recipe)
     # fewer verify passes than without lookup: the copied drafts are accepted in long runs
-    assert sm.last_metrics.verify_calls < plain.last_metrics.verify_calls
+    # (longer than an untrained drafter's; qspec's copy of the model is kept as long itself)
+    if recipe not in ACCURATE:
+        assert sm.last_metrics.verify_calls < plain.last_metrics.verify_calls
 
 
 @pytest.mark.parametrize("recipe", ["swift", "eagle"])
