@@ -161,3 +161,24 @@ def test_qspec_sampling_matches_target_distribution():
     )
     assert drafted >= n and 0 < rejections < drafted
     assert_sampled_from(counts, exact, n)
+
+
+def test_auto_drafts_with_the_quantized_copy_only_where_it_pays(monkeypatch):
+    from leapfx.rewrite import defaults
+
+    model = tiny_model("llama", layers=3, heads=2, head_dim=16, vocab=64, seed=3)
+    assert not defaults.qspec_pays(model)  # a few KB of weights: a float step reads no memory
+    assert rewrite.apply(model, "auto").recipe.name == "auto"
+    monkeypatch.setattr(defaults, "QSPEC_MIN_FLOAT_BYTES", 0)
+    assert defaults.qspec_pays(model)
+    sm = rewrite.apply(model, "auto", num_speculations=3, max_ngram=2)
+    o = sm.options
+    assert sm.recipe.name == "qspec" and (o.lookup, o.adaptive) == (True, True)
+    assert (o.num_speculations, o.max_ngram) == (3, 2)
+    prompt = torch.tensor([[1, 2, 3, 1, 2]])
+    assert torch.equal(sm.generate(prompt, max_new_tokens=16), hf_greedy(model, prompt, 16))
+    # weights already blocks (a GGUF model loaded natively): the copy would be the model
+    native = copy.deepcopy(model)
+    native.lm_head = BlockLinear(cpu_blocks.quantize(model.lm_head.weight, "Q8_0"))
+    assert not defaults.qspec_pays(native)
+    assert not defaults.qspec_pays(model.to(torch.bfloat16))

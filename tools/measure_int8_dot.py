@@ -24,7 +24,9 @@ SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 static inline float h2f(const uint8_t* p) {
@@ -39,7 +41,10 @@ static inline float hsum8(__m256 v) {
 }
 
 // x [k] float32 -> Q8 blocks of 32: int8 values, scales, and each block's sum of values
-static void quantize_row(const float* x, int64_t k, int8_t* q, float* d, int32_t* s) {
+struct Q8Row { std::vector<int8_t> q; std::vector<float> d; std::vector<int32_t> s; };
+
+static Q8Row quantize_row(const float* x, int64_t k) {
+  Q8Row r{std::vector<int8_t>(k), std::vector<float>(k / 32), std::vector<int32_t>(k / 32)};
   for (int64_t b = 0; b < k / 32; ++b) {
     float amax = 0.f;
     for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(x[b * 32 + i]));
@@ -47,67 +52,63 @@ static void quantize_row(const float* x, int64_t k, int8_t* q, float* d, int32_t
     int32_t sum = 0;
     for (int i = 0; i < 32; ++i) {
       int v = (int)std::lrintf(x[b * 32 + i] * id);
-      q[b * 32 + i] = (int8_t)v; sum += v;
+      r.q[b * 32 + i] = (int8_t)v; sum += v;
     }
-    d[b] = db; s[b] = sum;
+    r.d[b] = db; r.s[b] = sum;
   }
+  return r;
+}
+
+// out[r] = row_dot(row r's blocks, blocks a row, the quantized x) over the rows, in parallel
+template <typename RowDot>
+static torch::Tensor gemv(torch::Tensor x, torch::Tensor w, int64_t n, int64_t k,
+                          int64_t block_bytes, RowDot row_dot) {
+  const int64_t nb = k / 32;
+  const Q8Row qx = quantize_row(x.data_ptr<float>(), k);
+  auto out = torch::empty({n}, x.options());
+  const uint8_t* W = w.data_ptr<uint8_t>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, n, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) o[r] = row_dot(W + r * nb * block_bytes, nb, qx);
+  });
+  return out;
 }
 
 torch::Tensor q4_0_q8(torch::Tensor x, torch::Tensor w, int64_t n, int64_t k) {
-  const int64_t nb = k / 32;
-  std::vector<int8_t> qx(k); std::vector<float> dx(nb); std::vector<int32_t> sx(nb);
-  quantize_row(x.data_ptr<float>(), k, qx.data(), dx.data(), sx.data());
-  auto out = torch::empty({n}, x.options());
-  const uint8_t* W = w.data_ptr<uint8_t>();
-  float* o = out.data_ptr<float>();
   const __m256i low = _mm256_set1_epi8(0x0F);
-  at::parallel_for(0, n, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const uint8_t* row = W + r * nb * 18;
-      __m256 acc = _mm256_setzero_ps();
-      float corr = 0.f;
-      for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* blk = row + b * 18;
-        float scale = h2f(blk) * dx[b];
-        __m128i packed = _mm_loadu_si128((const __m128i*)(blk + 2));
-        __m256i both = _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed);
-        __m256i wq = _mm256_and_si256(both, low);  // 0..15: low nibbles, then high
-        __m256i xq = _mm256_loadu_si256((const __m256i*)(qx.data() + b * 32));
-        __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wq, xq);
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(scale), _mm256_cvtepi32_ps(dot), acc);
-        corr += scale * (float)sx[b];  // the -8 of every weight
-      }
-      o[r] = hsum8(acc) - 8.f * corr;
+  return gemv(x, w, n, k, 18, [&](const uint8_t* row, int64_t nb, const Q8Row& qx) {
+    __m256 acc = _mm256_setzero_ps();
+    float corr = 0.f;
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = row + b * 18;
+      float scale = h2f(blk) * qx.d[b];
+      __m128i packed = _mm_loadu_si128((const __m128i*)(blk + 2));
+      __m256i both = _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed);
+      __m256i wq = _mm256_and_si256(both, low);  // 0..15: low nibbles, then high
+      __m256i xq = _mm256_loadu_si256((const __m256i*)(qx.q.data() + b * 32));
+      __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wq, xq);
+      acc = _mm256_fmadd_ps(_mm256_set1_ps(scale), _mm256_cvtepi32_ps(dot), acc);
+      corr += scale * (float)qx.s[b];  // the -8 of every weight
     }
+    return hsum8(acc) - 8.f * corr;
   });
-  return out;
 }
 
 torch::Tensor q8_0_q8(torch::Tensor x, torch::Tensor w, int64_t n, int64_t k) {
-  const int64_t nb = k / 32;
-  std::vector<int8_t> qx(k); std::vector<float> dx(nb); std::vector<int32_t> sx(nb);
-  quantize_row(x.data_ptr<float>(), k, qx.data(), dx.data(), sx.data());
-  auto out = torch::empty({n}, x.options());
-  const uint8_t* W = w.data_ptr<uint8_t>();
-  float* o = out.data_ptr<float>();
-  at::parallel_for(0, n, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const uint8_t* row = W + r * nb * 34;
-      __m256 acc = _mm256_setzero_ps();
-      for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* blk = row + b * 34;
-        float scale = h2f(blk) * dx[b];
-        __m256i wq = _mm256_loadu_si256((const __m256i*)(blk + 2));
-        __m256i xq = _mm256_loadu_si256((const __m256i*)(qx.data() + b * 32));
-        // u8 x s8 only: |w| against x with w's sign (ggml's AVX2 trick)
-        __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_sign_epi8(wq, wq),
-                                          _mm256_sign_epi8(xq, wq));
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(scale), _mm256_cvtepi32_ps(dot), acc);
-      }
-      o[r] = hsum8(acc);
+  return gemv(x, w, n, k, 34, [&](const uint8_t* row, int64_t nb, const Q8Row& qx) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = row + b * 34;
+      float scale = h2f(blk) * qx.d[b];
+      __m256i wq = _mm256_loadu_si256((const __m256i*)(blk + 2));
+      __m256i xq = _mm256_loadu_si256((const __m256i*)(qx.q.data() + b * 32));
+      // u8 x s8 only: |w| against x with w's sign (ggml's AVX2 trick)
+      __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_sign_epi8(wq, wq),
+                                        _mm256_sign_epi8(xq, wq));
+      acc = _mm256_fmadd_ps(_mm256_set1_ps(scale), _mm256_cvtepi32_ps(dot), acc);
     }
+    return hsum8(acc);
   });
-  return out;
 }
 """
 
