@@ -182,3 +182,17 @@ def test_auto_drafts_with_the_quantized_copy_only_where_it_pays(monkeypatch):
     native.lm_head = BlockLinear(cpu_blocks.quantize(model.lm_head.weight, "Q8_0"))
     assert not defaults.qspec_pays(native)
     assert not defaults.qspec_pays(model.to(torch.bfloat16))
+
+
+def test_the_bench_has_a_qspec_row_with_its_costs():
+    from leapfx.bench.harness import BenchConfig, run_bench
+
+    model = tiny_model("llama", layers=3, heads=2, head_dim=16, vocab=64, seed=5)
+    prompts = [torch.tensor([[1, 2, 3, 4, 1, 2]])]
+    config = BenchConfig(recipe="qspec", max_new_tokens=12, repeats=1)
+    rows = {r.system: r for r in run_bench(model, prompts, config, progress=False)}
+    row = rows["leapfx_qspec"]
+    assert row.identical_to_greedy and row.extra["dynamic_draft_length"] is True
+    assert set(row.extra["drafter_rounds"]) <= {"qspec", "declined"}
+    if row.extra.get("draft_calls"):  # the adaptive policy drafted: c and verify reported
+        assert row.extra["draft_cost"] > 0 and row.extra["verify_cost"] > 0
