@@ -194,5 +194,7 @@ def test_the_bench_has_a_qspec_row_with_its_costs():
     row = rows["leapfx_qspec"]
     assert row.identical_to_greedy and row.extra["dynamic_draft_length"] is True
     assert set(row.extra["drafter_rounds"]) <= {"qspec", "declined"}
+    weights = row.extra["draft_weights"]  # the copy's memory, reported
+    assert weights["format"] == "Q8_0" and 0 < weights["bytes"] < weights["float32_bytes"]
     if row.extra.get("draft_calls"):  # the adaptive policy drafted: c and verify reported
         assert row.extra["draft_cost"] > 0 and row.extra["verify_cost"] > 0

@@ -63,6 +63,7 @@ from ..offload import DEFAULT_PREFETCH_LEAD
 from ..options import check_bool
 from ..passes.accelerator_checkpoint import read_parts_config
 from ..passes.draft_vocab import read_ranking
+from ..passes.quantized_draft import QDRAFT_SIZE
 from ..runtime.metrics import DecodeMetrics
 from . import llamacpp
 from .agreement import teacher_forced_agreement
@@ -573,10 +574,13 @@ def _training_free_rows(name: str, run: RowRun) -> list[System]:
     layer-skipped drafter, prompt lookup and no drafting by measured tokens per cost) and as
     ``leapfx_swift_online`` (``search="online"``: the skip set searched while decoding; its
     search goes on across the warm-up and timed passes, as a user's later calls would)."""
-    system = run.ours(f"leapfx_{name}", rewrite.apply(run.model, name))
+    plain = rewrite.apply(run.model, name)
+    system = run.ours(f"leapfx_{name}", plain)
     # lookup / auto: a round drafts what a match gives (or nothing), qspec as many as its
     # adaptive policy chooses: no fixed d for the formula; swift drafts d every round
     system.info["dynamic_draft_length"] = name != "swift"
+    if name == "qspec":  # the copy's memory: its blocks beside the float weights
+        system.info["draft_weights"] = dict(plain.stages["draft"].meta[QDRAFT_SIZE])
     systems = [system]
     if name == "swift":
         sm = rewrite.apply(run.model, "swift", lookup=True, adaptive=True)
