@@ -164,3 +164,29 @@ def test_subset_head_over_a_block_head_reads_its_blocks():
         want = torch.full((1, 2, 100), float("-inf"))
         want[..., [0, 2, 3, 4]] = h @ dense[[0, 2, 3, 4]].t()
         torch.testing.assert_close(kernel(h), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", cpu_blocks.QUANTIZABLE)
+def test_quantize_writes_gguf_bytes(fmt):
+    rng = np.random.default_rng(7)
+    w = (rng.standard_normal((41, 96)) * rng.uniform(0.001, 5)).astype(np.float32)
+    w[0] = 0.0  # an all-zero row: scale 0
+    w[1, :32] = 1.0  # a constant block
+    w[2, :32] = np.linspace(-2.5, 2.5, 32)  # values that land on halves
+    qt = getattr(gguf.GGMLQuantizationType, fmt)
+    want = np.ascontiguousarray(quants.quantize(w, qt)).view(np.uint8).reshape(41, -1)
+    got = cpu_blocks.quantize(torch.from_numpy(w), fmt)
+    assert (got.fmt, got.n, got.k) == (fmt, 41, 96)
+    assert np.array_equal(got.data.numpy(), want)
+    with pytest.raises(ValueError, match="quantize: format 'Q5_K' is not one of"):
+        cpu_blocks.quantize(torch.from_numpy(w), "Q5_K")
+    with pytest.raises(ValueError, match="quantize: k = 40 is not a multiple of 32"):
+        cpu_blocks.quantize(torch.zeros(2, 40), fmt)
+
+
+def test_block_linear_adds_its_bias():
+    w, b = torch.randn(24, 64), torch.randn(24)
+    lin = BlockLinear(cpu_blocks.quantize(w, "Q8_0"), b)
+    x = torch.randn(3, 64)
+    want = x @ cpu_blocks.dequantize(lin.weights).T + b
+    torch.testing.assert_close(lin(x), want, rtol=1e-5, atol=1e-5)

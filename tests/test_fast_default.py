@@ -35,6 +35,7 @@ RECIPES = {
     "lookup": {},
     "auto": {},
     "swift": {"skip_layers": (1, 2)},
+    "qspec": {"num_speculations": 3},
 }
 LOSSY = {"early_exit"}
 

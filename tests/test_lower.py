@@ -22,7 +22,12 @@ def test_recipes_declare_what_lowering_and_export_asked_their_names_for():
     assert [n for n, c in can.items() if c.split_verify] == ["layerskip"]
     assert [n for n, c in can.items() if c.layer_segments] == ["specee"]
     assert [n for n, c in can.items() if not c.exportable] == ["specee"]
-    assert sorted(n for n, c in can.items() if not c.compiles) == ["m2r2", "m2r2_exit", "swift"]
+    assert sorted(n for n, c in can.items() if not c.compiles) == [
+        "m2r2",
+        "m2r2_exit",
+        "qspec",
+        "swift",
+    ]
     with pytest.raises(ValueError, match="export_refusal"):
         Capabilities(exportable=False)
 

@@ -15,10 +15,10 @@ THREAD_POOLS = ("shared", "session")  # --onnx-thread-pool
 # hf_prompt_lookup's prompt_lookup_num_tokens: the value HF's assisted-generation docs use.
 HF_PROMPT_LOOKUP_TOKENS = 10
 # Training-free drafters: one leapfx_<name> row each, at the recipe's default options.
-TRAINING_FREE = ("lookup", "swift", "auto")
+TRAINING_FREE = ("lookup", "swift", "qspec", "auto")
 BENCHED_RECIPES = (
     "autoregressive", "early_exit", "layerskip", "kangaroo", "eagle", "specee", "m2r2", "lookup",
-    "swift", "auto",
+    "swift", "qspec", "auto",
 )  # fmt: skip
 
 

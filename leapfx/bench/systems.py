@@ -20,6 +20,7 @@ from .. import rewrite
 from ..kernels import cpu
 from ..parts.draft_vocab import read_ranking
 from ..parts.m2r2 import read_parts_config
+from ..passes.quantized_draft import QDRAFT_SIZE
 from ..runtime.metrics import DecodeMetrics
 from . import llamacpp
 from .config import TRAINING_FREE, BenchConfig
@@ -246,10 +247,13 @@ def _training_free_rows(name: str, run: RowRun) -> list[System]:
     layer-skipped drafter, prompt lookup and no drafting by measured tokens per cost) and as
     ``leapfx_swift_online`` (``search="online"``: the skip set searched while decoding; its
     search goes on across the warm-up and timed passes, as a user's later calls would)."""
-    system = run.ours(f"leapfx_{name}", rewrite.apply(run.model, name))
-    # lookup / auto: a round drafts what a match gives (or nothing): no fixed d for the
-    # formula; swift drafts d every round
+    plain = rewrite.apply(run.model, name)
+    system = run.ours(f"leapfx_{name}", plain)
+    # lookup / auto: a round drafts what a match gives (or nothing), qspec as many as its
+    # adaptive policy chooses: no fixed d for the formula; swift drafts d every round
     system.info["dynamic_draft_length"] = name != "swift"
+    if name == "qspec":  # the copy's memory: its blocks beside the float weights
+        system.info["draft_weights"] = dict(plain.stages["draft"].meta[QDRAFT_SIZE])
     systems = [system]
     if name == "swift":
         sm = rewrite.apply(run.model, "swift", lookup=True, adaptive=True)

@@ -180,6 +180,13 @@ def _bench(args: argparse.Namespace) -> int:
         if "drafter_rounds" in x:
             rounds = ", ".join(f"{k} {v}" for k, v in sorted(x["drafter_rounds"].items()))
             print(f"{r.system}: rounds per drafter: {rounds}")
+        if "draft_weights" in x:  # qspec: the quantized copy's memory
+            w = x["draft_weights"]
+            print(
+                f"{r.system}: draft weights {w['format']} (head {w['head_format']}), "
+                f"{w['linears']} linears, {w['bytes'] / 1e6:.1f} MB as blocks beside "
+                f"{w['float32_bytes'] / 1e6:.1f} MB of float32 weights"
+            )
     hf = next(r for r in rows if r.system.startswith("hf_"))
     share = hf.extra.get("repeated_4gram_share")
     if share is not None:

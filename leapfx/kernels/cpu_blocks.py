@@ -32,6 +32,10 @@ op                                 signature
                                    dequantized (an embedding lookup)
 =================================  ===============================================================
 
+:func:`quantize` writes a float32 weight as Q8_0, Q4_0 or Q4_1 blocks, bitwise as gguf's numpy
+``quantize`` (ggml's reference rounding) does: a quantized copy of a float model
+(``leapfx.passes.quantized_draft``).
+
 ``fmt`` is ggml's type id (:data:`FORMATS`). The kernels (``cpu_blocks.cpp``) need AVX2 and F16C;
 built like :mod:`leapfx.kernels.cpu`'s (their own extension, first use). Without them,
 :func:`dequantize` (torch ops, the same floats) and ``torch.matmul`` stand in.
@@ -195,3 +199,55 @@ def block_mm(x: torch.Tensor, w: Blocks) -> torch.Tensor:
     if x.dtype == torch.float32 and x.device.type == "cpu" and available():
         return torch.ops.leapfx_cpu.block_mm(x, w.data, w.type_id, w.n, w.k)
     return torch.matmul(x, dequantize(w).to(x.dtype).t())
+
+
+QUANTIZABLE = ("Q8_0", "Q4_0", "Q4_1")  # formats :func:`quantize` writes
+
+
+def quantize(weight: torch.Tensor, fmt: str) -> Blocks:
+    """``weight`` [n, k] (k a multiple of 32) as ``fmt`` blocks: gguf's numpy ``quantize``
+    (ggml's reference quantization, ``quantize_row_*_ref``) in torch ops, the same bytes.
+
+    >>> quantize(torch.randn(8, 64), "Q4_0").nbytes   # 8 rows of 2 blocks of 18 bytes
+    288
+    """
+    if fmt not in QUANTIZABLE:
+        raise ValueError(f"quantize: format {fmt!r} is not one of {', '.join(QUANTIZABLE)}")
+    n, k = weight.shape
+    if k % WEIGHTS_PER_BLOCK:
+        raise ValueError(f"quantize: k = {k} is not a multiple of {WEIGHTS_PER_BLOCK}")
+    b = weight.detach().to(device="cpu", dtype=torch.float32).reshape(-1, WEIGHTS_PER_BLOCK)
+    if fmt == "Q8_0":
+        d = b.abs().amax(dim=1, keepdim=True) / 127
+        q = _roundf(b * _inverse(d)).to(torch.int8).view(torch.uint8)
+        parts = [_half_bytes(d), q]
+    elif fmt == "Q4_0":
+        top = b.gather(1, b.abs().argmax(dim=1, keepdim=True))  # the signed value of max |w|
+        d = top / -8
+        q = torch.trunc(b * _inverse(d) + 8.5).to(torch.uint8).clamp(0, 15)
+        parts = [_half_bytes(d), _pack_nibbles(q)]
+    else:  # Q4_1
+        low, high = b.amin(dim=1, keepdim=True), b.amax(dim=1, keepdim=True)
+        d = (high - low) / 15
+        q = torch.trunc((b - low) * _inverse(d) + 0.5).to(torch.uint8).clamp(0, 15)
+        parts = [_half_bytes(d), _half_bytes(low), _pack_nibbles(q)]
+    data = torch.cat(parts, dim=1).reshape(n, -1).contiguous()
+    return Blocks(data, fmt, n, k)
+
+
+def _inverse(d: torch.Tensor) -> torch.Tensor:  # 1 / d, 0 where d is 0 (an all-zero block)
+    return torch.where(d == 0, torch.zeros_like(d), 1 / d)
+
+
+def _roundf(x: torch.Tensor) -> torch.Tensor:  # C's roundf: halves away from zero
+    a = x.abs()
+    floored = torch.floor(a)
+    return torch.sign(x) * (floored + torch.floor(2 * (a - floored)))
+
+
+def _half_bytes(x: torch.Tensor) -> torch.Tensor:  # [B, 1] float32 -> [B, 2] uint8 (fp16)
+    return x.to(torch.float16).view(torch.uint8)
+
+
+def _pack_nibbles(q: torch.Tensor) -> torch.Tensor:  # [B, 32] 0..15 -> [B, 16]: low, then high
+    return q[:, :16] | (q[:, 16:] << 4)

@@ -19,6 +19,7 @@ an export or when a gradient flows to its input (the op has no backward).
 
 from __future__ import annotations
 
+import copy
 import logging
 
 import torch
@@ -79,23 +80,25 @@ def dequantize(w: Blocks) -> torch.Tensor:
 
 
 class BlockLinear(_BlockWeight):
-    """``nn.Linear`` over a weight held as GGUF blocks (no bias: GGUF's projections have none
-    in the architectures leapfx loads natively)."""
+    """``nn.Linear`` over a weight held as GGUF blocks. ``bias``: a float bias (shared with
+    the float layer a quantized copy was made of: Qwen2's q, k and v); GGUF's projections
+    have none in the architectures leapfx loads natively."""
 
-    def __init__(self, blocks: Blocks) -> None:
+    def __init__(self, blocks: Blocks, bias: torch.Tensor | None = None) -> None:
         super().__init__(blocks)
         self.out_features, self.in_features = blocks.n, blocks.k
-        self.bias = None
+        self.bias = bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_exporting() or (torch.is_grad_enabled() and x.requires_grad):
             # an export (the weight a constant of the graph) or a gradient to x (training
             # inserted parts through the head): float weights, dequantized on demand
-            return F.linear(x, self.weight.to(x.dtype))
+            return F.linear(x, self.weight.to(x.dtype), self.bias)
         if x.dtype == torch.float32 and x.device.type == "cpu" and _kernels():
             w = self.weights
-            return torch.ops.leapfx_cpu.block_mm(x, w.data, w.type_id, w.n, w.k)
-        return F.linear(x, dequantize(self.weights).to(x.dtype))
+            out = torch.ops.leapfx_cpu.block_mm(x, w.data, w.type_id, w.n, w.k)
+            return out if self.bias is None else out + self.bias
+        return F.linear(x, dequantize(self.weights).to(x.dtype), self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.fmt}"
@@ -133,3 +136,32 @@ def float_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
         if is_blocks(sub):
             out[f"{name}.weight" if name else "weight"] = sub.weight
     return out
+
+
+def quantized_copy(module: nn.Module, fmt: str) -> tuple[nn.Module, int, int]:
+    """``module`` with every ``nn.Linear`` inside it (itself included) whose input size is a
+    multiple of 32 as a :class:`BlockLinear` over its weight quantized to ``fmt``
+    (``cpu_blocks.quantize``; the bias shared): (the copy, linears quantized, their bytes).
+
+    A copy only where something changed: the modules on the way to a quantized linear are
+    shallow copies (their other children, parameters and buffers shared by reference), and a
+    module without one is returned as it is. ``module`` itself is never changed.
+
+        >>> draft, count, nbytes = quantized_copy(hf_layer, "Q8_0")
+    """
+    if type(module) is nn.Linear:  # (subclasses may compute more than x @ W.T + b)
+        if module.in_features % cpu_blocks.WEIGHTS_PER_BLOCK:
+            return module, 0, 0
+        blocks = cpu_blocks.quantize(module.weight, fmt)
+        return BlockLinear(blocks, module.bias), 1, blocks.nbytes
+    children, count, nbytes = {}, 0, 0
+    for name, child in module.named_children():
+        new, n, b = quantized_copy(child, fmt)
+        children[name], count, nbytes = new, count + n, nbytes + b
+    if not count:
+        return module, 0, 0
+    clone = copy.copy(module)  # nn.Module's __dict__ copied: its dicts still the original's
+    clone._modules = children
+    clone._parameters = dict(module._parameters)
+    clone._buffers = dict(module._buffers)
+    return clone, count, nbytes

@@ -33,9 +33,10 @@ from ..passes.fast_partition import exit_stages, fast_stream_stages
 from ..passes.fuse_layers import FuseDecoderLayers
 from ..passes.load_parts import LoadAccelerator, LoadEagleHead, LoadKangarooAdapter
 from ..passes.partition import Stages, early_exit_stages, full_stage, partition
+from ..passes.quantized_draft import QuantizeDraft, qspec_stages
 from ..passes.skip_layers import DraftSkipSet, check_skip_set, swift_stages
 from ..passes.specee_stages import specee_stages
-from ..runtime import adaptive, eagle, kangaroo, lookup, m2r2, schedules, swift
+from ..runtime import adaptive, eagle, kangaroo, lookup, m2r2, qspec, schedules, swift
 from ..runtime.batch import BatchPlan
 from ..runtime.capabilities import Capabilities
 from ..runtime.model import RecipeTraining, Schedule
@@ -294,6 +295,77 @@ def _swift_schedule(o: SwiftOptions):
         search=OnlineSkipSearch(o.skip_layers, o.num_speculations) if online else None,
         stages=swift.SkipStages() if online else None,
     )  # fmt: skip
+
+
+# The block formats a qspec draft's weights take (``draft_weights``), by how many bytes they
+# read (Q8_0's 34-byte blocks, Q4_1's 20, Q4_0's 18) and how close they stay to the float model
+# (Q8_0: within half a step of 1/127 of a block's largest weight; Q4_0, Q4_1: 1/15 of its range).
+DRAFT_WEIGHTS = ("q8_0", "q4_0", "q4_1")
+# The default: the fastest draft that keeps acceptance high. On SmolLM2's float32 weights
+# (docs/recipes.md, "qspec") a Q8_0 step cost 0.78 of a float step with 0.99 of its drafts
+# accepted, a Q4_0 step no less (its dequantization is as dear) with 0.68 accepted; Q4_1 there
+# re-derives the file's own blocks (those weights are Q4_1 values), which no real float
+# checkpoint offers: a 4-bit copy of one loses more tokens than an 8-bit copy does.
+DEFAULT_DRAFT_WEIGHTS = "q8_0"
+
+
+@dataclass(frozen=True)
+class QSpecOptions(LookupFirstOptions):
+    """A quantized copy of the model drafts for it (lossless, no training): at ``apply`` the
+    model's linear weights are quantized into ``draft_weights`` blocks (the head into
+    ``head_weights``); drafts run those blocks through the CPU block kernels over the same KV
+    cache, and one float call verifies them and rewrites the drafted positions.
+
+    ``skip_layers``: the draft also skips these decoder layers (as ``swift``'s does: a second,
+    cheaper level). ``adaptive`` (the default here): each round's draft length, none included,
+    by measured tokens per second (``leapfx.runtime.adaptive``); ``num_speculations`` is then
+    the most a round drafts. ``lookup=True``: prompt lookup first, as for every drafter.
+    """
+
+    draft_weights: str = DEFAULT_DRAFT_WEIGHTS
+    head_weights: str | None = None  # the head's blocks; None: draft_weights
+    skip_layers: tuple[int, ...] | None = None  # None: the draft runs every layer
+    # d: drafts a round (the most, with adaptive): a copy that agrees with the model on most
+    # tokens keeps long rounds, and the adaptive policy shortens them where they do not pay
+    num_speculations: int = 6
+    adaptive: bool = True
+    max_cache_len: int | None = None
+    fuse_layers: bool = True
+
+    def validate(self, num_layers: int) -> QSpecOptions:
+        fmt = _check_draft_weights("draft_weights", self.draft_weights)
+        head = None
+        if self.head_weights is not None:
+            head = _check_draft_weights("head_weights", self.head_weights)
+        skip = () if self.skip_layers in (None, (), []) else self.skip_layers
+        if skip:
+            skip = check_skip_set(skip, num_layers)
+        check_int("num_speculations", self.num_speculations, 1)
+        self.check_lookup()
+        _check_cache(self.max_cache_len)
+        check_bool("fuse_layers", self.fuse_layers)
+        return dataclasses.replace(self, draft_weights=fmt, head_weights=head, skip_layers=skip)
+
+
+def _check_draft_weights(name: str, value) -> str:
+    if not isinstance(value, str) or value.lower() not in DRAFT_WEIGHTS:
+        raise ValueError(
+            f"{name}: {value!r} is invalid; allowed: "
+            + ", ".join(repr(f) for f in DRAFT_WEIGHTS)
+            + " (GGUF block formats)"
+        )
+    return value.lower()
+
+
+def _qspec_passes(o: QSpecOptions) -> list[GraphPass]:
+    # Fused first: the copies are of the modules the graph calls (FusedDecoderLayer's HF layer)
+    fmt = o.draft_weights.upper()
+    head = None if o.head_weights is None else o.head_weights.upper()
+    return [*_fuse(o), QuantizeDraft(fmt=fmt, head_fmt=head, skip=tuple(o.skip_layers))]
+
+
+def _qspec_schedule(o: QSpecOptions):
+    return partial(qspec.qspec, num_speculations=o.num_speculations, first=o.lookup_first())
 
 
 def saved_skip_set(path: str, num_layers: int) -> tuple[int, ...]:
@@ -779,6 +851,20 @@ RECIPES: dict[str, Recipe] = {
             capabilities=Capabilities(compiles=False),
             draft_option="num_speculations",
             batch=_batch_stage("swift"),
+        ),
+        Recipe(
+            name="qspec",
+            description="a quantized copy of the model drafts, float verify (lossless, untrained)",
+            options_type=QSpecOptions,
+            passes=_qspec_passes,
+            cut=qspec_stages,
+            schedule=_qspec_schedule,
+            lookahead=lambda o: o.num_speculations + 1,
+            lossless=True,
+            # its draft's blocks run leapfx's CPU block kernels: no Inductor or ONNX path yet
+            capabilities=Capabilities(compiles=False),
+            draft_option="num_speculations",
+            batch=_batch_stage("qspec"),
         ),
         Recipe(
             name="early_exit",

@@ -162,10 +162,11 @@ def apply(
     default): the shipped parts trained for this model, where there are some (logged), else
     none, with a warning naming the command that trains them; None: none, silently
     (``leapfx.rewrite.defaults.resolve_parts``). ``"auto"``, the recipe, runs the best drafting
-    the model has: EAGLE with prompt lookup where a head was trained for it, else adaptive
-    prompt lookup (``defaults.best_drafter``; ``sm.recipe.name`` says which). ``offload``: run an
-    MoE model's experts from a fast tier of expert slots per layer over a slow tier (disk on a
-    CPU, pinned host memory on a GPU); any recipe, same tokens (see
+    the model has: EAGLE with prompt lookup where a head was trained for it, else its quantized
+    copy with prompt lookup where that pays (``qspec``: large float32 weights on a CPU), else
+    adaptive prompt lookup (``defaults.best_drafter``; ``sm.recipe.name`` says which).
+    ``offload``: run an MoE model's experts from a fast tier of expert slots per layer over a
+    slow tier (disk on a CPU, pinned host memory on a GPU); any recipe, same tokens (see
     ``leapfx.offload.OffloadOptions``; the eager backend only, with or without
     ``cpu_kernels``). A drafting recipe whose draft length is left unset then drafts no more
     tokens a round than a verify pass can route within the slots (``fit_drafts_to_slots``).

@@ -13,8 +13,10 @@ Two kinds of choice, both logged once per ``apply`` at INFO and overridden by pa
 - ``auto``, the best drafting a model has (:func:`best_drafter`): where an EAGLE head was
   trained for the model, EAGLE with prompt lookup, each round choosing the head, lookup or no
   drafting by measured tokens per cost (``lookup=True, adaptive=True``), the head over its
-  most frequent tokens where the vocabulary is large; else prompt lookup with an adaptive
-  length (the ``auto`` recipe itself).
+  most frequent tokens where the vocabulary is large; else, where a quantized copy of the
+  model pays as its draft (:func:`qspec_pays`: float32 weights on a CPU, large enough that
+  reading them bounds a step), ``qspec`` with prompt lookup, chosen round by round the same
+  way; else prompt lookup with an adaptive length (the ``auto`` recipe itself).
 - A shipped model's tuned recipe options: a checkpoint folder may hold ``leapfx_defaults.json``
   beside its ``config.json``, ``{"recipes": {recipe: {option: value}}}``; ``apply`` fills the
   options the caller left unset from it (:func:`shipped_options`). The shipped reference model
@@ -35,8 +37,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..kernels import cpu
+from ..kernels import cpu, cpu_blocks
 from ..models.parts import TRAIN_COMMANDS, find_parts
+from ..modules.blocks import is_blocks
 from ..parts.draft_vocab import read_ranking
 
 DEFAULTS_FILE = "leapfx_defaults.json"
@@ -76,12 +79,19 @@ def best_drafter(model: nn.Module, options: dict) -> tuple[str, dict] | None:
     (recipe, its options), or None (the ``auto`` recipe itself). ``options`` are ``auto``'s:
     its ``num_speculations`` caps the head's drafts a round."""
     head = find_parts(model.config, "eagle")
-    if head is None:
+    if head is None and not qspec_pays(model):
         return None
-    chosen: dict = {"parts": str(head), "lookup": True, "adaptive": True}
+    chosen: dict = {"lookup": True, "adaptive": True}
     for name in ("max_ngram", "min_ngram", "max_cache_len", "fuse_layers"):
         if name in options:
             chosen[name] = options[name]
+    if head is None:  # the model's quantized copy drafts
+        if "num_speculations" in options:
+            chosen["num_speculations"] = options["num_speculations"]
+        if set(options) - set(chosen):
+            return None  # an option only auto takes: auto itself refuses or runs it
+        return "qspec", chosen
+    chosen["parts"] = str(head)
     if "num_speculations" in options:
         chosen["max_draft_tokens"] = options["num_speculations"]
     unknown = sorted(set(options) - {"num_speculations", *chosen})
@@ -90,6 +100,32 @@ def best_drafter(model: nn.Module, options: dict) -> tuple[str, dict] | None:
     if model.config.vocab_size >= 4 * DRAFT_VOCAB and read_ranking(str(head)) is not None:
         chosen["draft_vocab"] = DRAFT_VOCAB
     return "eagle", chosen
+
+
+# The float32 linear weights above which ``auto`` drafts with the model's quantized copy
+# (``qspec``). A draft pays when its step costs well under a float step (c), and c falls as the
+# weights outgrow the caches: a float step then reads them from memory (4 bytes a weight),
+# while a Q8_0 step reads 1.06 and is bound by the block kernels' arithmetic. SmolLM2-135M
+# (538 MB) measured c = 0.75-0.8 against a per-draft acceptance of 0.99 with Q8_0, for a
+# formula ceiling of about 1.15x (docs/recipes.md, "qspec"), which the adaptive policy's
+# probes and the copy's load time (seconds) eat; at 1 GB and more a float step is at least
+# twice SmolLM2's, its time outside the products (attention, norms, ~6.7 ms there) a smaller
+# share, and c below ~0.5 (an estimate by that arithmetic: no such model was measured here).
+QSPEC_MIN_FLOAT_BYTES = 1 << 30
+
+
+def qspec_pays(model: nn.Module) -> bool:
+    """Whether ``auto`` drafts with ``model``'s quantized copy: float32 linear weights on a
+    CPU (none already blocks: a GGUF model's copy would be the model itself) of at least
+    ``QSPEC_MIN_FLOAT_BYTES``, and the block kernels built."""
+    linear = [m for m in model.modules() if type(m) is nn.Linear]
+    if any(is_blocks(m) for m in model.modules()) or not linear:
+        return False
+    weights = [m.weight for m in linear]
+    if any(w.dtype != torch.float32 or w.device.type != "cpu" for w in weights):
+        return False
+    size = 4 * sum(w.numel() for w in {id(w): w for w in weights}.values())
+    return size >= QSPEC_MIN_FLOAT_BYTES and cpu_blocks.available()
 
 
 def kernels_choice(
