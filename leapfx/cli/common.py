@@ -15,8 +15,8 @@ import sys
 CPU_KERNELS = {"auto": None, "on": True, "off": False}  # --cpu-kernels -> BenchConfig
 # --recipe's choices, without importing torch for --help (a test holds it to rewrite.recipes())
 RECIPE_NAMES = (
-    "autoregressive", "lookup", "auto", "swift", "early_exit", "layerskip", "kangaroo",
-    "m2r2", "m2r2_exit", "eagle", "specee",
+    "autoregressive", "lookup", "auto", "swift", "qspec", "early_exit", "layerskip",
+    "kangaroo", "m2r2", "m2r2_exit", "eagle", "specee",
 )  # fmt: skip
 DTYPE_NAMES = ("float32", "bfloat16", "float16")  # --dtype (leapfx.models.DTYPES)
 CORPUS_HELP = "stdlib folder to train on (default: this Python's)"
