@@ -23,7 +23,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -186,7 +186,7 @@ class Engine:
                     self._round()
 
     def _admit(self, job: Job) -> None:
-        request = _with_streamer(job.request, _Streamer(job))
+        request = replace(job.request, streamer=_Streamer(job))
         with self._cond:
             self._live[job.index] = job
         job.admitted = time.perf_counter()
@@ -244,9 +244,3 @@ class Engine:
             job.on_end(error)
         except Exception:  # noqa: BLE001 - a listener's fault is not the engine's
             log.exception("request %d: on_end failed", job.index)
-
-
-def _with_streamer(request: DecodeRequest, streamer: _Streamer) -> DecodeRequest:
-    from dataclasses import replace
-
-    return replace(request, streamer=streamer)
