@@ -99,6 +99,25 @@ inline void bytes_to_ps(__m128i b, reg* w) {
 template <int64_t FMT>
 inline void dequant(const uint8_t* b, reg w[kRegs]) {
   constexpr int kHalf = kRegs / 2;  // registers per 16 weights
+#ifdef LEAPFX_BLOCKS_AVX512
+  if constexpr (FMT == Q4_0 || FMT == Q4_1) {
+    // A 4-bit block has 16 possible weights: one register holds them all (table[v] = d * v + m,
+    // or d * (v - 8)), and each 16 weights are one permute of it by their nibbles. The table's
+    // floats are the ones below (d * v is exact, so rounding d * v + m once, as the fused
+    // multiply-add does, or twice, as numpy does, gives one float), at 5 vector instructions
+    // a block instead of 10.
+    const __m512 v = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 table = FMT == Q4_1
+        ? _mm512_fmadd_ps(set1(half(b)), v, set1(half(b + 2)))
+        : _mm512_mul_ps(set1(half(b)), _mm512_sub_ps(v, set1(8.0f)));
+    // vpermps reads bits 0..3 of each index: the low nibble as it is, the high one shifted
+    const __m512i q = _mm512_cvtepu8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (FMT == Q4_1 ? 4 : 2))));
+    w[0] = _mm512_permutexvar_ps(q, table);                         // weights 0..15
+    w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);  // weights 16..31
+    return;
+  }
+#endif
   if constexpr (FMT == Q4_0 || FMT == Q4_1) {
     const int off = FMT == Q4_1 ? 4 : 2;
     const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + off));
