@@ -16,6 +16,7 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 #include <immintrin.h>
 
@@ -242,28 +243,59 @@ void group(int R, const uint8_t* W, int64_t row_bytes, int64_t blocks, const flo
 // kMaxRows rows of x reads them (over more rows than one group: a batch, a prefill).
 constexpr int64_t kChunkBytes = 256 * 1024;
 
+// Output rows n0 .. n1 - 1 of y [M, N] (row stride ldy) = x [M, K] (row stride ldx) @ W.T, W
+// [N, K] in blocks of fmt: one thread's share of a product.
+void span_blocks(const float* x, int64_t ldx, int64_t M, const uint8_t* W, int64_t fmt,
+                 int64_t K, float* y, int64_t ldy, int64_t a, int64_t b) {
+  const int64_t blocks = K / kWeights, row_bytes = blocks * block_bytes(fmt);
+  const int64_t chunk = M <= kMaxRows ? b - a
+                                      : std::max<int64_t>(8, kChunkBytes / row_bytes / 8 * 8);
+  for (int64_t c0 = a; c0 < b; c0 += chunk) {
+    const int64_t c1 = std::min(b, c0 + chunk);
+    for (int64_t m = 0; m < M; m += kMaxRows) {
+      const int R = static_cast<int>(std::min<int64_t>(kMaxRows, M - m));
+      const float* xm = x + m * ldx;
+      float* ym = y + m * ldy;
+      switch (fmt) {
+        case Q4_1: group<Q4_1>(R, W, row_bytes, blocks, xm, ldx, ym, ldy, c0, c1); break;
+        case Q8_0: group<Q8_0>(R, W, row_bytes, blocks, xm, ldx, ym, ldy, c0, c1); break;
+        case Q4_0: group<Q4_0>(R, W, row_bytes, blocks, xm, ldx, ym, ldy, c0, c1); break;
+        case F16: group<F16>(R, W, row_bytes, blocks, xm, ldx, ym, ldy, c0, c1); break;
+        case BF16: group<BF16>(R, W, row_bytes, blocks, xm, ldx, ym, ldy, c0, c1); break;
+        default: group<F32>(R, W, row_bytes, blocks, xm, ldx, ym, ldy, c0, c1); break;
+      }
+    }
+  }
+}
+
 // y [M, N] (row stride ldy) = x [M, K] (row stride ldx) @ W.T, W [N, K] in blocks of fmt.
 void matmul_blocks(const float* x, int64_t ldx, int64_t M, const uint8_t* W, int64_t fmt,
                    int64_t K, int64_t N, float* y, int64_t ldy) {
-  const int64_t blocks = K / kWeights, row_bytes = blocks * block_bytes(fmt);
-  const int64_t chunk = M <= kMaxRows ? N : std::max<int64_t>(8, kChunkBytes / row_bytes / 8 * 8);
   // Grain: 32 output rows per task at least, so that tiny products stay on one thread.
   at::parallel_for(0, N, 32, [&](int64_t a, int64_t b) {
-    for (int64_t c0 = a; c0 < b; c0 += chunk) {
-      const int64_t c1 = std::min(b, c0 + chunk);
-      for (int64_t m = 0; m < M; m += kMaxRows) {
-        const int R = static_cast<int>(std::min<int64_t>(kMaxRows, M - m));
-        const float* xm = x + m * ldx;
-        float* ym = y + m * ldy;
-        switch (fmt) {
-          case Q4_1: group<Q4_1>(R, W, row_bytes, blocks, xm, ldx, ym, ldy, c0, c1); break;
-          case Q8_0: group<Q8_0>(R, W, row_bytes, blocks, xm, ldx, ym, ldy, c0, c1); break;
-          case Q4_0: group<Q4_0>(R, W, row_bytes, blocks, xm, ldx, ym, ldy, c0, c1); break;
-          case F16: group<F16>(R, W, row_bytes, blocks, xm, ldx, ym, ldy, c0, c1); break;
-          case BF16: group<BF16>(R, W, row_bytes, blocks, xm, ldx, ym, ldy, c0, c1); break;
-          default: group<F32>(R, W, row_bytes, blocks, xm, ldx, ym, ldy, c0, c1); break;
-        }
-      }
+    span_blocks(x, ldx, M, W, fmt, K, y, ldy, a, b);
+  });
+}
+
+// Weights of one format and K side by side (q | k | v, gate | up), each as the file holds it:
+// part p's output rows go to its own columns y + p's offset. One parallel region for all of
+// them (each row computed as matmul_blocks computes it).
+struct Part {
+  const uint8_t* W;
+  int64_t n;
+  float* y;
+};
+
+void matmul_parts(const float* x, int64_t ldx, int64_t M, const std::vector<Part>& parts,
+                  int64_t fmt, int64_t K, int64_t ldy) {
+  int64_t N = 0;
+  for (const Part& p : parts) N += p.n;
+  at::parallel_for(0, N, 32, [&](int64_t a, int64_t b) {
+    int64_t off = 0;
+    for (const Part& p : parts) {
+      const int64_t lo = std::max(a, off), hi = std::min(b, off + p.n);
+      if (lo < hi) span_blocks(x, ldx, M, p.W, fmt, K, p.y, ldy, lo - off, hi - off);
+      off += p.n;
     }
   });
 }
@@ -302,6 +334,21 @@ at::Tensor block_mm(const at::Tensor& x, const at::Tensor& w, int64_t fmt, int64
   return y;
 }
 
+// y [M, k_out] = down(silu(x @ gate.T) * (x @ up.T)) for x [M, K] (contiguous): gate and up
+// [I, K] in fmt_gu, down [k_out, I] in fmt_down.
+void gated_mlp_rows(const float* x, int64_t M, int64_t K, const uint8_t* w_gate,
+                    const uint8_t* w_up, int64_t fmt_gu, int64_t I, const uint8_t* w_down,
+                    int64_t fmt_down, int64_t k_out, float* y) {
+  std::vector<float> gu(M * 2 * I);
+  float* g = gu.data();
+  matmul_parts(x, K, M, {{w_gate, I, g}, {w_up, I, g + I}}, fmt_gu, K, 2 * I);
+  for (int64_t m = 0; m < M; ++m) {  // silu(gate) * up, into the gate half
+    float* row = g + m * 2 * I;
+    leapfx_vec::silu_mul(row, row + I, I);
+  }
+  matmul_blocks(g, 2 * I, M, w_down, fmt_down, I, k_out, y, k_out);
+}
+
 // down(silu(x @ gate.T) * (x @ up.T)): gate and up [I, K] in fmt_gu, down [k_out, I] in
 // fmt_down (each as the file holds it: no copy to put gate and up side by side).
 at::Tensor block_gated_mlp(const at::Tensor& x, const at::Tensor& w_gate, const at::Tensor& w_up,
@@ -316,17 +363,9 @@ at::Tensor block_gated_mlp(const at::Tensor& x, const at::Tensor& w_gate, const 
   const int64_t M = xc.numel() / K;
   at::Tensor y = at::empty(out_shape(x, k_out), x.options());
   if (M == 0) return y;
-  at::Tensor gu = at::empty({M, 2 * I}, x.options());
-  float* g = gu.data_ptr<float>();
-  const float* xp = xc.data_ptr<float>();
-  matmul_blocks(xp, K, M, w_gate.data_ptr<uint8_t>(), fmt_gu, K, I, g, 2 * I);
-  matmul_blocks(xp, K, M, w_up.data_ptr<uint8_t>(), fmt_gu, K, I, g + I, 2 * I);
-  for (int64_t m = 0; m < M; ++m) {  // silu(gate) * up, into the gate half
-    float* row = g + m * 2 * I;
-    leapfx_vec::silu_mul(row, row + I, I);
-  }
-  matmul_blocks(g, 2 * I, M, w_down.data_ptr<uint8_t>(), fmt_down, I, k_out,
-                y.data_ptr<float>(), k_out);
+  gated_mlp_rows(xc.data_ptr<float>(), M, K, w_gate.data_ptr<uint8_t>(),
+                 w_up.data_ptr<uint8_t>(), fmt_gu, I, w_down.data_ptr<uint8_t>(), fmt_down,
+                 k_out, y.data_ptr<float>());
   return y;
 }
 
@@ -397,6 +436,126 @@ at::Tensor block_rows(const at::Tensor& w, int64_t fmt, int64_t n, int64_t k,
   return out;
 }
 
+// ---- one Llama decoder layer over blocks (decode and verify calls) -------------------------
+
+// HF's rotary for the rows of x (row (b, s) at x + (b * S + s) * ldx, its heads D apart) into
+// out (head h of row (b, s) at out + b * ob + h * oh + s * os): t * cos + rotate_half(t) * sin,
+// the products rounded before the sum, as leapfx_cpu::rope (cpu_gemm.cpp) computes it.
+__attribute__((optimize("fp-contract=off"))) void rope_rows(
+    const float* x, int64_t ldx, int64_t B, int64_t S, int64_t heads, int64_t D,
+    const float* cos, const float* sin, float* out, int64_t ob, int64_t oh, int64_t os) {
+  const int64_t half = D / 2;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t s = 0; s < S; ++s)
+      for (int64_t h = 0; h < heads; ++h) {
+        const float* t = x + (b * S + s) * ldx + h * D;
+        const float* c = cos + (b * S + s) * D;
+        const float* n = sin + (b * S + s) * D;
+        float* o = out + b * ob + h * oh + s * os;
+        for (int64_t d = 0; d < half; ++d) {
+          const float a = t[d] * c[d], r = (-t[d + half]) * n[d];
+          o[d] = a + r;
+        }
+        for (int64_t d = half; d < D; ++d) {
+          const float a = t[d] * c[d], r = t[d - half] * n[d];
+          o[d] = a + r;
+        }
+      }
+}
+
+// A Llama decoder layer (no biases, SiLU gating, plain causal attention) for hidden states h
+// [B, S, H] at positions [S] over the cache buffers k_cache, v_cache [B, Hkv, max_len, D]:
+//   x = rms_norm(h); q, k, v = x @ [wq | wk | wv].T; q, k = rope(q, k); the cache's slots
+//   start .. start + S - 1 <- k, v; a = attention(q, slots 0 .. start + S - 1);
+//   h1 = h + a @ wo.T; out = h1 + down(silu(rms_norm(h1) @ gate.T) * (... @ up.T))
+// Each step is the computation of the op the eager layer calls for it (leapfx_vec::rms_norm,
+// these products, leapfx_cpu::rope's arithmetic, leapfx_cpu::attention itself), so the result
+// equals the eager layer's bitwise; one call instead of ~10 and the Python between them.
+at::Tensor block_decoder_layer(
+    const at::Tensor& h, const at::Tensor& norm_in, double eps_in, double offset_in,
+    const at::Tensor& wq, const at::Tensor& wk, const at::Tensor& wv, int64_t fmt_qkv,
+    const at::Tensor& wo, int64_t fmt_o, const at::Tensor& norm_post, double eps_post,
+    double offset_post, const at::Tensor& w_gate, const at::Tensor& w_up, int64_t fmt_gu,
+    int64_t I, const at::Tensor& w_down, int64_t fmt_down, at::Tensor& k_cache,
+    at::Tensor& v_cache, int64_t start, const at::Tensor& cos, const at::Tensor& sin,
+    const at::Tensor& positions, double scale) {
+  const char* op = "leapfx_cpu::block_decoder_layer";
+  TORCH_CHECK(h.dim() == 3 && h.scalar_type() == at::kFloat && h.device().is_cpu(), op,
+              ": h must be float32 [B, S, H] on the CPU, got ", h.sizes());
+  const int64_t B = h.size(0), S = h.size(1), H = h.size(2);
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.size(0) == B &&
+                  k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat &&
+                  k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
+              op, ": k_cache, v_cache must be float32 [B, Hkv, max_len, D], got ",
+              k_cache.sizes(), " and ", v_cache.sizes());
+  const int64_t Hkv = k_cache.size(1), D = k_cache.size(3), end = start + S;
+  TORCH_CHECK(start >= 0 && end <= k_cache.size(2), op, ": slots ", start, " .. ", end - 1,
+              " outside the cache's ", k_cache.size(2));
+  const int64_t nq = wq.size(0), nkv = Hkv * D, Hq = nq / D;
+  check(h, wq, fmt_qkv, nq, H, op);
+  check(h, wk, fmt_qkv, nkv, H, op);
+  check(h, wv, fmt_qkv, nkv, H, op);
+  TORCH_CHECK(nq % D == 0 && D % 2 == 0 && Hq % Hkv == 0, op, ": q rows ", nq, ", ", Hkv,
+              " kv heads of ", D);
+  check(at::empty({1, nq}, h.options()), wo, fmt_o, H, nq, op);
+  check(h, w_gate, fmt_gu, I, H, op);
+  check(h, w_up, fmt_gu, I, H, op);
+  check(at::empty({1, I}, h.options()), w_down, fmt_down, H, I, op);
+  for (const at::Tensor* w : {&norm_in, &norm_post})
+    TORCH_CHECK(w->dim() == 1 && w->size(0) == H && w->scalar_type() == at::kFloat, op,
+                ": norm weights must be float32 [", H, "]");
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.dim() == 3 && cos.size(0) == B &&
+                  cos.size(1) == S && cos.size(2) == D && cos.scalar_type() == at::kFloat &&
+                  sin.scalar_type() == at::kFloat,
+              op, ": cos, sin [", B, ", ", S, ", ", D, "] float32 expected, got ", cos.sizes());
+  const at::Tensor hc = h.contiguous(), c = cos.contiguous(), n = sin.contiguous();
+  const at::Tensor nin = norm_in.contiguous(), npost = norm_post.contiguous();
+  const int64_t M = B * S, nqkv = nq + 2 * nkv;
+  const float* hp = hc.data_ptr<float>();
+  std::vector<float> x(M * H), qkv(M * nqkv);
+  for (int64_t m = 0; m < M; ++m)
+    leapfx_vec::rms_norm(hp + m * H, nin.data_ptr<float>(), H, eps_in, offset_in,
+                         x.data() + m * H);
+  float* qp = qkv.data();
+  matmul_parts(x.data(), H, M,
+               {{wq.data_ptr<uint8_t>(), nq, qp}, {wk.data_ptr<uint8_t>(), nkv, qp + nq},
+                {wv.data_ptr<uint8_t>(), nkv, qp + nq + nkv}},
+               fmt_qkv, H, nqkv);
+  // q [B, Hq, S, D]; k, v straight into the cache's slots start ..
+  at::Tensor q = at::empty({B, Hq, S, D}, h.options());
+  rope_rows(qp, nqkv, B, S, Hq, D, c.data_ptr<float>(), n.data_ptr<float>(), q.data_ptr<float>(),
+            Hq * S * D, S * D, D);
+  float* kp = k_cache.data_ptr<float>() + start * k_cache.stride(2);
+  rope_rows(qp + nq, nqkv, B, S, Hkv, D, c.data_ptr<float>(), n.data_ptr<float>(), kp,
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2));
+  float* vp = v_cache.data_ptr<float>() + start * v_cache.stride(2);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t s = 0; s < S; ++s)
+      for (int64_t g = 0; g < Hkv; ++g)
+        std::memcpy(vp + b * v_cache.stride(0) + g * v_cache.stride(1) + s * v_cache.stride(2),
+                    qp + (b * S + s) * nqkv + nq + nkv + g * D, D * sizeof(float));
+  static const auto attention =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("leapfx_cpu::attention", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                            const at::Tensor&, double)>();
+  const at::Tensor a = attention.call(q, k_cache.narrow(2, 0, end), v_cache.narrow(2, 0, end),
+                                      positions, scale)
+                           .contiguous();  // [B, S, Hq, D]
+  at::Tensor out = at::empty({B, S, H}, h.options());
+  float* op_ = out.data_ptr<float>();
+  std::vector<float> o(M * H);
+  matmul_blocks(a.data_ptr<float>(), nq, M, wo.data_ptr<uint8_t>(), fmt_o, nq, H, o.data(), H);
+  for (int64_t i = 0; i < M * H; ++i) op_[i] = hp[i] + o[i];  // h1, the residual
+  for (int64_t m = 0; m < M; ++m)
+    leapfx_vec::rms_norm(op_ + m * H, npost.data_ptr<float>(), H, eps_post, offset_post,
+                         x.data() + m * H);
+  gated_mlp_rows(x.data(), M, H, w_gate.data_ptr<uint8_t>(), w_up.data_ptr<uint8_t>(), fmt_gu, I,
+                 w_down.data_ptr<uint8_t>(), fmt_down, H, o.data());
+  for (int64_t i = 0; i < M * H; ++i) op_[i] = op_[i] + o[i];
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(leapfx_cpu, m) {
@@ -406,6 +565,12 @@ TORCH_LIBRARY_FRAGMENT(leapfx_cpu, m) {
       "int fmt_down, int k_out) -> Tensor");
   m.def("block_dequantize(Tensor w, int fmt, int n, int k) -> Tensor");
   m.def("block_rows(Tensor w, int fmt, int n, int k, Tensor index) -> Tensor");
+  m.def(
+      "block_decoder_layer(Tensor h, Tensor norm_in, float eps_in, float offset_in, Tensor wq, "
+      "Tensor wk, Tensor wv, int fmt_qkv, Tensor wo, int fmt_o, Tensor norm_post, "
+      "float eps_post, float offset_post, Tensor w_gate, Tensor w_up, int fmt_gu, int i, "
+      "Tensor w_down, int fmt_down, Tensor(a!) k_cache, Tensor(b!) v_cache, int start, "
+      "Tensor cos, Tensor sin, Tensor positions, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(leapfx_cpu, CPU, m) {
@@ -413,4 +578,5 @@ TORCH_LIBRARY_IMPL(leapfx_cpu, CPU, m) {
   m.impl("block_gated_mlp", &block_gated_mlp);
   m.impl("block_dequantize", &block_dequantize);
   m.impl("block_rows", &block_rows);
+  m.impl("block_decoder_layer", &block_decoder_layer);
 }

@@ -19,18 +19,23 @@ float32: 11 significant bits times at most 8; only Q4_1's ``+ m`` rounds, once, 
 does), multiplied by float32 activations and summed in float32. So a product differs from
 ``x @ dequantize(w).T`` by summation order only (the tests compare at that tolerance).
 
-=================================  ===============================================================
-op                                 signature
-=================================  ===============================================================
-``leapfx_cpu::block_mm``           ``(x [..., K] float32, data, fmt, n, k) -> [..., n]``:
-                                   ``x @ W.T``; rows of ``x`` share each block's dequantization
-                                   (up to 8 at a time)
-``leapfx_cpu::block_gated_mlp``    ``(x, gate, up, fmt, I, down, fmt, K)`` (data each):
-                                   ``down(silu(x @ gate.T) * (x @ up.T))`` in one call
-``leapfx_cpu::block_dequantize``   ``(data, fmt, n, k) -> [n, k]`` float32
-``leapfx_cpu::block_rows``         ``(data, fmt, n, k, index [...]) -> [..., k]``: rows of W
-                                   dequantized (an embedding lookup)
-=================================  ===============================================================
+===================================  =============================================================
+op                                   signature
+===================================  =============================================================
+``leapfx_cpu::block_mm``             ``(x [..., K] float32, data, fmt, n, k) -> [..., n]``:
+                                     ``x @ W.T``; rows of ``x`` share each block's dequantization
+                                     (up to 8 at a time)
+``leapfx_cpu::block_gated_mlp``      ``(x, gate, up, fmt, I, down, fmt, K)`` (data each):
+                                     ``down(silu(x @ gate.T) * (x @ up.T))`` in one call
+``leapfx_cpu::block_dequantize``     ``(data, fmt, n, k) -> [n, k]`` float32
+``leapfx_cpu::block_rows``           ``(data, fmt, n, k, index [...]) -> [..., k]``: rows of W
+                                     dequantized (an embedding lookup)
+``leapfx_cpu::block_decoder_layer``  ``(h [B, S, H], norms, q, k, v, o, gate, up, down blocks,
+                                     k_cache, v_cache, start, cos, sin, positions, scale)``: a
+                                     Llama decoder layer in one call, its keys and values written
+                                     into the cache buffers at slots ``start ..``; bitwise the
+                                     eager kernel layer's numbers (``modules.fused``)
+===================================  =============================================================
 
 :func:`quantize` writes a float32 weight as Q8_0, Q4_0 or Q4_1 blocks, bitwise as gguf's numpy
 ``quantize`` (ggml's reference rounding) does: a quantized copy of a float model
@@ -100,6 +105,10 @@ def available() -> bool:
     @torch.library.register_fake("leapfx_cpu::block_rows")
     def _rows_fake(w, fmt: int, n: int, k: int, index):
         return w.new_empty((*index.shape, k), dtype=torch.float32)
+
+    @torch.library.register_fake("leapfx_cpu::block_decoder_layer")
+    def _layer_fake(h, *args):
+        return h.new_empty(h.shape)
 
     return True
 

@@ -124,6 +124,14 @@ class StaticKVCache(LayerLengths):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.lengths[layer_idx]
 
+    @property
+    def appends(self) -> bool:
+        """Whether ``update`` is this class's own (write at the layer's fill length, return
+        the filled prefix): then a kernel layer may write the cache buffers itself and move
+        ``lengths`` as ``update`` would (``modules.fused.KernelDecoderLayer``). A subclass
+        with its own ``update`` (a batch's ragged rows) is not."""
+        return type(self).update is StaticKVCache.update
+
 
 def cache_for(
     model,

@@ -1,0 +1,125 @@
+"""``leapfx_cpu::block_decoder_layer``: a kernel layer over GGUF blocks as one call.
+
+Over the block formats, 1..8 query rows and random cache fills, the one call gives bitwise the
+numbers of the eager kernel layer's ~10 calls (``KernelDecoderLayer`` on its per-op path) and
+writes the same keys and values into the same cache slots; the fill lengths move as
+``StaticKVCache.update`` moves them. A layer the op does not compute (float weights, biases,
+q/k norms) keeps the per-op path.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from leapfx.kernels import cpu_attention, cpu_blocks
+from leapfx.modules.blocks import quantized_copy
+from leapfx.modules.fused import FusedDecoderLayer, KernelDecoderLayer
+from leapfx.runtime.cache import StaticKVCache
+from tests.conftest import tiny_model
+
+pytestmark = pytest.mark.skipif(
+    not (cpu_blocks.available() and cpu_attention.available()),
+    reason="the leapfx_cpu block and attention kernels did not build here",
+)
+
+
+def block_layer(fmt: str, arch: str = "llama", seed: int = 0) -> tuple[KernelDecoderLayer, object]:
+    # head_dim 32: hidden 128 and intermediate 256, multiples of 32 (a block's weights)
+    model = tiny_model(arch, layers=1, heads=4, kv_heads=2, head_dim=32, seed=seed)
+    layer, count, _ = quantized_copy(model.model.layers[0], fmt)
+    assert count == 7
+    return KernelDecoderLayer(layer), model
+
+
+def run(layer, model, x, start, cache, *, whole: bool):
+    pos = torch.arange(start, start + x.shape[1])[None]
+    rope = model.model.rotary_emb(x, pos)
+    saved = layer._whole
+    if not whole:
+        layer._whole = None
+    try:
+        with torch.no_grad():
+            return layer(x, None, rope, pos, cache)
+    finally:
+        layer._whole = saved
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    fmt=st.sampled_from(cpu_blocks.QUANTIZABLE),
+    rows=st.integers(1, 8),
+    start=st.integers(0, 40),
+    seed=st.integers(0, 2**16),
+)
+def test_one_call_is_the_eager_kernel_layer_bitwise(fmt, rows, start, seed):
+    layer, model = block_layer(fmt, seed=seed % 7)
+    assert layer._whole is not None
+    gen = torch.Generator().manual_seed(seed)
+    prefix = torch.randn(1, 2, 64, 32, generator=gen), torch.randn(1, 2, 64, 32, generator=gen)
+    x = torch.randn(1, rows, 128, generator=gen)
+    outs, caches = [], []
+    for whole in (True, False):
+        cache = StaticKVCache(1, 2, 32, 64)
+        cache.keys[0].copy_(prefix[0]), cache.values[0].copy_(prefix[1])
+        cache.lengths = [start]
+        outs.append(run(layer, model, x, start, cache, whole=whole))
+        caches.append(cache)
+    assert torch.equal(outs[0], outs[1])
+    assert caches[0].lengths == caches[1].lengths == [start + rows]
+    assert torch.equal(caches[0].keys[0], caches[1].keys[0])
+    assert torch.equal(caches[0].values[0], caches[1].values[0])
+
+
+def test_one_call_is_the_float_layer_up_to_summation_order():
+    layer, model = block_layer("Q8_0")
+    float_layer = FusedDecoderLayer(quantized_copy_as_float(layer.layer))
+    x = torch.randn(1, 3, 128)
+    out = []
+    for mod in (layer, float_layer):
+        cache = StaticKVCache(1, 2, 32, 16)
+        out.append(run(mod, model, x, 0, cache, whole=True) if mod is layer else None)
+        if mod is float_layer:
+            pos = torch.arange(3)[None]
+            mask = torch.full((3, 3), float("-inf")).triu(1)[None, None]
+            with torch.no_grad():
+                out[-1] = mod(x, mask, model.model.rotary_emb(x, pos), pos, cache)
+    torch.testing.assert_close(out[0], out[1], rtol=1e-5, atol=1e-5)
+
+
+def quantized_copy_as_float(layer):
+    """``layer`` with each block linear as an nn.Linear over its dequantized weight."""
+    import copy
+
+    from leapfx.modules.blocks import BlockLinear
+
+    out = copy.deepcopy(layer)
+    for name, mod in list(out.named_modules()):
+        if isinstance(mod, BlockLinear):
+            lin = torch.nn.Linear(mod.in_features, mod.out_features, bias=False)
+            lin.weight = torch.nn.Parameter(mod.weight, requires_grad=False)
+            out.set_submodule(name, lin)
+    return out
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_layers_the_op_does_not_compute_keep_their_calls(arch):
+    # qwen2: q/k/v biases; qwen3: q/k norms
+    layer, _ = block_layer("Q8_0", arch)
+    assert layer._whole is None
+
+
+def test_float_layers_keep_their_calls():
+    model = tiny_model("llama", layers=1, heads=4, kv_heads=2, head_dim=32)
+    assert KernelDecoderLayer(model.model.layers[0])._whole is None
+
+
+def test_a_ragged_cache_keeps_the_calls():
+    class Ragged(StaticKVCache):
+        def update(self, *args, **kwargs):
+            return super().update(*args, **kwargs)
+
+    assert StaticKVCache(1, 2, 32, 8).appends
+    assert not Ragged(1, 2, 32, 8).appends
