@@ -1,7 +1,7 @@
 """Measure what bounds decoding SmolLM2 from its GGUF blocks on this machine (docs/quantized.md).
 
     python tools/measure_blocks.py products     # bandwidth; float32 vs block products per shape
-    python tools/measure_blocks.py step         # a decode step, and its time outside products
+    python tools/measure_blocks.py step         # a decode step, native and float32 interleaved
     python tools/measure_blocks.py load         # load time (cold / cached / first) and memory
 
 Each part prints one table; times are the minimum over 7 rounds of the mean of a batch of calls
@@ -103,22 +103,33 @@ def products() -> dict:
     return out
 
 
-def step(weights: str, tokens: int = 64) -> dict:
-    """leapfx autoregressive on SmolLM2 (a HumanEval prompt): ms per token over ``tokens``
-    greedy tokens, the prefill and first token excluded (the difference of two lengths)."""
+def step(tokens: int = 64, rounds: int = 3) -> list[dict]:
+    """leapfx autoregressive on SmolLM2 (a HumanEval prompt), native blocks and float32 weights
+    in one process, their rounds interleaved (a shared machine's noise falls on both): ms per
+    token over ``tokens`` greedy tokens, the prefill and first token excluded (the difference
+    of two lengths), each the best of ``rounds``."""
     from leapfx import rewrite
     from leapfx.bench.prompt_sets import load_prompt_set
     from leapfx.models import load_model
 
-    model, tok = load_model("smollm2", weights=weights, progress=False)
-    sm = rewrite.apply(model, "autoregressive")
-    ids = load_prompt_set("humaneval", tok, count=1)[0]
-    new = sm.generate(ids, max_new_tokens=1 + tokens).shape[1] - ids.shape[1] - 1
-    short = min(_once(lambda: sm.generate(ids, max_new_tokens=1)) for _ in range(3))
-    long = min(_once(lambda: sm.generate(ids, max_new_tokens=1 + tokens)) for _ in range(3))
-    ms = (long - short) / new * 1e3
-    print(f"weights {weights}: {ms:.2f} ms a token ({1e3 / ms:.1f} tok/s) over {new} tokens")
-    return {"weights": weights, "ms_per_token": ms, "tokens": new}
+    runs = {}
+    for weights in ("native", "float32"):
+        model, tok = load_model("smollm2", weights=weights, progress=False)
+        sm = rewrite.apply(model, "autoregressive")
+        ids = load_prompt_set("humaneval", tok, count=1)[0]
+        new = sm.generate(ids, max_new_tokens=1 + tokens).shape[1] - ids.shape[1] - 1
+        runs[weights] = (sm, ids, new, [], [])
+    for _ in range(rounds):
+        for sm, ids, _, short, long in runs.values():
+            short.append(_once(lambda sm=sm, ids=ids: sm.generate(ids, max_new_tokens=1)))
+            long.append(_once(lambda sm=sm, ids=ids: sm.generate(ids, max_new_tokens=1 + tokens)))
+    out = []
+    for weights, (_, _, new, short, long) in runs.items():
+        ms = (min(long) - min(short)) / new * 1e3
+        print(f"weights {weights}: {ms:.2f} ms a token ({1e3 / ms:.1f} tok/s) over {new} tokens")
+        out.append({"weights": weights, "ms_per_token": ms, "tokens": new})
+    print(f"native / float32: {out[1]['ms_per_token'] / out[0]['ms_per_token']:.2f}x")
+    return out
 
 
 def _once(fn) -> float:
@@ -187,13 +198,14 @@ def main() -> None:
     parser.add_argument("part", choices=("products", "step", "load"))
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--json", default=None, help="also write the numbers here")
+    parser.add_argument("--rounds", type=int, default=3, help="step: interleaved rounds, best of")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.part == "products":
         out = products()
     elif args.part == "step":
-        out = {"steps": [step("native"), step("float32")]}
+        out = {"steps": step(rounds=args.rounds)}
     else:
         out = load()
     if args.json:
