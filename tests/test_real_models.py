@@ -342,9 +342,10 @@ def test_smollm2_native_loads_fast_and_small():
         model(tok("Hello", return_tensors="pt").input_ids)
     grown = resident_bytes() - before
     assert seconds < 15, seconds  # ~1 s here; a loaded CI machine gets room
-    # the blocks (the file, memory-mapped), q/k's reordered copies and the tokenizer (~50 MB,
-    # as on the float path): ~1.65x the file here, against ~6x for float32 weights
-    assert grown < 2 * size, (grown, size)
+    # the blocks (the file, memory-mapped; q/k's rows reordered in place of the file's), the
+    # tokenizer (~15 MB) and the model's objects: ~1.3x the file here, against ~5.6x for
+    # float32 weights
+    assert grown < 1.5 * size, (grown, size)
 
 
 def test_cache_root_default(monkeypatch, tmp_path):
