@@ -1,7 +1,8 @@
-"""``leapfx_cpu::block_decoder_layer``: a kernel layer over GGUF blocks as one call.
+"""``BlockDecoderLayer`` (``leapfx_cpu::block_decoder_layer``): a kernel layer over GGUF blocks
+as one call.
 
 Over the block formats, 1..8 query rows and random cache fills, the one call gives bitwise the
-numbers of the eager kernel layer's ~10 calls (``KernelDecoderLayer`` on its per-op path) and
+numbers of the eager kernel layer's ~10 calls (``KernelDecoderLayer``'s per-op path) and
 writes the same keys and values into the same cache slots; the fill lengths move as
 ``StaticKVCache.update`` moves them. A layer the op does not compute (float weights, biases,
 q/k norms) keeps the per-op path.
@@ -15,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from leapfx.kernels import cpu_attention, cpu_blocks
+from leapfx.modules.block_layer import BlockDecoderLayer, kernel_decoder_layer
 from leapfx.modules.blocks import quantized_copy
 from leapfx.modules.fused import FusedDecoderLayer, KernelDecoderLayer
 from leapfx.runtime.cache import StaticKVCache
@@ -26,12 +28,14 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def block_layer(fmt: str, arch: str = "llama", seed: int = 0) -> tuple[KernelDecoderLayer, object]:
+def block_layer(fmt: str, arch: str = "llama", seed: int = 0) -> tuple[BlockDecoderLayer, object]:
     # head_dim 32: hidden 128 and intermediate 256, multiples of 32 (a block's weights)
     model = tiny_model(arch, layers=1, heads=4, kv_heads=2, head_dim=32, seed=seed)
     layer, count, _ = quantized_copy(model.model.layers[0], fmt)
     assert count == 7
-    return KernelDecoderLayer(layer), model
+    kernel = kernel_decoder_layer(layer)
+    assert type(kernel) is BlockDecoderLayer
+    return kernel, model
 
 
 def run(layer, model, x, start, cache, *, whole: bool):
@@ -113,7 +117,7 @@ def test_layers_the_op_does_not_compute_keep_their_calls(arch):
 
 def test_float_layers_keep_their_calls():
     model = tiny_model("llama", layers=1, heads=4, kv_heads=2, head_dim=32)
-    assert KernelDecoderLayer(model.model.layers[0])._whole is None
+    assert type(kernel_decoder_layer(model.model.layers[0])) is KernelDecoderLayer
 
 
 def test_a_ragged_cache_keeps_the_calls():

@@ -2,13 +2,14 @@
 ``leapfx_cpu`` kernels.
 
 ``kernel_stages`` copies each stage with its fused layers' projections (``KernelDecoderLayer``,
-``KernelLinear``), an MoE layer's attention and resident experts (``KernelAttention``,
-``KernelExperts``), M2R2's fast layers and SpecEE's exit checks on the kernels; its norms as one
-op each and its rotary read from a table (``_eager_norms_and_rotary``); M2R2's gate stages as
-one op where one covers them (``passes.kernel_gate``). Where only the attention kernel reads a
-stage's masks, the runner builds none for the rows it takes (``mask_free``), and LayerSkip's
-greedy rounds draft through one ``EagerChain`` call. ``with_transposed_weights`` is shared with
-the Inductor lowering (``compile.py``), whose CPU stages multiply by transposed copies.
+``KernelLinear``; a layer over GGUF blocks as one call, ``BlockDecoderLayer``), an MoE layer's
+attention and resident experts (``KernelAttention``, ``KernelExperts``), M2R2's fast layers and
+SpecEE's exit checks on the kernels; its norms as one op each and its rotary read from a table
+(``_eager_norms_and_rotary``); M2R2's gate stages as one op where one covers them
+(``passes.kernel_gate``). Where only the attention kernel reads a stage's masks, the runner
+builds none for the rows it takes (``mask_free``), and LayerSkip's greedy rounds draft through
+one ``EagerChain`` call. ``with_transposed_weights`` is shared with the Inductor lowering
+(``compile.py``), whose CPU stages multiply by transposed copies.
 
     >>> lower(sm, "cpu_kernels").cpu_kernels     # a float32 CPU model
     True
@@ -24,6 +25,7 @@ from torch import fx
 
 from ..kernels import cpu
 from ..modules import fused
+from ..modules.block_layer import kernel_decoder_layer
 from ..modules.draft_vocab import KernelSubsetHead, SubsetLMHead
 from ..modules.fused import (
     FusedAttention,
@@ -74,7 +76,7 @@ def with_transposed_weights(
     KernelAcceleratedLayer for M2R2's fast layers) instead of
     ``torch.matmul``, and run SpecEE's exit checks as one op each (KernelLayerExit).
     """
-    layer_cls = KernelDecoderLayer if kernels else TransposedDecoderLayer
+    layer_cls = kernel_decoder_layer if kernels else TransposedDecoderLayer
     linear_cls = KernelLinear if kernels else TransposedLinear
     gm = fx.GraphModule(stage, copy.deepcopy(stage.graph), class_name=type(stage).__name__)
     for node in gm.graph.nodes:

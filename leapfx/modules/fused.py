@@ -30,7 +30,7 @@ from torch import nn
 from transformers.activations import SiLUActivation
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from ..kernels import cpu, cpu_attention, cpu_blocks
+from ..kernels import cpu, cpu_attention
 from ..kernels.cpu import pack_weight
 from .blocks import BlockLinear
 from .hf import expert_tensors
@@ -411,75 +411,6 @@ class KernelDecoderLayer(FusedDecoderLayer):
         self._down_out = mlp.down_proj.out_features
         kernel_weight(self, "gate_up", [mlp.gate_proj, mlp.up_proj])
         kernel_weight(self, "down", [mlp.down_proj])
-        self._whole = self._whole_layer_args(layer)
-
-    def _whole_layer_args(self, layer: nn.Module) -> tuple | None:
-        """The arguments of ``leapfx_cpu::block_decoder_layer`` that do not change between
-        calls, where that op computes this layer: every projection GGUF blocks (q, k and v of
-        one format, no biases), SiLU gating, plain causal attention through the kernel, both
-        norms RMSNorms and the rotary HF's (checked on probes). Else None."""
-        attn = layer.self_attn
-        norms = [rms_params(n) for n in (layer.input_layernorm, layer.post_attention_layernorm)]
-        qkv, o = self._blocks_qkv, self._blocks_o
-        gu, down = self._blocks_gate_up, self._blocks_down
-        if (
-            None in (qkv, o, gu, down, *norms) or len(qkv[1]) != 3 or self.b_qkv is not None
-            or attn.o_proj.bias is not None or not self._silu or self._qk_norm
-            or not self._kernel_attention or not self._rope_kernel
-            or not cpu_blocks.available()
-        ):  # fmt: skip
-            return None
-        (w_in, eps_in, off_in), (w_post, eps_post, off_post) = norms
-        return (
-            w_in.detach(), eps_in, off_in, self.w_qkv_0, self.w_qkv_1, self.w_qkv_2, qkv[0],
-            self.w_o_0, o[0], w_post.detach(), eps_post, off_post, self.w_gate_up_0,
-            self.w_gate_up_1, gu[0], gu[1][0], self.w_down_0, down[0],
-        )  # fmt: skip
-
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        position_ids: torch.Tensor | None = None,
-        past_key_values=None,
-    ) -> torch.Tensor:
-        """The layer as one ``leapfx_cpu::block_decoder_layer`` call where it computes it
-        (blocks, see ``_whole_layer_args``; one sequence's rows on a cache whose ``update``
-        appends, where ``_attend`` would attend through ``leapfx_cpu::attention``; eager
-        code without gradients): the same numbers as the calls below it, bitwise."""
-        whole = self._whole
-        if (
-            whole is None or past_key_values is None or position_ids is None
-            or position_ids.shape[0] != 1 or not getattr(past_key_values, "appends", False)
-            or torch.compiler.is_compiling()
-            or (torch.is_grad_enabled() and hidden_states.requires_grad)
-            or hidden_states.dtype != torch.float32 or hidden_states.device.type != "cpu"
-        ):  # fmt: skip
-            return super().forward(
-                hidden_states, attention_mask, position_embeddings, position_ids,
-                past_key_values,
-            )  # fmt: skip
-        cos, sin = position_embeddings
-        index = self.layer.self_attn.layer_idx
-        start = past_key_values.lengths[index]
-        end = start + hidden_states.shape[1]
-        if (
-            cos.dim() != 3 or cos.dtype != torch.float32
-            or (hidden_states.shape[1] > 1 and end > KERNEL_ROWS_MAX_KEYS)
-        ):  # fmt: skip
-            return super().forward(
-                hidden_states, attention_mask, position_embeddings, position_ids,
-                past_key_values,
-            )  # fmt: skip
-        past_key_values.check_room(end)
-        out = torch.ops.leapfx_cpu.block_decoder_layer(
-            hidden_states, *whole, past_key_values.keys[index], past_key_values.values[index],
-            start, cos, sin, position_ids[0], self.layer.self_attn.scaling,
-        )  # fmt: skip
-        past_key_values.lengths[index] = end
-        return out
-
     def _linear(self, x: torch.Tensor, module: nn.Linear, name: str) -> torch.Tensor:
         # Only o_proj reaches _linear here: q/k/v go through _qkv, the MLP through _mlp.
         (out,) = kernel_mm(self, "o", x, self._o_out)
