@@ -411,6 +411,7 @@ class KernelDecoderLayer(FusedDecoderLayer):
         self._down_out = mlp.down_proj.out_features
         kernel_weight(self, "gate_up", [mlp.gate_proj, mlp.up_proj])
         kernel_weight(self, "down", [mlp.down_proj])
+
     def _linear(self, x: torch.Tensor, module: nn.Linear, name: str) -> torch.Tensor:
         # Only o_proj reaches _linear here: q/k/v go through _qkv, the MLP through _mlp.
         (out,) = kernel_mm(self, "o", x, self._o_out)
