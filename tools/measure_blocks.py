@@ -2,6 +2,7 @@
 
     python tools/measure_blocks.py products     # bandwidth; float32 vs block products per shape
     python tools/measure_blocks.py step         # a decode step, native and float32 interleaved
+    python tools/measure_blocks.py layer        # one native layer: one call vs its ~10 calls
     python tools/measure_blocks.py load         # load time (cold / cached / first) and memory
 
 Each part prints one table; times are the minimum over 7 rounds of the mean of a batch of calls
@@ -132,6 +133,46 @@ def step(tokens: int = 64, rounds: int = 3) -> list[dict]:
     return out
 
 
+def layer(cached: int = 150) -> dict:
+    """One SmolLM2 decoder layer's decode step over ``cached`` cached positions, native blocks:
+    ``BlockDecoderLayer``'s one ``block_decoder_layer`` call against the per-op path of
+    ``KernelDecoderLayer`` (the same module, its one-call arguments set aside), interleaved;
+    microseconds, the best of 3 interleaved passes of 7 rounds. The two give the same numbers
+    (checked)."""
+    from leapfx import rewrite
+    from leapfx.lower.cpu_kernels import kernel_stages
+    from leapfx.models import load_model
+    from leapfx.modules.block_layer import BlockDecoderLayer
+    from leapfx.runtime.cache import cache_for
+
+    model, _ = load_model("smollm2", progress=False)
+    stage = next(iter(kernel_stages(rewrite.apply(model, "autoregressive")).values()))
+    mod = next(m for m in stage.modules() if isinstance(m, BlockDecoderLayer))
+    cache = cache_for(model, cached + 8)
+    h = torch.randn(1, 1, model.config.hidden_size)
+    pos = torch.tensor([[cached]])
+    rope = model.model.rotary_emb(h, pos)
+    whole = mod._whole
+
+    def call(args) -> torch.Tensor:
+        mod._whole = args
+        cache.lengths[0] = cached
+        return mod(h, None, rope, pos, cache)
+
+    with torch.no_grad():
+        assert torch.equal(call(whole), call(None))
+        one = _time(lambda: call(whole), 200) * 1e6
+        per_op = _time(lambda: call(None), 200) * 1e6
+        for _ in range(2):  # interleaved: a shared machine's noise falls on both
+            one = min(one, _time(lambda: call(whole), 200) * 1e6)
+            per_op = min(per_op, _time(lambda: call(None), 200) * 1e6)
+    mod._whole = whole
+    print(f"one layer, {cached} cached positions: one call {one:.1f} us, per-op {per_op:.1f} us "
+          f"({per_op / one:.2f}x; x {model.config.num_hidden_layers} layers: "
+          f"{(per_op - one) * model.config.num_hidden_layers / 1e3:.2f} ms a token)")  # fmt: skip
+    return {"cached": cached, "one_call_us": one, "per_op_us": per_op}
+
+
 def _once(fn) -> float:
     start = time.perf_counter()
     fn()
@@ -195,7 +236,7 @@ def load() -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("part", choices=("products", "step", "load"))
+    parser.add_argument("part", choices=("products", "step", "layer", "load"))
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--json", default=None, help="also write the numbers here")
     parser.add_argument("--rounds", type=int, default=3, help="step: interleaved rounds, best of")
@@ -206,6 +247,8 @@ def main() -> None:
         out = products()
     elif args.part == "step":
         out = {"steps": step(rounds=args.rounds)}
+    elif args.part == "layer":
+        out = layer()
     else:
         out = load()
     if args.json:
