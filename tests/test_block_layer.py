@@ -127,3 +127,38 @@ def test_a_ragged_cache_keeps_the_calls():
 
     assert StaticKVCache(1, 2, 32, 8).appends
     assert not Ragged(1, 2, 32, 8).appends
+
+
+def test_a_long_prefix_or_another_batch_keeps_the_calls():
+    layer, model = block_layer("Q4_1")
+    x = torch.randn(1, 3, 128)
+    for start in (300, 0):  # several rows past KERNEL_ROWS_MAX_KEYS; then a short one
+        outs = []
+        for whole in (True, False):
+            cache = StaticKVCache(1, 2, 32, 320)
+            cache.lengths = [start]
+            pos = torch.arange(start, start + 3)[None]
+            mask = torch.zeros(1, 1, 3, start + 3)
+            rope = model.model.rotary_emb(x, pos)
+            saved = layer._whole
+            layer._whole = saved if whole else None
+            with torch.no_grad():
+                outs.append(layer(x, mask, rope, pos, cache))
+            layer._whole = saved
+        assert torch.equal(outs[0], outs[1])
+
+
+def test_decoding_a_block_model_calls_the_layer_op_and_keeps_its_tokens():
+    from leapfx import rewrite
+
+    model = tiny_model("llama", layers=2, heads=4, kv_heads=2, head_dim=32)
+    blocks, _, _ = quantized_copy(model, "Q4_1")
+    sm = rewrite.apply(blocks, "autoregressive", cpu_kernels=True)
+    stages = sm._executors.values()
+    layers = {m for s in stages for m in s.modules() if isinstance(m, BlockDecoderLayer)}
+    assert layers and all(m._whole is not None for m in layers)
+    ids = torch.tensor([[5, 9, 30, 70, 100]])
+    got = sm.generate(ids, max_new_tokens=12)
+    for m in layers:
+        m._whole = None
+    assert torch.equal(sm.generate(ids, max_new_tokens=12), got)

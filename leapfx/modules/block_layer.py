@@ -94,6 +94,7 @@ class BlockDecoderLayer(KernelDecoderLayer):
         end = start + hidden_states.shape[1]
         if (
             cos.dim() != 3 or cos.dtype != torch.float32
+            or cos.shape[0] != hidden_states.shape[0]
             or (hidden_states.shape[1] > 1 and end > KERNEL_ROWS_MAX_KEYS)
         ):  # fmt: skip
             return super().forward(
