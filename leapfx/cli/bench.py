@@ -487,7 +487,7 @@ def add_parser(sub) -> None:
     bench.add_argument(
         "--no-llama-cpp", action="store_true",
         help="no llama_cpp / llama_cpp_lookup rows for a GGUF model (they need the extra "
-        "llamacpp: pip install \"leapfx[llamacpp]\")",
+        "llamacpp: pip install -e '.[llamacpp]' in leapfx's checkout)",
     )  # fmt: skip
     bench.add_argument(
         "--random-model", default=None, metavar="SIZE",

@@ -480,7 +480,7 @@ def _require_onnx() -> None:
         import onnxscript  # noqa: F401  (torch's exporter translates through it)
     except ImportError:
         raise ImportError(
-            "export_onnx needs onnx and onnxscript: pip install 'leapfx[onnx]'"
+            "export_onnx needs onnx and onnxscript: pip install -e '.[onnx]' in leapfx's checkout"
         ) from None
 
 

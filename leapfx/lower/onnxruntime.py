@@ -498,7 +498,8 @@ class OnnxModel(GenerateFrontEnd):
             import onnxruntime as ort
         except ImportError:
             raise ImportError(
-                "OnnxModel needs onnxruntime: pip install 'leapfx[onnx]' (or 'leapfx[onnx-gpu]')"
+                "OnnxModel needs onnxruntime: pip install -e '.[onnx]' in leapfx's checkout "
+                "(or '.[onnx-gpu]')"
             ) from None
         self.path = Path(path)
         self.manifest = read_manifest(self.path)
