@@ -36,6 +36,7 @@ from .common import (
 def _bench(args: argparse.Namespace) -> int:
     import torch
 
+    from ..bench import compare as bench_compare
     from ..bench import llamacpp
     from ..bench.harness import BenchConfig, run_bench
     from ..bench.memory import timed_load
@@ -52,6 +53,8 @@ def _bench(args: argparse.Namespace) -> int:
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+    if args.compare is not None:
+        bench_compare.read_rows(args.compare)  # unreadable: refused before the run
     for flag in ("json", "plot"):
         out = getattr(args, flag)
         if out is not None and not os.path.isdir(os.path.dirname(os.path.abspath(out))):
@@ -138,6 +141,8 @@ def _bench(args: argparse.Namespace) -> int:
         if model_load is not None and not r.system.startswith("llama_cpp"):
             r.extra["load"] = model_load
     print(table(rows))
+    if args.compare is not None:
+        print(bench_compare.report([r.as_dict() for r in rows], args.compare))
     _load_lines(rows, model_load)
     if args.show_text:
         _show_text(rows, tokenizer)
@@ -527,6 +532,11 @@ def add_parser(sub) -> None:
         "kangaroo)",
     )  # fmt: skip
     bench.add_argument("--json", default=None, help="write the rows as JSON to this path")
+    bench.add_argument(
+        "--compare", default=None, metavar="OLD.json",
+        help="an earlier run's --json: print each ratio over leapfx_autoregressive that fell "
+        "by more than its pass-to-pass spread (at least 3%%)",
+    )  # fmt: skip
     bench.add_argument("--plot", default=None, help="write a PNG to this path")
     bench.add_argument(
         "--markdown", action="append", default=None, metavar="PATH",
