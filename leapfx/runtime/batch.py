@@ -61,6 +61,7 @@ from .schedules import (
     choose,
     draft_steps,
     requests_of,
+    shared_request,
 )
 
 DRAFTERS = ("none", "lookup", "stage", "eagle")
@@ -522,8 +523,8 @@ def _requests(rows: list[_Row]) -> list[DecodeRequest]:
 def choose_rows(logits: torch.Tensor, requests: list[DecodeRequest]) -> torch.Tensor:
     """Each row's next token [B, 1] from logits [B, V] (``schedules.choose``): at once where
     the rows share one request without processors, else a row at a time, in order."""
-    one = requests[0]
-    if all(r is one for r in requests) and (one.processing is None or not one.processing.active):
+    one = shared_request(requests)
+    if one is not None and (one.processing is None or not one.processing.active):
         return choose(logits, one)
     return torch.cat([choose(logits[b : b + 1], r) for b, r in enumerate(requests)])
 
