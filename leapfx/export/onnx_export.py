@@ -66,6 +66,7 @@ from ..lower.stage_signature import (  # discovery, shared with the compiled sta
     kv_shapes,
     refuse_stages,
 )
+from ..modules.blocks import float_weights
 from ..options import check_bool, check_int
 from ..passes.capture import LAYER, ROLE
 from .chain import chain_outputs, unroll_draft
@@ -603,30 +604,8 @@ def export_onnx(
         _remove_dirs(created)
         raise ValueError(f"path: cannot write in {str(target.parent)!r}: {exc.strerror}") from None
     try:
-        if format == "genai":
-            manifest = write_genai(sm, tmp, opset=opset, optimize=optimize, tokenizer=tokenizer)
-            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-            _replace(tmp, target, overwrite)
-            return target
-        signatures = {}
-        rewrites: dict[str, dict[str, int]] = {}
-        for name, stage in sm.stages.modules.items():
-            log.info("exporting stage %s", name)
-            file = tmp / f"{name}.onnx"
-            signatures[name] = _export_stage(sm, name, stage, file, opset, rewrites, optimize)
-        chain = chain_length(sm)
-        if chain:
-            log.info("composing stage %s (%d draft steps)", CHAIN_STAGE, chain)
-            _export_chain(tmp, chain, rewrites)
-        files = [*signatures, CHAIN_STAGE] if chain else list(signatures)
-        weights = share_weights(tmp, files)
-        for name in files:
-            _check(tmp / f"{name}.onnx", name)
-        manifest = _manifest(sm, opset, signatures, weights, rewrites, chain)
-        if tokenizer is not None:  # text in, text out for leapfx.deploy.Decoder
-            manifest["tokenizer"] = save_tokenizer(tokenizer, tmp)
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-        _replace(tmp, target, overwrite)
+        with float_weights(*sm.stages.modules.values()):  # a native GGUF model's blocks
+            _write(sm, tmp, target, opset, overwrite, optimize, format, tokenizer)
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         _remove_dirs(created)
@@ -636,6 +615,34 @@ def export_onnx(
         _remove_dirs(created)
         raise
     return target
+
+
+def _write(sm, tmp: Path, target: Path, opset, overwrite, optimize, format, tokenizer) -> None:
+    """The export written into ``tmp``, then moved to ``target`` (``export_onnx``'s body)."""
+    if format == "genai":
+        manifest = write_genai(sm, tmp, opset=opset, optimize=optimize, tokenizer=tokenizer)
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        _replace(tmp, target, overwrite)
+        return
+    signatures = {}
+    rewrites: dict[str, dict[str, int]] = {}
+    for name, stage in sm.stages.modules.items():
+        log.info("exporting stage %s", name)
+        file = tmp / f"{name}.onnx"
+        signatures[name] = _export_stage(sm, name, stage, file, opset, rewrites, optimize)
+    chain = chain_length(sm)
+    if chain:
+        log.info("composing stage %s (%d draft steps)", CHAIN_STAGE, chain)
+        _export_chain(tmp, chain, rewrites)
+    files = [*signatures, CHAIN_STAGE] if chain else list(signatures)
+    weights = share_weights(tmp, files)
+    for name in files:
+        _check(tmp / f"{name}.onnx", name)
+    manifest = _manifest(sm, opset, signatures, weights, rewrites, chain)
+    if tokenizer is not None:  # text in, text out for leapfx.deploy.Decoder
+        manifest["tokenizer"] = save_tokenizer(tokenizer, tmp)
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    _replace(tmp, target, overwrite)
 
 
 def _replace(tmp: Path, target: Path, overwrite: bool) -> None:
