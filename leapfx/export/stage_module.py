@@ -33,14 +33,14 @@ import torch
 from torch import fx, nn
 
 from ..lower.stage_signature import (  # the discovery's cache and the names, imported from here
-    FunctionalKVCache,  # noqa: F401
+    FunctionalKVCache,
     past_names,  # noqa: F401
     present_names,  # noqa: F401
 )
 from ..runtime.masks import position_masks
 
 
-class SlotWriteKVCache:
+class SlotWriteKVCache(FunctionalKVCache):
     """``update`` writes new keys/values into the whole buffers at their positions.
 
     Functional (``scatter``, not ``scatter_``): the written buffers are the presents, which the
@@ -53,39 +53,28 @@ class SlotWriteKVCache:
     (torch.Size([1, 2, 8, 4]), [0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0])
     """
 
-    is_compileable = False  # read by HF code paths that ask; we are not an HF Cache
-
     def __init__(
         self,
         past: dict[int, tuple[torch.Tensor, torch.Tensor]],
         positions: dict[int, torch.Tensor],
     ) -> None:
-        self.past = past
+        super().__init__(past)
         self.positions = positions  # cache layer -> the positions [S] its new keys go to
-        self.present: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def update(
-        self,
-        key_states: torch.Tensor,
-        value_states: torch.Tensor,
-        layer_idx: int,
-        cache_kwargs: dict | None = None,
-        **kwargs,  # transformers >= 5.24 passes the attention's kwargs (unused)
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        # key_states: [B, H_kv, S, D] -> written into past [B, H_kv, max_cache_len, D]
-        assert layer_idx not in self.present, f"cache layer {layer_idx} written twice in a stage"
+    def claim(self, layer_idx: int, n: int) -> torch.Tensor:
+        super().claim(layer_idx, n)  # written once
+        return self.positions[layer_idx]
+
+    def write(self, layer_idx: int, at: torch.Tensor, key_states, value_states) -> None:
+        # key_states: [B, H_kv, S, D] -> written into past [B, H_kv, max_cache_len, D] at [S]
         past_k, past_v = self.past[layer_idx]
         # scatter along the sequence axis with the index spelled out per element: it exports
         # as ScatterElements straight on the past buffer (index_copy adds two transposes,
         # i.e. two copies of the whole buffer).
-        index = self.positions[layer_idx].view(1, 1, -1, 1).expand_as(key_states)
+        index = at.view(1, 1, -1, 1).expand_as(key_states)
         keys = past_k.scatter(2, index, key_states.to(past_k.dtype))
         values = past_v.scatter(2, index, value_states.to(past_v.dtype))
         self.present[layer_idx] = (keys, values)
-        return keys, values
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.past[layer_idx][0].shape[2]
 
 
 class ExportableStage(nn.Module):

@@ -53,7 +53,7 @@ from torch import fx
 from torch.utils._pytree import tree_map
 
 from ..options import check_bool, check_choice
-from ..runtime.cache import StaticKVCache
+from ..runtime.cache import KVCache, StaticKVCache
 from ..runtime.masks import column_masks, position_masks
 from ..runtime.runner import AttentionLayout
 from .chain import greedy_chain
@@ -61,11 +61,12 @@ from .cuda_graphs import MAX_TOKENS, GraphSet, graph_tokens
 from .stage_signature import EAGLE_STAGES, POSITION_MASKS
 
 
-class SlotKVCache:
+class SlotKVCache(KVCache):
     """What HF attention sees inside a compiled stage: writes at tensor positions.
 
-    ``update(k, v, layer)`` copies ``k``/``v`` [B, H_kv, S, D] into the layer's buffers at the
-    positions of the layer's group and returns the whole buffers [B, H_kv, max_len, D].
+    ``update(k, v, layer)`` (``runtime.cache.KVCache``'s) copies ``k``/``v`` [B, H_kv, S, D]
+    into the layer's buffers at the positions of the layer's group and returns the whole
+    buffers [B, H_kv, max_len, D].
     """
 
     is_compileable = True
@@ -81,15 +82,11 @@ class SlotKVCache:
         self.values = values
         self.positions = positions
 
-    def update(self, key_states, value_states, layer_idx, cache_kwargs=None, **kwargs):
-        pos = self.positions[layer_idx]  # [S]
+    def write(self, layer_idx: int, at: torch.Tensor, key_states, value_states) -> None:
+        # at: [S], the positions of the layer's group
         keys, values = self.keys[layer_idx], self.values[layer_idx]
-        keys.index_copy_(2, pos, key_states.to(keys.dtype))
-        values.index_copy_(2, pos, value_states.to(values.dtype))
-        return keys, values
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.keys[layer_idx].shape[2]
+        keys.index_copy_(2, at, key_states.to(keys.dtype))
+        values.index_copy_(2, at, value_states.to(values.dtype))
 
 
 class RowSlotKVCache(SlotKVCache):
@@ -111,19 +108,18 @@ class RowSlotKVCache(SlotKVCache):
         super().__init__(keys, values, columns)
         self.first = first
 
-    def update(self, key_states, value_states, layer_idx, cache_kwargs=None, **kwargs):
-        cols = self.positions[layer_idx]  # [B, S]
+    def write(self, layer_idx: int, at: torch.Tensor, key_states, value_states) -> None:
+        # at: [B, S], each row's own columns
         keys, values = self.keys[layer_idx], self.values[layer_idx]
         b, h = key_states.shape[:2]
-        device = cols.device
+        device = at.device
         index = (
             torch.arange(b, device=device)[:, None, None],
             torch.arange(h, device=device)[None, :, None],
-            cols[:, None, :],
+            at[:, None, :],
         )  # [B, H, S] each, broadcast: row, head, column
         keys.index_put_(index, key_states.to(keys.dtype))
         values.index_put_(index, value_states.to(values.dtype))
-        return keys, values
 
     def spans(self, layer_idx: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's first real column [B] and its queries' columns [B, n]."""
