@@ -38,6 +38,7 @@ from ..lower.stage_signature import (  # the discovery's cache and the names, im
     present_names,  # noqa: F401
 )
 from ..runtime.masks import position_masks
+from ..runtime.runner import AttentionLayout
 
 
 class SlotWriteKVCache(FunctionalKVCache):
@@ -77,7 +78,26 @@ class SlotWriteKVCache(FunctionalKVCache):
         self.present[layer_idx] = (keys, values)
 
 
-class ExportableStage(nn.Module):
+class StageFunction(nn.Module):
+    """A stage as a function of tensors that builds its own masks: ``cache_layers`` are the
+    cache layers it touches, in the order of its flat ``past``/``present`` arguments, and
+    ``layout`` the masks' kinds, attention implementation, window and dtype."""
+
+    def __init__(
+        self, stage: fx.GraphModule, *, cache_layers: list[int], layout: AttentionLayout
+    ) -> None:
+        super().__init__()
+        self.stage = stage
+        self.cache_layers = list(cache_layers)
+        self.kinds = tuple(dict.fromkeys(layout.kinds))
+        self.impl, self.window, self.dtype = layout.impl, layout.window, layout.dtype
+
+    def pasts(self, flat) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """Each cache layer's (key, value) from the flat ``key, value`` arguments."""
+        return {layer: (flat[2 * j], flat[2 * j + 1]) for j, layer in enumerate(self.cache_layers)}
+
+
+class ExportableStage(StageFunction):
     """``stage`` with tensor-only inputs and outputs (see the module docstring).
 
     ``tensor_inputs``: the stage's tensor placeholders in order (``input_ids``, ``position_ids``
@@ -95,21 +115,12 @@ class ExportableStage(nn.Module):
         groups: dict[str, tuple[str, list[int]]],
         cache_layers: list[int],
         output_names: list[str],
-        kinds: tuple[str, ...],
-        impl: str,
-        window: int | None,
-        dtype: torch.dtype,
+        layout: AttentionLayout,
     ) -> None:
-        super().__init__()
-        self.stage = stage
+        super().__init__(stage, cache_layers=cache_layers, layout=layout)
         self.tensor_inputs = list(tensor_inputs)
         self.groups = dict(groups)
-        self.cache_layers = list(cache_layers)
         self.output_names = list(output_names)
-        self.kinds = tuple(dict.fromkeys(kinds))
-        self.impl = impl
-        self.window = window
-        self.dtype = dtype
 
     def forward(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
         n = len(self.tensor_inputs)
@@ -119,8 +130,7 @@ class ExportableStage(nn.Module):
             # the exporter drop a free size (an export ~10% faster), and ONNX keeps no assert.
             c, m = named["exit_hidden"].shape[1], named["input_ids"].shape[1]
             torch._check(named["remainder_position_ids"].shape[1] == c + m)
-        flat = args[n:]
-        past = {layer: (flat[2 * j], flat[2 * j + 1]) for j, layer in enumerate(self.cache_layers)}
+        past = self.pasts(args[n:])
         positions: dict[int, torch.Tensor] = {}
         inputs: dict[str, object] = dict(named)
         for pos_name, (mask_input, layers) in self.groups.items():
