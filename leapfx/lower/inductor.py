@@ -388,18 +388,16 @@ class CompiledStage:
         del masks, remainder_masks  # built inside the graph from the positions
         if getattr(cache, "ragged", False):
             return self._call_rows(cache, tensors)
-        ends = {}
-        for pos_name, layers in self.groups.items():
-            n = tensors[pos_name].shape[1]
-            for layer in layers:
-                ends[layer] = cache.lengths[layer] + n
-        needed = max(ends.values(), default=0)
-        if self._padded:
-            needed = max(needed, cache.length + self.max_hidden + 1)
-        cache.check_room(needed)  # before the call: compiled kernels do not bounds-check
+        counts = {
+            layer: tensors[pos_name].shape[1]
+            for pos_name, layers in self.groups.items()
+            for layer in layers
+        }
+        room = cache.length + self.max_hidden + 1 if self._padded else 0
+        # before the call: compiled kernels do not bounds-check
+        ends = cache.reserve(counts, room=room)
         out = self._run(cache.keys, cache.values, tensors)
-        for layer, end in ends.items():
-            cache.lengths[layer] = end
+        cache.advance(ends)
         return out
 
     def _run(self, keys, values, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -448,7 +446,7 @@ class CompiledStage:
         batch = tensors["input_ids"].shape[0]
         stage = self._rows[0]
         first = torch.tensor(cache.first, device=device)
-        columns, ends = [], {}
+        columns, counts = [], {}
         for pos_name in stage.positions:
             n = tensors[pos_name].shape[1]
             layers = self.groups.get(pos_name, ())
@@ -459,13 +457,12 @@ class CompiledStage:
                         f"{self.name}: the cache layers {layers} that {pos_name} positions hold "
                         f"different row lengths {[cache.rows[i] for i in layers]}"
                     )
-                for layer in layers:
-                    ends[layer] = [s + n for s in starts]
+                counts.update(dict.fromkeys(layers, n))
                 cols = torch.tensor(starts, device=device)[:, None] + torch.arange(n, device=device)
             else:  # no cache layer reads it: the tokens' own columns, for its mask alone
                 cols = tensors[pos_name] + first[:, None]
             columns.append(cols)
-        cache.check_room(max((max(e) for e in ends.values()), default=0))
+        ends = cache.reserve(counts)
         args = [first, *(tensors[n] for n in self.tensor_inputs), *columns]
         one_token = all(t.shape[1] == 1 for t in args if t.dim() > 1)
 
@@ -483,9 +480,7 @@ class CompiledStage:
             args = [t.clone(memory_format=torch.contiguous_format) for t in args]
             mark(args)
             out = self._own(fn(cache.keys, cache.values, *args))
-        for layer, e in ends.items():
-            cache.rows[layer] = e
-        cache.lengths = [max(layer) for layer in cache.rows]
+        cache.advance(ends)
         return out
 
     def warmup_rows(self, cache_for_rows, example: dict[str, torch.Tensor], chunks: bool) -> None:
@@ -649,8 +644,7 @@ class CompiledChain:
     ) -> dict[str, torch.Tensor]:  # fmt: skip
         del masks
         layers = [layer for group in self.groups.values() for layer in group]
-        ends = {layer: cache.lengths[layer] + self.chain_length for layer in layers}
-        cache.check_room(max(ends.values(), default=0))
+        ends = cache.reserve(dict.fromkeys(layers, self.chain_length))
         if self.graphs is not None:
             out = self.graphs(self._fn, cache.keys, cache.values, [input_ids, position_ids])
         else:
@@ -659,8 +653,7 @@ class CompiledChain:
                 cache.keys, cache.values, input_ids.clone(memory_format=contiguous),
                 position_ids.clone(memory_format=contiguous),
             ))  # fmt: skip
-        for layer, end in ends.items():
-            cache.lengths[layer] = end
+        cache.advance(ends)
         return out
 
     def warmup(self, cache: StaticKVCache, example: dict[str, torch.Tensor]) -> None:

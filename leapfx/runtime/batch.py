@@ -175,6 +175,18 @@ class RowKVCache(StaticKVCache):
         self.lengths[layer_idx] = end
         return starts
 
+    def reserve(self, counts, *, room: int = 0) -> dict[int, list[int]]:
+        """Each row's fill length in each layer of ``counts`` after its new columns (see
+        ``LayerLengths.reserve``); the buffers grow first where they may."""
+        ends = {layer: [s + n for s in self.rows[layer]] for layer, n in counts.items()}
+        self.check_room(max([room, *(max(e) for e in ends.values())]))
+        return ends
+
+    def advance(self, ends) -> None:
+        for layer, e in ends.items():
+            self.rows[layer] = e
+        self.lengths = [max(layer) for layer in self.rows]
+
     def write(self, layer_idx: int, at: list[int], key_states, value_states) -> None:
         # key_states, value_states: [B, H_kv, n, D]; row b written from column at[b]
         keys, values = self.keys[layer_idx], self.values[layer_idx]

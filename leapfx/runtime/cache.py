@@ -125,6 +125,20 @@ class LayerLengths(KVCache):
         self.lengths[layer_idx] = start + n
         return start
 
+    def reserve(self, counts: Mapping[int, int], *, room: int = 0) -> dict[int, int]:
+        """The fill length each layer of ``counts`` reaches with its ``counts[layer]`` new
+        columns, refused (:meth:`check_room`) before anything is written where those, or
+        ``room``, end past the buffers. A stage that writes the buffers itself (a compiled
+        graph, an onnxruntime session) reserves before its call and :meth:`advance` after."""
+        ends = {layer: self.lengths[layer] + n for layer, n in counts.items()}
+        self.check_room(max(room, *ends.values()) if ends else room)
+        return ends
+
+    def advance(self, ends: Mapping[int, int]) -> None:
+        """Move each layer of ``ends`` to its length there (what :meth:`reserve` returned)."""
+        for layer, end in ends.items():
+            self.lengths[layer] = end
+
     def read(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         end = self.lengths[layer_idx]
         return self.keys[layer_idx][:, :, :end], self.values[layer_idx][:, :, :end]
