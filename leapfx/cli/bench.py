@@ -15,7 +15,6 @@ import sys
 from . import bench_batch, bench_curves, bench_offload, bench_options, bench_sweep
 from .common import (
     CPU_KERNELS,
-    DTYPE_NAMES,
     RECIPE_NAMES,
     _adapter,
     _bench_recipes,
@@ -24,6 +23,7 @@ from .common import (
     _reference_defaults,
     add_cpu_kernels,
     add_device,
+    add_dtype,
     add_model,
     add_progress,
     add_quiet,
@@ -484,10 +484,7 @@ def add_parser(sub) -> None:
         "(auto: on for a float32 model on a CPU when they build)",
     )  # fmt: skip
     add_device(bench)
-    bench.add_argument(
-        "--dtype", default=None, choices=DTYPE_NAMES,
-        help="weights and compute dtype (default: float32 on cpu, bfloat16 on cuda)",
-    )  # fmt: skip
+    add_dtype(bench)
     add_weights(bench)
     bench.add_argument(
         "--no-llama-cpp", action="store_true",

@@ -136,7 +136,6 @@ def _export_stage(
     optimize: bool,
 ) -> StageSignature:
     sig = discover(sm, name, stage)
-    lay = sm._layout
     module = ExportableStage(
         stage,
         tensor_inputs=sig.tensor_inputs,
@@ -147,10 +146,7 @@ def _export_stage(
         },
         cache_layers=sig.cache_layers,
         output_names=sig.outputs,
-        kinds=lay.kinds,
-        impl=lay.impl,
-        window=lay.window,
-        dtype=lay.dtype,
+        layout=sm._layout,
     )
     # Only the wrapper's own flag: .eval() would recurse into the user's model.
     module.training = False
@@ -166,25 +162,11 @@ def _export_stage(
         shape = (batch, h, _EXAMPLE["max_cache_len"], d)
         gen = example_generator()
         args += [torch.randn(shape, generator=gen).to(param.device, param.dtype) for _ in range(2)]
-    try:
-        with warnings.catch_warnings(), _grouped_query_sdpa():
-            # The exporter warns about its own internals (axis renames, deprecated pytree
-            # calls), nothing a user can act on; real failures arrive as exceptions.
-            warnings.simplefilter("ignore")
-            program = torch.onnx.export(
-                module,
-                (*args,),
-                dynamic_shapes=(_dynamic_shapes(sig),),
-                input_names=sig.input_names,
-                output_names=sig.output_names,
-                opset_version=opset,
-                dynamo=True,
-                verbose=False,
-            )
-    except torch.onnx.OnnxExporterError as exc:
-        raise ValueError(
-            f"export: stage {name!r} cannot be exported to ONNX: {_summary(exc)}"
-        ) from exc
+    program = _program(
+        module, (*args,), dynamic_shapes=(_dynamic_shapes(sig),), input_names=sig.input_names,
+        output_names=sig.output_names, opset=opset,
+        refusal=f"stage {name!r} cannot be exported to ONNX",
+    )  # fmt: skip
     _save(program, path)
     if optimize:
         rewrites[name] = _optimize(path, _rotary_positions(sm))
@@ -213,6 +195,31 @@ def _grouped_query_sdpa():
             os.environ.pop(name, None)
         else:
             os.environ[name] = saved
+
+
+def _program(
+    module, args: tuple, *, dynamic_shapes, input_names: list[str], output_names: list[str],
+    opset: int, refusal: str,
+):  # fmt: skip
+    """``torch.onnx.export`` (dynamo) of ``module`` on ``args``; the exporter's failure is a
+    ValueError that starts ``export: {refusal}``."""
+    try:
+        with warnings.catch_warnings(), _grouped_query_sdpa():
+            # The exporter warns about its own internals (axis renames, deprecated pytree
+            # calls), nothing a user can act on; real failures arrive as exceptions.
+            warnings.simplefilter("ignore")
+            return torch.onnx.export(
+                module,
+                args,
+                dynamic_shapes=dynamic_shapes,
+                input_names=input_names,
+                output_names=output_names,
+                opset_version=opset,
+                dynamo=True,
+                verbose=False,
+            )
+    except torch.onnx.OnnxExporterError as exc:
+        raise ValueError(f"export: {refusal}: {_summary(exc)}") from exc
 
 
 def _summary(exc: BaseException) -> str:
