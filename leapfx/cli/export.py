@@ -26,7 +26,7 @@ def _export(args: argparse.Namespace) -> int:
              "adapter": args.adapter}  # fmt: skip
     options = {name: value for name, value in given.items() if value is not None}
     if args.recipe is None:
-        args.recipe = best_exportable(args.model)
+        args.recipe = best_exportable(args.model, options)
         print(f"leapfx export: recipe {args.recipe} (the best exportable for this model; "
               "--recipe chooses another)")  # fmt: skip
     if args.recipe == "auto":
@@ -67,12 +67,17 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
-def best_exportable(model: str | None) -> str:
-    """``leapfx export``'s recipe when none is given: the shipped reference model (trained for
-    early exits) exports ``layerskip`` at its measured setting; any other model ``auto`` in its
+def best_exportable(model: str | None, options: dict) -> str:
+    """``leapfx export``'s recipe when none is given: an adapter asks for ``kangaroo`` and an
+    exit layer or draft count for ``layerskip``; the shipped reference model (trained for early
+    exits) exports ``layerskip`` at its measured setting; any other model ``auto`` in its
     exportable form, adaptive prompt lookup, which needs no training and is never materially
     slower than plain decoding (layerskip's exits read nothing on a model not trained for them)."""
-    return "layerskip" if model is None else "auto"
+    if "adapter" in options:
+        return "kangaroo"
+    if model is None or "exit_layer" in options or "num_speculations" in options:
+        return "layerskip"
+    return "auto"
 
 
 def add_parser(sub) -> None:
@@ -84,8 +89,8 @@ def add_parser(sub) -> None:
         choices=RECIPE_NAMES,
         metavar="RECIPE",
         help="the recipe to export; default: the best exportable for the model (layerskip for "
-        "the shipped reference model, else auto as adaptive prompt lookup); one of "
-        + ", ".join(RECIPE_NAMES),
+        "the shipped reference model or with --exit-layer, kangaroo with --adapter, else auto "
+        "as adaptive prompt lookup); one of " + ", ".join(RECIPE_NAMES),
     )
     export.add_argument("--exit-layer", type=int, default=None)
     export.add_argument("--num-speculations", type=int, default=None)
