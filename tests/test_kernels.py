@@ -42,7 +42,8 @@ INTERP_REASON = (
     "imported); test_triton_interpreter_in_subprocess runs these under the interpreter"
 )
 needs_triton = pytest.mark.skipif(
-    not K.HAS_TRITON, reason="triton is not installed (pip install 'leapfx[triton]')"
+    not K.HAS_TRITON,
+    reason="triton is not installed (pip install -e '.[triton]' in leapfx's checkout)",
 )
 needs_interp = pytest.mark.skipif(
     not (K.HAS_TRITON and K.INTERPRETING),

@@ -68,8 +68,11 @@ def test_lower_refuses_unknown_backends_and_options():
     with pytest.raises(ValueError, match="mode: backend 'eager' takes no options"):
         lower(sm, "eager", mode="max-autotune")
     m2r2 = rewrite.apply(tiny_model("llama", layers=4), "m2r2", fast_layers=2)
-    with pytest.raises(ValueError, match="runs its stages eager only"):
+    with pytest.raises(ValueError, match=r"runs its stages eager only \(its fast stream keeps"):
         lower(m2r2, "inductor")
+    swift = rewrite.apply(tiny_model("llama", layers=4), "swift")
+    with pytest.raises(ValueError, match="eager only .its draft stage skips the layer set"):
+        swift.export_onnx("never-written")
 
 
 def test_eager_stages_provide_the_protocol_defaults():

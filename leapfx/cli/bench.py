@@ -15,7 +15,6 @@ import sys
 from . import bench_batch, bench_curves, bench_offload, bench_options, bench_sweep
 from .common import (
     CPU_KERNELS,
-    DTYPE_NAMES,
     RECIPE_NAMES,
     _adapter,
     _bench_recipes,
@@ -24,6 +23,7 @@ from .common import (
     _reference_defaults,
     add_cpu_kernels,
     add_device,
+    add_dtype,
     add_model,
     add_progress,
     add_quiet,
@@ -36,6 +36,7 @@ from .common import (
 def _bench(args: argparse.Namespace) -> int:
     import torch
 
+    from ..bench import compare as bench_compare
     from ..bench import llamacpp
     from ..bench.harness import BenchConfig, run_bench
     from ..bench.memory import timed_load
@@ -52,6 +53,8 @@ def _bench(args: argparse.Namespace) -> int:
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+    if args.compare is not None:
+        bench_compare.read_rows(args.compare)  # unreadable: refused before the run
     for flag in ("json", "plot"):
         out = getattr(args, flag)
         if out is not None and not os.path.isdir(os.path.dirname(os.path.abspath(out))):
@@ -138,6 +141,8 @@ def _bench(args: argparse.Namespace) -> int:
         if model_load is not None and not r.system.startswith("llama_cpp"):
             r.extra["load"] = model_load
     print(table(rows))
+    if args.compare is not None:
+        print(bench_compare.report([r.as_dict() for r in rows], args.compare))
     _load_lines(rows, model_load)
     if args.show_text:
         _show_text(rows, tokenizer)
@@ -479,15 +484,12 @@ def add_parser(sub) -> None:
         "(auto: on for a float32 model on a CPU when they build)",
     )  # fmt: skip
     add_device(bench)
-    bench.add_argument(
-        "--dtype", default=None, choices=DTYPE_NAMES,
-        help="weights and compute dtype (default: float32 on cpu, bfloat16 on cuda)",
-    )  # fmt: skip
+    add_dtype(bench)
     add_weights(bench)
     bench.add_argument(
         "--no-llama-cpp", action="store_true",
         help="no llama_cpp / llama_cpp_lookup rows for a GGUF model (they need the extra "
-        "llamacpp: pip install \"leapfx[llamacpp]\")",
+        "llamacpp: pip install -e '.[llamacpp]' in leapfx's checkout)",
     )  # fmt: skip
     bench.add_argument(
         "--random-model", default=None, metavar="SIZE",
@@ -527,6 +529,11 @@ def add_parser(sub) -> None:
         "kangaroo)",
     )  # fmt: skip
     bench.add_argument("--json", default=None, help="write the rows as JSON to this path")
+    bench.add_argument(
+        "--compare", default=None, metavar="OLD.json",
+        help="an earlier run's --json: print each ratio over leapfx_autoregressive that fell "
+        "by more than its pass-to-pass spread (at least 3%%)",
+    )  # fmt: skip
     bench.add_argument("--plot", default=None, help="write a PNG to this path")
     bench.add_argument(
         "--markdown", action="append", default=None, metavar="PATH",

@@ -131,6 +131,14 @@ def add_device(parser: argparse.ArgumentParser, **kw) -> None:
     parser.add_argument("--device", default="cpu", **kw)
 
 
+def add_dtype(parser: argparse.ArgumentParser) -> None:
+    """``--dtype``: the weights' and the compute's dtype (``load_model``)."""
+    parser.add_argument(
+        "--dtype", default=None, choices=DTYPE_NAMES,
+        help="weights and compute dtype (default: float32 on a CPU, bfloat16 on CUDA)",
+    )  # fmt: skip
+
+
 def add_weights(parser: argparse.ArgumentParser) -> None:
     """``--weights native|float32``: how a GGUF model's tensors are held (``load_model``)."""
     parser.add_argument(

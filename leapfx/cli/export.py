@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from .common import _adapter, _reference_defaults, add_model
+from .common import RECIPE_NAMES, _adapter, _reference_defaults, add_model
 
 EXPORT_DTYPES = ("float32", "float16")  # leapfx export --dtype
 EXPORT_FORMATS = ("leapfx", "genai")  # leapfx export --format (leapfx.export FORMATS)
@@ -25,6 +25,14 @@ def _export(args: argparse.Namespace) -> int:
     given = {"exit_layer": args.exit_layer, "num_speculations": args.num_speculations,
              "adapter": args.adapter}  # fmt: skip
     options = {name: value for name, value in given.items() if value is not None}
+    if args.recipe is None:
+        args.recipe = best_exportable(args.model, options)
+        print(f"leapfx export: recipe {args.recipe} (the best exportable for this model; "
+              "--recipe chooses another)")  # fmt: skip
+    if args.recipe == "auto":
+        # auto's exportable form: its adaptive prompt lookup, not a trained head it would find
+        # (EAGLE's head and the quantized copy do not export: docs/export.md)
+        options["parts"] = None
     if args.model is None:
         # The shipped model exports what `leapfx bench` runs on it: layerskip at its measured
         # setting, kangaroo with its trained adapter. An explicit flag wins.
@@ -59,10 +67,31 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def best_exportable(model: str | None, options: dict) -> str:
+    """``leapfx export``'s recipe when none is given: an adapter asks for ``kangaroo`` and an
+    exit layer or draft count for ``layerskip``; the shipped reference model (trained for early
+    exits) exports ``layerskip`` at its measured setting; any other model ``auto`` in its
+    exportable form, adaptive prompt lookup, which needs no training and is never materially
+    slower than plain decoding (layerskip's exits read nothing on a model not trained for them)."""
+    if "adapter" in options:
+        return "kangaroo"
+    if model is None or "exit_layer" in options or "num_speculations" in options:
+        return "layerskip"
+    return "auto"
+
+
 def add_parser(sub) -> None:
     export = sub.add_parser("export", help="export a recipe's stages to ONNX (+ manifest)")
     add_model(export)
-    export.add_argument("--recipe", default="layerskip")
+    export.add_argument(
+        "--recipe",
+        default=None,
+        choices=RECIPE_NAMES,
+        metavar="RECIPE",
+        help="the recipe to export; default: the best exportable for the model (layerskip for "
+        "the shipped reference model or with --exit-layer, kangaroo with --adapter, else auto "
+        "as adaptive prompt lookup); one of " + ", ".join(RECIPE_NAMES),
+    )
     export.add_argument("--exit-layer", type=int, default=None)
     export.add_argument("--num-speculations", type=int, default=None)
     export.add_argument("--adapter", default=None, help="kangaroo adapter dir")

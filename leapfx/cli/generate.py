@@ -9,10 +9,10 @@ import sys
 
 from .common import (
     CPU_KERNELS,
-    DTYPE_NAMES,
     RECIPE_NAMES,
     add_cpu_kernels,
     add_device,
+    add_dtype,
     add_model,
     add_threads,
     add_weights,
@@ -137,10 +137,7 @@ def add_recipe_flags(parser: argparse.ArgumentParser, model: str | None = None) 
     parser.add_argument("--backend", default="eager", choices=("eager", "inductor"))
     add_cpu_kernels(parser)
     add_device(parser)
-    parser.add_argument(
-        "--dtype", default=None, choices=DTYPE_NAMES,
-        help="weights and compute dtype (default: float32 on a CPU, bfloat16 on CUDA)",
-    )  # fmt: skip
+    add_dtype(parser)
     add_weights(parser)
     add_threads(parser, help="torch intra-op threads")
 

@@ -21,7 +21,8 @@ def _serve(args: argparse.Namespace) -> int:
         import uvicorn
     except ImportError:
         raise ValueError(
-            "leapfx serve: needs FastAPI and uvicorn; allowed: pip install 'leapfx[serve]'"
+            "leapfx serve: needs FastAPI and uvicorn; allowed: pip install -e '.[serve]' in "
+            "leapfx's checkout"
         ) from None
     from ..serve import create_app
 

@@ -5,17 +5,16 @@ from __future__ import annotations
 import argparse
 import json
 
-from .common import (
-    _exit_gates,
-    _progress,
-    add_corpus_root,
-    add_model,
-    add_progress,
-    add_quiet,
-    add_threads,
-    set_threads,
+from .common import _exit_gates, _progress, add_model, set_threads
+from .train_parts import (
+    add_data,
+    add_out,
+    add_run_flags,
+    add_steps,
+    benchmark_texts,
+    parts_out,
+    self_options,
 )
-from .train_parts import add_data, add_out, benchmark_texts, parts_out, self_options
 
 
 def _train_m2r2(args: argparse.Namespace) -> int:
@@ -60,19 +59,7 @@ def add_parser(sub) -> None:
     )  # fmt: skip
     m2r2.add_argument("--router-steps", type=int, default=300)
     m2r2.add_argument("--init", default=None, help="parts to start from (resume)")
-    m2r2.add_argument("--steps", type=int, default=1500)
-    m2r2.add_argument(
-        "--minutes", type=float, default=0.0,
-        help="> 0: stop after this wall time (the parts so far are written); the same command "
-        "continues (resumable)",
-    )  # fmt: skip
-    m2r2.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints")
-    m2r2.add_argument(
-        "--fresh", action="store_true", help="drop this run's checkpoint and start over"
-    )
-    m2r2.add_argument("--batch-size", type=int, default=8)
-    m2r2.add_argument("--seq-len", type=int, default=128)
-    m2r2.add_argument("--lr", type=float, default=2e-3)
+    add_steps(m2r2, steps=1500, seq_len=128, lr=2e-3)
     m2r2.add_argument("--ce-target", default="model", choices=["labels", "model"])
     m2r2.add_argument("--mse-weight", type=float, default=1.0, help="eq. 5's a1 (a0 is 1)")
     m2r2.add_argument(
@@ -111,8 +98,5 @@ def add_parser(sub) -> None:
         "parts; default: every gate)",
     )  # fmt: skip
     m2r2.add_argument("--seed", type=int, default=0)
-    add_threads(m2r2)
-    add_corpus_root(m2r2)
-    add_progress(m2r2)
-    add_quiet(m2r2, help="no progress bars")
+    add_run_flags(m2r2, device=False)
     m2r2.set_defaults(func=_train_m2r2)

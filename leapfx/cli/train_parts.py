@@ -85,26 +85,13 @@ def add_drafter_training(
     add_out(parser, default_help=shipped_help)
     add_model(parser)
     add_data(parser)
-    parser.add_argument("--steps", type=int, default=steps)
-    parser.add_argument(
-        "--minutes", type=float, default=0.0,
-        help="> 0: stop after this wall time; the same command continues (resumable)",
-    )  # fmt: skip
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--seq-len", type=int, default=seq_len)
-    parser.add_argument("--lr", type=float, default=lr)
+    add_steps(parser, steps=steps, seq_len=seq_len, lr=lr)
     parser.add_argument("--seed", type=int, default=0, help="batches, noise and self data")
     parser.add_argument(
         "--features", type=int, default=512,
         help="windows of --seq-len whose teacher states are collected once and cached (0: the "
         "model runs at every step on random windows)",
     )  # fmt: skip
-    parser.add_argument(
-        "--checkpoint-every", type=int, default=100, help="steps between checkpoints"
-    )
-    parser.add_argument(
-        "--fresh", action="store_true", help="drop this run's checkpoint and start over"
-    )
     parser.add_argument(
         "--resume", action="store_true",
         help="start from the parts already in --out (continue a finished run; give another "
@@ -117,11 +104,59 @@ def add_drafter_training(
     parser.add_argument(
         "--held-out-tokens", type=int, default=32768, help="tokens of the held-out report"
     )
+    add_run_flags(parser)
+
+
+def add_steps(parser: argparse.ArgumentParser, *, steps: int, seq_len: int, lr: float) -> None:
+    """How long a resumable training run runs and on what batches: ``--steps``, ``--minutes``,
+    ``--checkpoint-every``, ``--fresh``, ``--batch-size``, ``--seq-len``, ``--lr``."""
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument(
+        "--minutes", type=float, default=0.0,
+        help="> 0: stop after this wall time (the parts so far are written); the same command "
+        "continues (resumable)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--checkpoint-every", type=int, default=100, help="steps between checkpoints"
+    )
+    parser.add_argument(
+        "--fresh", action="store_true", help="drop this run's checkpoint and start over"
+    )
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=seq_len)
+    parser.add_argument("--lr", type=float, default=lr)
+
+
+def add_run_flags(parser: argparse.ArgumentParser, *, device: bool = True) -> None:
+    """Where and how a training run runs: ``--threads``, ``--device`` (not where
+    ``device=False``: the run is CPU-only), ``--corpus-root``, ``--progress``, ``--quiet``."""
     add_threads(parser)
-    add_device(parser, help=DEVICE_TRAIN_HELP)
+    if device:
+        add_device(parser, help=DEVICE_TRAIN_HELP)
     add_corpus_root(parser)
     add_progress(parser)
     add_quiet(parser, help="no progress bars")
+
+
+def add_drafter_command(
+    sub, recipe: str, *, help: str, shipped: str, option: str, option_help: str, steps: int,
+    seq_len: int, lr: float,
+) -> None:  # fmt: skip
+    """``train-<recipe>`` (``train-eagle``, ``train-kangaroo``): the drafter-training flags, the
+    recipe's one int option ``--<option>`` (given to ``rewrite.apply`` where set), and
+    :func:`run_drafter_training`; ``shipped``: the reference model's parts."""
+    parser = sub.add_parser(f"train-{recipe}", help=help)
+    add_drafter_training(
+        parser, shipped_help=f"required but for the reference model, whose default is {shipped}",
+        steps=steps, seq_len=seq_len, lr=lr,
+    )  # fmt: skip
+    parser.add_argument(f"--{option.replace('_', '-')}", type=int, default=None, help=option_help)
+
+    def run(args: argparse.Namespace) -> int:
+        value = getattr(args, option)
+        return run_drafter_training(args, recipe, apply={} if value is None else {option: value})
+
+    parser.set_defaults(func=run)
 
 
 def run_drafter_training(

@@ -5,16 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from .common import (
-    _progress,
-    add_corpus_root,
-    add_device,
-    add_model,
-    add_progress,
-    add_quiet,
-    add_threads,
-)
-from .train_parts import add_data, add_out, benchmark_texts, parts_out, self_options
+from .common import _progress, add_model
+from .train_parts import add_data, add_out, add_run_flags, benchmark_texts, parts_out, self_options
 
 
 def _train_specee(args: argparse.Namespace) -> int:
@@ -105,9 +97,5 @@ def add_parser(sub) -> None:
         "--features", default=None,
         help="safetensors file caching the collected features (read if it exists)",
     )  # fmt: skip
-    add_threads(specee)
-    add_device(specee)
-    add_corpus_root(specee, help="stdlib folder (default: this Python's)")
-    add_progress(specee)
-    add_quiet(specee)
+    add_run_flags(specee)
     specee.set_defaults(func=_train_specee)

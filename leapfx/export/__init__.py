@@ -22,7 +22,8 @@ See ``stage_module`` (graph side), ``onnx_export`` (writer), ``onnx_optimize`` (
 ``chain``. Loading and running an export is ``lower/``'s (``leapfx.lower.manifest``,
 ``leapfx.lower.onnxruntime``; ``lower(sm, "onnxruntime", export_dir=...)`` exports and loads in
 one call): ``OnnxModel`` and the manifest reader are re-exported here for users.
-onnx, onnxruntime and onnxscript come with the ``onnx`` extra: ``pip install 'leapfx[onnx]'``.
+onnx, onnxruntime and onnxscript come with the ``onnx`` extra: ``pip install -e '.[onnx]'`` in
+leapfx's checkout.
 """
 
 from __future__ import annotations

@@ -51,12 +51,10 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import fx, nn
 
 from .. import __version__
 from ..lower.manifest import GENAI_FORMAT
@@ -68,6 +66,7 @@ from ..lower.stage_signature import (
     present_names,
 )
 from ..runtime.masks import _mask_of
+from .stage_module import StageFunction
 
 if TYPE_CHECKING:
     from ..runtime.model import SpeculativeModel
@@ -83,30 +82,14 @@ GENAI_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", 
 _EXAMPLE = {"batch": 2, "sequence": 3, "past": 5}
 
 
-class StandardDecoder(nn.Module):
+class StandardDecoder(StageFunction):
     """The ``full`` stage with onnxruntime-genai's inputs and outputs (see the module
     docstring): ``forward(input_ids, attention_mask, position_ids, *pasts)`` returns
     ``(logits, *presents)``, pasts and presents as ``key, value`` per cache layer."""
 
-    def __init__(
-        self,
-        stage: fx.GraphModule,
-        *,
-        cache_layers: list[int],
-        kinds: tuple[str, ...],
-        impl: str,
-        window: int | None,
-        dtype: torch.dtype,
-    ) -> None:
-        super().__init__()
-        self.stage = stage
-        self.cache_layers = list(cache_layers)
-        self.kinds = tuple(dict.fromkeys(kinds))
-        self.impl, self.window, self.dtype = impl, window, dtype
-
     def forward(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
         input_ids, attention_mask, position_ids, *flat = args
-        past = {layer: (flat[2 * j], flat[2 * j + 1]) for j, layer in enumerate(self.cache_layers)}
+        past = self.pasts(flat)
         s = input_ids.shape[1]
         p = flat[0].shape[2]  # past_sequence_length
         torch._check(attention_mask.shape[1] == p + s)
@@ -156,20 +139,12 @@ def write_genai(
 ) -> dict[str, Any]:
     """Write the standard decoder folder into ``tmp`` (the caller renames it into place);
     returns the manifest written last."""
-    from .onnx_export import _grouped_query_sdpa, _optimize, _save, _summary, share_weights
+    from .onnx_export import _optimize, _program, _save, share_weights
 
     stage = sm.stages["full"]
     sig = discover(sm, "full", stage)
     assert sig.tensor_inputs == ["input_ids", "position_ids"] and "logits" in sig.outputs
-    lay = sm._layout
-    module = StandardDecoder(
-        stage,
-        cache_layers=sig.cache_layers,
-        kinds=lay.kinds,
-        impl=lay.impl,
-        window=lay.window,
-        dtype=lay.dtype,
-    )
+    module = StandardDecoder(stage, cache_layers=sig.cache_layers, layout=sm._layout)
     module.training = False  # the wrapper's own flag: .eval() would recurse into the model
     b, s, p = _EXAMPLE["batch"], _EXAMPLE["sequence"], _EXAMPLE["past"]
     param = next(sm.hf_model.parameters())
@@ -196,23 +171,11 @@ def write_genai(
     inputs = ["input_ids", "attention_mask", "position_ids"]
     inputs += [n for layer in sig.cache_layers for n in past_names(layer)]
     outputs = ["logits", *(n for layer in sig.cache_layers for n in present_names(layer))]
-    try:
-        with warnings.catch_warnings(), _grouped_query_sdpa():
-            warnings.simplefilter("ignore")  # the exporter's notes on its own internals
-            program = torch.onnx.export(
-                module,
-                (ids, mask, positions, *pasts),
-                dynamic_shapes=(shapes,),
-                input_names=inputs,
-                output_names=outputs,
-                opset_version=opset,
-                dynamo=True,
-                verbose=False,
-            )
-    except torch.onnx.OnnxExporterError as exc:
-        raise ValueError(
-            f"export: the full stage cannot be exported as a standard decoder: {_summary(exc)}"
-        ) from exc
+    program = _program(
+        module, (ids, mask, positions, *pasts), dynamic_shapes=(shapes,), input_names=inputs,
+        output_names=outputs, opset=opset,
+        refusal="the full stage cannot be exported as a standard decoder",
+    )  # fmt: skip
     path = tmp / MODEL_FILE
     _save(program, path)
     # The exporter names the axis it derives for presents freely; say what it is.
@@ -234,7 +197,7 @@ def write_genai(
         "leapfx_version": __version__,
         "recipe": sm.recipe.name,
         "model_type": sm.config.model_type,
-        "dtype": str(lay.dtype).removeprefix("torch."),
+        "dtype": str(sm._layout.dtype).removeprefix("torch."),
         "opset": opset,
         "model": MODEL_FILE,
         "inputs": inputs,

@@ -66,6 +66,7 @@ from ..lower.stage_signature import (  # discovery, shared with the compiled sta
     kv_shapes,
     refuse_stages,
 )
+from ..modules.blocks import float_weights
 from ..options import check_bool, check_int
 from ..passes.capture import LAYER, ROLE
 from .chain import chain_outputs, unroll_draft
@@ -135,7 +136,6 @@ def _export_stage(
     optimize: bool,
 ) -> StageSignature:
     sig = discover(sm, name, stage)
-    lay = sm._layout
     module = ExportableStage(
         stage,
         tensor_inputs=sig.tensor_inputs,
@@ -146,10 +146,7 @@ def _export_stage(
         },
         cache_layers=sig.cache_layers,
         output_names=sig.outputs,
-        kinds=lay.kinds,
-        impl=lay.impl,
-        window=lay.window,
-        dtype=lay.dtype,
+        layout=sm._layout,
     )
     # Only the wrapper's own flag: .eval() would recurse into the user's model.
     module.training = False
@@ -165,25 +162,11 @@ def _export_stage(
         shape = (batch, h, _EXAMPLE["max_cache_len"], d)
         gen = example_generator()
         args += [torch.randn(shape, generator=gen).to(param.device, param.dtype) for _ in range(2)]
-    try:
-        with warnings.catch_warnings(), _grouped_query_sdpa():
-            # The exporter warns about its own internals (axis renames, deprecated pytree
-            # calls), nothing a user can act on; real failures arrive as exceptions.
-            warnings.simplefilter("ignore")
-            program = torch.onnx.export(
-                module,
-                (*args,),
-                dynamic_shapes=(_dynamic_shapes(sig),),
-                input_names=sig.input_names,
-                output_names=sig.output_names,
-                opset_version=opset,
-                dynamo=True,
-                verbose=False,
-            )
-    except torch.onnx.OnnxExporterError as exc:
-        raise ValueError(
-            f"export: stage {name!r} cannot be exported to ONNX: {_summary(exc)}"
-        ) from exc
+    program = _program(
+        module, (*args,), dynamic_shapes=(_dynamic_shapes(sig),), input_names=sig.input_names,
+        output_names=sig.output_names, opset=opset,
+        refusal=f"stage {name!r} cannot be exported to ONNX",
+    )  # fmt: skip
     _save(program, path)
     if optimize:
         rewrites[name] = _optimize(path, _rotary_positions(sm))
@@ -212,6 +195,31 @@ def _grouped_query_sdpa():
             os.environ.pop(name, None)
         else:
             os.environ[name] = saved
+
+
+def _program(
+    module, args: tuple, *, dynamic_shapes, input_names: list[str], output_names: list[str],
+    opset: int, refusal: str,
+):  # fmt: skip
+    """``torch.onnx.export`` (dynamo) of ``module`` on ``args``; the exporter's failure is a
+    ValueError that starts ``export: {refusal}``."""
+    try:
+        with warnings.catch_warnings(), _grouped_query_sdpa():
+            # The exporter warns about its own internals (axis renames, deprecated pytree
+            # calls), nothing a user can act on; real failures arrive as exceptions.
+            warnings.simplefilter("ignore")
+            return torch.onnx.export(
+                module,
+                args,
+                dynamic_shapes=dynamic_shapes,
+                input_names=input_names,
+                output_names=output_names,
+                opset_version=opset,
+                dynamo=True,
+                verbose=False,
+            )
+    except torch.onnx.OnnxExporterError as exc:
+        raise ValueError(f"export: {refusal}: {_summary(exc)}") from exc
 
 
 def _summary(exc: BaseException) -> str:
@@ -480,7 +488,7 @@ def _require_onnx() -> None:
         import onnxscript  # noqa: F401  (torch's exporter translates through it)
     except ImportError:
         raise ImportError(
-            "export_onnx needs onnx and onnxscript: pip install 'leapfx[onnx]'"
+            "export_onnx needs onnx and onnxscript: pip install -e '.[onnx]' in leapfx's checkout"
         ) from None
 
 
@@ -603,30 +611,8 @@ def export_onnx(
         _remove_dirs(created)
         raise ValueError(f"path: cannot write in {str(target.parent)!r}: {exc.strerror}") from None
     try:
-        if format == "genai":
-            manifest = write_genai(sm, tmp, opset=opset, optimize=optimize, tokenizer=tokenizer)
-            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-            _replace(tmp, target, overwrite)
-            return target
-        signatures = {}
-        rewrites: dict[str, dict[str, int]] = {}
-        for name, stage in sm.stages.modules.items():
-            log.info("exporting stage %s", name)
-            file = tmp / f"{name}.onnx"
-            signatures[name] = _export_stage(sm, name, stage, file, opset, rewrites, optimize)
-        chain = chain_length(sm)
-        if chain:
-            log.info("composing stage %s (%d draft steps)", CHAIN_STAGE, chain)
-            _export_chain(tmp, chain, rewrites)
-        files = [*signatures, CHAIN_STAGE] if chain else list(signatures)
-        weights = share_weights(tmp, files)
-        for name in files:
-            _check(tmp / f"{name}.onnx", name)
-        manifest = _manifest(sm, opset, signatures, weights, rewrites, chain)
-        if tokenizer is not None:  # text in, text out for leapfx.deploy.Decoder
-            manifest["tokenizer"] = save_tokenizer(tokenizer, tmp)
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-        _replace(tmp, target, overwrite)
+        with float_weights(*sm.stages.modules.values()):  # a native GGUF model's blocks
+            _write(sm, tmp, target, opset, overwrite, optimize, format, tokenizer)
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         _remove_dirs(created)
@@ -636,6 +622,34 @@ def export_onnx(
         _remove_dirs(created)
         raise
     return target
+
+
+def _write(sm, tmp: Path, target: Path, opset, overwrite, optimize, format, tokenizer) -> None:
+    """The export written into ``tmp``, then moved to ``target`` (``export_onnx``'s body)."""
+    if format == "genai":
+        manifest = write_genai(sm, tmp, opset=opset, optimize=optimize, tokenizer=tokenizer)
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        _replace(tmp, target, overwrite)
+        return
+    signatures = {}
+    rewrites: dict[str, dict[str, int]] = {}
+    for name, stage in sm.stages.modules.items():
+        log.info("exporting stage %s", name)
+        file = tmp / f"{name}.onnx"
+        signatures[name] = _export_stage(sm, name, stage, file, opset, rewrites, optimize)
+    chain = chain_length(sm)
+    if chain:
+        log.info("composing stage %s (%d draft steps)", CHAIN_STAGE, chain)
+        _export_chain(tmp, chain, rewrites)
+    files = [*signatures, CHAIN_STAGE] if chain else list(signatures)
+    weights = share_weights(tmp, files)
+    for name in files:
+        _check(tmp / f"{name}.onnx", name)
+    manifest = _manifest(sm, opset, signatures, weights, rewrites, chain)
+    if tokenizer is not None:  # text in, text out for leapfx.deploy.Decoder
+        manifest["tokenizer"] = save_tokenizer(tokenizer, tmp)
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    _replace(tmp, target, overwrite)
 
 
 def _replace(tmp: Path, target: Path, overwrite: bool) -> None:

@@ -33,14 +33,15 @@ import torch
 from torch import fx, nn
 
 from ..lower.stage_signature import (  # the discovery's cache and the names, imported from here
-    FunctionalKVCache,  # noqa: F401
+    FunctionalKVCache,
     past_names,  # noqa: F401
     present_names,  # noqa: F401
 )
 from ..runtime.masks import position_masks
+from ..runtime.runner import AttentionLayout
 
 
-class SlotWriteKVCache:
+class SlotWriteKVCache(FunctionalKVCache):
     """``update`` writes new keys/values into the whole buffers at their positions.
 
     Functional (``scatter``, not ``scatter_``): the written buffers are the presents, which the
@@ -53,42 +54,50 @@ class SlotWriteKVCache:
     (torch.Size([1, 2, 8, 4]), [0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0])
     """
 
-    is_compileable = False  # read by HF code paths that ask; we are not an HF Cache
-
     def __init__(
         self,
         past: dict[int, tuple[torch.Tensor, torch.Tensor]],
         positions: dict[int, torch.Tensor],
     ) -> None:
-        self.past = past
+        super().__init__(past)
         self.positions = positions  # cache layer -> the positions [S] its new keys go to
-        self.present: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def update(
-        self,
-        key_states: torch.Tensor,
-        value_states: torch.Tensor,
-        layer_idx: int,
-        cache_kwargs: dict | None = None,
-        **kwargs,  # transformers >= 5.24 passes the attention's kwargs (unused)
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        # key_states: [B, H_kv, S, D] -> written into past [B, H_kv, max_cache_len, D]
-        assert layer_idx not in self.present, f"cache layer {layer_idx} written twice in a stage"
+    def claim(self, layer_idx: int, n: int) -> torch.Tensor:
+        super().claim(layer_idx, n)  # written once
+        return self.positions[layer_idx]
+
+    def write(self, layer_idx: int, at: torch.Tensor, key_states, value_states) -> None:
+        # key_states: [B, H_kv, S, D] -> written into past [B, H_kv, max_cache_len, D] at [S]
         past_k, past_v = self.past[layer_idx]
         # scatter along the sequence axis with the index spelled out per element: it exports
         # as ScatterElements straight on the past buffer (index_copy adds two transposes,
         # i.e. two copies of the whole buffer).
-        index = self.positions[layer_idx].view(1, 1, -1, 1).expand_as(key_states)
+        index = at.view(1, 1, -1, 1).expand_as(key_states)
         keys = past_k.scatter(2, index, key_states.to(past_k.dtype))
         values = past_v.scatter(2, index, value_states.to(past_v.dtype))
         self.present[layer_idx] = (keys, values)
-        return keys, values
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.past[layer_idx][0].shape[2]
 
 
-class ExportableStage(nn.Module):
+class StageFunction(nn.Module):
+    """A stage as a function of tensors that builds its own masks: ``cache_layers`` are the
+    cache layers it touches, in the order of its flat ``past``/``present`` arguments, and
+    ``layout`` the masks' kinds, attention implementation, window and dtype."""
+
+    def __init__(
+        self, stage: fx.GraphModule, *, cache_layers: list[int], layout: AttentionLayout
+    ) -> None:
+        super().__init__()
+        self.stage = stage
+        self.cache_layers = list(cache_layers)
+        self.kinds = tuple(dict.fromkeys(layout.kinds))
+        self.impl, self.window, self.dtype = layout.impl, layout.window, layout.dtype
+
+    def pasts(self, flat) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """Each cache layer's (key, value) from the flat ``key, value`` arguments."""
+        return {layer: (flat[2 * j], flat[2 * j + 1]) for j, layer in enumerate(self.cache_layers)}
+
+
+class ExportableStage(StageFunction):
     """``stage`` with tensor-only inputs and outputs (see the module docstring).
 
     ``tensor_inputs``: the stage's tensor placeholders in order (``input_ids``, ``position_ids``
@@ -106,21 +115,12 @@ class ExportableStage(nn.Module):
         groups: dict[str, tuple[str, list[int]]],
         cache_layers: list[int],
         output_names: list[str],
-        kinds: tuple[str, ...],
-        impl: str,
-        window: int | None,
-        dtype: torch.dtype,
+        layout: AttentionLayout,
     ) -> None:
-        super().__init__()
-        self.stage = stage
+        super().__init__(stage, cache_layers=cache_layers, layout=layout)
         self.tensor_inputs = list(tensor_inputs)
         self.groups = dict(groups)
-        self.cache_layers = list(cache_layers)
         self.output_names = list(output_names)
-        self.kinds = tuple(dict.fromkeys(kinds))
-        self.impl = impl
-        self.window = window
-        self.dtype = dtype
 
     def forward(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
         n = len(self.tensor_inputs)
@@ -130,8 +130,7 @@ class ExportableStage(nn.Module):
             # the exporter drop a free size (an export ~10% faster), and ONNX keeps no assert.
             c, m = named["exit_hidden"].shape[1], named["input_ids"].shape[1]
             torch._check(named["remainder_position_ids"].shape[1] == c + m)
-        flat = args[n:]
-        past = {layer: (flat[2 * j], flat[2 * j + 1]) for j, layer in enumerate(self.cache_layers)}
+        past = self.pasts(args[n:])
         positions: dict[int, torch.Tensor] = {}
         inputs: dict[str, object] = dict(named)
         for pos_name, (mask_input, layers) in self.groups.items():

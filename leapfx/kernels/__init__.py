@@ -20,7 +20,8 @@ The acceptance ops compute exactly the rules of :mod:`leapfx.kernels.reference` 
 references *are* those functions), on device and without a host sync. Which implementation runs is
 one rule, :func:`implementation`: Triton for CUDA tensors, and for CPU tensors when Triton was
 imported with ``TRITON_INTERPRET=1`` (the interpreter: slow, for testing); the torch reference
-otherwise, including whenever Triton is not installed (``pip install 'leapfx[triton]'``).
+otherwise, including whenever Triton is not installed (``pip install -e '.[triton]'`` in leapfx's
+checkout).
 
 >>> import torch, leapfx.kernels
 >>> torch.ops.leapfx.greedy_accept(torch.tensor([[2]]), torch.eye(3)[[2, 0]][None])

@@ -12,7 +12,8 @@ the environment, and builds our kernels in the same mode.
 - a CUDA tensor runs the Triton kernel (the interpreter copies it to the host when interpreting);
 - a CPU tensor runs the Triton kernel only when Triton is interpreting, and the torch reference
   otherwise;
-- without Triton (not installed: ``pip install 'leapfx[triton]'``) everything runs the reference.
+- without Triton (not installed: ``pip install -e '.[triton]'`` in leapfx's checkout) everything
+  runs the reference.
 
 Both implementations compute the same function, so the rule changes speed, not results (the tests
 pin the few float-rounding ties where they may differ; each kernel's docstring names them).

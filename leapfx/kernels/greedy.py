@@ -86,7 +86,9 @@ def greedy_accept_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The Triton implementation (needs triton; CUDA tensors, or CPU under TRITON_INTERPRET=1)."""
     if not HAS_TRITON:
-        raise RuntimeError("greedy_accept_triton needs triton: pip install 'leapfx[triton]'")
+        raise RuntimeError(
+            "greedy_accept_triton needs triton: pip install -e '.[triton]' in leapfx's checkout"
+        )
     _check(draft_tokens, target_logits)
     B, d = draft_tokens.shape
     V = target_logits.shape[2]

@@ -155,7 +155,10 @@ def speculative_accept_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The Triton implementation (needs triton; CUDA tensors, or CPU under TRITON_INTERPRET=1)."""
     if not HAS_TRITON:
-        raise RuntimeError("speculative_accept_triton needs triton: pip install 'leapfx[triton]'")
+        raise RuntimeError(
+            "speculative_accept_triton needs triton: pip install -e '.[triton]' "
+            "in leapfx's checkout"
+        )
     _check(draft_tokens, draft_probs, target_probs, u_accept, u_sample)
     B, d = draft_tokens.shape
     V = target_probs.shape[2]

@@ -102,7 +102,9 @@ def subset_logits_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The Triton implementation (needs triton; CUDA tensors, or CPU under TRITON_INTERPRET=1)."""
     if not HAS_TRITON:
-        raise RuntimeError("subset_logits_triton needs triton: pip install 'leapfx[triton]'")
+        raise RuntimeError(
+            "subset_logits_triton needs triton: pip install -e '.[triton]' in leapfx's checkout"
+        )
     _check(hidden, weight, indices)
     B, H = hidden.shape
     K = indices.shape[0]

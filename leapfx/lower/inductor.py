@@ -53,7 +53,7 @@ from torch import fx
 from torch.utils._pytree import tree_map
 
 from ..options import check_bool, check_choice
-from ..runtime.cache import StaticKVCache
+from ..runtime.cache import KVCache, StaticKVCache
 from ..runtime.masks import column_masks, position_masks
 from ..runtime.runner import AttentionLayout
 from .chain import greedy_chain
@@ -61,11 +61,12 @@ from .cuda_graphs import MAX_TOKENS, GraphSet, graph_tokens
 from .stage_signature import EAGLE_STAGES, POSITION_MASKS
 
 
-class SlotKVCache:
+class SlotKVCache(KVCache):
     """What HF attention sees inside a compiled stage: writes at tensor positions.
 
-    ``update(k, v, layer)`` copies ``k``/``v`` [B, H_kv, S, D] into the layer's buffers at the
-    positions of the layer's group and returns the whole buffers [B, H_kv, max_len, D].
+    ``update(k, v, layer)`` (``runtime.cache.KVCache``'s) copies ``k``/``v`` [B, H_kv, S, D]
+    into the layer's buffers at the positions of the layer's group and returns the whole
+    buffers [B, H_kv, max_len, D].
     """
 
     is_compileable = True
@@ -81,15 +82,11 @@ class SlotKVCache:
         self.values = values
         self.positions = positions
 
-    def update(self, key_states, value_states, layer_idx, cache_kwargs=None, **kwargs):
-        pos = self.positions[layer_idx]  # [S]
+    def write(self, layer_idx: int, at: torch.Tensor, key_states, value_states) -> None:
+        # at: [S], the positions of the layer's group
         keys, values = self.keys[layer_idx], self.values[layer_idx]
-        keys.index_copy_(2, pos, key_states.to(keys.dtype))
-        values.index_copy_(2, pos, value_states.to(values.dtype))
-        return keys, values
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.keys[layer_idx].shape[2]
+        keys.index_copy_(2, at, key_states.to(keys.dtype))
+        values.index_copy_(2, at, value_states.to(values.dtype))
 
 
 class RowSlotKVCache(SlotKVCache):
@@ -111,19 +108,18 @@ class RowSlotKVCache(SlotKVCache):
         super().__init__(keys, values, columns)
         self.first = first
 
-    def update(self, key_states, value_states, layer_idx, cache_kwargs=None, **kwargs):
-        cols = self.positions[layer_idx]  # [B, S]
+    def write(self, layer_idx: int, at: torch.Tensor, key_states, value_states) -> None:
+        # at: [B, S], each row's own columns
         keys, values = self.keys[layer_idx], self.values[layer_idx]
         b, h = key_states.shape[:2]
-        device = cols.device
+        device = at.device
         index = (
             torch.arange(b, device=device)[:, None, None],
             torch.arange(h, device=device)[None, :, None],
-            cols[:, None, :],
+            at[:, None, :],
         )  # [B, H, S] each, broadcast: row, head, column
         keys.index_put_(index, key_states.to(keys.dtype))
         values.index_put_(index, value_states.to(values.dtype))
-        return keys, values
 
     def spans(self, layer_idx: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's first real column [B] and its queries' columns [B, n]."""
@@ -392,18 +388,16 @@ class CompiledStage:
         del masks, remainder_masks  # built inside the graph from the positions
         if getattr(cache, "ragged", False):
             return self._call_rows(cache, tensors)
-        ends = {}
-        for pos_name, layers in self.groups.items():
-            n = tensors[pos_name].shape[1]
-            for layer in layers:
-                ends[layer] = cache.lengths[layer] + n
-        needed = max(ends.values(), default=0)
-        if self._padded:
-            needed = max(needed, cache.length + self.max_hidden + 1)
-        cache.check_room(needed)  # before the call: compiled kernels do not bounds-check
+        counts = {
+            layer: tensors[pos_name].shape[1]
+            for pos_name, layers in self.groups.items()
+            for layer in layers
+        }
+        room = cache.length + self.max_hidden + 1 if self._padded else 0
+        # before the call: compiled kernels do not bounds-check
+        ends = cache.reserve(counts, room=room)
         out = self._run(cache.keys, cache.values, tensors)
-        for layer, end in ends.items():
-            cache.lengths[layer] = end
+        cache.advance(ends)
         return out
 
     def _run(self, keys, values, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -452,7 +446,7 @@ class CompiledStage:
         batch = tensors["input_ids"].shape[0]
         stage = self._rows[0]
         first = torch.tensor(cache.first, device=device)
-        columns, ends = [], {}
+        columns, counts = [], {}
         for pos_name in stage.positions:
             n = tensors[pos_name].shape[1]
             layers = self.groups.get(pos_name, ())
@@ -463,13 +457,12 @@ class CompiledStage:
                         f"{self.name}: the cache layers {layers} that {pos_name} positions hold "
                         f"different row lengths {[cache.rows[i] for i in layers]}"
                     )
-                for layer in layers:
-                    ends[layer] = [s + n for s in starts]
+                counts.update(dict.fromkeys(layers, n))
                 cols = torch.tensor(starts, device=device)[:, None] + torch.arange(n, device=device)
             else:  # no cache layer reads it: the tokens' own columns, for its mask alone
                 cols = tensors[pos_name] + first[:, None]
             columns.append(cols)
-        cache.check_room(max((max(e) for e in ends.values()), default=0))
+        ends = cache.reserve(counts)
         args = [first, *(tensors[n] for n in self.tensor_inputs), *columns]
         one_token = all(t.shape[1] == 1 for t in args if t.dim() > 1)
 
@@ -487,9 +480,7 @@ class CompiledStage:
             args = [t.clone(memory_format=torch.contiguous_format) for t in args]
             mark(args)
             out = self._own(fn(cache.keys, cache.values, *args))
-        for layer, e in ends.items():
-            cache.rows[layer] = e
-        cache.lengths = [max(layer) for layer in cache.rows]
+        cache.advance(ends)
         return out
 
     def warmup_rows(self, cache_for_rows, example: dict[str, torch.Tensor], chunks: bool) -> None:
@@ -653,8 +644,7 @@ class CompiledChain:
     ) -> dict[str, torch.Tensor]:  # fmt: skip
         del masks
         layers = [layer for group in self.groups.values() for layer in group]
-        ends = {layer: cache.lengths[layer] + self.chain_length for layer in layers}
-        cache.check_room(max(ends.values(), default=0))
+        ends = cache.reserve(dict.fromkeys(layers, self.chain_length))
         if self.graphs is not None:
             out = self.graphs(self._fn, cache.keys, cache.values, [input_ids, position_ids])
         else:
@@ -663,8 +653,7 @@ class CompiledChain:
                 cache.keys, cache.values, input_ids.clone(memory_format=contiguous),
                 position_ids.clone(memory_format=contiguous),
             ))  # fmt: skip
-        for layer, end in ends.items():
-            cache.lengths[layer] = end
+        cache.advance(ends)
         return out
 
     def warmup(self, cache: StaticKVCache, example: dict[str, torch.Tensor]) -> None:

@@ -214,12 +214,12 @@ class OrtStage:
         **tensors: torch.Tensor,
     ) -> dict[str, torch.Tensor]:
         del masks, remainder_masks  # computed in the graph from the positions
-        ends = {}
-        for positions, layers in self.groups.items():
-            n = self._written(tensors[positions])
-            for layer in layers:
-                ends[layer] = cache.lengths[layer] + n
-        cache.check_room(max(ends.values(), default=0))  # before: ORT does not bounds-check
+        counts = {
+            layer: self._written(tensors[positions])
+            for positions, layers in self.groups.items()
+            for layer in layers
+        }
+        ends = cache.reserve(counts)  # before the call: ORT does not bounds-check
         io = self._bind_cache(cache)
         values = [tensors[name] for name in self.tensor_inputs]
         key = tuple((tuple(v.shape), v.dtype) for v in values)
@@ -240,8 +240,7 @@ class OrtStage:
             # Copies: the buffers are written again by the next call of this shape, and the
             # schedules keep outputs across calls (draft probabilities until verify).
             results = [buf.copy() for buf in outputs]
-        for layer, end in ends.items():
-            cache.lengths[layer] = end
+        cache.advance(ends)
         if slot is None:
             small = sum(r.nbytes for r in results) <= _MAX_BUFFER_BYTES  # decode, not prefill
             if self.device == "cpu" and small and len(self._slots) < _MAX_BUFFERED_SHAPES:
@@ -498,7 +497,8 @@ class OnnxModel(GenerateFrontEnd):
             import onnxruntime as ort
         except ImportError:
             raise ImportError(
-                "OnnxModel needs onnxruntime: pip install 'leapfx[onnx]' (or 'leapfx[onnx-gpu]')"
+                "OnnxModel needs onnxruntime: pip install -e '.[onnx]' in leapfx's checkout "
+                "(or '.[onnx-gpu]')"
             ) from None
         self.path = Path(path)
         self.manifest = read_manifest(self.path)

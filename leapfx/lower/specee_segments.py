@@ -97,8 +97,7 @@ class LayerSegment:
     def __call__(self, *, hidden, rope, mask, position_ids, cache, bias=None):
         del mask  # built in the graph from the positions (and the bias)
         n = hidden.shape[1]
-        end = cache.lengths[self.layer] + n
-        cache.check_room(end)
+        ends = cache.reserve({self.layer: n})
         if bias is None:
             if self._zeros is None or self._zeros.shape[0] != cache.max_len:
                 self._zeros = hidden.new_zeros(cache.max_len)
@@ -106,7 +105,7 @@ class LayerSegment:
         cos, sin = rope
         args = [_contiguous(t) for t in (hidden, cos, sin, position_ids, bias)]
         out = _rows(self.fns, [cache.keys, cache.values, *args], args[:4])
-        cache.lengths[self.layer] = end
+        cache.advance(ends)
         return {"hidden": out}
 
 

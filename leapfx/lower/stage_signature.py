@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import fx
 
-from ..runtime.cache import cache_for
+from ..runtime.cache import KVCache, cache_for
 from ..runtime.masks import position_masks
 
 if TYPE_CHECKING:
@@ -40,7 +40,7 @@ POSITION_MASKS = {p: m for p, (m, _) in POSITION_INPUTS.items()}
 DISCOVERY_TOKENS = {"input_ids": 1, "exit_hidden": 2}
 
 
-class FunctionalKVCache:
+class FunctionalKVCache(KVCache):
     """``update`` concatenates past and new keys/values and records them as the presents.
 
     >>> past = {0: (torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4))}
@@ -50,27 +50,24 @@ class FunctionalKVCache:
     (torch.Size([1, 2, 4, 4]), [0])
     """
 
-    is_compileable = False  # read by HF code paths that ask; we are not an HF Cache
-
     def __init__(self, past: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
         self.past = past
         self.present: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def update(
-        self,
-        key_states: torch.Tensor,
-        value_states: torch.Tensor,
-        layer_idx: int,
-        cache_kwargs: dict | None = None,
-        **kwargs,  # transformers >= 5.24 passes the attention's kwargs (unused)
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        # key_states: [B, H_kv, S, D]; past: [B, H_kv, P, D] -> [B, H_kv, P + S, D]
+    def claim(self, layer_idx: int, n: int) -> Any:
+        """The past's length: the new keys follow it."""
         assert layer_idx not in self.present, f"cache layer {layer_idx} written twice in a stage"
+        return self.get_seq_length(layer_idx)
+
+    def write(self, layer_idx: int, at: Any, key_states, value_states) -> None:
+        # key_states: [B, H_kv, S, D]; past: [B, H_kv, P, D] -> [B, H_kv, P + S, D]
         past_k, past_v = self.past[layer_idx]
         keys = torch.cat([past_k, key_states], dim=2)
         values = torch.cat([past_v, value_states], dim=2)
         self.present[layer_idx] = (keys, values)
-        return keys, values
+
+    def read(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.present[layer_idx]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.past[layer_idx][0].shape[2]

@@ -19,6 +19,7 @@ an export or when a gradient flows to its input (the op has no backward).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 
@@ -42,6 +43,7 @@ class _BlockWeight(nn.Module):
         self.fmt = blocks.fmt
         self._shape = (blocks.n, blocks.k)
         self._said = False
+        self._float: torch.Tensor | None = None  # the weight as floats, while float_weights holds
 
     @property
     def weights(self) -> Blocks:
@@ -50,7 +52,10 @@ class _BlockWeight(nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:
-        """The weight dequantized to float32 ``[n, k]`` (a new tensor on each read)."""
+        """The weight dequantized to float32 ``[n, k]`` (a new tensor on each read, but
+        inside :func:`float_weights`: its one tensor)."""
+        if self._float is not None:
+            return self._float
         if not self._said:
             self._said = True
             log.info(
@@ -113,6 +118,8 @@ class BlockEmbedding(_BlockWeight):
         self.padding_idx = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_exporting():  # the table a constant of the graph, as BlockLinear's
+            return F.embedding(ids, self.weight)
         w = self.weights
         if ids.device.type == "cpu" and _kernels():
             return torch.ops.leapfx_cpu.block_rows(w.data, w.type_id, w.n, w.k, ids.long())
@@ -121,6 +128,28 @@ class BlockEmbedding(_BlockWeight):
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, {self.fmt}"
+
+
+@contextlib.contextmanager
+def float_weights(*modules: nn.Module):
+    """While open, every block module under ``modules`` holds its weight dequantized, one
+    float32 tensor per blocks buffer (a tied head and its embedding share one): what an export
+    takes as its graph's constants, instead of tracing the kernels' ops (which ONNX has no
+    function for). Yields how many weights it dequantized; they are dropped on exit."""
+    found = [m for root in modules for m in root.modules() if is_blocks(m)]
+    floats: dict[int, torch.Tensor] = {}
+    for m in found:
+        key = m.blocks.data_ptr()
+        if key not in floats:
+            floats[key] = dequantize(m.weights)
+        m._float = floats[key]
+    if floats:
+        log.info("leapfx: %d block weights dequantized to float32 for an export", len(floats))
+    try:
+        yield len(floats)
+    finally:
+        for m in found:
+            m._float = None
 
 
 def is_blocks(module: nn.Module) -> bool:

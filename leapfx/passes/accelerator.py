@@ -31,7 +31,7 @@ from torch import fx
 
 from ..modules.m2r2 import AcceleratedLayer, Accelerator, ARLARouter, default_heads
 from ..options import check_int, is_int
-from .base import GraphPass, PassResult
+from .base import GraphPass, PassResult, owned
 from .capture import (
     ATTN_KIND,
     LAYER,
@@ -50,10 +50,7 @@ GATES = "leapfx.gates"  # GraphModule meta: the gates (E_1..E_J)
 
 def accelerator_of(gm: fx.GraphModule) -> Accelerator:
     """The Accelerator a graph rewritten by InsertAccelerator owns."""
-    acc = getattr(gm, ACCELERATOR_MODULE, None)
-    if not isinstance(acc, Accelerator):
-        raise ValueError("graph has no M2R2 accelerator; run InsertAccelerator first")
-    return acc
+    return owned(gm, ACCELERATOR_MODULE, Accelerator, "M2R2 accelerator", "InsertAccelerator")
 
 
 def check_gates(gates, num_layers: int) -> tuple[int, ...]:

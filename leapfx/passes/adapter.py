@@ -42,12 +42,12 @@ from torch import fx
 
 from ..modules.hf import cache_kwarg
 from ..modules.kangaroo import KangarooAdapter
-from .base import GraphPass, PassResult
+from .base import GraphPass, PassResult, owned
 from .capture import (
     ATTN_KIND,
     EXTRA_CACHE_LAYERS,
-    ROLE,
     WRITES_CACHE,
+    NodeChain,
     layer_module,
     layer_node,
     nodes_by_role,
@@ -62,10 +62,7 @@ CACHE_LAYER = "leapfx.cache_layer"  # node.meta: the KV-cache layer index an att
 
 def adapter_of(gm: fx.GraphModule) -> KangarooAdapter:
     """The KangarooAdapter a graph rewritten by InsertKangarooAdapter owns."""
-    adapter = getattr(gm, ADAPTER_MODULE, None)
-    if not isinstance(adapter, KangarooAdapter):
-        raise ValueError("graph has no Kangaroo adapter; run InsertKangarooAdapter first")
-    return adapter
+    return owned(gm, ADAPTER_MODULE, KangarooAdapter, "Kangaroo adapter", "InsertKangarooAdapter")
 
 
 @dataclass(frozen=True)
@@ -124,17 +121,7 @@ class InsertKangarooAdapter(GraphPass):
         rope = nodes_by_role(gm, "rotary")[0]
         mask = next(n for n in nodes_by_role(gm, "mask") if n.meta[ATTN_KIND] == kind)
         cache = next(n for n in gm.graph.nodes if n.op == "placeholder" and n.name == "cache")
-        g = gm.graph
-        point = source
-
-        def emit(name: str, op: str, target, args: tuple, kwargs=None, role=None) -> fx.Node:
-            nonlocal point
-            with g.inserting_after(point):  # chained, so the nodes keep this order
-                node = g.create_node(op, target, args, kwargs or {}, name=name)
-            node.meta[ROLE] = role or name
-            node.meta[EXIT_LAYER] = self.exit_layer
-            point = node
-            return node
+        emit = NodeChain(gm.graph, source, {EXIT_LAYER: self.exit_layer})
 
         module = f"{ADAPTER_MODULE}."
         x = emit("adapter_input_norm", "call_module", module + "input_norm", (source,))

@@ -19,13 +19,26 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, TypeVar
 
 import networkx as nx
 from torch import fx
 
 # Facts every captured graph has before any pass runs.
 CAPTURED_FACTS = frozenset({"decoder-graph"})
+
+
+M = TypeVar("M")
+
+
+def owned(gm: fx.GraphModule, attr: str, kind: type[M], what: str, pass_name: str) -> M:
+    """The ``kind`` module ``gm`` holds at ``attr``, which the pass ``pass_name`` inserted; a
+    ValueError naming ``what`` and that pass where it holds none (``adapter_of``,
+    ``eagle_head_of`` ...)."""
+    module = getattr(gm, attr, None)
+    if not isinstance(module, kind):
+        raise ValueError(f"graph has no {what}; run {pass_name} first")
+    return module
 
 
 @dataclass(frozen=True)

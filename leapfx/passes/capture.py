@@ -270,6 +270,28 @@ def layer_module(gm: fx.GraphModule, index: int) -> nn.Module:
     return gm.get_submodule(node.meta[MODULE])
 
 
+class NodeChain:
+    """Inserts nodes one after another from ``point``, so they keep the order they are made
+    in; each is tagged with its role (its name unless given) and ``meta``. Example::
+
+        emit = NodeChain(gm.graph, last)
+        joined = emit("eagle_cat", "call_function", torch.cat, ([embed, prev], -1))
+    """
+
+    def __init__(self, graph: fx.Graph, point: fx.Node, meta: dict | None = None) -> None:
+        self.graph = graph
+        self.point = point
+        self.meta = meta or {}
+
+    def __call__(self, name: str, op: str, target, args: tuple, kwargs=None, role=None) -> fx.Node:
+        with self.graph.inserting_after(self.point):
+            node = self.graph.create_node(op, target, args, kwargs or {}, name=name)
+        node.meta[ROLE] = role or name
+        node.meta.update(self.meta)
+        self.point = node
+        return node
+
+
 def nodes_by_role(gm: fx.GraphModule, role: str) -> list[fx.Node]:
     """All nodes of ``gm`` whose ``leapfx.role`` is ``role``, in graph order."""
     return [n for n in gm.graph.nodes if n.meta.get(ROLE) == role]

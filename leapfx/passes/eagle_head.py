@@ -78,12 +78,13 @@ from ..modules.eagle import EagleHead
 from ..modules.fused import FusedDecoderLayer, fusable
 from ..modules.hf import CACHE_KWARG, cache_kwarg, rename_cache_kwarg
 from ..options import is_int
-from .base import GraphPass, PassResult
+from .base import GraphPass, PassResult, owned
 from .capture import (
     ATTN_KIND,
     EXTRA_CACHE_LAYERS,
     ROLE,
     WRITES_CACHE,
+    NodeChain,
     layer_module,
     nodes_by_role,
     output_dict,
@@ -112,10 +113,7 @@ def previous_hidden(last_hidden: torch.Tensor, first: torch.Tensor | None = None
 
 def eagle_head_of(gm: fx.GraphModule) -> EagleHead:
     """The EagleHead a graph rewritten by InsertEagleHead owns."""
-    head = getattr(gm, HEAD_MODULE, None)
-    if not isinstance(head, EagleHead):
-        raise ValueError("graph has no EAGLE head; run InsertEagleHead first")
-    return head
+    return owned(gm, HEAD_MODULE, EagleHead, "EAGLE head", "InsertEagleHead")
 
 
 @dataclass(frozen=True)
@@ -164,16 +162,7 @@ class InsertEagleHead(GraphPass):
         norm = nodes_by_role(gm, "norm")[0]
         lm_head = nodes_by_role(gm, "head")[0]
         placeholders = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
-        g = gm.graph
-        point = last
-
-        def emit(name: str, op: str, target, args: tuple, kwargs=None, role=None) -> fx.Node:
-            nonlocal point
-            with g.inserting_after(point):  # chained, so the nodes keep this order
-                node = g.create_node(op, target, args, kwargs or {}, name=name)
-            node.meta[ROLE] = role or name
-            point = node
-            return node
+        emit = NodeChain(gm.graph, last)
 
         prev = emit("eagle_prev_hidden", "call_function", previous_hidden, (last,))
         joined = emit("eagle_cat", "call_function", torch.cat, ([embed, prev], -1))
@@ -232,14 +221,21 @@ def _copy_with(graph: fx.Graph, nodes: list[fx.Node], env: dict[fx.Node, fx.Node
             env[node] = graph.node_copy(node, lambda n: env[n])
 
 
-def target_stage(gm: fx.GraphModule) -> fx.GraphModule:
-    """The host and the teacher-forced head: see the module docstring (``target``)."""
+def _stage_graph(gm: fx.GraphModule, own: str):
+    """A stage's new graph over ``gm``'s shared inputs and its ``own`` one: ``gm``'s outputs by
+    name, the graph, its placeholders by name, and ``env`` mapping ``gm``'s shared
+    placeholders to the stage's."""
     eagle_layer_of(gm)
-    outputs = output_dict(gm)
     inputs = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
     graph = fx.Graph()
-    ph = _placeholders(graph, ["input_ids", "position_ids", "masks", "prev_hidden", "cache"])
+    ph = _placeholders(graph, ["input_ids", "position_ids", "masks", own, "cache"])
     env = {inputs[k]: ph[k] for k in ("input_ids", "position_ids", "masks", "cache")}
+    return output_dict(gm), graph, ph, env
+
+
+def target_stage(gm: fx.GraphModule) -> fx.GraphModule:
+    """The host and the teacher-forced head: see the module docstring (``target``)."""
+    outputs, graph, ph, env = _stage_graph(gm, "prev_hidden")
     prev = nodes_by_role(gm, "eagle_prev_hidden")[0]
     body = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
     _copy_with(graph, body[: body.index(prev)], env)
@@ -254,12 +250,7 @@ def target_stage(gm: fx.GraphModule) -> fx.GraphModule:
 
 def head_stage(gm: fx.GraphModule) -> fx.GraphModule:
     """The draft head alone: see the module docstring (``head``)."""
-    eagle_layer_of(gm)
-    outputs = output_dict(gm)
-    inputs = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
-    graph = fx.Graph()
-    ph = _placeholders(graph, ["input_ids", "position_ids", "masks", "hidden", "cache"])
-    env = {inputs[k]: ph[k] for k in ("input_ids", "position_ids", "masks", "cache")}
+    outputs, graph, ph, env = _stage_graph(gm, "hidden")
     env[nodes_by_role(gm, "eagle_prev_hidden")[0]] = ph["hidden"]
     roles = {"embed", "rotary", "mask", "eagle_cat", "eagle_fc", "eagle_layer", "eagle_norm"}
     roles.add("eagle_head")

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from torch import fx
+from torch import fx, nn
 
 from ..modules.fused import FUSABLE_ATTENTION, FusedAttention, FusedDecoderLayer, fusable
 from ..modules.hf import CACHE_KWARG, rename_cache_kwarg
@@ -35,18 +35,21 @@ class FuseDecoderLayers(GraphPass):
             layer = gm.get_submodule(node.target)
             if isinstance(layer, FusedDecoderLayer) or not fusable(layer):
                 continue
-            target = f"leapfx_fused.layer_{node.meta['leapfx.layer']}"
-            gm.add_submodule(target, FusedDecoderLayer(layer))
-            node.target = target
-            node.kwargs = rename_cache_kwarg(node.kwargs, CACHE_KWARG)
+            _run_on(gm, node, "layer", FusedDecoderLayer(layer))
             matches += 1
         for node in nodes_by_role(gm, "attention"):  # MoE layers' attention nodes
             attn = gm.get_submodule(node.target)
             if type(attn).__name__ not in FUSABLE_ATTENTION or attn.training:
                 continue
-            target = f"leapfx_fused.attention_{node.meta['leapfx.layer']}"
-            gm.add_submodule(target, FusedAttention(attn))
-            node.target = target
-            node.kwargs = rename_cache_kwarg(node.kwargs, CACHE_KWARG)
+            _run_on(gm, node, "attention", FusedAttention(attn))
             matches += 1
         return PassResult(gm, modified=matches > 0, matches=matches)
+
+
+def _run_on(gm: fx.GraphModule, node: fx.Node, kind: str, module: nn.Module) -> None:
+    """Point ``node`` at ``module``, registered as ``leapfx_fused.{kind}_{layer}``, with its
+    cache keyword renamed to the fused modules' (``CACHE_KWARG``)."""
+    target = f"leapfx_fused.{kind}_{node.meta['leapfx.layer']}"
+    gm.add_submodule(target, module)
+    node.target = target
+    node.kwargs = rename_cache_kwarg(node.kwargs, CACHE_KWARG)

@@ -41,6 +41,7 @@ class LoadParts(GraphPass):
     weights: ClassVar[str]
     subset: ClassVar[bool] = False
     option: ClassVar[str] = "parts"  # the user's option that errors name
+    what: ClassVar[str] = "parts"  # what the parts load into, as errors name it
 
     path: str
 
@@ -62,8 +63,13 @@ class LoadParts(GraphPass):
         if config is not None:
             check_host(self.option, self.path, host_signature(config), meta.get("host", {}))
 
-    def misfit(self, module: nn.Module, meta: dict[str, Any]) -> str:  # pragma: no cover
-        raise NotImplementedError
+    def misfit(self, module: nn.Module, meta: dict[str, Any]) -> str:
+        """The error where the file's tensors do not fit ``module``: by default, the option,
+        ``what`` the parts load into, and the tensors it expects."""
+        return (
+            f"{self.option}: the tensors in {self.path!r} do not fit this model's {self.what} "
+            f"(expected {sorted(module.state_dict())})"
+        )
 
     def loaded(self, module: nn.Module) -> None:
         """Called after the weights are in ``module``."""
@@ -88,6 +94,7 @@ class LoadKangarooAdapter(LoadParts):
     provides: ClassVar[frozenset[str]] = frozenset({"kangaroo-adapter-weights"})
     weights: ClassVar[str] = kangaroo.WEIGHTS
     option: ClassVar[str] = "adapter"
+    what: ClassVar[str] = "adapter"
 
     def module_of(self, gm: fx.GraphModule) -> KangarooAdapter:
         return adapter_of(gm)
@@ -107,12 +114,6 @@ class LoadKangarooAdapter(LoadParts):
                 f"not {adapter.exit_layer}"
             )
 
-    def misfit(self, adapter: KangarooAdapter, meta: dict[str, Any]) -> str:
-        return (
-            f"adapter: the tensors in {self.path!r} do not fit this model's adapter "
-            f"(expected {sorted(adapter.state_dict())})"
-        )
-
 
 @dataclass(frozen=True)
 class LoadEagleHead(LoadParts):
@@ -122,6 +123,7 @@ class LoadEagleHead(LoadParts):
     requires: ClassVar[frozenset[str]] = frozenset({"eagle-head"})
     provides: ClassVar[frozenset[str]] = frozenset({"eagle-head-weights"})
     weights: ClassVar[str] = eagle.WEIGHTS
+    what: ClassVar[str] = "EAGLE head"
 
     def module_of(self, gm: fx.GraphModule) -> EagleHead:
         return eagle_head_of(gm)
@@ -131,12 +133,6 @@ class LoadEagleHead(LoadParts):
 
     def host_config(self, head: EagleHead) -> Any:
         return head.layer.self_attn.config
-
-    def misfit(self, head: EagleHead, meta: dict[str, Any]) -> str:
-        return (
-            f"parts: the tensors in {self.path!r} do not fit this model's EAGLE head "
-            f"(expected {sorted(head.state_dict())})"
-        )
 
 
 def _lm_head(bank: nn.Module) -> nn.Module | None:

@@ -35,7 +35,7 @@ import torch
 from torch import fx
 
 from ..modules.specee import NUM_SPECULATIVE_TOKENS, SpecEEPredictors
-from .base import GraphPass, PassResult
+from .base import GraphPass, PassResult, owned
 from .capture import LAYER, ROLE, layer_node, nodes_by_role, output_dict, set_output_dict
 from .exit_head import exit_layer_of
 
@@ -50,10 +50,9 @@ def speculative_tokens(exit_logits: torch.Tensor, k: int = NUM_SPECULATIVE_TOKEN
 
 def predictors_of(gm: fx.GraphModule) -> SpecEEPredictors:
     """The SpecEEPredictors a graph rewritten by InsertExitPredictors owns."""
-    bank = getattr(gm, PREDICTOR_MODULE, None)
-    if not isinstance(bank, SpecEEPredictors):
-        raise ValueError("graph has no SpecEE predictors; run InsertExitPredictors first")
-    return bank
+    return owned(
+        gm, PREDICTOR_MODULE, SpecEEPredictors, "SpecEE predictors", "InsertExitPredictors"
+    )
 
 
 @dataclass(frozen=True)

@@ -847,8 +847,11 @@ RECIPES: dict[str, Recipe] = {
             # nothing trains; the parts are the skip set (SpeculativeModel.calibrate finds it)
             training=swift.SwiftParts,
             parts_option="parts",
-            # the Inductor and ONNX paths of a layer-skipped draft stage are not written yet
-            capabilities=Capabilities(compiles=False),
+            capabilities=Capabilities(
+                compiles=False,
+                eager_reason="its draft stage skips the layer set its schedule searches online, "
+                "and a layer-skipped stage's Inductor and ONNX paths are not written",
+            ),
             draft_option="num_speculations",
             batch=_batch_stage("swift"),
         ),
@@ -861,8 +864,11 @@ RECIPES: dict[str, Recipe] = {
             schedule=_qspec_schedule,
             lookahead=lambda o: o.num_speculations + 1,
             lossless=True,
-            # its draft's blocks run leapfx's CPU block kernels: no Inductor or ONNX path yet
-            capabilities=Capabilities(compiles=False),
+            capabilities=Capabilities(
+                compiles=False,
+                eager_reason="its draft's quantized blocks run leapfx's CPU block kernels, "
+                "which have no Inductor or ONNX path",
+            ),
             draft_option="num_speculations",
             batch=_batch_stage("qspec"),
         ),
@@ -926,7 +932,11 @@ RECIPES: dict[str, Recipe] = {
             lossless=True,
             training="m2r2",
             parts_option="parts",
-            capabilities=Capabilities(compiles=False),
+            capabilities=Capabilities(
+                compiles=False,
+                eager_reason="its fast stream keeps per-sequence scratch state (FastScratch), "
+                "a Python object that neither Inductor nor ONNX traces",
+            ),
             draft_option="num_speculations",
             batch_refusal="its fast stream keeps per-sequence scratch state (FastScratch)",
         ),
@@ -946,7 +956,11 @@ RECIPES: dict[str, Recipe] = {
             lossless=False,
             training="m2r2",
             parts_option="parts",
-            capabilities=Capabilities(compiles=False),
+            capabilities=Capabilities(
+                compiles=False,
+                eager_reason="its per-layer gates decide each token's exit on the host between "
+                "per-layer stages",
+            ),
             batch_refusal=_LOSSY_BATCH,
         ),
         Recipe(

@@ -61,6 +61,7 @@ from .schedules import (
     choose,
     draft_steps,
     requests_of,
+    shared_request,
 )
 
 DRAFTERS = ("none", "lookup", "stage", "eagle")
@@ -164,24 +165,40 @@ class RowKVCache(StaticKVCache):
     def batch_size(self) -> int:
         return self.keys[0].shape[0]
 
-    def update(self, key_states, value_states, layer_idx, cache_kwargs=None, **kwargs):
-        # key_states, value_states: [B, H_kv, n, D]; row b written at its own fill length.
+    def claim(self, layer_idx: int, n: int) -> list[int]:
+        """Each row's fill length (its new columns' first), each moved ``n`` on; the layer's
+        length is the longest row's."""
         starts = self.rows[layer_idx]
-        n = key_states.shape[-2]
         ends = [s + n for s in starts]
         end = max(ends)
         self.check_room(end)
-        keys, values = self.keys[layer_idx], self.values[layer_idx]
-        if min(starts) == max(starts):
-            keys[:, :, starts[0] : end] = key_states
-            values[:, :, starts[0] : end] = value_states
-        else:
-            index = self._write_index(starts, n)  # ([B, 1], [B, n]): row, column
-            keys.transpose(1, 2).index_put_(index, key_states.transpose(1, 2))  # [B, n, H, D]
-            values.transpose(1, 2).index_put_(index, value_states.transpose(1, 2))
         self.rows[layer_idx] = ends
         self.lengths[layer_idx] = end
-        return keys[:, :, :end], values[:, :, :end]
+        return starts
+
+    def reserve(self, counts, *, room: int = 0) -> dict[int, list[int]]:
+        """Each row's fill length in each layer of ``counts`` after its new columns (see
+        ``LayerLengths.reserve``); the buffers grow first where they may."""
+        ends = {layer: [s + n for s in self.rows[layer]] for layer, n in counts.items()}
+        self.check_room(max([room, *(max(e) for e in ends.values())]))
+        return ends
+
+    def advance(self, ends) -> None:
+        for layer, e in ends.items():
+            self.rows[layer] = e
+        self.lengths = [max(layer) for layer in self.rows]
+
+    def write(self, layer_idx: int, at: list[int], key_states, value_states) -> None:
+        # key_states, value_states: [B, H_kv, n, D]; row b written from column at[b]
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        n = key_states.shape[-2]
+        if min(at) == max(at):
+            keys[:, :, at[0] : at[0] + n] = key_states
+            values[:, :, at[0] : at[0] + n] = value_states
+        else:
+            index = self._write_index(at, n)  # ([B, 1], [B, n]): row, column
+            keys.transpose(1, 2).index_put_(index, key_states.transpose(1, 2))  # [B, n, H, D]
+            values.transpose(1, 2).index_put_(index, value_states.transpose(1, 2))
 
     def row_view(self, b: int) -> RowKVCache:
         """Row b alone, as a one-row cache over the same storage (its writes land in row b),
@@ -522,8 +539,8 @@ def _requests(rows: list[_Row]) -> list[DecodeRequest]:
 def choose_rows(logits: torch.Tensor, requests: list[DecodeRequest]) -> torch.Tensor:
     """Each row's next token [B, 1] from logits [B, V] (``schedules.choose``): at once where
     the rows share one request without processors, else a row at a time, in order."""
-    one = requests[0]
-    if all(r is one for r in requests) and (one.processing is None or not one.processing.active):
+    one = shared_request(requests)
+    if one is not None and (one.processing is None or not one.processing.active):
         return choose(logits, one)
     return torch.cat([choose(logits[b : b + 1], r) for b, r in enumerate(requests)])
 

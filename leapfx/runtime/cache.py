@@ -7,9 +7,10 @@ not run), and both read the same tensors. Keys and values live in tensors preall
 writes different position ranges in different layers. Rejected tokens are rolled back by
 ``crop(length)``, which moves lengths and copies nothing.
 
-The class speaks the one method HF attention modules call on a cache,
+Every cache a stage runs on speaks the one method HF attention modules call on a cache,
 ``update(key_states, value_states, layer_idx) -> (keys, values)``, so HF decoder layers run on it
-unchanged; it returns views of the filled prefix.
+unchanged. :class:`KVCache` implements it once for every backend; a backend supplies the write
+into its storage (this one: views of the filled prefix, returned).
 
 A SpeculativeModel allocates its cache once, at a maximum length, and between ``generate`` calls
 only resets it (lengths to 0), so the buffers keep their addresses. On a GPU each buffer is also
@@ -21,13 +22,79 @@ buffer or a marked tensor); otherwise Inductor skips cudagraphs ("mutated inputs
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from typing import Any
+
 import torch
 
 
-class LayerLengths:
+class KVCache:
+    """The one cache protocol HF attention speaks, for every backend's storage.
+
+    HF attention calls ``update(key_states, value_states, layer_idx, cache_kwargs)`` on its
+    cache and attends to the keys and values it returns. Here that call is implemented once: it
+    asks :meth:`claim` where the layer's new columns go (the bookkeeping: a fill length, or the
+    positions a compiled or exported stage was given as tensors), hands them to :meth:`write`
+    (the storage, the one thing each backend supplies) and returns :meth:`read`: the filled
+    prefix of a cache that keeps lengths, the whole buffer of one written at positions
+    (``whole_buffer``), the presents of a functional one.
+
+    The users: :class:`StaticKVCache` (eager stages; its fill lengths from
+    :class:`LayerLengths`), ``runtime.batch.RowKVCache`` (a fill length per row),
+    ``lower.inductor.SlotKVCache`` and ``RowSlotKVCache`` (inside compiled stages: writes at
+    tensor positions), ``lower.stage_signature.FunctionalKVCache`` and
+    ``export.stage_module.SlotWriteKVCache`` (pure functions of the past, for discovery and
+    export). ``lower.onnxruntime.OrtKVCache`` keeps the lengths only: its sessions write the
+    buffers themselves.
+    """
+
+    is_compileable = False  # read by HF code paths that ask; we are not an HF Cache
+    whole_buffer = False  # update() returns every slot, not the filled prefix
+    ragged = False  # a key's column is not its position (rows of a batch at their own columns)
+
+    keys: Sequence
+    values: Sequence
+    positions: Mapping[int, torch.Tensor]
+
+    def update(
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        layer_idx: int,
+        cache_kwargs: dict | None = None,
+        **kwargs,  # transformers >= 5.24 passes the attention's kwargs (unused)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # key_states, value_states: [B, H_kv, S_new, D]
+        at = self.claim(layer_idx, key_states.shape[-2])
+        self.write(layer_idx, at, key_states, value_states)
+        return self.read(layer_idx)
+
+    def claim(self, layer_idx: int, n: int) -> Any:
+        """Where layer ``layer_idx``'s ``n`` new columns go, its bookkeeping moved past them;
+        by default the positions the stage was given (``positions[layer_idx]``, a tensor)."""
+        return self.positions[layer_idx]
+
+    def write(
+        self, layer_idx: int, at: Any, key_states: torch.Tensor, value_states: torch.Tensor
+    ) -> None:
+        """Store the new keys and values at ``at`` (what :meth:`claim` returned): the backend's
+        hook."""
+        raise NotImplementedError(f"{type(self).__name__} is written by its stages, not update()")
+
+    def read(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """What attention reads after a write; by default the whole buffers [B, H_kv, L, D]."""
+        return self.keys[layer_idx], self.values[layer_idx]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.keys[layer_idx].shape[2]
+
+
+class LayerLengths(KVCache):
     """Per-layer fill lengths with O(1) rollback, shared by every backend's KV cache.
 
-    Subclasses set ``keys`` (one buffer per cache layer), ``max_len`` and ``lengths``.
+    Subclasses set ``keys`` (one buffer per cache layer), ``max_len`` and ``lengths``. A write
+    claims the columns from the layer's fill length on (every row at the same columns; a batch
+    of ragged rows keeps a length per row: ``runtime.batch.RowKVCache``) and reads the prefix.
     """
 
     keys: list
@@ -51,6 +118,34 @@ class LayerLengths:
                 f"{end}; pass a larger max_cache_len"
             )
 
+    def claim(self, layer_idx: int, n: int) -> int:
+        """The layer's fill length (its new columns' first), the length moved ``n`` on."""
+        start = self.lengths[layer_idx]
+        self.check_room(start + n)
+        self.lengths[layer_idx] = start + n
+        return start
+
+    def reserve(self, counts: Mapping[int, int], *, room: int = 0) -> dict[int, int]:
+        """The fill length each layer of ``counts`` reaches with its ``counts[layer]`` new
+        columns, refused (:meth:`check_room`) before anything is written where those, or
+        ``room``, end past the buffers. A stage that writes the buffers itself (a compiled
+        graph, an onnxruntime session) reserves before its call and :meth:`advance` after."""
+        ends = {layer: self.lengths[layer] + n for layer, n in counts.items()}
+        self.check_room(max(room, *ends.values()) if ends else room)
+        return ends
+
+    def advance(self, ends: Mapping[int, int]) -> None:
+        """Move each layer of ``ends`` to its length there (what :meth:`reserve` returned)."""
+        for layer, end in ends.items():
+            self.lengths[layer] = end
+
+    def read(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        end = self.lengths[layer_idx]
+        return self.keys[layer_idx][:, :, :end], self.values[layer_idx][:, :, :end]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.lengths[layer_idx]
+
     def crop(self, length: int) -> None:
         """Forget every position >= ``length`` in every layer (O(1): moves lengths only)."""
         self.lengths = [min(n, length) for n in self.lengths]
@@ -69,8 +164,6 @@ class StaticKVCache(LayerLengths):
     >>> cache.crop(2); cache.lengths
     [2, 0]
     """
-
-    is_compileable = False  # read by HF code paths that ask; we are not an HF Cache
 
     def __init__(
         self,
@@ -104,25 +197,11 @@ class StaticKVCache(LayerLengths):
                 # reallocated within one (SpeculativeModel._cache_for).
                 torch._dynamo.mark_static_address(t, guard=False)
 
-    def update(
-        self,
-        key_states: torch.Tensor,
-        value_states: torch.Tensor,
-        layer_idx: int,
-        cache_kwargs: dict | None = None,
-        **kwargs,  # transformers >= 5.24 passes the attention's kwargs (unused)
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        # key_states, value_states: [B, H_kv, S_new, D]; written at this layer's fill length.
-        start = self.lengths[layer_idx]
-        end = start + key_states.shape[-2]
-        self.check_room(end)
-        self.keys[layer_idx][:, :, start:end] = key_states
-        self.values[layer_idx][:, :, start:end] = value_states
-        self.lengths[layer_idx] = end
-        return self.keys[layer_idx][:, :, :end], self.values[layer_idx][:, :, :end]
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.lengths[layer_idx]
+    def write(self, layer_idx: int, at: int, key_states, value_states) -> None:
+        # every row at the same columns at .. at + S_new
+        end = at + key_states.shape[-2]
+        self.keys[layer_idx][:, :, at:end] = key_states
+        self.values[layer_idx][:, :, at:end] = value_states
 
     @property
     def appends(self) -> bool:

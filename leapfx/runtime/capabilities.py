@@ -22,6 +22,8 @@ class Capabilities:
     # Its stages lower to Inductor and ONNX (False: a stage takes a Python object, e.g.
     # M2R2's FastScratch, that neither traces).
     compiles: bool = True
+    # Why not, where ``compiles`` is False (the refusal quotes it).
+    eager_reason: str = "a stage takes a Python object that neither Inductor nor ONNX traces"
     # The ONNX manifest can express its schedule; where it cannot, ``export_refusal`` says
     # what is missing (the export's ValueError quotes it).
     exportable: bool = True

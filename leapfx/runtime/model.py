@@ -607,9 +607,9 @@ class SpeculativeModel(GenerateFrontEnd):
         """ValueError naming ``what`` where the recipe's stages run eager only."""
         if not self.recipe.compiles:
             raise ValueError(
-                f"{what}: recipe {self.recipe.name!r} runs its stages eager only (a stage takes "
-                "a Python object that neither Inductor nor ONNX traces); allowed: backend='eager'"
-                ", with use_cpu_kernels() for the projections"
+                f"{what}: recipe {self.recipe.name!r} runs its stages eager only "
+                f"({self.recipe.capabilities.eager_reason}); allowed: backend='eager', with "
+                "use_cpu_kernels() for the projections"
             )
 
     def __repr__(self) -> str:

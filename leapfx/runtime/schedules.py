@@ -214,6 +214,16 @@ def requests_of(request: DecodeRequest | Sequence[DecodeRequest], rows: int) -> 
     return list(request)
 
 
+def shared_request(request: DecodeRequest | Sequence[DecodeRequest]) -> DecodeRequest | None:
+    """The one request every row shares (``request`` itself, or a list of the same one), or
+    None where rows have their own: what decides whether a batch's tokens are chosen at once
+    or a row at a time."""
+    if isinstance(request, DecodeRequest):
+        return request
+    one = request[0]
+    return one if all(r is one for r in request) else None
+
+
 def draw(
     logits: torch.Tensor,
     request: DecodeRequest | Sequence[DecodeRequest],
@@ -227,15 +237,14 @@ def draw(
 
     Every drafting loop chooses its tokens here, so a drafter's q is always the processed
     distribution the verify compares with."""
-    rows = None if isinstance(request, DecodeRequest) else list(request)
-    one = request if rows is None else rows[0]
-    if rows is None or all(r is one for r in rows):
+    one = shared_request(request)
+    if one is not None:
         if not one.sampling.do_sample:
             return logits.argmax(dim=-1, keepdim=True), None  # no host sync
         if logits.shape[0] == 1 or active(one) is None:
             q = draft_probs(logits, one, drafts)  # [B, V]
             return torch.multinomial(q, 1, generator=one.generator), q
-        rows = [one] * logits.shape[0]
+    rows = [one] * logits.shape[0] if one is not None else list(request)
     tokens, qs = [], []
     for b, r in enumerate(rows):
         token, q = draw(logits[b : b + 1], r, None if drafts is None else drafts[b : b + 1])

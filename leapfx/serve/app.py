@@ -171,6 +171,41 @@ def parse(body: Any, fields: set[str], tokenizer, engine: Engine, model_name: st
     )  # fmt: skip
 
 
+class Detokenizer:
+    """The text of a growing list of token ids, decoded a window at a time: each ``push``
+    decodes the tokens since the last text it gave out together with the group before them
+    (the context a tokenizer's leading-space and byte-merging rules read) and hands out what
+    the new ones add, so an answer of n tokens costs O(n) to detokenize, not O(n^2). Text that
+    ends inside a multi-byte character waits for the tokens that finish it (``flush`` gives it
+    out at the end). What it hands out, joined, is ``decode(ids, skip_special_tokens=True)``."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix = 0  # the window's first token (context, already handed out)
+        self.read = 0  # tokens before this one are handed out
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def push(self, ids: list[int]) -> str:
+        """The text ``ids`` add ("" while a multi-byte character is unfinished)."""
+        self.ids.extend(ids)
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        """What is left, an unfinished character's replacement included."""
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> str:
+        before = self._decode(self.ids[self.prefix : self.read])
+        after = self._decode(self.ids[self.prefix :])
+        if len(after) <= len(before) or (after.endswith("\ufffd") and not final):
+            return ""
+        self.prefix, self.read = self.read, len(self.ids)
+        return after[len(before) :]
+
+
 class Answer:
     """One request's answer as it decodes: its text so far (incrementally detokenized, cut at
     a stop string), its finish reason, and the asyncio queue the engine's thread feeds."""
@@ -179,6 +214,7 @@ class Answer:
         self.parsed, self.tokenizer, self.loop = parsed, tokenizer, loop
         self.queue: asyncio.Queue = asyncio.Queue()
         self.tokens: list[int] = []
+        self.detokenizer = Detokenizer(tokenizer)
         self.text = ""
         self.sent = 0  # characters already handed out
         self.finish: str | None = None
@@ -195,12 +231,16 @@ class Answer:
     def add(self, tokens: list[int], eos: frozenset[int]) -> str:
         """The new text ``tokens`` add (held back while a stop string may be starting)."""
         self.tokens.extend(tokens)
-        ids = [t for t in self.tokens if t not in eos]
-        self.text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        if self.text.endswith("\ufffd"):  # a multi-byte character not finished yet
+        return self._extend(self.detokenizer.push([t for t in tokens if t not in eos]))
+
+    def _extend(self, added: str) -> str:
+        if self.finish is not None:
             return ""
+        longest = max(map(len, self.parsed.stop), default=0)
+        searched = max(0, len(self.text) - longest + 1)  # a stop string ending in the new text
+        self.text += added
         for s in self.parsed.stop:
-            at = self.text.find(s)
+            at = self.text.find(s, searched)
             if at >= 0:
                 self.text, self.finish = self.text[:at], "stop"
         hold = 0
@@ -215,6 +255,8 @@ class Answer:
         return new
 
     def rest(self) -> str:
+        """The text not yet handed out, at the end of the answer."""
+        self._extend(self.detokenizer.flush())
         new = self.text[self.sent :]
         self.sent = len(self.text)
         return new

@@ -26,7 +26,6 @@ previous token's experts and the next-gate predictability at distance 1 and 2
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import time
@@ -37,17 +36,20 @@ import torch
 
 from leapfx.files import write_text_atomic
 from leapfx.models.routing import routing_stats
-from leapfx.train.data import byte_tokenizer, encode_documents, token_byte_lengths
+from leapfx.train.data import byte_tokenizer, token_byte_lengths
 from leapfx.train.evaluate import eval_windows, evaluate_exits
 from leapfx.train.layerskip import LayerSkipTrainConfig
 from leapfx.train.reference import (
     REFERENCE_RECIPE,
+    _report_model,
+    _report_training,
     _run_phase,
+    _set_up,
     check_shape,
     config_kwargs,
     reference_corpus,
 )
-from leapfx.train.trainer import TrainerConfig, describe_device, resolve_device
+from leapfx.train.trainer import resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -174,57 +176,37 @@ def train_moe_reference(
     if threads is not None:
         torch.set_num_threads(threads)
     tokenizer = byte_tokenizer()  # fixed ids: a resumed run needs nothing saved first
-    train_ids = encode_documents(tokenizer, corpus.train)
-    held_ids = encode_documents(tokenizer, corpus.held_out)
-    model = build_moe_model(spec, tokenizer, seed)
-    params = sum(p.numel() for p in model.parameters())
-    log.info("MoE reference: %.2fM parameters, %d training tokens", params / 1e6, len(train_ids))
-    base = TrainerConfig(batch_size=batch_size, seq_len=seq_len, lr=lr, seed=seed, device=str(dev))
-    reserve_s = max(60.0, 0.05 * minutes * 60.0)
-    final_dir = out_dir / "model"
+    setup = _set_up(
+        "MoE reference", lambda tok: build_moe_model(spec, tok, seed), tokenizer, corpus,
+        out_dir=out_dir, minutes=minutes, batch_size=batch_size, seq_len=seq_len, lr=lr,
+        seed=seed, dev=dev,
+    )  # fmt: skip
+    model, final_dir = setup.model, setup.final_dir
     routers = RouterLogits(model, aux_coef)
     try:
         phase = _run_phase(
-            model, train_ids, out_dir=out_dir, base=base, recipe=recipe, steps=steps,
+            model, setup.train_ids, out_dir=out_dir, base=setup.base, recipe=recipe, steps=steps,
             final_dir=final_dir, fallback_dir=final_dir,
             probe_steps=min(4, recipe.rotation_for(spec.num_layers)), max_warmup=100,
-            checkpoints=12, deadline_s=minutes * 60.0 - reserve_s, start=start,
+            checkpoints=12, deadline_s=minutes * 60.0 - setup.reserve_s, start=start,
             tokenizer=tokenizer, resume=resume, progress=progress, save_dtype="float16",
             name="moe-layerskip", aux_loss=routers.balance_loss,
         )  # fmt: skip
     finally:
         routers.remove()
-    result, config = phase.result, phase.config
 
     saved = AutoModelForCausalLM.from_pretrained(final_dir, dtype=torch.float32).to(dev).eval()
-    exits = evaluate_exits(saved, held_ids, seq_len=seq_len, max_tokens=eval_tokens,
+    exits = evaluate_exits(saved, setup.held_ids, seq_len=seq_len, max_tokens=eval_tokens,
                            byte_lengths=token_byte_lengths(tokenizer))  # fmt: skip
-    windows = eval_windows(held_ids, seq_len, min(eval_tokens, 8192))
+    windows = eval_windows(setup.held_ids, seq_len, min(eval_tokens, 8192))
     routing = routing_stats(saved, [w[None].to(dev) for w in windows])
-    size = sum(f.stat().st_size for f in final_dir.glob("*.safetensors"))
+    model_entry = _report_model("OlmoeForCausalLM", setup, "float16", spec, tokenizer)
+    size = model_entry["weights_bytes"]
     report = {
-        "model": {
-            "architecture": "OlmoeForCausalLM",
-            "parameters": params,
-            "weights_bytes": size,
-            "dtype": "float16",
-            **dataclasses.asdict(spec),
-            "vocab_size": len(tokenizer),
-        },
+        "model": model_entry,
         "training": {
-            "steps": result.step,
-            "planned_steps": config.steps,
-            "finished": result.finished,
-            "tokens_seen": result.step * batch_size * seq_len,
-            "tokens_per_s": result.tokens_per_s,
-            "train_minutes": result.elapsed_s / 60.0,
+            **_report_training(phase, recipe, dev),
             "aux_coef": aux_coef,
-            "device": describe_device(dev),
-            "threads": torch.get_num_threads(),
-            "torch": torch.__version__,
-            "seed": seed,
-            "trainer": dataclasses.asdict(config),
-            "recipe": dataclasses.asdict(recipe),
         },
         "held_out": {
             "tokens": exits.tokens,

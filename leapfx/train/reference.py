@@ -319,6 +319,67 @@ def _saved_steps(out_dir: Path) -> int | None:
     return int(json.loads(found[-1].read_text())["config"]["steps"])
 
 
+@dataclass
+class _Setup:
+    """What a reference trainer holds before its phases: the tokenized corpus, the model and
+    the trainer options every phase starts from."""
+
+    train_ids: torch.Tensor
+    held_ids: torch.Tensor
+    model: torch.nn.Module
+    params: int
+    base: TrainerConfig
+    reserve_s: float  # seconds kept free for the evaluation and the final save
+    final_dir: Path
+
+
+def _set_up(
+    what: str, build, tokenizer, corpus, *, out_dir: Path, minutes: float, batch_size: int,
+    seq_len: int, lr: float, seed: int, dev,
+) -> _Setup:  # fmt: skip
+    """Tokenize ``corpus``, build the model (``build(tokenizer)``) and log its size."""
+    train_ids = encode_documents(tokenizer, corpus.train)
+    held_ids = encode_documents(tokenizer, corpus.held_out)
+    model = build(tokenizer)
+    params = sum(p.numel() for p in model.parameters())
+    log.info("%s: %.2fM parameters, %d training tokens", what, params / 1e6, len(train_ids))
+    base = TrainerConfig(batch_size=batch_size, seq_len=seq_len, lr=lr, seed=seed, device=str(dev))
+    # Evaluation and the final save take ~1 min at the default sizes; keep 5% (>= 1 min) free.
+    reserve_s = max(60.0, 0.05 * minutes * 60.0)
+    return _Setup(train_ids, held_ids, model, params, base, reserve_s, out_dir / "model")
+
+
+def _report_model(architecture: str, setup: _Setup, dtype: str, spec, tokenizer) -> dict:
+    """The report's ``model`` entry: what was saved in ``setup.final_dir``."""
+    return {
+        "architecture": architecture,
+        "parameters": setup.params,
+        "weights_bytes": sum(f.stat().st_size for f in setup.final_dir.glob("*.safetensors")),
+        "dtype": dtype,
+        **dataclasses.asdict(spec),
+        "vocab_size": len(tokenizer),
+    }
+
+
+def _report_training(phase: _Phase, recipe, dev) -> dict:
+    """The report's ``training`` entry as both reference trainers write it (each adds its own)."""
+    result, config = phase.result, phase.config
+    return {
+        "steps": result.step,
+        "planned_steps": config.steps,
+        "finished": result.finished,
+        "tokens_seen": result.step * config.batch_size * config.seq_len,
+        "tokens_per_s": result.tokens_per_s,
+        "train_minutes": result.elapsed_s / 60.0,
+        "threads": torch.get_num_threads(),
+        "device": describe_device(dev),
+        "torch": torch.__version__,
+        "seed": config.seed,
+        "trainer": dataclasses.asdict(config),
+        "recipe": dataclasses.asdict(recipe),
+    }
+
+
 def train_reference(
     out_dir: str | Path,
     *,
@@ -380,16 +441,13 @@ def train_reference(
     if threads is not None:
         torch.set_num_threads(threads)
     tokenizer = _tokenizer(spec, out_dir, corpus)
-    train_ids = encode_documents(tokenizer, corpus.train)
-    held_ids = encode_documents(tokenizer, corpus.held_out)
-    model = build_model(spec, tokenizer, seed)
-    params = sum(p.numel() for p in model.parameters())
-    log.info("reference model: %.2fM parameters, %d training tokens", params / 1e6, len(train_ids))
-
-    base = TrainerConfig(batch_size=batch_size, seq_len=seq_len, lr=lr, seed=seed, device=str(dev))
-    # Evaluation and the final save take ~1 min at the default sizes; keep 5% (>= 1 min) free.
-    reserve_s = max(60.0, 0.05 * minutes * 60.0)
-    final_dir = out_dir / "model"
+    setup = _set_up(
+        "reference model", lambda tok: build_model(spec, tok, seed), tokenizer, corpus,
+        out_dir=out_dir, minutes=minutes, batch_size=batch_size, seq_len=seq_len, lr=lr,
+        seed=seed, dev=dev,
+    )  # fmt: skip
+    model, train_ids, base = setup.model, setup.train_ids, setup.base
+    reserve_s, final_dir = setup.reserve_s, setup.final_dir
     common = dict(start=start, tokenizer=tokenizer, resume=resume, progress=progress,
                   save_dtype=save_dtype)  # fmt: skip
     first = _run_phase(
@@ -400,9 +458,8 @@ def train_reference(
         probe_steps=min(4, recipe.rotation_for(spec.num_layers)), max_warmup=100, checkpoints=12,
         deadline_s=(minutes - distill_minutes) * 60.0 - reserve_s, name="layerskip", **common,
     )  # fmt: skip
-    result, config, probe_s = first.result, first.config, first.probe_s
     distill = None
-    if distill_minutes > 0 and result.finished:
+    if distill_minutes > 0 and first.result.finished:
         second = _run_phase(
             model, train_ids, out_dir=out_dir / "distill", final_dir=final_dir,
             fallback_dir=final_dir, recipe=distill_recipe, steps=distill_steps,
@@ -426,43 +483,26 @@ def train_reference(
     saved_model = AutoModelForCausalLM.from_pretrained(final_dir, dtype=torch.float32).to(dev)
     exits = evaluate_exits(
         saved_model,
-        held_ids,
+        setup.held_ids,
         seq_len=seq_len,
         max_tokens=eval_tokens,
         byte_lengths=token_byte_lengths(tokenizer),
     )
     prompts = [p.input_ids for p in held_out_prompts(tokenizer, corpus, num_tokens=32, count=16)]
     loops = greedy_loop_stats(saved_model, prompts, new_tokens=64)
-    size = sum(f.stat().st_size for f in final_dir.glob("*.safetensors"))
+    model_entry = _report_model("LlamaForCausalLM", setup, save_dtype, spec, tokenizer)
+    size = model_entry["weights_bytes"]
     report = {
         "exit_convention": "E = decoder layers run before the shared norm and LM head "
         "(HF assistant_early_exit=E); E = num_layers is the full model",
-        "model": {
-            "architecture": "LlamaForCausalLM",
-            "parameters": params,
-            "weights_bytes": size,
-            "dtype": save_dtype,
-            **dataclasses.asdict(spec),
-            "vocab_size": len(tokenizer),
-        },
+        "model": model_entry,
         "training": {
-            "steps": result.step,
-            "planned_steps": config.steps,
-            "finished": result.finished,
-            "tokens_seen": result.step * batch_size * seq_len,
+            **_report_training(first, recipe, dev),
             "train_tokens_in_corpus": len(train_ids),
-            "tokens_per_s": result.tokens_per_s,
-            "train_minutes": result.elapsed_s / 60.0,
             "total_minutes": (time.perf_counter() - start) / 60.0,
-            "probe_s_per_step": probe_s,
-            "threads": torch.get_num_threads(),
-            "device": describe_device(dev),
-            "torch": torch.__version__,
+            "probe_s_per_step": first.probe_s,
             "python": platform.python_version(),
             "float32_matmul_precision": torch.get_float32_matmul_precision(),
-            "seed": seed,
-            "trainer": dataclasses.asdict(config),
-            "recipe": dataclasses.asdict(recipe),
         },
         "distill": distill,
         "corpus": {
