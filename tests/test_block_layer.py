@@ -125,8 +125,12 @@ def test_a_ragged_cache_keeps_the_calls():
         def update(self, *args, **kwargs):
             return super().update(*args, **kwargs)
 
+    from leapfx.runtime.batch import RowKVCache
+
     assert StaticKVCache(1, 2, 32, 8).appends
     assert not Ragged(1, 2, 32, 8).appends
+    # a batch's rows: the one update(), over a per-row claim and write of its own
+    assert not RowKVCache(1, 2, 32, 8, batch_size=2).appends
 
 
 def test_a_long_prefix_or_another_batch_keeps_the_calls():

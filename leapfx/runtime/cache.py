@@ -205,11 +205,13 @@ class StaticKVCache(LayerLengths):
 
     @property
     def appends(self) -> bool:
-        """Whether ``update`` is this class's own (write at the layer's fill length, return
-        the filled prefix): then a kernel layer may write the cache buffers itself and move
-        ``lengths`` as ``update`` would (``modules.fused.KernelDecoderLayer``). A subclass
-        with its own ``update`` (a batch's ragged rows) is not."""
-        return type(self).update is StaticKVCache.update
+        """Whether ``update`` writes at the layer's fill length and returns the filled prefix
+        (this class's claim, write and read): then a kernel layer may write the cache buffers
+        itself and move ``lengths`` as ``update`` would (``modules.block_layer``). A subclass
+        with a protocol step of its own (a batch's ragged rows) does not."""
+        cls = type(self)
+        steps = ("update", "claim", "write", "read")
+        return not self.ragged and all(getattr(cls, n) is getattr(StaticKVCache, n) for n in steps)
 
 
 def cache_for(
