@@ -116,8 +116,9 @@ def llama_cpp_systems(model: nn.Module, config: BenchConfig) -> list[System]:
 def genai_systems(model: nn.Module, config: BenchConfig, root: str) -> list[System]:
     """onnxruntime-genai's rows (``leapfx.bench.genai``) beside the onnxruntime backend's: the
     model exported under ``root`` as its decoder; none in a sampling run or without the
-    package (a warning says how to get it)."""
-    if "onnxruntime" not in config.backends:
+    package (a warning says how to get it). Peers' rows: none where the run leaves out HF's
+    (``hf_baselines`` off) or times throughput only."""
+    if "onnxruntime" not in config.backends or config.throughput_only or not config.hf_baselines:
         return []
     if config.temperature > 0:
         log.warning("leapfx bench: onnxruntime_genai rows run greedy runs only; skipped")
