@@ -266,6 +266,19 @@ def test_onnxruntime_backend_rows(checkpoint, tmp_path):
         assert sorted(timing) == counts and x["onnx_threads"] == min(timing, key=timing.get)
 
 
+def test_auto_on_onnxruntime_runs_its_exportable_form_where_a_head_is_found(tmp_path):
+    # The reference model ships an EAGLE head, which apply(model, "auto") runs and which does
+    # not export: the onnxruntime row runs auto as adaptive lookup, as `leapfx export` does.
+    model, tok = load_model(None, progress=False)
+    prompts = [torch.tensor([tok("for i in range(10):")["input_ids"]])]
+    config = BenchConfig(recipe="auto", max_new_tokens=4, repeats=1, warmup=0,
+                         backend="onnxruntime", export_dir=str(tmp_path),
+                         hf_baselines=False, onnx_threads=1)  # fmt: skip
+    rows = {r.system: r for r in run_bench(model, prompts, config, progress=False)}
+    assert rows["leapfx_auto"].extra["auto_as"] == "auto"
+    assert rows["leapfx_auto"].identical_to_greedy is True
+
+
 def test_fixed_onnx_threads_and_their_errors(checkpoint, tmp_path, monkeypatch):
     from leapfx.bench import harness
 

@@ -203,7 +203,7 @@ def build_systems(model: nn.Module, config: BenchConfig, generator_seed: int = 0
             continue
         early = rewrite.apply(model, "early_exit", exit_layer=exit_layer)
         systems.append(ours("leapfx_early_exit", early, lossless=False))
-        row_run = RowRun(model, config, ours, layerskip_opts)
+        row_run = RowRun(model, config, ours, layerskip_opts, backend)
         for carried_by, rows in RECIPE_ROWS:  # in the table's order
             if carried_by & set(recipes):
                 systems += rows(row_run)

@@ -140,12 +140,13 @@ def genai_systems(model: nn.Module, config: BenchConfig, root: str) -> list[Syst
 class RowRun:
     """What a recipe's rows are built from on one backend: the model, the run's config,
     ``ours(name, sm, lossless=True) -> System`` (the row on that backend) and layerskip's
-    options (E and d, shared with HF's assistant)."""
+    options (E and d, shared with HF's assistant), and the backend's name."""
 
     model: nn.Module
     config: BenchConfig
     ours: Callable[..., System]
     layerskip_opts: dict
+    backend: str = "eager"
 
 
 def _layerskip_rows(run: RowRun) -> list[System]:
@@ -270,8 +271,13 @@ def _training_free_rows(name: str, run: RowRun) -> list[System]:
     layer-skipped drafter, prompt lookup and no drafting by measured tokens per cost) and as
     ``leapfx_swift_online`` (``search="online"``: the skip set searched while decoding; its
     search goes on across the warm-up and timed passes, as a user's later calls would)."""
-    plain = rewrite.apply(run.model, name)
+    # onnxruntime runs auto in its exportable form, adaptive prompt lookup, as `leapfx export`
+    # does: a trained EAGLE head that `apply(model, "auto")` finds does not export
+    exportable = name == "auto" and run.backend == "onnxruntime"
+    plain = rewrite.apply(run.model, name, **({"parts": None} if exportable else {}))
     system = run.ours(f"leapfx_{name}", plain)
+    if exportable:
+        system.info["auto_as"] = plain.recipe.name  # auto itself: lookup, no head
     # lookup / auto: a round drafts what a match gives (or nothing), qspec as many as its
     # adaptive policy chooses: no fixed d for the formula; swift drafts d every round
     system.info["dynamic_draft_length"] = name != "swift"
