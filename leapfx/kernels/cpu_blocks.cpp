@@ -444,7 +444,6 @@ at::Tensor block_rows(const at::Tensor& w, int64_t fmt, int64_t n, int64_t k,
 __attribute__((optimize("fp-contract=off"))) void rope_rows(
     const float* x, int64_t ldx, int64_t B, int64_t S, int64_t heads, int64_t D,
     const float* cos, const float* sin, float* out, int64_t ob, int64_t oh, int64_t os) {
-  const int64_t half = D / 2;
   for (int64_t b = 0; b < B; ++b)
     for (int64_t s = 0; s < S; ++s)
       for (int64_t h = 0; h < heads; ++h) {
@@ -452,14 +451,7 @@ __attribute__((optimize("fp-contract=off"))) void rope_rows(
         const float* c = cos + (b * S + s) * D;
         const float* n = sin + (b * S + s) * D;
         float* o = out + b * ob + h * oh + s * os;
-        for (int64_t d = 0; d < half; ++d) {
-          const float a = t[d] * c[d], r = (-t[d + half]) * n[d];
-          o[d] = a + r;
-        }
-        for (int64_t d = half; d < D; ++d) {
-          const float a = t[d] * c[d], r = t[d - half] * n[d];
-          o[d] = a + r;
-        }
+        leapfx_vec::rope_row(t, c, n, o, D);
       }
 }
 

@@ -220,7 +220,7 @@ __attribute__((optimize("fp-contract=off"))) void rope_into(const at::Tensor& t,
                                                             const at::Tensor& cos,
                                                             const at::Tensor& sin,
                                                             at::Tensor& out) {
-  const int64_t B = t.size(0), Hn = t.size(1), S = t.size(2), D = t.size(3), half = D / 2;
+  const int64_t B = t.size(0), Hn = t.size(1), S = t.size(2), D = t.size(3);
   const float* tp = t.data_ptr<float>();
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -231,14 +231,7 @@ __attribute__((optimize("fp-contract=off"))) void rope_into(const at::Tensor& t,
         const float* c = cp + (b * S + s) * D;
         const float* n = sp + (b * S + s) * D;
         float* o = op + ((b * Hn + h) * S + s) * D;
-        for (int64_t d = 0; d < half; ++d) {
-          const float a = x[d] * c[d], r = (-x[d + half]) * n[d];
-          o[d] = a + r;
-        }
-        for (int64_t d = half; d < D; ++d) {
-          const float a = x[d] * c[d], r = x[d - half] * n[d];
-          o[d] = a + r;
-        }
+        leapfx_vec::rope_row(x, c, n, o, D);
       }
 }
 

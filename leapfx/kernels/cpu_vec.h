@@ -88,4 +88,21 @@ inline void rms_norm(const float* h, const float* w, int64_t H, double eps, doub
   for (int64_t i = 0; i < H; ++i) out[i] = (off + w[i]) * (h[i] * inv);
 }
 
+// Llama's rotary on one head's row of D values (half = D / 2): o = x * cos + rotate_half(x) * sin,
+// each element one product and one sum in this order (what HF's apply_rotary_pos_emb computes).
+// No fused multiply-add (the build contracts by default): the products are rounded first.
+__attribute__((optimize("fp-contract=off"))) inline void rope_row(const float* x, const float* c,
+                                                                   const float* n, float* o,
+                                                                   int64_t D) {
+  const int64_t half = D / 2;
+  for (int64_t d = 0; d < half; ++d) {
+    const float a = x[d] * c[d], r = (-x[d + half]) * n[d];
+    o[d] = a + r;
+  }
+  for (int64_t d = half; d < D; ++d) {
+    const float a = x[d] * c[d], r = x[d - half] * n[d];
+    o[d] = a + r;
+  }
+}
+
 }  // namespace leapfx_vec
