@@ -38,6 +38,7 @@ EXPORTS = [
     ("layerskip_dynamic", "layerskip", {"exit_layer": 1, "confidence_threshold": 0.3}),
     ("layerskip_lookup", "layerskip", {"exit_layer": 1, "num_speculations": 3, "lookup": True}),
     ("kangaroo", "kangaroo", {"exit_layer": 1, "max_draft_tokens": 4}),
+    ("eagle", "eagle", {"parts": None, "max_draft_tokens": 3}),  # its head and target stages
     ("lookup", "lookup", {}),
     ("auto", "auto", {}),
 ]
@@ -66,8 +67,8 @@ out = {}
 for name, path, recipe in jobs:
     model = Decoder(path, threads=1, recipe=recipe)
     out[name] = [model.generate(p, new) for p in prompts]
-    if name == "layerskip":
-        out["stats"] = model.last_stats
+    if name in ("layerskip", "eagle"):
+        out[name + ":stats"] = model.last_stats
     if model.tokenizer is not None:
         out[name + ":text"] = model.generate_text("def f(x):", new)
 assert "torch" not in sys.modules and "transformers" not in sys.modules
@@ -136,7 +137,9 @@ def test_early_exit_matches_the_eager_stages(decoded):
 
 def test_layerskip_drafted_and_verified(decoded):
     _, out = decoded
-    stats = out["stats"]  # the last prompt's: a layerskip round drafts with the chain
+    stats = out["layerskip:stats"]  # the last prompt's: a layerskip round drafts with the chain
+    assert stats["verify_calls"] > 0 and stats["draft_calls"] > 0
+    stats = out["eagle:stats"]  # EAGLE's head drafted, target verified
     assert stats["verify_calls"] > 0 and stats["draft_calls"] > 0
 
 
@@ -159,7 +162,9 @@ def test_refusals(tmp_path):
     path = rewrite.apply(model, "autoregressive").export_onnx(tmp_path / "ar")
     with pytest.raises(ValueError, match="recipe: 'layerskip' cannot run on this autoregressive"):
         Decoder(path, recipe="layerskip")
-    with pytest.raises(ValueError, match="recipe: 'eagle' has no torch-free schedule"):
-        Decoder(path, recipe="eagle")
+    with pytest.raises(ValueError, match="recipe: 'swift' has no torch-free schedule"):
+        Decoder(path, recipe="swift")
+    with pytest.raises(ValueError, match="recipe: 'eagle' cannot run on this autoregressive"):
+        Decoder(path, recipe="eagle")  # its head and target stages are not there
     with pytest.raises(ValueError, match="holds no tokenizer.json"):
         Decoder(path).generate_text("hi")

@@ -244,13 +244,6 @@ def test_fuse_layers_fuses_the_head_layer_too(fuse):
     assert torch.equal(sm.generate(prompt, max_new_tokens=12), hf_greedy(model, prompt, 12))
 
 
-def test_onnx_export_refuses_the_eagle_stages(tmp_path):
-    sm = rewrite.apply(tiny_model("llama", layers=3), "eagle")
-    with pytest.raises(ValueError, match="backend: 'onnxruntime' .* allowed for this recipe"):
-        sm.export_onnx(tmp_path / "onnx")
-    assert not (tmp_path / "onnx").exists()
-
-
 @pytest.mark.slow
 def test_inductor_eagle_is_token_identical_and_never_recompiles():
     """The target and head stages compile like the others (warm-up covers every shape)."""

@@ -14,6 +14,14 @@ positions in place), and the greedy schedules of the exportable recipes written 
   last draft, the upper layers on the round's exit states and it); the accepted prefix is
   kept by moving a position, nothing is copied. ``lookup=True`` tries prompt lookup first
   each round, verified by ``full``;
+- ``eagle``: ``target`` on the prompt (every layer, and the head's cache slot from the true
+  features, fed h of the position before: zeros at 0), then rounds of up to d drafts from
+  ``head`` on (token, state), the first state h of the last accepted position and then the
+  head's own, stopping after the first draft whose top probability is <= its threshold, and
+  one ``target`` call over [x, drafts], which writes the head's slot again from the true
+  features (the drafts' head keys are past the accepted positions then, so moving the
+  position drops them); ``lookup=True`` tries prompt lookup first each round, verified by
+  ``target``;
 - ``lookup`` / ``auto``: prompt lookup (the longest suffix of ``max_ngram`` .. ``min_ngram``
   tokens found earlier in the text drafts what followed it), verified by ``full``. ``auto``'s
   adaptive choice of the draft length is a speed policy measured on torch timings; here it
@@ -43,7 +51,7 @@ import numpy as np
 from .manifest import GENAI_FORMAT, MANIFEST, read_manifest
 
 # The schedules of this module, by the recipe the manifest names.
-SCHEDULES = ("autoregressive", "early_exit", "layerskip", "kangaroo", "lookup", "auto")
+SCHEDULES = ("autoregressive", "early_exit", "layerskip", "kangaroo", "eagle", "lookup", "auto")
 _DTYPES = {"float32": np.float32, "float16": np.float16}
 _LOOKUP = {"num_speculations": 10, "max_ngram": 3, "min_ngram": 1}  # leapfx's lookup defaults
 
@@ -244,10 +252,14 @@ class Decoder:
             self._cache = Cache(self._shapes, needed, self._dtype)
         return self._decode(prompt, max_new_tokens)
 
-    def _call(self, name: str, **feeds: np.ndarray) -> dict[str, np.ndarray]:
-        self.last_stats[
-            {"full": "full_calls", "verify": "verify_calls"}.get(name, "draft_calls")
-        ] += 1
+    def _call(
+        self, name: str, key: str | None = None, **feeds: np.ndarray
+    ) -> dict[str, np.ndarray]:
+        """Stage ``name`` on ``feeds``, counted in ``last_stats`` under ``key`` (default: by
+        the stage's name)."""
+        if key is None:
+            key = {"full": "full_calls", "verify": "verify_calls"}.get(name, "draft_calls")
+        self.last_stats[key] += 1
         return self.stages[name](self._cache, **feeds)
 
     def _step(self, stage: str, tokens: Sequence[int], start: int) -> np.ndarray:
@@ -255,17 +267,53 @@ class Decoder:
         out = self._call(stage, input_ids=_ids(tokens), position_ids=_positions(start, len(tokens)))
         return out["logits"][0]
 
+    def _target(self, tokens: Sequence[int], start: int, key: str) -> np.ndarray:
+        """EAGLE's ``target`` on ``tokens`` at start.., fed h of the position before
+        (``self._h``); keeps the hidden states [1, n, D] of the call (``self._states``) and
+        returns the logits [n, V]."""
+        out = self._call(
+            "target", key, input_ids=_ids(tokens), position_ids=_positions(start, len(tokens)),
+            prev_hidden=self._h,
+        )  # fmt: skip
+        self._states = out["hidden"]
+        return out["logits"][0]
+
+    def _eagle_drafts(self, x: int, pos: int, d: int) -> list[int]:
+        """Up to d drafts of EAGLE's head from token x at ``pos``, reading h of the position
+        before (then its own state g), stopping after the first whose top probability is <=
+        the threshold."""
+        threshold = float(self.options.get("confidence_threshold") or 0.0)
+        drafts: list[int] = []
+        token, state = x, self._h
+        for i in range(d):
+            out = self._call(
+                "head", input_ids=_ids([token]), position_ids=_positions(pos + i, 1),
+                hidden_in=state,
+            )  # fmt: skip
+            row, state = out["logits"][0, -1], out["hidden"]
+            token = _argmax(row)
+            drafts.append(token)
+            if threshold > 0 and i + 1 < d and _top_probability(row) <= threshold:
+                break
+        return drafts
+
     def _decode(self, prompt: list[int], budget: int) -> list[int]:
         recipe = self.recipe
+        eagle = recipe == "eagle"
         stage = "draft" if recipe == "early_exit" else "full"
-        logits = self._step(stage, prompt, 0)
+        if eagle:  # h before the prompt: zeros
+            self._h = np.zeros((1, 1, self.manifest["hidden_size"]), dtype=self._dtype)
+            logits = self._target(prompt, 0, "full_calls")
+            self._h = self._states[:, -1:]
+        else:
+            logits = self._step(stage, prompt, 0)
         out: list[int] = []
         x = _argmax(logits[-1])
         pos = len(prompt)  # x's position, not yet in the cache
         if not self._emit(out, [x], budget):
             return out
         o = self.options
-        speculative = recipe in ("layerskip", "kangaroo")
+        speculative = recipe in ("layerskip", "kangaroo", "eagle")
         lookup = recipe in ("lookup", "auto") or (speculative and o.get("lookup"))
         d_max = int(o.get("max_draft_tokens") or o.get("num_speculations") or 0)
         if recipe in ("lookup", "auto"):
@@ -278,7 +326,11 @@ class Decoder:
                     prompt + out, d, int(o.get("max_ngram", _LOOKUP["max_ngram"])),
                     int(o.get("min_ngram", _LOOKUP["min_ngram"])),
                 )  # fmt: skip
-            if drafts:  # verified by the full stage over [x, drafts]
+            if eagle:  # lookup's drafts or the head's, verified by target over [x, drafts]
+                drafts = drafts or (self._eagle_drafts(x, pos, d) if d > 0 else [])
+                key = "verify_calls" if drafts else "full_calls"
+                targets = self._target([x, *drafts], pos, key)
+            elif drafts:  # verified by the full stage over [x, drafts]
                 targets = self._step("full", [x, *drafts], pos)
             elif speculative and d > 0:
                 drafts, targets = self._exit_round(x, pos, d)
@@ -293,6 +345,8 @@ class Decoder:
                 k += 1
             self.last_stats["accepted"] += k
             x = _argmax(targets[k])
+            if eagle:
+                self._h = self._states[:, k : k + 1]  # h of the last kept position
             pos += k + 1  # x and the k accepted drafts; later slots are masked, never read
             if not self._emit(out, [*drafts[:k], x], budget):
                 return out

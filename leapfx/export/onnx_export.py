@@ -1,6 +1,7 @@
 """``export_onnx``: every stage of a SpeculativeModel as an ONNX model, plus a manifest.
 
-Steps, per stage (``full``, ``draft``, ``verify``, whichever the recipe cut):
+Steps, per stage (``full``, ``draft``, ``verify``, EAGLE's ``target`` and ``head``, whichever
+the recipe cut):
 
 1. *discover* which KV-cache layers the stage touches and which position input feeds each: one
    eager call on a few tokens over empty pasts, with a different token count per position input
@@ -9,8 +10,10 @@ Steps, per stage (``full``, ``draft``, ``verify``, whichever the recipe cut):
 2. wrap the stage as an :class:`~leapfx.export.stage_module.ExportableStage` (tensors in,
    tensors out, masks built in the graph, the KV cache as whole static buffers written in
    place) and export it with ``torch.onnx.export(dynamo=True)`` with named dynamic axes:
-   ``batch``, ``sequence`` (``input_ids``), ``max_cache_len`` (every cache buffer) and, for
-   verify, ``hidden_sequence`` (``exit_hidden``) and ``remainder_sequence``;
+   ``batch``, ``sequence`` (``input_ids``, and the EAGLE head's state per token), ``max_cache_len``
+   (every cache buffer) and, for verify, ``hidden_sequence`` (``exit_hidden``) and
+   ``remainder_sequence``; an input that shares its name with an output (the EAGLE head's
+   ``hidden``) is exported as ``hidden_in`` (``stage_signature.onnx_input``);
 3. :func:`~leapfx.export.onnx_optimize.optimize_model` rewrites the stage graph where
    onnxruntime does not (q|k|v and gate|up as one MatMul each, the cache writes as ScatterND of
    whole head rows): fewer and cheaper nodes per decoder layer, the same outputs;
@@ -56,7 +59,6 @@ from ..files import move_into_place, temp_beside
 from ..lower.chain import chain_length
 from ..lower.manifest import FORMAT, FORMAT_VERSION, MANIFEST, is_export_dir, layer_ranges
 from ..lower.stage_signature import (  # discovery, shared with the compiled stages
-    EAGLE_STAGES,
     MASK_INPUTS,  # noqa: F401
     POSITION_INPUTS,
     StageSignature,
@@ -64,7 +66,6 @@ from ..lower.stage_signature import (  # discovery, shared with the compiled sta
     example_generator,
     example_inputs,
     kv_shapes,
-    refuse_stages,
 )
 from ..modules.blocks import float_weights
 from ..options import check_bool, check_int
@@ -119,6 +120,10 @@ def _dynamic_shapes(sig: StageSignature) -> tuple[dict[int, Any], ...]:
             shapes.append({0: dims["batch"], 1: dims["sequence"]})
         elif name == "exit_hidden":
             shapes.append({0: dims["batch"], 1: dims["hidden_sequence"]})
+        elif name == "hidden":  # EAGLE's head: h_{t-1} (or its own g) of every token
+            shapes.append({0: dims["batch"], 1: dims["sequence"]})
+        elif name == "prev_hidden":  # EAGLE's target: h of the position before the chunk
+            shapes.append({0: dims["batch"]})
         else:  # remainder_position_ids: hidden_sequence + sequence, which a Dim cannot say;
             # a named axis string becomes Dim.DYNAMIC and keeps its name in the ONNX model.
             shapes.append({0: dims["batch"], 1: "remainder_sequence"})
@@ -492,15 +497,11 @@ def _require_onnx() -> None:
         ) from None
 
 
-def _check_options(
-    sm: SpeculativeModel, path: Any, opset: Any, overwrite: Any, *, stages: bool = True
-) -> Path:
+def _check_options(sm: SpeculativeModel, path: Any, opset: Any, overwrite: Any) -> Path:
     if not isinstance(path, (str, os.PathLike)):
         raise ValueError(f"path: {path!r} is invalid; allowed: a directory path (str or PathLike)")
     check_int("opset", opset, MIN_OPSET, MAX_OPSET)
     check_bool("overwrite", overwrite)
-    if stages:
-        refuse_stages(sm, "onnxruntime", EAGLE_STAGES)
     if sm.hf_model.training:
         raise ValueError(
             "model: it is in training mode (dropout would be exported); call model.eval() first"
@@ -602,7 +603,7 @@ def export_onnx(
         )
     _require_onnx()
     check_bool("optimize", optimize)
-    target = _check_options(sm, path, opset, overwrite, stages=format == "leapfx")
+    target = _check_options(sm, path, opset, overwrite)
     _check_target(target, overwrite)
     created = _make_parent(target.parent)
     try:

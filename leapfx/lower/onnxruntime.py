@@ -16,11 +16,12 @@ and ``runner.cache.crop(n)``. This module puts onnxruntime behind exactly that i
 - :class:`OrtChainStage` runs an export's ``draft_chain`` (d greedy draft steps in one graph):
   the schedule calls it for a round of d greedy drafts instead of d draft calls.
 
-The schedule (autoregressive, early exit, self-speculative, Kangaroo, prompt lookup) is the one
-the recipe registry gives for the manifest's recipe and options: the decode loops are not
-re-implemented, and neither is ``generate``'s front end (``runtime.generation.GenerateFrontEnd``,
-``SpeculativeModel``'s). ``lower(sm, "onnxruntime", export_dir=...)`` (:func:`lower_onnxruntime`)
-exports a model and opens its export in one call.
+The schedule (autoregressive, early exit, self-speculative, Kangaroo, EAGLE, prompt lookup) is
+the one the recipe registry gives for the manifest's recipe and options: the decode loops are
+not re-implemented, and neither is ``generate``'s front end
+(``runtime.generation.GenerateFrontEnd``, ``SpeculativeModel``'s).
+``lower(sm, "onnxruntime", export_dir=...)`` (:func:`lower_onnxruntime`) exports a model and
+opens its export in one call.
 
 Example::
 
@@ -54,7 +55,7 @@ from ..runtime.runner import AttentionLayout, StageRunner
 from ..runtime.schedules import DecodeRequest
 from .manifest import read_manifest
 from .onnx_graph import remainder_graph
-from .stage_signature import past_names, present_names, step_present
+from .stage_signature import past_names, present_names, stage_input, step_present
 
 if TYPE_CHECKING:
     from ..runtime.model import SpeculativeModel
@@ -173,6 +174,15 @@ class OrtStage:
         self.cache_layers: list[int] = list(spec["cache_reads"])
         names = set(spec["inputs"])
         self.tensor_inputs = [n for n in spec["inputs"] if not n.startswith("past_key_values.")]
+        # the stage's keyword for each (EAGLE's head: ``hidden`` is exported as ``hidden_in``)
+        self.keywords = [stage_input(n) for n in self.tensor_inputs]
+        # A state input of a fixed width (EAGLE's target's ``prev_hidden``, [B, 1, D]): a
+        # schedule's zeros of width 1 (the state before a prompt) are broadcast to it.
+        self.widths = {
+            stage_input(i.name): i.shape[-1]
+            for i in session.get_inputs()
+            if i.name in self.tensor_inputs and len(i.shape) == 3 and isinstance(i.shape[-1], int)
+        }
         self.outputs = [n for n in spec["outputs"] if not n.startswith("present.")]
         self.groups: dict[str, list[int]] = spec["position_groups"]
         assert all(n in names for i in self.cache_layers for n in past_names(i))
@@ -221,7 +231,7 @@ class OrtStage:
         }
         ends = cache.reserve(counts)  # before the call: ORT does not bounds-check
         io = self._bind_cache(cache)
-        values = [tensors[name] for name in self.tensor_inputs]
+        values = [self._input(tensors, name) for name in self.keywords]
         key = tuple((tuple(v.shape), v.dtype) for v in values)
         slot = self._slots.get(key) if self.device == "cpu" else None
         if slot is None:
@@ -249,6 +259,13 @@ class OrtStage:
                     [np.empty_like(r) for r in results],
                 )
         return {name: torch.from_numpy(r) for name, r in zip(self.outputs, results, strict=True)}
+
+    def _input(self, tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+        value = tensors[name]
+        width = self.widths.get(name)
+        if width is not None and value.shape[-1] == 1 != width:
+            return value.expand(*value.shape[:-1], width)  # zeros of width 1: the first state
+        return value
 
     def _presents(self, present: str) -> list[str]:
         """The outputs bound, with the past input, to the buffer of ``present``'s cache layer."""

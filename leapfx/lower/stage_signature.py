@@ -81,6 +81,23 @@ def present_names(layer: int) -> tuple[str, str]:
     return f"present.{layer}.key", f"present.{layer}.value"
 
 
+# A stage input whose name is also one of the stage's outputs, and its name in an export (ONNX
+# names each value once): EAGLE's head reads ``hidden`` (h_{t-1} of each token, or its own g)
+# and returns ``hidden`` (its g).
+ONNX_INPUT_NAMES = {"hidden": "hidden_in"}
+STAGE_INPUT_NAMES = {v: k for k, v in ONNX_INPUT_NAMES.items()}
+
+
+def onnx_input(name: str, outputs: list[str]) -> str:
+    """The name of stage input ``name`` in an export of a stage returning ``outputs``."""
+    return ONNX_INPUT_NAMES.get(name, name) if name in outputs else name
+
+
+def stage_input(name: str) -> str:
+    """The stage input an exported input ``name`` feeds (``onnx_input``'s inverse)."""
+    return STAGE_INPUT_NAMES.get(name, name)
+
+
 def step_present(name: str, step: int) -> str:
     """The output under which step ``step`` (not the last) of an export's ``draft_chain``
     returns present ``name`` (``leapfx.export.chain``)."""
@@ -98,7 +115,9 @@ class StageSignature:
 
     @property
     def input_names(self) -> list[str]:
-        return self.tensor_inputs + [n for i in self.cache_layers for n in past_names(i)]
+        """The export's input names (``onnx_input``), then every cache layer's past."""
+        tensors = [onnx_input(n, self.outputs) for n in self.tensor_inputs]
+        return tensors + [n for i in self.cache_layers for n in past_names(i)]
 
     @property
     def output_names(self) -> list[str]:
@@ -205,17 +224,6 @@ def discover(sm: SpeculativeModel, name: str, stage: fx.GraphModule) -> StageSig
     )
 
 
-# The EAGLE stages: Inductor compiles them (their state inputs in the warm-up); the ONNX export
-# and runtime do not know their inputs and refuse them (``refuse_stages``).
+# The EAGLE stages (``passes.eagle_head``): their state inputs ``hidden`` / ``prev_hidden``
+# are warmed up by Inductor and exported with their own axes.
 EAGLE_STAGES = ("target", "head")
-
-
-def refuse_stages(sm, backend: str, stages: tuple[str, ...]) -> None:
-    """ValueError naming the recipe and the stages of ``stages`` it has that ``backend``
-    cannot run."""
-    found = sorted(set(sm.stages.modules) & set(stages))
-    if found:
-        raise ValueError(
-            f"backend: {backend!r} does not run the stages {found} of recipe "
-            f"{sm.recipe.name!r} yet; allowed for this recipe: backend='eager' or 'inductor'"
-        )

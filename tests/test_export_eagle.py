@@ -1,0 +1,124 @@
+"""EAGLE's stages exported and decoded by ``OnnxModel`` under EAGLE's own schedule.
+
+The ``target`` stage (every layer, and the head's cache slot from the true features) takes the
+last hidden state of the position before its chunk (``prev_hidden``); the ``head`` stage takes
+a state per token (exported as ``hidden_in``: ONNX names a value once, and the stage also
+returns ``hidden``). The tokens are the eager recipe's, and with them the same rounds
+(accepted drafts per verify, calls), on two tiny models: one whose head size takes
+onnxruntime's GroupQueryAttention rewrite, one with a sliding window and prompt lookup first.
+The torch-free ``leapfx.deploy.Decoder`` runs the same export in ``tests/test_deploy.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("onnx")
+pytest.importorskip("onnxruntime")
+pytest.importorskip("onnxscript")
+
+from leapfx import rewrite  # noqa: E402
+from leapfx.export import OnnxModel, read_manifest  # noqa: E402
+from tests.conftest import tiny_model  # noqa: E402
+from tests.greedy_check import assert_greedy_equal, hf_greedy  # noqa: E402
+
+PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7], [3], [1, 2, 3, 1, 2, 3, 1, 2]]
+NEW = 20
+# name -> (model, the recipe's options): the first exercises the GroupQueryAttention rewrite
+# (head size 16), the confidence stop and prompt lookup first; the second a sliding window and
+# the adaptive policy, whose rounds draft by prompt lookup, by the head or not at all as
+# measured times say (so its rounds differ from run to run, its tokens never)
+MODELS = {
+    "llama": (dict(arch="llama", layers=3, head_dim=16), dict(max_draft_tokens=4, lookup=True)),
+    "qwen2": (
+        dict(arch="qwen2", layers=2, sliding_window=5),
+        dict(max_draft_tokens=3, confidence_threshold=0.0, lookup=True, adaptive=True),
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """``get(name)``: (HF model, eager SpeculativeModel, OnnxModel of its export)."""
+    root = tmp_path_factory.mktemp("eagle-onnx")
+    cache: dict[str, tuple] = {}
+
+    def get(name: str):
+        if name not in cache:
+            spec, options = MODELS[name]
+            model = tiny_model(**spec)
+            sm = rewrite.apply(model, "eagle", parts=None, **options)
+            path = sm.export_onnx(root / name)
+            cache[name] = (model, sm, OnnxModel(path, threads=1))
+        return cache[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_onnx_eagle_is_token_identical_to_eager(exported, name):
+    model, sm, om = exported(name)
+    assert om.recipe == "eagle" and sorted(om.stages) == ["head", "target"]
+    rounds: dict[str, int] = {}
+    for ids in PROMPTS:
+        prompt = torch.tensor([ids])
+        eager = sm.generate(prompt, max_new_tokens=NEW)
+        ours = om.generate(prompt, max_new_tokens=NEW)
+        if not torch.equal(ours, eager):  # a divergence only at a float tie of the HF model
+            assert_greedy_equal(model, ours, hf_greedy(model, prompt, NEW), len(ids))
+            continue
+        m, e = om.last_metrics, sm.last_metrics
+        for drafter, n in m.drafter_rounds.items():
+            rounds[drafter] = rounds.get(drafter, 0) + n
+        if sm.options.adaptive:
+            continue
+        assert m.accepted_per_verify == e.accepted_per_verify
+        assert (m.draft_calls, m.verify_calls, m.full_calls) == (
+            e.draft_calls, e.verify_calls, e.full_calls,
+        )  # fmt: skip
+    assert rounds.get("eagle", 0) > 0  # the head drafted on ONNX
+    assert rounds.get("lookup", 0) > 0  # and prompt lookup, verified by target
+
+
+def test_eagle_manifest_names_the_state_inputs_and_the_head_slot(exported):
+    model, sm, om = exported("llama")
+    m = read_manifest(om.path)
+    slot = model.config.num_hidden_layers  # the head's own cache slot, after the host's
+    assert m["recipe"] == "eagle" and m["cache"]["extra_slots"] == 1
+    assert m["cache"]["slots"] == slot + 1
+    target, head = m["stages"]["target"], m["stages"]["head"]
+    assert target["inputs"][:3] == ["input_ids", "position_ids", "prev_hidden"]
+    assert target["outputs"][:2] == ["logits", "hidden"]
+    assert target["cache_writes"] == [*range(slot), slot]  # the host's slots and the head's
+    assert head["inputs"][:3] == ["input_ids", "position_ids", "hidden_in"]
+    assert head["outputs"][:2] == ["logits", "hidden"]
+    assert head["cache_writes"] == [slot] and head["layers"] == []
+    assert head["rewrites"]["group_query_attention"] == 1  # the head's layer, as a host's
+    import onnx
+
+    dims = {
+        i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim]
+        for stage in ("target", "head")
+        for i in onnx.load(str(om.path / f"{stage}.onnx"), load_external_data=False).graph.input
+    }
+    hidden = model.config.hidden_size
+    assert dims["prev_hidden"] == ["batch", 1, hidden]
+    assert dims["hidden_in"] == ["batch", "sequence", hidden]
+
+
+def test_onnx_eagle_samples_and_refuses_the_missing_baseline(exported):
+    model, _, om = exported("llama")
+    g = torch.Generator().manual_seed(0)
+    out = om.generate(torch.tensor([[3, 1, 4]]), max_new_tokens=12, do_sample=True, generator=g)
+    assert out.shape == (1, 15) and int(out.max()) < model.config.vocab_size
+    # an EAGLE export has no full stage: the autoregressive baseline needs one
+    with pytest.raises(ValueError, match="'autoregressive' cannot run on this eagle export"):
+        OnnxModel(om.path, recipe="autoregressive")
+
+
+def test_genai_format_still_refuses_eagle(tmp_path):
+    sm = rewrite.apply(tiny_model("llama", layers=2), "eagle", parts=None)
+    with pytest.raises(ValueError, match="format: 'genai' cannot export this model"):
+        sm.export_onnx(tmp_path / "genai", format="genai")
+    assert not (tmp_path / "genai").exists()
