@@ -11,6 +11,7 @@ import pytest
 import torch
 import transformers
 
+from leapfx import rewrite
 from leapfx.bench.harness import SPLIT_MARGIN, BenchConfig, repeated_4gram_share, run_bench
 from leapfx.bench.sweep import calibrate, choose, predicted_speedup
 from leapfx.cli import main
@@ -266,9 +267,30 @@ def test_onnxruntime_backend_rows(checkpoint, tmp_path):
         assert sorted(timing) == counts and x["onnx_threads"] == min(timing, key=timing.get)
 
 
+@pytest.mark.slow  # five exports
+def test_onnxruntime_eagle_rows(tmp_path):
+    # `leapfx bench --backend onnxruntime --recipe eagle`: EAGLE's head and target stages
+    # exported, its rows lossless on onnxruntime.
+    pytest.importorskip("onnxruntime")
+    tok = byte_tokenizer()
+    model = tiny_model("llama", layers=2, head_dim=16, vocab=len(tok), eos=tok.eos_token_id)
+    rewrite.apply(model, "eagle", parts=None, max_draft_tokens=3).save_parts(tmp_path / "head")
+    prompts = [torch.tensor([tok("for i in range(")["input_ids"]])]
+    config = BenchConfig(recipe="eagle", max_new_tokens=8, repeats=1, warmup=0,
+                         backend="onnxruntime", export_dir=str(tmp_path / "onnx"),
+                         hf_baselines=False, onnx_threads=1,
+                         eagle_parts=str(tmp_path / "head"))  # fmt: skip
+    rows = {r.system: r for r in run_bench(model, prompts, config, progress=False)}
+    assert (tmp_path / "onnx" / "leapfx_eagle" / "head.onnx").is_file()
+    for name in ("leapfx_eagle", "leapfx_eagle_lookup"):
+        assert rows[name].identical_to_greedy is True, name
+    assert rows["leapfx_eagle"].extra["onnx_threads"] == 1
+
+
 def test_auto_on_onnxruntime_runs_its_exportable_form_where_a_head_is_found(tmp_path):
-    # The reference model ships an EAGLE head, which apply(model, "auto") runs and which does
-    # not export: the onnxruntime row runs auto as adaptive lookup, as `leapfx export` does.
+    # The reference model ships an EAGLE head, which apply(model, "auto") runs: the
+    # onnxruntime row runs auto in its lookup form, adaptive lookup, as `leapfx export` does
+    # (the form leapfx.deploy runs; the head exports as the eagle recipe's rows).
     model, tok = load_model(None, progress=False)
     prompts = [torch.tensor([tok("for i in range(10):")["input_ids"]])]
     config = BenchConfig(recipe="auto", max_new_tokens=4, repeats=1, warmup=0,

@@ -38,6 +38,7 @@ EXPORTS = [
     ("layerskip_dynamic", "layerskip", {"exit_layer": 1, "confidence_threshold": 0.3}),
     ("layerskip_lookup", "layerskip", {"exit_layer": 1, "num_speculations": 3, "lookup": True}),
     ("kangaroo", "kangaroo", {"exit_layer": 1, "max_draft_tokens": 4}),
+    ("swift", "swift", {"skip_layers": (1,), "num_speculations": 3}),  # a fixed skip set
     ("eagle", "eagle", {"parts": None, "max_draft_tokens": 3}),  # its head and target stages
     ("lookup", "lookup", {}),
     ("auto", "auto", {}),
@@ -162,8 +163,8 @@ def test_refusals(tmp_path):
     path = rewrite.apply(model, "autoregressive").export_onnx(tmp_path / "ar")
     with pytest.raises(ValueError, match="recipe: 'layerskip' cannot run on this autoregressive"):
         Decoder(path, recipe="layerskip")
-    with pytest.raises(ValueError, match="recipe: 'swift' has no torch-free schedule"):
-        Decoder(path, recipe="swift")
+    with pytest.raises(ValueError, match="recipe: 'm2r2' has no torch-free schedule"):
+        Decoder(path, recipe="m2r2")
     with pytest.raises(ValueError, match="recipe: 'eagle' cannot run on this autoregressive"):
         Decoder(path, recipe="eagle")  # its head and target stages are not there
     with pytest.raises(ValueError, match="holds no tokenizer.json"):

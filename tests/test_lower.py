@@ -21,7 +21,13 @@ def test_recipes_declare_what_lowering_and_export_asked_their_names_for():
     assert [n for n, c in can.items() if c.has_chain] == ["layerskip"]
     assert [n for n, c in can.items() if c.split_verify] == ["layerskip"]
     assert [n for n, c in can.items() if c.layer_segments] == ["specee"]
-    assert [n for n, c in can.items() if not c.exportable] == ["specee"]
+    assert sorted(n for n, c in can.items() if not c.exportable) == [
+        "m2r2",
+        "m2r2_exit",
+        "qspec",
+        "specee",
+    ]
+    assert [n for n, c in can.items() if c.export_refusal_for is not None] == ["swift"]
     assert sorted(n for n, c in can.items() if not c.compiles) == [
         "m2r2",
         "m2r2_exit",
@@ -71,8 +77,11 @@ def test_lower_refuses_unknown_backends_and_options():
     with pytest.raises(ValueError, match=r"runs its stages eager only \(its fast stream keeps"):
         lower(m2r2, "inductor")
     swift = rewrite.apply(tiny_model("llama", layers=4), "swift")
-    with pytest.raises(ValueError, match="eager only .its draft stage skips the layer set"):
-        swift.export_onnx("never-written")
+    with pytest.raises(ValueError, match="in onnxruntime .export_onnx., not under Inductor"):
+        lower(swift, "inductor")
+    online = rewrite.apply(tiny_model("llama", layers=4), "swift", search="online")
+    with pytest.raises(ValueError, match="'swift' cannot be exported to ONNX: search: 'online'"):
+        online.export_onnx("never-written")
 
 
 def test_eager_stages_provide_the_protocol_defaults():

@@ -271,8 +271,10 @@ def _training_free_rows(name: str, run: RowRun) -> list[System]:
     layer-skipped drafter, prompt lookup and no drafting by measured tokens per cost) and as
     ``leapfx_swift_online`` (``search="online"``: the skip set searched while decoding; its
     search goes on across the warm-up and timed passes, as a user's later calls would)."""
-    # onnxruntime runs auto in its exportable form, adaptive prompt lookup, as `leapfx export`
-    # does: a trained EAGLE head that `apply(model, "auto")` finds does not export
+    # onnxruntime runs auto in its lookup form, adaptive prompt lookup, as `leapfx export`
+    # does: the form every model has and leapfx.deploy runs (the head `apply(model, "auto")`
+    # finds may draft over a vocabulary subset, which leapfx.deploy does not read); a
+    # trained EAGLE head exports as the eagle recipe (the leapfx_eagle rows)
     exportable = name == "auto" and run.backend == "onnxruntime"
     plain = rewrite.apply(run.model, name, **({"parts": None} if exportable else {}))
     system = run.ours(f"leapfx_{name}", plain)
@@ -288,9 +290,14 @@ def _training_free_rows(name: str, run: RowRun) -> list[System]:
         sm = rewrite.apply(run.model, "swift", lookup=True, adaptive=True)
         systems.append(run.ours("leapfx_swift_adaptive", sm))
         systems[-1].info["dynamic_draft_length"] = True
-        # its sets and plain steps change while it searches: no fixed d for the formula
         online = rewrite.apply(run.model, "swift", search="online")
+        refusal = online.recipe.capabilities.refusal(online.options)
+        if run.backend == "onnxruntime" and refusal is not None:
+            # the search cuts and times draft stages of the eager model while decoding
+            log.warning("leapfx bench: no leapfx_swift_online row on onnxruntime: %s", refusal)
+            return systems
         systems.append(run.ours("leapfx_swift_online", online))
+        # its sets and plain steps change while it searches: no fixed d for the formula
         systems[-1].info["dynamic_draft_length"] = True
     return systems
 

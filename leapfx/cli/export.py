@@ -30,8 +30,10 @@ def _export(args: argparse.Namespace) -> int:
         print(f"leapfx export: recipe {args.recipe} (the best exportable for this model; "
               "--recipe chooses another)")  # fmt: skip
     if args.recipe == "auto":
-        # auto's exportable form: its adaptive prompt lookup, not a trained head it would find
-        # (EAGLE's head and the quantized copy do not export: docs/export.md)
+        # auto's lookup form: its adaptive prompt lookup, not a trained head it would find (the
+        # quantized copy does not export, and the head's form may draft over a vocabulary
+        # subset, which leapfx.deploy does not read; --recipe eagle exports the head:
+        # docs/export.md)
         options["parts"] = None
     if args.model is None:
         # The shipped model exports what `leapfx bench` runs on it: layerskip at its measured

@@ -14,6 +14,9 @@ positions in place), and the greedy schedules of the exportable recipes written 
   last draft, the upper layers on the round's exit states and it); the accepted prefix is
   kept by moving a position, nothing is copied. ``lookup=True`` tries prompt lookup first
   each round, verified by ``full``;
+- ``swift``: rounds of d drafts from ``draft`` (the model without its skip set, which writes
+  the kept layers' keys), then one ``full`` call over [x, drafts], which writes every
+  layer's keys for those positions; ``lookup=True`` tries prompt lookup first;
 - ``eagle``: ``target`` on the prompt (every layer, and the head's cache slot from the true
   features, fed h of the position before: zeros at 0), then rounds of up to d drafts from
   ``head`` on (token, state), the first state h of the last accepted position and then the
@@ -51,7 +54,9 @@ import numpy as np
 from .manifest import GENAI_FORMAT, MANIFEST, read_manifest
 
 # The schedules of this module, by the recipe the manifest names.
-SCHEDULES = ("autoregressive", "early_exit", "layerskip", "kangaroo", "eagle", "lookup", "auto")
+SCHEDULES = (
+    "autoregressive", "early_exit", "layerskip", "kangaroo", "swift", "eagle", "lookup", "auto",
+)  # fmt: skip
 _DTYPES = {"float32": np.float32, "float16": np.float16}
 _LOOKUP = {"num_speculations": 10, "max_ngram": 3, "min_ngram": 1}  # leapfx's lookup defaults
 
@@ -262,10 +267,13 @@ class Decoder:
         self.last_stats[key] += 1
         return self.stages[name](self._cache, **feeds)
 
-    def _step(self, stage: str, tokens: Sequence[int], start: int) -> np.ndarray:
-        """Logits [n, V] of ``tokens`` at positions start.. through ``stage``."""
-        out = self._call(stage, input_ids=_ids(tokens), position_ids=_positions(start, len(tokens)))
-        return out["logits"][0]
+    def _step(
+        self, stage: str, tokens: Sequence[int], start: int, key: str | None = None
+    ) -> np.ndarray:
+        """Logits [n, V] of ``tokens`` at positions start.. through ``stage`` (counted under
+        ``key``)."""
+        positions = _positions(start, len(tokens))
+        return self._call(stage, key, input_ids=_ids(tokens), position_ids=positions)["logits"][0]
 
     def _target(self, tokens: Sequence[int], start: int, key: str) -> np.ndarray:
         """EAGLE's ``target`` on ``tokens`` at start.., fed h of the position before
@@ -313,7 +321,7 @@ class Decoder:
         if not self._emit(out, [x], budget):
             return out
         o = self.options
-        speculative = recipe in ("layerskip", "kangaroo", "eagle")
+        speculative = recipe in ("layerskip", "kangaroo", "swift", "eagle")
         lookup = recipe in ("lookup", "auto") or (speculative and o.get("lookup"))
         d_max = int(o.get("max_draft_tokens") or o.get("num_speculations") or 0)
         if recipe in ("lookup", "auto"):
@@ -332,6 +340,12 @@ class Decoder:
                 targets = self._target([x, *drafts], pos, key)
             elif drafts:  # verified by the full stage over [x, drafts]
                 targets = self._step("full", [x, *drafts], pos)
+            elif recipe == "swift" and d > 0:  # the layer-skipped drafts, verified by full
+                token = x
+                for i in range(d):
+                    token = _argmax(self._step("draft", [token], pos + i)[-1])
+                    drafts.append(token)
+                targets = self._step("full", [x, *drafts], pos, "verify_calls")
             elif speculative and d > 0:
                 drafts, targets = self._exit_round(x, pos, d)
             else:

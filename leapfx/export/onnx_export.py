@@ -594,13 +594,13 @@ def export_onnx(
         raise ValueError(f"format: {format!r} is invalid; allowed: {', '.join(map(repr, FORMATS))}")
     can = sm.recipe.capabilities  # the recipe's schedule in a manifest: asked, not name-checked
     if format == "genai":
-        refusal = genai_refusal(sm)
+        refusal = genai_refusal(sm) or (None if can.exportable else can.export_refusal)
         if refusal is not None:
             raise ValueError(f"format: 'genai' cannot export this model: {refusal}")
-    elif not can.exportable:
-        raise ValueError(
-            f"recipe: {sm.recipe.name!r} cannot be exported to ONNX: {can.export_refusal}"
-        )
+    else:
+        refusal = can.refusal(sm.options)  # the recipe's, or its options' (swift's search)
+        if refusal is not None:
+            raise ValueError(f"recipe: {sm.recipe.name!r} cannot be exported to ONNX: {refusal}")
     _require_onnx()
     check_bool("optimize", optimize)
     target = _check_options(sm, path, opset, overwrite)

@@ -287,6 +287,17 @@ class SwiftOptions(LookupFirstOptions):
 SKIP_SEARCHES = (None, "online")
 
 
+def _swift_export_refusal(o: SwiftOptions) -> str | None:
+    """Why swift with options ``o`` does not export: the online search's skip set."""
+    if o.search != "online":
+        return None
+    return (
+        "search: 'online' chooses the draft's skip set while decoding, cutting candidate "
+        "draft stages from the eager 'full' stage and timing them, so no skip set is there to "
+        "export; allowed: search=None (skip_layers, or parts=DIR saved after sm.calibrate)"
+    )
+
+
 def _swift_schedule(o: SwiftOptions):
     online = o.search == "online"
     return partial(
@@ -849,8 +860,8 @@ RECIPES: dict[str, Recipe] = {
             parts_option="parts",
             capabilities=Capabilities(
                 compiles=False,
-                eager_reason="its draft stage skips the layer set its schedule searches online, "
-                "and a layer-skipped stage's Inductor and ONNX paths are not written",
+                eager_reason="its layer-skipped draft stage's Inductor path is not written",
+                export_refusal_for=_swift_export_refusal,
             ),
             draft_option="num_speculations",
             batch=_batch_stage("swift"),
@@ -868,6 +879,10 @@ RECIPES: dict[str, Recipe] = {
                 compiles=False,
                 eager_reason="its draft's quantized blocks run leapfx's CPU block kernels, "
                 "which have no Inductor or ONNX path",
+                exportable=False,
+                export_refusal="its stages run eager only: its draft's quantized blocks run "
+                "leapfx's CPU block kernels, which have no ONNX path (a float export of the "
+                "copy would be the model itself); use the eager backend",
             ),
             draft_option="num_speculations",
             batch=_batch_stage("qspec"),
@@ -936,6 +951,11 @@ RECIPES: dict[str, Recipe] = {
                 compiles=False,
                 eager_reason="its fast stream keeps per-sequence scratch state (FastScratch), "
                 "a Python object that neither Inductor nor ONNX traces",
+                exportable=False,
+                export_refusal="its stages run eager only: its fast stream (the draft stage) "
+                "takes per-sequence scratch state (FastScratch), a Python object that "
+                "torch.export does not trace, and no ONNX input stands for it yet; use the "
+                "eager backend",
             ),
             draft_option="num_speculations",
             batch_refusal="its fast stream keeps per-sequence scratch state (FastScratch)",
@@ -960,6 +980,10 @@ RECIPES: dict[str, Recipe] = {
                 compiles=False,
                 eager_reason="its per-layer gates decide each token's exit on the host between "
                 "per-layer stages",
+                exportable=False,
+                export_refusal="its stages run eager only: its per-layer gates decide each "
+                "token's exit on the host between per-layer stages, and the onnxruntime "
+                "executor has no such schedule; use the eager backend",
             ),
             batch_refusal=_LOSSY_BATCH,
         ),

@@ -12,22 +12,27 @@ ask the model instead of branching on recipe names.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
 class Capabilities:
     """What a recipe's stages support besides eager decoding (the defaults: a plain recipe)."""
 
-    # Its stages lower to Inductor and ONNX (False: a stage takes a Python object, e.g.
-    # M2R2's FastScratch, that neither traces).
+    # Its stages lower to Inductor (False: a stage takes a Python object, e.g. M2R2's
+    # FastScratch, that it does not trace, or its Inductor path is not written).
     compiles: bool = True
     # Why not, where ``compiles`` is False (the refusal quotes it).
-    eager_reason: str = "a stage takes a Python object that neither Inductor nor ONNX traces"
-    # The ONNX manifest can express its schedule; where it cannot, ``export_refusal`` says
-    # what is missing (the export's ValueError quotes it).
+    eager_reason: str = "a stage takes a Python object that Inductor does not trace"
+    # Its stages export to ONNX and the onnxruntime executor runs its schedule; where not,
+    # ``export_refusal`` says what is missing (the export's ValueError quotes it).
     exportable: bool = True
     export_refusal: str = ""
+    # Where some of its options' models cannot export although the recipe can (swift's
+    # online search): options -> why not, or None. The export's ValueError quotes it.
+    export_refusal_for: Callable[[Any], str | None] | None = None
     # Its greedy rounds draft d tokens one ``draft`` call each, the argmax between calls:
     # one ``draft_chain`` executor of d unrolled steps may replace them (compiled, eager
     # kernel and ONNX lowerings build one).
@@ -42,3 +47,10 @@ class Capabilities:
     def __post_init__(self) -> None:
         if not self.exportable and not self.export_refusal:
             raise ValueError("export_refusal: say what is missing where exportable is False")
+
+    def refusal(self, options: Any) -> str | None:
+        """Why a model of the recipe with ``options`` does not export (``format="leapfx"``),
+        or None where it does."""
+        if not self.exportable:
+            return self.export_refusal
+        return None if self.export_refusal_for is None else self.export_refusal_for(options)

@@ -87,7 +87,8 @@ class RecipeInfo:
 
     @property
     def compiles(self) -> bool:
-        """False: the stages run eager only (no Inductor, no ONNX export)."""
+        """False: the stages do not compile with Inductor (whether they export to ONNX is
+        ``capabilities.exportable``'s)."""
         return self.capabilities.compiles
 
 
@@ -597,19 +598,24 @@ class SpeculativeModel(GenerateFrontEnd):
                 "export_onnx: this SpeculativeModel was built without an exporter; build it with "
                 "leapfx.rewrite.apply, or call leapfx.export.export_onnx(model, path)"
             )
-        self.check_compiles("export_onnx")
         return self._export(
             self, path, opset=opset, overwrite=overwrite, optimize=optimize, format=format,
             tokenizer=tokenizer,
         )  # fmt: skip
 
     def check_compiles(self, what: str) -> None:
-        """ValueError naming ``what`` where the recipe's stages run eager only."""
-        if not self.recipe.compiles:
+        """ValueError naming ``what`` where the recipe's stages do not compile with Inductor."""
+        can = self.recipe.capabilities
+        if not can.compiles:
+            runs = (
+                "eager and in onnxruntime (export_onnx), not under Inductor"
+                if can.exportable
+                else "eager only"
+            )
             raise ValueError(
-                f"{what}: recipe {self.recipe.name!r} runs its stages eager only "
-                f"({self.recipe.capabilities.eager_reason}); allowed: backend='eager', with "
-                "use_cpu_kernels() for the projections"
+                f"{what}: recipe {self.recipe.name!r} runs its stages {runs} "
+                f"({can.eager_reason}); allowed: backend='eager', with use_cpu_kernels() for "
+                "the projections"
             )
 
     def __repr__(self) -> str:

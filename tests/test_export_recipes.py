@@ -1,12 +1,14 @@
-"""EAGLE's stages exported and decoded by ``OnnxModel`` under EAGLE's own schedule.
+"""The recipes whose stages export beside layerskip and kangaroo (``tests/test_export.py``),
+decoded by ``OnnxModel`` under their own schedules, and the refusals of those that do not.
 
-The ``target`` stage (every layer, and the head's cache slot from the true features) takes the
-last hidden state of the position before its chunk (``prev_hidden``); the ``head`` stage takes
-a state per token (exported as ``hidden_in``: ONNX names a value once, and the stage also
-returns ``hidden``). The tokens are the eager recipe's, and with them the same rounds
-(accepted drafts per verify, calls), on two tiny models: one whose head size takes
-onnxruntime's GroupQueryAttention rewrite, one with a sliding window and prompt lookup first.
-The torch-free ``leapfx.deploy.Decoder`` runs the same export in ``tests/test_deploy.py``.
+EAGLE: the ``target`` stage (every layer, and the head's cache slot from the true features)
+takes the last hidden state of the position before its chunk (``prev_hidden``); the ``head``
+stage takes a state per token (exported as ``hidden_in``: ONNX names a value once, and the
+stage also returns ``hidden``). The tokens are the eager recipe's, and with them the same
+rounds (accepted drafts per verify, calls) where no timing chooses them, on two tiny models
+(``MODELS``). swift: the ``draft`` stage is the model without its fixed skip set (its kept
+layers' cache slots only), verified by ``full``. The torch-free ``leapfx.deploy.Decoder``
+runs both recipes' exports in ``tests/test_deploy.py``.
 """
 
 from __future__ import annotations
@@ -38,17 +40,31 @@ MODELS = {
 }
 
 
+# swift at a fixed skip set: layers 1 and 2 of 4 skipped (d = 3), and the default set on a
+# sliding-window model with prompt lookup first
+SWIFT = {
+    "swift-llama": (
+        dict(arch="llama", layers=4, head_dim=16),
+        dict(skip_layers=(1, 2), num_speculations=3),
+    ),
+    "swift-qwen2": (dict(arch="qwen2", layers=3, sliding_window=5), dict(lookup=True)),
+}
+
+
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     """``get(name)``: (HF model, eager SpeculativeModel, OnnxModel of its export)."""
-    root = tmp_path_factory.mktemp("eagle-onnx")
+    root = tmp_path_factory.mktemp("recipes-onnx")
     cache: dict[str, tuple] = {}
 
     def get(name: str):
         if name not in cache:
-            spec, options = MODELS[name]
+            recipe, (spec, options) = (
+                ("swift", SWIFT[name]) if name in SWIFT else ("eagle", MODELS[name])
+            )
             model = tiny_model(**spec)
-            sm = rewrite.apply(model, "eagle", parts=None, **options)
+            extra = {"parts": None} if recipe == "eagle" else {}
+            sm = rewrite.apply(model, recipe, **extra, **options)
             path = sm.export_onnx(root / name)
             cache[name] = (model, sm, OnnxModel(path, threads=1))
         return cache[name]
@@ -56,10 +72,10 @@ def exported(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("name", list(MODELS))
-def test_onnx_eagle_is_token_identical_to_eager(exported, name):
-    model, sm, om = exported(name)
-    assert om.recipe == "eagle" and sorted(om.stages) == ["head", "target"]
+def decode_both(model, sm, om) -> dict[str, int]:
+    """Each prompt decoded by the eager model and its export: the same tokens (or a divergence
+    at a float tie of the HF model), and where the same, the same rounds unless the adaptive
+    policy's timings chose them. Returns the export's rounds per drafter, summed."""
     rounds: dict[str, int] = {}
     for ids in PROMPTS:
         prompt = torch.tensor([ids])
@@ -71,12 +87,20 @@ def test_onnx_eagle_is_token_identical_to_eager(exported, name):
         m, e = om.last_metrics, sm.last_metrics
         for drafter, n in m.drafter_rounds.items():
             rounds[drafter] = rounds.get(drafter, 0) + n
-        if sm.options.adaptive:
+        if getattr(sm.options, "adaptive", False):
             continue
         assert m.accepted_per_verify == e.accepted_per_verify
         assert (m.draft_calls, m.verify_calls, m.full_calls) == (
             e.draft_calls, e.verify_calls, e.full_calls,
         )  # fmt: skip
+    return rounds
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_onnx_eagle_is_token_identical_to_eager(exported, name):
+    model, sm, om = exported(name)
+    assert om.recipe == "eagle" and sorted(om.stages) == ["head", "target"]
+    rounds = decode_both(model, sm, om)
     assert rounds.get("eagle", 0) > 0  # the head drafted on ONNX
     assert rounds.get("lookup", 0) > 0  # and prompt lookup, verified by target
 
@@ -122,3 +146,37 @@ def test_genai_format_still_refuses_eagle(tmp_path):
     with pytest.raises(ValueError, match="format: 'genai' cannot export this model"):
         sm.export_onnx(tmp_path / "genai", format="genai")
     assert not (tmp_path / "genai").exists()
+
+
+@pytest.mark.parametrize("name", list(SWIFT))
+def test_onnx_swift_at_a_fixed_skip_set_is_token_identical_to_eager(exported, name):
+    model, sm, om = exported(name)
+    assert om.recipe == "swift" and sorted(om.stages) == ["draft", "full"]
+    skip = sm.options.skip_layers
+    draft = om.manifest["stages"]["draft"]
+    kept = [i for i in range(model.config.num_hidden_layers) if i not in skip]
+    assert draft["layers"] == draft["cache_writes"] == kept  # the skipped layers' slots: none
+    assert om.manifest["options"]["skip_layers"] == list(skip)
+    assert decode_both(model, sm, om).get("swift", 0) > 0
+    # the baseline on the same export
+    base = OnnxModel(om.path, threads=1, recipe="autoregressive")
+    prompt = torch.tensor([PROMPTS[0]])
+    assert torch.equal(base.generate(prompt, max_new_tokens=8), hf_greedy(model, prompt, 8))
+
+
+@pytest.mark.parametrize(
+    ("recipe", "options", "match"),
+    [
+        ("swift", {"search": "online"}, "search: 'online' chooses the draft's skip set"),
+        ("m2r2", {"fast_layers": 2}, "FastScratch"),
+        ("m2r2_exit", {}, "per-layer gates decide each token's exit"),
+        ("specee", {"drafter": "exit_head", "exit_layer": 1}, "per-token exits"),
+    ],
+)
+def test_the_recipes_that_do_not_export_say_why(tmp_path, recipe, options, match):
+    sm = rewrite.apply(tiny_model("llama", layers=4), recipe, parts=None, **options)
+    with pytest.raises(ValueError, match=f"recipe: '{recipe}' cannot be exported to ONNX: "):
+        sm.export_onnx(tmp_path / "x")
+    with pytest.raises(ValueError, match=match):
+        sm.export_onnx(tmp_path / "x")
+    assert not (tmp_path / "x").exists()
