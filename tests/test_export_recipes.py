@@ -164,6 +164,21 @@ def test_onnx_swift_at_a_fixed_skip_set_is_token_identical_to_eager(exported, na
     assert torch.equal(base.generate(prompt, max_new_tokens=8), hf_greedy(model, prompt, 8))
 
 
+def test_onnx_auto_is_token_identical_to_eager(tmp_path):
+    # auto's adaptive prompt lookup on its full stage (its rounds follow measured times: the
+    # tokens alone are compared)
+    model = tiny_model("llama", layers=2)
+    sm = rewrite.apply(model, "auto", parts=None)
+    assert sm.recipe.name == "auto"
+    om = OnnxModel(sm.export_onnx(tmp_path / "auto"), threads=1)
+    for ids in PROMPTS:
+        prompt = torch.tensor([ids])
+        eager = sm.generate(prompt, max_new_tokens=NEW)
+        ours = om.generate(prompt, max_new_tokens=NEW)
+        if not torch.equal(ours, eager):
+            assert_greedy_equal(model, ours, hf_greedy(model, prompt, NEW), len(ids))
+
+
 @pytest.mark.parametrize(
     ("recipe", "options", "match"),
     [
