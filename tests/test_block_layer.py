@@ -127,29 +127,91 @@ def test_a_ragged_cache_keeps_the_calls():
 
     from leapfx.runtime.batch import RowKVCache
 
+    class RaggedOwn(RowKVCache):
+        def write(self, *args, **kwargs):
+            return super().write(*args, **kwargs)
+
     assert StaticKVCache(1, 2, 32, 8).appends
     assert not Ragged(1, 2, 32, 8).appends
-    # a batch's rows: the one update(), over a per-row claim and write of its own
+    # a batch's rows: the one update(), over a per-row claim and write of its own: the one
+    # call takes them as rows (appends_rows), and a subclass with its own step not at all
     assert not RowKVCache(1, 2, 32, 8, batch_size=2).appends
+    assert RowKVCache(1, 2, 32, 8, batch_size=2).appends_rows
+    assert not RaggedOwn(1, 2, 32, 8, batch_size=2).appends_rows
+    assert not getattr(StaticKVCache(1, 2, 32, 8), "appends_rows", False)
 
 
-def test_a_long_prefix_or_another_batch_keeps_the_calls():
+@settings(max_examples=25, deadline=None)
+@given(
+    fmt=st.sampled_from(cpu_blocks.QUANTIZABLE),
+    batch=st.integers(1, 4),
+    rows=st.integers(1, 6),
+    seed=st.integers(0, 2**16),
+    data=st.data(),
+)
+def test_a_batchs_ragged_rows_are_the_calls_bitwise(fmt, batch, rows, seed, data):
+    # a batch's rows at their own fill lengths after their own left padding (RowKVCache): the
+    # one call writes each row's columns where RowKVCache.update does and attends each row's
+    # span as leapfx_cpu::attention_rows does, bitwise
+    from leapfx.runtime.batch import RowKVCache
+
+    layer, model = block_layer(fmt, seed=seed % 7)
+    gen = torch.Generator().manual_seed(seed)
+    fills = data.draw(st.lists(st.integers(0, 30), min_size=batch, max_size=batch))
+    first = [data.draw(st.integers(0, f)) for f in fills]
+    prefix = (
+        torch.randn(batch, 2, 40, 32, generator=gen),
+        torch.randn(batch, 2, 40, 32, generator=gen),
+    )
+    x = torch.randn(batch, rows, 128, generator=gen)
+    pos = torch.tensor(
+        [[f - a + s for s in range(rows)] for f, a in zip(fills, first, strict=True)]
+    )
+    rope = model.model.rotary_emb(x, pos)
+    outs, caches = [], []
+    for whole in (True, False):
+        cache = RowKVCache(1, 2, 32, 40, batch_size=batch)
+        cache.keys[0].copy_(prefix[0]), cache.values[0].copy_(prefix[1])
+        cache.rows, cache.first, cache.lengths = [list(fills)], list(first), [max(fills)]
+        saved, per_op = layer._whole, KernelDecoderLayer.forward
+        layer._whole = saved if whole else None
+        if whole:  # the one call, not the fallback to the per-op path
+            KernelDecoderLayer.forward = None
+        try:
+            with torch.no_grad():
+                outs.append(layer(x, None, rope, pos, cache))
+        finally:
+            layer._whole, KernelDecoderLayer.forward = saved, per_op
+        caches.append(cache)
+    assert torch.equal(outs[0], outs[1])
+    assert caches[0].rows == caches[1].rows == [[f + rows for f in fills]]
+    assert caches[0].lengths == caches[1].lengths
+    assert torch.equal(caches[0].keys[0], caches[1].keys[0])
+    assert torch.equal(caches[0].values[0], caches[1].values[0])
+
+
+def test_a_long_prefix_and_a_prefill_are_the_calls_bitwise():
+    # several rows over a long prefix; a prefill's rows (kGemmRows or more: float32 GEMM over
+    # the dequantized blocks, in the one call and in each per-op product alike)
     layer, model = block_layer("Q4_1")
-    x = torch.randn(1, 3, 128)
-    for start in (300, 0):  # several rows past KERNEL_ROWS_MAX_KEYS; then a short one
-        outs = []
+    for start, rows in ((300, 3), (0, 3), (0, 40), (250, 33)):
+        x = torch.randn(1, rows, 128)
+        outs, caches = [], []
         for whole in (True, False):
             cache = StaticKVCache(1, 2, 32, 320)
             cache.lengths = [start]
-            pos = torch.arange(start, start + 3)[None]
-            mask = torch.zeros(1, 1, 3, start + 3)
+            pos = torch.arange(start, start + rows)[None]
+            mask = torch.zeros(1, 1, rows, start + rows)
             rope = model.model.rotary_emb(x, pos)
             saved = layer._whole
             layer._whole = saved if whole else None
             with torch.no_grad():
                 outs.append(layer(x, mask, rope, pos, cache))
             layer._whole = saved
+            caches.append(cache)
         assert torch.equal(outs[0], outs[1])
+        assert torch.equal(caches[0].keys[0], caches[1].keys[0])
+        assert torch.equal(caches[0].values[0], caches[1].values[0])
 
 
 def test_decoding_a_block_model_calls_the_layer_op_and_keeps_its_tokens():

@@ -58,14 +58,27 @@ def test_slots_past_a_query_are_never_read():
     assert torch.equal(prefix, clean)  # the filled prefix or the whole buffer: same numbers
 
 
-def test_a_rows_result_does_not_depend_on_the_other_rows():
-    # a verify pass's row equals the one-token step at the same position, bit for bit
-    q, k, v = _inputs(1, 4, 2, 5, 90, 48, 3)
-    pos = torch.arange(85, 90)
-    together = torch.ops.leapfx_cpu.attention(q, k, v, pos, 0.144)
-    for i in range(5):
-        alone = torch.ops.leapfx_cpu.attention(q[:, :, i : i + 1], k, v, pos[i : i + 1], 0.144)
+@settings(max_examples=examples(30, 120), deadline=None)
+@given(
+    hkv=st.sampled_from([1, 3]), group=st.sampled_from([1, 2, 3, 5]), s=st.integers(1, 12),
+    extra=st.integers(0, 300), d=st.sampled_from([16, 33, 48, 64, 96, 128]),
+    seed=st.integers(0, 2**16),
+)  # fmt: skip
+def test_a_rows_result_does_not_depend_on_the_other_rows(hkv, group, s, extra, d, seed):
+    # a verify pass's row equals the one-token step at the same position, bit for bit, however
+    # the kernel tiles the rows of a kv head together (its group's heads, the verify's rows)
+    q, k, v = _inputs(1, hkv * group, hkv, s, s + extra, d, seed)
+    pos = torch.arange(extra, extra + s)
+    together = torch.ops.leapfx_cpu.attention(q, k, v, pos, d**-0.5)
+    for i in range(s):
+        alone = torch.ops.leapfx_cpu.attention(q[:, :, i : i + 1], k, v, pos[i : i + 1], d**-0.5)
         assert torch.equal(alone[:, 0], together[:, i])
+        for h in range(hkv * group):  # one head alone: no tile partners at all
+            one = torch.ops.leapfx_cpu.attention(
+                q[:, h : h + 1, i : i + 1], k[:, h // group : h // group + 1],
+                v[:, h // group : h // group + 1], pos[i : i + 1], d**-0.5,
+            )  # fmt: skip
+            assert torch.equal(one[:, 0, 0], together[:, i, h])
 
 
 @settings(max_examples=examples(40, 160), deadline=None)
@@ -151,15 +164,11 @@ def test_kernel_layer_attends_through_it_over_the_cache(arch):
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("max_keys, expected", [(256, [4, 1]), (3, [1])])
-def test_eager_layers_send_verify_rows_to_sdpa_past_the_key_threshold(
-    monkeypatch, max_keys, expected
-):
-    # one row always goes through the kernel; several rows only up to KERNEL_ROWS_MAX_KEYS
-    # keys (past it SDPA's blocked products are faster)
+@pytest.mark.parametrize("prefix", [0, 300])
+def test_eager_layers_send_every_row_to_the_kernel(monkeypatch, prefix):
+    # one row or several, over a short prefix or a long one: all through the kernel
     from leapfx.modules import fused
 
-    monkeypatch.setattr(fused, "KERNEL_ROWS_MAX_KEYS", max_keys)
     model = tiny_model("llama", layers=2)
     kernel = KernelDecoderLayer(model.model.layers[0])
     cfg = model.config
@@ -171,16 +180,17 @@ def test_eager_layers_send_verify_rows_to_sdpa_past_the_key_threshold(
         return real(*args)
 
     monkeypatch.setattr(fused.torch.ops.leapfx_cpu, "attention", spy, raising=False)
-    cache = StaticKVCache(2, cfg.num_key_value_heads, cfg.head_dim, max_len=16)
-    x = torch.randn(1, 5, cfg.hidden_size)
-    for start, n in ((0, 4), (4, 1)):
+    cache = StaticKVCache(2, cfg.num_key_value_heads, cfg.head_dim, max_len=prefix + 16)
+    cache.lengths = [prefix, prefix]
+    x = torch.randn(1, prefix + 5, cfg.hidden_size)
+    for start, n in ((prefix, 4), (prefix + 4, 1)):
         pos = torch.arange(start, start + n)[None]
         mask = torch.full((n, start + n), float("-inf")).triu(start + 1)[None, None]
         with torch.no_grad():
             kernel(x[:, start : start + n], attention_mask=mask,
                    position_embeddings=model.model.rotary_emb(x, pos), position_ids=pos,
                    past_key_values=cache)  # fmt: skip
-    assert calls == expected
+    assert calls == [4, 1]
 
 
 def test_sliding_window_layers_keep_the_mask():
@@ -188,11 +198,10 @@ def test_sliding_window_layers_keep_the_mask():
     assert not KernelDecoderLayer(model.model.layers[0])._kernel_attention
 
 
-def test_kernel_stages_skip_the_masks_their_layers_would_not_read(monkeypatch):
+def test_kernel_stages_skip_the_masks_their_layers_would_not_read():
     # Every mask reader of a kernel stage attends through the kernel: the runner builds no
-    # mask for one row or rows over at most KERNEL_ROWS_MAX_KEYS keys, and builds them past
-    # that (where the layers go to SDPA). A sliding window keeps the masks everywhere.
-    from leapfx.modules import fused
+    # mask for one row or several, over a short prefix or a long one. A sliding window keeps
+    # the masks everywhere.
     from leapfx.runtime.runner import StageRunner
 
     model = tiny_model("llama", layers=4)
@@ -201,11 +210,9 @@ def test_kernel_stages_skip_the_masks_their_layers_would_not_read(monkeypatch):
     assert all(stage.mask_free is not None for stage in stages.values())  # (the chain: below)
     runner = StageRunner(sm._executors, sm._cache_for(64), sm._layout)
     assert runner._masks("verify", 10, 4) == {"full_attention": None}
-    assert runner._masks("verify", 251, 6)["full_attention"] is not None  # 257 keys
-    monkeypatch.setattr(fused, "KERNEL_ROWS_MAX_KEYS", 3)  # read at each call
-    assert runner._masks("verify", 10, 4)["full_attention"] is not None
+    assert runner._masks("verify", 251, 6) == {"full_attention": None}  # 257 keys
     assert runner._masks("draft", 10, 1) == {"full_attention": None}
-    check_random_prompts(model, sm, (1, 6), 24, seed=4)  # over the threshold, through SDPA
+    check_random_prompts(model, sm, (1, 6), 24, seed=4)
     window = tiny_model("mistral", layers=2, sliding_window=4)
     plain = rewrite.apply(window, "layerskip", exit_layer=1, num_speculations=2, cpu_kernels=True)
     assert not any(hasattr(stage, "mask_free") for stage in plain._executors.values())

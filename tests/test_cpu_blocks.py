@@ -97,17 +97,37 @@ def test_block_mm_is_the_dequantized_product(fmt, n, blocks, rows, seed):
 
 
 @needs_kernels
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0", "F16"])
+def test_a_prefill_is_float32_gemm_over_the_dequantized_blocks(fmt):
+    # 32 or more rows of one sequence: at::mm over the kernel's own dequantization, so a
+    # prefill's numbers are a float32 model's; fewer rows keep the kernel's own sums
+    w, dense = quantized(fmt, 96, 128, seed=5)
+    dense = torch.from_numpy(dense)
+    for rows in (32, 45):
+        x = torch.randn(1, rows, w.k, generator=torch.Generator().manual_seed(rows))
+        got = torch.ops.leapfx_cpu.block_mm(x, w.data, w.type_id, w.n, w.k)
+        assert torch.equal(got, torch.nn.functional.linear(x, dense))
+    # a weight larger than one chunk of the scratch buffer (a vocabulary head) goes a slice of
+    # rows at a time: the dequantized product up to summation order
+    head, wide = quantized("Q8_0", 4500, 256, seed=6)
+    x = torch.randn(40, head.k)
+    got = torch.ops.leapfx_cpu.block_mm(x, head.data, head.type_id, head.n, head.k)
+    torch.testing.assert_close(got, x @ torch.from_numpy(wide).t(), rtol=1e-4, atol=1e-4)
+
+
+@needs_kernels
 def test_block_gated_mlp_is_the_dequantized_mlp():
     gate, g = quantized("Q4_1", 64, 96, seed=2)
     up, u = quantized("Q4_1", 64, 96, seed=3)
     down, d = quantized("Q8_0", 96, 64, seed=4)
-    x = torch.randn(5, 96)
-    got = torch.ops.leapfx_cpu.block_gated_mlp(
-        x, gate.data, up.data, gate.type_id, 64, down.data, down.type_id, 96
-    )
     g, u, d = (torch.from_numpy(a) for a in (g, u, d))
-    want = (torch.nn.functional.silu(x @ g.t()) * (x @ u.t())) @ d.t()
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    for rows in (5, 40):  # a verify's rows (the kernel's sums) and a prefill's (GEMM)
+        x = torch.randn(1, rows, 96)
+        got = torch.ops.leapfx_cpu.block_gated_mlp(
+            x, gate.data, up.data, gate.type_id, 64, down.data, down.type_id, 96
+        )
+        want = (torch.nn.functional.silu(x @ g.t()) * (x @ u.t())) @ d.t()
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 def test_sizes_the_formats_cannot_hold_are_refused():

@@ -4,6 +4,8 @@
     python tools/measure_blocks.py step         # a decode step, native and float32 interleaved
     python tools/measure_blocks.py layer        # one native layer: one call vs its ~10 calls
     python tools/measure_blocks.py load         # load time (cold / cached / first) and memory
+    python tools/measure_blocks.py attention    # leapfx_cpu::attention(_rows) against SDPA
+    python tools/measure_blocks.py prefill      # a prompt's prefill, native and float32
 
 Each part prints one table; times are the minimum over 7 rounds of the mean of a batch of calls
 (a shared machine's noise only adds). ``load`` runs each load in a fresh process, the file's
@@ -173,6 +175,85 @@ def layer(cached: int = 150) -> dict:
     return {"cached": cached, "one_call_us": one, "per_op_us": per_op}
 
 
+# (query rows, cached keys) of one sequence; (batch rows, query rows, keys) of a ragged batch
+ATTENTION_ROWS = [(1, 150), (1, 700), (5, 400), (8, 700), (16, 1000), (32, 1000), (271, 271)]
+ATTENTION_RAGGED = [(8, 3, 330), (4, 7, 1000), (8, 16, 600), (4, 200, 400)]
+
+
+def attention() -> list[dict]:
+    """SmolLM2's attention (9 query heads over 3 kv heads of 64): ``leapfx_cpu::attention``
+    against SDPA with the causal mask (``enable_gqa``), and ``attention_rows`` over a batch's
+    ragged rows against SDPA behind their mask; microseconds, interleaved, best of 7."""
+    import torch.nn.functional as F
+
+    from leapfx.kernels import cpu_attention
+
+    assert cpu_attention.available()
+    hq, hkv, d = 9, 3, 64
+    out = []
+
+    def row(name, kernel, sdpa):
+        ks, ss = [], []
+        for _ in range(2):  # interleaved: a shared machine's noise falls on both
+            ks.append(_time(kernel, 50) * 1e6)
+            ss.append(_time(sdpa, 50) * 1e6)
+        k, s = min(ks), min(ss)
+        print(f"{name}: kernel {k:.0f} us, SDPA {s:.0f} us ({s / k:.2f}x)")
+        out.append({"shape": name, "kernel_us": k, "sdpa_us": s})
+
+    for s, n in ATTENTION_ROWS:
+        q = torch.randn(1, s, hq, d).transpose(1, 2)
+        k, v = torch.randn(1, hkv, n, d), torch.randn(1, hkv, n, d)
+        pos = torch.arange(n - s, n)
+        mask = torch.ones(s, n, dtype=torch.bool).tril(n - s)
+        row(f"{s} rows over {n} keys",
+            lambda q=q, k=k, v=v, pos=pos: torch.ops.leapfx_cpu.attention(q, k, v, pos, d**-0.5),
+            lambda q=q, k=k, v=v, mask=mask: F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, scale=d**-0.5, enable_gqa=True))  # fmt: skip
+    for b, s, n in ATTENTION_RAGGED:
+        q = torch.randn(b, s, hq, d).transpose(1, 2)
+        k, v = torch.randn(b, hkv, n, d), torch.randn(b, hkv, n, d)
+        first = torch.arange(b) * (n // (3 * b))
+        last = torch.arange(n - s, n).expand(b, s).contiguous()
+        cols = torch.arange(n)
+        mask = ((cols >= first[:, None, None]) & (cols <= last[:, :, None]))[:, None]
+        row(f"B = {b} ragged rows of {s} over {n} keys",
+            lambda q=q, k=k, v=v, f=first, la=last: torch.ops.leapfx_cpu.attention_rows(
+                q, k, v, f, la, d**-0.5),
+            lambda q=q, k=k, v=v, mask=mask: F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, scale=d**-0.5, enable_gqa=True))  # fmt: skip
+    return out
+
+
+def prefill(count: int = 4, rounds: int = 3) -> list[dict]:
+    """The prefill (and first token) of ``count`` HumanEval prompts, leapfx autoregressive on
+    native blocks and on float32 weights in one process, interleaved: ms each, best of
+    ``rounds``."""
+    from leapfx import rewrite
+    from leapfx.bench.prompt_sets import load_prompt_set
+    from leapfx.models import load_model
+
+    runs = {}
+    for weights in ("native", "float32"):
+        model, tok = load_model("smollm2", weights=weights, progress=False)
+        sm = rewrite.apply(model, "autoregressive")
+        prompts = load_prompt_set("humaneval", tok, count=count)
+        sm.generate(prompts[0], max_new_tokens=1)
+        runs[weights] = (sm, prompts, [[] for _ in prompts])
+    for _ in range(rounds):
+        for sm, prompts, times in runs.values():
+            for ids, t in zip(prompts, times, strict=True):
+                t.append(_once(lambda sm=sm, ids=ids: sm.generate(ids, max_new_tokens=1)))
+    out = []
+    for weights, (_, prompts, times) in runs.items():
+        ms = [min(t) * 1e3 for t in times]
+        lengths = [ids.shape[1] for ids in prompts]
+        print(f"weights {weights}: " + ", ".join(
+            f"{n} tokens {m:.0f} ms" for n, m in zip(lengths, ms, strict=True)))  # fmt: skip
+        out.append({"weights": weights, "prompt_tokens": lengths, "ms": ms})
+    return out
+
+
 def _once(fn) -> float:
     start = time.perf_counter()
     fn()
@@ -236,7 +317,9 @@ def load() -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("part", choices=("products", "step", "layer", "load"))
+    parser.add_argument(
+        "part", choices=("products", "step", "layer", "load", "attention", "prefill")
+    )
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--json", default=None, help="also write the numbers here")
     parser.add_argument("--rounds", type=int, default=3, help="step: interleaved rounds, best of")
@@ -249,6 +332,10 @@ def main() -> None:
         out = {"steps": step(rounds=args.rounds)}
     elif args.part == "layer":
         out = layer()
+    elif args.part == "attention":
+        out = {"attention": attention()}
+    elif args.part == "prefill":
+        out = {"prefill": prefill(rounds=args.rounds)}
     else:
         out = load()
     if args.json:

@@ -13,6 +13,14 @@
 // registers: up to kMaxRows rows share one dequantization. Each (output, row) sum is one vector
 // accumulator fed in k order, then summed lane by lane in a fixed order: a row's result does not
 // depend on how many rows or output columns were computed with it.
+//
+// A prefill (kGemmRows or more rows of one sequence) is another shape of work: there float32
+// GEMM's blocked products beat one dequantization per kMaxRows rows (on a 2-core Xeon, gate
+// [1536 x 576] at 200 rows: 3.4 ms as blocks, 1.9 ms dequantized into a float chunk then
+// at::mm), so its weights are dequantized (the same floats) a chunk of output rows at a time
+// into a scratch buffer and multiplied by at::mm, as a float32 model's prefill is. Such rows'
+// sums follow the GEMM's order, not the one above; decode steps, verifies and batches of
+// those keep the kernel (their rows per sequence stay below kGemmRows).
 
 #include <ATen/Parallel.h>
 #include <ATen/ATen.h>
@@ -33,6 +41,7 @@ enum Format : int64_t { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, BF16 = 3
 
 constexpr int64_t kWeights = 32;  // weights per block
 constexpr int kMaxRows = 8;       // rows of x that share one dequantization
+constexpr int64_t kGemmRows = 32;  // rows of one sequence from which a product is a GEMM
 
 int64_t block_bytes(int64_t fmt) {
   switch (fmt) {
@@ -239,6 +248,62 @@ void group(int R, const uint8_t* W, int64_t row_bytes, int64_t blocks, const flo
   }
 }
 
+template <int64_t FMT>
+void dequant_rows(const uint8_t* W, int64_t row_bytes, int64_t blocks, float* out, int64_t n0,
+                  int64_t n1) {
+  constexpr int64_t bb = FMT == F32 ? 128 : FMT == F16 || FMT == BF16 ? 64
+                                          : FMT == Q4_0 ? 18 : FMT == Q4_1 ? 20 : 34;
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t blk = 0; blk < blocks; ++blk) {
+      reg w[kRegs];
+      dequant<FMT>(W + n * row_bytes + blk * bb, w);
+      float* o = out + (n * blocks + blk) * kWeights;
+      for (int j = 0; j < kRegs; ++j) storeu(o + kLanes * j, w[j]);
+    }
+}
+
+// Output rows n0 .. n1 - 1 of W [N, K] in blocks of fmt, dequantized into out [n1 - n0, K].
+void dequant_span(const uint8_t* W, int64_t fmt, int64_t K, float* out, int64_t n0, int64_t n1) {
+  const int64_t blocks = K / kWeights, row_bytes = blocks * block_bytes(fmt);
+  const uint8_t* w = W + n0 * row_bytes;
+  const int64_t n = n1 - n0;
+  switch (fmt) {
+    case Q4_1: dequant_rows<Q4_1>(w, row_bytes, blocks, out, 0, n); break;
+    case Q8_0: dequant_rows<Q8_0>(w, row_bytes, blocks, out, 0, n); break;
+    case Q4_0: dequant_rows<Q4_0>(w, row_bytes, blocks, out, 0, n); break;
+    case F16: dequant_rows<F16>(w, row_bytes, blocks, out, 0, n); break;
+    case BF16: dequant_rows<BF16>(w, row_bytes, blocks, out, 0, n); break;
+    default: dequant_rows<F32>(w, row_bytes, blocks, out, 0, n); break;
+  }
+}
+
+// Floats a GEMM's chunk of dequantized weights holds at most (4 MB): a layer's weights are one
+// chunk each, so their product is at::mm's over the whole dequantized weight, bitwise a float32
+// model's; a vocabulary head goes a slice of rows at a time.
+constexpr int64_t kGemmChunkFloats = 1 << 20;
+
+// y [M, N] (row stride ldy) = x [M, K] (row stride ldx) @ W.T as float32 GEMM over W
+// dequantized a chunk of output rows at a time (the prefill path, see kGemmRows). The chunks
+// depend on N and K only, so a product's numbers do not depend on the caller.
+void gemm_blocks(const float* x, int64_t ldx, int64_t M, const uint8_t* W, int64_t fmt,
+                 int64_t K, int64_t N, float* y, int64_t ldy) {
+  const int64_t chunk = std::max<int64_t>(16, kGemmChunkFloats / K / 16 * 16);
+  thread_local std::vector<float> scratch;
+  scratch.resize(std::min(N, chunk) * K);
+  const at::Tensor xt =
+      at::from_blob(const_cast<float*>(x), {M, K}, {ldx, 1}, at::TensorOptions(at::kFloat));
+  for (int64_t c0 = 0; c0 < N; c0 += chunk) {
+    const int64_t c1 = std::min(N, c0 + chunk);
+    float* s = scratch.data();
+    at::parallel_for(c0, c1, 16, [&](int64_t a, int64_t b) {
+      dequant_span(W, fmt, K, s + (a - c0) * K, a, b);
+    });
+    const at::Tensor wt = at::from_blob(s, {c1 - c0, K}, at::TensorOptions(at::kFloat));
+    at::Tensor yt = at::from_blob(y + c0, {M, c1 - c0}, {ldy, 1}, at::TensorOptions(at::kFloat));
+    at::mm_out(yt, xt, wt.t());
+  }
+}
+
 // Output rows a chunk of the weight holds so that they are still in L2 when the next group of
 // kMaxRows rows of x reads them (over more rows than one group: a batch, a prefill).
 constexpr int64_t kChunkBytes = 256 * 1024;
@@ -268,9 +333,11 @@ void span_blocks(const float* x, int64_t ldx, int64_t M, const uint8_t* W, int64
   }
 }
 
-// y [M, N] (row stride ldy) = x [M, K] (row stride ldx) @ W.T, W [N, K] in blocks of fmt.
+// y [M, N] (row stride ldy) = x [M, K] (row stride ldx) @ W.T, W [N, K] in blocks of fmt;
+// seq_rows: the rows of one sequence among M (kGemmRows or more: a prefill, see gemm_blocks).
 void matmul_blocks(const float* x, int64_t ldx, int64_t M, const uint8_t* W, int64_t fmt,
-                   int64_t K, int64_t N, float* y, int64_t ldy) {
+                   int64_t K, int64_t N, float* y, int64_t ldy, int64_t seq_rows) {
+  if (seq_rows >= kGemmRows) return gemm_blocks(x, ldx, M, W, fmt, K, N, y, ldy);
   // Grain: 32 output rows per task at least, so that tiny products stay on one thread.
   at::parallel_for(0, N, 32, [&](int64_t a, int64_t b) {
     span_blocks(x, ldx, M, W, fmt, K, y, ldy, a, b);
@@ -287,7 +354,11 @@ struct Part {
 };
 
 void matmul_parts(const float* x, int64_t ldx, int64_t M, const std::vector<Part>& parts,
-                  int64_t fmt, int64_t K, int64_t ldy) {
+                  int64_t fmt, int64_t K, int64_t ldy, int64_t seq_rows) {
+  if (seq_rows >= kGemmRows) {  // each part as block_mm computes it alone
+    for (const Part& p : parts) gemm_blocks(x, ldx, M, p.W, fmt, K, p.n, p.y, ldy);
+    return;
+  }
   int64_t N = 0;
   for (const Part& p : parts) N += p.n;
   at::parallel_for(0, N, 32, [&](int64_t a, int64_t b) {
@@ -316,6 +387,9 @@ void check(const at::Tensor& x, const at::Tensor& w, int64_t fmt, int64_t n, int
               "] does not match K=", k);
 }
 
+// The rows of one sequence in x [..., K]: its second-to-last size (1 for one vector).
+int64_t sequence_rows(const at::Tensor& x) { return x.dim() >= 2 ? x.size(-2) : 1; }
+
 std::vector<int64_t> out_shape(const at::Tensor& x, int64_t n) {
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = n;
@@ -330,7 +404,7 @@ at::Tensor block_mm(const at::Tensor& x, const at::Tensor& w, int64_t fmt, int64
   at::Tensor y = at::empty(out_shape(x, n), x.options());
   if (M > 0)
     matmul_blocks(xc.data_ptr<float>(), k, M, w.data_ptr<uint8_t>(), fmt, k, n,
-                  y.data_ptr<float>(), n);
+                  y.data_ptr<float>(), n, sequence_rows(x));
   return y;
 }
 
@@ -338,15 +412,15 @@ at::Tensor block_mm(const at::Tensor& x, const at::Tensor& w, int64_t fmt, int64
 // [I, K] in fmt_gu, down [k_out, I] in fmt_down.
 void gated_mlp_rows(const float* x, int64_t M, int64_t K, const uint8_t* w_gate,
                     const uint8_t* w_up, int64_t fmt_gu, int64_t I, const uint8_t* w_down,
-                    int64_t fmt_down, int64_t k_out, float* y) {
+                    int64_t fmt_down, int64_t k_out, float* y, int64_t seq_rows) {
   std::vector<float> gu(M * 2 * I);
   float* g = gu.data();
-  matmul_parts(x, K, M, {{w_gate, I, g}, {w_up, I, g + I}}, fmt_gu, K, 2 * I);
+  matmul_parts(x, K, M, {{w_gate, I, g}, {w_up, I, g + I}}, fmt_gu, K, 2 * I, seq_rows);
   for (int64_t m = 0; m < M; ++m) {  // silu(gate) * up, into the gate half
     float* row = g + m * 2 * I;
     leapfx_vec::silu_mul(row, row + I, I);
   }
-  matmul_blocks(g, 2 * I, M, w_down, fmt_down, I, k_out, y, k_out);
+  matmul_blocks(g, 2 * I, M, w_down, fmt_down, I, k_out, y, k_out, seq_rows);
 }
 
 // down(silu(x @ gate.T) * (x @ up.T)): gate and up [I, K] in fmt_gu, down [k_out, I] in
@@ -365,40 +439,18 @@ at::Tensor block_gated_mlp(const at::Tensor& x, const at::Tensor& w_gate, const 
   if (M == 0) return y;
   gated_mlp_rows(xc.data_ptr<float>(), M, K, w_gate.data_ptr<uint8_t>(),
                  w_up.data_ptr<uint8_t>(), fmt_gu, I, w_down.data_ptr<uint8_t>(), fmt_down,
-                 k_out, y.data_ptr<float>());
+                 k_out, y.data_ptr<float>(), sequence_rows(x));
   return y;
-}
-
-template <int64_t FMT>
-void dequant_rows(const uint8_t* W, int64_t row_bytes, int64_t blocks, float* out, int64_t n0,
-                  int64_t n1) {
-  constexpr int64_t bb = FMT == F32 ? 128 : FMT == F16 || FMT == BF16 ? 64
-                                          : FMT == Q4_0 ? 18 : FMT == Q4_1 ? 20 : 34;
-  for (int64_t n = n0; n < n1; ++n)
-    for (int64_t blk = 0; blk < blocks; ++blk) {
-      reg w[kRegs];
-      dequant<FMT>(W + n * row_bytes + blk * bb, w);
-      float* o = out + (n * blocks + blk) * kWeights;
-      for (int j = 0; j < kRegs; ++j) storeu(o + kLanes * j, w[j]);
-    }
 }
 
 // W [N, K] in blocks of fmt -> float32 [N, K]: the kernels' own dequantization.
 at::Tensor block_dequantize(const at::Tensor& w, int64_t fmt, int64_t n, int64_t k) {
   check(at::empty({1, k}, at::kFloat), w, fmt, n, k, "leapfx_cpu::block_dequantize");
   at::Tensor out = at::empty({n, k}, at::kFloat);
-  const int64_t blocks = k / kWeights, row_bytes = blocks * block_bytes(fmt);
   const uint8_t* W = w.data_ptr<uint8_t>();
   float* o = out.data_ptr<float>();
   at::parallel_for(0, n, 64, [&](int64_t a, int64_t b) {
-    switch (fmt) {
-      case Q4_1: dequant_rows<Q4_1>(W, row_bytes, blocks, o, a, b); break;
-      case Q8_0: dequant_rows<Q8_0>(W, row_bytes, blocks, o, a, b); break;
-      case Q4_0: dequant_rows<Q4_0>(W, row_bytes, blocks, o, a, b); break;
-      case F16: dequant_rows<F16>(W, row_bytes, blocks, o, a, b); break;
-      case BF16: dequant_rows<BF16>(W, row_bytes, blocks, o, a, b); break;
-      default: dequant_rows<F32>(W, row_bytes, blocks, o, a, b); break;
-    }
+    dequant_span(W, fmt, k, o + a * k, a, b);
   });
   return out;
 }
@@ -463,6 +515,10 @@ __attribute__((optimize("fp-contract=off"))) void rope_rows(
 // Each step is the computation of the op the eager layer calls for it (leapfx_vec::rms_norm,
 // these products, leapfx_cpu::rope's arithmetic, leapfx_cpu::attention itself), so the result
 // equals the eager layer's bitwise; one call instead of ~10 and the Python between them.
+// With starts [B] (a batch's ragged rows, runtime.batch.RowKVCache): row b's keys and values go
+// to slots starts[b] .., and its query s reads slots first[b] .. starts[b] + s through
+// leapfx_cpu::attention_rows, as the eager layer's attention does over such a cache; start and
+// positions are then unused.
 at::Tensor block_decoder_layer(
     const at::Tensor& h, const at::Tensor& norm_in, double eps_in, double offset_in,
     const at::Tensor& wq, const at::Tensor& wk, const at::Tensor& wv, int64_t fmt_qkv,
@@ -470,7 +526,8 @@ at::Tensor block_decoder_layer(
     double offset_post, const at::Tensor& w_gate, const at::Tensor& w_up, int64_t fmt_gu,
     int64_t I, const at::Tensor& w_down, int64_t fmt_down, at::Tensor& k_cache,
     at::Tensor& v_cache, int64_t start, const at::Tensor& cos, const at::Tensor& sin,
-    const at::Tensor& positions, double scale) {
+    const at::Tensor& positions, double scale, const c10::optional<at::Tensor>& starts,
+    const c10::optional<at::Tensor>& first) {
   const char* op = "leapfx_cpu::block_decoder_layer";
   TORCH_CHECK(h.dim() == 3 && h.scalar_type() == at::kFloat && h.device().is_cpu(), op,
               ": h must be float32 [B, S, H] on the CPU, got ", h.sizes());
@@ -480,9 +537,24 @@ at::Tensor block_decoder_layer(
                   k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
               op, ": k_cache, v_cache must be float32 [B, Hkv, max_len, D], got ",
               k_cache.sizes(), " and ", v_cache.sizes());
-  const int64_t Hkv = k_cache.size(1), D = k_cache.size(3), end = start + S;
-  TORCH_CHECK(start >= 0 && end <= k_cache.size(2), op, ": slots ", start, " .. ", end - 1,
-              " outside the cache's ", k_cache.size(2));
+  const int64_t Hkv = k_cache.size(1), D = k_cache.size(3);
+  const bool ragged = starts.has_value();
+  std::vector<int64_t> at_(B, start);  // each row's first new slot
+  if (ragged) {
+    TORCH_CHECK(first.has_value(), op, ": starts needs first (each row's first real slot)");
+    for (const at::Tensor* t : {&*starts, &*first})
+      TORCH_CHECK(t->dim() == 1 && t->size(0) == B && t->scalar_type() == at::kLong &&
+                      t->device().is_cpu(), op, ": starts and first must be [", B,
+                  "] int64 on the CPU, got ", t->sizes());
+    const at::Tensor sc = starts->contiguous();
+    std::copy(sc.data_ptr<int64_t>(), sc.data_ptr<int64_t>() + B, at_.begin());
+  }
+  int64_t end = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(at_[b] >= 0 && at_[b] + S <= k_cache.size(2), op, ": row ", b, "'s slots ",
+                at_[b], " .. ", at_[b] + S - 1, " outside the cache's ", k_cache.size(2));
+    end = std::max(end, at_[b] + S);
+  }
   const int64_t nq = wq.size(0), nkv = Hkv * D, Hq = nq / D;
   check(h, wq, fmt_qkv, nq, H, op);
   check(h, wk, fmt_qkv, nkv, H, op);
@@ -512,38 +584,53 @@ at::Tensor block_decoder_layer(
   matmul_parts(x.data(), H, M,
                {{wq.data_ptr<uint8_t>(), nq, qp}, {wk.data_ptr<uint8_t>(), nkv, qp + nq},
                 {wv.data_ptr<uint8_t>(), nkv, qp + nq + nkv}},
-               fmt_qkv, H, nqkv);
+               fmt_qkv, H, nqkv, S);
   // q [B, Hq, S, D]; k, v straight into the cache's slots start ..
   at::Tensor q = at::empty({B, Hq, S, D}, h.options());
   rope_rows(qp, nqkv, B, S, Hq, D, c.data_ptr<float>(), n.data_ptr<float>(), q.data_ptr<float>(),
             Hq * S * D, S * D, D);
-  float* kp = k_cache.data_ptr<float>() + start * k_cache.stride(2);
-  rope_rows(qp + nq, nqkv, B, S, Hkv, D, c.data_ptr<float>(), n.data_ptr<float>(), kp,
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2));
-  float* vp = v_cache.data_ptr<float>() + start * v_cache.stride(2);
-  for (int64_t b = 0; b < B; ++b)
+  for (int64_t b = 0; b < B; ++b) {  // row b's keys and values into slots at_[b] ..
+    float* kp = k_cache.data_ptr<float>() + b * k_cache.stride(0) + at_[b] * k_cache.stride(2);
+    rope_rows(qp + b * S * nqkv + nq, nqkv, 1, S, Hkv, D, c.data_ptr<float>() + b * S * D,
+              n.data_ptr<float>() + b * S * D, kp, 0, k_cache.stride(1), k_cache.stride(2));
+    float* vp = v_cache.data_ptr<float>() + b * v_cache.stride(0) + at_[b] * v_cache.stride(2);
     for (int64_t s = 0; s < S; ++s)
       for (int64_t g = 0; g < Hkv; ++g)
-        std::memcpy(vp + b * v_cache.stride(0) + g * v_cache.stride(1) + s * v_cache.stride(2),
+        std::memcpy(vp + g * v_cache.stride(1) + s * v_cache.stride(2),
                     qp + (b * S + s) * nqkv + nq + nkv + g * D, D * sizeof(float));
-  static const auto attention =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("leapfx_cpu::attention", "")
-          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                            const at::Tensor&, double)>();
-  const at::Tensor a = attention.call(q, k_cache.narrow(2, 0, end), v_cache.narrow(2, 0, end),
-                                      positions, scale)
-                           .contiguous();  // [B, S, Hq, D]
+  }
+  const at::Tensor keys = k_cache.narrow(2, 0, end), values = v_cache.narrow(2, 0, end);
+  at::Tensor a;
+  if (ragged) {
+    static const auto attention_rows =
+        c10::Dispatcher::singleton()
+            .findSchemaOrThrow("leapfx_cpu::attention_rows", "")
+            .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                              const at::Tensor&, const at::Tensor&, double)>();
+    at::Tensor last = at::empty({B, S}, at::kLong);
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t s = 0; s < S; ++s) last.data_ptr<int64_t>()[b * S + s] = at_[b] + s;
+    a = attention_rows.call(q, keys, values, *first, last, scale);
+  } else {
+    static const auto attention =
+        c10::Dispatcher::singleton()
+            .findSchemaOrThrow("leapfx_cpu::attention", "")
+            .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                              const at::Tensor&, double)>();
+    a = attention.call(q, keys, values, positions, scale);
+  }
+  a = a.contiguous();  // [B, S, Hq, D]
   at::Tensor out = at::empty({B, S, H}, h.options());
   float* op_ = out.data_ptr<float>();
   std::vector<float> o(M * H);
-  matmul_blocks(a.data_ptr<float>(), nq, M, wo.data_ptr<uint8_t>(), fmt_o, nq, H, o.data(), H);
+  matmul_blocks(a.data_ptr<float>(), nq, M, wo.data_ptr<uint8_t>(), fmt_o, nq, H, o.data(), H,
+                S);
   for (int64_t i = 0; i < M * H; ++i) op_[i] = hp[i] + o[i];  // h1, the residual
   for (int64_t m = 0; m < M; ++m)
     leapfx_vec::rms_norm(op_ + m * H, npost.data_ptr<float>(), H, eps_post, offset_post,
                          x.data() + m * H);
   gated_mlp_rows(x.data(), M, H, w_gate.data_ptr<uint8_t>(), w_up.data_ptr<uint8_t>(), fmt_gu, I,
-                 w_down.data_ptr<uint8_t>(), fmt_down, H, o.data());
+                 w_down.data_ptr<uint8_t>(), fmt_down, H, o.data(), S);
   for (int64_t i = 0; i < M * H; ++i) op_[i] = op_[i] + o[i];
   return out;
 }
@@ -562,7 +649,8 @@ TORCH_LIBRARY_FRAGMENT(leapfx_cpu, m) {
       "Tensor wk, Tensor wv, int fmt_qkv, Tensor wo, int fmt_o, Tensor norm_post, "
       "float eps_post, float offset_post, Tensor w_gate, Tensor w_up, int fmt_gu, int i, "
       "Tensor w_down, int fmt_down, Tensor(a!) k_cache, Tensor(b!) v_cache, int start, "
-      "Tensor cos, Tensor sin, Tensor positions, float scale) -> Tensor");
+      "Tensor cos, Tensor sin, Tensor positions, float scale, Tensor? starts=None, "
+      "Tensor? first=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(leapfx_cpu, CPU, m) {

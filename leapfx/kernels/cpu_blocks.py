@@ -17,23 +17,28 @@ F16       64     32 halves; BF16 (64 bytes) and F32 (128) the same
 "Exact" means the kernels' weights are bitwise gguf's dequantized ones (``d * q`` is exact in
 float32: 11 significant bits times at most 8; only Q4_1's ``+ m`` rounds, once, as numpy's
 does), multiplied by float32 activations and summed in float32. So a product differs from
-``x @ dequantize(w).T`` by summation order only (the tests compare at that tolerance).
+``x @ dequantize(w).T`` by summation order only (the tests compare at that tolerance), and a
+prefill's is that product itself.
 
 ===================================  =============================================================
 op                                   signature
 ===================================  =============================================================
 ``leapfx_cpu::block_mm``             ``(x [..., K] float32, data, fmt, n, k) -> [..., n]``:
                                      ``x @ W.T``; rows of ``x`` share each block's dequantization
-                                     (up to 8 at a time)
+                                     (up to 8 at a time); a prefill (32 or more rows of one
+                                     sequence, ``x``'s second-to-last size) is ``at::mm`` over
+                                     ``W`` dequantized, bitwise a float32 model's product
 ``leapfx_cpu::block_gated_mlp``      ``(x, gate, up, fmt, I, down, fmt, K)`` (data each):
                                      ``down(silu(x @ gate.T) * (x @ up.T))`` in one call
 ``leapfx_cpu::block_dequantize``     ``(data, fmt, n, k) -> [n, k]`` float32
 ``leapfx_cpu::block_rows``           ``(data, fmt, n, k, index [...]) -> [..., k]``: rows of W
                                      dequantized (an embedding lookup)
 ``leapfx_cpu::block_decoder_layer``  ``(h [B, S, H], norms, q, k, v, o, gate, up, down blocks,
-                                     k_cache, v_cache, start, cos, sin, positions, scale)``: a
-                                     Llama decoder layer in one call, its keys and values written
-                                     into the cache buffers at slots ``start ..``; bitwise the
+                                     k_cache, v_cache, start, cos, sin, positions, scale,
+                                     starts=None, first=None)``: a Llama decoder layer in one
+                                     call, its keys and values written into the cache buffers at
+                                     slots ``start ..`` (a batch's ragged rows: row b's at
+                                     ``starts[b] ..``, attending from ``first[b]``); bitwise the
                                      eager kernel layer's numbers (``modules.fused``)
 ===================================  =============================================================
 

@@ -24,7 +24,6 @@ import torch
 from torch import fx
 
 from ..kernels import cpu
-from ..modules import fused
 from ..modules.block_layer import kernel_decoder_layer
 from ..modules.draft_vocab import KernelSubsetHead, SubsetLMHead
 from ..modules.fused import (
@@ -184,9 +183,9 @@ def _masks_read_by_kernels_only(gm: fx.GraphModule) -> bool:
 
 def _mask_free(start: int, length: int) -> bool:
     """Whether kernel layers attend to rows start..start+length-1 of one sequence through
-    ``leapfx_cpu::attention`` (one row, or rows over at most ``KERNEL_ROWS_MAX_KEYS`` keys:
-    ``fused._attend``), reading no mask. A kernel stage's ``mask_free``."""
-    return length == 1 or start + length <= fused.KERNEL_ROWS_MAX_KEYS
+    ``leapfx_cpu::attention`` (``fused._attend``), reading no mask: always, whatever the rows
+    and the prefix. A kernel stage's ``mask_free``."""
+    return True
 
 
 ROTARY_TABLE_MAX = 4096  # positions a rotary table holds at most (2 x 4096 x head_dim floats)

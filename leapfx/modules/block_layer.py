@@ -7,9 +7,12 @@ the gated MLP, the residual) and the Python between them: on a 2-vCPU Xeon, ~1/3
 step outside the products themselves (docs/quantized.md). ``BlockDecoderLayer`` is that layer
 with one ``leapfx_cpu::block_decoder_layer`` call where the op computes it: every step is the
 computation of the op the eager layer calls for it, so the numbers (and the keys and values
-written into the cache) are bitwise the per-op path's, tested over the block formats and 1..8
-rows. Anywhere else (a compiled stage, a batch's ragged cache, gradients, several rows over a
-long prefix, a layer with biases or q/k norms) it is ``KernelDecoderLayer``.
+written into the cache) are bitwise the per-op path's, tested over the block formats, 1..8
+rows, prefills and a batch's ragged rows. It takes one sequence's rows on the runtime's static
+cache (a step, a verify, a prefill) and a batch's rows on its ragged cache
+(``runtime.batch.RowKVCache``, each row at its own fill length). Anywhere else (a compiled
+stage, another cache, gradients, a layer with biases or q/k norms) it is
+``KernelDecoderLayer``.
 
     >>> layer = kernel_decoder_layer(hf_layer)   # BlockDecoderLayer where q..down are blocks
 """
@@ -21,7 +24,7 @@ from torch import nn
 
 from ..kernels import cpu_blocks
 from .blocks import BlockLinear
-from .fused import KERNEL_ROWS_MAX_KEYS, PROJECTIONS, KernelDecoderLayer, rms_params
+from .fused import PROJECTIONS, KernelDecoderLayer, rms_params
 
 
 def kernel_decoder_layer(layer: nn.Module) -> KernelDecoderLayer:
@@ -74,37 +77,42 @@ class BlockDecoderLayer(KernelDecoderLayer):
     ) -> torch.Tensor:
         """The layer as one ``leapfx_cpu::block_decoder_layer`` call where it computes it
         (blocks, see ``_whole_layer_args``; one sequence's rows on a cache whose ``update``
-        appends, where ``_attend`` would attend through ``leapfx_cpu::attention``; eager
-        code without gradients): the same numbers as the calls below it, bitwise."""
+        appends, or a batch's rows on a ragged cache whose ``update`` appends each row at its
+        own length; eager code without gradients): the same numbers as the calls below it,
+        bitwise."""
         whole = self._whole
+        cache = past_key_values
+        appends = getattr(cache, "appends", False)
+        rows = not appends and getattr(cache, "appends_rows", False)
+        cos, sin = position_embeddings if position_embeddings is not None else (None, None)
         if (
-            whole is None or past_key_values is None or position_ids is None
-            or position_ids.shape[0] != 1 or not getattr(past_key_values, "appends", False)
+            whole is None or cache is None or position_ids is None or not (appends or rows)
+            or (appends and position_ids.shape[0] != 1)
             or torch.compiler.is_compiling()
             or (torch.is_grad_enabled() and hidden_states.requires_grad)
             or hidden_states.dtype != torch.float32 or hidden_states.device.type != "cpu"
-        ):  # fmt: skip
-            return super().forward(
-                hidden_states, attention_mask, position_embeddings, position_ids,
-                past_key_values,
-            )  # fmt: skip
-        cos, sin = position_embeddings
-        index = self.layer.self_attn.layer_idx
-        start = past_key_values.lengths[index]
-        end = start + hidden_states.shape[1]
-        if (
-            cos.dim() != 3 or cos.dtype != torch.float32
+            or cos is None or cos.dim() != 3 or cos.dtype != torch.float32
             or cos.shape[0] != hidden_states.shape[0]
-            or (hidden_states.shape[1] > 1 and end > KERNEL_ROWS_MAX_KEYS)
         ):  # fmt: skip
             return super().forward(
                 hidden_states, attention_mask, position_embeddings, position_ids,
                 past_key_values,
             )  # fmt: skip
-        past_key_values.check_room(end)
+        index = self.layer.self_attn.layer_idx
+        scale = self.layer.self_attn.scaling
+        if rows:  # each row's columns from its own fill length, as RowKVCache.update writes
+            starts = torch.tensor(cache.claim(index, hidden_states.shape[1]))
+            first = torch.tensor(cache.first)
+            return torch.ops.leapfx_cpu.block_decoder_layer(
+                hidden_states, *whole, cache.keys[index], cache.values[index], 0, cos, sin,
+                position_ids[0], scale, starts, first,
+            )  # fmt: skip
+        start = cache.lengths[index]
+        end = start + hidden_states.shape[1]
+        cache.check_room(end)
         out = torch.ops.leapfx_cpu.block_decoder_layer(
-            hidden_states, *whole, past_key_values.keys[index], past_key_values.values[index],
-            start, cos, sin, position_ids[0], self.layer.self_attn.scaling,
+            hidden_states, *whole, cache.keys[index], cache.values[index], start, cos, sin,
+            position_ids[0], scale,
         )  # fmt: skip
-        past_key_values.lengths[index] = end
+        cache.lengths[index] = end
         return out

@@ -59,23 +59,6 @@ def _attention_functions(attn: nn.Module):
     return module.apply_rotary_pos_emb, attention
 
 
-# Eager stages: up to this many keys, several query rows (a verify pass) attend through
-# leapfx_cpu::attention too; past it through SDPA (see _attend).
-KERNEL_ROWS_MAX_KEYS = 256
-# A batch's ragged rows (SDPA goes through a [B, 1, n, keys] mask there): several query rows a
-# row attend through leapfx_cpu::attention_rows while queries x keys stays within this.
-KERNEL_RAGGED_MAX_WORK = 2400
-
-
-def kernel_attends_ragged(queries: int, keys: int) -> bool:
-    """Whether kernel layers attend ``queries`` rows a batch row over ``keys`` columns of a
-    ragged cache through ``leapfx_cpu::attention_rows`` (else SDPA behind the mask). One query
-    always; several while queries x keys <= ``KERNEL_RAGGED_MAX_WORK``: on a 2-core AMD EPYC,
-    B = 8 rows of 3 queries over 330 keys take 0.43 ms in the kernel against 0.91 through SDPA,
-    7 over 600 keys about the same either way, 7 over 1,000 (B = 4) 2.6 against 1.8."""
-    return queries == 1 or queries * keys <= KERNEL_RAGGED_MAX_WORK
-
-
 def _attend(
     owner, attn, q, k, v, position_embeddings, past_key_values, attention_mask, shape,
     position_ids=None,
@@ -97,26 +80,15 @@ def _attend(
             and position_ids is not None
             and position_ids.shape[0] == 1
             and not getattr(past_key_values, "ragged", False)
-            and (
-                q.shape[2] == 1
-                or k.shape[2] <= KERNEL_ROWS_MAX_KEYS
-                or getattr(past_key_values, "whole_buffer", False)
-            )
         ):
-            # One query row; several over a short prefix; or a compiled stage's rows over the
-            # whole buffer (the other choice there is masked attention over every slot). Several
-            # rows over a long prefix stay with SDPA, whose blocked products are faster there
-            # (KERNEL_ROWS_MAX_KEYS).
+            # One sequence's rows, however many over however many keys: the kernel reads each
+            # query's own prefix and shares each key's loads among a kv head's query rows, and
+            # is as fast as SDPA or faster at every size measured (docs/benchmarks.md); a
+            # compiled stage's rows over the whole buffer (the other choice there is masked
+            # attention over every slot).
             out = torch.ops.leapfx_cpu.attention(q, k, v, position_ids[0], attn.scaling)
             return out.reshape(*shape, -1)  # [B, S, heads, D], contiguous
-        if (
-            owner._kernel_attention
-            and getattr(past_key_values, "ragged", False)
-            and (
-                kernel_attends_ragged(q.shape[2], k.shape[2])
-                or getattr(past_key_values, "whole_buffer", False)
-            )
-        ):
+        if owner._kernel_attention and getattr(past_key_values, "ragged", False):
             # A batch's ragged rows (runtime.batch.RowKVCache, or a compiled stage's
             # RowSlotKVCache over the whole buffer): each row from its first real column to
             # each query's own.

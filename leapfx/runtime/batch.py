@@ -45,7 +45,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ..modules.fused import kernel_attends_ragged
 from . import executor
 from .adaptive import PRIOR_SLOPE, Acceptance, DraftPolicy
 from .cache import StaticKVCache, cache_for
@@ -214,6 +213,16 @@ class RowKVCache(StaticKVCache):
         view._spans, view._indices = None, {}
         return view
 
+    @property
+    def appends_rows(self) -> bool:
+        """Whether ``update`` is this class's claim, write and read (each row's new columns at
+        its own fill length, the filled prefix read back): then a kernel layer may claim the
+        columns and write the buffers itself (``modules.block_layer``). A subclass with a
+        protocol step of its own does not."""
+        cls = type(self)
+        steps = ("update", "claim", "write", "read")
+        return all(getattr(cls, n) is getattr(RowKVCache, n) for n in steps)
+
     def crop_rows(self, ends: list[int]) -> None:
         """Forget every column >= ``ends[b]`` of row b in every layer (O(1): lengths only)."""
         self.rows = [[min(n, e) for n, e in zip(layer, ends, strict=True)] for layer in self.rows]
@@ -355,12 +364,9 @@ class RowRunner:
     ) -> dict[str, torch.Tensor | None]:
         """:func:`row_masks` for ``stage``, or none where the stage builds its own (a compiled
         stage, from the cache's row lengths) or every mask reader of the stage is a kernel
-        layer (``executor.mask_free``) and attends these rows through
-        ``leapfx_cpu::attention_rows`` (``fused.kernel_attends_ragged``), which reads each
-        row's span instead."""
-        if executor.builds_masks(stage) or (
-            executor.mask_free(stage) is not None and kernel_attends_ragged(n, max(starts) + n)
-        ):
+        layer (``executor.mask_free``), which attends a batch's rows through
+        ``leapfx_cpu::attention_rows``, reading each row's span instead."""
+        if executor.builds_masks(stage) or executor.mask_free(stage) is not None:
             return dict.fromkeys(self.layout.kinds)
         return row_masks(self.layout, starts, self.pads if pads is None else pads, n)
 
