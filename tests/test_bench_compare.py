@@ -50,3 +50,40 @@ def test_the_report_and_the_cli_refusal(tmp_path, capsys):
     assert main(["bench", "--compare", str(bad)]) == 2  # before any model loads
     err = capsys.readouterr().err
     assert "--compare" in err and "holds no bench rows" in err
+
+
+def test_compare_alone_reads_the_run_recorded_for_the_model_and_prompts(tmp_path, capsys):
+    from leapfx.bench.compare import RECORDED, recorded
+
+    # the runs the docs quote are recorded, and hold bench rows of the model and prompts named
+    for model, prompts in ((None, "stdlib"), ("smollm2", "humaneval"), ("smollm2", "chat")):
+        rows = json.loads(recorded(model, prompts).read_text())
+        assert any(r["system"].startswith("leapfx_autoregressive") for r in rows)
+        run = next(r["run"] for r in rows if "run" in r)
+        assert (run["model"], run["prompt_set"]) == (model or "reference", prompts)
+    assert recorded(None, "stdlib").parent == RECORDED
+    try:
+        recorded("smollm2", "stdlib", folder=tmp_path)
+    except ValueError as e:
+        assert "--compare" in str(e) and "smollm2-stdlib.json is missing" in str(e)
+    else:
+        raise AssertionError("a missing recorded run was not refused")
+    # the CLI: --compare alone, for a model and prompts with no recorded run, refused up front
+    assert main(["bench", "--model", "smollm2", "--prompt-set", "stdlib", "--compare"]) == 2
+    err = capsys.readouterr().err
+    assert "no run is recorded for --model smollm2 --prompt-set stdlib" in err
+
+
+def test_the_report_names_the_settings_two_runs_differ_in(tmp_path):
+    path = tmp_path / "old.json"
+    run = {"model": "smollm2", "prompt_set": "chat", "weights": "native"}
+    old = [{**_row("leapfx_autoregressive", 10.0), "run": run}]
+    path.write_text(json.dumps(old))
+    new = [{**_row("leapfx_autoregressive", 10.0), "run": {**run, "prompt_set": "humaneval"}}]
+    assert "differ in prompt_set 'chat' then, 'humaneval' now" in report(new, path)
+    assert "differ" not in report(old, path)
+    # a three-backend run's eager rows are a one-backend eager run's rows
+    three = [_row("leapfx_autoregressive@eager", 10.0), _row("leapfx_lookup@eager", 15.0)]
+    path.write_text(json.dumps(three))
+    text = report([_row("leapfx_autoregressive", 10.0), _row("leapfx_lookup", 12.0)], path)
+    assert "1 ratios over leapfx_autoregressive in both" in text and "1.50x -> 1.20x" in text

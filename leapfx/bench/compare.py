@@ -8,6 +8,10 @@ half the range of the same ratio pass by pass (``seconds_per_pass``), and never 
 ``MIN_SPREAD`` of the ratio (a one-pass run has no range of its own). A ratio fell when the old
 one minus the new one exceeds the larger of the two spreads.
 
+``--compare`` without a file compares with the run recorded for this model and prompt set,
+``docs/bench/<model>-<prompt set>.json`` in leapfx's checkout (:func:`recorded`): the
+``--json`` of the run docs/benchmarks.md and docs/quantized.md quote.
+
     >>> old = [{"system": "leapfx_autoregressive", "tokens_per_second": 10.0},
     ...        {"system": "leapfx_layerskip", "tokens_per_second": 15.6}]
     >>> new = [{"system": "leapfx_autoregressive", "tokens_per_second": 20.0},
@@ -24,6 +28,23 @@ from pathlib import Path
 
 AUTOREGRESSIVE = "leapfx_autoregressive"
 MIN_SPREAD = 0.03  # a ratio's spread is at least 3% of it
+# The recorded runs (docs/bench/ of the checkout leapfx is installed from)
+RECORDED = Path(__file__).resolve().parents[2] / "docs" / "bench"
+
+
+def recorded(model: str | None, prompt_set: str, folder: Path = RECORDED) -> Path:
+    """The recorded run of ``model`` (None: the reference model) on ``prompt_set``, or a
+    ValueError naming the runs there are."""
+    name = f"{model or 'reference'}-{prompt_set}.json"
+    path = folder / name
+    if path.is_file():
+        return path
+    there = sorted(p.stem for p in folder.glob("*.json")) if folder.is_dir() else []
+    raise ValueError(
+        f"--compare: no run is recorded for --model {model or 'reference'} --prompt-set "
+        f"{prompt_set} ({folder / name} is missing; recorded: {', '.join(there) or 'none'}); "
+        "allowed: --compare OLD.json, a file `leapfx bench --json` wrote"
+    )
 
 
 @dataclass(frozen=True)
@@ -63,7 +84,8 @@ def ratios(rows: list[dict]) -> dict[str, Ratio]:
         value = row["tokens_per_second"] / ar["tokens_per_second"]
         passes = [a / b for a, b in zip(_per_pass(row), _per_pass(ar), strict=False) if b]
         half_range = (max(passes) - min(passes)) / 2 if len(passes) > 1 else 0.0
-        out[name] = Ratio(value, max(half_range, MIN_SPREAD * value))
+        # eager, the default backend, names its rows without "@eager" in a one-backend run
+        out[name.removesuffix("@eager")] = Ratio(value, max(half_range, MIN_SPREAD * value))
     return out
 
 
@@ -94,12 +116,23 @@ def read_rows(path: str | Path) -> list[dict]:
     return rows
 
 
+def _differs(new: list[dict], old: list[dict]) -> str:
+    """The settings of the two runs that differ (model, prompts, weights ...), as a clause."""
+    keys = ("model", "prompt_set", "prompts", "max_new_tokens", "weights", "threads", "backend")
+    a, b = (next((r["run"] for r in rows if "run" in r), {}) for rows in (new, old))
+    diff = [f"{k} {b.get(k)!r} then, {a.get(k)!r} now" for k in keys if a.get(k) != b.get(k)]
+    return f"; the runs differ in {', '.join(diff)}" if a and b and diff else ""
+
+
 def report(new: list[dict], old_path: str | Path) -> str:
     """What ``--compare`` prints under the table."""
     old = read_rows(old_path)
     common = set(ratios(new)) & set(ratios(old))
     found = drops(new, old)
-    head = f"compared with {old_path} ({len(common)} ratios over leapfx_autoregressive in both):"
+    head = (
+        f"compared with {old_path} ({len(common)} ratios over leapfx_autoregressive in both"
+        f"{_differs(new, old)}):"
+    )
     if not found:
         return f"{head} none fell by more than its spread"
     return "\n".join(

@@ -53,6 +53,8 @@ def _bench(args: argparse.Namespace) -> int:
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+    if args.compare == "":  # --compare alone: the run recorded for this model and prompts
+        args.compare = str(bench_compare.recorded(args.model, args.prompt_set))
     if args.compare is not None:
         bench_compare.read_rows(args.compare)  # unreadable: refused before the run
     for flag in ("json", "plot"):
@@ -530,9 +532,10 @@ def add_parser(sub) -> None:
     )  # fmt: skip
     bench.add_argument("--json", default=None, help="write the rows as JSON to this path")
     bench.add_argument(
-        "--compare", default=None, metavar="OLD.json",
+        "--compare", nargs="?", const="", default=None, metavar="OLD.json",
         help="an earlier run's --json: print each ratio over leapfx_autoregressive that fell "
-        "by more than its pass-to-pass spread (at least 3%%)",
+        "by more than its pass-to-pass spread (at least 3%%); alone: the run recorded for "
+        "this --model and --prompt-set in docs/bench/",
     )  # fmt: skip
     bench.add_argument("--plot", default=None, help="write a PNG to this path")
     bench.add_argument(
