@@ -30,14 +30,30 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     )
 
 
-def write_tiny_llama_gguf(path, model, *, quantized: bool = False) -> None:
+def q6_k_blocks(n: int, k: int, seed: int) -> np.ndarray:
+    """Random Q6_K bytes for an [n, k] weight (k a multiple of 256; gguf's numpy code
+    dequantizes K-quants but does not quantize them): 210 bytes a block of 256, ql (128) | qh
+    (64) | int8 scales (16) | fp16 d, the scales and d small."""
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(n, k // 256, 210), dtype=np.uint8)
+    raw[..., 192:208] = rng.integers(-8, 8, size=(n, k // 256, 16), dtype=np.int8).view(np.uint8)
+    raw[..., 208:210] = np.frombuffer(np.float16(0.002).tobytes(), np.uint8)
+    return raw.reshape(n, -1)
+
+
+def write_tiny_llama_gguf(path, model, *, quantized: bool = False, q6_k: str = "") -> None:
     """Write ``model`` (a tied-embedding HF Llama whose vocab is ``len(vocabulary())``) to
     ``path`` as a float32 GGUF file; ``quantized``: as SmolLM2's file is, the projections Q4_1
-    and the embedding Q8_0 (norms float32)."""
+    and the embedding Q8_0 (norms float32); ``q6_k``: the GGUF name of one tensor written as
+    random Q6_K blocks instead (a K-quant, which leapfx's kernels do not read)."""
     import gguf
     from gguf import quants
 
     def add(name: str, t: np.ndarray, kind: str = "F32") -> None:
+        if name == q6_k:
+            qt = gguf.GGMLQuantizationType.Q6_K
+            w.add_tensor(name, q6_k_blocks(*t.shape, seed=len(name)), raw_dtype=qt)
+            return
         if kind == "F32":
             w.add_tensor(name, np.ascontiguousarray(t))
             return

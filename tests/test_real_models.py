@@ -102,6 +102,40 @@ def test_native_blocks_decode_like_hf_on_the_dequantized_model(
 
 
 @needs_gguf
+def test_a_k_quant_tensor_is_dequantized_at_load_with_a_warning(tmp_path, caplog):
+    """A tensor type the kernels do not read (here Q6_K) is gguf's dequantization at load, with
+    a warning naming its type; the rest stays blocks, and decoding is HF greedy's."""
+    import logging
+
+    import gguf
+    from gguf import quants
+
+    from tests.gguf_writer import vocabulary, write_tiny_llama_gguf
+    from tests.greedy_check import assert_greedy_equal, hf_greedy
+
+    # hidden 256, intermediate 512: rows of whole 256-weight K-quant blocks
+    model = tiny_model(
+        "llama", layers=2, heads=4, kv_heads=2, head_dim=64, vocab=len(vocabulary()), tie=True,
+        eos=2, seed=5,
+    )  # fmt: skip
+    path = tmp_path / "tiny-q6k.gguf"
+    write_tiny_llama_gguf(path, model, quantized=True, q6_k="blk.0.ffn_down.weight")
+    with caplog.at_level(logging.WARNING, logger="leapfx"):
+        native, _ = load_model(path, cache_dir=tmp_path, progress=False)
+    assert "is a Q6_K tensor" in caplog.text and "dequantized to float32 at load" in caplog.text
+    down = native.model.layers[0].mlp.down_proj
+    assert not isinstance(down, BlockLinear)
+    assert isinstance(native.model.layers[0].mlp.up_proj, BlockLinear)
+    tensor = next(t for t in gguf.GGUFReader(path).tensors if t.name == "blk.0.ffn_down.weight")
+    want = quants.dequantize(tensor.data, tensor.tensor_type).reshape(down.weight.shape)
+    assert torch.equal(down.weight, torch.from_numpy(want.astype("float32")))
+    floats, _ = load_model(path, cache_dir=tmp_path, progress=False, weights="float32")
+    ids = torch.tensor([[5, 9, 30, 70, 100, 200, 9, 30]])
+    ours = rewrite.apply(native, "autoregressive").generate(ids, max_new_tokens=16)
+    assert_greedy_equal(floats, ours, hf_greedy(floats, ids, 16), ids.shape[1])
+
+
+@needs_gguf
 def test_a_native_model_exports_its_dequantized_weights(tiny_q4_gguf, tmp_path):
     """An ONNX export of a model held as blocks (the embedding and the tied head included)
     holds their dequantized floats and decodes what the eager stages decode."""
