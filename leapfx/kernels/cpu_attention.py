@@ -22,7 +22,10 @@ op                             signature
 
 float32 only; causal attention without a sliding window, soft-capping or sinks (the layers that
 use it check). The numbers equal SDPA's up to summation order, and each query row's do not
-depend on how many rows came with it. Built like :mod:`leapfx.kernels.cpu`'s kernels (its own
+depend on how many rows came with it. A kv head's query rows (its group's heads, a verify's or
+a prefill's rows) go four at a time, each key and value loaded once for them: as fast as SDPA
+or faster from one row to a prefill (docs/quantized.md), so eager kernel layers send it every
+row. Built like :mod:`leapfx.kernels.cpu`'s kernels (its own
 extension, on first use).
 """
 
