@@ -101,8 +101,7 @@ class BlockDecoderLayer(KernelDecoderLayer):
         index = self.layer.self_attn.layer_idx
         scale = self.layer.self_attn.scaling
         if rows:  # each row's columns from its own fill length, as RowKVCache.update writes
-            starts = torch.tensor(cache.claim(index, hidden_states.shape[1]))
-            first = torch.tensor(cache.first)
+            starts, first = cache.claim_rows(index, hidden_states.shape[1])
             return torch.ops.leapfx_cpu.block_decoder_layer(
                 hidden_states, *whole, cache.keys[index], cache.values[index], 0, cos, sin,
                 position_ids[0], scale, starts, first,

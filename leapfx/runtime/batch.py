@@ -131,6 +131,7 @@ class RowKVCache(StaticKVCache):
         self.rows: list[list[int]] = [[0] * batch_size for _ in range(num_layers)]
         self.first: list[int] = [0] * batch_size
         self._spans: tuple[tuple, tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._claimed: tuple[tuple, tuple[torch.Tensor, torch.Tensor]] | None = None
         self._indices: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     ragged = True
@@ -210,8 +211,18 @@ class RowKVCache(StaticKVCache):
         view.first = [self.first[b]]
         view.rows = [[self.first[b]] for _ in self.rows]
         view.lengths = [self.first[b]] * len(self.rows)
-        view._spans, view._indices = None, {}
+        view._spans, view._claimed, view._indices = None, None, {}
         return view
+
+    def claim_rows(self, layer_idx: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`claim` for a kernel layer that writes the buffers itself: each row's first new
+        column [B] and first real column [B] (int64, CPU), built once for every layer of a
+        call."""
+        starts = self.claim(layer_idx, n)
+        key = (tuple(starts), tuple(self.first))
+        if self._claimed is None or self._claimed[0] != key:
+            self._claimed = key, (torch.tensor(starts), torch.tensor(self.first))
+        return self._claimed[1]
 
     @property
     def appends_rows(self) -> bool:
@@ -236,7 +247,7 @@ class RowKVCache(StaticKVCache):
         self.rows = [[layer[r] for r in rows] for layer in self.rows]
         self.first = [self.first[r] for r in rows]
         self.lengths = [max(layer, default=0) for layer in self.rows]
-        self._spans, self._indices = None, {}
+        self._spans, self._claimed, self._indices = None, None, {}
 
     def reset(self) -> None:
         super().reset()
@@ -265,7 +276,7 @@ class RowKVCache(StaticKVCache):
         self.keys = [torch.nn.functional.pad(k, pad) for k in self.keys]
         self.values = [torch.nn.functional.pad(v, pad) for v in self.values]
         self.max_len = length
-        self._spans, self._indices = None, {}
+        self._spans, self._claimed, self._indices = None, None, {}
 
     def join(self, other: RowKVCache) -> None:
         """Append ``other``'s rows (a cache of the same layers and heads) after this one's."""
@@ -276,7 +287,7 @@ class RowKVCache(StaticKVCache):
         self.rows = [a + b for a, b in zip(self.rows, other.rows, strict=True)]
         self.first = self.first + other.first
         self.lengths = [max(layer) for layer in self.rows]
-        self._spans, self._indices = None, {}
+        self._spans, self._claimed, self._indices = None, None, {}
 
 
 def row_cache_for(
