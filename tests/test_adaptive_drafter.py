@@ -18,8 +18,9 @@ from leapfx.runtime import adaptive
 from leapfx.runtime.adaptive import PROBE_EVERY, AdaptiveDrafter, Policies
 from leapfx.runtime.lookup import PromptLookup
 from leapfx.runtime.metrics import DecodeMetrics
+from leapfx.runtime.rounds import speculative_loop
 from leapfx.runtime.sampling import SamplingParams
-from leapfx.runtime.schedules import DecodeRequest, Draft, Drafter, no_draft, speculative_loop
+from leapfx.runtime.schedules import DecodeRequest, Draft, Drafter, no_draft
 from tests.conftest import examples, tiny_model
 from tests.distribution_check import assert_sampled_from, sample_counts
 from tests.greedy_check import assert_greedy_equal, hf_greedy
@@ -90,6 +91,9 @@ class _Cache:
     def crop(self, length: int) -> None:
         pass
 
+    def crop_rows(self, ends: list[int]) -> None:
+        pass
+
 
 class _Clock:
     """perf_counter for the adaptive module: advanced by the fake model's calls."""
@@ -107,6 +111,9 @@ class _Runner:
 
     def __init__(self, clock: _Clock) -> None:
         self.clock, self.cache = clock, _Cache()
+
+    def keep(self, rows: list[int]) -> None:  # the decode's one row goes on or ends
+        pass
 
     def full(self, ids: torch.Tensor, start: int, key=None) -> torch.Tensor:
         self.clock.now += 1.0 + 0.05 * (ids.shape[1] - 1)

@@ -22,8 +22,9 @@ from leapfx.runtime import adaptive
 from leapfx.runtime.adaptive import MARGIN, AdaptiveDrafter, Policies, expected_tokens
 from leapfx.runtime.lookup import PromptLookup
 from leapfx.runtime.metrics import DecodeMetrics
+from leapfx.runtime.rounds import speculative_loop
 from leapfx.runtime.sampling import SamplingParams
-from leapfx.runtime.schedules import DecodeRequest, speculative_loop
+from leapfx.runtime.schedules import DecodeRequest
 from leapfx.runtime.skip_search import OnlineSkipSearch
 from leapfx.runtime.swift import OnlineSkipDrafter
 from tests.conftest import examples, tiny_model, tiny_moe_model
@@ -236,12 +237,18 @@ class _Cache:
     def crop(self, length: int) -> None:
         pass
 
+    def crop_rows(self, ends: list[int]) -> None:
+        pass
+
 
 class _Runner:
     """A full call over S tokens costs 1 + 0.05 (S - 1); its next token is (token + 1) % V."""
 
     def __init__(self, clock: _Clock) -> None:
         self.clock, self.cache = clock, _Cache()
+
+    def keep(self, rows: list[int]) -> None:  # the decode's one row goes on or ends
+        pass
 
     def full(self, ids: torch.Tensor, start: int, key=None) -> torch.Tensor:
         self.clock.now += 1.0 + 0.05 * (ids.shape[1] - 1)

@@ -36,7 +36,7 @@ from ..passes.partition import Stages, early_exit_stages, full_stage, partition
 from ..passes.quantized_draft import QuantizeDraft, qspec_stages
 from ..passes.skip_layers import DraftSkipSet, check_skip_set, swift_stages
 from ..passes.specee_stages import specee_stages
-from ..runtime import adaptive, eagle, kangaroo, lookup, m2r2, qspec, schedules, swift
+from ..runtime import adaptive, eagle, kangaroo, lookup, m2r2, qspec, rounds, schedules, swift
 from ..runtime.batch import BatchPlan
 from ..runtime.capabilities import Capabilities
 from ..runtime.model import RecipeTraining, Schedule
@@ -407,7 +407,7 @@ def _layerskip_schedule(o: LayerSkipOptions):
     # threshold 0 is the paper's fixed d: schedules.draft then never stops early nor syncs.
     drafter = partial(schedules.draft, threshold=float(o.confidence_threshold))
     return partial(
-        schedules.self_speculative, num_speculations=o.num_speculations, drafter=drafter,
+        rounds.self_speculative, num_speculations=o.num_speculations, drafter=drafter,
         first=o.lookup_first(),
     )  # fmt: skip
 

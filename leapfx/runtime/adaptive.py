@@ -54,8 +54,9 @@ import torch
 
 from .lookup import Drafts, LookupFirst, PromptLookup, copied_draft
 from .metrics import DecodeMetrics
+from .rounds import speculative_loop
 from .runner import StageRunner
-from .schedules import DecodeRequest, Draft, Drafter, Output, no_draft, speculative_loop
+from .schedules import DecodeRequest, Draft, Drafter, Output, no_draft
 
 DECAY = 0.9  # per drafting round: the acceptance counts' memory is ~10 rounds
 COST_EMA = 0.2  # weight of a new round's time in its length's moving average (slower)

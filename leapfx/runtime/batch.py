@@ -52,16 +52,9 @@ from .executor import StageExecutor
 from .lookup import NgramIndex
 from .masks import masks_for
 from .metrics import DecodeMetrics
+from .rounds import Decode, Proposal, RoundDrafter, Row, requests_of_rows
 from .runner import PREFILL, AttentionLayout
-from .schedules import (
-    DecodeRequest,
-    Output,
-    accept_rows,
-    choose,
-    draft_steps,
-    requests_of,
-    shared_request,
-)
+from .schedules import DecodeRequest, draft_steps, requests_of
 
 DRAFTERS = ("none", "lookup", "stage", "eagle")
 # Backends whose stages take a batch's ragged rows: the eager stages, and the compiled ones
@@ -461,6 +454,10 @@ class RowRunner:
         self.cache.keep(rows)
         self.pads = [self.pads[r] for r in rows]
 
+    def alone(self) -> RowRunner:
+        """A runner of one row over an empty cache shaped as this one's (a row that joins)."""
+        return RowRunner(self.stages, self.cache.blank(1), self.layout, [0])
+
     def join(self, other: RowRunner) -> None:
         """Append ``other``'s rows (its cache's and pads) after this runner's."""
         self.cache.join(other.cache)
@@ -533,40 +530,24 @@ class BatchPolicy:
         policy.observe_cost(drafted, seconds)
 
 
-@dataclass
-class _Row:
-    """One row's decode: its Output, its newest token's column, its lookup index."""
+class BatchDecode(Decode):
+    """A batch's :class:`~leapfx.runtime.rounds.Decode`: its rows drafted by a
+    :class:`BatchDrafter` of the recipe's ``plan`` over a :class:`RowRunner`. ``policy``
+    chooses each round's draft length (None: always ``plan.num_speculations``).
+    ``batched_loop`` is ``start`` then rounds until no row is left; a server admits its
+    requests between rounds (continuous batching)."""
 
-    index: int  # the row's place in the caller's batch
-    out: Output
-    pos: int = 0
-    ngrams: NgramIndex | None = None
-    drafted: int = 0  # drafts this row was given to verify, and of them kept
-    kept: int = 0
-
-    @property
-    def request(self) -> DecodeRequest:
-        return self.out.request
-
-
-def _requests(rows: list[_Row]) -> list[DecodeRequest]:
-    return [row.request for row in rows]
-
-
-def choose_rows(logits: torch.Tensor, requests: list[DecodeRequest]) -> torch.Tensor:
-    """Each row's next token [B, 1] from logits [B, V] (``schedules.choose``): at once where
-    the rows share one request without processors, else a row at a time, in order."""
-    one = shared_request(requests)
-    if one is not None and (one.processing is None or not one.processing.active):
-        return choose(logits, one)
-    return torch.cat([choose(logits[b : b + 1], r) for b, r in enumerate(requests)])
-
-
-def _lookup_drafts(row: _Row, d: int) -> list[int]:
-    if row.ngrams is None or d <= 0:
-        return []
-    tokens, _ = row.ngrams.match(d)
-    return list(tokens)
+    def __init__(
+        self,
+        runner: RowRunner,
+        metrics: DecodeMetrics,
+        plan: BatchPlan,
+        policy: BatchPolicy | None,
+    ) -> None:
+        super().__init__(runner, metrics, BatchDrafter(plan, policy))
+        self.plan, self.policy = plan, policy
+        if policy is not None:
+            policy.restart()
 
 
 def batched_loop(
@@ -585,104 +566,40 @@ def batched_loop(
     ``policy`` chooses each round's draft length (None: always ``plan.num_speculations``)."""
     decode = BatchDecode(runner, metrics, plan, policy)
     decode.start(prompt, pads, requests_of(request, prompt.shape[0]))
-    while decode.rows:
-        decode.round()
+    decode.run()
     return [decode.finished.pop(b) for b in range(prompt.shape[0])]
 
 
-class BatchDecode:
-    """A batch's decode a round at a time, over one :class:`RowRunner`: ``start`` prefills a
-    batch, ``admit`` prefills one more row (alone, in a one-row cache of the same length) and
-    joins it to the batch between rounds, ``round`` runs one draft-verify-accept round for
-    every live row, and a row that finished (or was ``cancel``-ed) leaves after it. What a
-    row emits goes to its Output (its streamer); a finished row's tokens wait in
-    ``finished`` under its index (``pop`` them).
-
-    ``batched_loop`` is ``start`` then rounds until no row is left; a server admits its
-    requests between rounds (continuous batching)."""
+class BatchDrafter(RoundDrafter):
+    """A batch's drafts (``plan``): per row, a prompt-lookup match where the plan looks up
+    (an n-gram index a row), else the recipe's draft stage (d calls over [B, 1]: layerskip,
+    kangaroo, swift, qspec) or EAGLE's head on each row's last hidden state; verified by one
+    ``full`` (EAGLE: ``target``) call over [x_b, drafts_b] for every row at its own columns,
+    or, where every row's tokens are the draft stage's d, LayerSkip's split ``verify`` over
+    their exit states. ``policy`` chooses each round's d from the live acceptance and the
+    measured cost of a round at this batch size (None: ``plan.num_speculations``)."""
 
     def __init__(
-        self,
-        runner: RowRunner,
-        metrics: DecodeMetrics,
-        plan: BatchPlan,
-        policy: BatchPolicy | None,
+        self, plan: BatchPlan, policy: BatchPolicy | None, eagle: _EagleRows | None = None
     ) -> None:
-        self.runner, self.metrics, self.plan, self.policy = runner, metrics, plan, policy
-        self.rows: list[_Row] = []
-        self.x: torch.Tensor | None = None  # [B, 1]: each live row's newest token
-        self.finished: dict[int, list[int]] = {}
-        # a finished row's (drafts verified, drafts kept), under its index as ``finished``
-        self.acceptance: dict[int, tuple[int, int]] = {}
-        self.eagle = _EagleRows(plan.threshold) if plan.drafter == "eagle" else None
-        if policy is not None:
-            policy.restart()
+        self.plan, self.policy = plan, policy
+        if eagle is None and plan.drafter == "eagle":
+            eagle = _EagleRows(plan.threshold)
+        self.eagle = eagle
+        self._d = 0  # the round's draft length (a split verify needs every row at it)
 
-    def _new_rows(self, prompt: torch.Tensor, pads: list[int], requests, indices) -> list[_Row]:
-        S = prompt.shape[1]
-        rows = [_Row(i, Output(r), pos=S) for i, r in zip(indices, requests, strict=True)]
-        for b, row in enumerate(rows):
-            if row.request.streamer is not None:
-                row.request.streamer.put(prompt[b : b + 1].cpu())  # [1, S]
-            if self.plan.drafter == "lookup" or self.plan.lookup:
-                row.ngrams = NgramIndex(self.plan.max_ngram, self.plan.min_ngram)
-                row.ngrams.extend(prompt[b, pads[b] :].tolist())
-        return rows
+    def new_row(self, row: Row, prompt: list[int]) -> None:
+        if self.plan.drafter == "lookup" or self.plan.lookup:
+            row.ngrams = NgramIndex(self.plan.max_ngram, self.plan.min_ngram)
+            row.ngrams.extend(prompt)
 
-    def _prefill(self, runner: RowRunner, prompt: torch.Tensor) -> torch.Tensor:
-        """The first new token of each row of ``prompt`` on ``runner``: [B, 1]."""
+    def prefill(self, runner: RowRunner, prompt: torch.Tensor) -> torch.Tensor:
         if self.eagle is not None:
-            logits = self.eagle.prefill(runner, prompt)
-        else:
-            logits = runner.prefill("full", prompt)  # [B, 1 or S, V]
-        self.metrics.full_calls += 1
-        return logits[:, -1]
+            return self.eagle.prefill(runner, prompt)
+        return runner.prefill("full", prompt)  # [B, 1 or S, V]
 
-    def start(self, prompt: torch.Tensor, pads: list[int], requests: list[DecodeRequest]) -> None:
-        """Prefill the rows of ``prompt`` [B, S] (left-padded by ``pads``; the runner's) in one
-        batch, indices 0..B-1, and emit each row's first token."""
-        rows = self._new_rows(prompt, pads, requests, range(prompt.shape[0]))
-        x = choose_rows(self._prefill(self.runner, prompt), _requests(rows))  # [B, 1]
-        self.rows, self.x = rows, x
-        _emit(rows, [[t] for t in x[:, 0].tolist()])
-        self._drop_finished()
-
-    def admit(self, prompt: torch.Tensor, request: DecodeRequest, index: int) -> None:
-        """Join the row ``prompt`` [1, n] (no padding) under ``index``: its prefill runs alone,
-        on a one-row cache of the batch's length, which then joins the batch's cache; its first
-        token is emitted here."""
-        runner = self.runner
-        alone = RowRunner(runner.stages, runner.cache.blank(1), runner.layout, [0])
-        eagle, self.eagle = self.eagle, (None if self.eagle is None else _EagleRows(0.0))
-        try:
-            (row,) = self._new_rows(prompt, [0], [request], [index])
-            x = choose_rows(self._prefill(alone, prompt), [request])  # [1, 1]
-        finally:
-            joined, self.eagle = self.eagle, eagle
-        for key, seconds in alone.seconds.items():
-            runner.seconds[key] += seconds
-        runner.join(alone)
-        if eagle is not None:
-            eagle.join(joined)
-        self.rows.append(row)
-        self.x = x if self.x is None or not len(self.x) else torch.cat([self.x, x])
-        _emit([row], [[int(x[0, 0])]])
-        self._drop_finished()
-
-    def cancel(self, index: int) -> None:
-        """Stop the row ``index`` (a client that left): it leaves after this round."""
-        for row in self.rows:
-            if row.index == index:
-                row.out.done = True
-        self._drop_finished()
-
-    def round(self) -> None:
-        """One round for every live row: choose d, propose, verify, accept, crop, emit."""
-        runner, metrics, plan, policy = self.runner, self.metrics, self.plan, self.policy
-        rows, x, eagle = self.rows, self.x, self.eagle
-        size = len(rows)
-        begin = time.perf_counter()
-        room = [row.out.remaining - 1 for row in rows]  # drafts past a row's budget are waste
+    def propose(self, runner, rows, x, room, metrics) -> Proposal:
+        plan, policy, size = self.plan, self.policy, len(rows)
         d = min(plan.num_speculations, max(room)) if plan.drafter != "none" else 0
         # each row's prompt-lookup match, up to d tokens (none without an n-gram index)
         copies = [_lookup_drafts(row, max(0, min(d, r))) for row, r in zip(rows, room, strict=True)]
@@ -690,12 +607,16 @@ class BatchDecode:
             drafting = plan.drafter in ("stage", "eagle")
             share = 1.0 if drafting else sum(map(bool, copies)) / size
             d = policy.choose(size, d, share)
-        requests = _requests(rows)
-        proposal = _propose(runner, rows, x, d, room, plan, requests, copies, eagle)
-        metrics.draft_calls += proposal.stage_calls
+        requests = requests_of_rows(rows)
+        proposal = _propose(runner, rows, x, d, room, plan, requests, copies, self.eagle)
+        metrics.draft_calls += proposal.calls
+        self._d = d
+        return proposal
+
+    def verify(self, runner, rows, x, proposal, metrics) -> torch.Tensor:
         starts = [row.pos for row in rows]
-        width = proposal.tokens.shape[1]
-        if plan.split_verify and proposal.hidden is not None and width == d > 0:
+        width = proposal.width
+        if self.plan.split_verify and proposal.hidden is not None and width == self._d > 0:
             # the draft stage ran every row d steps (its lower layers hold x .. t_{d-1}):
             # verify their exit states and t_d
             logits = runner.verify(proposal.tokens[:, -1:], proposal.hidden, starts)
@@ -703,61 +624,48 @@ class BatchDecode:
             runner.cache.crop_rows(starts)  # a draft stage wrote some layers past x
             ids = torch.cat([x, proposal.tokens], dim=1)  # [B, width + 1]
             key = "verify" if width else "full"
-            if eagle is not None:
-                logits = eagle.verify(runner, ids, starts, key)
+            if self.eagle is not None:
+                logits = self.eagle.verify(runner, ids, starts, key)
             else:
                 logits = runner.call("full", ids, starts, key)
         if width:
             metrics.verify_calls += 1
         else:
             metrics.full_calls += 1
-        emitted, kept = accept_rows(
-            proposal.tokens, proposal.valid, proposal.q, proposal.copied, logits, requests
-        )
-        runner.cache.crop_rows([s + len(e) for s, e in zip(starts, emitted, strict=True)])
-        if eagle is not None:
-            eagle.accepted(kept)
-        for row, e, v, k, who in zip(
-            rows, emitted, proposal.valid, kept, proposal.drafters, strict=True
-        ):
-            row.pos += len(e)
+        return logits
+
+    def accepted(self, runner, rows, proposal, kept, metrics, seconds) -> None:
+        if self.eagle is not None:
+            self.eagle.accepted(kept)
+        for row, v, k, who in zip(rows, proposal.valid, kept, proposal.drafters, strict=True):
             if v > 0:
                 metrics.record_drafts(v, k)
                 metrics.record_round(who)
                 row.drafted += v
                 row.kept += k
-        metrics.draft_lengths.append(width)
-        self.x = torch.tensor([[e[-1]] for e in emitted], device=x.device)
-        _emit(rows, emitted)
-        if policy is not None:
+        metrics.draft_lengths.append(proposal.width)
+        if self.policy is not None:
             drafted = [(v, k) for v, k in zip(proposal.valid, kept, strict=True) if v > 0]
-            policy.observe(size, width, drafted, time.perf_counter() - begin)
-        self._drop_finished()
+            self.policy.observe(len(rows), proposal.width, drafted, seconds)
 
-    def _drop_finished(self) -> None:
-        """Keep the rows still decoding (and their newest tokens); the cache (and EAGLE's
-        states) keep only theirs. A finished row's streamer ends."""
-        rows = self.rows
-        live = [i for i, row in enumerate(rows) if not row.out.done]
-        if len(live) == len(rows):
-            return
-        for row in rows:
-            if row.out.done:
-                self.finished[row.index] = row.out.tokens
-                self.acceptance[row.index] = (row.drafted, row.kept)
-                if row.request.streamer is not None:
-                    row.request.streamer.end()
-        self.runner.keep(live)
+    def keep(self, live: list[int]) -> None:
         if self.eagle is not None:
             self.eagle.keep(live)
-        self.rows, self.x = [rows[i] for i in live], self.x[live]
+
+    def join(self, other: BatchDrafter) -> None:
+        if self.eagle is not None:
+            self.eagle.join(other.eagle)
+
+    def alone(self) -> BatchDrafter:
+        # it prefills one row; its EAGLE states join the batch's
+        return BatchDrafter(self.plan, None, _EagleRows(0.0) if self.eagle is not None else None)
 
 
-def _emit(rows: list[_Row], emitted: list[list[int]]) -> None:
-    for row, tokens in zip(rows, emitted, strict=True):
-        row.out.extend(tokens)
-        if row.ngrams is not None:
-            row.ngrams.extend(tokens)
+def _lookup_drafts(row: Row, d: int) -> list[int]:
+    if row.ngrams is None or d <= 0:
+        return []
+    tokens, _ = row.ngrams.match(d)
+    return list(tokens)
 
 
 class _EagleRows:
@@ -800,7 +708,7 @@ class _EagleRows:
         self.h = other.h if self.h is None or not len(self.h) else torch.cat([self.h, other.h])
 
     def drafts(
-        self, runner: RowRunner, rows: list[_Row], x: torch.Tensor, d: int,
+        self, runner: RowRunner, rows: list[Row], x: torch.Tensor, d: int,
         requests: list[DecodeRequest],
     ) -> tuple[torch.Tensor, torch.Tensor | None, None, list[int]]:  # fmt: skip
         """Up to d drafts a row by the head on (token, h), feeding its own state g back: the
@@ -822,27 +730,9 @@ class _EagleRows:
         return tokens, q, None, valid
 
 
-@dataclass(frozen=True)
-class Proposal:
-    """A round's drafts for every row: ``tokens`` [B, width] (a row's first ``valid[b]`` are
-    its drafts, the rest filler), ``q`` [B, width, V] under sampling (None: greedy), ``copied``
-    per row (a lookup copy: its q is a point mass), ``drafters`` per row (who drafted),
-    ``hidden`` (see below)."""
-
-    tokens: torch.Tensor
-    valid: list[int]
-    q: torch.Tensor | None
-    copied: list[bool]
-    drafters: list[str]
-    # where every row's tokens are the draft stage's d: their exit states [B, d, H] (the
-    # tokens fed: x .. t_{d-1}), for a split verify; else None
-    hidden: torch.Tensor | None = None
-    stage_calls: int = 0  # draft-stage calls the round made (d [B, 1] calls, or none)
-
-
 def _propose(
     runner: RowRunner,
-    rows: list[_Row],
+    rows: list[Row],
     x: torch.Tensor,
     d: int,
     room: list[int],
@@ -895,11 +785,11 @@ def _propose(
         return Proposal(staged[0], valid, q, copied, drafters, staged[2], calls)
     filled = [t + [0] * (width - len(t)) for t in tokens]
     ids = torch.tensor(filled, dtype=x.dtype, device=x.device).reshape(B, width)
-    return Proposal(ids, valid, q, copied, drafters, stage_calls=calls)
+    return Proposal(ids, valid, q, copied, drafters, calls=calls)
 
 
 def _stage_drafts(
-    runner: RowRunner, rows: list[_Row], x: torch.Tensor, d: int, requests: list[DecodeRequest]
+    runner: RowRunner, rows: list[Row], x: torch.Tensor, d: int, requests: list[DecodeRequest]
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, None]:
     """d drafts a row with the ``draft`` stage (``draft_steps``): tokens [B, d], under
     sampling q [B, d, V], and the exit states of the tokens fed (x .. t_{d-1}) [B, d, H] where

@@ -150,6 +150,13 @@ class LayerLengths(KVCache):
         """Forget every position >= ``length`` in every layer (O(1): moves lengths only)."""
         self.lengths = [min(n, length) for n in self.lengths]
 
+    def crop_rows(self, ends: list[int]) -> None:
+        """:meth:`crop` of a cache whose rows share one length (``ends``: a row's end each,
+        all equal); a cache of ragged rows crops each row to its own."""
+        if min(ends) != max(ends):
+            raise ValueError(f"ends: {ends} differ; this cache's rows share one length")
+        self.crop(ends[0])
+
     def reset(self) -> None:
         self.lengths = [0] * self.num_layers
 

@@ -25,7 +25,7 @@ So the head always attends to KV computed from the host's true features for comm
 positions (as EAGLE recomputes its KV of accepted tokens), and costs one head call per draft.
 
 Host syncs: one per draft step when ``confidence_threshold`` > 0 (to decide whether to stop),
-and one per round reading k, the next token and the drafts (as ``schedules.self_speculative``).
+and one per round reading k, the next token and the drafts (as ``rounds.self_speculative``).
 
 Helpers for other schedules (SpecEE takes its k = 4 candidates from the head's logits)::
 
@@ -38,6 +38,7 @@ from __future__ import annotations
 import torch
 
 from .metrics import DecodeMetrics
+from .rounds import run_drafter
 from .runner import StageRunner
 from .schedules import (
     DecodeRequest,
@@ -46,7 +47,6 @@ from .schedules import (
     FirstDrafter,
     draft_steps,
     no_draft,
-    run_drafter,
 )
 
 

@@ -36,8 +36,9 @@ from __future__ import annotations
 import torch
 
 from .metrics import DecodeMetrics
+from .rounds import self_speculative
 from .runner import StageRunner
-from .schedules import DecodeRequest, FirstDrafter, draft, self_speculative
+from .schedules import DecodeRequest, FirstDrafter, draft
 
 
 def draft_until_unsure(

@@ -20,7 +20,7 @@ A round, with the newest token x at position p (not yet in the cache)::
     propose: y_1..y_d' from the index (d' <= d; d' = 0 without a match)
     verify:  one ``full`` call over [x, y_1..y_d'] at p..p+d' -> d' + 1 target distributions
              (the same stage as prefill: any length, every backend)
-    accept:  ``schedules.speculative_loop``'s acceptance; under sampling the draft
+    accept:  ``rounds.speculative_loop``'s acceptance; under sampling the draft
              distribution is a point mass on y_i (q one-hot), so y_i is kept with probability
              p(y_i) and a rejection resamples from p with y_i removed: lossless.
 
@@ -44,6 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from .metrics import DecodeMetrics
+from .rounds import speculative_loop
 from .runner import StageRunner
 from .schedules import (
     DecodeRequest,
@@ -51,7 +52,6 @@ from .schedules import (
     Drafter,
     Output,
     no_draft,
-    speculative_loop,
 )
 
 

@@ -26,6 +26,7 @@ import torch
 
 from ..modules.m2r2 import FastScratch
 from .metrics import DecodeMetrics
+from .rounds import run_drafter
 from .runner import StageRunner
 from .schedules import (
     DecodeRequest,
@@ -36,7 +37,6 @@ from .schedules import (
     draft_steps,
     exit_loop,
     no_draft,
-    run_drafter,
 )
 
 

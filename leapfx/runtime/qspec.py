@@ -10,7 +10,7 @@ A round, with the newest token x at position p (not yet in the cache)::
             positions < p hold the float model's keys, the drafted ones the copy's.
     verify: crop the cache to p, then one ``full`` call over [x, y_1..y_d] at p..p+d, which
             writes the float model's keys for those positions -> d + 1 targets.
-    accept: ``schedules.speculative_loop``'s acceptance (rejection sampling under sampling,
+    accept: ``rounds.speculative_loop``'s acceptance (rejection sampling under sampling,
             the draft's q from its own logits) and crop.
 
 The draft round is swift's (``swift.SkipDrafter``: a stage over the shared cache, then a full
@@ -23,8 +23,9 @@ from __future__ import annotations
 import torch
 
 from .metrics import DecodeMetrics
+from .rounds import run_drafter
 from .runner import StageRunner
-from .schedules import DecodeRequest, FirstDrafter, run_drafter
+from .schedules import DecodeRequest, FirstDrafter
 from .swift import SkipDrafter
 
 

@@ -52,6 +52,12 @@ class StageRunner:
         self.seconds: defaultdict[str, float] = defaultdict(float)
         self._arange = torch.arange(getattr(cache, "max_len", 0), device=layout.device)
 
+    def keep(self, rows: list[int]) -> None:
+        """Its one sequence goes on (``rows`` [0]) or has ended ([]): nothing moves
+        (``rounds.Decode`` calls this as a batch's runner keeps its live rows)."""
+        if rows not in ([], [0]):
+            raise ValueError(f"rows: {rows} of a one-sequence runner; allowed: [] or [0]")
+
     def call(self, name: str, key: str | None = None, **inputs) -> dict[str, torch.Tensor]:
         """Stage ``name`` on ``inputs`` as given (the caller builds positions and masks);
         its wall time counts under ``key`` (default ``name``) in ``seconds``. A ``PREFILL``

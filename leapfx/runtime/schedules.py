@@ -474,7 +474,7 @@ def no_draft(x: torch.Tensor, drafter: str | None = None, ngram: int = 0) -> Dra
 
 
 class Drafter:
-    """What :func:`speculative_loop` asks of a drafter; one object per decode, so it may hold
+    """What ``rounds.speculative_loop`` (``rounds.OneRow``) asks of a drafter; one object per decode, so it may hold
     the state one round leaves the next (EAGLE's last hidden state).
 
     ``target`` is the full model on a run of tokens (prefill, a plain step, the verify of
@@ -532,71 +532,6 @@ def point_mass(drafts: torch.Tensor, vocab: int, request: DecodeRequest) -> torc
     return torch.nn.functional.one_hot(drafts, vocab).to(torch.float32)
 
 
-def speculative_loop(
-    runner: StageRunner,
-    prompt: torch.Tensor,
-    request: DecodeRequest,
-    metrics: DecodeMetrics,
-    num_speculations: int,
-    drafter: Drafter,
-    out: Output | None = None,
-) -> list[int]:
-    """Draft-then-verify decoding, the one loop every drafting schedule runs: prefill, then
-    rounds of ``drafter.propose`` and ``drafter.verify`` with the acceptance of ``accept``;
-    the cache is cropped to the accepted prefix after each round (O(1)).
-
-    A round that drafts nothing (prompt lookup without a match, the last token of the budget)
-    is a plain ``target`` step, counted as a full call, not a verify. ``out``: the Output to
-    collect into (a drafter that reads the text so far holds it; None: a fresh one)."""
-    out = Output(request) if out is None else out
-    logits = drafter.prefill(runner, prompt)  # [1, n, V]
-    metrics.full_calls += 1
-    pos = prompt.shape[1]  # position of x, the newest token (not yet in the cache)
-    x = choose(logits[:, -1], request)
-    out.extend([_token(x)], logits[0, -1:])
-    while not out.done:
-        d = min(num_speculations, out.remaining - 1)  # drafts past max_new_tokens are waste
-        draft = drafter.propose(runner, x, pos, d, request, out)
-        if d > 0 and draft.drafter is not None:
-            metrics.record_round(draft.drafter, draft.ngram)
-        if draft.final is not None:  # emitted without a verify (its context was exact)
-            x, row = draft.final
-            metrics.draft_calls += 1 if draft.calls is None else draft.calls
-            out.extend([_token(x)], row)
-            pos += 1
-            continue
-        d = draft.tokens.shape[1]
-        if d == 0:
-            target_logits = drafter.target(runner, x, pos)  # [1, 1, V]
-            metrics.full_calls += 1
-            x = choose(target_logits[:, -1], request)
-            drafter.accepted(runner, pos, 0)
-            out.extend([_token(x)], target_logits[0, -1:])
-            pos += 1
-            continue
-        drafts = draft.tokens
-        metrics.draft_calls += d if draft.calls is None else draft.calls
-        target_logits = drafter.verify(runner, x, pos, draft, request)  # [1, d+1, V]
-        q = point_mass(drafts, target_logits.shape[-1], request) if draft.copied else draft.q
-        if q is None and target_logits.device.type == "cpu" and active(request) is None:
-            # Greedy on a CPU: the same rule on the host, where the round syncs anyway
-            # (~5 us against ~20 us for the device op's dispatch).
-            k, next_token, drafted = greedy_accept_host(drafts, target_logits)
-            x = torch.tensor([[next_token]], device=drafts.device)
-        else:
-            n, nxt = accept(drafts, q, target_logits, request)  # [1], [1] on the device
-            # The round's one host sync: the cache lengths are Python ints (crop), and the
-            # stop rule reads the emitted tokens.
-            k, next_token, *drafted = torch.cat([n, nxt, drafts[0]]).tolist()
-            x = nxt.view(1, 1)  # stays on the device: no host-to-device copy
-        runner.cache.crop(pos + k + 1)  # keep x and the k accepted drafts
-        drafter.accepted(runner, pos, k)
-        metrics.record_verify(d, k)
-        out.extend([*drafted[:k], next_token], target_logits[0, : k + 1])
-        pos += k + 1
-    return out.tokens
-
-
 class ExitDrafter(Drafter):
     """LayerSkip's drafter (Kangaroo's with its adapter's stop rule): layers < E and the exit
     head draft; the verify pass runs the lower layers on the last draft and the upper layers
@@ -623,41 +558,3 @@ class FirstDrafter(Protocol):
     text so far from ``out``, the loop's Output."""
 
     def wrap(self, own: Drafter, prompt: torch.Tensor, out: Output) -> Drafter: ...
-
-
-def run_drafter(
-    runner: StageRunner,
-    prompt: torch.Tensor,
-    request: DecodeRequest,
-    metrics: DecodeMetrics,
-    num_speculations: int,
-    drafter: Drafter,
-    first: FirstDrafter | None = None,
-) -> list[int]:
-    """:func:`speculative_loop` over ``drafter``, with ``first`` tried before it each round."""
-    out = Output(request)
-    if first is not None:
-        drafter = first.wrap(drafter, prompt, out)
-    return speculative_loop(runner, prompt, request, metrics, num_speculations, drafter, out)
-
-
-def self_speculative(
-    runner: StageRunner,
-    prompt: torch.Tensor,
-    request: DecodeRequest,
-    metrics: DecodeMetrics,
-    num_speculations: int,
-    drafter: DraftFn = draft,
-    name: str = "layerskip",
-    first: FirstDrafter | None = None,
-) -> list[int]:
-    """LayerSkip self-speculative decoding: draft with layers < E, verify with the rest.
-
-    ``drafter`` makes the drafts (layers < E and the exit head by default; Kangaroo passes its
-    adapter's dynamic-length drafter); its rounds count as ``name`` in ``drafter_rounds``.
-    ``first``: a drafter tried before it each round (``lookup=True``). Nothing but the KV
-    cache outlives a round (the exit hidden states go from the draft to the verify of the same
-    round), so a round of another drafter verified by the ``full`` stage, which writes every
-    slot (an adapter's too), leaves the next round what its own round would."""
-    own = ExitDrafter(drafter, name)
-    return run_drafter(runner, prompt, request, metrics, num_speculations, own, first)

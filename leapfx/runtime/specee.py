@@ -50,6 +50,7 @@ from ..modules.specee import LayerExit
 from .executor import builds_masks
 from .masks import chunk_mask, masks_for
 from .metrics import DecodeMetrics
+from .rounds import speculative_loop
 from .runner import StageRunner
 from .schedules import (
     DecodeRequest,
@@ -60,7 +61,6 @@ from .schedules import (
     choose,
     draft_probs,
     exit_loop,
-    speculative_loop,
 )
 
 

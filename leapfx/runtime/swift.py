@@ -9,7 +9,7 @@ A round, with the newest token x at position p (not yet in the cache)::
             their keys there, the skipped ones nothing.
     verify: crop the cache to p (every layer), then one ``full`` call over [x, y_1..y_d] at
             p..p+d, which writes every layer's keys for those positions -> d + 1 targets.
-    accept: ``schedules.speculative_loop``'s acceptance and crop.
+    accept: ``rounds.speculative_loop``'s acceptance and crop.
 
 Lossless for any skip set. Which set pays is the question SWIFT's search answers:
 ``search_skip_set`` grows the set one layer at a time, keeping the layer whose removal
@@ -49,6 +49,7 @@ from ..parts.io import host_signature
 from ..parts.swift import write_skip_set
 from ..passes.skip_layers import skip_stage
 from .metrics import DecodeMetrics
+from .rounds import run_drafter
 from .runner import StageRunner
 from .sampling import SamplingParams
 from .schedules import (
@@ -58,7 +59,6 @@ from .schedules import (
     FirstDrafter,
     draft_steps,
     no_draft,
-    run_drafter,
 )
 from .skip_search import OnlineSkipSearch
 
