@@ -84,3 +84,16 @@ def on_device(tensor: torch.Tensor) -> contextlib.AbstractContextManager:
     if tensor.device.type == "cuda":
         return torch.cuda.device(tensor.device)
     return contextlib.nullcontext()
+
+
+def require(name: str) -> None:
+    """RuntimeError naming ``name`` (a ``*_triton`` function) where triton is not installed."""
+    if not HAS_TRITON:
+        raise RuntimeError(f"{name} needs triton: pip install -e '.[triton]' in leapfx's checkout")
+
+
+def accept_outputs(batch: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The acceptance kernels' outputs, unfilled: ``(n_accepted [B], next_token [B])`` int64."""
+    n_accepted = torch.empty(batch, dtype=torch.long, device=device)  # [B]
+    next_token = torch.empty(batch, dtype=torch.long, device=device)  # [B]
+    return n_accepted, next_token

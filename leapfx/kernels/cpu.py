@@ -47,6 +47,7 @@ import shutil
 import sys
 import time
 import types
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -77,11 +78,21 @@ def _cpu_tag() -> str:
 @functools.cache
 def available() -> bool:
     """True once the ``leapfx_cpu`` ops are built and registered (built on the first call)."""
-    if hasattr(torch.ops, "leapfx_cpu") and hasattr(torch.ops.leapfx_cpu, "small_mm"):
+    return load_ops("gemm", "small_mm", "using torch.matmul", _register_fakes)
+
+
+def load_ops(stem: str, op: str, fallback: str, register_fakes: Callable[[], None]) -> bool:
+    """What every op extension's ``available()`` does: True at once where ``leapfx_cpu::<op>``
+    is registered already; else build and load ``cpu_<stem>.cpp`` (beside this module; see
+    :func:`load_extension`, with the vector header ``cpu_vec.h``), then ``register_fakes()``
+    (the ops' fake implementations, for ``torch.compile``). False where it cannot be built
+    (``fallback``: what callers do then, for the warning)."""
+    if hasattr(torch.ops, "leapfx_cpu") and hasattr(torch.ops.leapfx_cpu, op):
         return True
-    if not load_extension("gemm", SOURCE, "using torch.matmul", (VEC_HEADER,)):
+    source = Path(__file__).with_name(f"cpu_{stem}.cpp")
+    if not load_extension(stem, source, fallback, (VEC_HEADER,)):
         return False
-    _register_fakes()
+    register_fakes()
     return True
 
 

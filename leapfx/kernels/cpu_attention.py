@@ -32,23 +32,19 @@ extension, on first use).
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 
 import torch
 
 from . import cpu
 
-SOURCE = Path(__file__).with_name("cpu_attention.cpp")
-
 
 @functools.cache
 def available() -> bool:
     """True once ``leapfx_cpu::attention`` is built and registered (built on the first call)."""
-    if hasattr(torch.ops, "leapfx_cpu") and hasattr(torch.ops.leapfx_cpu, "attention_rows"):
-        return True
-    if not cpu.load_extension("attention", SOURCE, "using SDPA", (cpu.VEC_HEADER,)):
-        return False
+    return cpu.load_ops("attention", "attention_rows", "using SDPA", _register_fakes)
 
+
+def _register_fakes() -> None:
     @torch.library.register_fake("leapfx_cpu::attention")
     def _fake(q, k, v, positions, scale):
         b, h, s, d = q.shape
@@ -58,8 +54,6 @@ def available() -> bool:
     def _fake_rows(q, k, v, first, last, scale):
         b, h, s, d = q.shape
         return q.new_empty((b, s, h, d))
-
-    return True
 
 
 def attention_reference(

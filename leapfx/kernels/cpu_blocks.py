@@ -55,13 +55,10 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from . import cpu
-
-SOURCE = Path(__file__).with_name("cpu_blocks.cpp")
 
 WEIGHTS_PER_BLOCK = 32
 
@@ -89,12 +86,10 @@ FORMATS = {
 @functools.cache
 def available() -> bool:
     """True once the ``leapfx_cpu::block_*`` ops are built and registered (first call)."""
-    if hasattr(torch.ops, "leapfx_cpu") and hasattr(torch.ops.leapfx_cpu, "block_mm"):
-        return True
-    if not cpu.load_extension("blocks", SOURCE, "dequantizing, then torch.matmul",
-                              (cpu.VEC_HEADER,)):  # fmt: skip
-        return False
+    return cpu.load_ops("blocks", "block_mm", "dequantizing, then torch.matmul", _register_fakes)
 
+
+def _register_fakes() -> None:
     @torch.library.register_fake("leapfx_cpu::block_mm")
     def _mm_fake(x, w, fmt: int, n: int, k: int):
         return x.new_empty((*x.shape[:-1], n))
@@ -114,8 +109,6 @@ def available() -> bool:
     @torch.library.register_fake("leapfx_cpu::block_decoder_layer")
     def _layer_fake(h, *args):
         return h.new_empty(h.shape)
-
-    return True
 
 
 @dataclass(frozen=True)

@@ -43,23 +43,19 @@ tensors costs the dispatcher ~5 us a call, a tenth of the op. Built like
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 
 import torch
 
 from . import cpu
 
-SOURCE = Path(__file__).with_name("cpu_m2r2.cpp")
-
 
 @functools.cache
 def available() -> bool:
     """True once ``leapfx_cpu::m2r2_gate`` is built and registered (built on the first call)."""
-    if hasattr(torch.ops, "leapfx_cpu") and hasattr(torch.ops.leapfx_cpu, "m2r2_gate"):
-        return True
-    if not cpu.load_extension("m2r2", SOURCE, "using the torch gate", (cpu.VEC_HEADER,)):
-        return False
+    return cpu.load_ops("m2r2", "m2r2_gate", "using the torch gate", _register_fakes)
 
+
+def _register_fakes() -> None:
     @torch.library.register_fake("leapfx_cpu::m2r2_gate")
     def _fake(hidden, position_ids, weights, dims, params, cache, lengths):
         return hidden.new_empty((1, 1)), hidden.new_empty((1, 1, dims[7]))
@@ -75,8 +71,6 @@ def available() -> bool:
     def _fake_draft(hidden, position_ids, weights, dims, params, cache, lengths, earlier):
         out = (hidden.new_empty((1, 1, dims[7])), hidden.new_empty((1, 1, dims[1])))
         return (*out, hidden.new_empty((dims[0], 2, dims[4], dims[2])))
-
-    return True
 
 
 def pack_gate(

@@ -30,23 +30,19 @@ Built like :mod:`leapfx.kernels.cpu`'s kernels (its own extension, on first use)
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 
 import torch
 
 from . import cpu
 
-SOURCE = Path(__file__).with_name("cpu_specee.cpp")
-
 
 @functools.cache
 def available() -> bool:
     """True once ``leapfx_cpu::exit_check`` is built and registered (built on the first call)."""
-    if hasattr(torch.ops, "leapfx_cpu") and hasattr(torch.ops.leapfx_cpu, "exit_check"):
-        return True
-    if not cpu.load_extension("specee", SOURCE, "using the torch exit check", (cpu.VEC_HEADER,)):
-        return False
+    return cpu.load_ops("specee", "exit_check", "using the torch exit check", _register_fakes)
 
+
+def _register_fakes() -> None:
     @torch.library.register_fake("leapfx_cpu::exit_check")
     def _fake(hidden, norm_w, head_w, candidates, p_prev, mlp, eps, offset, with_mlp, threshold):
         b, k = hidden.shape[0], candidates.shape[0]
@@ -54,8 +50,6 @@ def available() -> bool:
         rows = torch.library.get_ctx().new_dynamic_size()
         prob = hidden.new_empty((b if with_mlp else 0,))
         return prob, hidden.new_empty((b, k)), hidden.new_empty((rows, head_w.shape[0]))
-
-    return True
 
 
 def pack_mlp(first: torch.Tensor, first_bias: torch.Tensor, last: torch.Tensor,

@@ -85,16 +85,12 @@ def greedy_accept_triton(
     draft_tokens: torch.Tensor, target_logits: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The Triton implementation (needs triton; CUDA tensors, or CPU under TRITON_INTERPRET=1)."""
-    if not HAS_TRITON:
-        raise RuntimeError(
-            "greedy_accept_triton needs triton: pip install -e '.[triton]' in leapfx's checkout"
-        )
+    _triton.require("greedy_accept_triton")
     _check(draft_tokens, target_logits)
     B, d = draft_tokens.shape
     V = target_logits.shape[2]
     device = target_logits.device
-    n_accepted = torch.empty(B, dtype=torch.long, device=device)  # [B]
-    next_token = torch.empty(B, dtype=torch.long, device=device)  # [B]
+    n_accepted, next_token = _triton.accept_outputs(B, device)
     if B == 0:
         return n_accepted, next_token
     tokens = torch.empty(B, d + 1, dtype=torch.long, device=device)  # [B, d+1] argmax

@@ -154,17 +154,11 @@ def speculative_accept_triton(
     u_sample: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The Triton implementation (needs triton; CUDA tensors, or CPU under TRITON_INTERPRET=1)."""
-    if not HAS_TRITON:
-        raise RuntimeError(
-            "speculative_accept_triton needs triton: pip install -e '.[triton]' "
-            "in leapfx's checkout"
-        )
+    _triton.require("speculative_accept_triton")
     _check(draft_tokens, draft_probs, target_probs, u_accept, u_sample)
     B, d = draft_tokens.shape
     V = target_probs.shape[2]
-    device = target_probs.device
-    n_accepted = torch.empty(B, dtype=torch.long, device=device)  # [B]
-    next_token = torch.empty(B, dtype=torch.long, device=device)  # [B]
+    n_accepted, next_token = _triton.accept_outputs(B, target_probs.device)
     if B == 0:
         return n_accepted, next_token
     # With d = 0 draft_probs is empty: pass target_probs as a never-read stand-in pointer.

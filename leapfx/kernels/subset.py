@@ -101,10 +101,7 @@ def subset_logits_triton(
     hidden: torch.Tensor, weight: torch.Tensor, indices: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The Triton implementation (needs triton; CUDA tensors, or CPU under TRITON_INTERPRET=1)."""
-    if not HAS_TRITON:
-        raise RuntimeError(
-            "subset_logits_triton needs triton: pip install -e '.[triton]' in leapfx's checkout"
-        )
+    _triton.require("subset_logits_triton")
     _check(hidden, weight, indices)
     B, H = hidden.shape
     K = indices.shape[0]
