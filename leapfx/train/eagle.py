@@ -35,7 +35,6 @@ Example::
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,15 +45,20 @@ from torch.func import functional_call
 
 from leapfx.options import check_bool, check_int, check_number
 from leapfx.parts.eagle import write_eagle_head
-from leapfx.parts.io import host_signature
 from leapfx.passes.capture import decoder_pieces
-from leapfx.passes.draft_vocab import install_ranking, ranking_of, token_ranking
+from leapfx.passes.draft_vocab import install_ranking, token_ranking
 from leapfx.passes.eagle_head import eagle_head_of, previous_hidden
-from leapfx.runtime.masks import masks_for
 from leapfx.train.features import TeacherFeatures, tokens_digest
 from leapfx.train.fit_checkpoint import start_fit, train_module
-from leapfx.train.fit_options import fit_config, on_plain_stages, optimizer_step
-from leapfx.train.kangaroo import kangaroo_loss, sample_windows, token_stream
+from leapfx.train.fit_options import optimizer_step, parts_fit
+from leapfx.train.kangaroo import (
+    FitResult,
+    kangaroo_loss,
+    parts_record,
+    sample_windows,
+    token_stream,
+    window_inputs,
+)
 
 
 @dataclass(frozen=True)
@@ -93,21 +97,12 @@ class EagleFitConfig:
 
 
 @dataclass
-class EagleFitResult:
-    """What ``fit`` did: per-step losses, and held-out agreement when ``eval_data`` was given."""
+class EagleFitResult(FitResult):
+    """What ``fit`` did: Kangaroo's record (``losses``: w_reg * L_reg + w_cls * L_cls; held-out
+    agreement with the host when ``eval_data`` was given) and the loss's two terms."""
 
-    steps: int  # steps asked for; len(losses) ran (fewer when max_minutes stopped it)
-    losses: list[float] = field(default_factory=list)  # w_reg * L_reg + w_cls * L_cls
     reg_losses: list[float] = field(default_factory=list)
     cls_losses: list[float] = field(default_factory=list)
-    tokens: int = 0
-    seconds: float = 0.0
-    agreement_before: float | None = None  # held-out top-1 agreement with the host
-    agreement_after: float | None = None
-
-    @property
-    def final_loss(self) -> float:
-        return self.losses[-1] if self.losses else float("nan")
 
 
 @torch.no_grad()
@@ -133,22 +128,14 @@ def head_outputs(
     Position t reads h_{t-1} (+ ``noise`` [B, S, D] if given) and x_t; gradients reach the
     head's parameters only.
     """
-    model = sm.hf_model
     head = eagle_head_of(sm.graph_module)
-    parts = decoder_pieces(model)
-    weight = next(model.parameters())
-    n = input_ids.shape[1]
+    parts = decoder_pieces(sm.hf_model)
     with torch.no_grad():
         prev = previous_hidden(hidden)  # [B, S, D]
         if noise is not None:
             prev = prev + noise
         embeds = parts.embed(input_ids)  # [B, S, D]
-        position_ids = torch.arange(n, device=input_ids.device)[None]  # [1, S]
-        rope = parts.rotary(embeds, position_ids)
-        masks = masks_for(
-            model.config._attn_implementation, [head.attn_kind], 0, n,
-            window=parts.sliding_window, dtype=weight.dtype, device=weight.device,
-        )  # fmt: skip
+    position_ids, rope, masks = window_inputs(sm.hf_model, parts, embeds, [head.attn_kind])
     g = head(prev, embeds, rope, masks[head.attn_kind], position_ids)
     frozen_norm = {k: v.detach() for k, v in parts.norm.named_parameters()}
     frozen_head = {k: v.detach() for k, v in parts.head.named_parameters()}
@@ -181,16 +168,8 @@ def evaluate_agreement(sm, data: Any, *, tokenizer=None, seq_len: int = 256) -> 
     return agree / count
 
 
-@on_plain_stages
-def fit(
-    sm,
-    data: Any,
-    *,
-    tokenizer=None,
-    eval_data: Any = None,
-    checkpoint_dir: str | Path | None = None,
-    **options: Any,
-):
+@parts_fit(EagleFitConfig)
+def fit(sm, data: Any, config: EagleFitConfig, tokenizer, eval_data, checkpoint_dir):
     """Train the EAGLE head of ``sm`` on ``data``; returns an EagleFitResult.
 
     ``options`` are the fields of :class:`EagleFitConfig`. Only the head's parameters change;
@@ -201,8 +180,6 @@ def fit(
     ``checkpoint_dir``: resumable (``train.fit_checkpoint``): a run finds its checkpoint
     there and continues; every ``checkpoint_every`` steps and at the end it writes one.
     """
-    also = ("tokenizer", "eval_data", "checkpoint_dir")
-    config = fit_config(EagleFitConfig, options, also=also, model=sm.hf_model)
     cached = data if isinstance(data, TeacherFeatures) else None
     num_layers = sm.config.num_hidden_layers
     source = cached.tokens if cached is not None else data
@@ -272,13 +249,5 @@ def host_logits(sm, hidden: torch.Tensor) -> torch.Tensor:
 
 def save_parts(sm, path: str | Path, *, extra: dict[str, Any] | None = None) -> Path:
     """Write the head of ``sm`` and its recipe options (see parts.eagle)."""
-    options = {k: v for k, v in dataclasses.asdict(sm.options).items() if k != "parts"}
-    return write_eagle_head(
-        eagle_head_of(sm.graph_module),
-        path,
-        recipe=sm.recipe.name,
-        options=options,
-        host=host_signature(sm.config),
-        extra=extra,
-        ranking=ranking_of(sm.graph_module),
-    )
+    record = parts_record(sm, "parts")
+    return write_eagle_head(eagle_head_of(sm.graph_module), path, **record, extra=extra)

@@ -9,7 +9,9 @@ unknown option fails at once and lists the valid ones.
 Each trainer's ``fit`` is wrapped in :func:`on_plain_stages`: where the model's eager stages run
 leapfx's CPU kernels (``rewrite.apply``'s default on a float32 CPU model), they hold packed
 copies of weights that training changes, so training runs on the plain stages and the kernel
-stages are packed again from the trained weights afterwards.
+stages are packed again from the trained weights afterwards. The drafter trainers' ``fit``
+(Kangaroo's, EAGLE's, M2R2's) share one front, :func:`parts_fit`: the same keyword arguments,
+the options checked into the config, and training on plain stages.
 """
 
 from __future__ import annotations
@@ -37,6 +39,29 @@ def on_plain_stages(fit: Callable) -> Callable:
         return result
 
     return run
+
+
+def parts_fit(config_type: type) -> Callable[[Callable], Callable]:
+    """The front every drafter trainer's ``fit`` shares (Kangaroo's, EAGLE's, M2R2's):
+    ``fit(sm, data, *, tokenizer=None, eval_data=None, checkpoint_dir=None, **options)`` checks
+    ``options`` against ``config_type`` (:func:`fit_config`) and calls the decorated
+    ``train(sm, data, config, tokenizer, eval_data, checkpoint_dir)``, on plain stages
+    (:func:`on_plain_stages`)."""
+
+    def wrap(train: Callable) -> Callable:
+        def fit(
+            sm, data: Any, *, tokenizer=None, eval_data: Any = None, checkpoint_dir=None,
+            **options: Any,
+        ) -> Any:  # fmt: skip
+            also = ("tokenizer", "eval_data", "checkpoint_dir")
+            config = fit_config(config_type, options, also=also, model=sm.hf_model)
+            return train(sm, data, config, tokenizer, eval_data, checkpoint_dir)
+
+        for name in ("__module__", "__name__", "__qualname__", "__doc__"):
+            setattr(fit, name, getattr(train, name))  # not __wrapped__: fit's signature stands
+        return on_plain_stages(fit)
+
+    return wrap
 
 
 def fit_config(

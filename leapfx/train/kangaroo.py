@@ -49,7 +49,7 @@ from leapfx.passes.draft_vocab import install_ranking, ranking_of, token_ranking
 from leapfx.runtime.masks import masks_for
 from leapfx.train.features import TeacherFeatures, tokens_digest
 from leapfx.train.fit_checkpoint import start_fit, train_module
-from leapfx.train.fit_options import fit_config, on_plain_stages, optimizer_step
+from leapfx.train.fit_options import optimizer_step, parts_fit
 
 
 @dataclass(frozen=True)
@@ -157,6 +157,33 @@ def sample_windows(
     return torch.stack([stream[i : i + s] for i in starts.tolist()])
 
 
+@torch.no_grad()
+def window_inputs(
+    model, parts, x: torch.Tensor, kinds
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor], dict]:
+    """What a decoder layer reads besides its hidden states on whole windows from position 0:
+    ``(position_ids [1, S], the rotary embeddings of x [B, S, D] at them, the causal masks of
+    the attention kinds)``, the masks in the model's dtype and on its device."""
+    weight = next(model.parameters())
+    n = x.shape[1]
+    position_ids = torch.arange(n, device=x.device)[None]  # [1, S]
+    rope = parts.rotary(x, position_ids)
+    masks = masks_for(
+        model.config._attn_implementation, kinds, 0, n,
+        window=parts.sliding_window, dtype=weight.dtype, device=weight.device,
+    )  # fmt: skip
+    return position_ids, rope, masks
+
+
+def parts_record(sm, *skip: str) -> dict[str, Any]:
+    """What a drafter's parts file records beside its weights (the keywords of its writer):
+    the recipe, its options but ``skip`` (the option naming the parts folder), the host and the
+    draft head's token ranking."""
+    options = {k: v for k, v in dataclasses.asdict(sm.options).items() if k not in skip}
+    return {"recipe": sm.recipe.name, "options": options, "host": host_signature(sm.config),
+            "ranking": ranking_of(sm.graph_module)}  # fmt: skip
+
+
 def adapter_and_target_logits(sm, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The adapter's logits (with autograd) and the full model's (without): both [B, S, V]."""
     model = sm.hf_model
@@ -173,18 +200,9 @@ def adapter_and_target_logits(sm, input_ids: torch.Tensor) -> tuple[torch.Tensor
 def adapter_logits(sm, features: torch.Tensor) -> torch.Tensor:
     """The adapter's logits [B, S, V] (with autograd) on the residual stream after layer l-1,
     ``features`` [B, S, H] (a whole window from position 0)."""
-    model = sm.hf_model
     adapter = adapter_of(sm.graph_module)
-    parts = decoder_pieces(model)
-    weight = next(model.parameters())
-    n = features.shape[1]
-    with torch.no_grad():
-        position_ids = torch.arange(n, device=features.device)[None]  # [1, S]
-        rope = parts.rotary(features, position_ids)
-        masks = masks_for(
-            model.config._attn_implementation, [adapter.attn_kind], 0, n,
-            window=parts.sliding_window, dtype=weight.dtype, device=weight.device,
-        )  # fmt: skip
+    parts = decoder_pieces(sm.hf_model)
+    _, rope, masks = window_inputs(sm.hf_model, parts, features, [adapter.attn_kind])
     hidden = adapter(features, rope, masks[adapter.attn_kind])  # [B, S, H]
     frozen = {k: v.detach() for k, v in parts.head.named_parameters()}
     return functional_call(parts.head, frozen, (hidden,))
@@ -218,15 +236,9 @@ def evaluate_loss(sm, data: Any, *, tokenizer=None, seq_len: int = 128) -> float
     return total / count
 
 
-@on_plain_stages
+@parts_fit(KangarooFitConfig)
 def fit(
-    sm,
-    data: Any,
-    *,
-    tokenizer=None,
-    eval_data: Any = None,
-    checkpoint_dir: str | Path | None = None,
-    **options: Any,
+    sm, data: Any, config: KangarooFitConfig, tokenizer, eval_data, checkpoint_dir
 ) -> FitResult:
     """Distil the Kangaroo adapter of ``sm`` on ``data`` (eq. 3); returns a FitResult.
 
@@ -237,8 +249,6 @@ def fit(
     states after layer l-1 and the last layer (``train.features``); ``checkpoint_dir``: a
     resumable run (``train.fit_checkpoint``), as EAGLE's ``fit``.
     """
-    also = ("tokenizer", "eval_data", "checkpoint_dir")
-    config = fit_config(KangarooFitConfig, options, also=also, model=sm.hf_model)
     cached = data if isinstance(data, TeacherFeatures) else None
     source = cached.tokens if cached is not None else data
     stream = token_stream(source, vocab_size=sm.config.vocab_size, tokenizer=tokenizer)
@@ -290,13 +300,5 @@ def fit(
 def save_adapter(sm, path: str | Path, *, extra: dict[str, Any] | None = None) -> Path:
     """Write the adapter of ``sm`` and its recipe options (see parts.kangaroo);
     ``extra``: more entries of its JSON file (a training run's summary)."""
-    options = {k: v for k, v in dataclasses.asdict(sm.options).items() if k != "adapter"}
-    return write_adapter(
-        adapter_of(sm.graph_module),
-        path,
-        recipe=sm.recipe.name,
-        options=options,
-        host=host_signature(sm.config),
-        ranking=ranking_of(sm.graph_module),
-        extra=extra,
-    )
+    record = parts_record(sm, "adapter")
+    return write_adapter(adapter_of(sm.graph_module), path, **record, extra=extra)

@@ -48,11 +48,10 @@ from leapfx.passes.accelerator import accelerator_of
 from leapfx.passes.capture import decoder_pieces
 from leapfx.passes.draft_vocab import install_ranking, ranking_of, token_ranking
 from leapfx.runtime.cache import StaticKVCache
-from leapfx.runtime.masks import masks_for
 from leapfx.train.features import tokens_digest
 from leapfx.train.fit_checkpoint import run_steps, start_fit
-from leapfx.train.fit_options import fit_config, on_plain_stages, optimizer_step
-from leapfx.train.kangaroo import kangaroo_loss, sample_windows, token_stream
+from leapfx.train.fit_options import optimizer_step, parts_fit
+from leapfx.train.kangaroo import kangaroo_loss, sample_windows, token_stream, window_inputs
 from leapfx.train.trainer import warmup_cosine
 
 CE_TARGETS = ("labels", "model")
@@ -162,13 +161,8 @@ def slow_pass(sm, ids: torch.Tensor) -> SlowPass:
         dtype=weight.dtype,
         device=weight.device,
     )
-    pos = torch.arange(S, device=ids.device)[None]
     h = parts.embed(ids)
-    rope = parts.rotary(h, pos)
-    masks = masks_for(
-        config._attn_implementation, parts.attn_kinds, 0, S,
-        window=parts.sliding_window, dtype=weight.dtype, device=weight.device,
-    )  # fmt: skip
+    pos, rope, masks = window_inputs(model, parts, h, parts.attn_kinds)
     hidden = [h]
     for layer, kind in zip(parts.layers, parts.attn_kinds, strict=True):
         h = layer(
@@ -368,16 +362,8 @@ def evaluate(
     return report
 
 
-@on_plain_stages
-def fit(
-    sm,
-    data: Any,
-    *,
-    tokenizer=None,
-    eval_data: Any = None,
-    checkpoint_dir: str | Path | None = None,
-    **options: Any,
-) -> FitResult:
+@parts_fit(M2R2FitConfig)
+def fit(sm, data: Any, config: M2R2FitConfig, tokenizer, eval_data, checkpoint_dir) -> FitResult:
     """Train the accelerator of ``sm`` on ``data`` (eq. 5); returns a FitResult.
 
     ``options`` are the fields of :class:`M2R2FitConfig`. Only the accelerator's parameters
@@ -389,8 +375,6 @@ def fit(
     stopped. ``max_minutes`` stops the adapters' steps early; the routers (``m2r2_exit``) train
     only once every adapter step has run.
     """
-    also = ("tokenizer", "eval_data", "checkpoint_dir")
-    config = fit_config(M2R2FitConfig, options, also=also, model=sm.hf_model)
     stream = token_stream(data, vocab_size=sm.config.vocab_size, tokenizer=tokenizer)
     acc = accelerator_of(sm.graph_module)
     # The training data's token ranking: the subset of draft_vocab, saved with the parts.
