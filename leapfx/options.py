@@ -24,7 +24,7 @@ ValueError: steps: 0 is invalid; allowed: an integer >= 1
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -190,6 +190,10 @@ class SavedOptions:
     def pick(self, name: str, given: Any, default: Any = None, *, key: str | None = None) -> Any:
         """``given`` if not None, else the saved ``key`` (``name``) if not None, else default."""
         return given if given is not None else self.get(key or name, default)
+
+    def picker(self, given: Any) -> Callable[[str, Any], Any]:
+        """``pick(name, default)`` of the options object ``given``'s field ``name``."""
+        return lambda name, default=None: self.pick(name, getattr(given, name), default)
 
     def require(
         self,

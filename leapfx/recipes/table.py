@@ -67,6 +67,19 @@ def _directory(option: str, value, allowed: str = "a directory written by "
     return os.fspath(value)
 
 
+def _saved(
+    option: str, value, read: Callable[[str], dict], *,
+    allowed: str = "a directory written by SpeculativeModel.save_parts", what: str = "parts",
+) -> tuple[str | None, SavedOptions]:  # fmt: skip
+    """A saved-parts option's directory (``_directory``) and the options saved there
+    (``read(directory)``); None and no saved options where the option is None. ``what``: how
+    errors name the directory."""
+    path = _directory(option, value, allowed)
+    if path is None:
+        return None, SavedOptions(what=what)
+    return path, SavedOptions(read(path), path, what=what)
+
+
 # Every recipe's options carry fuse_layers: run decoder layers through FuseDecoderLayers
 # (bitwise-identical math without nn.Module dispatch, ~25% faster per layer in eager mode).
 # False calls the HF layer modules themselves (their forward hooks then fire).
@@ -74,6 +87,16 @@ def _directory(option: str, value, allowed: str = "a directory written by "
 
 def _fuse(options) -> list[GraphPass]:
     return [FuseDecoderLayers()] if options.fuse_layers else []
+
+
+def _check_common(o, max_cache_len, *, draft_vocab: bool = False) -> None:
+    """The checks of the options every recipe has: ``max_cache_len`` (its value after the saved
+    parts, where they give one) and ``fuse_layers``; with ``draft_vocab``, that option (the
+    drafters whose head can compute a subset of the vocabulary)."""
+    _check_cache(max_cache_len)
+    check_bool("fuse_layers", o.fuse_layers)
+    if draft_vocab:
+        check_int("draft_vocab", o.draft_vocab, 1, none=True)
 
 
 @dataclass(frozen=True)
@@ -84,8 +107,7 @@ class AutoregressiveOptions:
     fuse_layers: bool = True
 
     def validate(self, num_layers: int) -> AutoregressiveOptions:
-        _check_cache(self.max_cache_len)
-        check_bool("fuse_layers", self.fuse_layers)
+        _check_common(self, self.max_cache_len)
         return self
 
 
@@ -100,8 +122,7 @@ class EarlyExitOptions:
     def validate(self, num_layers: int) -> EarlyExitOptions:
         e = default_exit_layer(num_layers) if self.exit_layer is None else self.exit_layer
         check_int("exit_layer", e, 1, num_layers - 1)
-        _check_cache(self.max_cache_len)
-        check_bool("fuse_layers", self.fuse_layers)
+        _check_common(self, self.max_cache_len)
         return dataclasses.replace(self, exit_layer=e)
 
 
@@ -172,8 +193,7 @@ class LayerSkipOptions(LookupFirstOptions):
         check_int("num_speculations", self.num_speculations, 1)
         _check_threshold("confidence_threshold", self.confidence_threshold)
         self.check_lookup()
-        _check_cache(self.max_cache_len)
-        check_bool("fuse_layers", self.fuse_layers)
+        _check_common(self, self.max_cache_len)
         return dataclasses.replace(self, exit_layer=e)
 
 
@@ -192,18 +212,15 @@ class LookupOptions:
     def validate(self, num_layers: int) -> LookupOptions:
         check_int("num_speculations", self.num_speculations, 1)
         _check_ngrams(self.max_ngram, self.min_ngram)
-        _check_cache(self.max_cache_len)
-        check_bool("fuse_layers", self.fuse_layers)
+        _check_common(self, self.max_cache_len)
         return self
 
 
-def _lookup_schedule(o: LookupOptions):
-    return partial(
-        lookup.lookup,
-        num_speculations=o.num_speculations,
-        max_ngram=o.max_ngram,
-        min_ngram=o.min_ngram,
-    )
+def _lookup_schedule(o: LookupOptions, loop: Callable = lookup.lookup, **more):
+    """``loop`` (prompt lookup's, or the ``auto`` recipe's) with the options' draft length and
+    n-gram sizes, and ``more`` of its keywords."""
+    return partial(loop, num_speculations=o.num_speculations, max_ngram=o.max_ngram,
+                   min_ngram=o.min_ngram, **more)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -219,13 +236,8 @@ class AutoOptions(LookupOptions):
 
 
 def _auto_schedule(o: AutoOptions):
-    return partial(
-        adaptive.auto,
-        num_speculations=o.num_speculations,
-        max_ngram=o.max_ngram,
-        min_ngram=o.min_ngram,
-        policies=adaptive.Policies(),  # one set a model: its costs carry over
-    )
+    # one set of policies a model: its costs carry over
+    return _lookup_schedule(o, adaptive.auto, policies=adaptive.Policies())
 
 
 def default_skip_layers(num_layers: int) -> tuple[int, ...]:
@@ -279,8 +291,7 @@ class SwiftOptions(LookupFirstOptions):
                 "decoding, from skip_layers)"
             )
         self.check_lookup()
-        _check_cache(self.max_cache_len)
-        check_bool("fuse_layers", self.fuse_layers)
+        _check_common(self, self.max_cache_len)
         return dataclasses.replace(self, skip_layers=skip, parts=path)
 
 
@@ -353,8 +364,7 @@ class QSpecOptions(LookupFirstOptions):
             skip = check_skip_set(skip, num_layers)
         check_int("num_speculations", self.num_speculations, 1)
         self.check_lookup()
-        _check_cache(self.max_cache_len)
-        check_bool("fuse_layers", self.fuse_layers)
+        _check_common(self, self.max_cache_len)
         return dataclasses.replace(self, draft_weights=fmt, head_weights=head, skip_layers=skip)
 
 
@@ -379,16 +389,22 @@ def _qspec_schedule(o: QSpecOptions):
     return partial(qspec.qspec, num_speculations=o.num_speculations, first=o.lookup_first())
 
 
+def _check_depth(path: str, meta: dict, num_layers: int, held: str) -> None:
+    """ValueError naming ``parts`` where the parts at ``path`` (``meta``: their JSON) are for a
+    model of another depth; ``held``: what they are, in the message ("was trained")."""
+    depth = meta.get("host", {}).get("num_hidden_layers")
+    if depth != num_layers:
+        raise ValueError(
+            f"parts: {path!r} {held} for another model: num_hidden_layers={depth!r} (model: "
+            f"{num_layers})"
+        )
+
+
 def saved_skip_set(path: str, num_layers: int) -> tuple[int, ...]:
     """The skip set saved in the swift parts at ``path``; ValueError naming ``parts`` where
     it was chosen for a model of another depth."""
     meta = read_skip_set(path)
-    chosen_for = meta.get("host", {}).get("num_hidden_layers")
-    if chosen_for != num_layers:
-        raise ValueError(
-            f"parts: {path!r} holds a skip set for another model: num_hidden_layers="
-            f"{chosen_for!r} (model: {num_layers})"
-        )
+    _check_depth(path, meta, num_layers, "holds a skip set")
     return check_skip_set(meta["options"]["skip_layers"], num_layers)
 
 
@@ -401,6 +417,11 @@ def default_kangaroo_exit_layer(num_layers: int) -> int:
     exits raise acceptance but lose end-to-end speed).
     """
     return max(1, min(num_layers - 1, -(-num_layers // 16)))
+
+
+def _exit_head_passes(o) -> list[GraphPass]:
+    """An exit head after ``exit_layer`` (``early_exit``, ``layerskip``), then fused layers."""
+    return [InsertExitHead(layer=o.exit_layer), *_fuse(o)]
 
 
 def _layerskip_schedule(o: LayerSkipOptions):
@@ -444,14 +465,9 @@ class KangarooOptions(LookupFirstOptions):
     draft_vocab: int | None = None
 
     def validate(self, num_layers: int) -> KangarooOptions:
-        saved = SavedOptions(what="adapter")
-        path = _directory("adapter", self.adapter, "a checkpoint directory")
-        if path is not None:
-            options = read_adapter_config(path, recipe="kangaroo").get("options", {})
-            saved = SavedOptions(options, path, what="adapter")
-
-        def pick(name: str, default):
-            return saved.pick(name, getattr(self, name), default)
+        path, saved = _saved("adapter", self.adapter, _adapter_options,
+                             allowed="a checkpoint directory", what="adapter")  # fmt: skip
+        pick = saved.picker(self)
 
         e = pick("exit_layer", default_kangaroo_exit_layer(num_layers))
         check_int("exit_layer", e, 1, num_layers - 1)
@@ -464,9 +480,7 @@ class KangarooOptions(LookupFirstOptions):
         _check_threshold("confidence_threshold", eta)
         self.check_lookup()
         cache_len = pick("max_cache_len", None)
-        _check_cache(cache_len)
-        check_bool("fuse_layers", self.fuse_layers)
-        check_int("draft_vocab", self.draft_vocab, 1, none=True)
+        _check_common(self, cache_len, draft_vocab=True)
         return dataclasses.replace(
             self,
             exit_layer=e,
@@ -477,15 +491,25 @@ class KangarooOptions(LookupFirstOptions):
         )
 
 
+def _drafter_parts(load: type, role: str, parts, draft_vocab: int | None) -> list[GraphPass]:
+    """The passes after a drafter's insertion: ``load`` its saved ``parts`` (where given), then
+    its draft head's vocabulary subset (``role``: the head's node) where ``draft_vocab`` asks
+    for one or the parts may hold a ranking."""
+    passes: list[GraphPass] = [] if parts is None else [load(path=parts)]
+    if parts is not None or draft_vocab is not None:
+        path = None if parts is None else os.fspath(parts)
+        passes.append(SubsetDraftHead(role=role, draft_vocab=draft_vocab, path=path))
+    return passes
+
+
+def _adapter_options(path: str) -> dict:
+    return read_adapter_config(path, recipe="kangaroo").get("options", {})
+
+
 def _kangaroo_passes(o: KangarooOptions) -> list[GraphPass]:
     # The adapter copies layer l's attention, so it goes before passes that replace layers.
     passes: list[GraphPass] = [InsertKangarooAdapter(exit_layer=o.exit_layer), *_fuse(o)]
-    if o.adapter is not None:
-        passes.append(LoadKangarooAdapter(path=o.adapter))
-    if o.adapter is not None or o.draft_vocab is not None:
-        path = None if o.adapter is None else os.fspath(o.adapter)
-        passes.append(SubsetDraftHead(role="adapter_head", draft_vocab=o.draft_vocab, path=path))
-    return passes
+    return passes + _drafter_parts(LoadKangarooAdapter, "adapter_head", o.adapter, o.draft_vocab)
 
 
 def default_fast_layers(num_layers: int) -> int:
@@ -494,10 +518,7 @@ def default_fast_layers(num_layers: int) -> int:
 
 
 def _parts_meta(parts) -> tuple[str | None, SavedOptions]:
-    path = _directory("parts", parts)
-    if path is None:
-        return None, SavedOptions()
-    return path, SavedOptions(read_parts_config(path).get("options", {}), path)
+    return _saved("parts", parts, lambda path: read_parts_config(path).get("options", {}))
 
 
 M2R2_NUM_SPECULATIONS = 3  # the paper's g (sec. 3.2)
@@ -554,9 +575,7 @@ class M2R2Options(LookupFirstOptions):
         if self.fast_keys is not None:
             check_int("fast_keys", self.fast_keys, 1)
         self.check_lookup()
-        _check_cache(self.max_cache_len)
-        check_bool("fuse_layers", self.fuse_layers)
-        check_int("draft_vocab", self.draft_vocab, 1, none=True)
+        _check_common(self, self.max_cache_len, draft_vocab=True)
         return dataclasses.replace(
             self, fast_layers=k, heads=heads, rank=rank, parts=path, num_speculations=gamma,
             confidence_threshold=float(eta),
@@ -617,8 +636,7 @@ class M2R2ExitOptions:
         if heads is not None:
             check_int("heads", heads, 1)
         rank = check_int("rank", saved.pick("rank", self.rank, 8), 1)
-        _check_cache(self.max_cache_len)
-        check_bool("fuse_layers", self.fuse_layers)
+        _check_common(self, self.max_cache_len)
         return dataclasses.replace(
             self, gates=gates, threshold=float(self.threshold), exit_gates=exit_gates,
             heads=heads, rank=rank, parts=path,
@@ -636,12 +654,9 @@ def _m2r2_passes(o) -> list[GraphPass]:
         )
     ]
     passes += _fuse(o)
-    if o.parts is not None:
-        passes.append(LoadAccelerator(path=o.parts))
-    if not exits and (o.parts is not None or o.draft_vocab is not None):
-        path = None if o.parts is None else os.fspath(o.parts)
-        passes.append(SubsetDraftHead(role="gate_head", draft_vocab=o.draft_vocab, path=path))
-    return passes
+    if exits:  # no draft head: nothing of draft_vocab
+        return passes + ([] if o.parts is None else [LoadAccelerator(path=o.parts)])
+    return passes + _drafter_parts(LoadAccelerator, "gate_head", o.parts, o.draft_vocab)
 
 
 # EAGLE's chain setting: 5 drafts a round (its chain experiments; EAGLE-2's tree has depth
@@ -674,21 +689,9 @@ class EagleOptions(LookupFirstOptions):
     draft_vocab: int | None = None
 
     def validate(self, num_layers: int) -> EagleOptions:
-        saved = SavedOptions(what="head")
-        path = _directory("parts", self.parts, "a parts directory")
-        if path is not None:
-            meta = read_eagle_config(path)
-            options = {**meta.get("options", {}), "init_layer": meta.get("init_layer")}
-            saved = SavedOptions(options, path, what="head")
-            trained = meta.get("host", {}).get("num_hidden_layers")
-            if trained != num_layers:
-                raise ValueError(
-                    f"parts: {path!r} was trained for another model: num_hidden_layers="
-                    f"{trained!r} (model: {num_layers})"
-                )
-
-        def pick(name: str, default):
-            return saved.pick(name, getattr(self, name), default)
+        path, saved = _saved("parts", self.parts, partial(_head_options, num_layers=num_layers),
+                             allowed="a parts directory", what="head")  # fmt: skip
+        pick = saved.picker(self)
 
         d = pick("max_draft_tokens", EAGLE_MAX_DRAFT_TOKENS)
         check_int("max_draft_tokens", d, 1)
@@ -700,9 +703,7 @@ class EagleOptions(LookupFirstOptions):
         saved.require("init_layer", init, trained=f"whose layer was copied from layer {copied}")
         self.check_lookup()
         cache_len = pick("max_cache_len", None)
-        _check_cache(cache_len)
-        check_bool("fuse_layers", self.fuse_layers)
-        check_int("draft_vocab", self.draft_vocab, 1, none=True)
+        _check_common(self, cache_len, draft_vocab=True)
         return dataclasses.replace(
             self,
             max_draft_tokens=d,
@@ -713,26 +714,20 @@ class EagleOptions(LookupFirstOptions):
         )
 
 
+def _head_options(path: str, num_layers: int) -> dict:
+    """The options saved with an EAGLE head (its ``init_layer`` among them); ValueError where
+    it was trained for a model of another depth."""
+    meta = read_eagle_config(path)
+    _check_depth(path, meta, num_layers, "was trained")
+    return {**meta.get("options", {}), "init_layer": meta.get("init_layer")}
+
+
 def _eagle_passes(o: EagleOptions) -> list[GraphPass]:
     # The head copies a host layer, so it goes before passes that replace layers.
     passes: list[GraphPass] = [InsertEagleHead(init_layer=o.init_layer)]
     if o.fuse_layers:
         passes += [FuseDecoderLayers(), FuseEagleHeadLayer()]
-    if o.parts is not None:
-        passes.append(LoadEagleHead(path=o.parts))
-    if o.parts is not None or o.draft_vocab is not None:
-        path = None if o.parts is None else os.fspath(o.parts)
-        passes.append(SubsetDraftHead(role="eagle_head", draft_vocab=o.draft_vocab, path=path))
-    return passes
-
-
-def _eagle_schedule(o: EagleOptions, gm: fx.GraphModule | None = None):
-    return partial(
-        eagle.eagle,
-        max_draft_tokens=o.max_draft_tokens,
-        confidence_threshold=o.confidence_threshold,
-        first=o.lookup_first(),
-    )
+    return passes + _drafter_parts(LoadEagleHead, "eagle_head", o.parts, o.draft_vocab)
 
 
 @dataclass(frozen=True)
@@ -806,6 +801,40 @@ def _full_only(gm: fx.GraphModule) -> Stages:
     return Stages(modules={"full": full_stage(gm)})
 
 
+def _drafting(*, drafts: str = "num_speculations", **fields) -> Recipe:
+    """A lossless draft-and-verify recipe: a round drafts at most ``o.<drafts>`` tokens (its
+    ``draft_option``) and a verify pass checks them and one more (its ``lookahead``)."""
+    return Recipe(lookahead=lambda o: getattr(o, drafts) + 1, lossless=True,
+                  draft_option=drafts, **fields)  # fmt: skip
+
+
+def _lookup_recipe(name: str, description: str, options_type: type, schedule) -> Recipe:
+    """A recipe that drafts by prompt lookup alone (``lookup``, ``auto``), its full stage
+    verifying."""
+    return _drafting(name=name, description=description, options_type=options_type,
+                     passes=_fuse, cut=_full_only, schedule=schedule, batch=_batch_lookup,
+                     lookup_refusal="it drafts by prompt lookup itself")  # fmt: skip
+
+
+def _chain_schedule(loop: Callable, drafts: str = "max_draft_tokens") -> Callable:
+    """A drafter's ``loop`` with the options' draft length (``drafts``), confidence threshold
+    and prompt-lookup drafter (``lookup_first``)."""
+
+    def schedule(o):
+        threshold, first = o.confidence_threshold, o.lookup_first()
+        return partial(loop, **{drafts: getattr(o, drafts)}, confidence_threshold=threshold,
+                       first=first)  # fmt: skip
+
+    return schedule
+
+
+def _eager_only(reason: str, export: str) -> Capabilities:
+    """Stages that run eager only: ``reason`` says why not Inductor, ``export`` why not ONNX."""
+    return Capabilities(compiles=False, eager_reason=reason, exportable=False,
+                        export_refusal=f"its stages run eager only: {export}; use the eager "
+                        "backend")  # fmt: skip
+
+
 RECIPES: dict[str, Recipe] = {
     r.name: r
     for r in (
@@ -820,41 +849,25 @@ RECIPES: dict[str, Recipe] = {
             lossless=True,
             batch=lambda o: BatchPlan("none"),
         ),
-        Recipe(
-            name="lookup",
-            description="prompt-lookup (n-gram) drafts, full-model verify (lossless, no training)",
-            options_type=LookupOptions,
-            passes=_fuse,
-            cut=_full_only,
-            schedule=_lookup_schedule,
-            lookahead=lambda o: o.num_speculations + 1,
-            lossless=True,
-            draft_option="num_speculations",
-            lookup_refusal="it drafts by prompt lookup itself",
-            batch=_batch_lookup,
-        ),
-        Recipe(
-            name="auto",
-            description="adaptive drafter: lookup drafts only where they pay, else plain steps",
-            options_type=AutoOptions,
-            passes=_fuse,
-            cut=_full_only,
-            schedule=_auto_schedule,
-            lookahead=lambda o: o.num_speculations + 1,
-            lossless=True,
-            draft_option="num_speculations",
-            lookup_refusal="it drafts by prompt lookup itself",
-            batch=_batch_lookup,
-        ),
-        Recipe(
+        _lookup_recipe(
+            "lookup",
+            "prompt-lookup (n-gram) drafts, full-model verify (lossless, no training)",
+            LookupOptions,
+            _lookup_schedule,
+        ),  # fmt: skip
+        _lookup_recipe(
+            "auto",
+            "adaptive drafter: lookup drafts only where they pay, else plain steps",
+            AutoOptions,
+            _auto_schedule,
+        ),  # fmt: skip
+        _drafting(
             name="swift",
             description="SWIFT layer-skip drafts, full-model verify (lossless, no training)",
             options_type=SwiftOptions,
             passes=lambda o: [*_fuse(o), DraftSkipSet(layers=o.skip_layers)],
             cut=swift_stages,
             schedule=_swift_schedule,
-            lookahead=lambda o: o.num_speculations + 1,
-            lossless=True,
             # nothing trains; the parts are the skip set (SpeculativeModel.calibrate finds it)
             training=swift.SwiftParts,
             parts_option="parts",
@@ -863,101 +876,73 @@ RECIPES: dict[str, Recipe] = {
                 eager_reason="its layer-skipped draft stage's Inductor path is not written",
                 export_refusal_for=_swift_export_refusal,
             ),
-            draft_option="num_speculations",
             batch=_batch_stage("swift"),
         ),
-        Recipe(
+        _drafting(
             name="qspec",
             description="a quantized copy of the model drafts, float verify (lossless, untrained)",
             options_type=QSpecOptions,
             passes=_qspec_passes,
             cut=qspec_stages,
             schedule=_qspec_schedule,
-            lookahead=lambda o: o.num_speculations + 1,
-            lossless=True,
-            capabilities=Capabilities(
-                compiles=False,
-                eager_reason="its draft's quantized blocks run leapfx's CPU block kernels, "
-                "which have no Inductor or ONNX path",
-                exportable=False,
-                export_refusal="its stages run eager only: its draft's quantized blocks run "
-                "leapfx's CPU block kernels, which have no ONNX path (a float export of the "
-                "copy would be the model itself); use the eager backend",
+            capabilities=_eager_only(
+                "its draft's quantized blocks run leapfx's CPU block kernels, which have no "
+                "Inductor or ONNX path",
+                "its draft's quantized blocks run leapfx's CPU block kernels, which have no ONNX "
+                "path (a float export of the copy would be the model itself)",
             ),
-            draft_option="num_speculations",
             batch=_batch_stage("qspec"),
         ),
         Recipe(
             name="early_exit",
             description="LayerSkip early-exit inference (lossy)",
             options_type=EarlyExitOptions,
-            passes=lambda o: [InsertExitHead(layer=o.exit_layer), *_fuse(o)],
+            passes=_exit_head_passes,
             cut=early_exit_stages,
             schedule=lambda o: partial(schedules.early_exit, exit_layer=o.exit_layer),
             lookahead=lambda o: 1,
             lossless=False,
             batch_refusal=_LOSSY_BATCH,
         ),
-        Recipe(
+        _drafting(
             name="layerskip",
             description="LayerSkip self-speculative decoding (lossless)",
             options_type=LayerSkipOptions,
-            passes=lambda o: [InsertExitHead(layer=o.exit_layer), *_fuse(o)],
+            passes=_exit_head_passes,
             cut=partition,
             schedule=_layerskip_schedule,
-            lookahead=lambda o: o.num_speculations + 1,
-            lossless=True,
-            draft_option="num_speculations",
             # greedy rounds of d exit-head drafts; its draft stage is verify's lower part
             capabilities=Capabilities(has_chain=True, split_verify=True),
             batch=_batch_stage("layerskip"),
         ),
-        Recipe(
+        _drafting(
             name="kangaroo",
             description="Kangaroo: shallow layers + adapter draft, dynamic length (lossless)",
             options_type=KangarooOptions,
             passes=_kangaroo_passes,
             cut=partition,
-            schedule=lambda o: partial(
-                kangaroo.kangaroo,
-                max_draft_tokens=o.max_draft_tokens,
-                confidence_threshold=o.confidence_threshold,
-                first=o.lookup_first(),
-            ),
-            lookahead=lambda o: o.max_draft_tokens + 1,
-            lossless=True,
+            schedule=_chain_schedule(kangaroo.kangaroo),
+            drafts="max_draft_tokens",
             training="kangaroo",
             parts_option="adapter",
-            draft_option="max_draft_tokens",
             batch=_batch_stage("kangaroo", "max_draft_tokens"),
         ),
-        Recipe(
+        _drafting(
             name="m2r2",
             description="M2R2: accelerated-residual drafts, slow verification (lossless)",
             options_type=M2R2Options,
             passes=_m2r2_passes,
             cut=fast_stream_stages,
-            schedule=lambda o: partial(
-                m2r2.m2r2,
-                num_speculations=o.num_speculations,
-                confidence_threshold=o.confidence_threshold,
-                first=o.lookup_first(),
-            ),
-            lookahead=lambda o: o.num_speculations + 1,
-            lossless=True,
+            schedule=_chain_schedule(m2r2.m2r2, "num_speculations"),
             training="m2r2",
             parts_option="parts",
-            capabilities=Capabilities(
-                compiles=False,
-                eager_reason="its fast stream keeps per-sequence scratch state (FastScratch), "
-                "a Python object that neither Inductor nor ONNX traces",
-                exportable=False,
-                export_refusal="its stages run eager only: its fast stream (the draft stage) "
-                "takes per-sequence scratch state (FastScratch), a Python object that "
-                "torch.export does not trace, and no ONNX input stands for it yet; use the "
-                "eager backend",
+            capabilities=_eager_only(
+                "its fast stream keeps per-sequence scratch state (FastScratch), a Python object "
+                "that neither Inductor nor ONNX traces",
+                "its fast stream (the draft stage) takes per-sequence scratch state "
+                "(FastScratch), a Python object that torch.export does not trace, and no ONNX "
+                "input stands for it yet",
             ),
-            draft_option="num_speculations",
             batch_refusal="its fast stream keeps per-sequence scratch state (FastScratch)",
         ),
         Recipe(
@@ -976,29 +961,23 @@ RECIPES: dict[str, Recipe] = {
             lossless=False,
             training="m2r2",
             parts_option="parts",
-            capabilities=Capabilities(
-                compiles=False,
-                eager_reason="its per-layer gates decide each token's exit on the host between "
-                "per-layer stages",
-                exportable=False,
-                export_refusal="its stages run eager only: its per-layer gates decide each "
-                "token's exit on the host between per-layer stages, and the onnxruntime "
-                "executor has no such schedule; use the eager backend",
+            capabilities=_eager_only(
+                "its per-layer gates decide each token's exit on the host between per-layer stages",
+                "its per-layer gates decide each token's exit on the host between per-layer "
+                "stages, and the onnxruntime executor has no such schedule",
             ),
             batch_refusal=_LOSSY_BATCH,
         ),
-        Recipe(
+        _drafting(
             name="eagle",
             description="EAGLE: one-layer draft head on the last hidden state, chain (lossless)",
             options_type=EagleOptions,
             passes=_eagle_passes,
             cut=eagle_stages,
-            schedule=_eagle_schedule,
-            lookahead=lambda o: o.max_draft_tokens + 1,
-            lossless=True,
+            schedule=_chain_schedule(eagle.eagle),
+            drafts="max_draft_tokens",
             training="eagle",
             parts_option="parts",
-            draft_option="max_draft_tokens",
             batch=_batch_eagle,
         ),
         Recipe(
