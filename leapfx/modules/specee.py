@@ -95,16 +95,26 @@ class LayerExit(nn.Module):
         """``hidden`` [B, S, H] (h_l) -> (exit probability [B], p_l [B, k]).
 
         ``with_mlp=False`` computes p_l only (the layer below an active one: D needs it)."""
+        prob, p, _ = self._exit(hidden, candidates, p_prev, with_mlp)
+        return prob, p
+
+    def _exit(
+        self, hidden: torch.Tensor, candidates: torch.Tensor, p_prev: torch.Tensor | None,
+        with_mlp: bool, threshold: float | None = None,
+    ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:  # fmt: skip
+        """What ``forward`` and ``check`` compute: ``(probability [B] or None without the MLP,
+        p_l [B, k], logits or None)``; the torch path leaves the logits to the head stage
+        (``threshold``: where a kernel returns them)."""
         norm, head = self._host
         # .forward and F.linear: the same math without nn.Module dispatch, which costs more
         # than the arithmetic at this size (the check runs on the decode's critical path).
         normed = norm.forward(hidden[:, -1])  # [B, H]
         x, p = exit_features(normed, head.weight, candidates, p_prev)
         if not with_mlp:
-            return None, p
+            return None, p, None
         first, last = self.mlp[0], self.mlp[2]
         a = torch.relu(F.linear(x.to(first.weight.dtype), first.weight, first.bias))  # [B, 512]
-        return torch.sigmoid(F.linear(a, last.weight, last.bias))[:, 0], p  # [B], [B, k]
+        return torch.sigmoid(F.linear(a, last.weight, last.bias))[:, 0], p, None  # [B], [B, k]
 
     def check(
         self,
@@ -120,8 +130,8 @@ class LayerExit(nn.Module):
         them), None where the caller computes them (here always: the torch path leaves them to
         the head stage).
         """
-        prob, p = self.forward(hidden, candidates, p_prev)
-        return float(prob), p, None
+        prob, p, logits = self._exit(hidden, candidates, p_prev, True, threshold)
+        return float(prob), p, logits
 
 
 class KernelLayerExit(LayerExit):
@@ -170,36 +180,17 @@ class KernelLayerExit(LayerExit):
             or (torch.is_grad_enabled() and hidden.requires_grad)
         )
 
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        candidates: torch.Tensor,
-        p_prev: torch.Tensor | None,
-        with_mlp: bool = True,
-    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+    def _exit(self, hidden, candidates, p_prev, with_mlp, threshold=None):
+        """LayerExit's forward and check in one call, the full logits included where the check
+        fires (``threshold``)."""
         if self._torch_path(hidden):
-            return super().forward(hidden, candidates, p_prev, with_mlp)
+            return super()._exit(hidden, candidates, p_prev, with_mlp)
         mlp = self._mlp_packed() if with_mlp else hidden
-        prob, p, _ = exit_check(
-            hidden, self._norm, self._head_weight, candidates, p_prev, mlp, with_mlp
-        )
-        return (prob if with_mlp else None), p
-
-    def check(
-        self,
-        hidden: torch.Tensor,
-        candidates: torch.Tensor,
-        p_prev: torch.Tensor | None,
-        threshold: float,
-    ) -> tuple[float, torch.Tensor, torch.Tensor | None]:
-        """LayerExit.check in one call, the full logits included where it fires."""
-        if self._torch_path(hidden):
-            return super().check(hidden, candidates, p_prev, threshold)
+        fires = {} if threshold is None else {"threshold": threshold}
         prob, p, logits = exit_check(
-            hidden, self._norm, self._head_weight, candidates, p_prev, self._mlp_packed(),
-            threshold=threshold,
-        )  # fmt: skip
-        return float(prob), p, logits
+            hidden, self._norm, self._head_weight, candidates, p_prev, mlp, with_mlp, **fires
+        )
+        return (prob if with_mlp else None), p, logits
 
 
 class SpecEEPredictors(nn.Module):

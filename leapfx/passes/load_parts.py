@@ -50,6 +50,8 @@ class LoadParts(GraphPass):
         must have been saved with; None: no host to check."""
         return None
 
+    # Each pass names the two functions (plain attributes, not fields):
+    # module_of(gm) -> the module, read(path) -> the metadata.
     def module_of(self, gm: fx.GraphModule) -> nn.Module:  # pragma: no cover - abstract
         raise NotImplementedError
 
@@ -96,11 +98,8 @@ class LoadKangarooAdapter(LoadParts):
     option: ClassVar[str] = "adapter"
     what: ClassVar[str] = "adapter"
 
-    def module_of(self, gm: fx.GraphModule) -> KangarooAdapter:
-        return adapter_of(gm)
-
-    def read(self, path: str) -> dict[str, Any]:
-        return kangaroo.read_adapter_config(path)
+    module_of = staticmethod(adapter_of)
+    read = staticmethod(kangaroo.read_adapter_config)
 
     def host_config(self, adapter: KangarooAdapter) -> Any:
         return adapter.attention.config
@@ -125,11 +124,8 @@ class LoadEagleHead(LoadParts):
     weights: ClassVar[str] = eagle.WEIGHTS
     what: ClassVar[str] = "EAGLE head"
 
-    def module_of(self, gm: fx.GraphModule) -> EagleHead:
-        return eagle_head_of(gm)
-
-    def read(self, path: str) -> dict[str, Any]:
-        return eagle.read_eagle_config(path)
+    module_of = staticmethod(eagle_head_of)
+    read = staticmethod(eagle.read_eagle_config)
 
     def host_config(self, head: EagleHead) -> Any:
         return head.layer.self_attn.config
@@ -148,11 +144,8 @@ class LoadSpecEEParts(LoadParts):
     provides: ClassVar[frozenset[str]] = frozenset({"exit-predictor-weights"})
     weights: ClassVar[str] = specee.WEIGHTS
 
-    def module_of(self, gm: fx.GraphModule) -> nn.Module:
-        return predictors_of(gm)
-
-    def read(self, path: str) -> dict[str, Any]:
-        return specee.read_parts_config(path)
+    module_of = staticmethod(predictors_of)
+    read = staticmethod(specee.read_parts_config)
 
     def check(self, bank: nn.Module, meta: dict[str, Any]) -> None:
         head = _lm_head(bank)
@@ -190,11 +183,8 @@ class LoadAccelerator(LoadParts):
     weights: ClassVar[str] = MODULE_WEIGHTS
     subset: ClassVar[bool] = True
 
-    def module_of(self, gm: fx.GraphModule) -> nn.Module:
-        return accelerator_of(gm)
-
-    def read(self, path: str) -> dict[str, Any]:
-        return m2r2.read_parts_config(path)
+    module_of = staticmethod(accelerator_of)
+    read = staticmethod(m2r2.read_parts_config)
 
     def host_config(self, acc: nn.Module) -> Any:
         return next(iter(acc.layers.values())).host.self_attn.config
