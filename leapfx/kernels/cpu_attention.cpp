@@ -388,13 +388,8 @@ at::Tensor attention_rows(const at::Tensor& q, const at::Tensor& k, const at::Te
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(leapfx_cpu, m) {
-  m.def("attention(Tensor q, Tensor k, Tensor v, Tensor positions, float scale) -> Tensor");
-  m.def(
-      "attention_rows(Tensor q, Tensor k, Tensor v, Tensor first, Tensor last, float scale) -> "
+  LEAPFX_CPU_OP(m, attention, "(Tensor q, Tensor k, Tensor v, Tensor positions, float scale) -> "
       "Tensor");
-}
-
-TORCH_LIBRARY_IMPL(leapfx_cpu, CPU, m) {
-  m.impl("attention", &attention);
-  m.impl("attention_rows", &attention_rows);
+  LEAPFX_CPU_OP(m, attention_rows, "(Tensor q, Tensor k, Tensor v, Tensor first, Tensor last, "
+      "float scale) -> Tensor");
 }

@@ -638,25 +638,15 @@ at::Tensor block_decoder_layer(
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(leapfx_cpu, m) {
-  m.def("block_mm(Tensor x, Tensor w, int fmt, int n, int k) -> Tensor");
-  m.def(
-      "block_gated_mlp(Tensor x, Tensor w_gate, Tensor w_up, int fmt_gu, int i, Tensor w_down, "
-      "int fmt_down, int k_out) -> Tensor");
-  m.def("block_dequantize(Tensor w, int fmt, int n, int k) -> Tensor");
-  m.def("block_rows(Tensor w, int fmt, int n, int k, Tensor index) -> Tensor");
-  m.def(
-      "block_decoder_layer(Tensor h, Tensor norm_in, float eps_in, float offset_in, Tensor wq, "
-      "Tensor wk, Tensor wv, int fmt_qkv, Tensor wo, int fmt_o, Tensor norm_post, "
+  LEAPFX_CPU_OP(m, block_mm, "(Tensor x, Tensor w, int fmt, int n, int k) -> Tensor");
+  LEAPFX_CPU_OP(m, block_gated_mlp, "(Tensor x, Tensor w_gate, Tensor w_up, int fmt_gu, int i, "
+      "Tensor w_down, int fmt_down, int k_out) -> Tensor");
+  LEAPFX_CPU_OP(m, block_dequantize, "(Tensor w, int fmt, int n, int k) -> Tensor");
+  LEAPFX_CPU_OP(m, block_rows, "(Tensor w, int fmt, int n, int k, Tensor index) -> Tensor");
+  LEAPFX_CPU_OP(m, block_decoder_layer, "(Tensor h, Tensor norm_in, float eps_in, float offset_in, "
+      "Tensor wq, Tensor wk, Tensor wv, int fmt_qkv, Tensor wo, int fmt_o, Tensor norm_post, "
       "float eps_post, float offset_post, Tensor w_gate, Tensor w_up, int fmt_gu, int i, "
       "Tensor w_down, int fmt_down, Tensor(a!) k_cache, Tensor(b!) v_cache, int start, "
       "Tensor cos, Tensor sin, Tensor positions, float scale, Tensor? starts=None, "
       "Tensor? first=None) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(leapfx_cpu, CPU, m) {
-  m.impl("block_mm", &block_mm);
-  m.impl("block_gated_mlp", &block_gated_mlp);
-  m.impl("block_dequantize", &block_dequantize);
-  m.impl("block_rows", &block_rows);
-  m.impl("block_decoder_layer", &block_decoder_layer);
 }

@@ -390,19 +390,11 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& index, const at::T
 }  // namespace
 
 TORCH_LIBRARY(leapfx_cpu, m) {
-  m.def("small_mm(Tensor x, Tensor wp, int n) -> Tensor");
-  m.def("gated_mlp(Tensor x, Tensor w_gate_up, int i2, Tensor w_down, int k_out) -> Tensor");
-  m.def("rms_norm(Tensor x, Tensor w, float eps, float offset) -> Tensor");
-  m.def("rope(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)");
-  m.def(
-      "moe_experts(Tensor x, Tensor index, Tensor weights, Tensor gate_up, Tensor down) -> "
+  LEAPFX_CPU_OP(m, small_mm, "(Tensor x, Tensor wp, int n) -> Tensor");
+  LEAPFX_CPU_OP(m, gated_mlp, "(Tensor x, Tensor w_gate_up, int i2, Tensor w_down, int k_out) -> "
       "Tensor");
-}
-
-TORCH_LIBRARY_IMPL(leapfx_cpu, CPU, m) {
-  m.impl("small_mm", &small_mm);
-  m.impl("gated_mlp", &gated_mlp);
-  m.impl("rms_norm", &rms_norm);
-  m.impl("rope", &rope);
-  m.impl("moe_experts", &moe_experts);
+  LEAPFX_CPU_OP(m, rms_norm, "(Tensor x, Tensor w, float eps, float offset) -> Tensor");
+  LEAPFX_CPU_OP(m, rope, "(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)");
+  LEAPFX_CPU_OP(m, moe_experts, "(Tensor x, Tensor index, Tensor weights, Tensor gate_up, "
+      "Tensor down) -> Tensor");
 }

@@ -413,21 +413,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> m2r2_predict(
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(leapfx_cpu, m) {
-  m.def(
-      "m2r2_gate(Tensor hidden, Tensor position_ids, Tensor weights, int[] dims, "
+  LEAPFX_CPU_OP(m, m2r2_gate, "(Tensor hidden, Tensor position_ids, Tensor weights, int[] dims, "
       "float[] params, Tensor[] cache, int[] lengths) -> (Tensor, Tensor)");
-  m.def(
-      "m2r2_draft(Tensor hidden, Tensor position_ids, Tensor weights, int[] dims, "
-      "float[] params, Tensor[] cache, int[] lengths, Tensor earlier) -> "
-      "(Tensor, Tensor, Tensor)");
-  m.def(
-      "m2r2_predict(Tensor hidden, Tensor position_ids, Tensor weights, int[] dims, "
+  LEAPFX_CPU_OP(m, m2r2_draft, "(Tensor hidden, Tensor position_ids, Tensor weights, int[] dims, "
+      "float[] params, Tensor[] cache, int[] lengths, Tensor earlier) -> (Tensor, Tensor, Tensor)");
+  LEAPFX_CPU_OP(m, m2r2_predict, "(Tensor hidden, Tensor position_ids, Tensor weights, int[] dims, "
       "float[] params, Tensor[] cache, int[] lengths, int[] qk, float[] qk_params, "
       "int[] sources, int experts, int top_k) -> (Tensor, Tensor, Tensor)");
-}
-
-TORCH_LIBRARY_IMPL(leapfx_cpu, CPU, m) {
-  m.impl("m2r2_gate", &m2r2_gate);
-  m.impl("m2r2_draft", &m2r2_draft);
-  m.impl("m2r2_predict", &m2r2_predict);
 }

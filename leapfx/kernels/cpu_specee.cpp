@@ -135,10 +135,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> exit_check(
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(leapfx_cpu, m) {
-  m.def(
-      "exit_check(Tensor hidden, Tensor norm_w, Tensor head_w, Tensor candidates, "
+  LEAPFX_CPU_OP(m, exit_check, "(Tensor hidden, Tensor norm_w, Tensor head_w, Tensor candidates, "
       "Tensor? p_prev, Tensor mlp, float eps, float offset, bool with_mlp, float threshold) -> "
       "(Tensor, Tensor, Tensor)");
 }
-
-TORCH_LIBRARY_IMPL(leapfx_cpu, CPU, m) { m.impl("exit_check", &exit_check); }

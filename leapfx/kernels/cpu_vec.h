@@ -1,11 +1,18 @@
 // Vector helpers shared by leapfx's CPU ops (cpu_gemm.cpp, cpu_attention.cpp, cpu_specee.cpp,
-// cpu_m2r2.cpp). Each op is
+// cpu_m2r2.cpp, cpu_blocks.cpp), and the macro that declares each op. Each op is
 // its own extension; this header is compiled into each (load_extension names the build after
 // the headers' contents too, so that a change here rebuilds them).
 #pragma once
 
+#include <torch/library.h>
+
 #include <cmath>
 #include <cstdint>
+
+// Declare the op `fn` of the leapfx_cpu library by its schema after the name, with `fn` as its
+// CPU kernel: one line an op, its name written once (a def and an impl would each repeat it).
+#define LEAPFX_CPU_OP(m, fn, schema) \
+  (m).def(#fn schema, torch::dispatch(c10::DispatchKey::CPU, &fn))
 
 namespace leapfx_vec {
 
