@@ -1,7 +1,8 @@
 """What the ``leapfx`` commands share: the flags several of them take, declared once here
-(``add_model``, ``add_threads``, ``add_device``, ``add_cpu_kernels``, ``add_progress``,
-``add_corpus_root``, ``add_model_training``), and the helpers that read them (``set_threads``,
-``_progress``, the reference model's shipped settings and parts).
+(``add_model``, ``add_threads``, ``add_seed``, ``add_device``, ``add_cpu_kernels``,
+``add_progress``, ``add_corpus_root``, ``add_model_training``; a command's own flags go through
+``add_flags``, a table), and the helpers that read them (``set_threads``, ``_progress``, the
+reference model's shipped settings and parts).
 
 A command passes ``help=`` where its flag says more than the shared text; the flag's name,
 type and default are the same in every command.
@@ -95,7 +96,7 @@ def _model_training_args(parser: argparse.ArgumentParser) -> None:
     ``train-moe-reference``); ``_model_training`` turns them into keyword arguments."""
     parser.add_argument("out", help="output directory (resumes if it holds a checkpoint)")
     parser.add_argument("--minutes", type=float, default=60.0)
-    parser.add_argument("--seed", type=int, default=0)
+    add_seed(parser)
     add_threads(parser)
     add_device(parser, help=DEVICE_TRAIN_HELP)
     add_corpus_root(parser)
@@ -124,6 +125,11 @@ def set_threads(args: argparse.Namespace) -> None:
         if args.threads < 1:
             raise ValueError(f"--threads: {args.threads} is invalid; allowed: an integer >= 1")
         torch.set_num_threads(args.threads)
+
+
+def add_seed(parser: argparse.ArgumentParser, **kw) -> None:
+    """``--seed``: an integer, 0 unless given (``help=`` says what it seeds)."""
+    parser.add_argument("--seed", type=int, default=0, **kw)
 
 
 def add_device(parser: argparse.ArgumentParser, **kw) -> None:
@@ -167,3 +173,10 @@ def add_quiet(parser: argparse.ArgumentParser, **kw) -> None:
 def add_corpus_root(parser: argparse.ArgumentParser, help: str = CORPUS_HELP) -> None:
     """``--corpus-root``: the stdlib folder a trainer reads (default: this Python's)."""
     parser.add_argument("--corpus-root", default=None, help=help)
+
+
+def add_flags(parser: argparse.ArgumentParser, flags: dict[str, dict]) -> None:
+    """Declare a command's own ``flags`` on ``parser``, in order: each flag with its
+    ``add_argument`` keywords (the flags commands share have their ``add_*`` above)."""
+    for flag, keywords in flags.items():
+        parser.add_argument(flag, **keywords)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from .common import CPU_KERNELS, add_cpu_kernels
+from .common import CPU_KERNELS, add_cpu_kernels, add_flags, add_seed
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -35,11 +35,13 @@ def _demo(args: argparse.Namespace) -> int:
 
 def add_parser(sub) -> None:
     demo = sub.add_parser("demo", help="layerskip on a tiny random model, checked against HF")
-    demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--exit-layer", type=int, default=2)
-    demo.add_argument("--num-speculations", type=int, default=4)
-    demo.add_argument("--max-new-tokens", type=int, default=64)
-    demo.add_argument("--json", action="store_true", help="print the result as JSON")
+    add_seed(demo)
+    add_flags(demo, {
+        "--exit-layer": dict(type=int, default=2),
+        "--num-speculations": dict(type=int, default=4),
+        "--max-new-tokens": dict(type=int, default=64),
+        "--json": dict(action="store_true", help="print the result as JSON"),
+    })  # fmt: skip
     add_cpu_kernels(
         demo,
         help="leapfx's CPU kernels: auto (on for a float32 model on a CPU where they build), "

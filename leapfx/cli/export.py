@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from .common import RECIPE_NAMES, _adapter, _reference_defaults, add_model
+from .common import RECIPE_NAMES, _adapter, _reference_defaults, add_flags, add_model
 
 EXPORT_DTYPES = ("float32", "float16")  # leapfx export --dtype
 EXPORT_FORMATS = ("leapfx", "genai")  # leapfx export --format (leapfx.export FORMATS)
@@ -94,23 +94,23 @@ def add_parser(sub) -> None:
         "the shipped reference model or with --exit-layer, kangaroo with --adapter, else auto "
         "as adaptive prompt lookup); one of " + ", ".join(RECIPE_NAMES),
     )
-    export.add_argument("--exit-layer", type=int, default=None)
-    export.add_argument("--num-speculations", type=int, default=None)
-    export.add_argument("--adapter", default=None, help="kangaroo adapter dir")
-    export.add_argument("--out", required=True, help="output directory (must not exist)")
-    export.add_argument(
-        "--format", choices=EXPORT_FORMATS, default="leapfx",
-        help="leapfx: the recipe's stages + manifest (OnnxModel, leapfx.deploy); genai: the "
-        "model as one standard decoder + genai_config.json + tokenizer (onnxruntime-genai, "
-        "optimum's ORTModelForCausalLM)",
-    )  # fmt: skip
-    export.add_argument("--overwrite", action="store_true", help="replace an existing export")
-    export.add_argument(
-        "--opset", type=int, default=23, help="ONNX opset, 18..23 (23: fewer nodes, faster)"
-    )
-    export.add_argument(
-        "--dtype", choices=EXPORT_DTYPES, default="float32",
-        help="weights and compute dtype of the export (default float32: onnxruntime's CPU "
-        "provider computes in float32; float16 halves the file)",
-    )  # fmt: skip
+    add_flags(export, {
+        "--exit-layer": dict(type=int, default=None),
+        "--num-speculations": dict(type=int, default=None),
+        "--adapter": dict(default=None, help="kangaroo adapter dir"),
+        "--out": dict(required=True, help="output directory (must not exist)"),
+        "--format": dict(
+            choices=EXPORT_FORMATS, default="leapfx",
+            help="leapfx: the recipe's stages + manifest (OnnxModel, leapfx.deploy); genai: the "
+            "model as one standard decoder + genai_config.json + tokenizer (onnxruntime-genai, "
+            "optimum's ORTModelForCausalLM)",
+        ),
+        "--overwrite": dict(action="store_true", help="replace an existing export"),
+        "--opset": dict(type=int, default=23, help="ONNX opset, 18..23 (23: fewer nodes, faster)"),
+        "--dtype": dict(
+            choices=EXPORT_DTYPES, default="float32",
+            help="weights and compute dtype of the export (default float32: onnxruntime's CPU "
+            "provider computes in float32; float16 halves the file)",
+        ),
+    })  # fmt: skip
     export.set_defaults(func=_export)

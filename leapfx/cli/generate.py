@@ -13,7 +13,9 @@ from .common import (
     add_cpu_kernels,
     add_device,
     add_dtype,
+    add_flags,
     add_model,
+    add_seed,
     add_threads,
     add_weights,
     set_threads,
@@ -144,23 +146,25 @@ def add_recipe_flags(parser: argparse.ArgumentParser, model: str | None = None) 
 
 def add_decoding(parser: argparse.ArgumentParser, max_new_tokens: int = 256) -> None:
     """How tokens are chosen and when decoding stops (``decoding`` reads them)."""
-    parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
-    parser.add_argument("--min-new-tokens", type=int, default=None, help="no EOS before it")
-    parser.add_argument("--temperature", type=float, default=0.0, help="> 0: sample")
-    parser.add_argument("--top-k", type=int, default=None, help="sampling: the k likeliest")
-    parser.add_argument("--top-p", type=float, default=None, help="sampling: nucleus mass")
-    parser.add_argument("--seed", type=int, default=0, help="sampling seed")
-    parser.add_argument(
-        "--repetition-penalty", type=float, default=None,
-        help="HF's repetition penalty (> 1 discourages repeats)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--no-repeat-ngram-size", type=int, default=None, help="no n-gram of this size twice"
-    )
-    parser.add_argument(
-        "--stop", action="append", metavar="TEXT",
-        help="stop once the text ends with TEXT (repeatable)",
-    )  # fmt: skip
+    add_flags(parser, {
+        "--max-new-tokens": dict(type=int, default=max_new_tokens),
+        "--min-new-tokens": dict(type=int, default=None, help="no EOS before it"),
+        "--temperature": dict(type=float, default=0.0, help="> 0: sample"),
+        "--top-k": dict(type=int, default=None, help="sampling: the k likeliest"),
+        "--top-p": dict(type=float, default=None, help="sampling: nucleus mass"),
+    })  # fmt: skip
+    add_seed(parser, help="sampling seed")
+    add_flags(parser, {
+        "--repetition-penalty": dict(
+            type=float, default=None,
+            help="HF's repetition penalty (> 1 discourages repeats)",
+        ),
+        "--no-repeat-ngram-size": dict(type=int, default=None, help="no n-gram of this size twice"),
+        "--stop": dict(
+            action="append", metavar="TEXT",
+            help="stop once the text ends with TEXT (repeatable)",
+        ),
+    })  # fmt: skip
 
 
 def add_parser(sub) -> None:
@@ -170,7 +174,9 @@ def add_parser(sub) -> None:
     gen.add_argument("prompt", nargs="?", default=None, help="the prompt (default: stdin)")
     add_recipe_flags(gen)
     add_decoding(gen)
-    gen.add_argument("--raw", action="store_true", help="no chat template")
-    gen.add_argument("--system", default=None, help="a system turn before the prompt")
-    gen.add_argument("--no-stream", action="store_true", help="print the answer at the end")
+    add_flags(gen, {
+        "--raw": dict(action="store_true", help="no chat template"),
+        "--system": dict(default=None, help="a system turn before the prompt"),
+        "--no-stream": dict(action="store_true", help="print the answer at the end"),
+    })  # fmt: skip
     gen.set_defaults(func=_generate)

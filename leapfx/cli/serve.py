@@ -7,7 +7,7 @@ import argparse
 import logging
 import sys
 
-from .common import RECIPE_NAMES
+from .common import RECIPE_NAMES, add_flags
 from .generate import add_recipe_flags, load
 
 
@@ -43,17 +43,21 @@ def add_parser(sub) -> None:
         "serve", help="an OpenAI-compatible server (continuous batching, streamed)"
     )
     add_recipe_flags(serve, model="smollm2")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--model-name", default=None,
-                       help="the model's id in the API (default: --model)")  # fmt: skip
-    serve.add_argument("--max-batch", type=int, default=8, help="rows decoded together at most")
-    serve.add_argument("--max-queue", type=int, default=64,
-                       help="requests waiting at most; past it a 429")  # fmt: skip
-    serve.add_argument("--max-len", type=int, default=2048,
-                       help="positions a request may use (prompt + new tokens)")  # fmt: skip
-    serve.add_argument("--graceful", type=float, default=60.0,
-                       help="seconds SIGTERM waits for requests in flight")  # fmt: skip
+    add_flags(serve, {
+        "--host": dict(default="127.0.0.1"),
+        "--port": dict(type=int, default=8000),
+        "--model-name": dict(default=None, help="the model's id in the API (default: --model)"),
+        "--max-batch": dict(type=int, default=8, help="rows decoded together at most"),
+        "--max-queue": dict(type=int, default=64, help="requests waiting at most; past it a 429"),
+        "--max-len": dict(
+            type=int, default=2048,
+            help="positions a request may use (prompt + new tokens)",
+        ),
+        "--graceful": dict(
+            type=float, default=60.0,
+            help="seconds SIGTERM waits for requests in flight",
+        ),
+    })  # fmt: skip
     serve.set_defaults(func=_serve)
     add_bench_parser(sub)
 
@@ -164,18 +168,22 @@ def add_bench_parser(sub) -> None:
         "serve-bench",
         help="load-test leapfx serve (and llama-cpp-python's server) with concurrent streams",
     )
-    bench.add_argument("--model", default="smollm2", help="the model both servers load")
-    bench.add_argument("--recipe", default="auto,autoregressive",
-                       help="leapfx serve's recipes, comma-separated: a system each")  # fmt: skip
-    bench.add_argument("--concurrency", default="1,2,4,8", help="concurrent streams to measure")
-    bench.add_argument("--prompt-set", default="chat", help="chat or humaneval")
-    bench.add_argument("--requests", type=int, default=16, help="prompts answered at each level")
-    bench.add_argument("--max-tokens", type=int, default=64)
-    bench.add_argument("--threads", type=int, default=None, help="each server's threads")
-    bench.add_argument(
-        "--no-llama-cpp", dest="llama_cpp", action="store_false",
-        help="leave out llama-cpp-python's server (it runs where it is installed)",
-    )  # fmt: skip
-    bench.add_argument("--json", default=None, help="write the rows here")
-    bench.add_argument("--plot", default=None, help="a PNG of throughput and p99 TTFT")
+    add_flags(bench, {
+        "--model": dict(default="smollm2", help="the model both servers load"),
+        "--recipe": dict(
+            default="auto,autoregressive",
+            help="leapfx serve's recipes, comma-separated: a system each",
+        ),
+        "--concurrency": dict(default="1,2,4,8", help="concurrent streams to measure"),
+        "--prompt-set": dict(default="chat", help="chat or humaneval"),
+        "--requests": dict(type=int, default=16, help="prompts answered at each level"),
+        "--max-tokens": dict(type=int, default=64),
+        "--threads": dict(type=int, default=None, help="each server's threads"),
+        "--no-llama-cpp": dict(
+            dest="llama_cpp", action="store_false",
+            help="leave out llama-cpp-python's server (it runs where it is installed)",
+        ),
+        "--json": dict(default=None, help="write the rows here"),
+        "--plot": dict(default=None, help="a PNG of throughput and p99 TTFT"),
+    })  # fmt: skip
     bench.set_defaults(func=_serve_bench)

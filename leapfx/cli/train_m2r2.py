@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from .common import _exit_gates, _progress, add_model, set_threads
+from .common import _exit_gates, _progress, add_flags, add_model, add_seed, set_threads
 from .train_parts import (
     add_data,
     add_out,
@@ -52,51 +52,56 @@ def add_parser(sub) -> None:
     )  # fmt: skip
     add_model(m2r2)
     add_data(m2r2)
-    m2r2.add_argument(
-        "--recipe", default="m2r2", choices=["m2r2", "m2r2_exit"],
-        help="m2r2_exit: the exit gates N/4, N/2, 3N/4 and their ARLA routers (the parts also "
-        "serve m2r2, whose gate is the first)",
-    )  # fmt: skip
-    m2r2.add_argument("--router-steps", type=int, default=300)
-    m2r2.add_argument("--init", default=None, help="parts to start from (resume)")
+    add_flags(m2r2, {
+        "--recipe": dict(
+            default="m2r2", choices=["m2r2", "m2r2_exit"],
+            help="m2r2_exit: the exit gates N/4, N/2, 3N/4 and their ARLA routers (the parts also "
+            "serve m2r2, whose gate is the first)",
+        ),
+        "--router-steps": dict(type=int, default=300),
+        "--init": dict(default=None, help="parts to start from (resume)"),
+    })  # fmt: skip
     add_steps(m2r2, steps=1500, seq_len=128, lr=2e-3)
-    m2r2.add_argument("--ce-target", default="model", choices=["labels", "model"])
-    m2r2.add_argument("--mse-weight", type=float, default=1.0, help="eq. 5's a1 (a0 is 1)")
-    m2r2.add_argument(
-        "--greedy-data", type=int, default=0, metavar="N",
-        help="train on N training-split windows (a quarter of --seq-len) continued by the "
-        "model's own greedy tokens instead of the corpus; 0: the corpus",
-    )  # fmt: skip
-    m2r2.add_argument(
-        "--chain", type=int, default=1,
-        help="m2r2: also train drafts 2..N of an unrolled draft chain (each reading the earlier "
-        "drafts' fast keys, as decoding does), CE averaged over the steps; 1: eq. 5 alone",
-    )  # fmt: skip
-    m2r2.add_argument(
-        "--route-weight", type=float, default=0.0,
-        help="MoE hosts: weight of the KL of layers 2i+2, 2i+3's routing predicted from fast "
-        "layer i (the offload's m2r2 prefetch); 0: eq. 5 alone",
-    )  # fmt: skip
-    m2r2.add_argument("--heads", type=int, default=None, help="fast query heads (sec. 2.5)")
-    m2r2.add_argument("--rank", type=int, default=None, help="adapter/LoRA rank (default 8)")
-    m2r2.add_argument(
-        "--num-speculations", type=int, default=None,
-        help="m2r2: drafts a round recorded in the parts (default 3, the paper's g)",
-    )  # fmt: skip
-    m2r2.add_argument(
-        "--confidence-threshold", type=float, default=None,
-        help="m2r2: confidence stop recorded in the parts (default 0: none)",
-    )  # fmt: skip
-    m2r2.add_argument(
-        "--fast-layers", type=int, default=None,
-        help="--recipe m2r2: the gate k (rate N/k; default 4); N/2 for the MoE offload's m2r2 "
-        "prefetch policy",
-    )  # fmt: skip
-    m2r2.add_argument(
-        "--exit-gates", default=None,
-        help="--recipe m2r2_exit: the gates whose ARLA routers decide, e.g. 4 (recorded in the "
-        "parts; default: every gate)",
-    )  # fmt: skip
-    m2r2.add_argument("--seed", type=int, default=0)
+    add_flags(m2r2, {
+        "--ce-target": dict(default="model", choices=["labels", "model"]),
+        "--mse-weight": dict(type=float, default=1.0, help="eq. 5's a1 (a0 is 1)"),
+        "--greedy-data": dict(
+            type=int, default=0, metavar="N",
+            help="train on N training-split windows (a quarter of --seq-len) continued by the "
+            "model's own greedy tokens instead of the corpus; 0: the corpus",
+        ),
+        "--chain": dict(
+            type=int, default=1,
+            help="m2r2: also train drafts 2..N of an unrolled draft chain (each reading the "
+            "earlier drafts' fast keys, as decoding does), CE averaged over the "
+            "steps; 1: eq. 5 alone",
+        ),
+        "--route-weight": dict(
+            type=float, default=0.0,
+            help="MoE hosts: weight of the KL of layers 2i+2, 2i+3's routing predicted from fast "
+            "layer i (the offload's m2r2 prefetch); 0: eq. 5 alone",
+        ),
+        "--heads": dict(type=int, default=None, help="fast query heads (sec. 2.5)"),
+        "--rank": dict(type=int, default=None, help="adapter/LoRA rank (default 8)"),
+        "--num-speculations": dict(
+            type=int, default=None,
+            help="m2r2: drafts a round recorded in the parts (default 3, the paper's g)",
+        ),
+        "--confidence-threshold": dict(
+            type=float, default=None,
+            help="m2r2: confidence stop recorded in the parts (default 0: none)",
+        ),
+        "--fast-layers": dict(
+            type=int, default=None,
+            help="--recipe m2r2: the gate k (rate N/k; default 4); N/2 for the MoE offload's "
+            "m2r2 prefetch policy",
+        ),
+        "--exit-gates": dict(
+            default=None,
+            help="--recipe m2r2_exit: the gates whose ARLA routers decide, e.g. 4 (recorded in "
+            "the parts; default: every gate)",
+        ),
+    })  # fmt: skip
+    add_seed(m2r2)
     add_run_flags(m2r2, device=False)
     m2r2.set_defaults(func=_train_m2r2)

@@ -18,9 +18,11 @@ from .common import (
     _progress,
     add_corpus_root,
     add_device,
+    add_flags,
     add_model,
     add_progress,
     add_quiet,
+    add_seed,
     add_threads,
     set_threads,
 )
@@ -56,14 +58,14 @@ def parts_out(args: argparse.Namespace, shipped: Path | None) -> Path:
 def add_data(parser: argparse.ArgumentParser) -> None:
     """``--data`` and the ``self`` data's budget (``--pairs``, ``--response-tokens``)."""
     parser.add_argument("--data", default="stdlib", help=DATA_HELP)
-    parser.add_argument("--pairs", type=int, default=256, help="--data self: pairs to generate")
-    parser.add_argument(
-        "--response-tokens", type=int, default=192, help="--data self: longest response"
-    )
-    parser.add_argument(
-        "--cache-dir", default=None,
-        help="teacher features, self data and checkpoints (default: $LEAPFX_CACHE/train)",
-    )  # fmt: skip
+    add_flags(parser, {
+        "--pairs": dict(type=int, default=256, help="--data self: pairs to generate"),
+        "--response-tokens": dict(type=int, default=192, help="--data self: longest response"),
+        "--cache-dir": dict(
+            default=None,
+            help="teacher features, self data and checkpoints (default: $LEAPFX_CACHE/train)",
+        ),
+    })  # fmt: skip
 
 
 def self_options(args: argparse.Namespace):
@@ -86,45 +88,43 @@ def add_drafter_training(
     add_model(parser)
     add_data(parser)
     add_steps(parser, steps=steps, seq_len=seq_len, lr=lr)
-    parser.add_argument("--seed", type=int, default=0, help="batches, noise and self data")
-    parser.add_argument(
-        "--features", type=int, default=512,
-        help="windows of --seq-len whose teacher states are collected once and cached (0: the "
-        "model runs at every step on random windows)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--resume", action="store_true",
-        help="start from the parts already in --out (continue a finished run; give another "
-        "--seed so it draws other batches)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--draft-vocab", type=int, default=None,
-        help="also report the held-out agreement of drafts over the N most frequent tokens",
-    )  # fmt: skip
-    parser.add_argument(
-        "--held-out-tokens", type=int, default=32768, help="tokens of the held-out report"
-    )
+    add_seed(parser, help="batches, noise and self data")
+    add_flags(parser, {
+        "--features": dict(
+            type=int, default=512,
+            help="windows of --seq-len whose teacher states are collected once and cached (0: the "
+            "model runs at every step on random windows)",
+        ),
+        "--resume": dict(
+            action="store_true",
+            help="start from the parts already in --out (continue a finished run; give another "
+            "--seed so it draws other batches)",
+        ),
+        "--draft-vocab": dict(
+            type=int, default=None,
+            help="also report the held-out agreement of drafts over the N most frequent tokens",
+        ),
+        "--held-out-tokens": dict(type=int, default=32768, help="tokens of the held-out report"),
+    })  # fmt: skip
     add_run_flags(parser)
 
 
 def add_steps(parser: argparse.ArgumentParser, *, steps: int, seq_len: int, lr: float) -> None:
     """How long a resumable training run runs and on what batches: ``--steps``, ``--minutes``,
     ``--checkpoint-every``, ``--fresh``, ``--batch-size``, ``--seq-len``, ``--lr``."""
-    parser.add_argument("--steps", type=int, default=steps)
-    parser.add_argument(
-        "--minutes", type=float, default=0.0,
-        help="> 0: stop after this wall time (the parts so far are written); the same command "
-        "continues (resumable)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--checkpoint-every", type=int, default=100, help="steps between checkpoints"
-    )
-    parser.add_argument(
-        "--fresh", action="store_true", help="drop this run's checkpoint and start over"
-    )
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--seq-len", type=int, default=seq_len)
-    parser.add_argument("--lr", type=float, default=lr)
+    add_flags(parser, {
+        "--steps": dict(type=int, default=steps),
+        "--minutes": dict(
+            type=float, default=0.0,
+            help="> 0: stop after this wall time (the parts so far are written); the same command "
+            "continues (resumable)",
+        ),
+        "--checkpoint-every": dict(type=int, default=100, help="steps between checkpoints"),
+        "--fresh": dict(action="store_true", help="drop this run's checkpoint and start over"),
+        "--batch-size": dict(type=int, default=8),
+        "--seq-len": dict(type=int, default=seq_len),
+        "--lr": dict(type=float, default=lr),
+    })  # fmt: skip
 
 
 def add_run_flags(parser: argparse.ArgumentParser, *, device: bool = True) -> None:

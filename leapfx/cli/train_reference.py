@@ -6,7 +6,7 @@ import argparse
 import dataclasses
 import json
 
-from .common import _model_training, _model_training_args
+from .common import _model_training, _model_training_args, add_flags
 
 
 def _train_reference(args: argparse.Namespace) -> int:
@@ -25,17 +25,17 @@ def _train_reference(args: argparse.Namespace) -> int:
 def add_parser(sub) -> None:
     train = sub.add_parser("train-reference", help="train the project's reference model")
     _model_training_args(train)
-    train.add_argument(
-        "--focus-exit", type=int, default=None,
-        help="E: give the exit after E layers --focus-share of the early-exit loss (not in the "
-        "LayerSkip paper; default: eq. 6 as is)",
-    )  # fmt: skip
-    train.add_argument(
-        "--focus-share", type=float, default=None, help="0 < share < 1, with --focus-exit"
-    )
-    train.add_argument(
-        "--distill-minutes", type=float, default=0.0,
-        help="minutes of --minutes kept for a second phase that distills the early exits from the "
-        "last layer (not in the LayerSkip paper; it also gets what the first phase leaves)",
-    )  # fmt: skip
+    add_flags(train, {
+        "--focus-exit": dict(
+            type=int, default=None,
+            help="E: give the exit after E layers --focus-share of the early-exit loss (not in "
+            "the LayerSkip paper; default: eq. 6 as is)",
+        ),
+        "--focus-share": dict(type=float, default=None, help="0 < share < 1, with --focus-exit"),
+        "--distill-minutes": dict(
+            type=float, default=0.0,
+            help="minutes of --minutes kept for a second phase that distills the early exits from "
+            "the last layer (not in the LayerSkip paper; it also gets what the first phase leaves)",
+        ),
+    })  # fmt: skip
     train.set_defaults(func=_train_reference)

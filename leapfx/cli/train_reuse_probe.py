@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from .common import add_corpus_root, add_model, add_progress, add_threads, set_threads
+from .common import add_corpus_root, add_flags, add_model, add_progress, add_threads, set_threads
 
 
 def _train_reuse_probe(args: argparse.Namespace) -> int:
@@ -36,12 +36,12 @@ def add_parser(sub) -> None:
         help="the probe's file (default: reuse_probe.safetensors in the model's directory)",
     )  # fmt: skip
     add_model(reuse, "moe-reference", help="an MoE HF checkpoint dir")
-    reuse.add_argument(
-        "--horizon", type=int, default=4, help="the probe predicts use by the next K tokens"
-    )
-    reuse.add_argument("--tokens", type=int, default=32768, help="training tokens")
-    reuse.add_argument("--held-out-tokens", type=int, default=4096, help="tokens to evaluate on")
-    reuse.add_argument("--steps", type=int, default=300, help="Adam steps per layer")
+    add_flags(reuse, {
+        "--horizon": dict(type=int, default=4, help="the probe predicts use by the next K tokens"),
+        "--tokens": dict(type=int, default=32768, help="training tokens"),
+        "--held-out-tokens": dict(type=int, default=4096, help="tokens to evaluate on"),
+        "--steps": dict(type=int, default=300, help="Adam steps per layer"),
+    })  # fmt: skip
     add_threads(reuse)
     add_corpus_root(reuse)
     add_progress(reuse, default=True)

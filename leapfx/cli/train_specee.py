@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from .common import _progress, add_model
+from .common import _progress, add_flags, add_model, add_seed
 from .train_parts import add_data, add_out, add_run_flags, benchmark_texts, parts_out, self_options
 
 
@@ -63,39 +63,41 @@ def add_parser(sub) -> None:
     )  # fmt: skip
     add_model(specee)
     add_data(specee)
-    specee.add_argument(
-        "--drafter", default="exit_head", choices=("eagle", "exit_head", "kangaroo")
-    )
-    specee.add_argument(
-        "--eagle",
-        default=None,
-        help="eagle drafter: a trained head dir (default: the shipped one for the reference)",
-    )
-    specee.add_argument(
-        "--draft-steps", type=int, default=None,
-        help="eagle drafter: head training steps before the predictors (default: 200, or 0 "
-        "with --eagle)",
-    )  # fmt: skip
-    specee.add_argument("--exit-layer", type=int, default=None, help="the drafter's layer E")
-    specee.add_argument(
-        "--adapter", default=None, help="kangaroo drafter: adapter dir (default: the shipped one)"
-    )
-    specee.add_argument("--prompts", type=int, default=64)
-    specee.add_argument("--prompt-len", type=int, default=64)
-    specee.add_argument("--new-tokens", type=int, default=256)
-    specee.add_argument("--epochs", type=int, default=100)
-    specee.add_argument("--seed", type=int, default=0)
-    specee.add_argument(
-        "--threshold", type=float, default=None,
-        help="exit threshold saved with the parts (default: 0.5, or see --target-agreement)",
-    )  # fmt: skip
-    specee.add_argument(
-        "--target-agreement", type=float, default=None,
-        help="pick the threshold of fewest layers whose held-out agreement reaches this",
-    )  # fmt: skip
-    specee.add_argument(
-        "--features", default=None,
-        help="safetensors file caching the collected features (read if it exists)",
-    )  # fmt: skip
+    add_flags(specee, {
+        "--drafter": dict(default="exit_head", choices=("eagle", "exit_head", "kangaroo")),
+        "--eagle": dict(
+            default=None,
+            help="eagle drafter: a trained head dir (default: the shipped one for the reference)",
+        ),
+        "--draft-steps": dict(
+            type=int, default=None,
+            help="eagle drafter: head training steps before the predictors (default: "
+            "200, or 0 with --eagle)",
+        ),
+        "--exit-layer": dict(type=int, default=None, help="the drafter's layer E"),
+        "--adapter": dict(
+            default=None,
+            help="kangaroo drafter: adapter dir (default: the shipped one)",
+        ),
+        "--prompts": dict(type=int, default=64),
+        "--prompt-len": dict(type=int, default=64),
+        "--new-tokens": dict(type=int, default=256),
+        "--epochs": dict(type=int, default=100),
+    })  # fmt: skip
+    add_seed(specee)
+    add_flags(specee, {
+        "--threshold": dict(
+            type=float, default=None,
+            help="exit threshold saved with the parts (default: 0.5, or see --target-agreement)",
+        ),
+        "--target-agreement": dict(
+            type=float, default=None,
+            help="pick the threshold of fewest layers whose held-out agreement reaches this",
+        ),
+        "--features": dict(
+            default=None,
+            help="safetensors file caching the collected features (read if it exists)",
+        ),
+    })  # fmt: skip
     add_run_flags(specee)
     specee.set_defaults(func=_train_specee)
