@@ -474,8 +474,8 @@ def no_draft(x: torch.Tensor, drafter: str | None = None, ngram: int = 0) -> Dra
 
 
 class Drafter:
-    """What ``rounds.speculative_loop`` (``rounds.OneRow``) asks of a drafter; one object per decode, so it may hold
-    the state one round leaves the next (EAGLE's last hidden state).
+    """What ``rounds.speculative_loop`` (``rounds.OneRow``) asks of a drafter; one object per
+    decode, so it may hold the state one round leaves the next (EAGLE's last hidden state).
 
     ``target`` is the full model on a run of tokens (prefill, a plain step, the verify of
     copied drafts); ``propose`` drafts up to d tokens from x at ``start``; ``verify`` gives
