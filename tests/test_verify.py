@@ -27,15 +27,18 @@ from tests.conftest import examples
 
 @settings(max_examples=examples(80, 300), deadline=None)
 @given(d=st.integers(1, 8), V=st.integers(1, 6), seed=st.integers(0, 2**16))
-def test_greedy_accept_host_is_the_device_rule(d, V, seed):
+def test_greedy_acceptance_on_the_host_is_the_device_rule(d, V, seed):
     # small V: the drafts often match, and the logits often tie (argmax takes the first)
-    from leapfx.runtime.schedules import greedy_accept_host
+    from leapfx.runtime.sampling import SamplingParams
+    from leapfx.runtime.schedules import DecodeRequest, accept_rows
 
     g = torch.Generator().manual_seed(seed)
     logits = torch.randint(0, 3, (1, d + 1, V), generator=g).float()
     drafts = torch.randint(0, V, (1, d), generator=g)
     n, nxt = greedy_accept(drafts, logits)
-    assert greedy_accept_host(drafts, logits) == (int(n), int(nxt), drafts[0].tolist())
+    request = DecodeRequest(8, frozenset(), SamplingParams())
+    emitted, kept = accept_rows(drafts, [d], None, [False], logits, [request])
+    assert kept == [int(n)] and emitted == [[*drafts[0, : int(n)].tolist(), int(nxt)]]
 
 
 def one_hot_logits(tokens: list[list[int]], V: int = 8) -> torch.Tensor:

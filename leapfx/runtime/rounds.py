@@ -46,10 +46,8 @@ from .schedules import (
     Output,
     accept,
     accept_rows,
-    active,
     choose,
     draft,
-    greedy_accept_host,
     point_mass,
     shared_request,
 )
@@ -338,10 +336,11 @@ class OneRow(RoundDrafter):
     ``num_speculations`` drafts a round.
 
     A round that drafts nothing (prompt lookup without a match, the budget's last token) is a
-    plain ``target`` step, counted as a full call, not a verify. Acceptance: greedy on a CPU
-    without processors, the same rule on the host (the round syncs there anyway, ~5 us against
-    ~20 us for the device op's dispatch); otherwise ``schedules.accept`` on the device, whose
-    k, next token and drafts are read in one host sync, the next x staying on the device."""
+    plain ``target`` step, counted as a full call, not a verify. Acceptance: on a CPU the
+    batch's (``schedules.accept_rows``: greedy on the host, ~5 us against ~20 us for the device
+    op's dispatch; rejection sampling and processors through ``schedules.accept``); on an
+    accelerator ``schedules.accept``'s device ops, whose k, next token and drafts are read in
+    one host sync, the next x staying on the device."""
 
     def __init__(self, drafter: Drafter, num_speculations: int) -> None:
         self.drafter, self.num_speculations = drafter, num_speculations
@@ -373,19 +372,18 @@ class OneRow(RoundDrafter):
         return self.drafter.verify(runner, x, pos, proposal.draft, request)  # [1, d+1, V]
 
     def accept(self, proposal, logits, requests):
+        if logits.device.type == "cpu":  # the batch's acceptance, which syncs a row anyway
+            return super().accept(proposal, logits, requests)
+        # on an accelerator: the device ops, and one host sync for k, the next token and the
+        # drafts together (the cache lengths are Python ints, the stop rule reads the tokens);
+        # the next x stays on the device
         (request,) = requests
         if proposal.width == 0:
             token = choose(logits[:, -1], request)  # [1, 1]
             return [[int(token.reshape(-1)[0])]], [0], token
-        drafts = proposal.tokens
-        draft = proposal.draft
+        drafts, draft = proposal.tokens, proposal.draft
         q = point_mass(drafts, logits.shape[-1], request) if draft.copied else draft.q
-        if q is None and logits.device.type == "cpu" and active(request) is None:
-            k, next_token, drafted = greedy_accept_host(drafts, logits)
-            return [[*drafted[:k], next_token]], [k], None
-        n, nxt = accept(drafts, q, logits, request)  # [1], [1] on the device
-        # the round's one host sync: the cache lengths are Python ints (crop), and the stop
-        # rule reads the emitted tokens
+        n, nxt = accept(drafts, q, logits, request)  # [1], [1]
         k, next_token, *drafted = torch.cat([n, nxt, drafts[0]]).tolist()
         return [[*drafted[:k], next_token]], [k], nxt.view(1, 1)
 

@@ -378,18 +378,6 @@ def greedy_rule(drafted: list[int], targets: list[int]) -> int:
     return k
 
 
-def greedy_accept_host(
-    drafts: torch.Tensor, target_logits: torch.Tensor
-) -> tuple[int, int, list[int]]:
-    """``leapfx.kernels.reference.greedy_accept`` for one sequence, on the host: (accepted
-    count k, the target's token after them, the drafts as ints) from ``drafts [1, d]`` and
-    ``target_logits [1, d+1, V]`` (argmax ties: the first index, as ``torch.argmax``)."""
-    targets = target_logits[0].argmax(dim=-1).tolist()
-    drafted = drafts[0].tolist()
-    k = greedy_rule(drafted, targets)
-    return k, targets[k], drafted
-
-
 def accept_rows(
     drafts: torch.Tensor,
     valid: list[int],
