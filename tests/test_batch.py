@@ -17,12 +17,13 @@ from hypothesis import strategies as st
 from transformers import StoppingCriteriaList
 
 from leapfx import rewrite
-from leapfx.runtime import batch as batch_runtime
 from leapfx.runtime import model as model_runtime
+from leapfx.runtime import rows as rows_runtime
 from leapfx.runtime.adaptive import PRIOR_SLOPE, PROBE_EVERY
-from leapfx.runtime.batch import BatchPolicy, RowKVCache, RowRunner, row_cache_for, row_masks
+from leapfx.runtime.batch import BatchPolicy
 from leapfx.runtime.decode import decode_request
 from leapfx.runtime.masks import column_masks
+from leapfx.runtime.rows import RowKVCache, RowRunner, row_cache_for, row_masks
 from leapfx.runtime.runner import AttentionLayout
 from tests.conftest import examples, tiny_model
 from tests.distribution_check import assert_sampled_from
@@ -507,7 +508,7 @@ def test_a_prefill_a_row_at_a_time_equals_the_padded_prefill(recipe, kernels, mo
     stages = sm._executors or sm.stages.modules
     results = []
     for share in (0.0, 2.0):  # every padded batch a row at a time; never
-        monkeypatch.setattr(batch_runtime, "ROW_PREFILL_PADDING", share)
+        monkeypatch.setattr(rows_runtime, "ROW_PREFILL_PADDING", share)
         cache = row_cache_for(model, 32, len(rows), extra_layers=sm.recipe.extra_cache_layers)
         runner = RowRunner(stages, cache, sm._layout, pads)
         with torch.inference_mode():

@@ -125,7 +125,7 @@ def test_a_ragged_cache_keeps_the_calls():
         def update(self, *args, **kwargs):
             return super().update(*args, **kwargs)
 
-    from leapfx.runtime.batch import RowKVCache
+    from leapfx.runtime.rows import RowKVCache
 
     class RaggedOwn(RowKVCache):
         def write(self, *args, **kwargs):
@@ -153,7 +153,7 @@ def test_a_batchs_ragged_rows_are_the_calls_bitwise(fmt, batch, rows, seed, data
     # a batch's rows at their own fill lengths after their own left padding (RowKVCache): the
     # one call writes each row's columns where RowKVCache.update does and attends each row's
     # span as leapfx_cpu::attention_rows does, bitwise
-    from leapfx.runtime.batch import RowKVCache
+    from leapfx.runtime.rows import RowKVCache
 
     layer, model = block_layer(fmt, seed=seed % 7)
     gen = torch.Generator().manual_seed(seed)

@@ -515,7 +515,7 @@ __attribute__((optimize("fp-contract=off"))) void rope_rows(
 // Each step is the computation of the op the eager layer calls for it (leapfx_vec::rms_norm,
 // these products, leapfx_cpu::rope's arithmetic, leapfx_cpu::attention itself), so the result
 // equals the eager layer's bitwise; one call instead of ~10 and the Python between them.
-// With starts [B] (a batch's ragged rows, runtime.batch.RowKVCache): row b's keys and values go
+// With starts [B] (a batch's ragged rows, runtime.rows.RowKVCache): row b's keys and values go
 // to slots starts[b] .., and its query s reads slots first[b] .. starts[b] + s through
 // leapfx_cpu::attention_rows, as the eager layer's attention does over such a cache; start and
 // positions are then unused.

@@ -19,7 +19,7 @@ import time
 import torch
 
 from ..kernels import cpu
-from ..runtime.batch import row_cache_for
+from ..runtime.rows import row_cache_for
 from .chain import chain_length
 from .cpu_kernels import with_transposed_weights
 from .cuda_graphs import GraphSet

@@ -90,7 +90,7 @@ class SlotKVCache(KVCache):
 
 
 class RowSlotKVCache(SlotKVCache):
-    """:class:`SlotKVCache` for a batch's ragged rows (``runtime.batch.RowKVCache``): row b's
+    """:class:`SlotKVCache` for a batch's ragged rows (``runtime.rows.RowKVCache``): row b's
     keys and values go to its own cache columns (``columns[layer]`` [B, S]), and ``ragged``
     with :meth:`spans` lets kernel layers attend each row's own span
     (``leapfx_cpu::attention_rows``) instead of the mask over the whole buffer.

@@ -10,7 +10,7 @@ computation of the op the eager layer calls for it, so the numbers (and the keys
 written into the cache) are bitwise the per-op path's, tested over the block formats, 1..8
 rows, prefills and a batch's ragged rows. It takes one sequence's rows on the runtime's static
 cache (a step, a verify, a prefill) and a batch's rows on its ragged cache
-(``runtime.batch.RowKVCache``, each row at its own fill length). Anywhere else (a compiled
+(``runtime.rows.RowKVCache``, each row at its own fill length). Anywhere else (a compiled
 stage, another cache, gradients, a layer with biases or q/k norms) it is
 ``KernelDecoderLayer``.
 

@@ -89,7 +89,7 @@ def _attend(
             out = torch.ops.leapfx_cpu.attention(q, k, v, position_ids[0], attn.scaling)
             return out.reshape(*shape, -1)  # [B, S, heads, D], contiguous
         if owner._kernel_attention and getattr(past_key_values, "ragged", False):
-            # A batch's ragged rows (runtime.batch.RowKVCache, or a compiled stage's
+            # A batch's ragged rows (runtime.rows.RowKVCache, or a compiled stage's
             # RowSlotKVCache over the whole buffer): each row from its first real column to
             # each query's own.
             first, last = past_key_values.spans(attn.layer_idx, q.shape[2])

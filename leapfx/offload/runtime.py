@@ -31,6 +31,12 @@ experts, most probable first, are placed into free or evicted-unpinned slots and
 priority, within the byte budget of the call: ``prefetch_budget`` bytes per token (over all
 MoE layers) / number of MoE layers * tokens in the call. Predictions are scored against the
 next demand of that layer (precision, recall).
+
+Past 600 lines on purpose: most of it is one class, :class:`ExpertOffload`, whose demand path,
+prefetch, waves, pinning and counters all read and write the same state (each layer's
+``SlotCache``, its slot pools, the transfers in flight); split across modules, each piece would
+reach into the others' private state. The tiers (``slots``, ``store``) and the transfer engines
+(``engine``) are modules of their own.
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ class KVCache:
     (``whole_buffer``), the presents of a functional one.
 
     The users: :class:`StaticKVCache` (eager stages; its fill lengths from
-    :class:`LayerLengths`), ``runtime.batch.RowKVCache`` (a fill length per row),
+    :class:`LayerLengths`), ``runtime.rows.RowKVCache`` (a fill length per row),
     ``lower.inductor.SlotKVCache`` and ``RowSlotKVCache`` (inside compiled stages: writes at
     tensor positions), ``lower.stage_signature.FunctionalKVCache`` and
     ``export.stage_module.SlotWriteKVCache`` (pure functions of the past, for discovery and
@@ -94,7 +94,7 @@ class LayerLengths(KVCache):
 
     Subclasses set ``keys`` (one buffer per cache layer), ``max_len`` and ``lengths``. A write
     claims the columns from the layer's fill length on (every row at the same columns; a batch
-    of ragged rows keeps a length per row: ``runtime.batch.RowKVCache``) and reads the prefix.
+    of ragged rows keeps a length per row: ``runtime.rows.RowKVCache``) and reads the prefix.
     """
 
     keys: list

@@ -31,14 +31,7 @@ from ..passes.capture import decoder_pieces
 from ..passes.partition import Stages
 from ..passes.skip_layers import DRAFT_SKIP, swift_stages
 from . import schedules, swift
-from .batch import (
-    BATCH_BACKENDS,
-    BatchDecode,
-    BatchPlan,
-    BatchPolicy,
-    RowRunner,
-    row_cache_for,
-)
+from .batch import BATCH_BACKENDS, BatchDecode, BatchPlan, BatchPolicy
 from .cache import StaticKVCache, cache_for
 from .capabilities import Capabilities
 from .decode import cache_length, check_prompt, decode
@@ -46,6 +39,7 @@ from .executor import Lower
 from .generation import GenerateFrontEnd, GenerationSource
 from .masks import SUPPORTED_ATTENTION
 from .metrics import DecodeMetrics
+from .rows import RowRunner, row_cache_for
 from .runner import AttentionLayout, StageRunner
 from .schedules import DecodeRequest
 
