@@ -104,6 +104,20 @@ def tiny_model(
 MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 
 
+def randomize_accelerator(sm, scale: float = 0.1, seed: int = 0) -> None:
+    """Every parameter of an m2r2 model's accelerator random, as training would make it (the
+    gate included: an untrained one multiplies the fast attention by zero), and the CPU
+    kernels' packed copies rebuilt from them."""
+    from leapfx.passes.accelerator import accelerator_of
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in accelerator_of(sm.graph_module).parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * scale)
+    if sm.cpu_kernels:
+        sm.use_cpu_kernels()
+
+
 def tiny_moe_model(
     arch: str = "olmoe",
     *,

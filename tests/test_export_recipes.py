@@ -7,8 +7,12 @@ stage takes a state per token (exported as ``hidden_in``: ONNX names a value onc
 stage also returns ``hidden``). The tokens are the eager recipe's, and with them the same
 rounds (accepted drafts per verify, calls) where no timing chooses them, on two tiny models
 (``MODELS``). swift: the ``draft`` stage is the model without its fixed skip set (its kept
-layers' cache slots only), verified by ``full``. The torch-free ``leapfx.deploy.Decoder``
-runs both recipes' exports in ``tests/test_deploy.py``.
+layers' cache slots only), verified by ``full``. m2r2: the ``draft`` stage (the fast stream)
+takes its round's scratch as tensors (``fast_past.{i}.*`` in, ``fast_present.{i}.*`` out) beside
+the slow cache it reads and does not write, verified by ``full``; its accelerator is randomised
+(an untrained one multiplies its attention by a zero gate) on tied-embedding models, whose
+drafts are accepted in some rounds and rejected in others. The torch-free
+``leapfx.deploy.Decoder`` runs these recipes' exports in ``tests/test_deploy.py``.
 """
 
 from __future__ import annotations
@@ -22,7 +26,11 @@ pytest.importorskip("onnxscript")
 
 from leapfx import rewrite  # noqa: E402
 from leapfx.export import OnnxModel, read_manifest  # noqa: E402
-from tests.conftest import tiny_model  # noqa: E402
+from leapfx.lower.onnxruntime import OrtKVCache  # noqa: E402
+from leapfx.modules.m2r2 import FastScratch  # noqa: E402
+from leapfx.runtime.cache import cache_for  # noqa: E402
+from leapfx.runtime.runner import StageRunner  # noqa: E402
+from tests.conftest import randomize_accelerator, tiny_model  # noqa: E402
 from tests.greedy_check import assert_greedy_equal, hf_greedy  # noqa: E402
 
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7], [3], [1, 2, 3, 1, 2, 3, 1, 2]]
@@ -51,6 +59,28 @@ SWIFT = {
 }
 
 
+# m2r2 (a randomised accelerator, tied embeddings): two fast layers of three, the second on a
+# sliding-window model with the confidence stop
+M2R2 = {
+    "m2r2-llama": (
+        dict(arch="llama", layers=3, head_dim=16, tie=True),
+        dict(fast_layers=2, num_speculations=3),
+    ),
+    "m2r2-qwen2": (
+        dict(arch="qwen2", layers=3, sliding_window=5, tie=True),
+        dict(fast_layers=2, num_speculations=4, confidence_threshold=0.1),
+    ),
+}
+
+
+def _recipe(name: str) -> tuple[str, tuple[dict, dict]]:
+    if name in SWIFT:
+        return "swift", SWIFT[name]
+    if name in M2R2:
+        return "m2r2", M2R2[name]
+    return "eagle", MODELS[name]
+
+
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     """``get(name)``: (HF model, eager SpeculativeModel, OnnxModel of its export)."""
@@ -59,12 +89,12 @@ def exported(tmp_path_factory):
 
     def get(name: str):
         if name not in cache:
-            recipe, (spec, options) = (
-                ("swift", SWIFT[name]) if name in SWIFT else ("eagle", MODELS[name])
-            )
+            recipe, (spec, options) = _recipe(name)
             model = tiny_model(**spec)
-            extra = {"parts": None} if recipe == "eagle" else {}
+            extra = {"parts": None} if recipe in ("eagle", "m2r2") else {}
             sm = rewrite.apply(model, recipe, **extra, **options)
+            if recipe == "m2r2":
+                randomize_accelerator(sm)
             path = sm.export_onnx(root / name)
             cache[name] = (model, sm, OnnxModel(path, threads=1))
         return cache[name]
@@ -72,10 +102,11 @@ def exported(tmp_path_factory):
     return get
 
 
-def decode_both(model, sm, om) -> dict[str, int]:
+def decode_both(model, sm, om, per_verify: list[int] | None = None) -> dict[str, int]:
     """Each prompt decoded by the eager model and its export: the same tokens (or a divergence
     at a float tie of the HF model), and where the same, the same rounds unless the adaptive
-    policy's timings chose them. Returns the export's rounds per drafter, summed."""
+    policy's timings chose them. Returns the export's rounds per drafter, summed; extends
+    ``per_verify`` with the export's tokens per verify."""
     rounds: dict[str, int] = {}
     for ids in PROMPTS:
         prompt = torch.tensor([ids])
@@ -85,6 +116,8 @@ def decode_both(model, sm, om) -> dict[str, int]:
             assert_greedy_equal(model, ours, hf_greedy(model, prompt, NEW), len(ids))
             continue
         m, e = om.last_metrics, sm.last_metrics
+        if per_verify is not None:
+            per_verify.extend(m.accepted_per_verify)
         for drafter, n in m.drafter_rounds.items():
             rounds[drafter] = rounds.get(drafter, 0) + n
         if getattr(sm.options, "adaptive", False):
@@ -179,11 +212,69 @@ def test_onnx_auto_is_token_identical_to_eager(tmp_path):
             assert_greedy_equal(model, ours, hf_greedy(model, prompt, NEW), len(ids))
 
 
+@pytest.mark.parametrize("name", list(M2R2))
+def test_onnx_m2r2_is_token_identical_to_eager(exported, name):
+    model, sm, om = exported(name)
+    assert om.recipe == "m2r2" and sorted(om.stages) == ["draft", "full"]
+    draft = om.manifest["stages"]["draft"]
+    fast = list(range(sm.options.fast_layers))  # the fast layers read these slots' slow keys
+    assert draft["cache_reads"] == draft["scratch"]["slots"] == fast
+    assert draft["cache_writes"] == [] and draft["layers"] == []
+    assert not [n for n in draft["outputs"] if n.startswith("present.")]
+    assert draft["inputs"][2:4] == ["fast_past.0.key", "fast_past.0.value"]
+    assert draft["outputs"][2:4] == ["fast_present.0.key", "fast_present.0.value"]
+    per_verify: list[int] = []
+    assert decode_both(model, sm, om, per_verify).get("m2r2", 0) > 0  # drafted on ONNX
+    # drafts were kept (rounds of several tokens) and rejected (rounds of one)
+    assert max(per_verify) > 1 and min(per_verify) == 1
+
+
+@pytest.mark.parametrize("name", list(M2R2))
+def test_onnx_m2r2_draft_reads_its_scratch_as_the_eager_draft(exported, name):
+    """A round of three drafts over a cache whose slots past the round's start hold a rejected
+    round's keys: each ONNX draft's logits and fast keys are the eager stage's, the scratch
+    growing by one key a draft."""
+    model, sm, om = exported(name)
+    prompt = torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7, 1, 2]])
+    start = 8  # slots 8 and 9 hold keys of tokens the round does not see
+    eager = StageRunner(sm.stages.modules, cache_for(model, 32), sm._layout)
+    ours = StageRunner(om.stages, OrtKVCache(om._kv_shapes, 32), om._layout)
+    scratches = []
+    for runner in (eager, ours):
+        runner.full(prompt, 0)
+        runner.cache.crop(start)
+        scratch = FastScratch()
+        logits = [runner.fast_draft(torch.tensor([[t]]), start + i, scratch) for i, t in
+                  enumerate([7, 3, 4])]  # fmt: skip
+        scratches.append((torch.cat(logits, dim=1), scratch))
+    (want, e), (got, o) = scratches
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert sorted(o.kv) == sorted(e.kv) and all(len(o.kv[s]) == 3 for s in o.kv)
+    for slot in e.kv:
+        for (ek, ev), (ok, ov) in zip(e.kv[slot], o.kv[slot], strict=True):
+            torch.testing.assert_close(ok, ek, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(ov, ev, rtol=1e-4, atol=1e-4)
+    assert ours.cache.lengths[: len(o.kv)] == [start] * len(o.kv)  # the draft wrote no slot
+
+
+def test_onnx_m2r2_samples_and_its_baselines(exported):
+    model, _, om = exported("m2r2-llama")
+    g = torch.Generator().manual_seed(0)
+    out = om.generate(torch.tensor([[3, 1, 4]]), max_new_tokens=12, do_sample=True, generator=g)
+    assert out.shape == (1, 15) and int(out.max()) < model.config.vocab_size
+    base = OnnxModel(om.path, threads=1, recipe="autoregressive")  # the full stage
+    prompt = torch.tensor([PROMPTS[0]])
+    assert torch.equal(base.generate(prompt, max_new_tokens=8), hf_greedy(model, prompt, 8))
+    # its draft is the fast stream, which takes a scratch: not an early-exit draft
+    with pytest.raises(ValueError, match="'early_exit' cannot run on this m2r2 export; allowed"):
+        OnnxModel(om.path, recipe="early_exit")
+
+
 @pytest.mark.parametrize(
     ("recipe", "options", "match"),
     [
         ("swift", {"search": "online"}, "search: 'online' chooses the draft's skip set"),
-        ("m2r2", {"fast_layers": 2}, "FastScratch"),
+        ("m2r2", {"fast_layers": 2, "fast_keys": 2}, "fast_keys: 2 chooses each round's"),
         ("m2r2_exit", {}, "per-layer gates decide each token's exit"),
         ("specee", {"drafter": "exit_head", "exit_layer": 1}, "per-token exits"),
     ],

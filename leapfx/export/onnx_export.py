@@ -1,7 +1,9 @@
 """``export_onnx``: every stage of a SpeculativeModel as an ONNX model, plus a manifest.
 
 Steps, per stage (``full``, ``draft``, ``verify``, EAGLE's ``target`` and ``head``, whichever
-the recipe cut):
+the recipe cut; M2R2's fast-stream ``draft``, which takes its round's scratch, is wrapped by
+:mod:`~leapfx.export.fast_draft` instead of steps 1-2: the scratch in and out as tensors, the
+slow cache read and not written):
 
 1. *discover* which KV-cache layers the stage touches and which position input feeds each: one
    eager call on a few tokens over empty pasts, with a different token count per position input
@@ -71,6 +73,7 @@ from ..modules.blocks import float_weights
 from ..options import check_bool, check_int
 from ..passes.capture import LAYER, ROLE
 from .chain import chain_outputs, unroll_draft
+from .fast_draft import fast_draft_export, scratch_spec, takes_scratch
 from .genai import genai_refusal, save_tokenizer, write_genai
 from .onnx_optimize import optimize_model
 from .stage_module import ExportableStage
@@ -140,6 +143,11 @@ def _export_stage(
     rewrites: dict[str, dict[str, int]],
     optimize: bool,
 ) -> StageSignature:
+    if takes_scratch(stage):  # M2R2's draft: its round's scratch as tensors in and out
+        module, args, shapes, sig = fast_draft_export(sm, stage)
+        return _export_module(
+            sm, name, module, args, shapes, sig, path, opset, rewrites, optimize
+        )  # fmt: skip
     sig = discover(sm, name, stage)
     module = ExportableStage(
         stage,
@@ -167,8 +175,19 @@ def _export_stage(
         shape = (batch, h, _EXAMPLE["max_cache_len"], d)
         gen = example_generator()
         args += [torch.randn(shape, generator=gen).to(param.device, param.dtype) for _ in range(2)]
+    return _export_module(
+        sm, name, module, tuple(args), (_dynamic_shapes(sig),), sig, path, opset, rewrites,
+        optimize,
+    )  # fmt: skip
+
+
+def _export_module(
+    sm, name: str, module, args: tuple, shapes: tuple, sig: StageSignature, path: Path,
+    opset: int, rewrites: dict[str, dict[str, int]], optimize: bool,
+):  # fmt: skip
+    """``module`` (a stage with tensor-only inputs) exported, saved and optimized."""
     program = _program(
-        module, (*args,), dynamic_shapes=(_dynamic_shapes(sig),), input_names=sig.input_names,
+        module, args, dynamic_shapes=shapes, input_names=sig.input_names,
         output_names=sig.output_names, opset=opset,
         refusal=f"stage {name!r} cannot be exported to ONNX",
     )  # fmt: skip
@@ -415,13 +434,15 @@ def _manifest(
             "layers": layers,
             "layer_ranges": layer_ranges(layers),
             "cache_reads": sig.cache_layers,  # every attention reads its buffer ...
-            "cache_writes": sig.cache_layers,  # ... and returns it with its positions written
+            "cache_writes": sig.written,  # ... and returns it with its positions written
             "position_groups": sig.groups,
             "inputs": sig.input_names,
             "outputs": sig.output_names,
             # leapfx.export.onnx_optimize's rewrites, counted (absent: exported as traced)
             "rewrites": rewrites.get(name, {}),
         }
+        if takes_scratch(stage):  # M2R2's draft: the round's scratch in and out
+            stages[name]["scratch"] = scratch_spec(stage)
     if chain:
         stages[CHAIN_STAGE] = _chain_spec(stages["draft"], chain, rewrites)
     return {

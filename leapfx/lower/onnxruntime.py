@@ -14,11 +14,13 @@ and ``runner.cache.crop(n)``. This module puts onnxruntime behind exactly that i
   outputs (logits, hidden states: small) come back as torch tensors. Masks are computed inside
   the ONNX graphs from the positions, so it ignores the runner's ``masks``;
 - :class:`OrtChainStage` runs an export's ``draft_chain`` (d greedy draft steps in one graph):
-  the schedule calls it for a round of d greedy drafts instead of d draft calls.
+  the schedule calls it for a round of d greedy drafts instead of d draft calls;
+- :class:`OrtFastDraft` runs M2R2's draft stage, taking the round's ``FastScratch`` as the
+  eager stage does and feeding it to the session as tensors.
 
-The schedule (autoregressive, early exit, self-speculative, Kangaroo, EAGLE, prompt lookup) is
-the one the recipe registry gives for the manifest's recipe and options: the decode loops are
-not re-implemented, and neither is ``generate``'s front end
+The schedule (autoregressive, early exit, self-speculative, Kangaroo, EAGLE, swift, M2R2,
+prompt lookup) is the one the recipe registry gives for the manifest's recipe and options: the
+decode loops are not re-implemented, and neither is ``generate``'s front end
 (``runtime.generation.GenerateFrontEnd``, ``SpeculativeModel``'s).
 ``lower(sm, "onnxruntime", export_dir=...)`` (:func:`lower_onnxruntime`) exports a model and
 opens its export in one call.
@@ -63,6 +65,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16}
+_TORCH_DTYPES = {"tensor(float)": torch.float32, "tensor(float16)": torch.float16}
 # Output buffers an OrtStage keeps per input shape (decode calls: one-token steps, verify):
 # at most this many shapes, each at most this large (a prefill's logits are not kept).
 _MAX_BUFFERED_SHAPES = 64
@@ -172,6 +175,8 @@ class OrtStage:
     def __init__(self, session, spec: dict[str, Any]) -> None:
         self.session = session
         self.cache_layers: list[int] = list(spec["cache_reads"])
+        # the layers whose present is bound too (M2R2's draft reads slow layers it does not write)
+        self.cache_writes = set(spec.get("cache_writes", self.cache_layers))
         names = set(spec["inputs"])
         self.tensor_inputs = [n for n in spec["inputs"] if not n.startswith("past_key_values.")]
         # the stage's keyword for each (EAGLE's head: ``hidden`` is exported as ``hidden_in``)
@@ -210,6 +215,8 @@ class OrtStage:
                     past_names(layer), present_names(layer), buffers, strict=True
                 ):
                     io.bind_ortvalue_input(past, buf)
+                    if layer not in self.cache_writes:
+                        continue
                     for name in self._presents(present):
                         io.bind_ortvalue_output(name, buf)
             self._binding, self._bound, self._bound_key = io, cache, None
@@ -318,6 +325,45 @@ class OrtChainStage(OrtStage):
                 "allowed: one token a row, [batch, 1]"
             )
         return self.chain_length
+
+
+class OrtFastDraft(OrtStage):
+    """M2R2's ``draft`` stage (``leapfx.export.fast_draft``): called as the eager stage is,
+    with the round's ``FastScratch``; the scratch crosses into the session as tensors.
+
+    A call feeds each fast layer's slot the round's earlier fast keys/values (``scratch.kv``,
+    concatenated: ``fast_past.{i}.*``, of length 0 at the round's first draft) beside the slow
+    cache buffers (read only), and appends this draft's, the last column of
+    ``fast_present.{i}.*``, to ``scratch.kv``: the scratch holds what the eager stage leaves in
+    it, so a round may mix the two. Returns ``logits`` and ``hidden``.
+    """
+
+    def __init__(self, session, spec: dict[str, Any]) -> None:
+        super().__init__(session, spec)
+        scratch = spec["scratch"]
+        self.slots: list[int] = list(scratch["slots"])
+        self.shapes = list(zip(scratch["num_kv_heads"], scratch["head_dim"], strict=True))
+        self.fast_inputs = list(scratch["inputs"])
+        self.fast_outputs = list(scratch["outputs"])
+        types = {i.name: i.type for i in session.get_inputs()}
+        self.dtype = _TORCH_DTYPES[types[self.fast_inputs[0]]]
+
+    def __call__(self, *, cache: OrtKVCache, scratch, **tensors: torch.Tensor):
+        tensors.pop("masks", None)
+        batch = tensors["input_ids"].shape[0]
+        for j, (slot, (h, d)) in enumerate(zip(self.slots, self.shapes, strict=True)):
+            earlier = scratch.kv.get(slot, [])  # [(k, v)], each [B, h_kv, 1, D]
+            for i, name in enumerate(self.fast_inputs[2 * j : 2 * j + 2]):
+                tensors[stage_input(name)] = (
+                    torch.cat([e[i] for e in earlier], dim=2)
+                    if earlier
+                    else torch.zeros(batch, h, 0, d, dtype=self.dtype)
+                )
+        out = super().__call__(cache=cache, **tensors)
+        for j, slot in enumerate(self.slots):
+            k, v = (out.pop(n) for n in self.fast_outputs[2 * j : 2 * j + 2])
+            scratch.kv.setdefault(slot, []).append((k[:, :, -1:], v[:, :, -1:]))
+        return out
 
 
 class SplitVerify:
@@ -575,7 +621,10 @@ class OnnxModel(GenerateFrontEnd):
                     f"{m.get('opset')}): {str(exc).splitlines()[0]}; upgrade onnxruntime or "
                     "export again with a lower opset (export_onnx(..., opset=18))"
                 ) from exc
-            stage_type = OrtChainStage if "chain" in spec else OrtStage
+            stage_type = (
+                OrtChainStage if "chain" in spec else OrtFastDraft if "scratch" in spec
+                else OrtStage
+            )  # fmt: skip
             self.stages[name] = stage_type(session, spec)
         first = next(iter(self.stages.values()))
         self.providers: list[str] = first.session.get_providers()
@@ -583,12 +632,12 @@ class OnnxModel(GenerateFrontEnd):
 
         r = get_recipe(self.recipe)
         if self.recipe != m["recipe"]:
+            # a baseline runs a stage on token runs: not M2R2's draft, which takes a scratch
+            runs = {n for n, s in self.stages.items() if not isinstance(s, OrtFastDraft)}
             needs = _BASELINE_STAGES.get(self.recipe)
-            if needs is None or needs not in self.stages:
+            if needs is None or needs not in runs:
                 allowed = [m["recipe"]]
-                allowed += [
-                    name for name, stage in _BASELINE_STAGES.items() if stage in self.stages
-                ]
+                allowed += [name for name, stage in _BASELINE_STAGES.items() if stage in runs]
                 raise ValueError(
                     f"recipe: {self.recipe!r} cannot run on this {m['recipe']} export; "
                     f"allowed: {', '.join(allowed)}"

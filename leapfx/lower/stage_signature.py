@@ -81,6 +81,17 @@ def present_names(layer: int) -> tuple[str, str]:
     return f"present.{layer}.key", f"present.{layer}.value"
 
 
+def fast_past_names(layer: int) -> tuple[str, str]:
+    """M2R2's draft stage: the round's earlier drafts' fast keys/values of cache layer
+    ``layer`` (its scratch, ``leapfx.export.fast_draft``)."""
+    return f"fast_past.{layer}.key", f"fast_past.{layer}.value"
+
+
+def fast_present_names(layer: int) -> tuple[str, str]:
+    """M2R2's draft stage: ``fast_past`` of ``layer`` with this draft's key/value appended."""
+    return f"fast_present.{layer}.key", f"fast_present.{layer}.value"
+
+
 # A stage input whose name is also one of the stage's outputs, and its name in an export (ONNX
 # names each value once): EAGLE's head reads ``hidden`` (h_{t-1} of each token, or its own g)
 # and returns ``hidden`` (its g).
@@ -112,6 +123,13 @@ class StageSignature:
     outputs: list[str]  # the stage's own outputs: logits, [hidden]
     cache_layers: list[int]  # cache layers read and written, in input order
     groups: dict[str, list[int]]  # position input -> cache layers whose queries it positions
+    # cache layers written (a present each); None: every one of ``cache_layers`` (M2R2's
+    # draft reads slow layers it does not write)
+    cache_writes: list[int] | None = None
+
+    @property
+    def written(self) -> list[int]:
+        return self.cache_layers if self.cache_writes is None else self.cache_writes
 
     @property
     def input_names(self) -> list[str]:
@@ -121,7 +139,7 @@ class StageSignature:
 
     @property
     def output_names(self) -> list[str]:
-        return self.outputs + [n for i in self.cache_layers for n in present_names(i)]
+        return self.outputs + [n for i in self.written for n in present_names(i)]
 
 
 def placeholders(stage: fx.GraphModule) -> list[str]:

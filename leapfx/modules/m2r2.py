@@ -100,6 +100,25 @@ class FastScratch:
 
 
 @dataclass
+class FastState:
+    """A drafting round's scratch as tensors that the caller passes in and takes back: what
+    :class:`FastScratch` holds in Python lists, for a draft stage traced to a graph (the ONNX
+    export's ``draft``, ``leapfx.export.fast_draft``), one row per sequence.
+
+    ``slow``: cache layer -> its whole key/value buffers [B, H_kv, max_len, D] (slot j holds
+    position j), read in place; ``past``: cache layer -> the round's earlier drafts' fast
+    keys/values [B, h_kv, m, D] (m = 0 at the round's first draft); ``present``: filled by the
+    layers, ``past`` with this draft's own key/value appended [B, h_kv, m + 1, D], the next
+    draft's ``past``. A draft at position t is the round's (m+1)-th, so the round started at
+    t - m: the slow slots from there on hold no verified key (stale ones of rejected drafts,
+    or nothing) and are masked, which is the eager path's ``cache.lengths`` in a graph."""
+
+    slow: dict[int, tuple[torch.Tensor, torch.Tensor]]
+    past: dict[int, tuple[torch.Tensor, torch.Tensor]]
+    present: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+
+@dataclass
 class ChainScratch:
     """Training's unrolled draft chain (the "training-time test" of EAGLE-3 / HASS): the fast
     keys/values of every earlier chain step, all positions at once: cache layer -> [(k, v)]
@@ -281,6 +300,9 @@ class AcceleratedLayer(nn.Module):
             qk = qkv[:, :, : nq + nk]
             qk = qk * cos.unsqueeze(2) + _rotate_half(qk) * sin.unsqueeze(2)
             q, k = qk[:, :, :nq].transpose(1, 2), qk[:, :, nq:].transpose(1, 2)
+        if isinstance(scratch, FastState):  # a traced draft: the scratch as tensors
+            keys, values, mask = self._traced_draft(q, k, v, position_ids, scratch)
+            return self._attend(p, q, keys, values, mask, ops)
         # Slow keys/values of layer i, read in place (the fast stream writes no cache).
         n = cache.lengths[self.cache_layer]
         slow_k = cache.keys[self.cache_layer][:, self.kv_index, :n]  # [B?, h_kv, n, D]
@@ -323,6 +345,12 @@ class AcceleratedLayer(nn.Module):
             length = keys.shape[2]
             if self.window is not None and length > self.window and self.fast_keys is None:
                 mask = (torch.arange(length, device=q.device) >= length - self.window)[None]
+        return self._attend(p, q, keys, values, mask, ops)
+
+    def _attend(self, p, q, keys, values, mask, ops) -> torch.Tensor:
+        """The fast attention of q [B, h_q, S, D] over ``keys``/``values`` [B, h_kv, L, D]
+        under ``mask``, its output projection and the rank-r MLP: p [B, S, H] -> p'."""
+        B, S = p.shape[0], p.shape[1]
         if self.expand is not None:
             keys, values = keys[:, self.expand], values[:, self.expand]
         out = F.scaled_dot_product_attention(
@@ -330,6 +358,35 @@ class AcceleratedLayer(nn.Module):
         )
         p = p + ops.out(out.transpose(1, 2).reshape(B, S, -1))  # [B, S, h*D] -> [B, S, H]
         return p + ops.low_rank_mlp(p)
+
+    def _traced_draft(self, q, k, v, position_ids, state: FastState):
+        """Drafting's keys, values and mask with the scratch as tensors (:class:`FastState`):
+        the drafting branch of :meth:`step` over whole buffers, with no length read on the
+        host. One row at t, the round's draft m + 1: slow slots < t - m (verified before the
+        round), the round's m earlier fast keys, its own; under a sliding window only
+        positions > t - window. Masked slots weigh exactly zero, so this is the eager draft up
+        to summation order."""
+        if q.shape[2] != 1:
+            raise ValueError(f"drafting runs one token at a time, got {q.shape[2]}")
+        assert self.fast_keys is None, "fast_keys: the traced draft reads every slow key"
+        slow_k, slow_v = state.slow[self.cache_layer]  # [B, H_kv, L, D]
+        slow_k, slow_v = slow_k[:, self.kv_index], slow_v[:, self.kv_index]  # [B, h_kv, L, D]
+        past_k, past_v = state.past[self.cache_layer]  # [B, h_kv, m, D]
+        fast_k = torch.cat([past_k, k.to(past_k.dtype)], dim=2)  # [B, h_kv, m + 1, D]
+        fast_v = torch.cat([past_v, v.to(past_v.dtype)], dim=2)
+        state.present[self.cache_layer] = (fast_k, fast_v)
+        m = past_k.shape[2]
+        t = position_ids.reshape(q.shape[0], -1)[:, -1:]  # [B, 1]: the draft's position
+        slots = torch.arange(slow_k.shape[2], device=q.device)[None]  # [1, L]
+        slow = slots < t - m  # [B, L]
+        fast = torch.ones(1, m + 1, dtype=torch.bool, device=q.device)  # [1, m + 1]
+        if self.window is not None:  # positions t - m + j of the fast keys, slots s
+            slow = slow & (slots > t - self.window)
+            fast = fast & (torch.arange(m + 1, device=q.device)[None] > m - self.window)
+        mask = torch.cat([slow, fast.expand(slow.shape[0], -1)], dim=1)  # [B, L + m + 1]
+        keys = torch.cat([slow_k, fast_k], dim=2)
+        values = torch.cat([slow_v, fast_v], dim=2)
+        return keys, values, mask[:, None, None, :]
 
     def _top_keys(self, q, slow_k, slow_v, scratch: FastScratch, drafted: int):
         """Sec. 2.5: the draft reads only ``fast_keys`` slow keys per KV head, those the round's

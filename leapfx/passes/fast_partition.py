@@ -10,7 +10,8 @@ Stages (GraphModules sharing the model's modules by reference):
     interval -> final norm -> LM head, on one token at a time. It reads the slow keys of the
     verified positions from ``cache`` and the round's earlier drafts' fast keys from
     ``scratch`` (a ``FastScratch``, which it extends); it writes nothing into ``cache``, and no
-    slow layer runs. ``hidden`` is the fast state at the gate.
+    slow layer runs. ``hidden`` is the fast state at the gate. (Exported to ONNX, the scratch
+    and the verified length become tensors in and out: ``leapfx.export.fast_draft``.)
 
 Example::
 

@@ -643,6 +643,17 @@ class M2R2ExitOptions:
         )  # fmt: skip
 
 
+def _m2r2_export_refusal(o: M2R2Options) -> str | None:
+    """Why an m2r2 model with options ``o`` does not export to ONNX, or None."""
+    if o.fast_keys is not None:
+        return (
+            f"fast_keys: {o.fast_keys!r} chooses each round's slow keys at its first draft and "
+            "keeps them for the round, and the exported draft stage has no input for that "
+            "choice yet; allowed: fast_keys=None (every slow key)"
+        )
+    return None
+
+
 def _m2r2_passes(o) -> list[GraphPass]:
     exits = isinstance(o, M2R2ExitOptions)
     gates = tuple(o.gates) if exits else (o.fast_layers,)
@@ -936,12 +947,12 @@ RECIPES: dict[str, Recipe] = {
             schedule=_chain_schedule(m2r2.m2r2, "num_speculations"),
             training="m2r2",
             parts_option="parts",
-            capabilities=_eager_only(
-                "its fast stream keeps per-sequence scratch state (FastScratch), a Python object "
-                "that neither Inductor nor ONNX traces",
-                "its fast stream (the draft stage) takes per-sequence scratch state "
-                "(FastScratch), a Python object that torch.export does not trace, and no ONNX "
-                "input stands for it yet",
+            capabilities=Capabilities(
+                compiles=False,
+                eager_reason="its fast stream keeps per-sequence scratch state (FastScratch), "
+                "a Python object that Inductor does not trace",
+                # the ONNX export takes the scratch as tensors (leapfx.export.fast_draft)
+                export_refusal_for=_m2r2_export_refusal,
             ),
             batch_refusal="its fast stream keeps per-sequence scratch state (FastScratch)",
         ),
