@@ -25,7 +25,7 @@ pytest.importorskip("tokenizers")
 
 from leapfx import rewrite  # noqa: E402
 from leapfx.models import REFERENCE_MODEL  # noqa: E402
-from tests.conftest import tiny_model  # noqa: E402
+from tests.conftest import randomize_accelerator, tiny_model  # noqa: E402
 from tests.greedy_check import assert_greedy_equal, hf_greedy  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,10 +40,15 @@ EXPORTS = [
     ("kangaroo", "kangaroo", {"exit_layer": 1, "max_draft_tokens": 4}),
     ("swift", "swift", {"skip_layers": (1,), "num_speculations": 3}),  # a fixed skip set
     ("eagle", "eagle", {"parts": None, "max_draft_tokens": 3}),  # its head and target stages
+    # the fast stream (a randomised accelerator), its scratch passed from draft to draft
+    ("m2r2", "m2r2", {"parts": None, "fast_layers": 1, "confidence_threshold": 0.02}),
     ("lookup", "lookup", {}),
     ("auto", "auto", {}),
 ]
 PROMPTS = [[5, 9, 2, 7, 5, 9, 2, 7, 5], [200, 3, 3, 3, 3, 3], [42]]
+# m2r2's accelerator parameters at this scale: drafts whose stops a scratch that never grows
+# would move (checked: one prompt's draft calls 34 -> 36)
+M2R2_SCALE = 0.5
 
 # Runs in the subprocess: torch and transformers cannot be imported there.
 BLOCKED = """
@@ -67,7 +72,10 @@ jobs, prompts, new = json.loads(sys.argv[1]), json.loads(sys.argv[2]), int(sys.a
 out = {}
 for name, path, recipe in jobs:
     model = Decoder(path, threads=1, recipe=recipe)
-    out[name] = [model.generate(p, new) for p in prompts]
+    out[name] = []
+    for p in prompts:
+        out[name].append(model.generate(p, new))
+        out.setdefault(name + ":each", []).append(model.last_stats)
     if name in ("layerskip", "eagle"):
         out[name + ":stats"] = model.last_stats
     if model.tokenizer is not None:
@@ -86,6 +94,8 @@ def decoded(tmp_path_factory):
     jobs = []
     for name, recipe, options in EXPORTS:
         sm = rewrite.apply(model, recipe, **options)
+        if recipe == "m2r2":
+            randomize_accelerator(sm, scale=M2R2_SCALE)
         extra = {"tokenizer": tokenizer} if name == "autoregressive" else {}
         jobs.append((name, str(sm.export_onnx(root / name, **extra)), None))
     # the baselines on another recipe's export, and a standard decoder folder
@@ -144,6 +154,24 @@ def test_layerskip_drafted_and_verified(decoded):
     assert stats["verify_calls"] > 0 and stats["draft_calls"] > 0
 
 
+def test_m2r2_drafts_as_the_eager_recipe(decoded):
+    # Its confidence stop ends a round after a draft whose top probability is low, so the
+    # draft calls count the drafts whose probabilities (read through the scratch) are the
+    # eager stage's: the same calls, prompt by prompt.
+    model, out = decoded
+    sm = rewrite.apply(model, "m2r2", parts=None, fast_layers=1, confidence_threshold=0.02)
+    randomize_accelerator(sm, scale=M2R2_SCALE)
+    calls = []
+    for prompt, new in zip(PROMPTS, out["m2r2"], strict=True):
+        eager = sm.generate(torch.tensor([prompt]), max_new_tokens=NEW)
+        assert eager[0, len(prompt) :].tolist() == new
+        m = sm.last_metrics
+        calls.append({"draft_calls": m.draft_calls, "verify_calls": m.verify_calls})
+    ours = [{k: s[k] for k in ("draft_calls", "verify_calls")} for s in out["m2r2:each"]]
+    assert ours == calls
+    assert len({c["draft_calls"] for c in calls}) > 1  # the stop ended rounds at different drafts
+
+
 def test_text_in_text_out(decoded):
     model, out = decoded
     from transformers import AutoTokenizer
@@ -163,8 +191,9 @@ def test_refusals(tmp_path):
     path = rewrite.apply(model, "autoregressive").export_onnx(tmp_path / "ar")
     with pytest.raises(ValueError, match="recipe: 'layerskip' cannot run on this autoregressive"):
         Decoder(path, recipe="layerskip")
-    with pytest.raises(ValueError, match="recipe: 'm2r2' has no torch-free schedule"):
-        Decoder(path, recipe="m2r2")
+    # (m2r2_exit: its per-layer exits are not exported; m2r2 exports and runs here)
+    with pytest.raises(ValueError, match="recipe: 'm2r2_exit' has no torch-free schedule"):
+        Decoder(path, recipe="m2r2_exit")
     with pytest.raises(ValueError, match="recipe: 'eagle' cannot run on this autoregressive"):
         Decoder(path, recipe="eagle")  # its head and target stages are not there
     with pytest.raises(ValueError, match="holds no tokenizer.json"):

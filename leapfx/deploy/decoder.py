@@ -25,6 +25,12 @@ positions in place), and the greedy schedules of the exportable recipes written 
   features (the drafts' head keys are past the accepted positions then, so moving the
   position drops them); ``lookup=True`` tries prompt lookup first each round, verified by
   ``target``;
+- ``m2r2``: rounds of up to d drafts from ``draft`` (M2R2's fast stream: it reads the slow
+  keys of the verified positions and writes no cache slot), the round's scratch passed from
+  draft to draft as arrays (the first draft's ``fast_past.{i}.*`` of length 0, each later's
+  the ``fast_present.{i}.*`` the one before returned), stopping after the first draft whose
+  top probability is <= its threshold, then one ``full`` call over [x, drafts];
+  ``lookup=True`` tries prompt lookup first each round;
 - ``lookup`` / ``auto``: prompt lookup (the longest suffix of ``max_ngram`` .. ``min_ngram``
   tokens found earlier in the text drafts what followed it), verified by ``full``. ``auto``'s
   adaptive choice of the draft length is a speed policy measured on torch timings; here it
@@ -55,7 +61,8 @@ from .manifest import GENAI_FORMAT, MANIFEST, read_manifest
 
 # The schedules of this module, by the recipe the manifest names.
 SCHEDULES = (
-    "autoregressive", "early_exit", "layerskip", "kangaroo", "swift", "eagle", "lookup", "auto",
+    "autoregressive", "early_exit", "layerskip", "kangaroo", "swift", "eagle", "m2r2", "lookup",
+    "auto",
 )  # fmt: skip
 _DTYPES = {"float32": np.float32, "float16": np.float16}
 _LOOKUP = {"num_speculations": 10, "max_ngram": 3, "min_ngram": 1}  # leapfx's lookup defaults
@@ -82,6 +89,8 @@ class Stage:
     def __init__(self, session, spec: dict[str, Any]) -> None:
         self.session = session
         self.slots: list[int] = list(spec["cache_reads"])
+        # the slots whose present is bound too (M2R2's draft reads slow slots it does not write)
+        self.writes = set(spec.get("cache_writes", self.slots))
         self.inputs = [n for n in spec["inputs"] if not n.startswith("past_key_values.")]
         self.outputs = [n for n in spec["outputs"] if not n.startswith("present.")]
         self.chain = int(spec["chain"]["length"]) if "chain" in spec else 0
@@ -94,6 +103,8 @@ class Stage:
             for slot in self.slots:
                 for kind, value in zip(("key", "value"), cache.values[slot], strict=True):
                     io.bind_ortvalue_input(f"past_key_values.{slot}.{kind}", value)
+                    if slot not in self.writes:
+                        continue
                     present = f"present.{slot}.{kind}"
                     for step in range(max(self.chain - 1, 0)):
                         io.bind_ortvalue_output(f"{present}.step{step}", value)
@@ -221,8 +232,10 @@ class Decoder:
                 f"recipe: {self.recipe!r} has no torch-free schedule; allowed: "
                 f"{', '.join(SCHEDULES)} (others: leapfx.export.OnnxModel, which needs torch)"
             )
-        if self.recipe != m["recipe"] and needs.get(self.recipe) not in m["stages"]:
-            allowed = [m["recipe"], *(r for r, s in needs.items() if s in m["stages"])]
+        # a baseline runs a stage on token runs: not M2R2's draft, which takes a scratch
+        runs = {n for n, spec in m["stages"].items() if "scratch" not in spec}
+        if self.recipe != m["recipe"] and needs.get(self.recipe) not in runs:
+            allowed = [m["recipe"], *(r for r, s in needs.items() if s in runs)]
             raise ValueError(
                 f"recipe: {self.recipe!r} cannot run on this {m['recipe']} export; allowed: "
                 f"{', '.join(allowed)}"
@@ -305,6 +318,33 @@ class Decoder:
                 break
         return drafts
 
+    def _fast_drafts(self, x: int, pos: int, d: int) -> list[int]:
+        """Up to d drafts of M2R2's fast stream from token x at ``pos``, the round's scratch
+        passed from draft to draft (zero-length before the first), stopping after the first
+        whose top probability is <= the threshold."""
+        threshold = float(self.options.get("confidence_threshold") or 0.0)
+        spec = self.manifest["stages"]["draft"]["scratch"]
+        shapes = zip(spec["num_kv_heads"], spec["head_dim"], strict=True)
+        # each slot's key then value, zero-length: the round's first draft has no earlier ones
+        scratch = {
+            name: np.zeros((1, h, 0, size), dtype=self._dtype)
+            for j, (h, size) in enumerate(shapes)
+            for name in spec["inputs"][2 * j : 2 * j + 2]
+        }
+        drafts: list[int] = []
+        token = x
+        for i in range(d):
+            out = self._call(
+                "draft", input_ids=_ids([token]), position_ids=_positions(pos + i, 1), **scratch
+            )
+            scratch = {n: out[o] for n, o in zip(spec["inputs"], spec["outputs"], strict=True)}
+            row = out["logits"][0, -1]
+            token = _argmax(row)
+            drafts.append(token)
+            if threshold > 0 and i + 1 < d and _top_probability(row) <= threshold:
+                break
+        return drafts
+
     def _decode(self, prompt: list[int], budget: int) -> list[int]:
         recipe = self.recipe
         eagle = recipe == "eagle"
@@ -321,7 +361,7 @@ class Decoder:
         if not self._emit(out, [x], budget):
             return out
         o = self.options
-        speculative = recipe in ("layerskip", "kangaroo", "swift", "eagle")
+        speculative = recipe in ("layerskip", "kangaroo", "swift", "eagle", "m2r2")
         lookup = recipe in ("lookup", "auto") or (speculative and o.get("lookup"))
         d_max = int(o.get("max_draft_tokens") or o.get("num_speculations") or 0)
         if recipe in ("lookup", "auto"):
@@ -340,6 +380,9 @@ class Decoder:
                 targets = self._target([x, *drafts], pos, key)
             elif drafts:  # verified by the full stage over [x, drafts]
                 targets = self._step("full", [x, *drafts], pos)
+            elif recipe == "m2r2" and d > 0:  # the fast stream's drafts, verified by full
+                drafts = self._fast_drafts(x, pos, d)
+                targets = self._step("full", [x, *drafts], pos, "verify_calls")
             elif recipe == "swift" and d > 0:  # the layer-skipped drafts, verified by full
                 token = x
                 for i in range(d):
