@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from ..lower.onnx_graph import attr, drop_dead_nodes, drop_unused_initializers
+from ..lower.onnx_graph import attr, drop_dead_nodes, drop_unused_initializers, reads
 
 _LAYOUT_PERM = [0, 2, 1, 3]  # [B, S, H, D] <-> [B, H, S, D]
 
@@ -42,7 +42,7 @@ _LAYOUT_PERM = [0, 2, 1, 3]  # [B, S, H, D] <-> [B, H, S, D]
 def _consumers(graph) -> dict[str, list]:
     out: dict[str, list] = collections.defaultdict(list)
     for node in graph.node:
-        for name in node.input:
+        for name in reads(node):  # a subgraph's reads of outer values count as its node's
             out[name].append(node)
     for o in graph.output:
         out[o.name].append(None)  # a graph output: never rename or remove it

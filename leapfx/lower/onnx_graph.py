@@ -22,6 +22,18 @@ def attr(node, name: str, default: Any = None) -> Any:
     return default
 
 
+def reads(node) -> list[str]:
+    """The names ``node`` reads: its inputs and, for a node with subgraphs (an ``If``: M2R2's
+    draft chooses its top-k keys in one), every name a subgraph's nodes read, the outer
+    values it uses by name included (a superset: a name produced inside counts too)."""
+    names = [i for i in node.input if i]
+    for a in node.attribute:
+        for g in [a.g] if a.HasField("g") else list(a.graphs):
+            names += [name for inner in g.node for name in reads(inner)]
+            names += [o.name for o in g.output]
+    return names
+
+
 def drop_dead_nodes(graph) -> None:
     """Remove the nodes none of whose outputs is read (by a kept node or a graph output)."""
     used = {o.name for o in graph.output}
@@ -29,14 +41,14 @@ def drop_dead_nodes(graph) -> None:
     for node in reversed(graph.node):
         if any(o in used for o in node.output):
             keep.append(node)
-            used.update(i for i in node.input if i)
+            used.update(reads(node))
     del graph.node[:]
     graph.node.extend(reversed(keep))
 
 
 def drop_unused_initializers(graph) -> None:
-    """Remove the initializers no node and no graph output reads."""
-    used = {name for node in graph.node for name in node.input}
+    """Remove the initializers no node (or subgraph of one) and no graph output reads."""
+    used = {name for node in graph.node for name in reads(node)}
     used |= {o.name for o in graph.output}
     keep = [t for t in graph.initializer if t.name in used]
     del graph.initializer[:]
