@@ -40,8 +40,14 @@ EXPORTS = [
     ("kangaroo", "kangaroo", {"exit_layer": 1, "max_draft_tokens": 4}),
     ("swift", "swift", {"skip_layers": (1,), "num_speculations": 3}),  # a fixed skip set
     ("eagle", "eagle", {"parts": None, "max_draft_tokens": 3}),  # its head and target stages
-    # the fast stream (a randomised accelerator), its scratch passed from draft to draft
+    # the fast stream (a randomised accelerator), its scratch passed from draft to draft, and
+    # with fast_keys the slow slots a round's first draft chose
     ("m2r2", "m2r2", {"parts": None, "fast_layers": 1, "confidence_threshold": 0.02}),
+    (
+        "m2r2_topk",
+        "m2r2",
+        {"parts": None, "fast_layers": 1, "confidence_threshold": 0.02, "fast_keys": 2},
+    ),
     ("lookup", "lookup", {}),
     ("auto", "auto", {}),
 ]
@@ -154,20 +160,22 @@ def test_layerskip_drafted_and_verified(decoded):
     assert stats["verify_calls"] > 0 and stats["draft_calls"] > 0
 
 
-def test_m2r2_drafts_as_the_eager_recipe(decoded):
+@pytest.mark.parametrize("name", ["m2r2", "m2r2_topk"])
+def test_m2r2_drafts_as_the_eager_recipe(decoded, name):
     # Its confidence stop ends a round after a draft whose top probability is low, so the
     # draft calls count the drafts whose probabilities (read through the scratch) are the
     # eager stage's: the same calls, prompt by prompt.
     model, out = decoded
-    sm = rewrite.apply(model, "m2r2", parts=None, fast_layers=1, confidence_threshold=0.02)
+    options = next(o for n, _, o in EXPORTS if n == name)
+    sm = rewrite.apply(model, "m2r2", **options)
     randomize_accelerator(sm, scale=M2R2_SCALE)
     calls = []
-    for prompt, new in zip(PROMPTS, out["m2r2"], strict=True):
+    for prompt, new in zip(PROMPTS, out[name], strict=True):
         eager = sm.generate(torch.tensor([prompt]), max_new_tokens=NEW)
         assert eager[0, len(prompt) :].tolist() == new
         m = sm.last_metrics
         calls.append({"draft_calls": m.draft_calls, "verify_calls": m.verify_calls})
-    ours = [{k: s[k] for k in ("draft_calls", "verify_calls")} for s in out["m2r2:each"]]
+    ours = [{k: s[k] for k in ("draft_calls", "verify_calls")} for s in out[name + ":each"]]
     assert ours == calls
     assert len({c["draft_calls"] for c in calls}) > 1  # the stop ended rounds at different drafts
 

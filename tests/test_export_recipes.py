@@ -60,7 +60,8 @@ SWIFT = {
 
 
 # m2r2 (a randomised accelerator, tied embeddings): two fast layers of three, the second on a
-# sliding-window model with the confidence stop
+# sliding-window model with the confidence stop; the third reads 2 slow keys a KV head
+# (fast_keys: chosen by a round's first draft, or every visible one while at most 2 are)
 M2R2 = {
     "m2r2-llama": (
         dict(arch="llama", layers=3, head_dim=16, tie=True),
@@ -70,7 +71,13 @@ M2R2 = {
         dict(arch="qwen2", layers=3, sliding_window=5, tie=True),
         dict(fast_layers=2, num_speculations=4, confidence_threshold=0.1),
     ),
+    "m2r2-topk": (
+        dict(arch="qwen2", layers=3, sliding_window=5, tie=True),
+        dict(fast_layers=1, num_speculations=3, fast_keys=2),
+    ),
 }
+# the accelerator's random scale where the default (0.1) has every draft of this model kept
+M2R2_SCALE = {"m2r2-topk": 0.3}
 
 
 def _recipe(name: str) -> tuple[str, tuple[dict, dict]]:
@@ -94,7 +101,7 @@ def exported(tmp_path_factory):
             extra = {"parts": None} if recipe in ("eagle", "m2r2") else {}
             sm = rewrite.apply(model, recipe, **extra, **options)
             if recipe == "m2r2":
-                randomize_accelerator(sm)
+                randomize_accelerator(sm, scale=M2R2_SCALE.get(name, 0.1))
             path = sm.export_onnx(root / name)
             cache[name] = (model, sm, OnnxModel(path, threads=1))
         return cache[name]
@@ -221,8 +228,13 @@ def test_onnx_m2r2_is_token_identical_to_eager(exported, name):
     assert draft["cache_reads"] == draft["scratch"]["slots"] == fast
     assert draft["cache_writes"] == [] and draft["layers"] == []
     assert not [n for n in draft["outputs"] if n.startswith("present.")]
-    assert draft["inputs"][2:4] == ["fast_past.0.key", "fast_past.0.value"]
-    assert draft["outputs"][2:4] == ["fast_present.0.key", "fast_present.0.value"]
+    scratch = ["fast_past.0.key", "fast_past.0.value"]
+    if sm.options.fast_keys is not None:
+        scratch.append("fast_past.0.top")  # the round's choice of slow slots
+    assert draft["inputs"][2 : 2 + len(scratch)] == scratch
+    assert draft["outputs"][2 : 2 + len(scratch)] == [
+        n.replace("fast_past", "fast_present") for n in scratch
+    ]
     per_verify: list[int] = []
     assert decode_both(model, sm, om, per_verify).get("m2r2", 0) > 0  # drafted on ONNX
     # drafts were kept (rounds of several tokens) and rejected (rounds of one)
@@ -233,7 +245,8 @@ def test_onnx_m2r2_is_token_identical_to_eager(exported, name):
 def test_onnx_m2r2_draft_reads_its_scratch_as_the_eager_draft(exported, name):
     """A round of three drafts over a cache whose slots past the round's start hold a rejected
     round's keys: each ONNX draft's logits and fast keys are the eager stage's, the scratch
-    growing by one key a draft."""
+    growing by one key a draft (with fast_keys, the slow slots the round's first draft chose
+    are the eager draft's)."""
     model, sm, om = exported(name)
     prompt = torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7, 1, 2]])
     start = 8  # slots 8 and 9 hold keys of tokens the round does not see
@@ -255,6 +268,10 @@ def test_onnx_m2r2_draft_reads_its_scratch_as_the_eager_draft(exported, name):
             torch.testing.assert_close(ok, ek, rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(ov, ev, rtol=1e-4, atol=1e-4)
     assert ours.cache.lengths[: len(o.kv)] == [start] * len(o.kv)  # the draft wrote no slot
+    if sm.options.fast_keys is not None:  # 4 keys in the window, 2 chosen
+        assert sorted(e.top) == sorted(e.kv)
+        for slot, (positions, _, _) in e.top.items():
+            assert torch.equal(o.exported[f"fast_past.{slot}.top"], positions)
 
 
 def test_onnx_m2r2_samples_and_its_baselines(exported):
@@ -274,7 +291,6 @@ def test_onnx_m2r2_samples_and_its_baselines(exported):
     ("recipe", "options", "match"),
     [
         ("swift", {"search": "online"}, "search: 'online' chooses the draft's skip set"),
-        ("m2r2", {"fast_layers": 2, "fast_keys": 2}, "fast_keys: 2 chooses each round's"),
         ("m2r2_exit", {}, "per-layer gates decide each token's exit"),
         ("specee", {"drafter": "exit_head", "exit_layer": 1}, "per-token exits"),
     ],

@@ -26,8 +26,8 @@ def test_recipes_declare_what_lowering_and_export_asked_their_names_for():
         "qspec",
         "specee",
     ]
-    # some options' models refuse: swift's online search, m2r2's fast_keys
-    assert [n for n, c in can.items() if c.export_refusal_for is not None] == ["swift", "m2r2"]
+    # some options' models refuse: swift's online search
+    assert [n for n, c in can.items() if c.export_refusal_for is not None] == ["swift"]
     assert sorted(n for n, c in can.items() if not c.compiles) == [
         "m2r2",
         "m2r2_exit",

@@ -28,7 +28,8 @@ positions in place), and the greedy schedules of the exportable recipes written 
 - ``m2r2``: rounds of up to d drafts from ``draft`` (M2R2's fast stream: it reads the slow
   keys of the verified positions and writes no cache slot), the round's scratch passed from
   draft to draft as arrays (the first draft's ``fast_past.{i}.*`` of length 0, each later's
-  the ``fast_present.{i}.*`` the one before returned), stopping after the first draft whose
+  the ``fast_present.{i}.*`` the one before returned, with ``fast_keys`` the slow slots the
+  round's first draft chose), stopping after the first draft whose
   top probability is <= its threshold, then one ``full`` call over [x, drafts];
   ``lookup=True`` tries prompt lookup first each round;
 - ``lookup`` / ``auto``: prompt lookup (the longest suffix of ``max_ngram`` .. ``min_ngram``
@@ -324,12 +325,10 @@ class Decoder:
         whose top probability is <= the threshold."""
         threshold = float(self.options.get("confidence_threshold") or 0.0)
         spec = self.manifest["stages"]["draft"]["scratch"]
-        shapes = zip(spec["num_kv_heads"], spec["head_dim"], strict=True)
-        # each slot's key then value, zero-length: the round's first draft has no earlier ones
+        # zeros as the manifest says (keys and values of length 0: no earlier draft yet)
         scratch = {
-            name: np.zeros((1, h, 0, size), dtype=self._dtype)
-            for j, (h, size) in enumerate(shapes)
-            for name in spec["inputs"][2 * j : 2 * j + 2]
+            name: np.zeros((1, *f["shape"]), dtype=np.dtype(f["dtype"]))
+            for name, f in spec["first"].items()
         }
         drafts: list[int] = []
         token = x

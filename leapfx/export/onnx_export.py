@@ -442,7 +442,7 @@ def _manifest(
             "rewrites": rewrites.get(name, {}),
         }
         if takes_scratch(stage):  # M2R2's draft: the round's scratch in and out
-            stages[name]["scratch"] = scratch_spec(stage)
+            stages[name]["scratch"] = scratch_spec(stage, str(lay.dtype).removeprefix("torch."))
     if chain:
         stages[CHAIN_STAGE] = _chain_spec(stages["draft"], chain, rewrites)
     return {

@@ -65,7 +65,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16}
-_TORCH_DTYPES = {"tensor(float)": torch.float32, "tensor(float16)": torch.float16}
 # Output buffers an OrtStage keeps per input shape (decode calls: one-token steps, verify):
 # at most this many shapes, each at most this large (a prefill's logits are not kept).
 _MAX_BUFFERED_SHAPES = 64
@@ -332,37 +331,49 @@ class OrtFastDraft(OrtStage):
     with the round's ``FastScratch``; the scratch crosses into the session as tensors.
 
     A call feeds each fast layer's slot the round's earlier fast keys/values (``scratch.kv``,
-    concatenated: ``fast_past.{i}.*``, of length 0 at the round's first draft) beside the slow
-    cache buffers (read only), and appends this draft's, the last column of
-    ``fast_present.{i}.*``, to ``scratch.kv``: the scratch holds what the eager stage leaves in
-    it, so a round may mix the two. Returns ``logits`` and ``hidden``.
+    concatenated: ``fast_past.{i}.key`` / ``.value``, of length 0 at the round's first draft)
+    beside the slow cache buffers (read only), and appends this draft's, the last column of
+    ``fast_present.{i}.*``, to ``scratch.kv``, as the eager stage does. A ``fast_keys`` layer's
+    choice of slow slots (``fast_present.{i}.top``, made by the round's first draft) is kept
+    in ``scratch.exported`` and fed to the next draft. Returns ``logits`` and ``hidden``.
     """
 
     def __init__(self, session, spec: dict[str, Any]) -> None:
         super().__init__(session, spec)
         scratch = spec["scratch"]
-        self.slots: list[int] = list(scratch["slots"])
-        self.shapes = list(zip(scratch["num_kv_heads"], scratch["head_dim"], strict=True))
-        self.fast_inputs = list(scratch["inputs"])
-        self.fast_outputs = list(scratch["outputs"])
-        types = {i.name: i.type for i in session.get_inputs()}
-        self.dtype = _TORCH_DTYPES[types[self.fast_inputs[0]]]
+        self.scratch_inputs: list[str] = list(scratch["inputs"])
+        self.scratch_outputs: list[str] = list(scratch["outputs"])
+        self.first = {
+            name: (tuple(f["shape"]), getattr(torch, f["dtype"]))
+            for name, f in scratch["first"].items()
+        }
 
     def __call__(self, *, cache: OrtKVCache, scratch, **tensors: torch.Tensor):
         tensors.pop("masks", None)
         batch = tensors["input_ids"].shape[0]
-        for j, (slot, (h, d)) in enumerate(zip(self.slots, self.shapes, strict=True)):
-            earlier = scratch.kv.get(slot, [])  # [(k, v)], each [B, h_kv, 1, D]
-            for i, name in enumerate(self.fast_inputs[2 * j : 2 * j + 2]):
-                tensors[stage_input(name)] = (
-                    torch.cat([e[i] for e in earlier], dim=2)
-                    if earlier
-                    else torch.zeros(batch, h, 0, d, dtype=self.dtype)
-                )
+        for name in self.scratch_inputs:
+            _, slot, kind = name.split(".")  # fast_past.{i}.key | .value | .top
+            earlier = scratch.kv.get(int(slot), [])  # [(k, v)], each [B, h_kv, 1, D]
+            if kind == "top":
+                value = scratch.exported.get(name)
+            elif earlier:
+                value = torch.cat([e[kind == "value"] for e in earlier], dim=2)
+            else:
+                value = None
+            if value is None:  # the round's first draft
+                shape, dtype = self.first[name]
+                value = torch.zeros(batch, *shape, dtype=dtype)
+            tensors[name] = value
         out = super().__call__(cache=cache, **tensors)
-        for j, slot in enumerate(self.slots):
-            k, v = (out.pop(n) for n in self.fast_outputs[2 * j : 2 * j + 2])
-            scratch.kv.setdefault(slot, []).append((k[:, :, -1:], v[:, :, -1:]))
+        new: dict[int, dict[str, torch.Tensor]] = {}
+        for past, name in zip(self.scratch_inputs, self.scratch_outputs, strict=True):
+            _, slot, kind = name.split(".")
+            if kind == "top":
+                scratch.exported[past] = out.pop(name)
+            else:
+                new.setdefault(int(slot), {})[kind] = out.pop(name)[:, :, -1:]
+        for slot, kv in new.items():
+            scratch.kv.setdefault(slot, []).append((kv["key"], kv["value"]))
         return out
 
 

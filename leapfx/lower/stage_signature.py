@@ -81,15 +81,19 @@ def present_names(layer: int) -> tuple[str, str]:
     return f"present.{layer}.key", f"present.{layer}.value"
 
 
-def fast_past_names(layer: int) -> tuple[str, str]:
+def fast_past_names(layer: int, top: bool = False) -> tuple[str, ...]:
     """M2R2's draft stage: the round's earlier drafts' fast keys/values of cache layer
-    ``layer`` (its scratch, ``leapfx.export.fast_draft``)."""
-    return f"fast_past.{layer}.key", f"fast_past.{layer}.value"
+    ``layer`` (its scratch, ``leapfx.export.fast_draft``), and with ``top`` (a ``fast_keys``
+    layer) the round's choice of slow slots."""
+    names = (f"fast_past.{layer}.key", f"fast_past.{layer}.value")
+    return (*names, f"fast_past.{layer}.top") if top else names
 
 
-def fast_present_names(layer: int) -> tuple[str, str]:
-    """M2R2's draft stage: ``fast_past`` of ``layer`` with this draft's key/value appended."""
-    return f"fast_present.{layer}.key", f"fast_present.{layer}.value"
+def fast_present_names(layer: int, top: bool = False) -> tuple[str, ...]:
+    """M2R2's draft stage: ``fast_past`` of ``layer`` with this draft's key/value appended
+    (and the round's choice, made at its first draft)."""
+    names = (f"fast_present.{layer}.key", f"fast_present.{layer}.value")
+    return (*names, f"fast_present.{layer}.top") if top else names
 
 
 # A stage input whose name is also one of the stage's outputs, and its name in an export (ONNX

@@ -94,6 +94,9 @@ class FastScratch:
     # the same fast keys/values packed for ``leapfx_cpu::m2r2_draft`` ([L, 2, m, h_kv, D]; see
     # ``modules.m2r2_kernels.KernelDraft``), None until the op drafts
     packed: torch.Tensor | None = None
+    # what an exported draft stage returns beside the fast keys, by the input it feeds next
+    # (``fast_keys``' choice of slots, ``fast_past.{i}.top``: ``lower.onnxruntime.OrtFastDraft``)
+    exported: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return max((len(v) for v in self.kv.values()), default=0)
@@ -111,11 +114,18 @@ class FastState:
     layers, ``past`` with this draft's own key/value appended [B, h_kv, m + 1, D], the next
     draft's ``past``. A draft at position t is the round's (m+1)-th, so the round started at
     t - m: the slow slots from there on hold no verified key (stale ones of rejected drafts,
-    or nothing) and are masked, which is the eager path's ``cache.lengths`` in a graph."""
+    or nothing) and are masked, which is the eager path's ``cache.lengths`` in a graph. A
+    ``fast_keys`` layer also reads and returns the round's choice of slow slots (``top``,
+    ``top_present``: :meth:`AcceleratedLayer._traced_top_keys`), ``FastScratch.top``'s
+    positions."""
 
     slow: dict[int, tuple[torch.Tensor, torch.Tensor]]
     past: dict[int, tuple[torch.Tensor, torch.Tensor]]
     present: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # ``fast_keys`` layers: cache layer -> the round's choice of slow slots [B, h_kv, k]
+    # (int64; anything at the round's first draft, which chooses), and the choice returned
+    top: dict[int, torch.Tensor] = field(default_factory=dict)
+    top_present: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -368,7 +378,6 @@ class AcceleratedLayer(nn.Module):
         to summation order."""
         if q.shape[2] != 1:
             raise ValueError(f"drafting runs one token at a time, got {q.shape[2]}")
-        assert self.fast_keys is None, "fast_keys: the traced draft reads every slow key"
         slow_k, slow_v = state.slow[self.cache_layer]  # [B, H_kv, L, D]
         slow_k, slow_v = slow_k[:, self.kv_index], slow_v[:, self.kv_index]  # [B, h_kv, L, D]
         past_k, past_v = state.past[self.cache_layer]  # [B, h_kv, m, D]
@@ -382,11 +391,57 @@ class AcceleratedLayer(nn.Module):
         fast = torch.ones(1, m + 1, dtype=torch.bool, device=q.device)  # [1, m + 1]
         if self.window is not None:  # positions t - m + j of the fast keys, slots s
             slow = slow & (slots > t - self.window)
-            fast = fast & (torch.arange(m + 1, device=q.device)[None] > m - self.window)
-        mask = torch.cat([slow, fast.expand(slow.shape[0], -1)], dim=1)  # [B, L + m + 1]
+            if self.fast_keys is None:  # (with fast_keys the eager draft windows no fast key)
+                fast = fast & (torch.arange(m + 1, device=q.device)[None] > m - self.window)
         keys = torch.cat([slow_k, fast_k], dim=2)
         values = torch.cat([slow_v, fast_v], dim=2)
+        if self.fast_keys is not None:  # [B, h_q, L]: per query head, the round's choice
+            slow = self._traced_top_keys(q, slow_k, slots, t - m, slow, state)
+            fast = fast[:, None].expand(slow.shape[0], slow.shape[1], -1)  # [B, h_q, m + 1]
+            return keys, values, torch.cat([slow, fast], dim=-1)[:, :, None, :]
+        mask = torch.cat([slow, fast.expand(slow.shape[0], -1)], dim=1)  # [B, L + m + 1]
         return keys, values, mask[:, None, None, :]
+
+    def _traced_top_keys(self, q, slow_k, slots, start, visible, state: FastState):
+        """:meth:`_top_keys` with the round's choice as a tensor (``state.top``, [B, h_kv, k]
+        slots): the slow slots each query head reads, [B, h_q, L].
+
+        The round's first draft (m = 0, an ONNX ``If`` on the scratch's length) ranks the slow
+        keys visible to it by its attention pooled over each KV head's query heads and keeps
+        the k best; later drafts take the choice they are given. With at most k visible at the
+        first draft nothing is chosen: every draft reads the keys ``visible`` to it (the eager
+        path's window sliding with the drafts)."""
+        k = self.fast_keys
+        m = state.past[self.cache_layer][0].shape[2]
+        first = slots < start  # [B, L]: visible to the round's first draft (at t = start)
+        if self.window is not None:
+            first = first & (slots > start - self.window)
+        every = first.sum(dim=-1, keepdim=True) <= k  # [B, 1]: nothing to choose
+
+        def rank(q, slow_k, first, given):
+            keys = slow_k[:, self.q_to_kv]  # [B, h_q, L, D]
+            scores = (q @ keys.transpose(-1, -2)).float()[:, :, 0] * self.scaling  # [B, h_q, L]
+            hidden = ~first[:, None]
+            w = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1)
+            w = w.masked_fill(hidden, 0.0)  # (no key visible: NaN rows, and every is true)
+            group = F.one_hot(self.q_to_kv, slow_k.shape[1]).to(w.dtype)  # [h_q, h_kv]
+            pooled = torch.einsum("bql,qk->bkl", w, group)  # [B, h_kv, L]
+            pad = pooled.new_zeros(*pooled.shape[:2], k)  # k columns to choose from, always
+            top = torch.cat([pooled, pad], dim=-1).topk(k, dim=-1).indices
+            return top.sort(dim=-1).values
+
+        def keep(q, slow_k, first, given):
+            return given.clone()
+
+        given = state.top[self.cache_layer]  # [B, h_kv, k]
+        top = torch.cond(m == 0, rank, keep, (q, slow_k, first, given))
+        state.top_present[self.cache_layer] = top
+        # [B, h_kv, L]: the chosen slots (compared, not scattered: a ScatterElements here
+        # would read as a cache write to the export's rewrites)
+        chosen = (slots[:, None, :, None] == top[:, :, None, :]).any(dim=-1)
+        every = every[:, None]  # (logical ops: onnxruntime's Where takes no booleans)
+        slow = (every & visible[:, None]) | (~every & chosen)  # [B, h_kv, L]
+        return slow[:, self.q_to_kv]  # [B, h_q, L]
 
     def _top_keys(self, q, slow_k, slow_v, scratch: FastScratch, drafted: int):
         """Sec. 2.5: the draft reads only ``fast_keys`` slow keys per KV head, those the round's

@@ -643,17 +643,6 @@ class M2R2ExitOptions:
         )  # fmt: skip
 
 
-def _m2r2_export_refusal(o: M2R2Options) -> str | None:
-    """Why an m2r2 model with options ``o`` does not export to ONNX, or None."""
-    if o.fast_keys is not None:
-        return (
-            f"fast_keys: {o.fast_keys!r} chooses each round's slow keys at its first draft and "
-            "keeps them for the round, and the exported draft stage has no input for that "
-            "choice yet; allowed: fast_keys=None (every slow key)"
-        )
-    return None
-
-
 def _m2r2_passes(o) -> list[GraphPass]:
     exits = isinstance(o, M2R2ExitOptions)
     gates = tuple(o.gates) if exits else (o.fast_layers,)
@@ -951,8 +940,7 @@ RECIPES: dict[str, Recipe] = {
                 compiles=False,
                 eager_reason="its fast stream keeps per-sequence scratch state (FastScratch), "
                 "a Python object that Inductor does not trace",
-                # the ONNX export takes the scratch as tensors (leapfx.export.fast_draft)
-                export_refusal_for=_m2r2_export_refusal,
+                # (its ONNX export takes the scratch as tensors: leapfx.export.fast_draft)
             ),
             batch_refusal="its fast stream keeps per-sequence scratch state (FastScratch)",
         ),
