@@ -210,7 +210,12 @@ def _m2r2_rows(run: RowRun) -> list[System]:
         kw["exit_gates"] = config.m2r2_exit_gates
     if _has_routers(kw["parts"]):
         exits = rewrite.apply(model, "m2r2_exit", **kw)
-        rows.append(ours("leapfx_m2r2_exit", exits, lossless=False))
+        refusal = exits.recipe.capabilities.refusal(exits.options)
+        if run.backend == "onnxruntime" and refusal is not None:
+            # m2r2 exports; m2r2_exit's per-layer exits do not
+            log.warning("leapfx bench: no leapfx_m2r2_exit row on onnxruntime: %s", refusal)
+        else:
+            rows.append(ours("leapfx_m2r2_exit", exits, lossless=False))
     else:
         log.warning("parts %s hold no ARLA routers: no leapfx_m2r2_exit row", config.parts)
     return rows
