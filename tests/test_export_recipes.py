@@ -8,8 +8,9 @@ stage also returns ``hidden``). The tokens are the eager recipe's, and with them
 rounds (accepted drafts per verify, calls) where no timing chooses them, on two tiny models
 (``MODELS``). swift: the ``draft`` stage is the model without its fixed skip set (its kept
 layers' cache slots only), verified by ``full``. m2r2: the ``draft`` stage (the fast stream)
-takes its round's scratch as tensors (``fast_past.{i}.*`` in, ``fast_present.{i}.*`` out) beside
-the slow cache it reads and does not write, verified by ``full``; its accelerator is randomised
+takes its round's scratch as tensors (``fast_past.{i}.*`` in, ``fast_present.{i}.*`` out: the
+fast keys, and with ``fast_keys`` the slow slots the round's first draft chose) beside the slow
+cache it reads and does not write, verified by ``full``; its accelerator is randomised
 (an untrained one multiplies its attention by a zero gate) on tied-embedding models, whose
 drafts are accepted in some rounds and rejected in others. The torch-free
 ``leapfx.deploy.Decoder`` runs these recipes' exports in ``tests/test_deploy.py``.
