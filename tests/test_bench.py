@@ -267,6 +267,26 @@ def test_onnxruntime_backend_rows(checkpoint, tmp_path):
         assert sorted(timing) == counts and x["onnx_threads"] == min(timing, key=timing.get)
 
 
+def test_m2r2_rows_on_onnxruntime_skip_m2r2_exit_with_its_refusal(caplog):
+    # m2r2 exports (its row stays); m2r2_exit's per-layer exits do not: no row, a warning
+    # quoting the refusal. The rows are built, not run (``ours`` records them).
+    from leapfx.bench.systems import RowRun, _m2r2_rows
+
+    model = tiny_model("llama", layers=4)
+    built = []
+
+    def ours(name, sm, lossless=True):
+        built.append(name)
+        return name
+
+    both = ["leapfx_kangaroo", "leapfx_m2r2"]
+    for backend, rows in (("onnxruntime", both), ("eager", [*both, "leapfx_m2r2_exit"])):
+        built.clear()
+        _m2r2_rows(RowRun(model, BenchConfig(recipe="m2r2"), ours, {}, backend))
+        assert built == rows, backend
+    assert "no leapfx_m2r2_exit row on onnxruntime: its stages run eager only" in caplog.text
+
+
 @pytest.mark.slow  # five exports
 def test_onnxruntime_eagle_rows(tmp_path):
     # `leapfx bench --backend onnxruntime --recipe eagle`: EAGLE's head and target stages
