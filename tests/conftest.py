@@ -196,6 +196,17 @@ def llama():
     return tiny_model("llama", layers=4)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def onnx_stage_memo(tmp_path_factory):
+    """Every ONNX export of the run exports each distinct stage once (``tests/onnx_memo.py``:
+    a stage identical in code, weights and example inputs to one exported before, in this
+    worker or another, is copied from that export's files; the rest of the export runs)."""
+    from onnx_memo import StageMemo, shared_root
+
+    with StageMemo(shared_root(tmp_path_factory)).installed() as memo:
+        yield memo
+
+
 def pytest_collection_modifyitems(config, items):
     # Tests marked slow (Inductor compiles, the reference model: a minute or more each, cold)
     # run first, so that xdist's load balancing does not end with one worker running one of

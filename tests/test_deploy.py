@@ -93,7 +93,12 @@ print(json.dumps(out))
 
 @pytest.fixture(scope="module")
 def decoded(tmp_path_factory):
-    """The tiny model, and what the torch-free subprocess decoded from each export."""
+    """The tiny model, and what the torch-free subprocess decoded from each export.
+
+    The recipes share stages (autoregressive, lookup and auto one ``full`` stage, layerskip's
+    three settings all three): the suite's memo exports each distinct stage once
+    (tests/onnx_memo.py, installed by conftest.py).
+    """
     root = tmp_path_factory.mktemp("deploy")
     model = tiny_model("llama", layers=2, head_dim=16, vocab=259, seed=5, eos=257)
     tokenizer = str(REFERENCE_MODEL)  # a folder with tokenizer.json (vocab 259)
