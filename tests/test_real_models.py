@@ -222,7 +222,12 @@ def test_model_specs_and_their_errors(tmp_path):
 
 
 def test_hub_id_offline_names_the_id(monkeypatch):
+    import huggingface_hub.constants
+
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # huggingface_hub reads the variable once, at import (long done here): without its
+    # constant the load went online and waited for the network's timeouts (~23 s offline)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(ValueError) as err:
         load_model("leapfx-test-org/no-such-model")
     message = str(err.value)
