@@ -172,16 +172,33 @@ def test_every_compiled_graph_skips_the_guards_on_the_stage_modules(monkeypatch)
 
     monkeypatch.setattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", counting)
     torch._dynamo.reset()
-    model = tiny_model("llama", layers=2)
+    # layerskip_compiled's model (below): the same graphs, which Inductor's cache then holds
+    # for whichever of the two compiles second (a cold compile is minutes on a busy 2-core CPU)
+    model = tiny_model("llama", layers=3)
     graphs = _graphs()
     rewrite.apply(model, "layerskip", exit_layer=1, num_speculations=3).compile()
     assert _graphs() - graphs == 8
     assert len(filtered) == 8
 
 
-def test_a_full_rounds_verify_runs_its_static_graph_and_shorter_ones_the_dynamic_graph():
+@pytest.fixture(scope="module")
+def layerskip_compiled():
+    """layerskip (E=1, d=3) on a 3-layer Llama, compiled once (8 graphs: tens of seconds on a
+    cold Inductor cache) for the tests below that decode with it, and its cache as the warm-up
+    left it (the object, its lengths, its buffers' addresses). Each test spies through
+    ``monkeypatch``, so the next one finds the compiled executors again. (The test above
+    resets dynamo; it runs before this fixture is made, in file order.)"""
     model = tiny_model("llama", layers=3)
     sm = rewrite.apply(model, "layerskip", exit_layer=1, num_speculations=3).compile()
+    cache = sm._cache
+    warm = (cache, list(cache.lengths), [t.data_ptr() for t in cache.keys + cache.values])
+    return model, sm, warm
+
+
+def test_a_full_rounds_verify_runs_its_static_graph_and_shorter_ones_the_dynamic_graph(
+    layerskip_compiled, monkeypatch
+):
+    model, sm, _ = layerskip_compiled
     verify = sm._executors["verify"]
     calls = {"round": [], "chunk": []}
     for name in calls:
@@ -191,7 +208,7 @@ def test_a_full_rounds_verify_runs_its_static_graph_and_shorter_ones_the_dynamic
             calls[name].append(args[verify.tensor_inputs.index("exit_hidden")].shape[1])
             return real(keys, values, *args)
 
-        setattr(verify, f"_{name}", spy)
+        monkeypatch.setattr(verify, f"_{name}", spy)
     graphs = _graphs()
     prompt = torch.tensor([[3, 1, 4, 1, 5, 9]])
     # 14 new tokens: full rounds of 3 drafts, and near the end rounds cut short of 3
@@ -202,9 +219,8 @@ def test_a_full_rounds_verify_runs_its_static_graph_and_shorter_ones_the_dynamic
     assert _graphs() == graphs  # the warm-up compiled both: generate compiles nothing
 
 
-def test_a_greedy_layerskip_round_drafts_through_one_chain_call():
-    model = tiny_model("llama", layers=3)
-    sm = rewrite.apply(model, "layerskip", exit_layer=1, num_speculations=3).compile()
+def test_a_greedy_layerskip_round_drafts_through_one_chain_call(layerskip_compiled, monkeypatch):
+    model, sm, _ = layerskip_compiled
     chain = sm._executors["draft_chain"]
     assert chain.chain_length == 3
     prompt = torch.tensor([[3, 1, 4, 1, 5, 9]])
@@ -217,7 +233,7 @@ def test_a_greedy_layerskip_round_drafts_through_one_chain_call():
         calls.append(args[2].shape)
         return real(*args)
 
-    chain._fn = spy
+    monkeypatch.setattr(chain, "_fn", spy)
     graphs = _graphs()
     # 14 new tokens: rounds of 3 drafts through the chain, rounds cut short near the end
     # through single draft calls; greedy decoding identical to HF's either way
@@ -241,14 +257,11 @@ def test_only_fixed_greedy_rounds_get_a_draft_chain(llama):
     assert chain_length(rewrite.apply(llama, "kangaroo", exit_layer=1)) == 0
 
 
-def test_warm_up_runs_on_the_cache_generate_reuses():
+def test_warm_up_runs_on_the_cache_generate_reuses(layerskip_compiled):
     # The graphs are compiled (on a GPU: recorded as CUDA graphs) over the buffers decoding
     # then writes: the model's own static cache, which generate() only resets.
-    model = tiny_model("llama", layers=2)
-    sm = rewrite.apply(model, "layerskip", exit_layer=1, num_speculations=3).compile()
-    cache = sm._cache
-    pointers = [t.data_ptr() for t in cache.keys + cache.values]
-    assert cache.lengths == [0] * cache.num_layers  # warm-up leaves it reset
+    model, sm, (cache, lengths, pointers) = layerskip_compiled
+    assert lengths == [0] * cache.num_layers  # warm-up left it reset
     graphs = _graphs()
     for prompt in _prompts(model.config.vocab_size, lengths=(5, 2)):
         sm.generate(prompt, max_new_tokens=16)
