@@ -348,12 +348,17 @@ def test_onnx_verify_threads_errors():
     assert main(["bench", "--onnx-verify-threads", "two"]) == 2
 
 
+def _head_dim_16_model():
+    """A 4-layer Llama of head size 16 over the byte tokenizer, and the tokenizer."""
+    tok = byte_tokenizer()
+    return tiny_model("llama", layers=4, head_dim=16, vocab=len(tok), eos=tok.eos_token_id), tok
+
+
 def test_onnx_split_verify_timed_or_fixed(tmp_path, monkeypatch):
     # auto: split and whole verify timed on each layerskip export, the faster runs the row;
     # on / off: as asked, timing nothing. Either way the rows stay identical to greedy.
     # (head_dim 16: the export's attention fuses, which the split needs)
-    tok = byte_tokenizer()
-    model = tiny_model("llama", layers=4, head_dim=16, vocab=len(tok), eos=tok.eos_token_id)
+    model, tok = _head_dim_16_model()
     prompts = [torch.tensor([tok("for i in range(")["input_ids"]])]
     base = dict(exit_layer=2, num_speculations=3, max_new_tokens=8, repeats=1, warmup=0,
                 backend="onnxruntime", onnx_threads=1, hf_baselines=False)  # fmt: skip
@@ -408,10 +413,11 @@ def test_onnx_thread_pool_option():
         BenchConfig(onnx_thread_pool="shared", onnx_verify_threads="auto").validate()
 
 
-def test_cost_ratios_per_backend(checkpoint, tmp_path):
+def test_cost_ratios_per_backend(tmp_path):
     # Every backend's speculative row carries its own draft and verify cost ratios, measured
-    # against the autoregressive row of the same backend.
-    model, tok = load_model(checkpoint)
+    # against the autoregressive row of the same backend. (The split-verify test's model and
+    # options: the same stages, which the suite's ONNX memo then exports once for both.)
+    model, tok = _head_dim_16_model()
     prompts = [torch.tensor([tok("for i in range(")["input_ids"]])]
     config = BenchConfig(exit_layer=2, num_speculations=3, max_new_tokens=10, repeats=1,
                          warmup=0, backend="eager,onnxruntime",
