@@ -211,11 +211,32 @@ def onnx_stage_memo(tmp_path_factory):
         yield memo
 
 
+def _slow_first(items: list, workers: int) -> list:
+    """Tests marked slow (Inductor compiles, the reference model: a minute or more each, cold)
+    first, so that xdist's load balancing does not end with one worker running one of them
+    alone while the other idles; the order is otherwise unchanged.
+
+    Under xdist (``workers`` > 1) every worker must start on its share of them: xdist's load
+    scheduling sends each worker a first chunk of consecutive tests (a quarter of its share),
+    so slow tests at the front alone would all be the first worker's, one after another, the
+    whole run's critical path. Each chunk starts with every ``workers``-th slow test instead."""
+    slow = [item for item in items if "slow" in item.keywords]
+    rest = [item for item in items if "slow" not in item.keywords]
+    if workers < 2:
+        return slow + rest
+    chunk = max(len(items) // workers // 4, 2)  # xdist.scheduler.load: a node's first chunk
+    ordered = []
+    for w in range(workers):
+        mine = slow[w::workers]
+        take = max(chunk - len(mine), 0)
+        ordered += mine + rest[:take]
+        rest = rest[take:]
+    return ordered + rest
+
+
 def pytest_collection_modifyitems(config, items):
-    # Tests marked slow (Inductor compiles, the reference model: a minute or more each, cold)
-    # run first, so that xdist's load balancing does not end with one worker running one of
-    # them alone while the other idles. A stable sort: the order is otherwise unchanged.
-    items.sort(key=lambda item: "slow" not in item.keywords)
+    workers = int(getattr(config, "workerinput", {}).get("workercount", 1))
+    items[:] = _slow_first(items, workers)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
