@@ -367,12 +367,32 @@ def test_serve_bench_loads_the_server_and_reports_each_level(tmp_path):
     out = tmp_path / "load.json"
     code = main(["serve-bench", "--model", "smollm2", "--recipe", "autoregressive",
                  "--concurrency", "1,2", "--requests", "2", "--max-tokens", "4",
-                 "--no-llama-cpp", "--json", str(out)])  # fmt: skip
+                 "--no-llama-cpp", "--passes", "2", "--json", str(out)])  # fmt: skip
     assert code == 0
     rows = json.loads(out.read_text())["rows"]
     assert [(r["system"], r["concurrency"]) for r in rows] == [
         ("leapfx_autoregressive", 1), ("leapfx_autoregressive", 2)]  # fmt: skip
     assert all(r["errors"] == 0 and r["tokens"] > 0 and r["agreement"] == 1.0 for r in rows)
+    assert all(len(r["tokens_per_second_per_pass"]) == 2 for r in rows)
+    assert all(r["tokens_per_second"] in r["tokens_per_second_per_pass"] for r in rows)
+
+
+def test_serve_bench_rows_are_median_passes_and_ratios_are_per_pass():
+    from leapfx.serve import load
+
+    def run(tps, text):
+        return {"concurrency": 1, "tokens_per_second": tps}, [load.Stream(text=text)]
+
+    passes = {
+        ("leapfx_auto", 1): [run(30.0, "a"), run(12.0, "a"), run(33.0, "b")],
+        ("leapfx_autoregressive", 1): [run(20.0, "a"), run(10.0, "a"), run(30.0, "a")],
+    }
+    rows = load.median_rows(passes, ["leapfx_auto", "leapfx_autoregressive"], [1])
+    assert [r["tokens_per_second"] for r in rows] == [30.0, 20.0]
+    assert rows[0]["tokens_per_second_per_pass"] == [30.0, 12.0, 33.0]
+    assert rows[0]["agreement"] == 1.0  # the median pass's answers against the first system's
+    (line,) = load.ratio_lines(rows, [1])
+    assert line == ("leapfx_auto at 1 stream(s): 1.50x leapfx_autoregressive; per pass 1.10-1.50x")
 
 
 def test_a_request_whose_listener_fails_fails_alone():

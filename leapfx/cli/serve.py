@@ -93,31 +93,42 @@ def _serve_bench(args: argparse.Namespace) -> int:
         if source.kind == "gguf":
             gguf = str(source.path)
             systems.append(("llama_cpp_server", None))
+    if args.passes < 1:
+        raise ValueError(f"--passes: {args.passes} is invalid; allowed: >= 1")
     logs = Path(tempfile.mkdtemp(prefix="leapfx-serve-bench-"))
-    rows, first_answers = [], {}
-    for name, recipe in systems:
-        port = load.free_port()
-        if recipe is None:
-            argv = load.llama_cpp_argv(gguf, port, max(levels), args.threads)
-        else:
-            argv = load.leapfx_argv(args.model, recipe, port, max(levels), args.threads, [])
-        print(f"{name}: starting ({' '.join(argv[1:4])} ...)", file=sys.stderr)
-        server = load.ServerProcess(argv, port, logs / f"{name}.log")
-        try:
-            load.run_load(server.url, "smollm2" if recipe is None else args.model, prompts[:2],
-                          1, 8)  # fmt: skip  # warm-up: first calls pay one-time costs
+    servers: dict[str, tuple[load.ServerProcess, str]] = {}
+    try:
+        # Every server up first (an idle one waits on a socket), then the systems take turns
+        # level by level, pass by pass (in reverse order every other pass): drift on a shared
+        # machine falls on all of them.
+        for name, recipe in systems:
+            port = load.free_port()
+            if recipe is None:
+                argv = load.llama_cpp_argv(gguf, port, max(levels), args.threads)
+            else:
+                argv = load.leapfx_argv(args.model, recipe, port, max(levels), args.threads, [])
+            print(f"{name}: starting ({' '.join(argv[1:4])} ...)", file=sys.stderr)
+            server = load.ServerProcess(argv, port, logs / f"{name}.log")
+            servers[name] = (server, "smollm2" if recipe is None else args.model)
+            load.run_load(server.url, servers[name][1], prompts[:2], 1, 8)  # warm-up
+        passes: dict[tuple[str, int], list[tuple[dict, list]]] = {}
+        for p in range(args.passes):
+            turns = list(servers.items())
             for c in levels:
-                row, answers = load.run_load(server.url, "smollm2" if recipe is None else
-                                             args.model, prompts, c, args.max_tokens)  # fmt: skip
-                base = first_answers.setdefault(c, answers)
-                row = {"system": name, **row, "agreement": load.agreement(base, answers)}
-                rows.append(row)
-                print(_line(row), file=sys.stderr)
-        finally:
+                for name, (server, model) in turns if p % 2 == 0 else turns[::-1]:
+                    row, answers = load.run_load(server.url, model, prompts, c, args.max_tokens)
+                    passes.setdefault((name, c), []).append((row, answers))
+                    print(f"{_line({'system': name, **row})} (pass {p + 1})", file=sys.stderr)
+    finally:
+        for server, _ in servers.values():
             server.close()
+    rows = load.median_rows(passes, [name for name, _ in systems], levels)
+    for line in load.ratio_lines(rows, levels):
+        print(line, file=sys.stderr)
     print(_table(rows, levels))
     meta = {"model": args.model, "prompt_set": args.prompt_set, "requests": args.requests,
-            "max_tokens": args.max_tokens, "threads": args.threads, "logs": str(logs)}  # fmt: skip
+            "max_tokens": args.max_tokens, "threads": args.threads, "passes": args.passes,
+            "logs": str(logs)}  # fmt: skip
     if args.json:
         load.write_json(args.json, rows, meta)
     if args.plot:
@@ -178,6 +189,10 @@ def add_bench_parser(sub) -> None:
         "--prompt-set": dict(default="chat", help="chat or humaneval"),
         "--requests": dict(type=int, default=16, help="prompts answered at each level"),
         "--max-tokens": dict(type=int, default=64),
+        "--passes": dict(
+            type=int, default=3,
+            help="passes over the levels, the systems taking turns; a row is its median pass",
+        ),
         "--threads": dict(type=int, default=None, help="each server's threads"),
         "--no-llama-cpp": dict(
             dest="llama_cpp", action="store_false",

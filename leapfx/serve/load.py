@@ -8,6 +8,10 @@ Reported per (system, C): total completion tokens / wall time, time to first tok
 p50/p99, the gap between streamed chunks p50/p99 (what a reader sees between updates; a
 leapfx chunk holds the tokens a round accepted), the mean time per output token after the
 first (TPOT), and the answers' agreement with the first system's (same prompts, greedy).
+
+Every server is started first; then the systems take turns at each level, for ``--passes``
+passes, and a row is its system's median pass (``median_rows``), so that a ratio between two
+systems is measured side by side, with its pass-by-pass range (``ratio_lines``).
 """
 
 from __future__ import annotations
@@ -119,6 +123,44 @@ def run_load(url: str, model: str, prompts: list[list[dict]], concurrency: int,
         "tpot_mean": sum(tpot) / len(tpot) if tpot else None,
     }  # fmt: skip
     return row, done
+
+
+def median_rows(passes: dict[tuple[str, int], list[tuple[dict, list[Stream]]]],
+                systems: list[str], levels: list[int]) -> list[dict]:  # fmt: skip
+    """A row per (system, C): the pass of median tokens/s (its latencies too), each pass's
+    tokens/s beside it, and its answers' agreement with the first system's at C (first pass)."""
+    rows = []
+    for name in systems:
+        for c in levels:
+            runs = passes[(name, c)]
+            ordered = sorted(runs, key=lambda run: run[0]["tokens_per_second"])
+            row, answers = ordered[(len(ordered) - 1) // 2]
+            base = passes[(systems[0], c)][0][1]
+            rows.append({"system": name, **row, "agreement": agreement(base, answers),
+                         "tokens_per_second_per_pass":
+                             [run[0]["tokens_per_second"] for run in runs]})  # fmt: skip
+    return rows
+
+
+def ratio_lines(rows: list[dict], levels: list[int]) -> list[str]:
+    """Each leapfx system's tokens/s over ``leapfx_autoregressive``'s at each C: the ratio of
+    the median rows and the range of the pass-by-pass ratios (both ran in the same pass,
+    seconds apart, so that range is how much the ratio moves on this machine)."""
+    base = {r["concurrency"]: r for r in rows if r["system"] == "leapfx_autoregressive"}
+    lines = []
+    for row in rows:
+        ar = base.get(row["concurrency"])
+        if ar is None or row is ar or not row["system"].startswith("leapfx_"):
+            continue
+        mine, theirs = row["tokens_per_second_per_pass"], ar["tokens_per_second_per_pass"]
+        per_pass = [a / b for a, b in zip(mine, theirs, strict=True) if b > 0]
+        spread = f"; per pass {min(per_pass):.2f}-{max(per_pass):.2f}x" if per_pass else ""
+        lines.append(
+            f"{row['system']} at {row['concurrency']} stream(s): "
+            f"{row['tokens_per_second'] / ar['tokens_per_second']:.2f}x "
+            f"leapfx_autoregressive{spread}"
+        )
+    return lines
 
 
 def free_port() -> int:
