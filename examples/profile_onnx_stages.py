@@ -28,7 +28,7 @@ import torch
 
 from leapfx import rewrite
 from leapfx.export import OnnxModel, onnx_export
-from leapfx.lower.onnxruntime import OrtStage
+from leapfx.lower.ort_stages import OrtStage
 from leapfx.models import load_model
 
 parser = argparse.ArgumentParser()
@@ -103,7 +103,7 @@ for label, path in exports.items():
     print(f"  verify / full {sum(sums['verify'].values()) / sum(sums['full'].values()):.2f}")
 
 # the exported verify graph in each; then the rewritten export as OnnxModel runs it by default,
-# verify split into the draft stage and verify's upper part (leapfx.lower.onnxruntime.SplitVerify)
+# verify split into the draft stage and verify's upper part (leapfx.lower.ort_stages.SplitVerify)
 models = {
     label: caller(OnnxModel(path, threads=1, split_verify=False)) for label, path in exports.items()
 }

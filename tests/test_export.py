@@ -671,7 +671,7 @@ def test_split_verify_is_the_draft_stage_then_the_upper_part(exported):
     # OnnxModel runs layerskip's verify as the draft stage on the new tokens, then verify's
     # graph from the join of the exit states on (the lower layers' weights then live in one
     # session only). Same logits and cache writes as the one verify graph, same tokens.
-    from leapfx.lower.onnxruntime import SplitVerify
+    from leapfx.lower.ort_stages import SplitVerify
 
     model, sm, path = exported("llama", "layerskip")
     split, single = OnnxModel(path, threads=1), OnnxModel(path, threads=1, split_verify=False)

@@ -18,7 +18,7 @@ from leapfx import rewrite  # noqa: E402
 from leapfx.export import OnnxModel, OrtKVCache, export_onnx, read_manifest  # noqa: E402
 from leapfx.export.chain import unroll_draft  # noqa: E402
 from leapfx.export.onnx_export import chain_length  # noqa: E402
-from leapfx.lower.onnxruntime import OrtChainStage  # noqa: E402
+from leapfx.lower.ort_stages import OrtChainStage  # noqa: E402
 from tests.conftest import tiny_model  # noqa: E402
 from tests.greedy_check import assert_greedy_equal, hf_greedy  # noqa: E402
 from tests.test_export import random_config  # noqa: E402

@@ -20,8 +20,9 @@ The export format (per stage; optimum's naming, KV cache explicit):
 
 See ``stage_module`` (graph side), ``onnx_export`` (writer), ``onnx_optimize`` (rewrites) and
 ``chain``. Loading and running an export is ``lower/``'s (``leapfx.lower.manifest``,
-``leapfx.lower.onnxruntime``; ``lower(sm, "onnxruntime", export_dir=...)`` exports and loads in
-one call): ``OnnxModel`` and the manifest reader are re-exported here for users.
+``leapfx.lower.onnxruntime``, ``leapfx.lower.ort_stages``; ``lower(sm, "onnxruntime",
+export_dir=...)`` exports and loads in one call): ``OnnxModel`` and the manifest reader are
+re-exported here for users.
 onnx, onnxruntime and onnxscript come with the ``onnx`` extra: ``pip install -e '.[onnx]'`` in
 leapfx's checkout.
 """
@@ -29,7 +30,8 @@ leapfx's checkout.
 from __future__ import annotations
 
 from ..lower.manifest import FORMAT, MANIFEST, read_manifest
-from ..lower.onnxruntime import OnnxModel, OrtChainStage, OrtKVCache, OrtStage, default_providers
+from ..lower.onnxruntime import OnnxModel, default_providers
+from ..lower.ort_stages import OrtChainStage, OrtKVCache, OrtStage
 from .onnx_export import export_onnx
 
 __all__ = [

@@ -66,7 +66,7 @@ def remainder_graph(model, lower_layers: list[int]):
     ``input_ids`` / ``position_ids`` are gone. Run after the draft stage on the new tokens (the
     same lower layers, which return the exit states as ``hidden``), it computes what verify
     computes; a runtime with one copy of packed weights per session then keeps the lower
-    layers' weights in the draft session only (see ``leapfx.lower.onnxruntime.SplitVerify``).
+    layers' weights in the draft session only (see ``leapfx.lower.ort_stages.SplitVerify``).
     """
     graph = model.graph
     joins = [n for n in graph.node if n.op_type == "Concat" and n.input[:1] == ["exit_hidden"]]

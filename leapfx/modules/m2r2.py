@@ -95,7 +95,7 @@ class FastScratch:
     # ``modules.m2r2_kernels.KernelDraft``), None until the op drafts
     packed: torch.Tensor | None = None
     # what an exported draft stage returns beside the fast keys, by the input it feeds next
-    # (``fast_keys``' choice of slots, ``fast_past.{i}.top``: ``lower.onnxruntime.OrtFastDraft``)
+    # (``fast_keys``' choice of slots, ``fast_past.{i}.top``: ``lower.ort_stages.OrtFastDraft``)
     exported: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def __len__(self) -> int:

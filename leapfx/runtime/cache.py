@@ -44,7 +44,7 @@ class KVCache:
     ``lower.inductor.SlotKVCache`` and ``RowSlotKVCache`` (inside compiled stages: writes at
     tensor positions), ``lower.stage_signature.FunctionalKVCache`` and
     ``export.stage_module.SlotWriteKVCache`` (pure functions of the past, for discovery and
-    export). ``lower.onnxruntime.OrtKVCache`` keeps the lengths only: its sessions write the
+    export). ``lower.ort_stages.OrtKVCache`` keeps the lengths only: its sessions write the
     buffers themselves.
     """
 

@@ -4,7 +4,7 @@ A stage executor is called with the stage's named inputs (``input_ids``, ``posit
 ``masks``, ``cache``, and whatever else the stage's cut names) and returns a dict of tensors.
 The eager stages are the GraphModules themselves; ``leapfx.lower`` wraps compiled graphs
 (``inductor.py``: ``CompiledStage``, ``CompiledChain``), eager kernel chains (``cpu_kernels.py``:
-``EagerChain``) and onnxruntime sessions (``onnxruntime.py``: ``OrtStage``, ``OrtChainStage``,
+``EagerChain``) and onnxruntime sessions (``ort_stages.py``: ``OrtStage``, ``OrtChainStage``,
 ``SplitVerify``). Schedules never see which. ``Lower`` is the shape of ``leapfx.lower.lower``,
 which a ``SpeculativeModel`` is handed (lowering sits a floor above the runtime).
 
