@@ -135,8 +135,8 @@ def _draft_model(arch: str, **options):
 def test_draft_op_computes_the_torch_draft(arch, draft_vocab):
     """The op's draft equals the torch stage's; with ``draft_vocab`` the op reads the subset
     head's rows and the logits come back over the whole vocabulary, -inf off the subset."""
-    from leapfx.modules.m2r2 import FastScratch
     from leapfx.modules.m2r2_kernels import KernelDraft
+    from leapfx.modules.m2r2_scratch import FastScratch
 
     model, sm = _draft_model(arch, draft_vocab=draft_vocab)
     draft = sm._executors["draft"]

@@ -28,7 +28,7 @@ pytest.importorskip("onnxscript")
 from leapfx import rewrite  # noqa: E402
 from leapfx.export import OnnxModel, read_manifest  # noqa: E402
 from leapfx.lower.ort_stages import OrtKVCache  # noqa: E402
-from leapfx.modules.m2r2 import FastScratch  # noqa: E402
+from leapfx.modules.m2r2_scratch import FastScratch  # noqa: E402
 from leapfx.runtime.cache import cache_for  # noqa: E402
 from leapfx.runtime.runner import StageRunner  # noqa: E402
 from tests.conftest import randomize_accelerator, tiny_model  # noqa: E402

@@ -16,7 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from leapfx import rewrite
-from leapfx.modules.m2r2 import FastScratch, KernelAcceleratedLayer, rates, target_layers
+from leapfx.modules.m2r2 import rates, target_layers
+from leapfx.modules.m2r2_kernels import KernelAcceleratedLayer
+from leapfx.modules.m2r2_scratch import FastScratch
 from leapfx.passes.accelerator import InsertAccelerator, accelerator_of
 from leapfx.passes.base import PassPipeline
 from leapfx.passes.capture import capture
@@ -259,7 +261,7 @@ def test_training_chain_step_is_the_draft_that_decoding_runs(arch):
     """Chain step j + 1 at row t (ChainScratch, all rows at once) is draft j + 1 of the round
     that starts at t - j: the draft stage over a cache of positions < t - j, after j drafts
     fed the same tokens -- the drafting that training with teacher-forced slow keys misses."""
-    from leapfx.modules.m2r2 import ChainScratch
+    from leapfx.modules.m2r2_scratch import ChainScratch
     from leapfx.train.m2r2 import draft_chain, fast_states, gate_logits, slow_pass
 
     model = tiny_model(arch, layers=3, sliding_window=3 if arch == "mistral" else None)

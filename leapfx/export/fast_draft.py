@@ -4,7 +4,7 @@ The eager ``draft`` stage (``passes.fast_partition``) runs the fast stream on on
 keeps the round's earlier drafts' fast keys/values in a ``FastScratch``, a Python object,
 and reads the slow keys of the verified positions up to the cache's fill length, a host
 integer. Neither crosses an ONNX boundary. :class:`FastDraftStage` wraps the stage so that
-both are tensors (``modules.m2r2.FastState``):
+both are tensors (``modules.m2r2_scratch.FastState``):
 
 - ``input_ids``, ``position_ids`` ``[batch, 1]``: the draft's token and position t;
 - ``fast_past.{i}.key`` / ``.value`` ``[batch, h_kv, drafted, head_dim]`` for each fast layer's
@@ -38,7 +38,8 @@ from ..lower.stage_signature import (
     fast_present_names,
     kv_shapes,
 )
-from ..modules.m2r2 import AcceleratedLayer, FastState
+from ..modules.m2r2 import AcceleratedLayer
+from ..modules.m2r2_scratch import FastState
 
 if TYPE_CHECKING:
     from ..runtime.model import SpeculativeModel

@@ -39,7 +39,8 @@ from ..modules.fused import (
     TransposedLinear,
     experts_kernel_covers,
 )
-from ..modules.m2r2 import AcceleratedLayer, KernelAcceleratedLayer
+from ..modules.m2r2 import AcceleratedLayer
+from ..modules.m2r2_kernels import KernelAcceleratedLayer
 from ..modules.specee import KernelLayerExit, LayerExit
 from ..passes.kernel_gate import kernel_gate
 from ..runtime.cache import StaticKVCache

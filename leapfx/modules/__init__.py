@@ -17,10 +17,13 @@ file               holds
 ``draft_vocab``    a drafter's LM head over the N most frequent tokens (``SubsetLMHead``, FR-Spec)
 ``specee``         SpecEE's exit predictors (``ExitMLP``, ``LayerExit``, ``KernelLayerExit``,
                    ``SpecEEPredictors``) and their features (``exit_features``)
-``m2r2``           M2R2's accelerated stream (``AcceleratedLayer``, ``KernelAcceleratedLayer``,
-                   ``ARLARouter``, ``Accelerator``, ``FastScratch``, ``ChainScratch``)
-``m2r2_kernels``   M2R2's gate and draft stages as one ``leapfx_cpu`` op (``KernelGate``,
-                   ``KernelDraft``) and the packing every ``m2r2_*`` op reads
+``m2r2``           M2R2's accelerated stream (``AcceleratedLayer``, ``ARLARouter``,
+                   ``Accelerator``)
+``m2r2_scratch``   what a drafting round or a training chain carries (``FastScratch``,
+                   ``FastState``, ``ChainScratch``)
+``m2r2_kernels``   M2R2 on the ``leapfx_cpu`` kernels: a fast layer's products
+                   (``KernelAcceleratedLayer``), the gate and draft stages as one op
+                   (``KernelGate``, ``KernelDraft``) and the packing every ``m2r2_*`` op reads
 ``moe``            MoE expert offload: ``OffloadedExperts``, ``NextGatePrefetch`` and M2R2's
                    prefetch stream ``M2R2Prefetcher``, bound to the offload runtime after the pass
 =================  ================================================================================

@@ -26,32 +26,31 @@ Queries at positions ``t_0..t_0+S-1`` are computed in parallel through one atten
 In a graph that runs the slow layers (``full``, training) the fast node of layer i runs right
 after slow layer i has written its keys, so this mask is exactly eq. 2's attention. The drafting
 stage (``leapfx.runtime.m2r2``) runs the fast layers alone, one token at a time, with a
-:class:`FastScratch` holding the fast keys/values of the round's earlier drafts: they stand in
-for the slow keys of positions the slow stream has not verified yet and are discarded after
-verification. With ``fast_keys`` k a draft reads only k slow keys per layer and KV head (sec.
-2.5), ranked by the round's first draft (``AcceleratedLayer._top_keys`` says why not the slow
-stream's own attention).
+``FastScratch`` (``m2r2_scratch.py``) holding the fast keys/values of the round's earlier
+drafts: they stand in for the slow keys of positions the slow stream has not verified yet and
+are discarded after verification. With ``fast_keys`` k a draft reads only k slow keys per layer
+and KV head (sec. 2.5), ranked by the round's first draft (``AcceleratedLayer._top_keys`` says
+why not the slow stream's own attention).
 
 The modules live in an :class:`Accelerator` the rewritten GraphModule owns
 (``gm.m2r2_accelerator``, ``leapfx.passes.accelerator`` inserts it); its state dict holds only the
-trainable parts, the host's weights stay shared by reference. ``KernelAcceleratedLayer`` is a
-decoding copy of a layer on the ``leapfx_cpu`` kernels (``leapfx.modules.m2r2_kernels`` runs
-whole stages as one op).
+trainable parts, the host's weights stay shared by reference. The scratch records a round or a
+training chain carries (``FastScratch``, ``FastState``, ``ChainScratch``) are
+``leapfx.modules.m2r2_scratch``'s; ``leapfx.modules.m2r2_kernels`` holds the kernel versions
+(``KernelAcceleratedLayer``: a decoding copy of a layer on the ``leapfx_cpu`` kernels; whole
+stages as one op).
 """
 
 from __future__ import annotations
 
 import math
 import sys
-from dataclasses import dataclass, field
-from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels.cpu import pack_weight
-from .fused import kernel_rope, require_kernels, rms_params
+from .m2r2_scratch import ChainScratch, FastScratch, FastState
 
 
 def default_heads(num_heads: int, num_kv_heads: int) -> int:
@@ -75,76 +74,6 @@ def target_layers(gates: tuple[int, ...], num_layers: int) -> dict[int, int]:
         for i in range(a, b):
             out[i] = min(num_layers, round((i + 1 - a) * r + a))
     return out
-
-
-@dataclass
-class FastScratch:
-    """Temporary fast keys/values of a drafting round: cache layer -> [(k, v)] ([B, h_kv, 1, D]
-    each).
-
-    They belong to draft positions the slow stream has not verified; the schedule makes a new
-    scratch every round, so they are discarded after verification (the shared cache is never
-    written by the fast stream)."""
-
-    kv: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
-    # cache layer -> (positions [B, h_kv, k], their keys, their values [B, h_kv, k, D]): the
-    # slow keys a ``fast_keys`` layer reads this round, chosen and gathered once at the round's
-    # first draft (sec. 2.5's top-k keys; the slow cache does not change within a round)
-    top: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    # the same fast keys/values packed for ``leapfx_cpu::m2r2_draft`` ([L, 2, m, h_kv, D]; see
-    # ``modules.m2r2_kernels.KernelDraft``), None until the op drafts
-    packed: torch.Tensor | None = None
-    # what an exported draft stage returns beside the fast keys, by the input it feeds next
-    # (``fast_keys``' choice of slots, ``fast_past.{i}.top``: ``lower.ort_stages.OrtFastDraft``)
-    exported: dict[str, torch.Tensor] = field(default_factory=dict)
-
-    def __len__(self) -> int:
-        return max((len(v) for v in self.kv.values()), default=0)
-
-
-@dataclass
-class FastState:
-    """A drafting round's scratch as tensors that the caller passes in and takes back: what
-    :class:`FastScratch` holds in Python lists, for a draft stage traced to a graph (the ONNX
-    export's ``draft``, ``leapfx.export.fast_draft``), one row per sequence.
-
-    ``slow``: cache layer -> its whole key/value buffers [B, H_kv, max_len, D] (slot j holds
-    position j), read in place; ``past``: cache layer -> the round's earlier drafts' fast
-    keys/values [B, h_kv, m, D] (m = 0 at the round's first draft); ``present``: filled by the
-    layers, ``past`` with this draft's own key/value appended [B, h_kv, m + 1, D], the next
-    draft's ``past``. A draft at position t is the round's (m+1)-th, so the round started at
-    t - m: the slow slots from there on hold no verified key (stale ones of rejected drafts,
-    or nothing) and are masked, which is the eager path's ``cache.lengths`` in a graph. A
-    ``fast_keys`` layer also reads and returns the round's choice of slow slots (``top``,
-    ``top_present``: :meth:`AcceleratedLayer._traced_top_keys`), ``FastScratch.top``'s
-    positions."""
-
-    slow: dict[int, tuple[torch.Tensor, torch.Tensor]]
-    past: dict[int, tuple[torch.Tensor, torch.Tensor]]
-    present: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    # ``fast_keys`` layers: cache layer -> the round's choice of slow slots [B, h_kv, k]
-    # (int64; anything at the round's first draft, which chooses), and the choice returned
-    top: dict[int, torch.Tensor] = field(default_factory=dict)
-    top_present: dict[int, torch.Tensor] = field(default_factory=dict)
-
-
-@dataclass
-class ChainScratch:
-    """Training's unrolled draft chain (the "training-time test" of EAGLE-3 / HASS): the fast
-    keys/values of every earlier chain step, all positions at once: cache layer -> [(k, v)]
-    ([B, h_kv, S, D] each, with autograd), one entry per step already run.
-
-    Drafting reads what training with teacher-forced slow keys never shows: draft j of a round
-    that starts at position s sits at s + j and attends to the slow keys of positions < s and
-    the fast keys of the round's earlier drafts at s..s+j-1. Step j of the chain runs every
-    position t as draft j of the round starting at t - j, so row t sees slow columns < t - j,
-    step m's fast column t - j + m (m < j) and its own: the mask drafting has, in one
-    parallel pass per step."""
-
-    kv: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
-
-    def __len__(self) -> int:
-        return max((len(v) for v in self.kv.values()), default=0)
 
 
 def _head_index(heads: list[int], total: int) -> slice | torch.Tensor:
@@ -550,94 +479,6 @@ class _MergedOps(_TrainingOps):
 
     def out(self, o):
         return F.linear(o, self.w[2], self.w[3])
-
-
-class KernelAcceleratedLayer(nn.Module):
-    """A decoding copy of an AcceleratedLayer whose products run the ``leapfx_cpu`` kernels.
-
-    A draft is a handful of one-row products a layer (the reference model: [1, 192] by
-    [384, 192]), where MKL's per-call cost, not arithmetic, is the price; the slow layers
-    already multiply through the small-M kernels (``KernelDecoderLayer``), so the drafter does
-    too. The merged weights (LoRA and the gate folded in) are packed when it is built, as
-    ``KernelDecoderLayer`` packs the host's: build it again after training. A norm that
-    ``F.rms_norm`` reproduces (checked on a probe when built) runs as that one op instead of
-    HF's seven. The same math as the layer up to summation order: drafts only propose, the
-    slow stream decides, so decoding stays lossless.
-    """
-
-    def __init__(self, layer: AcceleratedLayer) -> None:
-        super().__init__()
-        require_kernels()
-        self.layer = layer  # the trainable parameters stay shared
-        w_qkv, b_qkv, w_o, b_o = layer._merged()
-        self.register_buffer("w_qkv", pack_weight(w_qkv), persistent=False)
-        self.register_buffer("w_o", pack_weight(w_o), persistent=False)
-        self.register_buffer("w_down", pack_weight(layer.down.detach()), persistent=False)
-        self.register_buffer("w_up", pack_weight(layer.up.detach()), persistent=False)
-        self.b_qkv, self.b_o = b_qkv, b_o
-        self._sizes = (w_qkv.shape[0], w_o.shape[0], layer.down.shape[0], layer.up.shape[0])
-        host = layer.host
-        self._norms = [_rms_norm(host.input_layernorm), _rms_norm(host.post_attention_layernorm)]
-        self.rope = kernel_rope(layer._rope)  # HF's rotary as one op where it gives its values
-
-    def forward(self, p, position_embeddings, position_ids, cache, scratch=None, *, ahead=False):
-        return self.layer.step(
-            p, position_embeddings, position_ids, cache, scratch, self, ahead=ahead
-        )
-
-    # The ops ``AcceleratedLayer.step`` calls.
-    def norm_in(self, p):
-        return self._norms[0](p)
-
-    def qkv(self, x):
-        out = torch.ops.leapfx_cpu.small_mm(x, self.w_qkv, self._sizes[0])
-        return out if self.b_qkv is None else out + self.b_qkv
-
-    def out(self, o):
-        out = torch.ops.leapfx_cpu.small_mm(o, self.w_o, self._sizes[1])
-        return out if self.b_o is None else out + self.b_o
-
-    def rms(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """:func:`_rms` (OLMoE's full-width q/k norms) as one ``leapfx_cpu::rms_norm`` call on
-        float32 CPU inputs in eager code: the same float32 math up to summation order."""
-        if torch.compiler.is_compiling() or x.dtype != torch.float32 or x.device.type != "cpu":
-            return _rms(x, weight, eps)
-        return torch.ops.leapfx_cpu.rms_norm(x, weight, eps, 0.0)
-
-    def low_rank_mlp(self, p):  # M_i
-        mm = torch.ops.leapfx_cpu.small_mm
-        h = F.silu(mm(self._norms[1](p), self.w_down, self._sizes[2]))
-        return mm(h, self.w_up, self._sizes[3])
-
-
-def fused_op_layers(layers: list, same: tuple[str, ...]) -> bool:
-    """Whether a fused CPU op (``leapfx.kernels.cpu_m2r2``) can run ``layers`` as the torch
-    code does, as far as they all need: plain ``AcceleratedLayer`` modules in float32 on a
-    CPU, equal in the attributes ``same``, whose host norms are RMSNorms (``rms_params``).
-    Each op's caller checks what only it covers (q/k norms, clip, windows)."""
-    first = layers[0]
-    for m in layers:
-        if type(m) is not AcceleratedLayer or any(getattr(m, a) != getattr(first, a) for a in same):
-            return False
-        if m.w_o.dtype != torch.float32 or m.w_o.device.type != "cpu":
-            return False
-        host = m.host
-        if rms_params(host.input_layernorm) is None:
-            return False
-        if rms_params(host.post_attention_layernorm) is None:
-            return False
-    return True
-
-
-def _rms_norm(norm: nn.Module):
-    """``norm.forward``, or one ``F.rms_norm`` where that gives the same values on a probe
-    (:func:`rms_params`), weights taken now."""
-    found = rms_params(norm)
-    if found is None:
-        return norm.forward
-    weight, eps, offset = found
-    w = weight.detach() + offset if offset else weight.detach()
-    return partial(F.rms_norm, normalized_shape=(weight.shape[0],), weight=w, eps=eps)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,8 @@
-"""KernelGate / KernelDraft: M2R2's fast-stream stages as one ``leapfx_cpu`` call each.
+"""M2R2 on the ``leapfx_cpu`` kernels: a fast layer's products, and whole stages as one call.
 
+``KernelAcceleratedLayer``: a decoding copy of an ``AcceleratedLayer`` whose products run the
+small-M kernels (``lower.cpu_kernels`` builds it); :func:`fused_op_layers` says whether fast
+layers are ones a fused op (``leapfx.kernels.cpu_m2r2``) can run.
 ``KernelGate``: an ARLA exit gate stage of ``m2r2_exit`` as one ``leapfx_cpu::m2r2_gate`` call;
 ``KernelDraft``: ``m2r2``'s draft stage as the token's embedding and one
 ``leapfx_cpu::m2r2_draft`` call (the same fast stream, reading the round's earlier drafts'
@@ -14,15 +17,108 @@ taken when a module is built: build it again after training (as ``KernelAccelera
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.cpu import pack_weight
 from ..kernels.cpu_m2r2 import pack_gate
 from .draft_vocab import SubsetLMHead
-from .fused import rms_params
-from .m2r2 import FastScratch
+from .fused import kernel_rope, require_kernels, rms_params
+from .m2r2 import AcceleratedLayer, _rms
+from .m2r2_scratch import FastScratch
 
 _DYNAMIC_ROPE = ("dynamic", "longrope")  # inv_freq changes with the sequence: not a table
+
+
+class KernelAcceleratedLayer(nn.Module):
+    """A decoding copy of an AcceleratedLayer whose products run the ``leapfx_cpu`` kernels.
+
+    A draft is a handful of one-row products a layer (the reference model: [1, 192] by
+    [384, 192]), where MKL's per-call cost, not arithmetic, is the price; the slow layers
+    already multiply through the small-M kernels (``KernelDecoderLayer``), so the drafter does
+    too. The merged weights (LoRA and the gate folded in) are packed when it is built, as
+    ``KernelDecoderLayer`` packs the host's: build it again after training. A norm that
+    ``F.rms_norm`` reproduces (checked on a probe when built) runs as that one op instead of
+    HF's seven. The same math as the layer up to summation order: drafts only propose, the
+    slow stream decides, so decoding stays lossless.
+    """
+
+    def __init__(self, layer: AcceleratedLayer) -> None:
+        super().__init__()
+        require_kernels()
+        self.layer = layer  # the trainable parameters stay shared
+        w_qkv, b_qkv, w_o, b_o = layer._merged()
+        self.register_buffer("w_qkv", pack_weight(w_qkv), persistent=False)
+        self.register_buffer("w_o", pack_weight(w_o), persistent=False)
+        self.register_buffer("w_down", pack_weight(layer.down.detach()), persistent=False)
+        self.register_buffer("w_up", pack_weight(layer.up.detach()), persistent=False)
+        self.b_qkv, self.b_o = b_qkv, b_o
+        self._sizes = (w_qkv.shape[0], w_o.shape[0], layer.down.shape[0], layer.up.shape[0])
+        host = layer.host
+        self._norms = [_rms_norm(host.input_layernorm), _rms_norm(host.post_attention_layernorm)]
+        self.rope = kernel_rope(layer._rope)  # HF's rotary as one op where it gives its values
+
+    def forward(self, p, position_embeddings, position_ids, cache, scratch=None, *, ahead=False):
+        return self.layer.step(
+            p, position_embeddings, position_ids, cache, scratch, self, ahead=ahead
+        )
+
+    # The ops ``AcceleratedLayer.step`` calls.
+    def norm_in(self, p):
+        return self._norms[0](p)
+
+    def qkv(self, x):
+        out = torch.ops.leapfx_cpu.small_mm(x, self.w_qkv, self._sizes[0])
+        return out if self.b_qkv is None else out + self.b_qkv
+
+    def out(self, o):
+        out = torch.ops.leapfx_cpu.small_mm(o, self.w_o, self._sizes[1])
+        return out if self.b_o is None else out + self.b_o
+
+    def rms(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """:func:`_rms` (OLMoE's full-width q/k norms) as one ``leapfx_cpu::rms_norm`` call on
+        float32 CPU inputs in eager code: the same float32 math up to summation order."""
+        if torch.compiler.is_compiling() or x.dtype != torch.float32 or x.device.type != "cpu":
+            return _rms(x, weight, eps)
+        return torch.ops.leapfx_cpu.rms_norm(x, weight, eps, 0.0)
+
+    def low_rank_mlp(self, p):  # M_i
+        mm = torch.ops.leapfx_cpu.small_mm
+        h = F.silu(mm(self._norms[1](p), self.w_down, self._sizes[2]))
+        return mm(h, self.w_up, self._sizes[3])
+
+
+def _rms_norm(norm: nn.Module):
+    """``norm.forward``, or one ``F.rms_norm`` where that gives the same values on a probe
+    (:func:`rms_params`), weights taken now."""
+    found = rms_params(norm)
+    if found is None:
+        return norm.forward
+    weight, eps, offset = found
+    w = weight.detach() + offset if offset else weight.detach()
+    return partial(F.rms_norm, normalized_shape=(weight.shape[0],), weight=w, eps=eps)
+
+
+def fused_op_layers(layers: list, same: tuple[str, ...]) -> bool:
+    """Whether a fused CPU op (``leapfx.kernels.cpu_m2r2``) can run ``layers`` as the torch
+    code does, as far as they all need: plain ``AcceleratedLayer`` modules in float32 on a
+    CPU, equal in the attributes ``same``, whose host norms are RMSNorms (``rms_params``).
+    Each op's caller checks what only it covers (q/k norms, clip, windows)."""
+    first = layers[0]
+    for m in layers:
+        if type(m) is not AcceleratedLayer or any(getattr(m, a) != getattr(first, a) for a in same):
+            return False
+        if m.w_o.dtype != torch.float32 or m.w_o.device.type != "cpu":
+            return False
+        host = m.host
+        if rms_params(host.input_layernorm) is None:
+            return False
+        if rms_params(host.post_attention_layernorm) is None:
+            return False
+    return True
 
 
 def rope_table(rotary: nn.Module, head_dim: int) -> tuple[torch.Tensor, float] | None:

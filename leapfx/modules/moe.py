@@ -70,8 +70,8 @@ from ..kernels import cpu_m2r2
 from ..kernels.cpu_m2r2 import pack_predict
 from ..options import check_int
 from .fused import rms_params
-from .m2r2 import AcceleratedLayer, fused_op_layers
-from .m2r2_kernels import op_dims, pack_fast_layers, rope_table
+from .m2r2 import AcceleratedLayer
+from .m2r2_kernels import fused_op_layers, op_dims, pack_fast_layers, rope_table
 
 
 class OffloadModule(nn.Module):

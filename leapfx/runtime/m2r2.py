@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from ..modules.m2r2 import FastScratch
+from ..modules.m2r2_scratch import FastScratch
 from .metrics import DecodeMetrics
 from .rounds import run_drafter
 from .runner import StageRunner

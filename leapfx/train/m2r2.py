@@ -40,7 +40,8 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from leapfx.modules.hf import cache_kwarg
-from leapfx.modules.m2r2 import ChainScratch, target_layers
+from leapfx.modules.m2r2 import target_layers
+from leapfx.modules.m2r2_scratch import ChainScratch
 from leapfx.options import check_bool, check_int, check_number
 from leapfx.parts.io import host_signature
 from leapfx.parts.kangaroo import write_adapter
