@@ -3,10 +3,10 @@
 Exporting one stage of a tiny model costs 4-20 s on a 2-core machine (torch.export, its
 decompositions, the translation), and many recipes share stages: autoregressive, lookup and
 auto export the same ``full`` stage, layerskip's three settings the same three stages. The memo
-replaces ``leapfx.export.onnx_export._program`` (the exporter call) and ``_save`` (its file
-writer): a stage whose key was seen before is copied from the files the first export wrote,
-everything else of the export (signatures, leapfx's graph rewrites, the draft chain, shared
-weights, the checker, the manifest) runs as it does without the memo.
+replaces ``leapfx.export.onnx_files.export_program`` (the exporter call) and ``save_program``
+(its file writer): a stage whose key was seen before is copied from the files the first export
+wrote, everything else of the export (signatures, leapfx's graph rewrites, the draft chain,
+shared weights, the checker, the manifest) runs as it does without the memo.
 
 The key is a SHA-256 over everything that decides what the exporter writes: the module tree
 (each submodule's class, its plain attributes and model config, each ``GraphModule``'s code),
@@ -34,7 +34,7 @@ import torch
 from filelock import FileLock
 from torch import fx
 
-from leapfx.export import onnx_export
+from leapfx.export import onnx_files
 
 
 def shared_root(tmp_path_factory) -> Path:
@@ -107,8 +107,8 @@ def stage_key(module: torch.nn.Module, args: tuple, file_name: str, **kwargs: An
 
 
 class _Pending:
-    """What ``_program`` hands ``_save`` under the memo: the key, and the exporter's program
-    (None where the key's files are already stored)."""
+    """What ``export_program`` hands ``save_program`` under the memo: the key, and the
+    exporter's program (None where the key's files are already stored)."""
 
     def __init__(self, key_of_name, program) -> None:
         self.key_of_name, self.program = key_of_name, program
@@ -129,14 +129,14 @@ class StageMemo:
     def installed(self, monkeypatch=None):
         """The memo in place of the exporter call while the block runs (``monkeypatch``: a
         pytest MonkeyPatch to use, else a private one undone on leaving)."""
-        real_program, real_save = onnx_export._program, onnx_export._save
+        real_program, real_save = onnx_files.export_program, onnx_files.save_program
         memo = self
 
         def program(module, args, **kwargs):
             def key_of_name(file_name: str) -> str:
                 return stage_key(module, args, file_name, **kwargs)
 
-            # the key needs the file name, which only _save is told: export unless some file
+            # the key needs the file name, which only save_program is told: export unless some file
             # name's key is stored (a stage is saved under its own name, so try that later)
             return _Pending(key_of_name, (module, args, kwargs))
 
@@ -170,6 +170,6 @@ class StageMemo:
                 from pytest import MonkeyPatch
 
                 mp = stack.enter_context(MonkeyPatch.context())
-            mp.setattr(onnx_export, "_program", program)
-            mp.setattr(onnx_export, "_save", save)
+            mp.setattr(onnx_files, "export_program", program)
+            mp.setattr(onnx_files, "save_program", save)
             yield self

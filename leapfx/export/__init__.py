@@ -18,11 +18,11 @@ The export format (per stage; optimum's naming, KV cache explicit):
 - a layerskip export with a fixed draft length d also has ``draft_chain``: d greedy draft steps
   in one graph (``chain``), one token in, ``tokens`` [batch, d] and ``hidden`` out.
 
-See ``stage_module`` (graph side), ``onnx_export`` (writer), ``onnx_optimize`` (rewrites) and
-``chain``. Loading and running an export is ``lower/``'s (``leapfx.lower.manifest``,
-``leapfx.lower.onnxruntime``, ``leapfx.lower.ort_stages``; ``lower(sm, "onnxruntime",
-export_dir=...)`` exports and loads in one call): ``OnnxModel`` and the manifest reader are
-re-exported here for users.
+See ``stage_module`` (graph side), ``onnx_export`` (writer), ``onnx_files`` (the exporter call
+and the files), ``onnx_optimize`` (rewrites) and ``chain``. Loading and running an export is
+``lower/``'s (``leapfx.lower.manifest``, ``leapfx.lower.onnxruntime``,
+``leapfx.lower.ort_stages``; ``lower(sm, "onnxruntime", export_dir=...)`` exports and loads in
+one call): ``OnnxModel`` and the manifest reader are re-exported here for users.
 onnx, onnxruntime and onnxscript come with the ``onnx`` extra: ``pip install -e '.[onnx]'`` in
 leapfx's checkout.
 """

@@ -66,6 +66,8 @@ from ..lower.stage_signature import (
     present_names,
 )
 from ..runtime.masks import _mask_of
+from . import onnx_files
+from .onnx_files import optimize_file, share_weights
 from .stage_module import StageFunction
 
 if TYPE_CHECKING:
@@ -139,8 +141,6 @@ def write_genai(
 ) -> dict[str, Any]:
     """Write the standard decoder folder into ``tmp`` (the caller renames it into place);
     returns the manifest written last."""
-    from .onnx_export import _optimize, _program, _save, share_weights
-
     stage = sm.stages["full"]
     sig = discover(sm, "full", stage)
     assert sig.tensor_inputs == ["input_ids", "position_ids"] and "logits" in sig.outputs
@@ -171,16 +171,16 @@ def write_genai(
     inputs = ["input_ids", "attention_mask", "position_ids"]
     inputs += [n for layer in sig.cache_layers for n in past_names(layer)]
     outputs = ["logits", *(n for layer in sig.cache_layers for n in present_names(layer))]
-    program = _program(
+    program = onnx_files.export_program(
         module, (ids, mask, positions, *pasts), dynamic_shapes=(shapes,), input_names=inputs,
         output_names=outputs, opset=opset,
         refusal="the full stage cannot be exported as a standard decoder",
     )  # fmt: skip
     path = tmp / MODEL_FILE
-    _save(program, path)
+    onnx_files.save_program(program, path)
     # The exporter names the axis it derives for presents freely; say what it is.
     _name_axes(path)
-    rewrites = _optimize(path) if optimize else {}  # q|k|v and gate|up fused; no GQA here
+    rewrites = optimize_file(path) if optimize else {}  # q|k|v and gate|up fused; no GQA here
     weights = share_weights(tmp, [MODEL_FILE.removesuffix(".onnx")])
     import onnx
 

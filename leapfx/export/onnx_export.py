@@ -22,11 +22,15 @@ slow cache read and not written):
 4. for a fixed-length greedy draft (layerskip, no confidence threshold, ``num_speculations``
    d >= 2), ``draft_chain``: the optimized draft graph copied d times, each copy fed the
    argmax of the one before (:mod:`~leapfx.export.chain`): one session call drafts a round;
-5. once every stage is written, :func:`share_weights` moves the weights of all stages into one
-   external data file, ``weights.bin``, each distinct tensor stored once: the stages cut from one
-   model share its layers, so an export is about as large as the model's weights (in the
-   model's dtype), not once per stage;
+5. once every stage is written, :func:`~leapfx.export.onnx_files.share_weights` moves the
+   weights of all stages into one external data file, ``weights.bin``, each distinct tensor
+   stored once: the stages cut from one model share its layers, so an export is about as large
+   as the model's weights (in the model's dtype), not once per stage;
 6. ``onnx.checker.check_model`` on every stage file.
+
+The exporter call and what is done to the files (steps 2's export, 3, 5 and 6) are
+:mod:`~leapfx.export.onnx_files`'s, which the ``genai`` format shares; this module says what is
+exported (each stage's wrapper, example inputs and dynamic axes) and writes the manifest.
 
 Everything is written into a temporary directory beside the target and renamed into place at
 the end, ``manifest.json`` last, so a failed or interrupted export never looks complete. An
@@ -43,13 +47,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import json
 import logging
 import os
-import re
 import shutil
-import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -72,10 +73,11 @@ from ..lower.stage_signature import (  # discovery, shared with the compiled sta
 from ..modules.blocks import float_weights
 from ..options import check_bool, check_int
 from ..passes.capture import LAYER, ROLE
+from . import onnx_files
 from .chain import chain_outputs, unroll_draft
 from .fast_draft import fast_draft_export, scratch_spec, takes_scratch
 from .genai import genai_refusal, save_tokenizer, write_genai
-from .onnx_optimize import optimize_model
+from .onnx_files import WEIGHTS, check_file, optimize_file, share_weights
 from .stage_module import ExportableStage
 
 if TYPE_CHECKING:
@@ -186,81 +188,15 @@ def _export_module(
     opset: int, rewrites: dict[str, dict[str, int]], optimize: bool,
 ):  # fmt: skip
     """``module`` (a stage with tensor-only inputs) exported, saved and optimized."""
-    program = _program(
+    program = onnx_files.export_program(
         module, args, dynamic_shapes=shapes, input_names=sig.input_names,
         output_names=sig.output_names, opset=opset,
         refusal=f"stage {name!r} cannot be exported to ONNX",
     )  # fmt: skip
-    _save(program, path)
+    onnx_files.save_program(program, path)
     if optimize:
-        rewrites[name] = _optimize(path, _rotary_positions(sm))
+        rewrites[name] = optimize_file(path, _rotary_positions(sm))
     return sig
-
-
-@contextlib.contextmanager
-def _grouped_query_sdpa():
-    """While exporting, HF's ``sdpa`` attention passes grouped keys/values to SDPA as they are
-    (``enable_gqa=True``) instead of repeating them per query head first.
-
-    HF repeats them whenever a mask is given (it is, here: masks by position), which exports as
-    an ``Expand`` of every layer's whole key and value buffers on every call; at opset 23 the
-    exporter writes ``enable_gqa`` into ``Attention`` itself (reference model: 516 nodes per full
-    step against 614; in onnxruntime a step 1.43 -> 1.35 ms, a verify call 2.04 -> 1.80 ms).
-    HF reads this switch (``TRANSFORMERS_SDPA_FORCE_GQA``) from the environment at each call;
-    it is restored afterwards, and nothing of the user's model changes.
-    """
-    name = "TRANSFORMERS_SDPA_FORCE_GQA"
-    saved = os.environ.get(name)
-    os.environ[name] = "1"
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = saved
-
-
-def _program(
-    module, args: tuple, *, dynamic_shapes, input_names: list[str], output_names: list[str],
-    opset: int, refusal: str,
-):  # fmt: skip
-    """``torch.onnx.export`` (dynamo) of ``module`` on ``args``; the exporter's failure is a
-    ValueError that starts ``export: {refusal}``."""
-    try:
-        with warnings.catch_warnings(), _grouped_query_sdpa():
-            # The exporter warns about its own internals (axis renames, deprecated pytree
-            # calls), nothing a user can act on; real failures arrive as exceptions.
-            warnings.simplefilter("ignore")
-            return torch.onnx.export(
-                module,
-                args,
-                dynamic_shapes=dynamic_shapes,
-                input_names=input_names,
-                output_names=output_names,
-                opset_version=opset,
-                dynamo=True,
-                verbose=False,
-            )
-    except torch.onnx.OnnxExporterError as exc:
-        raise ValueError(f"export: {refusal}: {_summary(exc)}") from exc
-
-
-def _summary(exc: BaseException) -> str:
-    """The exporter's one-line reason: the line after '## Exception summary', else the first."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    line = lines[0] if lines else type(exc).__name__
-    for i, text in enumerate(lines[:-1]):
-        if text.startswith("## Exception summary"):
-            line = lines[i + 1]
-    # "<class 'torch.onnx._internal...DispatchError'>: ..." -> "DispatchError: ..."
-    return re.sub(r"<class '(?:[\w]+\.)*(\w+)'>", r"\1", line)
-
-
-def _save(program, path: Path) -> None:
-    # Weights in an external data file beside the model (``<stage>.onnx.data``), whatever the
-    # model's size (protobuf stops at 2 GiB); share_weights merges the stages' files.
-    program.save(path, external_data=True)
 
 
 def _rotary_positions(sm: SpeculativeModel) -> int | None:
@@ -276,32 +212,6 @@ def _rotary_positions(sm: SpeculativeModel) -> int | None:
     ]
     limits = [int(n) for n in limits if isinstance(n, int) and n > 0]
     return max(limits) if limits else None
-
-
-def _optimize(path: Path, max_positions: int | None = None) -> dict[str, int]:
-    """Apply ``onnx_optimize.optimize_model`` to the saved stage, weights included.
-
-    The weights stay external (``share_weights`` collects them) and the exporter's small
-    constants stay inline, where onnxruntime's shape inference reads them.
-    """
-    import onnx
-    from onnx.external_data_helper import (
-        load_external_data_for_model,
-        set_external_data,
-        uses_external_data,
-    )
-
-    model = onnx.load(str(path), load_external_data=False)
-    external = {t.name for t in model.graph.initializer if uses_external_data(t)}
-    load_external_data_for_model(model, str(path.parent))  # the rewrites regroup weights
-    stats = optimize_model(model, external, max_positions=max_positions)
-    data = f"{path.name}.data"
-    (path.parent / data).unlink(missing_ok=True)  # written anew below
-    for tensor in model.graph.initializer:
-        if tensor.name in external:
-            set_external_data(tensor, data)
-    onnx.save(model, str(path))  # writes the tensors marked external into ``data``
-    return stats
 
 
 # The stage of D greedy draft steps in one graph (``leapfx.export.chain``), exported where the
@@ -346,69 +256,6 @@ def _chain_spec(draft: dict, length: int, rewrites: dict[str, dict[str, int]]) -
             ),
         },
     }
-
-
-WEIGHTS = "weights.bin"
-_ALIGN = 64  # byte alignment of each tensor in weights.bin (lets a reader map it directly)
-
-
-def share_weights(directory: Path, stages: list[str]) -> dict[str, int]:
-    """Move the external weights of ``<stage>.onnx`` for every stage into one ``weights.bin``.
-
-    Tensors with equal bytes, element type and shape are stored once (the stages of one model
-    hold the same layers); each model's initializers then point into ``weights.bin`` with
-    offsets and lengths (ONNX external data), and the per-stage data files are deleted. The
-    exporter's per-node debugging metadata is dropped on the way.
-    Returns ``{"bytes": size of weights.bin, "tensors": distinct tensors, "references": ...}``.
-    """
-    import onnx
-    from onnx.external_data_helper import ExternalDataInfo, uses_external_data
-
-    stored: dict[tuple, tuple[int, int]] = {}  # (digest, type, shape) -> (offset, length)
-    references = 0
-    sources: set[Path] = set()
-    with open(directory / WEIGHTS, "wb") as out:
-        for name in stages:
-            path = directory / f"{name}.onnx"
-            model = onnx.load(str(path), load_external_data=False)
-            for node in model.graph.node:
-                # The exporter's per-node debugging records (source stack traces, FX node
-                # names): often larger than a small model's weights, of no use to a runtime.
-                del node.metadata_props[:]
-            for tensor in model.graph.initializer:
-                if not uses_external_data(tensor):
-                    continue
-                info = ExternalDataInfo(tensor)
-                source = directory / info.location
-                sources.add(source)
-                with open(source, "rb") as f:
-                    f.seek(info.offset or 0)
-                    data = f.read(info.length) if info.length else f.read()
-                key = (hashlib.sha256(data).digest(), tensor.data_type, tuple(tensor.dims))
-                if key not in stored:
-                    out.write(b"\0" * (-out.tell() % _ALIGN))
-                    stored[key] = (out.tell(), len(data))
-                    out.write(data)
-                offset, length = stored[key]
-                del tensor.external_data[:]
-                for k, v in (("location", WEIGHTS), ("offset", offset), ("length", length)):
-                    entry = tensor.external_data.add()
-                    entry.key, entry.value = k, str(v)
-                references += 1
-            onnx.save(model, str(path))
-        size = out.tell()
-    for source in sources - {directory / WEIGHTS}:
-        source.unlink()
-    return {"bytes": size, "tensors": len(stored), "references": references}
-
-
-def _check(path: Path, name: str) -> None:
-    import onnx
-
-    try:
-        onnx.checker.check_model(str(path), full_check=False)
-    except onnx.checker.ValidationError as exc:
-        raise ValueError(f"export: stage {name!r} failed onnx.checker: {_summary(exc)}") from exc
 
 
 def _manifest(
@@ -666,7 +513,7 @@ def _write(sm, tmp: Path, target: Path, opset, overwrite, optimize, format, toke
     files = [*signatures, CHAIN_STAGE] if chain else list(signatures)
     weights = share_weights(tmp, files)
     for name in files:
-        _check(tmp / f"{name}.onnx", name)
+        check_file(tmp / f"{name}.onnx", name)
     manifest = _manifest(sm, opset, signatures, weights, rewrites, chain)
     if tokenizer is not None:  # text in, text out for leapfx.deploy.Decoder
         manifest["tokenizer"] = save_tokenizer(tokenizer, tmp)
