@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 from leapfx.kernels import cpu_attention, cpu_blocks
 from leapfx.modules.block_layer import BlockDecoderLayer, kernel_decoder_layer
 from leapfx.modules.blocks import quantized_copy
-from leapfx.modules.fused import FusedDecoderLayer, KernelDecoderLayer
+from leapfx.modules.fused import FusedDecoderLayer
+from leapfx.modules.kernel_layers import KernelDecoderLayer
 from leapfx.runtime.cache import StaticKVCache
 from tests.conftest import tiny_model
 

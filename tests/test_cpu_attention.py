@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from leapfx import rewrite
 from leapfx.kernels import cpu_attention
-from leapfx.modules.fused import FusedDecoderLayer, KernelDecoderLayer
+from leapfx.modules.fused import FusedDecoderLayer
+from leapfx.modules.kernel_layers import KernelDecoderLayer
 from leapfx.runtime.cache import StaticKVCache
 from tests.conftest import examples
 

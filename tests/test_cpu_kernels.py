@@ -17,8 +17,8 @@ from leapfx import rewrite
 from leapfx.bench.harness import BenchConfig, use_cpu_kernels
 from leapfx.kernels import cpu
 from leapfx.lower.inductor import CompileOptions
-from leapfx.modules.fused import (
-    FusedDecoderLayer,
+from leapfx.modules.fused import FusedDecoderLayer
+from leapfx.modules.kernel_layers import (
     KernelDecoderLayer,
     KernelLinear,
     KernelRMSNorm,

@@ -14,12 +14,8 @@ from hypothesis import strategies as st
 
 from leapfx import rewrite
 from leapfx.kernels import cpu
-from leapfx.modules.fused import (
-    FusedAttention,
-    KernelAttention,
-    KernelExperts,
-    experts_kernel_covers,
-)
+from leapfx.modules.fused import FusedAttention
+from leapfx.modules.kernel_layers import KernelAttention, KernelExperts, experts_kernel_covers
 from leapfx.offload import OffloadOptions
 from leapfx.passes.capture import nodes_by_role
 from tests.conftest import MOE_ARCHS, examples, tiny_moe_model

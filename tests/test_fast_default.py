@@ -18,7 +18,7 @@ from greedy_check import check_random_prompts
 
 from leapfx import rewrite
 from leapfx.kernels import cpu
-from leapfx.modules.fused import KernelDecoderLayer, KernelLinear
+from leapfx.modules.kernel_layers import KernelDecoderLayer, KernelLinear
 from leapfx.rewrite.defaults import DEFAULTS_FILE, read_defaults
 
 # Every recipe, in a lossless setting where it has a lossy one (m2r2_exit never exits above a

@@ -39,7 +39,7 @@ op                                   signature
                                      call, its keys and values written into the cache buffers at
                                      slots ``start ..`` (a batch's ragged rows: row b's at
                                      ``starts[b] ..``, attending from ``first[b]``); bitwise the
-                                     eager kernel layer's numbers (``modules.fused``)
+                                     eager kernel layer's numbers (``modules.kernel_layers``)
 ===================================  =============================================================
 
 :func:`quantize` writes a float32 weight as Q8_0, Q4_0 or Q4_1 blocks, bitwise as gguf's numpy

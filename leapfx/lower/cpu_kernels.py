@@ -29,14 +29,16 @@ from ..modules.draft_vocab import KernelSubsetHead, SubsetLMHead
 from ..modules.fused import (
     FusedAttention,
     FusedDecoderLayer,
+    TransposedDecoderLayer,
+    TransposedLinear,
+)
+from ..modules.kernel_layers import (
     KernelAttention,
     KernelDecoderLayer,
     KernelExperts,
     KernelLinear,
     KernelRMSNorm,
     RotaryTable,
-    TransposedDecoderLayer,
-    TransposedLinear,
     experts_kernel_covers,
 )
 from ..modules.m2r2 import AcceleratedLayer

@@ -9,9 +9,10 @@ file               holds
 =================  ================================================================================
 ``hf``             HF conventions the modules call by: the KV cache's keyword, expert tensors
 ``fused``          decoder layers without module dispatch (``FusedDecoderLayer``,
-                   ``FusedAttention``) and on the ``leapfx_cpu`` kernels (``KernelDecoderLayer``,
+                   ``FusedAttention``, the ``Transposed*`` layers)
+``kernel_layers``  the same on the ``leapfx_cpu`` kernels (``KernelDecoderLayer``,
                    ``KernelAttention``, ``KernelExperts``, ``KernelLinear``, ``KernelRMSNorm``,
-                   ``RotaryTable``, the ``Transposed*`` layers); ``rms_params``, ``kernel_rope``
+                   ``RotaryTable``); ``rms_params``, ``kernel_rope``, ``require_kernels``
 ``kangaroo``       Kangaroo's adapter (``KangarooAdapter``)
 ``eagle``          EAGLE's draft head (``EagleHead``)
 ``draft_vocab``    a drafter's LM head over the N most frequent tokens (``SubsetLMHead``, FR-Spec)

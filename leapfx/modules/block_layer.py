@@ -24,7 +24,8 @@ from torch import nn
 
 from ..kernels import cpu_blocks
 from .blocks import BlockLinear
-from .fused import PROJECTIONS, KernelDecoderLayer, rms_params
+from .fused import PROJECTIONS
+from .kernel_layers import KernelDecoderLayer, rms_params
 
 
 def kernel_decoder_layer(layer: nn.Module) -> KernelDecoderLayer:

@@ -33,7 +33,7 @@ from torch import nn
 from ..kernels.cpu import pack_weight
 from ..kernels.cpu_blocks import Blocks
 from .blocks import BlockLinear, dequantize
-from .fused import require_kernels
+from .kernel_layers import require_kernels
 
 
 class SubsetLMHead(nn.Module):

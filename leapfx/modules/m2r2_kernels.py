@@ -26,7 +26,7 @@ from torch import nn
 from ..kernels.cpu import pack_weight
 from ..kernels.cpu_m2r2 import pack_gate
 from .draft_vocab import SubsetLMHead
-from .fused import kernel_rope, require_kernels, rms_params
+from .kernel_layers import kernel_rope, require_kernels, rms_params
 from .m2r2 import AcceleratedLayer, _rms
 from .m2r2_scratch import FastScratch
 

@@ -69,7 +69,7 @@ from torch import nn
 from ..kernels import cpu_m2r2
 from ..kernels.cpu_m2r2 import pack_predict
 from ..options import check_int
-from .fused import rms_params
+from .kernel_layers import rms_params
 from .m2r2 import AcceleratedLayer
 from .m2r2_kernels import fused_op_layers, op_dims, pack_fast_layers, rope_table
 

@@ -53,7 +53,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import cpu_reader
-from ..modules.fused import experts_kernel_covers
+from ..modules.kernel_layers import experts_kernel_covers
 from ..modules.moe import (  # the modules bound to this runtime, imported from here
     NextGatePrefetch,  # noqa: F401
     OffloadedExperts,  # noqa: F401

@@ -18,7 +18,7 @@ from torch import fx, nn
 
 from ..kernels import cpu_m2r2
 from ..modules.draft_vocab import SubsetLMHead
-from ..modules.fused import rms_params
+from ..modules.kernel_layers import rms_params
 from ..modules.m2r2 import ARLARouter
 from ..modules.m2r2_kernels import KernelDraft, KernelGate, fused_op_layers, rope_table
 from .capture import ROLE

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import torch
 from torch import fx, nn
 
-from ..modules.fused import KernelDecoderLayer, KernelExperts, KernelLinear
+from ..modules.kernel_layers import KernelDecoderLayer, KernelExperts, KernelLinear
 from ..options import check_bool, check_int
 from ..passes.capture import decoder_pieces
 from ..passes.partition import Stages
