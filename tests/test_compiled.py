@@ -18,7 +18,8 @@ from torch._dynamo.utils import counters
 from leapfx import rewrite
 from leapfx.bench.harness import BenchConfig
 from leapfx.lower.chain import chain_length
-from leapfx.lower.inductor import CompiledStage, CompileOptions, SlotKVCache
+from leapfx.lower.inductor import CompiledStage, CompileOptions
+from leapfx.lower.pure_stage import SlotKVCache
 from leapfx.runtime.batch import BatchPolicy
 from leapfx.runtime.masks import chunk_mask, position_mask
 

@@ -23,7 +23,8 @@ from ..runtime.rows import row_cache_for
 from .chain import chain_length
 from .cpu_kernels import with_transposed_weights
 from .cuda_graphs import GraphSet
-from .inductor import CompiledChain, CompiledStage, CompileOptions, PureStage, graphs_kind
+from .inductor import CompiledChain, CompiledStage, CompileOptions, graphs_kind
+from .pure_stage import PureStage
 from .specee_segments import is_segment, specee_segments, warmup_segments
 from .stage_signature import EAGLE_STAGES, discover
 

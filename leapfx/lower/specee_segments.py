@@ -23,7 +23,8 @@ from __future__ import annotations
 import torch
 
 from ..runtime.masks import position_mask
-from .inductor import SlotKVCache, inductor_options, own_code
+from .inductor import inductor_options, own_code
+from .pure_stage import SlotKVCache
 
 # Stages of the specee cut that are not whole-model stages (``passes.specee_stages``).
 SEGMENT_PREFIXES = ("layer_", "check_", "probs_")

@@ -41,7 +41,7 @@ class KVCache:
 
     The users: :class:`StaticKVCache` (eager stages; its fill lengths from
     :class:`LayerLengths`), ``runtime.rows.RowKVCache`` (a fill length per row),
-    ``lower.inductor.SlotKVCache`` and ``RowSlotKVCache`` (inside compiled stages: writes at
+    ``lower.pure_stage.SlotKVCache`` and ``RowSlotKVCache`` (inside compiled stages: writes at
     tensor positions), ``lower.stage_signature.FunctionalKVCache`` and
     ``export.stage_module.SlotWriteKVCache`` (pure functions of the past, for discovery and
     export). ``lower.ort_stages.OrtKVCache`` keeps the lengths only: its sessions write the
