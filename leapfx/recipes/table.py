@@ -39,7 +39,7 @@ from ..passes.specee_stages import specee_stages
 from ..runtime import adaptive, eagle, kangaroo, lookup, m2r2, qspec, rounds, schedules, swift
 from ..runtime.batch import BatchPlan
 from ..runtime.capabilities import Capabilities
-from ..runtime.model import RecipeTraining, Schedule
+from ..runtime.recipe_info import RecipeTraining, Schedule
 from ..runtime.skip_search import OnlineSkipSearch
 from . import specee as specee_recipe
 

@@ -30,7 +30,8 @@ from ..passes.base import PassPipeline
 from ..passes.capture import EXTRA_CACHE_LAYERS, capture, check_supported
 from ..passes.offload import OffloadExperts
 from ..recipes import RECIPES, Recipe, get_recipe, lookup_recipes
-from ..runtime.model import RecipeInfo, RecipeTraining, SpeculativeModel
+from ..runtime.model import SpeculativeModel
+from ..runtime.recipe_info import RecipeInfo, RecipeTraining
 from .defaults import best_drafter, kernels_choice, resolve_parts, shipped_options
 
 __all__ = ["apply", "recipes", "get_recipe", "Recipe", "OffloadOptions"]

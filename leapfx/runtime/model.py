@@ -4,7 +4,9 @@ It holds the rewritten graph, its stages and the recipe's options, shares every 
 original HF model by reference and never modifies it. ``generate`` follows HuggingFace's
 conventions (``input_ids``/``attention_mask`` in, prompt + new tokens out; the model's
 ``generation_config`` with keyword overrides, every field applied or refused: see
-``leapfx.runtime.generation``) and leaves the metrics of the call in ``last_metrics``.
+``leapfx.runtime.generation``) and leaves the metrics of the call in ``last_metrics``. What it
+is handed about its recipe (``RecipeInfo``: the schedule, options, capabilities, batch plan,
+training hook) is ``recipe_info.py``'s.
 
 Example::
 
@@ -19,8 +21,8 @@ import logging
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from dataclasses import replace
+from typing import Any
 
 import torch
 from torch import fx, nn
@@ -31,14 +33,14 @@ from ..passes.capture import decoder_pieces
 from ..passes.partition import Stages
 from ..passes.skip_layers import DRAFT_SKIP, swift_stages
 from . import schedules, swift
-from .batch import BATCH_BACKENDS, BatchDecode, BatchPlan, BatchPolicy
+from .batch import BATCH_BACKENDS, BatchDecode, BatchPolicy
 from .cache import StaticKVCache, cache_for
-from .capabilities import Capabilities
 from .decode import cache_length, check_prompt, decode
 from .executor import Lower
 from .generation import GenerateFrontEnd, GenerationSource
 from .masks import SUPPORTED_ATTENTION
 from .metrics import DecodeMetrics
+from .recipe_info import RecipeInfo, RecipeTraining, Schedule
 from .rows import RowRunner, row_cache_for
 from .runner import AttentionLayout, StageRunner
 from .schedules import DecodeRequest
@@ -47,43 +49,6 @@ log = logging.getLogger(__name__)
 
 # batch_decode(grow=True): the columns a growing batch cache starts with
 GROW_FROM = 256
-
-# A schedule: (runner, prompt [1, n], request, metrics) -> new token ids.
-Schedule = Callable[[StageRunner, torch.Tensor, DecodeRequest, DecodeMetrics], list[int]]
-
-
-class RecipeTraining(Protocol):
-    """How a recipe trains and saves the parts its passes inserted (e.g. Kangaroo's adapter)."""
-
-    def fit(self, model: SpeculativeModel, data: Any, **options: Any) -> Any: ...
-
-    def save(self, model: SpeculativeModel, path: Any) -> Any: ...
-
-
-@dataclass(frozen=True)
-class RecipeInfo:
-    """What a SpeculativeModel needs to know about the recipe that built it."""
-
-    name: str
-    options: Any  # the recipe's frozen options dataclass
-    schedule: Schedule
-    lookahead: int  # positions a schedule may write past the last emitted token
-    extra_cache_layers: int = 0  # KV-cache layers for attention blocks the rewrite added
-    lossless: bool = True  # token-identical to greedy; lossy recipes support teacher forcing
-    # Trains/saves what the recipe inserted; a factory so that decoding never imports training.
-    training: Callable[[], RecipeTraining] | None = None
-    # What its stages lower to (Inductor, ONNX, a draft chain ...): asked, never name-checked.
-    capabilities: Capabilities = field(default_factory=Capabilities)
-    # How it drafts in a batch (``runtime.batch``); None: it decodes one row at a time, and
-    # ``batch_refusal`` says why.
-    batch: BatchPlan | None = None
-    batch_refusal: str = "it decodes one sequence at a time"
-
-    @property
-    def compiles(self) -> bool:
-        """False: the stages do not compile with Inductor (whether they export to ONNX is
-        ``capabilities.exportable``'s)."""
-        return self.capabilities.compiles
 
 
 class SpeculativeModel(GenerateFrontEnd):

@@ -1,7 +1,7 @@
 """The trainers of the recipes with trained parts, by the name a recipe gives them.
 
 ``SpeculativeModel.fit`` and ``save_parts`` call the recipe's ``training`` factory
-(``runtime.model.RecipeTraining``). The recipes (``leapfx.recipes``) sit a floor below
+(``runtime.recipe_info.RecipeTraining``). The recipes (``leapfx.recipes``) sit a floor below
 ``train``, so they name their trainer instead of importing it, and ``rewrite.load_training``
 (a floor above) resolves the name here when the model first asks (decoding never imports
 training code).
@@ -15,13 +15,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..runtime.model import RecipeTraining
+from ..runtime.recipe_info import RecipeTraining
 from . import eagle, kangaroo, m2r2, specee
 
 
 @dataclass(frozen=True)
 class Training:
-    """A recipe's training hook (``runtime.model.RecipeTraining``): its trainer module's
+    """A recipe's training hook (``runtime.recipe_info.RecipeTraining``): its trainer module's
     ``fit(model, data, **options)`` and the function that writes the parts it trained."""
 
     fit_parts: Callable[..., Any]

@@ -47,7 +47,8 @@ from ..passes.partition import Stages, full_stage
 from ..passes.predictor import predictors_of
 from ..recipes.specee import specee_schedule
 from ..runtime import schedules
-from ..runtime.model import RecipeInfo, SpeculativeModel
+from ..runtime.model import SpeculativeModel
+from ..runtime.recipe_info import RecipeInfo
 from .fit_options import fit_config, on_plain_stages
 from .kangaroo import adapter_and_target_logits, sample_windows, token_stream
 
