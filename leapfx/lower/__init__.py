@@ -11,10 +11,11 @@ backend           what runs each stage
                   ``leapfx_cpu`` kernels (``cpu_kernels.py``; a float32 CPU model); a draft
                   chain where the recipe has one (``Capabilities.has_chain``, ``chain.py``)
 ``inductor``      ``torch.compile(fullgraph=True)`` graphs over the static cache
-                  (``inductor.py``, built by ``compile.py``; ``CompileOptions``' keywords)
+                  (``inductor.py``, compiling ``pure_stage.py``'s functions, built by
+                  ``compile.py``; ``CompileOptions``' keywords)
 ``onnxruntime``   onnxruntime sessions over the stages exported to ``export_dir``
-                  (``sm.export_onnx``), loaded as an ``OnnxModel`` (``onnxruntime.py``), which
-                  decodes under the same schedules
+                  (``sm.export_onnx``), loaded as an ``OnnxModel`` (``onnxruntime.py``; its
+                  stage executors: ``ort_stages.py``), which decodes under the same schedules
 ================  ================================================================================
 
 What a recipe's stages can be lowered to is declared on the recipe
