@@ -18,13 +18,13 @@ from transformers import StoppingCriteriaList
 
 from leapfx import rewrite
 from leapfx.runtime import model as model_runtime
-from leapfx.runtime import rows as rows_runtime
+from leapfx.runtime import runner as runner_runtime
 from leapfx.runtime.adaptive import PRIOR_SLOPE, PROBE_EVERY
 from leapfx.runtime.batch import BatchPolicy
 from leapfx.runtime.decode import decode_request
-from leapfx.runtime.masks import column_masks
-from leapfx.runtime.rows import RowKVCache, RowRunner, row_cache_for, row_masks
-from leapfx.runtime.runner import AttentionLayout
+from leapfx.runtime.masks import AttentionLayout, column_masks, row_masks
+from leapfx.runtime.rows import RowKVCache, row_cache_for
+from leapfx.runtime.runner import StageRunner
 from tests.conftest import examples, tiny_model
 from tests.distribution_check import assert_sampled_from
 from tests.greedy_check import assert_greedy_equal
@@ -508,11 +508,11 @@ def test_a_prefill_a_row_at_a_time_equals_the_padded_prefill(recipe, kernels, mo
     stages = sm._executors or sm.stages.modules
     results = []
     for share in (0.0, 2.0):  # every padded batch a row at a time; never
-        monkeypatch.setattr(rows_runtime, "ROW_PREFILL_PADDING", share)
+        monkeypatch.setattr(runner_runtime, "ROW_PREFILL_PADDING", share)
         cache = row_cache_for(model, 32, len(rows), extra_layers=sm.recipe.extra_cache_layers)
-        runner = RowRunner(stages, cache, sm._layout, pads)
+        runner = StageRunner(stages, cache, sm._layout, pads)
         with torch.inference_mode():
-            logits = runner.prefill("full", ids)
+            logits = runner.prefill("full", ids)["logits"]
         results.append((logits[:, -1], cache))
     (row_logits, row_cache), (padded_logits, padded_cache) = results
     torch.testing.assert_close(row_logits, padded_logits, rtol=1e-5, atol=1e-5)
@@ -601,13 +601,13 @@ def test_batched_layerskip_verifies_the_drafts_exit_states_with_its_verify_stage
     model = tiny_model("llama", layers=4, vocab=32, seed=8)
     monkeypatch.setattr(BatchPolicy, "choose", lambda self, size, available, share=1.0: available)
     splits = []
-    verify = RowRunner.verify
+    verify = StageRunner.verify
 
     def counting(self, ids, exit_hidden, starts):
         splits.append(exit_hidden.shape)
         return verify(self, ids, exit_hidden, starts)
 
-    monkeypatch.setattr(RowRunner, "verify", counting)
+    monkeypatch.setattr(StageRunner, "verify", counting)
     rows = [[1, 2, 3, 4, 5, 6], [9, 8], [3, 3, 3, 3, 7], [11, 12]]
     for lookup in (False, True):
         sm = rewrite.apply(model, "layerskip", exit_layer=2, num_speculations=3, lookup=lookup)

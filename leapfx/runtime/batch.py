@@ -1,8 +1,9 @@
 """Batched decoding: ``generate`` on ``[B, S]`` prompts with left padding, each row accepting its
 own drafts over one static KV cache.
 
-The rows' cache and runner (left padding, a fill length per row, per-row crop, row prefill) are
-``runtime.rows``'s. The rounds are ``runtime.rounds.Decode``'s, drafted by :class:`BatchDrafter`.
+The rows' cache is ``runtime.rows``'s ``RowKVCache`` (left padding, a fill length per row,
+per-row crop), run by the one ``runtime.runner.StageRunner`` (each row at its own columns, row
+prefill). The rounds are ``runtime.rounds.Decode``'s, drafted by :class:`BatchDrafter`.
 
 A round, for every live row at once::
 
@@ -36,7 +37,7 @@ from .adaptive import PRIOR_SLOPE, Acceptance, DraftPolicy
 from .lookup import NgramIndex
 from .metrics import DecodeMetrics
 from .rounds import Decode, Proposal, RoundDrafter, Row, requests_of_rows
-from .rows import RowRunner
+from .runner import StageRunner
 from .schedules import DecodeRequest, draft_steps, requests_of
 
 DRAFTERS = ("none", "lookup", "stage", "eagle")
@@ -140,14 +141,14 @@ class BatchPolicy:
 
 class BatchDecode(Decode):
     """A batch's :class:`~leapfx.runtime.rounds.Decode`: its rows drafted by a
-    :class:`BatchDrafter` of the recipe's ``plan`` over a :class:`RowRunner`. ``policy``
+    :class:`BatchDrafter` of the recipe's ``plan`` over a ragged ``StageRunner``. ``policy``
     chooses each round's draft length (None: always ``plan.num_speculations``).
     ``batched_loop`` is ``start`` then rounds until no row is left; a server admits its
     requests between rounds (continuous batching)."""
 
     def __init__(
         self,
-        runner: RowRunner,
+        runner: StageRunner,
         metrics: DecodeMetrics,
         plan: BatchPlan,
         policy: BatchPolicy | None,
@@ -159,7 +160,7 @@ class BatchDecode(Decode):
 
 
 def batched_loop(
-    runner: RowRunner,
+    runner: StageRunner,
     prompt: torch.Tensor,
     pads: list[int],
     request: DecodeRequest | Sequence[DecodeRequest],
@@ -201,10 +202,10 @@ class BatchDrafter(RoundDrafter):
             row.ngrams = NgramIndex(self.plan.max_ngram, self.plan.min_ngram)
             row.ngrams.extend(prompt)
 
-    def prefill(self, runner: RowRunner, prompt: torch.Tensor) -> torch.Tensor:
+    def prefill(self, runner: StageRunner, prompt: torch.Tensor) -> torch.Tensor:
         if self.eagle is not None:
             return self.eagle.prefill(runner, prompt)
-        return runner.prefill("full", prompt)  # [B, 1 or S, V]
+        return runner.prefill("full", prompt)["logits"]  # [B, 1 or S, V]
 
     def propose(self, runner, rows, x, room, metrics) -> Proposal:
         plan, policy, size = self.plan, self.policy, len(rows)
@@ -235,7 +236,7 @@ class BatchDrafter(RoundDrafter):
             if self.eagle is not None:
                 logits = self.eagle.verify(runner, ids, starts, key)
             else:
-                logits = runner.call("full", ids, starts, key)
+                logits = runner.full(ids, starts, key)
         if width:
             metrics.verify_calls += 1
         else:
@@ -286,19 +287,19 @@ class _EagleRows:
         self.h: torch.Tensor | None = None
         self.hidden: torch.Tensor | None = None
 
-    def prefill(self, runner: RowRunner, prompt: torch.Tensor) -> torch.Tensor:
+    def prefill(self, runner: StageRunner, prompt: torch.Tensor) -> torch.Tensor:
         """``target`` over the prompts (each row's own tokens wherever a row is padded, so
         that its first token's h_{-1} is zeros, as a row alone gets): logits [B, 1 or S, V]."""
         zeros = torch.zeros(prompt.shape[0], 1, 1, dtype=runner.layout.dtype,
                             device=prompt.device)  # fmt: skip
-        out = runner.prefill_outputs("target", prompt, alone=True, prev_hidden=zeros)
+        out = runner.prefill("target", prompt, alone=True, prev_hidden=zeros)
         self.h = out["hidden"][:, -1:]
         return out["logits"]
 
-    def verify(self, runner: RowRunner, ids: torch.Tensor, starts: list[int], key: str):
+    def verify(self, runner: StageRunner, ids: torch.Tensor, starts: list[int], key: str):
         """``target`` on [x, drafts] [B, n] at each row's columns (host and head KV from the
         true features): logits [B, n, V]."""
-        out = runner.call_outputs("target", ids, starts, key, prev_hidden=self.h)
+        out = runner.chunk("target", ids, starts, key=key, prev_hidden=self.h)
         self.hidden = out["hidden"]
         return out["logits"]
 
@@ -316,7 +317,7 @@ class _EagleRows:
         self.h = other.h if self.h is None or not len(self.h) else torch.cat([self.h, other.h])
 
     def drafts(
-        self, runner: RowRunner, rows: list[Row], x: torch.Tensor, d: int,
+        self, runner: StageRunner, rows: list[Row], x: torch.Tensor, d: int,
         requests: list[DecodeRequest],
     ) -> tuple[torch.Tensor, torch.Tensor | None, None, list[int]]:  # fmt: skip
         """Up to d drafts a row by the head on (token, h), feeding its own state g back: the
@@ -329,8 +330,8 @@ class _EagleRows:
 
         def step(token: torch.Tensor, i: int) -> torch.Tensor:
             nonlocal hidden
-            out = runner.call_outputs("head", token, [s + i for s in starts], "draft",
-                                      hidden=hidden)  # fmt: skip
+            out = runner.chunk("head", token, [s + i for s in starts], key="draft",
+                               hidden=hidden)  # fmt: skip
             hidden = out["hidden"]  # [B, 1, D]
             return out["logits"][:, -1]  # [B, V]
 
@@ -339,7 +340,7 @@ class _EagleRows:
 
 
 def _propose(
-    runner: RowRunner,
+    runner: StageRunner,
     rows: list[Row],
     x: torch.Tensor,
     d: int,
@@ -397,7 +398,7 @@ def _propose(
 
 
 def _stage_drafts(
-    runner: RowRunner, rows: list[Row], x: torch.Tensor, d: int, requests: list[DecodeRequest]
+    runner: StageRunner, rows: list[Row], x: torch.Tensor, d: int, requests: list[DecodeRequest]
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, None]:
     """d drafts a row with the ``draft`` stage (``draft_steps``): tokens [B, d], under
     sampling q [B, d, V], and the exit states of the tokens fed (x .. t_{d-1}) [B, d, H] where
@@ -406,7 +407,7 @@ def _stage_drafts(
     starts = [row.pos for row in rows]
 
     def step(token: torch.Tensor, i: int) -> torch.Tensor:
-        out = runner.call_outputs("draft", token, [s + i for s in starts], "draft")
+        out = runner.chunk("draft", token, [s + i for s in starts], key="draft")
         if "hidden" in out:
             hidden.append(out["hidden"])
         return out["logits"][:, -1]  # [B, V]

@@ -7,13 +7,30 @@ boolean (True = attend) for ``sdpa``, additive (0 / dtype min) for ``eager``. ``
 gives ``sdpa`` the float form (0 / -inf) instead: exactly what SDPA turns a boolean mask into on
 every call, so the results are the same bit for bit, and a stage that passes one mask to all its
 layers converts it once instead of once per layer (6 us of a 35 us attention call for 5 queries).
+
+A batch's left-padded rows, each at its own cache columns, get :func:`row_masks` (eager stages,
+built by the runner) or :func:`column_masks` (inside compiled graphs): each row sees its own
+tokens up to its own end, never its padding.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 SUPPORTED_ATTENTION = ("sdpa", "eager")
+
+
+@dataclass(frozen=True)
+class AttentionLayout:
+    """What masks a model needs: HF attention implementation, per-layer kinds, sliding window."""
+
+    impl: str
+    kinds: tuple[str, ...]
+    window: int | None
+    dtype: torch.dtype
+    device: torch.device
 
 
 def chunk_mask(
@@ -148,4 +165,33 @@ def column_masks(
         if kind == "sliding_attention" and window is not None:
             seen = seen & (k > q - window)
         out[kind] = _mask_of(seen[:, None], impl, dtype)  # [B, 1, S, kv]
+    return out
+
+
+def row_masks(
+    layout: AttentionLayout, starts: list[int], pads: list[int], n: int
+) -> dict[str, torch.Tensor | None]:
+    """Masks [B, 1, n, max(starts) + n] for n queries a row at columns starts[b].. of rows
+    left-padded by pads[b]: row b's query at column c sees columns pads[b]..c (and, under a
+    sliding window, those within the window). Aligned unpadded rows get the masks a single
+    sequence gets (HF's own choice, None where SDPA's causal flag serves)."""
+    if not any(pads) and min(starts) == max(starts):
+        return masks_for(
+            layout.impl, list(layout.kinds), starts[0], n, window=layout.window,
+            dtype=layout.dtype, device=layout.device, additive=True,
+        )  # fmt: skip
+    device = layout.device
+    end = max(starts) + n
+    cols = torch.arange(end, device=device)[None, None, :]  # [1, 1, E]
+    q = (torch.tensor(starts, device=device)[:, None] + torch.arange(n, device=device))[:, :, None]
+    first = torch.tensor(pads, device=device)[:, None, None]  # [B, 1, 1]
+    visible = (cols <= q) & (cols >= first)  # [B, n, E]
+    blocked = float("-inf") if layout.impl == "sdpa" else torch.finfo(layout.dtype).min
+    zero = torch.zeros((), dtype=layout.dtype, device=device)
+    out: dict[str, torch.Tensor | None] = {}
+    for kind in dict.fromkeys(layout.kinds):
+        seen = visible
+        if kind == "sliding_attention" and layout.window is not None:
+            seen = visible & (cols > q - layout.window)
+        out[kind] = torch.where(seen[:, None], zero, blocked)
     return out

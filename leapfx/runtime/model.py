@@ -41,7 +41,7 @@ from .generation import GenerateFrontEnd, GenerationSource
 from .masks import SUPPORTED_ATTENTION
 from .metrics import DecodeMetrics
 from .recipe_info import RecipeInfo, RecipeTraining, Schedule
-from .rows import RowRunner, row_cache_for
+from .rows import row_cache_for
 from .runner import AttentionLayout, StageRunner
 from .schedules import DecodeRequest
 
@@ -383,7 +383,7 @@ class SpeculativeModel(GenerateFrontEnd):
             grow_to=grow_to,
         )  # fmt: skip
         pads = [0] * rows if pads is None else pads
-        runner = RowRunner(self._executors or self.stages.modules, cache, self._layout, pads)
+        runner = StageRunner(self._executors or self.stages.modules, cache, self._layout, pads)
         policy = None
         if plan.drafter != "none":
             if self._batch_policy is None or self._batch_policy.max_drafts != plan.num_speculations:

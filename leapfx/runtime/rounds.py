@@ -14,10 +14,10 @@ batch, rows joining and leaving for a server) and runs a round for all of them a
 
 What differs between schedules is the drafter (:class:`RoundDrafter`), not the loop:
 
-- ``runtime.batch.BatchDrafter``: any number of rows over a ``RowRunner`` (ragged rows in one
-  cache): prompt lookup per row, the recipe's draft stage, EAGLE's head, and the batch's
-  draft-length policy.
-- :class:`OneRow`: one row over a ``StageRunner``, through the single-sequence
+- ``runtime.batch.BatchDrafter``: any number of rows over a ragged ``StageRunner`` (each row
+  at its own columns of one ``rows.RowKVCache``): prompt lookup per row, the recipe's draft
+  stage, EAGLE's head, and the batch's draft-length policy.
+- :class:`OneRow`: one row over a ``StageRunner`` of one sequence, through the single-sequence
   :class:`~leapfx.runtime.schedules.Drafter` protocol, which every recipe's drafter speaks
   (LayerSkip's exit, Kangaroo's adapter, swift's skip set and its online search, EAGLE,
   M2R2's fast stream, SpecEE, prompt lookup, the adaptive drafter). Its acceptance keeps the

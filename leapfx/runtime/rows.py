@@ -1,42 +1,34 @@
-"""A batch's rows over one static KV cache: :class:`RowKVCache` (a fill length per row) and
-:class:`RowRunner` (stage calls with each row at its own columns), what ``runtime.batch``'s
-rounds run on.
+"""A batch's rows over one static KV cache: :class:`RowKVCache`, a fill length per row.
 
 Layout. Row b's prompt is left-padded by ``pad_b`` tokens, so its token at position p sits in
 cache column ``pad_b + p``: HF's layout for a left-padded batch. Every layer keeps a fill length
-per row (:class:`RowKVCache`): a call writes row b's new keys and values at that row's own
-length (one slice write while the rows are aligned, one ``index_put`` when they are not) and
-reads the columns up to the longest row's end; the mask (:func:`row_masks`, from each row's
-query columns and its padding) hides this row's padding and every column past this row's own
-end. Rollback is per row and O(1): ``crop_rows`` moves lengths, nothing is copied. With the CPU
-kernels, attention reads each row's own span of columns (``leapfx_cpu::attention_rows`` over
-:meth:`RowKVCache.spans`) instead of attending through the mask.
+per row: a call writes row b's new keys and values at that row's own length (one slice write
+while the rows are aligned, one ``index_put`` when they are not) and reads the columns up to the
+longest row's end; the mask (``masks.row_masks``, from each row's query columns and its padding)
+hides this row's padding and every column past this row's own end. Rollback is per row and
+O(1): ``crop_rows`` moves lengths, nothing is copied. With the CPU kernels, attention reads each
+row's own span of columns (``leapfx_cpu::attention_rows`` over :meth:`RowKVCache.spans`)
+instead of attending through the mask. Rows leave (``keep``), and rows prefilled alone in a
+one-row cache of the same shape (``blank``) join (``join``), between rounds.
 
-The prompts are prefilled in one call over the padded batch, or, on a CPU where the padding is a
-sizeable share of the batch (``ROW_PREFILL_PADDING``), a call a row over its own tokens: there a
-call's cost follows its rows, and the padded columns would be computed for nothing.
+The ``runner.StageRunner`` over such a cache calls its stages with each row at its own columns
+(``start`` arguments one a row) and prefills the rows (one call over the padded batch, or a call
+a row over ``row_view``).
+
+Why a single sequence's cache is not this one at B = 1: its rows share one fill length, so its
+bookkeeping is an int a layer (this one's is a list a layer, built on every write), kernel
+layers write it at one column and attend by position (``StaticKVCache.appends``; ``ragged``
+here), and the compiled and ONNX Runtime caches that mirror it (``lower.inductor.SlotKVCache``,
+``lower.onnxruntime.OrtKVCache``) keep one length too.
 """
 
 from __future__ import annotations
 
-import time
-from collections import defaultdict
-from collections.abc import Mapping
-
 import torch
 
-from . import executor
 from .cache import StaticKVCache, cache_for
-from .executor import StageExecutor
-from .masks import masks_for
-from .runner import PREFILL, AttentionLayout
 
-__all__ = ["ROW_PREFILL_PADDING", "RowKVCache", "RowRunner", "row_cache_for", "row_masks"]
-
-# RowRunner.prefill: on a CPU, prompts whose padding is at least this share of the batch's
-# columns are prefilled a row at a time (a call's cost follows its rows there, so padding is
-# pure waste, and a row's call costs little more than its share of the padded one).
-ROW_PREFILL_PADDING = 0.1
+__all__ = ["RowKVCache", "row_cache_for"]
 
 
 class RowKVCache(StaticKVCache):
@@ -236,174 +228,3 @@ def row_cache_for(
         model, max_len, extra_layers=extra_layers, static_addresses=False,
         cache_type=RowKVCache, batch_size=batch_size, grow_to=grow_to,
     )  # fmt: skip
-
-
-def row_masks(
-    layout: AttentionLayout, starts: list[int], pads: list[int], n: int
-) -> dict[str, torch.Tensor | None]:
-    """Masks [B, 1, n, max(starts) + n] for n queries a row at columns starts[b].. of rows
-    left-padded by pads[b]: row b's query at column c sees columns pads[b]..c (and, under a
-    sliding window, those within the window). Aligned unpadded rows get the masks a single
-    sequence gets (HF's own choice, None where SDPA's causal flag serves)."""
-    if not any(pads) and min(starts) == max(starts):
-        return masks_for(
-            layout.impl, list(layout.kinds), starts[0], n, window=layout.window,
-            dtype=layout.dtype, device=layout.device, additive=True,
-        )  # fmt: skip
-    device = layout.device
-    end = max(starts) + n
-    cols = torch.arange(end, device=device)[None, None, :]  # [1, 1, E]
-    q = (torch.tensor(starts, device=device)[:, None] + torch.arange(n, device=device))[:, :, None]
-    first = torch.tensor(pads, device=device)[:, None, None]  # [B, 1, 1]
-    visible = (cols <= q) & (cols >= first)  # [B, n, E]
-    blocked = float("-inf") if layout.impl == "sdpa" else torch.finfo(layout.dtype).min
-    zero = torch.zeros((), dtype=layout.dtype, device=device)
-    out: dict[str, torch.Tensor | None] = {}
-    for kind in dict.fromkeys(layout.kinds):
-        seen = visible
-        if kind == "sliding_attention" and layout.window is not None:
-            seen = visible & (cols > q - layout.window)
-        out[kind] = torch.where(seen[:, None], zero, blocked)
-    return out
-
-
-class RowRunner:
-    """Calls stage executors on [B, n] rows, each row at its own cache column."""
-
-    def __init__(
-        self,
-        stages: Mapping[str, StageExecutor],
-        cache: RowKVCache,
-        layout: AttentionLayout,
-        pads: list[int],
-    ) -> None:
-        self.stages, self.cache, self.layout, self.pads = stages, cache, layout, list(pads)
-        cache.first = list(pads)
-        self.seconds: defaultdict[str, float] = defaultdict(float)
-
-    def call(self, name: str, ids: torch.Tensor, starts: list[int], key: str) -> torch.Tensor:
-        """Stage ``name`` on ``ids`` [B, n], row b at columns starts[b]..: logits [B, n, V]
-        ([B, 1, V], the last column's, for the prefill where ``executor.prefill_stage``
-        allows)."""
-        return self.call_outputs(name, ids, starts, key)["logits"]
-
-    def call_outputs(
-        self, name: str, ids: torch.Tensor, starts: list[int], key: str, **extra: torch.Tensor
-    ) -> dict[str, torch.Tensor]:
-        """:meth:`call`'s stage outputs, all of them (a draft stage's ``hidden`` too);
-        ``extra``: the stage's other inputs (EAGLE's ``hidden``, ``prev_hidden``)."""
-        n = ids.shape[1]
-        positions = self._positions(starts, n)
-        stage = self.stages[name]
-        if key == PREFILL:  # the prompts: the head on their last position only
-            stage = executor.prefill_stage(stage)
-        begin = time.perf_counter()
-        out = stage(
-            input_ids=ids,
-            position_ids=positions,
-            masks=self._masks(stage, starts, n),
-            cache=self.cache,
-            **extra,
-        )
-        self.seconds[key] += time.perf_counter() - begin
-        return out
-
-    def _masks(
-        self, stage, starts: list[int], n: int, pads: list[int] | None = None
-    ) -> dict[str, torch.Tensor | None]:
-        """:func:`row_masks` for ``stage``, or none where the stage builds its own (a compiled
-        stage, from the cache's row lengths) or every mask reader of the stage is a kernel
-        layer (``executor.mask_free``), which attends a batch's rows through
-        ``leapfx_cpu::attention_rows``, reading each row's span instead."""
-        if executor.builds_masks(stage) or executor.mask_free(stage) is not None:
-            return dict.fromkeys(self.layout.kinds)
-        return row_masks(self.layout, starts, self.pads if pads is None else pads, n)
-
-    def _positions(self, starts: list[int], n: int) -> torch.Tensor:
-        device = self.layout.device
-        cols = torch.tensor(starts, device=device)[:, None] + torch.arange(n, device=device)
-        return (cols - torch.tensor(self.pads, device=device)[:, None]).clamp(min=0)
-
-    def verify(
-        self, ids: torch.Tensor, exit_hidden: torch.Tensor, starts: list[int]
-    ) -> torch.Tensor:
-        """The ``verify`` stage (``passes.partition``) for every row: ``exit_hidden`` [B, c, H],
-        the exit states the draft stage computed at columns starts[b]..; ``ids`` [B, m], the
-        tokens after them, which run through the lower layers here. Returns the full model's
-        logits at all c + m columns, [B, c + m, V]; the cache's lower layers must hold the c
-        columns the draft wrote, the upper ones end at starts[b]."""
-        c, m = exit_hidden.shape[1], ids.shape[1]
-        new = [s + c for s in starts]
-        stage = self.stages["verify"]
-        begin = time.perf_counter()
-        out = stage(
-            input_ids=ids,
-            position_ids=self._positions(new, m),
-            masks=self._masks(stage, new, m),
-            exit_hidden=exit_hidden,
-            remainder_position_ids=self._positions(starts, c + m),
-            remainder_masks=self._masks(stage, starts, c + m),
-            cache=self.cache,
-        )
-        self.seconds["verify"] += time.perf_counter() - begin
-        return out["logits"]
-
-    def prefill(self, name: str, prompt: torch.Tensor) -> torch.Tensor:
-        """Stage ``name`` over the left-padded prompts ``prompt`` [B, S] from column 0: logits
-        [B, 1 or S, V] (see :meth:`prefill_outputs`)."""
-        return self.prefill_outputs(name, prompt)["logits"]
-
-    def prefill_outputs(
-        self, name: str, prompt: torch.Tensor, *, alone: bool = False, **extra: torch.Tensor
-    ) -> dict[str, torch.Tensor]:
-        """Stage ``name``'s outputs over the left-padded prompts ``prompt`` [B, S] from column
-        0, each output's last position at least ([B, 1, ...]; ``logits`` [B, 1 or S, V]).
-
-        On a CPU, where a call's cost follows its rows, a batch whose padding is at least
-        ``ROW_PREFILL_PADDING`` of its columns (any padding with ``alone``: a stage whose
-        state runs across positions, EAGLE's shifted hidden states, would read the padding's)
-        runs a call a row over that row's own tokens (no compute on padding; every output
-        [B, 1, ...]); otherwise, and for a compiled stage (whose graphs take the whole cache,
-        not a row's view of it), one call over the padded batch. ``extra``: the stage's other
-        inputs, [B, ...] (a call a row takes row b's)."""
-        B, S = prompt.shape
-        padding = sum(self.pads) / (B * S)
-        compiled = executor.builds_masks(self.stages[name])
-        by_row = padding > 0 if alone else padding >= ROW_PREFILL_PADDING
-        if B == 1 or prompt.device.type != "cpu" or not by_row or compiled:
-            return self.call_outputs(name, prompt, [0] * B, PREFILL, **extra)
-        cache, outs = self.cache, []
-        stage = executor.prefill_stage(self.stages[name])
-        written = [list(layer) for layer in cache.rows]
-        for b, pad in enumerate(self.pads):
-            view = cache.row_view(b)
-            n = S - pad
-            begin = time.perf_counter()
-            out = stage(
-                input_ids=prompt[b : b + 1, pad:],
-                position_ids=torch.arange(n, device=prompt.device)[None],
-                masks=self._masks(stage, [pad], n, [pad]),  # the view: row b alone
-                cache=view,
-                **{k: v[b : b + 1] for k, v in extra.items()},
-            )
-            self.seconds[PREFILL] += time.perf_counter() - begin
-            outs.append({k: v[:, -1:] for k, v in out.items()})
-            for layer, rows in enumerate(view.rows):
-                if rows[0] != pad:  # the stage wrote this layer
-                    written[layer][b] = rows[0]
-        cache.rows = written
-        cache.lengths = [max(layer) for layer in written]
-        return {k: torch.cat([o[k] for o in outs]) for k in outs[0]}
-
-    def keep(self, rows: list[int]) -> None:
-        self.cache.keep(rows)
-        self.pads = [self.pads[r] for r in rows]
-
-    def alone(self) -> RowRunner:
-        """A runner of one row over an empty cache shaped as this one's (a row that joins)."""
-        return RowRunner(self.stages, self.cache.blank(1), self.layout, [0])
-
-    def join(self, other: RowRunner) -> None:
-        """Append ``other``'s rows (its cache's and pads) after this runner's."""
-        self.cache.join(other.cache)
-        self.pads = self.pads + other.pads
