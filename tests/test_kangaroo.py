@@ -273,6 +273,8 @@ def test_shallow_layers_are_never_recomputed():
 class _FakeRunner:
     """draft() returns logits whose softmax top-1 is the next scripted confidence."""
 
+    ragged = False  # one sequence: int starts
+
     def __init__(self, confidences, vocab=4):
         self.confidences = list(confidences)
         self.vocab = vocab

@@ -34,11 +34,12 @@ from dataclasses import dataclass
 import torch
 
 from .adaptive import PRIOR_SLOPE, Acceptance, DraftPolicy
+from .eagle import EagleDrafter, draft_chain
 from .lookup import NgramIndex
 from .metrics import DecodeMetrics
 from .rounds import Decode, Proposal, RoundDrafter, Row, requests_of_rows
 from .runner import StageRunner
-from .schedules import DecodeRequest, draft_steps, requests_of
+from .schedules import DecodeRequest, draft, requests_of
 
 DRAFTERS = ("none", "lookup", "stage", "eagle")
 # Backends whose stages take a batch's ragged rows: the eager stages, and the compiled ones
@@ -185,15 +186,17 @@ class BatchDrafter(RoundDrafter):
     kangaroo, swift, qspec) or EAGLE's head on each row's last hidden state; verified by one
     ``full`` (EAGLE: ``target``) call over [x_b, drafts_b] for every row at its own columns,
     or, where every row's tokens are the draft stage's d, LayerSkip's split ``verify`` over
-    their exit states. ``policy`` chooses each round's d from the live acceptance and the
-    measured cost of a round at this batch size (None: ``plan.num_speculations``)."""
+    their exit states. The drafts are the single sequence's drafting over each row's
+    columns (``schedules.draft``; EAGLE: an ``eagle.EagleDrafter`` holding each row's state).
+    ``policy`` chooses each round's d from the live acceptance and the measured cost of a round
+    at this batch size (None: ``plan.num_speculations``)."""
 
     def __init__(
-        self, plan: BatchPlan, policy: BatchPolicy | None, eagle: _EagleRows | None = None
+        self, plan: BatchPlan, policy: BatchPolicy | None, eagle: EagleDrafter | None = None
     ) -> None:
         self.plan, self.policy = plan, policy
         if eagle is None and plan.drafter == "eagle":
-            eagle = _EagleRows(plan.threshold)
+            eagle = EagleDrafter(plan.threshold)
         self.eagle = eagle
         self._d = 0  # the round's draft length (a split verify needs every row at it)
 
@@ -234,7 +237,7 @@ class BatchDrafter(RoundDrafter):
             ids = torch.cat([x, proposal.tokens], dim=1)  # [B, width + 1]
             key = "verify" if width else "full"
             if self.eagle is not None:
-                logits = self.eagle.verify(runner, ids, starts, key)
+                logits = self.eagle.target(runner, ids, starts, key)  # [B, width + 1, V]
             else:
                 logits = runner.full(ids, starts, key)
         if width:
@@ -245,7 +248,7 @@ class BatchDrafter(RoundDrafter):
 
     def accepted(self, runner, rows, proposal, kept, metrics, seconds) -> None:
         if self.eagle is not None:
-            self.eagle.accepted(kept)
+            self.eagle.accepted(runner, [row.pos for row in rows], kept)
         for row, v, k, who in zip(rows, proposal.valid, kept, proposal.drafters, strict=True):
             if v > 0:
                 metrics.record_drafts(v, k)
@@ -267,7 +270,7 @@ class BatchDrafter(RoundDrafter):
 
     def alone(self) -> BatchDrafter:
         # it prefills one row; its EAGLE states join the batch's
-        return BatchDrafter(self.plan, None, _EagleRows(0.0) if self.eagle is not None else None)
+        return BatchDrafter(self.plan, None, EagleDrafter(0.0) if self.eagle is not None else None)
 
 
 def _lookup_drafts(row: Row, d: int) -> list[int]:
@@ -275,68 +278,6 @@ def _lookup_drafts(row: Row, d: int) -> list[int]:
         return []
     tokens, _ = row.ngrams.match(d)
     return list(tokens)
-
-
-class _EagleRows:
-    """EAGLE in a batch (``runtime.eagle``'s schedule, a row at a time): ``h`` [B, 1, D] is
-    each row's pre-norm last-layer state of its newest kept token, what the row's next first
-    draft reads; ``hidden`` [B, n, D], the states of the latest ``target`` call."""
-
-    def __init__(self, threshold: float) -> None:
-        self.threshold = threshold
-        self.h: torch.Tensor | None = None
-        self.hidden: torch.Tensor | None = None
-
-    def prefill(self, runner: StageRunner, prompt: torch.Tensor) -> torch.Tensor:
-        """``target`` over the prompts (each row's own tokens wherever a row is padded, so
-        that its first token's h_{-1} is zeros, as a row alone gets): logits [B, 1 or S, V]."""
-        zeros = torch.zeros(prompt.shape[0], 1, 1, dtype=runner.layout.dtype,
-                            device=prompt.device)  # fmt: skip
-        out = runner.prefill("target", prompt, alone=True, prev_hidden=zeros)
-        self.h = out["hidden"][:, -1:]
-        return out["logits"]
-
-    def verify(self, runner: StageRunner, ids: torch.Tensor, starts: list[int], key: str):
-        """``target`` on [x, drafts] [B, n] at each row's columns (host and head KV from the
-        true features): logits [B, n, V]."""
-        out = runner.chunk("target", ids, starts, key=key, prev_hidden=self.h)
-        self.hidden = out["hidden"]
-        return out["logits"]
-
-    def accepted(self, kept: list[int]) -> None:
-        """Row b kept ``kept[b]`` drafts: its h is the target's state at that position."""
-        device = self.hidden.device
-        rows = torch.arange(len(kept), device=device)
-        self.h = self.hidden[rows, torch.tensor(kept, device=device)][:, None]
-
-    def keep(self, live: list[int]) -> None:
-        self.h = self.h[live]
-
-    def join(self, other: _EagleRows) -> None:
-        """Append ``other``'s rows' states after this batch's."""
-        self.h = other.h if self.h is None or not len(self.h) else torch.cat([self.h, other.h])
-
-    def drafts(
-        self, runner: StageRunner, rows: list[Row], x: torch.Tensor, d: int,
-        requests: list[DecodeRequest],
-    ) -> tuple[torch.Tensor, torch.Tensor | None, None, list[int]]:  # fmt: skip
-        """Up to d drafts a row by the head on (token, h), feeding its own state g back: the
-        tokens [B, n], q [B, n, V] under sampling, no exit states, and each row's valid count
-        (with ``threshold``, a row stops after a draft whose top-1 probability is at most it;
-        the head stops once every row has). The head writes its cache layer past each row's
-        start; the verify crops it back (``crop_rows``) and rewrites it from the true h."""
-        hidden = self.h
-        starts = [row.pos for row in rows]
-
-        def step(token: torch.Tensor, i: int) -> torch.Tensor:
-            nonlocal hidden
-            out = runner.chunk("head", token, [s + i for s in starts], key="draft",
-                               hidden=hidden)  # fmt: skip
-            hidden = out["hidden"]  # [B, 1, D]
-            return out["logits"][:, -1]  # [B, V]
-
-        tokens, q, valid = draft_steps(step, x, d, requests, threshold=self.threshold)
-        return tokens, q, None, valid
 
 
 def _propose(
@@ -348,7 +289,7 @@ def _propose(
     plan: BatchPlan,
     requests: list[DecodeRequest],
     matches: list[list[int]],
-    eagle: _EagleRows | None = None,
+    eagle: EagleDrafter | None = None,
 ) -> Proposal:
     """Up to d drafts a row (at most ``room[b]`` for row b); ``matches``: each row's prompt
     lookup match (cut to d here); ``eagle``: EAGLE's states, for an "eagle" drafter."""
@@ -359,11 +300,7 @@ def _propose(
     drafting = plan.drafter in ("stage", "eagle")
     own = caps  # how many of the drafter's own drafts each row may take
     if drafting and d > 0 and not all(copies[b] for b in range(B) if caps[b]):
-        # (tokens [B, n], q or None, exit states or None, each row's valid count or None)
-        if eagle is not None:
-            staged = eagle.drafts(runner, rows, x, d, requests)
-        else:
-            staged = _stage_drafts(runner, rows, x, d, requests)
+        staged = _own_drafts(runner, rows, x, d, requests, eagle)
         if staged[3] is not None:
             own = [min(c, v) for c, v in zip(caps, staged[3], strict=True)]
     tokens: list[list[int]] = []
@@ -397,20 +334,23 @@ def _propose(
     return Proposal(ids, valid, q, copied, drafters, calls=calls)
 
 
-def _stage_drafts(
-    runner: StageRunner, rows: list[Row], x: torch.Tensor, d: int, requests: list[DecodeRequest]
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, None]:
-    """d drafts a row with the ``draft`` stage (``draft_steps``): tokens [B, d], under
-    sampling q [B, d, V], and the exit states of the tokens fed (x .. t_{d-1}) [B, d, H] where
-    the stage gives them (else None); every row's d drafts are valid (None)."""
-    hidden = []
+def _own_drafts(
+    runner: StageRunner,
+    rows: list[Row],
+    x: torch.Tensor,
+    d: int,
+    requests: list[DecodeRequest],
+    eagle: EagleDrafter | None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, list[int] | None]:
+    """Up to d drafts a row by the single sequence's drafting, each row at its own columns:
+    EAGLE's head on each row's h (``eagle.draft_chain``: with a threshold, a row stops after
+    an unsure draft) or the ``draft`` stage (``schedules.draft``). Returns the tokens [B, n],
+    under sampling q [B, n, V], the draft stage's exit states of the tokens fed (x ..
+    t_{d-1}) [B, d, H] where it gives them, and each row's valid count (None: every row's d).
+    Both write cache layers past each row's start; the verify crops them (``crop_rows``)."""
     starts = [row.pos for row in rows]
-
-    def step(token: torch.Tensor, i: int) -> torch.Tensor:
-        out = runner.chunk("draft", token, [s + i for s in starts], key="draft")
-        if "hidden" in out:
-            hidden.append(out["hidden"])
-        return out["logits"][:, -1]  # [B, V]
-
-    tokens, q, _ = draft_steps(step, x, d, requests)
-    return tokens, q, torch.cat(hidden, dim=1) if len(hidden) == d else None, None
+    if eagle is not None:
+        drafts, q, valid = draft_chain(runner, x, eagle.h, starts, d, eagle.threshold, requests)
+        return drafts, q, None, valid
+    drafts, hidden, q = draft(runner, x, starts, d, requests)
+    return drafts, q, hidden, None

@@ -35,7 +35,14 @@ from .cache import StaticKVCache
 from .executor import StageExecutor
 from .masks import AttentionLayout, masks_for, row_masks
 
-__all__ = ["PREFILL", "ROW_PREFILL_PADDING", "AttentionLayout", "StageExecutor", "StageRunner"]
+__all__ = [
+    "PREFILL",
+    "ROW_PREFILL_PADDING",
+    "AttentionLayout",
+    "StageExecutor",
+    "StageRunner",
+    "Start",
+]
 
 # The key a prompt's call is timed under; such a call reads the last position's logits only.
 PREFILL = "prefill"
@@ -256,10 +263,14 @@ class StageRunner:
             scratch=scratch,
         )["logits"]
 
-    def draft(self, input_ids: torch.Tensor, start: Start) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layers < E and the exit head; returns (exit logits [B, S, V], exit hidden [B, S, H])."""
+    def draft(
+        self, input_ids: torch.Tensor, start: Start
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The draft stage (layers < E and the exit head; a batch's layer-skipped stage);
+        returns (exit logits [B, S, V], exit hidden [B, S, H], or None where the stage gives
+        none)."""
         out = self.chunk("draft", input_ids, start)
-        return out["logits"], out["hidden"]
+        return out["logits"], out.get("hidden")
 
     def chain_length(self) -> int:
         """Greedy drafts one ``draft_chain`` call makes (0: the stages have no chain)."""

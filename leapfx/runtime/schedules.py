@@ -302,20 +302,29 @@ def draft_steps(
 def draft(
     runner: StageRunner,
     x: torch.Tensor,
-    start: int,
+    start: int | list[int],
     d: int,
-    request: DecodeRequest,
+    request: DecodeRequest | Sequence[DecodeRequest],
     *,
     threshold: float = 0.0,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Draft up to d tokens autoregressively from token x [1, 1] at position ``start`` with the
-    exit head (``draft_steps``).
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Draft up to d tokens autoregressively from tokens x [B, 1] at ``start`` with the draft
+    stage (``draft_steps``): the exit head (LayerSkip, Kangaroo's adapter), or a batch's
+    layer-skipped stage. ``start``: the runner's (an int for one sequence; over a ragged cache,
+    each row's column, a batch's rows each with its own ``request``).
 
-    Returns draft tokens [1, d'], their exit hidden states [1, d', H] (the exit-query cache for
-    positions start..start+d'-1) and, when sampling, the draft distributions q [1, d', V].
-    ``threshold``: ``draft_steps``' stop rule (0: LayerSkip's d drafts, no host sync).
+    Returns draft tokens [B, d'], their exit hidden states [B, d', H] (the exit-query cache for
+    positions start..start+d'-1; None where the stage returns none) and, when sampling, the
+    draft distributions q [B, d', V]. ``threshold``: ``draft_steps``' stop rule (0:
+    LayerSkip's d drafts, no host sync).
     """
-    if threshold <= 0 and not request.sampling.do_sample and runner.chain_length() == d:
+    ragged = runner.ragged
+    if (
+        not ragged
+        and threshold <= 0
+        and not request.sampling.do_sample
+        and runner.chain_length() == d
+    ):
         # stages that run the d greedy steps as one call (a ``draft_chain``: compiled, ONNX or
         # eager kernel stages; one call's overhead a round instead of d); the same tokens and
         # hidden states
@@ -324,12 +333,15 @@ def draft(
     hidden: list[torch.Tensor] = []
 
     def step(token: torch.Tensor, i: int) -> torch.Tensor:
-        logits, h = runner.draft(token, start + i)  # logits: [1, 1, V], h: [1, 1, H]
-        hidden.append(h)
+        # logits: [B, 1, V], h: [B, 1, H] (None: the stage gives no exit states)
+        logits, h = runner.draft(token, [s + i for s in start] if ragged else start + i)
+        if h is not None:
+            hidden.append(h)
         return logits[:, -1]
 
     tokens, q, _ = draft_steps(step, x, d, request, threshold=threshold)
-    return tokens, torch.cat(hidden, dim=1), q
+    exit_hidden = torch.cat(hidden, dim=1) if len(hidden) == tokens.shape[1] else None
+    return tokens, exit_hidden, q
 
 
 def _drafted(tokens: list[torch.Tensor]) -> torch.Tensor | None:
