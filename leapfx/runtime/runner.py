@@ -7,9 +7,9 @@ session. Schedules and drafters talk to a StageRunner and never know which backe
 
 Rows. The runner's cache says where its rows sit, and so what a call's ``start`` is:
 
-- a cache whose rows share one fill length (``cache.StaticKVCache``: a single sequence, B = 1;
-  the compiled, ONNX Runtime and offloaded models' caches too): ``start`` is an int, the first
-  position of every row; positions are a view of one arange over the cache, masks are HF's
+- a cache whose rows share one fill length (``cache.StaticKVCache``: a single sequence, B = 1,
+  on any backend; ONNX Runtime's ``OrtKVCache`` too): ``start`` is an int, the first position
+  of every row; positions are a view of one arange over the cache, masks are HF's
   (``masks.masks_for``);
 - a ragged cache (``rows.RowKVCache``, ``ragged``: a batch, rows leaving and joining between
   rounds): ``start`` is a list, ``start[b]`` row b's first cache column; row b is left-padded by
@@ -20,6 +20,11 @@ Every call (``chunk``, ``full``, ``draft``, ``rows``, ``verify``, ``prefill``) t
 its cache has it; ``keep``, ``alone`` and ``join`` follow a ragged batch's rows, ``prefill`` runs
 a batch's padded prompts a row at a time where that is cheaper. The single sequence's extras
 (``fast_draft``: M2R2's fast stream; ``draft_chain``: d greedy drafts in one call) take an int.
+
+One sequence's start stays an int rather than a one-row list: its calls (the hot path of every
+decode) then build no list and no tensor for positions, and its cache keeps an int a layer
+(``rows`` says why the two caches stay two). Which kind a runner is, ``ragged``, is its cache's,
+read once.
 """
 
 from __future__ import annotations
