@@ -326,9 +326,9 @@ def test_inductor_batches_of_any_size_share_their_graphs_under_a_sliding_window(
 @pytest.mark.slow
 def test_inductor_batches_draft_with_eagles_head_on_each_rows_state(monkeypatch):
     # EAGLE on a batch: the head drafts from each row's own last hidden state, the target
-    # verifies (its prefill's zero state and a row's state are two shapes, both compiled by
-    # batches=True); rows equal HF's padded batch and decoding compiles nothing. The policy is
-    # forced to draft (it chooses by measured time).
+    # verifies (its prefill's zero state [B, 1, 1] runs the graph of a row's state [B, 1, D],
+    # compiled by batches=True); rows equal HF's padded batch and decoding compiles nothing.
+    # The policy is forced to draft (it chooses by measured time).
     monkeypatch.setattr(BatchPolicy, "choose", _always_draft)
     model = tiny_model("qwen2", layers=3, vocab=32, seed=4)
     sm = rewrite.apply(model, "eagle", max_draft_tokens=3, confidence_threshold=0.0)

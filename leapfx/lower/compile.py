@@ -82,6 +82,7 @@ def compile_stages(sm, options: CompileOptions) -> dict[str, CompiledStage]:
             device=lay.device,
             max_hidden=max(1, sm.recipe.lookahead - 1),
             graphs=graphs,
+            state_width=sm.config.hidden_size if "prev_hidden" in sig.tensor_inputs else None,
         )
     length = chain_length(sm) if options.draft_chain else 0
     if length:

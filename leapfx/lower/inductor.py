@@ -206,6 +206,7 @@ class CompiledStage:
         device: torch.device,
         max_hidden: int = 1,
         graphs: GraphSet | None = None,
+        state_width: int | None = None,
     ) -> None:
         self.name = name
         self.pure = pure
@@ -213,6 +214,8 @@ class CompiledStage:
         self.groups = pure.groups
         self.options = options
         self.max_hidden = max_hidden
+        # EAGLE's target: the width D of its ``prev_hidden`` [B, 1, D] (see _widen)
+        self.state_width = state_width
         self.compile_options = inductor_options(options, device)
         # The model's CUDA graphs (cuda_graphs.py; None: calls run the compiled code as is)
         self.graphs = graphs
@@ -252,6 +255,8 @@ class CompiledStage:
         self, *, cache: StaticKVCache, masks=None, remainder_masks=None, **tensors: torch.Tensor
     ) -> dict[str, torch.Tensor]:
         del masks, remainder_masks  # built inside the graph from the positions
+        if self.state_width is not None:
+            tensors = self._widen(tensors)
         if getattr(cache, "ragged", False):
             return self._call_rows(cache, tensors)
         counts = {
@@ -265,6 +270,17 @@ class CompiledStage:
         out = self._run(cache.keys, cache.values, tensors)
         cache.advance(ends)
         return out
+
+    def _widen(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``tensors`` with EAGLE's target's ``prev_hidden`` at the stage's state width: a
+        schedule's zeros [B, 1, 1] (h before a prompt, ``eagle.EagleDrafter.prefill``) are
+        broadcast to [B, 1, D], as the eager stage broadcasts them, so that a prefill and a
+        decode step share one graph instead of compiling one for each width (the onnxruntime
+        stage does the same, ``ort_stages.OrtStage``)."""
+        state = tensors["prev_hidden"]
+        if state.shape[-1] == self.state_width:
+            return tensors
+        return {**tensors, "prev_hidden": state.expand(-1, -1, self.state_width)}
 
     def _run(self, keys, values, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if self._padded and tensors["exit_hidden"].shape[1] > 1:
@@ -377,12 +393,9 @@ class CompiledStage:
                                "position_ids": pos[:, :n]}  # fmt: skip
                 if "hidden" in self.tensor_inputs:  # EAGLE's head: h_{t-1} of every token
                     tensors["hidden"] = states
-                calls = [tensors]
-                if "prev_hidden" in self.tensor_inputs:  # EAGLE's target: a prefill's zeros
-                    width = hidden.shape[-1]  # [B, 1, 1], then a row's h [B, 1, D]
-                    calls = [{**tensors, "prev_hidden": states[:, :1, :w]} for w in (1, width)]
-                for call in calls:
-                    self._call_rows(cache_for_rows(batch), call)
+                if "prev_hidden" in self.tensor_inputs:  # EAGLE's target: a row's h [B, 1, D]
+                    tensors["prev_hidden"] = states[:, :1]  # (a prefill's zeros: _widen)
+                self._call_rows(cache_for_rows(batch), tensors)
 
     def _compile_rows(self) -> tuple[RowsStage, object, object]:
         """The rows stage and its two compiled callables (one-token steps, chunks), made on a
@@ -436,10 +449,8 @@ class CompiledStage:
                 call = {"input_ids": ids[:, :n], "position_ids": positions(n)}
                 if "hidden" in self.tensor_inputs:  # head: h_{t-1} (or g) of every token
                     calls.append({**call, "hidden": hidden.new_zeros(1, n, width)})
-                else:  # target: h_{start-1}, or the [1, 1, 1] zeros of a prefill
-                    calls += [
-                        {**call, "prev_hidden": hidden.new_zeros(1, 1, w)} for w in (1, width)
-                    ]
+                else:  # target: h_{start-1} (a prefill's [1, 1, 1] zeros are widened)
+                    calls.append({**call, "prev_hidden": hidden.new_zeros(1, 1, width)})
             return calls
         # verify: one last draft over c = 1 and c = 2 cached exit states (c >= 2 is one
         # dynamic graph, or the padded one), and over c = max_hidden (a full round's graph).
